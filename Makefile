@@ -1,0 +1,98 @@
+# Makefile: builds the trainer and the tools, generates the bundled dataset, runs the tests.
+#
+#   make                      every binary and data/shapes.bin
+#   make PRECISION=FP32       fp32 throughout (for matching PyTorch); BF16 is the default
+#   make test                 CPU tests, plus GPU tests when a GPU is present
+#   make test-gpu             GPU tests only
+#   make clean
+
+PRECISION ?= BF16
+ifeq ($(filter $(PRECISION),BF16 FP32),)
+$(error PRECISION must be BF16 or FP32, not '$(PRECISION)')
+endif
+
+CC ?= cc
+NVCC := $(or $(shell command -v nvcc 2>/dev/null),$(wildcard /usr/local/cuda/bin/nvcc),nvcc)
+
+# Build for the GPU in this machine when nvidia-smi finds one, else for A100, L40/RTX 40 and H100/H200.
+GPU_CC := $(shell nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -n 1 | tr -d ' .')
+ifneq ($(GPU_CC),)
+GPU_ARCH := -gencode arch=compute_$(GPU_CC),code=sm_$(GPU_CC)
+else
+GPU_ARCH := -gencode arch=compute_80,code=sm_80 -gencode arch=compute_89,code=sm_89 \
+            -gencode arch=compute_90,code=sm_90
+endif
+
+STB_CFLAGS := $(shell pkg-config --cflags stb 2>/dev/null || echo -I/usr/include/stb)
+STB_LIBS := -lstb -lm
+CFLAGS ?= -O2 -g
+CFLAGS += -std=c11 -D_GNU_SOURCE -Wall -Wextra -Wno-unused-function -I.
+NVCCFLAGS ?= -O3 -g
+NVCCFLAGS += -std=c++17 $(GPU_ARCH) -DPRECISION_$(PRECISION) -I. -Xcompiler -Wall,-Wno-unused-function
+CUDA_LIBS := -lcublas -lcublasLt
+
+BINARIES := train_unet prepare_data check_shapes
+SHAPES_COUNT := 10000
+SHAPES_SIZE := 64
+SHAPES_SEED := 1
+
+all: $(BINARIES) data/shapes.bin
+
+# The precision the trainer was last built with: changing PRECISION rebuilds it.
+build/precision: FORCE
+	@mkdir -p build
+	@[ "$$(cat $@ 2>/dev/null)" = "$(PRECISION)" ] || echo $(PRECISION) > $@
+
+train_unet: train_unet.cu dataset.h build/precision
+	$(NVCC) $(NVCCFLAGS) -o $@ $< $(CUDA_LIBS)
+
+prepare_data: prepare_data.c data/shapes.c dataset.h data/shapes.h
+	$(CC) $(CFLAGS) $(STB_CFLAGS) -o $@ prepare_data.c data/shapes.c $(STB_LIBS)
+
+check_shapes: data/check_shapes.c data/shapes.c dataset.h data/shapes.h
+	$(CC) $(CFLAGS) $(STB_CFLAGS) -o $@ data/check_shapes.c data/shapes.c $(STB_LIBS)
+
+# The bundled dataset: deterministic, so it is generated rather than committed.
+data/shapes.bin: prepare_data
+	./prepare_data --synthetic shapes --count $(SHAPES_COUNT) --size $(SHAPES_SIZE) --seed $(SHAPES_SEED) \
+	    --output $@
+
+# Tests: every program under dev/test is built into build/test and run by dev/test/run_tests.sh.
+ASAN := -fsanitize=address,undefined -fno-omit-frame-pointer
+NVCC_ASAN := -Xcompiler -fsanitize=address,-fsanitize=undefined,-fno-omit-frame-pointer -lasan -lubsan
+TESTS_CPU := build/test/test_dataset build/test/test_shapes build/test/test_dataloader build/test/train_unet_asan
+TESTS_GPU := build/test/test_dataloader_gpu
+
+build/test/test_dataset: dev/test/test_dataset.c dataset.h dev/test/check.h
+	@mkdir -p build/test
+	$(CC) $(CFLAGS) $(ASAN) -o $@ $<
+
+build/test/test_shapes: dev/test/test_shapes.c data/shapes.c data/shapes.h dev/test/check.h
+	@mkdir -p build/test
+	$(CC) $(CFLAGS) $(ASAN) $(STB_CFLAGS) -o $@ dev/test/test_shapes.c data/shapes.c $(STB_LIBS)
+
+# The loader tests compile train_unet.cu itself (library mode, no main): one source of truth.
+build/test/test_dataloader: dev/test/test_dataloader.cu train_unet.cu dataset.h dev/test/check.h build/precision
+	@mkdir -p build/test
+	$(NVCC) $(NVCCFLAGS) $(NVCC_ASAN) -o $@ $< $(CUDA_LIBS)
+
+# The trainer's host code under AddressSanitizer, for the command-line tests on damaged input.
+build/test/train_unet_asan: train_unet.cu dataset.h build/precision
+	@mkdir -p build/test
+	$(NVCC) $(NVCCFLAGS) $(NVCC_ASAN) -o $@ $< $(CUDA_LIBS)
+
+build/test/test_dataloader_gpu: dev/test/test_dataloader_gpu.cu train_unet.cu dataset.h dev/test/check.h build/precision
+	@mkdir -p build/test
+	$(NVCC) $(NVCCFLAGS) -o $@ $< $(CUDA_LIBS)
+
+test: all $(TESTS_CPU) $(TESTS_GPU)
+	dev/test/run_tests.sh all
+
+test-gpu: all $(TESTS_GPU)
+	dev/test/run_tests.sh gpu
+
+clean:
+	rm -rf build $(BINARIES) data/shapes.bin
+
+FORCE:
+.PHONY: all test test-gpu clean FORCE

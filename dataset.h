@@ -1,0 +1,177 @@
+// dataset.h: the dataset file (.bin) that prepare_data writes and train_unet and check_shapes read.
+// One definition of the format, its checks and its mapping, shared by C and CUDA code.
+//
+// Layout, little-endian, every offset derived from the header:
+//   [0, 64)                       DatasetHeader
+//   [64, 64 + names_bytes)        class names: num_classes NUL-terminated UTF-8 strings, label order
+//   [labels_offset, +4*count)     int32 labels, one per image (only when num_classes > 0),
+//                                 labels_offset = align8(64 + names_bytes)
+//   [pixels_offset, +count*H*W*C) uint8 pixels, image-major then row, column, channel (NHWC),
+//                                 pixels_offset = align64(end of labels, or of names when unlabelled)
+// The file ends exactly there: a reader rejects a file of any other size.
+#ifndef DATASET_H
+#define DATASET_H
+
+#include <errno.h>
+#include <fcntl.h>
+#include <stdarg.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#define DATASET_MAGIC "UNETDSET"
+#define DATASET_VERSION 1u
+#define DATASET_HEADER_BYTES 64u
+#define DATASET_MAX_SIDE 8192u         // largest height or width accepted
+#define DATASET_MAX_CLASSES 100000u
+#define DATASET_MAX_NAMES_BYTES (1u << 24)
+
+typedef struct {
+    char magic[8];         // "UNETDSET", no terminator
+    uint32_t version;      // DATASET_VERSION
+    uint32_t channels;     // 3 (RGB)
+    uint64_t count;        // number of images, >= 1
+    uint32_t height;       // pixels
+    uint32_t width;        // pixels
+    uint32_t num_classes;  // 0: unlabelled
+    uint32_t names_bytes;  // size of the class-name table (0 when unlabelled)
+    uint8_t reserved[24];  // zero
+} DatasetHeader;
+
+typedef struct {
+    uint64_t names_offset, labels_offset, pixels_offset;
+    uint64_t image_bytes;  // height * width * channels
+    uint64_t file_bytes;   // the exact size the file must have
+} DatasetLayout;
+
+// A dataset file mapped read-only into memory.
+typedef struct {
+    DatasetHeader header;
+    DatasetLayout layout;
+    const uint8_t *map;       // the whole file
+    const char *class_names;  // num_classes consecutive NUL-terminated strings, or NULL
+    const int32_t *labels;    // count labels, or NULL when unlabelled
+    const uint8_t *pixels;    // count * image_bytes
+} Dataset;
+
+static inline int dataset_fail(char *err, size_t err_len, const char *fmt, ...) {
+    va_list args;
+    va_start(args, fmt);
+    vsnprintf(err, err_len, fmt, args);
+    va_end(args);
+    return -1;
+}
+
+static inline uint64_t dataset_align(uint64_t x, uint64_t a) { return (x + a - 1) / a * a; }
+
+// Checks the header's own fields and derives the layout. Every product is bounded before it is
+// formed, so absurd values fail here instead of overflowing. Returns 0, or -1 with a message.
+static inline int dataset_layout(const DatasetHeader *h, DatasetLayout *out, char *err, size_t err_len) {
+    if (memcmp(h->magic, DATASET_MAGIC, 8) != 0)
+        return dataset_fail(err, err_len, "not a dataset file (bad magic; expected \"%s\")", DATASET_MAGIC);
+    if (h->version != DATASET_VERSION)
+        return dataset_fail(err, err_len, "unsupported dataset version %u (this build reads %u)", h->version,
+                            DATASET_VERSION);
+    if (h->channels != 3) return dataset_fail(err, err_len, "%u channels in header, expected 3 (RGB)", h->channels);
+    if (h->height < 1 || h->height > DATASET_MAX_SIDE || h->width < 1 || h->width > DATASET_MAX_SIDE)
+        return dataset_fail(err, err_len, "image size %ux%u in header is out of range (1..%u)", h->width, h->height,
+                            DATASET_MAX_SIDE);
+    if (h->count < 1) return dataset_fail(err, err_len, "header says the dataset holds no images");
+    if (h->num_classes > DATASET_MAX_CLASSES)
+        return dataset_fail(err, err_len, "%u classes in header, more than the limit of %u", h->num_classes,
+                            DATASET_MAX_CLASSES);
+    if ((h->num_classes == 0) != (h->names_bytes == 0) || h->names_bytes > DATASET_MAX_NAMES_BYTES ||
+        h->names_bytes < h->num_classes)
+        return dataset_fail(err, err_len, "class-name table of %u bytes does not fit %u classes", h->names_bytes,
+                            h->num_classes);
+    for (int i = 0; i < 24; i++)
+        if (h->reserved[i] != 0) return dataset_fail(err, err_len, "reserved header bytes are not zero");
+    uint64_t image_bytes = (uint64_t)h->height * h->width * h->channels;  // <= 2^26 * 3
+    if (h->count > (UINT64_MAX / 2) / (image_bytes + 4))
+        return dataset_fail(err, err_len, "image count %llu in header is absurd", (unsigned long long)h->count);
+    out->image_bytes = image_bytes;
+    out->names_offset = DATASET_HEADER_BYTES;
+    out->labels_offset = dataset_align(out->names_offset + h->names_bytes, 8);
+    uint64_t labels_end = out->labels_offset + (h->num_classes ? 4 * h->count : 0);
+    out->pixels_offset = dataset_align(labels_end, 64);
+    out->file_bytes = out->pixels_offset + h->count * image_bytes;
+    return 0;
+}
+
+// Checks a whole file in memory: header, size, class-name table and every label.
+static inline int dataset_check(const uint8_t *file, uint64_t file_bytes, DatasetHeader *h, DatasetLayout *layout,
+                                char *err, size_t err_len) {
+    if (file_bytes < DATASET_HEADER_BYTES)
+        return dataset_fail(err, err_len, "file is %llu bytes, shorter than the %u-byte header",
+                            (unsigned long long)file_bytes, DATASET_HEADER_BYTES);
+    memcpy(h, file, sizeof *h);
+    if (dataset_layout(h, layout, err, err_len) != 0) return -1;
+    if (file_bytes != layout->file_bytes)
+        return dataset_fail(err, err_len,
+                            "file is %llu bytes but its header (%llu images of %ux%ux%u, %u classes) needs %llu: "
+                            "truncated or damaged",
+                            (unsigned long long)file_bytes, (unsigned long long)h->count, h->width, h->height,
+                            h->channels, h->num_classes, (unsigned long long)layout->file_bytes);
+    const char *names = (const char *)file + layout->names_offset;
+    uint32_t strings = 0;
+    for (uint32_t i = 0; i < h->names_bytes; i++) strings += names[i] == '\0';
+    if (h->names_bytes && (strings != h->num_classes || names[h->names_bytes - 1] != '\0'))
+        return dataset_fail(err, err_len, "class-name table holds %u names, header says %u classes", strings,
+                            h->num_classes);
+    if (h->num_classes) {
+        const int32_t *labels = (const int32_t *)(file + layout->labels_offset);
+        for (uint64_t i = 0; i < h->count; i++)
+            if (labels[i] < 0 || (uint32_t)labels[i] >= h->num_classes)
+                return dataset_fail(err, err_len, "image %llu has label %d, outside 0..%u", (unsigned long long)i,
+                                    labels[i], h->num_classes - 1);
+    }
+    return 0;
+}
+
+// Maps a dataset file read-only and checks it. Returns 0, or -1 with a message naming the file.
+static inline int dataset_open(const char *path, Dataset *ds, char *err, size_t err_len) {
+    memset(ds, 0, sizeof *ds);
+    int fd = open(path, O_RDONLY);
+    if (fd < 0) return dataset_fail(err, err_len, "cannot open dataset %s: %s", path, strerror(errno));
+    struct stat st;
+    if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+        close(fd);
+        return dataset_fail(err, err_len, "dataset %s is not a regular file", path);
+    }
+    uint64_t file_bytes = (uint64_t)st.st_size;
+    if (file_bytes < DATASET_HEADER_BYTES) {
+        close(fd);
+        return dataset_fail(err, err_len, "dataset %s: file is %llu bytes, shorter than the %u-byte header", path,
+                            (unsigned long long)file_bytes, DATASET_HEADER_BYTES);
+    }
+    void *map = mmap(NULL, file_bytes, PROT_READ, MAP_PRIVATE, fd, 0);
+    close(fd);
+    if (map == MAP_FAILED) return dataset_fail(err, err_len, "cannot map dataset %s: %s", path, strerror(errno));
+    char why[256];
+    if (dataset_check((const uint8_t *)map, file_bytes, &ds->header, &ds->layout, why, sizeof why) != 0) {
+        munmap(map, file_bytes);
+        return dataset_fail(err, err_len, "dataset %s: %s", path, why);
+    }
+    ds->map = (const uint8_t *)map;
+    ds->class_names = ds->header.num_classes ? (const char *)ds->map + ds->layout.names_offset : NULL;
+    ds->labels = ds->header.num_classes ? (const int32_t *)(ds->map + ds->layout.labels_offset) : NULL;
+    ds->pixels = ds->map + ds->layout.pixels_offset;
+    return 0;
+}
+
+static inline void dataset_close(Dataset *ds) {
+    if (ds->map) munmap((void *)ds->map, ds->layout.file_bytes);
+    memset(ds, 0, sizeof *ds);
+}
+
+// The name of class k (k < num_classes).
+static inline const char *dataset_class_name(const Dataset *ds, uint32_t k) {
+    const char *name = ds->class_names;
+    for (uint32_t i = 0; i < k; i++) name += strlen(name) + 1;
+    return name;
+}
+
+#endif  // DATASET_H

@@ -1,0 +1,35 @@
+# lib.sh: the shell side of the test harness (see check.h). Source it, then:
+#   case_begin NAME          start a case
+#   expect_fail CMD...       CMD must exit non-zero and print exactly one line on stderr
+#   expect_ok CMD...         CMD must exit 0
+#   expect_grep PATTERN FILE FILE must contain PATTERN (extended regex)
+#   expect_absent PATH       PATH must not exist
+#   case_summary             prints "N passed, N failed" and returns non-zero on failures
+# The last command's stdout and stderr are in $LAST_OUT and $LAST_ERR.
+CASE_NAME=""; CASE_FAILED=0; CASES_PASSED=0; CASES_FAILED=0
+TEST_TMP=$(mktemp -d); trap 'rm -rf "$TEST_TMP"' EXIT
+LAST_OUT=$TEST_TMP/last.out; LAST_ERR=$TEST_TMP/last.err
+
+case_end() {
+    [ -n "$CASE_NAME" ] || return 0
+    if [ "$CASE_FAILED" = 0 ]; then CASES_PASSED=$((CASES_PASSED + 1)); echo "ok   $CASE_NAME"
+    else CASES_FAILED=$((CASES_FAILED + 1)); echo "FAIL $CASE_NAME"; fi
+    CASE_NAME=""
+}
+case_begin() { case_end; CASE_NAME=$1; CASE_FAILED=0; }
+case_fail() { CASE_FAILED=1; echo "  $*"; }
+
+expect_fail() {
+    "$@" >"$LAST_OUT" 2>"$LAST_ERR"; local rc=$?
+    local lines; lines=$(grep -c '' "$LAST_ERR")
+    if [ $rc = 0 ]; then case_fail "expected failure, got exit 0: $*"
+    elif [ $rc -ge 128 ]; then case_fail "crashed with signal $((rc - 128)): $*"; cat "$LAST_ERR"
+    elif [ "$lines" != 1 ]; then case_fail "expected one error line, got $lines: $*"; sed 's/^/    /' "$LAST_ERR"; fi
+}
+expect_ok() {
+    "$@" >"$LAST_OUT" 2>"$LAST_ERR"; local rc=$?
+    if [ $rc != 0 ]; then case_fail "expected exit 0, got $rc: $*"; sed 's/^/    /' "$LAST_ERR" | head -5; fi
+}
+expect_grep() { grep -qE -- "$1" "$2" || { case_fail "'$1' not in $(basename "$2"):"; sed 's/^/    /' "$2" | head -5; }; }
+expect_absent() { [ ! -e "$1" ] || case_fail "$1 exists but should not"; }
+case_summary() { case_end; echo "$CASES_PASSED passed, $CASES_FAILED failed"; [ "$CASES_FAILED" = 0 ]; }

@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# run_tests.sh [all|cpu|gpu]: runs the test programs and scripts, then prints the total as
+# "N passed, N failed" (and ", N skipped" when GPU tests could not run). Run from the repo root
+# after `make` has built the binaries and build/test/*.
+set -u
+mode=${1:-all}
+cpu_tests=(build/test/test_dataset build/test/test_shapes build/test/test_dataloader
+           dev/test/test_prepare_data.sh dev/test/test_train_cli.sh)
+gpu_tests=(build/test/test_dataloader_gpu)
+
+passed=0; failed=0; skipped=0
+run() {  # runs one test program, adds up its "N passed, N failed" line
+    echo "== $1"
+    local out; out=$(mktemp)
+    "$1" 2>&1 | tee "$out"
+    local rc=${PIPESTATUS[0]}
+    local line; line=$(grep -E '^[0-9]+ passed, [0-9]+ failed' "$out" | tail -n 1)
+    rm -f "$out"
+    if [ -z "$line" ]; then
+        echo "FAIL $1: exited $rc without a summary line"; failed=$((failed + 1)); return
+    fi
+    local p f; read -r p _ f _ <<<"${line//,/}"
+    passed=$((passed + p)); failed=$((failed + f))
+    if [ "$rc" != 0 ] && [ "$f" = 0 ]; then echo "FAIL $1: exited $rc"; failed=$((failed + 1)); fi
+}
+
+if [ "$mode" != gpu ]; then
+    for t in "${cpu_tests[@]}"; do run "$t"; done
+fi
+if [ "$mode" != cpu ]; then
+    if nvidia-smi -L >/dev/null 2>&1; then
+        for t in "${gpu_tests[@]}"; do run "$t"; done
+    elif [ "$mode" = gpu ]; then
+        echo "error: no GPU found (nvidia-smi -L failed); GPU tests need one"; failed=$((failed + 1))
+    else
+        echo "GPU tests skipped: no GPU found (nvidia-smi -L failed)"; skipped=${#gpu_tests[@]}
+    fi
+fi
+if [ "$skipped" -gt 0 ]; then echo "$passed passed, $failed failed, $skipped skipped"
+else echo "$passed passed, $failed failed"; fi
+[ "$failed" = 0 ]

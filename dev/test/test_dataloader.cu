@@ -1,0 +1,199 @@
+// test_dataloader.cu: the trainer's data loader on the CPU (train_unet.cu in library mode):
+// shuffling, flips, labels, exact save/restore of the position, and damaged files.
+#define TRAIN_UNET_LIBRARY
+#include "../../train_unet.cu"
+#include "check.h"
+
+// Writes a dataset file whose image i is filled with a pattern that identifies it: pixel (y, x, c)
+// = (i * 7 + y * 3 + x * 5 + c) mod 251. Labels are i mod num_classes.
+static void write_dataset(const char *path, uint64_t count, uint32_t side, uint32_t num_classes) {
+    DatasetHeader h;
+    memset(&h, 0, sizeof h);
+    memcpy(h.magic, DATASET_MAGIC, 8);
+    h.version = DATASET_VERSION, h.channels = 3, h.count = count, h.height = side, h.width = side;
+    char names[256] = "";
+    uint32_t names_bytes = 0;
+    for (uint32_t k = 0; k < num_classes; k++) names_bytes += sprintf(names + names_bytes, "class%u", k) + 1;
+    h.num_classes = num_classes, h.names_bytes = names_bytes;
+    DatasetLayout layout;
+    char err[256];
+    if (dataset_layout(&h, &layout, err, sizeof err) != 0) fatal("%s", err);
+    uint8_t *file = (uint8_t *)calloc(layout.file_bytes, 1);
+    memcpy(file, &h, sizeof h);
+    memcpy(file + layout.names_offset, names, names_bytes);
+    for (uint64_t i = 0; i < count; i++) {
+        if (num_classes) ((int32_t *)(file + layout.labels_offset))[i] = (int32_t)(i % num_classes);
+        for (uint64_t j = 0; j < layout.image_bytes; j++) {
+            uint64_t c = j % 3, x = (j / 3) % side, y = j / 3 / side;
+            file[layout.pixels_offset + i * layout.image_bytes + j] = (uint8_t)((i * 7 + y * 3 + x * 5 + c) % 251);
+        }
+    }
+    FILE *f = fopen(path, "wb");
+    fwrite(file, 1, layout.file_bytes, f);
+    fclose(f);
+    free(file);
+}
+
+// Which image a served buffer holds, and whether it was flipped (-1 when it matches neither).
+static int64_t identify(const uint8_t *img, uint32_t side, uint64_t count, int *flipped) {
+    for (uint64_t i = 0; i < count; i++) {
+        for (int f = 0; f < 2; f++) {
+            int ok = 1;
+            for (uint32_t y = 0; y < side && ok; y++)
+                for (uint32_t x = 0; x < side && ok; x++)
+                    for (uint32_t c = 0; c < 3 && ok; c++) {
+                        uint32_t sx = f ? side - 1 - x : x;
+                        ok = img[(y * side + x) * 3 + c] == (uint8_t)((i * 7 + y * 3 + sx * 5 + c) % 251);
+                    }
+            if (ok) return *flipped = f, (int64_t)i;
+        }
+    }
+    return -1;
+}
+
+static void test_epochs(const char *path) {
+    const uint64_t count = 50;
+    const uint32_t side = 5;
+    write_dataset(path, count, side, 3);
+    DataLoader loader;
+    char err[256];
+    check_case("loader: every image once per epoch, labels follow images, about half flipped");
+    CHECK(loader_open(&loader, path, 10, 1, 1234, 0, err, sizeof err) == 0);
+    int seen[2][50] = {{0}}, flips = 0, bad = 0, label_ok = 1;
+    for (int step = 0; step < 10; step++) {  // two epochs of five batches
+        loader_next_batch(&loader);
+        for (int b = 0; b < 10; b++) {
+            int flipped;
+            int64_t id = identify(loader.batch_pixels + b * side * side * 3, side, count, &flipped);
+            if (id < 0) { bad++; continue; }
+            seen[step / 5][id]++;
+            flips += flipped;
+            label_ok &= loader.batch_labels[b] == (int32_t)(id % 3);
+        }
+    }
+    CHECK(bad == 0);
+    CHECK(label_ok);
+    for (int e = 0; e < 2; e++)
+        for (uint64_t i = 0; i < count; i++) CHECK(seen[e][i] == 1);
+    CHECK(flips > 20 && flips < 80);  // 100 fair coin flips: 20..80 fails with probability ~1e-9
+    loader_close(&loader);
+
+    check_case("loader: the order depends on the seed and the epoch, and the same seed repeats it");
+    uint32_t first[3][50];
+    uint64_t seeds[3] = {1234, 1234, 99};
+    for (int run = 0; run < 3; run++) {
+        CHECK(loader_open(&loader, path, 10, 0, seeds[run], 0, err, sizeof err) == 0);
+        memcpy(first[run], loader.order, sizeof first[run]);
+        if (run == 0) {
+            loader_shuffle(&loader, 1);
+            CHECK(memcmp(first[0], loader.order, sizeof first[0]) != 0);
+        }
+        loader_close(&loader);
+    }
+    CHECK(memcmp(first[0], first[1], sizeof first[0]) == 0);
+    CHECK(memcmp(first[0], first[2], sizeof first[0]) != 0);
+
+    check_case("loader: without --random_flip nothing is flipped; an unlabelled dataset gives label -1");
+    write_dataset(path, 7, 4, 0);
+    CHECK(loader_open(&loader, path, 3, 0, 5, 0, err, sizeof err) == 0);
+    int any_flipped = 0, labels_unset = 1;
+    for (int step = 0; step < 7; step++) {  // 21 images: three epochs, batches straddling the ends
+        loader_next_batch(&loader);
+        for (int b = 0; b < 3; b++) {
+            int flipped = 1;
+            CHECK(identify(loader.batch_pixels + b * 4 * 4 * 3, 4, 7, &flipped) >= 0);
+            any_flipped |= flipped;
+            labels_unset &= loader.batch_labels[b] == -1;
+        }
+    }
+    CHECK(!any_flipped);
+    CHECK(labels_unset);
+    CHECK(loader.position.epoch == 2 && loader.position.next == 7);  // the next epoch starts on demand
+    loader_close(&loader);
+}
+
+static void test_resume(const char *path) {
+    check_case("loader: a saved position restored in a new loader gives the same batches");
+    write_dataset(path, 37, 6, 4);
+    DataLoader a, b;
+    char err[256];
+    CHECK(loader_open(&a, path, 8, 1, 77, 0, err, sizeof err) == 0);
+    for (int step = 0; step < 11; step++) loader_next_batch(&a);  // mid-epoch, past two epoch ends
+    LoaderPosition saved = a.position;
+    CHECK(loader_open(&b, path, 8, 1, 77, 0, err, sizeof err) == 0);
+    CHECK(loader_seek(&b, saved, err, sizeof err) == 0);
+    int same = 1;
+    for (int step = 0; step < 12; step++) {
+        loader_next_batch(&a);
+        loader_next_batch(&b);
+        same &= memcmp(a.batch_pixels, b.batch_pixels, 8 * a.data.layout.image_bytes) == 0;
+        same &= memcmp(a.batch_labels, b.batch_labels, 8 * sizeof(int32_t)) == 0;
+    }
+    CHECK(same);
+    LoaderPosition past = {0, 38};
+    CHECK(loader_seek(&b, past, err, sizeof err) != 0 && strstr(err, "past") != NULL);
+    loader_close(&a);
+    loader_close(&b);
+}
+
+// Rewrites bytes of a valid file, then expects loader_open to refuse it with a message containing
+// `expect`, leaving nothing allocated.
+static void expect_refused(const char *path, const char *name, size_t offset, const void *bytes, size_t len,
+                           long truncate_to, const char *expect) {
+    check_case(name);
+    write_dataset(path, 20, 8, 2);
+    FILE *f = fopen(path, "r+b");
+    fseek(f, (long)offset, SEEK_SET);
+    if (len) fwrite(bytes, 1, len, f);
+    fclose(f);
+    if (truncate_to >= 0) CHECK(truncate(path, truncate_to) == 0);
+    DataLoader loader;
+    char err[256] = "";
+    CHECK(loader_open(&loader, path, 4, 1, 1, 0, err, sizeof err) == -1);
+    if (!strstr(err, expect)) printf("  message was: %s\n", err);
+    CHECK(strstr(err, expect) != NULL);
+    CHECK(strchr(err, '\n') == NULL);
+}
+
+static void test_damaged(const char *path) {
+    uint32_t u32;
+    uint64_t u64;
+    expect_refused(path, "damaged: wrong magic", 0, "NOTADATA", 8, -1, "bad magic");
+    expect_refused(path, "damaged: truncated", 0, NULL, 0, 1000, "truncated");
+    expect_refused(path, "damaged: shorter than the header", 0, NULL, 0, 10, "shorter than");
+    expect_refused(path, "damaged: empty file", 0, NULL, 0, 0, "shorter than");
+    u32 = 2;
+    expect_refused(path, "damaged: unknown version", 8, &u32, 4, -1, "version");
+    u32 = 9;
+    expect_refused(path, "damaged: height inconsistent with the size", 24, &u32, 4, -1, "truncated");
+    u32 = 4000000000u;
+    expect_refused(path, "damaged: absurd width", 28, &u32, 4, -1, "out of range");
+    u64 = 0xffffffffffffull;
+    expect_refused(path, "damaged: count inconsistent with the size", 16, &u64, 8, -1, "truncated");
+    u64 = 0x7fffffffffffffffull;
+    expect_refused(path, "damaged: absurd count", 16, &u64, 8, -1, "absurd");
+    u64 = 0;
+    expect_refused(path, "damaged: zero images", 16, &u64, 8, -1, "no images");
+    u32 = 4;
+    expect_refused(path, "damaged: channels", 12, &u32, 4, -1, "channels");
+    u32 = 3;
+    expect_refused(path, "damaged: class count disagrees with the name table", 32, &u32, 4, -1, "names");
+    int32_t label = 2;  // the first label sits right after the 16-byte name table, at 80
+    expect_refused(path, "damaged: label out of range", 80, &label, 4, -1, "label 2");
+    check_case("damaged: a missing file");
+    DataLoader loader;
+    char err[256];
+    CHECK(loader_open(&loader, "/nonexistent/data.bin", 4, 1, 1, 0, err, sizeof err) == -1);
+    CHECK(strstr(err, "No such file") != NULL);
+}
+
+int main(void) {
+    char path[] = "/tmp/test_dataloader_XXXXXX";
+    int fd = mkstemp(path);
+    close(fd);
+    test_epochs(path);
+    test_resume(path);
+    test_damaged(path);
+    unlink(path);
+    return check_summary();
+}

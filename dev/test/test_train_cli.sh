@@ -1,0 +1,119 @@
+#!/usr/bin/env bash
+# test_train_cli.sh: train_unet's command line without a GPU: parameter counts, validation of
+# every value, damaged datasets (through an AddressSanitizer build), and the no-GPU message.
+cd "$(dirname "$0")/../.." || exit 1
+. dev/test/lib.sh
+TRAIN=./train_unet
+TRAIN_ASAN=build/test/train_unet_asan
+
+params() { "$TRAIN" --dry_run "$@" | sed -n 's/^parameters: //p'; }
+case_begin "dry_run: parameter counts equal guided-diffusion's"
+[ "$(params)" = 20,494,211 ] || case_fail "seed: $(params)"
+[ "$(params --conv_resample 1)" = 22,080,323 ] || case_fail "seed + conv_resample: $(params --conv_resample 1)"
+[ "$(params --preset adm64)" = 295,131,267 ] || case_fail "adm64: $(params --preset adm64)"
+# class-conditional: label_emb adds (classes + 1 null row) x 4*num_channels
+[ "$(params --class_cond True --num_classes 3)" = 20,495,235 ] || case_fail "seed + 3 classes: $(params --class_cond True --num_classes 3)"
+
+case_begin "dry_run: flags override the preset in any order, --flag=value and bare booleans"
+expect_ok "$TRAIN" --num_channels=128 --preset adm64 --dry_run --use_scale_shift_norm False --resblock_updown
+expect_grep '^num_channels +128$' "$LAST_OUT"
+expect_grep '^use_scale_shift_norm +False$' "$LAST_OUT"
+expect_grep '^resblock_updown +True$' "$LAST_OUT"
+expect_grep '^num_res_blocks +3$' "$LAST_OUT"
+
+case_begin "dry_run: an empty channel_mult takes guided-diffusion's default for the size"
+expect_ok "$TRAIN" --dry_run --image_size 128 --channel_mult "" --attention_resolutions 16
+expect_grep '^channel_mult +1,1,2,3,4$' "$LAST_OUT"
+
+case_begin "bad values: one error line each, exit 2"
+while IFS= read -r args; do
+    # shellcheck disable=SC2086
+    expect_fail "$TRAIN" --dry_run $args
+    grep -q "^train_unet: error: " "$LAST_ERR" || case_fail "no error prefix for: $args"
+done <<'LIST'
+--num_channels 48
+--num_channels 0
+--image_size 60
+--image_size abc
+--channel_mult 1,2,x
+--channel_mult 1,0.3
+--attention_resolutions 12
+--num_head_channels 48
+--num_head_channels -1 --num_heads 5
+--num_heads 0
+--dropout 1.5
+--class_cond True
+--diffusion_steps 0
+--noise_schedule quadratic
+--lr -1
+--batch_size 0
+--ema_rate 0.9,1.2
+--log_interval 0
+--steps 0
+--use_scale_shift_norm maybe
+--preset adm128
+--no_such_flag 1
+--dry_run=1
+stray
+--num_res_blocks
+LIST
+
+make_bad() {  # make_bad NAME PYTHON-EXPR-ON-bytearray-b: a copy of a small valid dataset, damaged
+    python3 - "$TEST_TMP/$1.bin" "$2" <<'PY'
+import struct, sys
+count, side = 4, 8
+names = b"a\0b\0"
+header = b"UNETDSET" + struct.pack("<IIQIIII", 1, 3, count, side, side, 2, len(names)) + bytes(24)
+labels_off = (64 + len(names) + 7) // 8 * 8
+pixels_off = (labels_off + 4 * count + 63) // 64 * 64
+b = bytearray(header + names)
+b += bytes(labels_off - len(b)) + struct.pack("<4i", 0, 1, 0, 1)
+b += bytes(pixels_off - len(b)) + bytes(range(256)) * (count * side * side * 3 // 256)
+exec(sys.argv[2])
+open(sys.argv[1], "wb").write(b)
+PY
+}
+case_begin "damaged datasets: one error line, non-zero exit, clean under AddressSanitizer"
+make_bad good 'pass'
+expect_ok "$TRAIN_ASAN" --dry_run --data "$TEST_TMP/good.bin" --image_size 8 --channel_mult 1,2 --attention_resolutions 4
+expect_grep '^dataset: .*4 images of 8x8, 2 classes' "$LAST_OUT"
+make_bad magic 'b[0:8] = b"GARBAGE!"'
+make_bad truncated 'del b[-100:]'
+make_bad extended 'b += bytes(10)'
+make_bad height 'b[24:28] = struct.pack("<I", 9)'
+make_bad absurd 'b[28:32] = struct.pack("<I", 4000000000)'
+make_bad count 'b[16:24] = struct.pack("<Q", 2**62)'
+make_bad label 'b[72:76] = struct.pack("<i", 7)'
+make_bad header_only 'del b[40:]'
+for bad in magic truncated extended height absurd count label header_only; do
+    expect_fail "$TRAIN_ASAN" --dry_run --data "$TEST_TMP/$bad.bin" --image_size 8 --channel_mult 1,2 --attention_resolutions 4
+    grep -q "AddressSanitizer\|runtime error" "$LAST_ERR" && case_fail "sanitizer report for $bad"
+done
+expect_fail "$TRAIN" --dry_run --data "$TEST_TMP/missing.bin"
+
+case_begin "dataset and flags must agree"
+expect_fail "$TRAIN" --dry_run --data "$TEST_TMP/good.bin"
+expect_grep 'image_size is 64' "$LAST_ERR"
+make_bad unlabelled 'b[32:40] = bytes(8); del b[64:128]'
+expect_fail "$TRAIN" --dry_run --data "$TEST_TMP/unlabelled.bin" --image_size 8 --channel_mult 1,2 --attention_resolutions 4 --class_cond
+expect_grep 'needs labels' "$LAST_ERR"
+
+case_begin "the bundled dataset: class-conditional with its 3 classes plus the null class"
+expect_ok "$TRAIN" --dry_run --data data/shapes.bin --class_cond
+expect_grep '^dataset: data/shapes.bin, 10000 images of 64x64, 3 classes' "$LAST_OUT"
+expect_grep '^parameters: 20,495,235$' "$LAST_OUT"
+
+if ! nvidia-smi -L >/dev/null 2>&1; then
+    case_begin "without a GPU a real run is one clear error line"
+    expect_fail "$TRAIN" --data data/shapes.bin --steps 1
+    expect_grep 'no usable CUDA GPU' "$LAST_ERR"
+fi
+
+case_begin "--help lists every guided-diffusion flag"
+expect_ok "$TRAIN" --help
+for flag in image_size num_channels num_res_blocks channel_mult attention_resolutions num_heads num_head_channels \
+    use_new_attention_order use_scale_shift_norm resblock_updown dropout class_cond diffusion_steps noise_schedule \
+    lr weight_decay batch_size ema_rate log_interval save_interval resume_checkpoint data conv_resample preset dry_run; do
+    expect_grep "^  --$flag " "$LAST_OUT"
+done
+case_summary
