@@ -360,10 +360,15 @@ static void loader_next_batch(DataLoader *loader) {
     }
 }
 
-// Model input from a batch of images: x = pixel / 127.5 - 1, uint8 [0, 255] -> [-1, 1], NHWC kept.
+// Model input from a pixel: x = pixel / 127.5 - 1, uint8 [0, 255] -> [-1, 1], in one rounding (fma)
+// so that the host and the device agree to the bit.
+__host__ __device__ inline floatX pixel_to_model_input(uint8_t pixel) {
+    return (floatX)fmaf((float)pixel, 1.0f / 127.5f, -1.0f);
+}
+
 __global__ void images_to_model_input_kernel(floatX *out, const uint8_t *pixels, size_t n) {
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
-        out[i] = (floatX)(pixels[i] * (1.0f / 127.5f) - 1.0f);
+        out[i] = pixel_to_model_input(pixels[i]);
 }
 
 static void images_to_model_input(floatX *out, const uint8_t *pixels, size_t n, cudaStream_t stream) {
@@ -819,6 +824,8 @@ int main(int argc, char **argv) {
         if (data.map)
             printf("dataset: %s, %" PRIu64 " images of %ux%u, %u classes\n", o.data, data.header.count,
                    data.header.width, data.header.height, data.header.num_classes);
+        dataset_close(&data);
+        free(params.specs);
         return 0;
     }
 

@@ -1,0 +1,285 @@
+#!/usr/bin/env bash
+# test_prepare_data.sh: prepare_data end to end: image formats, cropping, alpha, labels, bad inputs,
+# the atomic writer and the synthetic dataset. Run from the repository root after `make`;
+# PREPARE_DATA=path runs another build (a sanitizer build, say). Test images are written by Python's
+# standard library (zlib for PNG), the dataset files are read back by Python too.
+cd "$(dirname "$0")/../.." || exit 1
+source dev/test/lib.sh
+PD=${PREPARE_DATA:-./prepare_data}
+[ -x "$PD" ] || { echo "$PD not built (run make)"; echo "0 passed, 1 failed"; exit 1; }
+T=$TEST_TMP
+
+# imgs.py: writers for the test images and a reader for dataset files.
+cat >"$T/imgs.py" <<'EOF'
+import os, random, struct, sys, zlib
+
+def samples(seed, n, maxval=255):
+    r = random.Random(seed)
+    return [r.randint(0, maxval) for _ in range(n)]
+
+def png(path, w, h, ctype, data, depth=8, palette=None):
+    ch = {0: 1, 2: 3, 3: 1, 4: 2, 6: 4}[ctype]
+    raw = b''
+    for y in range(h):
+        row = data[y * w * ch:(y + 1) * w * ch]
+        raw += b'\0' + (bytes(row) if depth == 8 else b''.join(struct.pack('>H', v) for v in row))
+    def chunk(kind, d):
+        return struct.pack('>I', len(d)) + kind + d + struct.pack('>I', zlib.crc32(kind + d))
+    body = chunk(b'IHDR', struct.pack('>IIBBBBB', w, h, depth, ctype, 0, 0, 0))
+    if palette: body += chunk(b'PLTE', bytes(palette))
+    body += chunk(b'IDAT', zlib.compress(raw)) + chunk(b'IEND', b'')
+    open(path, 'wb').write(b'\x89PNG\r\n\x1a\n' + body)
+
+def bmp(path, w, h, rgb):  # 24-bit, rows bottom-up in BGR order, padded to 4 bytes
+    stride = (3 * w + 3) // 4 * 4
+    rows = b''
+    for y in reversed(range(h)):
+        row = b''.join(bytes(rgb[3 * (y * w + x):3 * (y * w + x) + 3][::-1]) for x in range(w))
+        rows += row + b'\0' * (stride - 3 * w)
+    info = struct.pack('<IiiHHIIiiII', 40, w, h, 1, 24, 0, len(rows), 2835, 2835, 0, 0)
+    open(path, 'wb').write(b'BM' + struct.pack('<IHHI', 54 + len(rows), 0, 0, 54) + info + rows)
+
+def pnm(path, w, h, data, grey=False):
+    open(path, 'wb').write(b'P%d\n%d %d\n255\n' % (5 if grey else 6, w, h) + bytes(data))
+
+def tga(path, w, h, rgb):  # uncompressed true colour, top-left origin, BGR
+    head = struct.pack('<BBBHHBHHHHBB', 0, 0, 2, 0, 0, 0, 0, 0, w, h, 24, 0x20)
+    open(path, 'wb').write(head + b''.join(bytes(rgb[i:i + 3][::-1]) for i in range(0, len(rgb), 3)))
+
+def hdr(path, w, h, rgbe):  # Radiance, flat (unencoded) scanlines
+    open(path, 'wb').write(b'#?RADIANCE\nFORMAT=32-bit_rle_rgbe\n\n-Y %d +X %d\n' % (h, w) + bytes(rgbe))
+
+def read(path):
+    b = open(path, 'rb').read()
+    magic, version, ch, count, h, w, ncls, nbytes = struct.unpack_from('<8sIIQIIII', b)
+    assert magic == b'UNETDSET' and version == 1 and ch == 3, (magic, version, ch)
+    assert b[40:64] == bytes(24), 'reserved bytes not zero'
+    align = lambda x, a: (x + a - 1) // a * a
+    labels_at = align(64 + nbytes, 8)
+    pixels_at = align(labels_at + (4 * count if ncls else 0), 64)
+    assert len(b) == pixels_at + count * h * w * 3, ('size', len(b), pixels_at + count * h * w * 3)
+    names = [n.decode() for n in b[64:64 + nbytes].split(b'\0')[:-1]]
+    assert len(names) == ncls, (names, ncls)
+    labels = list(struct.unpack_from('<%di' % count, b, labels_at)) if ncls else []
+    assert all(0 <= l < ncls for l in labels), labels
+    n = h * w * 3
+    return dict(count=count, h=h, w=w, names=names, labels=labels,
+                images=[b[pixels_at + i * n:pixels_at + (i + 1) * n] for i in range(count)])
+
+def near(a, b, tol):
+    return len(a) == len(b) and max(abs(x - y) for x, y in zip(a, b)) <= tol
+EOF
+export PYTHONPATH=$T
+
+# Runs Python code (with imgs imported) as a check of the current case.
+check_py() {
+    python3 -c "from imgs import *
+$1" >"$T/py.out" 2>&1 || { case_fail "check failed:"; tail -3 "$T/py.out" | sed 's/^/    /'; }
+}
+# Every temporary file prepare_data may have left in a folder.
+expect_no_temp() {
+    local left; left=$(find "$1" -maxdepth 1 -name '*.tmp.*' | head -1)
+    [ -z "$left" ] || case_fail "temporary file left behind: $left"
+}
+
+# A folder holding one image of each kind, in sorted name order.
+mkdir -p "$T/formats"
+python3 -c "
+from imgs import *
+d = '$T/formats/'
+rgb = samples(1, 8 * 8 * 3)
+png(d + 'a_rgb.png', 8, 8, 2, rgb)
+png(d + 'b_wide.png', 16, 8, 2, samples(2, 16 * 8 * 3))
+png(d + 'c_tall.png', 8, 12, 2, samples(3, 8 * 12 * 3))
+png(d + 'd_grey.png', 8, 8, 0, samples(4, 64))
+png(d + 'e_grey_alpha.png', 8, 8, 4, [v for i in range(64) for v in (90, 0 if i % 2 else 255)])
+png(d + 'f_rgb16.png', 8, 8, 2, samples(6, 192, 65535), depth=16)
+png(d + 'g_rgba.png', 8, 8, 6, [v for i in range(64) for v in (0, 0, 0, (0, 128, 255)[i % 3])])
+png(d + 'h_one_pixel.png', 1, 1, 2, [200, 100, 50])
+png(d + 'i_palette.png', 8, 8, 3, [i % 3 for i in range(64)], palette=[255, 0, 0, 0, 255, 0, 0, 0, 255])
+bmp(d + 'j.bmp', 8, 8, rgb)
+pnm(d + 'k.ppm', 8, 8, rgb)
+pnm(d + 'l.pgm', 8, 8, samples(4, 64), grey=True)
+tga(d + 'm.tga', 8, 8, rgb)
+hdr(d + 'n.hdr', 8, 8, [v for i in range(64) for v in ((128, 128, 128, 128) if i % 2 else (128, 128, 128, 131))])
+png(d + 'o_checker.png', 16, 16, 0, [255 * ((x + y) % 2) for y in range(16) for x in range(16)])
+"
+
+case_begin "every format decodes to the right pixels"
+expect_ok "$PD" --input "$T/formats" --output "$T/formats.bin" --size 8
+expect_grep "wrote 15 images \(8x8 RGB, unlabelled\)" "$LAST_OUT"
+check_py "
+d = read('$T/formats.bin'); im = d['images']
+assert d['count'] == 15 and d['h'] == 8 and d['w'] == 8 and d['names'] == [], d['count']
+rgb = bytes(samples(1, 192))
+assert im[0] == rgb, 'same-size RGB must be copied unchanged'
+wide = samples(2, 16 * 8 * 3)
+assert im[1] == bytes(wide[3 * (y * 16 + x) + c] for y in range(8) for x in range(4, 12) for c in range(3)), 'wide crop'
+tall = samples(3, 8 * 12 * 3)
+assert im[2] == bytes(tall[2 * 24:10 * 24]), 'tall crop'
+assert im[3] == bytes(v for g in samples(4, 64) for v in (g, g, g)), 'grey'
+assert im[4] == bytes(v for i in range(64) for v in ((255,) * 3 if i % 2 else (90,) * 3)), 'grey+alpha'
+assert im[5] == bytes(v >> 8 for v in samples(6, 192, 65535)), '16-bit keeps the high byte'
+# black at alpha 0, 128, 255 over white, in linear light: white, 188, black
+assert near(im[6], [v for i in range(64) for v in ((255, 188, 0)[i % 3],) * 3], 1), list(im[6][:9])
+assert im[7] == bytes([200, 100, 50] * 64), 'a 1x1 image fills the square'
+assert im[8] == bytes(v for i in range(64) for v in ((255, 0, 0), (0, 255, 0), (0, 0, 255))[i % 3]), 'palette'
+assert im[9] == rgb and im[10] == rgb and im[12] == rgb, 'BMP, PPM, TGA'
+assert im[11] == im[3], 'PGM'
+# HDR 4.0 clamps to white, 0.5 becomes 255 * 0.5^(1/2.2)
+assert im[13] == bytes(v for i in range(64) for v in ((186,) * 3 if i % 2 else (255,) * 3)), list(im[13][:6])
+# a black and white checkerboard shrunk averages in linear light (188), not in sRGB (128)
+assert all(170 <= v <= 205 for v in im[14]), list(im[14][:12])
+"
+
+case_begin "shrinking and enlarging give the requested size"
+expect_ok "$PD" --input "$T/formats" --output "$T/formats32.bin" --size 32 --quiet
+check_py "
+d = read('$T/formats32.bin')
+assert d['count'] == 15 and d['h'] == 32 and d['w'] == 32
+assert d['images'][7] == bytes([200, 100, 50] * 32 * 32)
+"
+
+case_begin "runs are deterministic"
+expect_ok "$PD" --input "$T/formats" --output "$T/again.bin" --size 8
+cmp -s "$T/formats.bin" "$T/again.bin" || case_fail "two runs wrote different files"
+
+case_begin "corrupt and non-image files are skipped with one warning each"
+mkdir -p "$T/mixed/sub"
+cp "$T/formats/a_rgb.png" "$T/formats/j.bmp" "$T/mixed/"
+head -c 60 "$T/formats/a_rgb.png" >"$T/mixed/sub/truncated.png"
+printf 'hello\n' >"$T/mixed/notes.txt"
+printf '\x89PNG\r\n\x1a\ngarbage' >"$T/mixed/bad.png"
+mkfifo "$T/mixed/pipe"
+expect_ok timeout 20 "$PD" --input "$T/mixed" --output "$T/mixed.bin" --size 8
+[ "$(grep -c '' "$LAST_ERR")" = 4 ] || case_fail "expected 4 warning lines, got: $(cat "$LAST_ERR")"
+expect_grep "^prepare_data: warning: skipping $T/mixed/bad.png: " "$LAST_ERR"
+expect_grep "^prepare_data: warning: skipping $T/mixed/notes.txt: " "$LAST_ERR"
+expect_grep "^prepare_data: warning: skipping $T/mixed/pipe: not a regular file" "$LAST_ERR"
+expect_grep "^prepare_data: warning: skipping $T/mixed/sub/truncated.png: " "$LAST_ERR"
+expect_grep "wrote 2 images .*, 4 files skipped" "$LAST_OUT"
+check_py "d = read('$T/mixed.bin'); assert d['count'] == 2 and d['images'][0] == d['images'][1]"
+
+case_begin "hidden files are ignored and symlink loops are not followed"
+mkdir -p "$T/links/a/.hidden_dir"
+cp "$T/formats/a_rgb.png" "$T/links/a/x.png"
+cp "$T/formats/a_rgb.png" "$T/links/a/.hidden_dir/y.png"
+printf 'junk' >"$T/links/.hidden_file"
+ln -s .. "$T/links/a/up"
+ln -s a "$T/links/b"
+expect_ok "$PD" --input "$T/links/" --output "$T/links.bin" --size 8
+expect_grep "skipping $T/links/a/up: a link back" "$LAST_ERR"
+expect_grep "wrote 2 images" "$LAST_OUT"
+
+# Class folders: cats (2 images), dogs (1 image in a sub-folder), empty (no readable image).
+mkdir -p "$T/classes/cats" "$T/classes/dogs/puppies" "$T/classes/empty"
+cp "$T/formats/a_rgb.png" "$T/classes/cats/1.png"
+cp "$T/formats/d_grey.png" "$T/classes/cats/2.png"
+cp "$T/formats/h_one_pixel.png" "$T/classes/dogs/puppies/3.png"
+printf 'nothing' >"$T/classes/empty/readme.txt"
+printf 'loose' >"$T/classes/loose.png"
+
+case_begin "--labels: classes are the first-level folders, in sorted order"
+expect_ok "$PD" --input "$T/classes" --output "$T/classes.bin" --size 8 --labels
+expect_grep "skipping $T/classes/loose.png: not in a class folder" "$LAST_ERR"
+expect_grep "leaving out class empty" "$LAST_ERR"
+expect_grep "wrote 3 images \(8x8 RGB, 2 classes\)" "$LAST_OUT"
+check_py "
+d = read('$T/classes.bin')
+assert d['names'] == ['cats', 'dogs'] and d['labels'] == [0, 0, 1], (d['names'], d['labels'])
+assert d['images'][2] == bytes([200, 100, 50] * 64)
+"
+
+case_begin "--labels: skipped files leave the same dataset as without them"
+mkdir -p "$T/clean/cats" "$T/clean/dogs"
+cp "$T/classes/cats/"*.png "$T/clean/cats/"
+cp "$T/classes/dogs/puppies/3.png" "$T/clean/dogs/"
+cp -r "$T/clean" "$T/noisy"
+for i in $(seq 10 40); do printf 'x' >"$T/noisy/cats/z$i.png"; done
+expect_ok "$PD" --input "$T/clean" --output "$T/clean.bin" --size 8 --labels
+expect_ok "$PD" --input "$T/noisy" --output "$T/noisy.bin" --size 8 --labels
+expect_grep "31 files skipped" "$LAST_OUT"
+cmp -s "$T/clean.bin" "$T/noisy.bin" || case_fail "skipped files changed the dataset"
+
+case_begin "without --labels, class folders are just searched"
+expect_ok "$PD" --input "$T/classes" --output "$T/unlabelled.bin" --size 8
+check_py "d = read('$T/unlabelled.bin'); assert d['count'] == 3 and d['names'] == [] and d['labels'] == []"
+
+case_begin "an empty folder is an error and leaves no file"
+mkdir -p "$T/empty" "$T/out1"
+printf 'x' >"$T/empty/.hidden.png"
+expect_fail "$PD" --input "$T/empty" --output "$T/out1/x.bin"
+expect_grep "^prepare_data: error: no files found in $T/empty" "$LAST_ERR"
+expect_absent "$T/out1/x.bin"
+expect_no_temp "$T/out1"
+
+case_begin "a folder without one readable image is an error and leaves no file"
+mkdir -p "$T/junk"
+printf 'x' >"$T/junk/a.png"
+"$PD" --input "$T/junk" --output "$T/out1/x.bin" >"$LAST_OUT" 2>"$LAST_ERR" && case_fail "expected failure"
+expect_grep "^prepare_data: error: none of the 1 files" "$LAST_ERR"
+expect_absent "$T/out1/x.bin"
+expect_no_temp "$T/out1"
+
+case_begin "a missing input, or a file as input, is an error"
+expect_fail "$PD" --input "$T/no_such_dir" --output "$T/out1/x.bin"
+expect_grep "error: cannot read input folder .*No such file" "$LAST_ERR"
+expect_fail "$PD" --input "$T/formats/a_rgb.png" --output "$T/out1/x.bin"
+expect_grep "error: input .* is not a folder" "$LAST_ERR"
+expect_absent "$T/out1/x.bin"
+
+case_begin "an unwritable output is an error and leaves no file"
+expect_fail "$PD" --input "$T/formats" --output "$T/no_such_dir/x.bin"
+expect_grep "error: cannot write $T/no_such_dir/x.bin" "$LAST_ERR"
+expect_fail "$PD" --input "$T/formats" --output "$T/formats/a_rgb.png/x.bin"
+expect_grep "Not a directory" "$LAST_ERR"
+expect_fail "$PD" --input "$T/formats" --output "$T/out1"
+expect_grep "is a folder" "$LAST_ERR"
+expect_no_temp "$T/formats"
+
+case_begin "bad options are one error line each"
+for bad in "--size 0" "--size 7" "--size 8193" "--size abc" "--size -8" "--size" "--bogus" "--count 5" \
+           "--synthetic circles" "--synthetic shapes --labels" "--synthetic shapes --count 0"; do
+    # shellcheck disable=SC2086
+    expect_fail "$PD" --input "$T/formats" $bad --output "$T/out1/x.bin"
+done
+expect_fail "$PD" --output "$T/out1/x.bin"
+expect_fail "$PD" --input "$T/formats"
+expect_fail "$PD"
+expect_absent "$T/out1/x.bin"
+
+case_begin "--help prints the usage"
+expect_ok "$PD" --help
+expect_grep "^usage: prepare_data --input DIR" "$LAST_OUT"
+
+case_begin "an existing output is replaced, --size=N form accepted"
+cp "$T/formats/a_rgb.png" "$T/out1/x.bin"
+expect_ok "$PD" --input="$T/classes" --output="$T/out1/x.bin" --size=16
+check_py "d = read('$T/out1/x.bin'); assert d['count'] == 3 and d['h'] == 16"
+expect_no_temp "$T/out1"
+
+case_begin "--synthetic shapes writes count labelled images, deterministically"
+expect_ok "$PD" --synthetic shapes --count 50 --size 32 --seed 7 --output "$T/shapes.bin"
+expect_grep "wrote 50 images \(32x32 RGB, 3 classes\)" "$LAST_OUT"
+check_py "
+d = read('$T/shapes.bin')
+assert d['count'] == 50 and d['h'] == 32 and d['names'] == ['circle', 'square', 'triangle'], d['names']
+assert set(d['labels']) <= {0, 1, 2} and len(set(d['images'])) > 1
+"
+expect_ok "$PD" --synthetic shapes --count 50 --size 32 --seed 7 --output "$T/shapes2.bin"
+cmp -s "$T/shapes.bin" "$T/shapes2.bin" || case_fail "same seed, different files"
+expect_ok "$PD" --synthetic shapes --count 50 --size 32 --seed 8 --output "$T/shapes3.bin"
+cmp -s "$T/shapes.bin" "$T/shapes3.bin" && case_fail "different seeds, same files"
+
+case_begin "an interrupt leaves neither the output nor a temporary file"
+mkdir -p "$T/out2"
+for sig in INT TERM; do
+    timeout -s $sig 0.5 "$PD" --synthetic shapes --count 1000000 --size 64 --output "$T/out2/big.bin" \
+        >/dev/null 2>&1
+    rc=$?
+    [ $rc = 124 ] || case_fail "SIG$sig: expected the run to be interrupted, got exit $rc"
+    expect_absent "$T/out2/big.bin"
+    expect_no_temp "$T/out2"
+done
+
+case_summary

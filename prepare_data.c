@@ -1,0 +1,600 @@
+// prepare_data.c: turns a folder of images, or the bundled synthetic dataset, into a dataset .bin
+// (the format is defined in dataset.h) for train_unet.
+//
+//   ./prepare_data --input DIR --output FILE.bin [--size 64] [--labels] [--quiet]
+//   ./prepare_data --synthetic shapes --output FILE.bin [--count 10000] [--size 64] [--seed 1]
+//
+// Folder mode decodes every regular file under DIR with stb_image (JPEG, PNG, BMP, GIF's first
+// frame, TGA, PSD, HDR, PNM); a file it cannot read is skipped with one warning. Each image is
+// centre-cropped to a square, composited over white where it has alpha, and resized to
+// size x size RGB in linear light. With --labels, an image's class is its first-level folder.
+//
+// The dataset is written to FILE.bin.tmp.PID next to FILE.bin and renamed over it only once it is
+// complete and synced, so an error or an interrupt never leaves a partial dataset behind.
+#include <dirent.h>
+#include <limits.h>
+#include <math.h>
+#include <signal.h>
+#include <stdbool.h>
+#include <stdlib.h>
+#include <time.h>
+
+#include <stb_image.h>
+#include <stb_image_resize.h>
+
+#include "data/shapes.h"
+#include "dataset.h"
+
+#define MIN_SIDE 8
+#define MAX_COUNT 1000000000ull  // --count limit for synthetic datasets
+
+static const char usage[] =
+    "usage: prepare_data --input DIR --output FILE.bin [--size N] [--labels] [--quiet]\n"
+    "       prepare_data --synthetic shapes --output FILE.bin [--count N] [--size N] [--seed K]\n"
+    "\n"
+    "Writes a dataset file for train_unet.\n"
+    "  --input DIR        folder of images, searched recursively (hidden files and folders are\n"
+    "                     skipped); every file stb_image can read is used: JPEG, PNG, BMP, GIF\n"
+    "                     (first frame), TGA, PSD, HDR, PNM. Unreadable files are skipped with a warning\n"
+    "  --labels           the class of an image is the name of its first-level folder under DIR\n"
+    "  --synthetic shapes the bundled synthetic dataset (circles, squares, triangles; labelled)\n"
+    "  --count N          synthetic images to write (default 10000)\n"
+    "  --seed K           synthetic dataset seed (default 1)\n"
+    "  --size N           side of the square output images, 8..8192 (default 64): images are\n"
+    "                     centre-cropped to a square and resized\n"
+    "  --output FILE.bin  the dataset file, replaced atomically\n"
+    "  --quiet            no progress line\n";
+
+// The temporary output file: die() and the signal handler remove it while it exists.
+static char tmp_path[PATH_MAX];
+static volatile sig_atomic_t tmp_live = 0;
+
+static bool show_progress = false;  // progress lines go to stderr (a terminal, and no --quiet)
+static bool progress_shown = false;  // a progress line is on the terminal now
+
+// Clears the progress line so that the next message starts on a clean line.
+static void end_progress_line(void) {
+    if (progress_shown) fputs("\r\033[K", stderr);
+    progress_shown = false;
+}
+
+// Prints one error line, removes the temporary output and exits.
+static void die(const char *fmt, ...) {
+    end_progress_line();
+    if (tmp_live) unlink(tmp_path);
+    va_list args;
+    va_start(args, fmt);
+    fputs("prepare_data: error: ", stderr);
+    vfprintf(stderr, fmt, args);
+    fputc('\n', stderr);
+    va_end(args);
+    exit(1);
+}
+
+// Prints one warning line.
+static void warn(const char *fmt, ...) {
+    end_progress_line();
+    va_list args;
+    va_start(args, fmt);
+    fputs("prepare_data: warning: ", stderr);
+    vfprintf(stderr, fmt, args);
+    fputc('\n', stderr);
+    va_end(args);
+}
+
+// On SIGINT, SIGTERM or SIGHUP: removes the temporary output, then dies of the signal as usual
+// (the signal raised here is delivered when the handler returns and unblocks it).
+static void on_signal(int sig) {
+    if (tmp_live) unlink(tmp_path);
+    signal(sig, SIG_DFL);
+    raise(sig);
+}
+
+// malloc that dies when memory runs out (and never returns NULL for 0 bytes).
+static void *xmalloc(size_t bytes) {
+    void *p = malloc(bytes ? bytes : 1);
+    if (!p) die("out of memory (%zu bytes)", bytes);
+    return p;
+}
+
+// realloc that dies when memory runs out.
+static void *xrealloc(void *p, size_t bytes) {
+    p = realloc(p, bytes);
+    if (!p) die("out of memory (%zu bytes)", bytes);
+    return p;
+}
+
+// A monotonic clock in seconds, for the progress line.
+static double seconds(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return t.tv_sec + 1e-9 * t.tv_nsec;
+}
+
+// Shows "done/total" on the terminal, at most twice a second.
+static void progress(uint64_t done, uint64_t total) {
+    static double last;
+    if (!show_progress) return;
+    double now = seconds();
+    if (done < total && now - last < 0.5) return;
+    last = now;
+    fprintf(stderr, "\rprepare_data: %llu/%llu images (%.0f%%)", (unsigned long long)done,
+            (unsigned long long)total, 100.0 * done / total);
+    progress_shown = true;
+}
+
+// ----------------------------------------------------------------------------
+// command line
+
+typedef struct {
+    const char *input, *output, *synthetic;
+    uint64_t count, seed;
+    int size;
+    bool labels, quiet, count_given, seed_given;
+} Options;
+
+// Parses a decimal integer in lo..hi given to option `name`, or dies.
+static uint64_t parse_uint(const char *name, const char *s, uint64_t lo, uint64_t hi) {
+    char *end;
+    errno = 0;
+    unsigned long long v = strtoull(s, &end, 10);
+    if (s[0] < '0' || s[0] > '9' || *end != '\0' || errno != 0 || v < lo || v > hi)
+        die("%s must be an integer in %llu..%llu, not '%s'", name, (unsigned long long)lo, (unsigned long long)hi,
+            s);
+    return v;
+}
+
+// If argv[*i] is option `name` ("--name value" or "--name=value"), returns its value, advancing *i
+// past it; otherwise returns NULL.
+static const char *option_value(int argc, char **argv, int *i, const char *name) {
+    size_t n = strlen(name);
+    if (strncmp(argv[*i], name, n) != 0) return NULL;
+    if (argv[*i][n] == '=') return argv[*i] + n + 1;
+    if (argv[*i][n] != '\0') return NULL;
+    if (*i + 1 >= argc) die("%s needs a value (see --help)", name);
+    return argv[++*i];
+}
+
+// Reads the options and checks that they make one consistent request, or dies.
+static Options parse_options(int argc, char **argv) {
+    Options o = {.count = 10000, .seed = 1, .size = 64};
+    for (int i = 1; i < argc; i++) {
+        if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) {
+            fputs(usage, stdout);
+            exit(0);
+        }
+        const char *v;
+        if (!strcmp(argv[i], "--labels")) {
+            o.labels = true;
+        } else if (!strcmp(argv[i], "--quiet")) {
+            o.quiet = true;
+        } else if ((v = option_value(argc, argv, &i, "--input"))) {
+            o.input = v;
+        } else if ((v = option_value(argc, argv, &i, "--output"))) {
+            o.output = v;
+        } else if ((v = option_value(argc, argv, &i, "--synthetic"))) {
+            o.synthetic = v;
+        } else if ((v = option_value(argc, argv, &i, "--size"))) {
+            o.size = (int)parse_uint("--size", v, MIN_SIDE, DATASET_MAX_SIDE);
+        } else if ((v = option_value(argc, argv, &i, "--count"))) {
+            o.count = parse_uint("--count", v, 1, MAX_COUNT);
+            o.count_given = true;
+        } else if ((v = option_value(argc, argv, &i, "--seed"))) {
+            o.seed = parse_uint("--seed", v, 0, UINT64_MAX);
+            o.seed_given = true;
+        } else {
+            die("unknown option '%s' (see --help)", argv[i]);
+        }
+    }
+    if (o.input && o.synthetic) die("give either --input or --synthetic, not both");
+    if (!o.input && !o.synthetic) die("give --input DIR (a folder of images) or --synthetic shapes (see --help)");
+    if (o.synthetic && strcmp(o.synthetic, "shapes") != 0)
+        die("unknown synthetic dataset '%s' (available: shapes)", o.synthetic);
+    if (o.synthetic && o.labels) die("--labels applies to --input (the synthetic dataset is always labelled)");
+    if (o.input && (o.count_given || o.seed_given)) die("--count and --seed apply only to --synthetic");
+    if (!o.output || !o.output[0]) die("--output FILE.bin is required");
+    return o;
+}
+
+// ----------------------------------------------------------------------------
+// finding the image files
+
+// The files found under the input folder, in traversal order, with the class folder of each.
+typedef struct {
+    char **paths;
+    int32_t *classes;  // index into class_names, or -1 without --labels
+    uint64_t count, capacity;
+    char **class_names;  // with --labels: the first-level folders, in strcmp order
+    uint32_t num_classes;
+    uint64_t skipped;  // entries skipped with a warning
+} FileList;
+
+// A folder on the way from the input folder down to the one being scanned, to detect symlink loops.
+typedef struct Ancestor {
+    dev_t dev;
+    ino_t ino;
+    const struct Ancestor *up;
+} Ancestor;
+
+// scandir's order (strcmp: bytewise, the same in every locale) and filter (no hidden entries).
+static int by_name(const struct dirent **a, const struct dirent **b) { return strcmp((*a)->d_name, (*b)->d_name); }
+static int not_hidden(const struct dirent *e) { return e->d_name[0] != '.'; }
+
+// dir + "/" + name, newly allocated.
+static char *join_path(const char *dir, const char *name) {
+    size_t n = strlen(dir);
+    char *path = xmalloc(n + strlen(name) + 2);
+    sprintf(path, "%s%s%s", dir, n && dir[n - 1] == '/' ? "" : "/", name);
+    return path;
+}
+
+// Adds the regular files under dir to the list, entries in strcmp order, depth first. Symlinks are
+// followed except to a folder that is being scanned already (a loop). With --labels, each folder
+// directly under the input (depth 0) is a class and files directly in the input are skipped.
+static void scan_folder(FileList *list, const char *dir, const Ancestor *up, int depth, int32_t cls, bool labels) {
+    struct dirent **entries;
+    int n = scandir(dir, &entries, not_hidden, by_name);
+    if (n < 0) {
+        if (depth == 0) die("cannot read input folder %s: %s", dir, strerror(errno));
+        warn("skipping %s: cannot read folder: %s", dir, strerror(errno));
+        list->skipped++;
+        return;
+    }
+    for (int i = 0; i < n; i++) {
+        char *path = join_path(dir, entries[i]->d_name);
+        struct stat st;
+        bool keep = false;
+        if (stat(path, &st) != 0) {
+            warn("skipping %s: %s", path, strerror(errno));
+            list->skipped++;
+        } else if (S_ISDIR(st.st_mode)) {
+            bool loop = false;
+            for (const Ancestor *a = up; a; a = a->up) loop |= a->dev == st.st_dev && a->ino == st.st_ino;
+            if (loop) {
+                warn("skipping %s: a link back to a folder that contains it", path);
+                list->skipped++;
+            } else {
+                int32_t sub_cls = cls;
+                if (labels && depth == 0) {
+                    list->class_names = xrealloc(list->class_names, (list->num_classes + 1) * sizeof(char *));
+                    list->class_names[list->num_classes] = strcpy(xmalloc(strlen(entries[i]->d_name) + 1),
+                                                                  entries[i]->d_name);
+                    sub_cls = (int32_t)list->num_classes++;
+                }
+                Ancestor here = {st.st_dev, st.st_ino, up};
+                scan_folder(list, path, &here, depth + 1, sub_cls, labels);
+            }
+        } else if (!S_ISREG(st.st_mode)) {
+            warn("skipping %s: not a regular file", path);
+            list->skipped++;
+        } else if (labels && depth == 0) {
+            warn("skipping %s: not in a class folder (with --labels, an image's class is its first-level folder)",
+                 path);
+            list->skipped++;
+        } else {
+            if (list->count == list->capacity) {
+                list->capacity = list->capacity ? 2 * list->capacity : 1024;
+                list->paths = xrealloc(list->paths, list->capacity * sizeof(char *));
+                list->classes = xrealloc(list->classes, list->capacity * sizeof(int32_t));
+            }
+            list->paths[list->count] = path;
+            list->classes[list->count++] = cls;
+            keep = true;
+        }
+        if (!keep) free(path);
+        free(entries[i]);
+    }
+    free(entries);
+}
+
+// ----------------------------------------------------------------------------
+// decoding and resizing one image
+
+// The sRGB transfer function and its inverse: linear light in [0,1] <-> 8-bit sRGB.
+static float srgb_to_linear[256];
+
+static void init_srgb_table(void) {
+    for (int i = 0; i < 256; i++) {
+        float c = i / 255.0f;
+        srgb_to_linear[i] = c <= 0.04045f ? c / 12.92f : powf((c + 0.055f) / 1.055f, 2.4f);
+    }
+}
+
+static uint8_t linear_to_srgb(float x) {
+    float c = x <= 0.0031308f ? 12.92f * x : 1.055f * powf(x, 1 / 2.4f) - 0.055f;
+    return (uint8_t)(c * 255.0f + 0.5f);
+}
+
+// Composites the side x side RGBA square at src (stride bytes per row) over white into RGB. The
+// blend is done in linear light, where the sRGB resize also blends: compositing first and then
+// resizing gives the same result as resizing with alpha and compositing afterwards.
+static void composite_on_white(const uint8_t *src, size_t stride, int side, uint8_t *rgb) {
+    for (int y = 0; y < side; y++) {
+        for (int x = 0; x < side; x++) {
+            const uint8_t *p = src + y * stride + 4 * x;
+            uint8_t *q = rgb + 3 * ((size_t)y * side + x);
+            float a = p[3] / 255.0f;
+            for (int c = 0; c < 3; c++)
+                q[c] = p[3] == 255 ? p[c] : linear_to_srgb(a * srgb_to_linear[p[c]] + (1.0f - a));
+        }
+    }
+}
+
+// Decodes an image file into size x size RGB: centre crop to a square (the longer side is cut
+// equally at both ends), alpha composited over white, then resized with stb_image_resize in
+// linear light (Mitchell filter when shrinking, Catmull-Rom when enlarging; a crop that has the
+// requested size already is copied unfiltered). stb_image gives 8 bits per channel: 16-bit images
+// keep their high byte, grey is expanded to RGB, HDR is clamped to [0,1] and encoded with gamma
+// 2.2, CMYK JPEGs are converted without a colour profile. Returns 0, or -1 with the reason in why.
+static int load_square(const char *path, int size, uint8_t *out, char *why, size_t why_len) {
+    FILE *f = fopen(path, "rb");
+    if (!f) return snprintf(why, why_len, "%s", strerror(errno)), -1;
+    int w, h, channels;
+    uint8_t *rgba = stbi_load_from_file(f, &w, &h, &channels, 4);
+    fclose(f);
+    if (!rgba) return snprintf(why, why_len, "stb_image cannot decode it (%s)", stbi_failure_reason()), -1;
+    int side = w < h ? w : h;
+    uint8_t *square = side == size ? out : xmalloc((size_t)side * side * 3);
+    composite_on_white(rgba + 4 * ((size_t)(h - side) / 2 * w + (w - side) / 2), 4 * (size_t)w, side, square);
+    stbi_image_free(rgba);
+    if (square == out) return 0;  // already the right size: kept as it is, not filtered
+    int ok = stbir_resize_uint8_srgb(square, side, side, 0, out, size, size, 0, 3, STBIR_ALPHA_CHANNEL_NONE, 0);
+    free(square);
+    if (!ok) return snprintf(why, why_len, "out of memory while resizing a %dx%d image", w, h), -1;
+    return 0;
+}
+
+// ----------------------------------------------------------------------------
+// writing the dataset file
+
+// A dataset being written: a temporary file next to the output, renamed over it when complete.
+typedef struct {
+    const char *path;    // the final name
+    int fd;
+    uint64_t pixels_at;  // where image 0 goes until the header is known (see output_finish)
+    uint64_t image_bytes;
+} Output;
+
+// The header of a dataset of count size x size RGB images.
+static DatasetHeader make_header(uint64_t count, int size, uint32_t num_classes, uint32_t names_bytes) {
+    DatasetHeader h = {0};
+    memcpy(h.magic, DATASET_MAGIC, 8);
+    h.version = DATASET_VERSION;
+    h.channels = 3;
+    h.count = count;
+    h.height = h.width = (uint32_t)size;
+    h.num_classes = num_classes;
+    h.names_bytes = names_bytes;
+    return h;
+}
+
+// Checks a header that is about to be written and returns its layout, or dies.
+static DatasetLayout checked_layout(const DatasetHeader *h) {
+    DatasetLayout layout;
+    char err[256];
+    if (dataset_layout(h, &layout, err, sizeof err) != 0) die("%s", err);
+    return layout;
+}
+
+// The size of the class-name table for these names (each followed by a NUL), or dies if too large.
+static uint32_t names_size(const char *const *names, uint32_t n) {
+    size_t total = 0;
+    for (uint32_t i = 0; i < n; i++) total += strlen(names[i]) + 1;
+    if (total > DATASET_MAX_NAMES_BYTES)
+        die("class names take %zu bytes, more than the limit of %u", total, DATASET_MAX_NAMES_BYTES);
+    return (uint32_t)total;
+}
+
+// The class-name table: the names, each followed by a NUL.
+static char *names_table(const char *const *names, uint32_t n) {
+    char *table = xmalloc(names_size(names, n)), *p = table;
+    for (uint32_t i = 0; i < n; i++) p = stpcpy(p, names[i]) + 1;
+    return table;
+}
+
+// pwrite of all n bytes, or dies.
+static void write_at(const Output *out, const void *buf, size_t n, uint64_t at) {
+    const uint8_t *p = buf;
+    while (n > 0) {
+        ssize_t k = pwrite(out->fd, p, n, (off_t)at);
+        if (k < 0 && errno == EINTR) continue;
+        if (k <= 0) die("cannot write %s: %s", tmp_path, k < 0 ? strerror(errno) : "nothing written");
+        p += k, n -= (size_t)k, at += (uint64_t)k;
+    }
+}
+
+// pread of all n bytes, or dies.
+static void read_at(const Output *out, void *buf, size_t n, uint64_t at) {
+    uint8_t *p = buf;
+    while (n > 0) {
+        ssize_t k = pread(out->fd, p, n, (off_t)at);
+        if (k < 0 && errno == EINTR) continue;
+        if (k <= 0) die("cannot read back %s: %s", tmp_path, k < 0 ? strerror(errno) : "file is short");
+        p += k, n -= (size_t)k, at += (uint64_t)k;
+    }
+}
+
+// Creates the temporary file FILE.bin.tmp.PID. Images are written from offset pixels_at on, the
+// pixel offset of the largest header the dataset can end up with.
+static void output_open(Output *out, const char *path, uint64_t pixels_at, uint64_t image_bytes) {
+    struct stat st;
+    if (stat(path, &st) == 0 && S_ISDIR(st.st_mode)) die("output %s is a folder", path);
+    if (snprintf(tmp_path, sizeof tmp_path, "%s.tmp.%ld", path, (long)getpid()) >= (int)sizeof tmp_path)
+        die("output path %s is too long", path);
+    tmp_live = 1;  // before the file exists, so that no interrupt can miss it
+    out->fd = open(tmp_path, O_RDWR | O_CREAT | O_EXCL, 0644);
+    if (out->fd < 0) {
+        int e = errno;
+        tmp_live = 0;
+        die("cannot write %s: creating %s: %s", path, tmp_path, strerror(e));
+    }
+    out->path = path;
+    out->pixels_at = pixels_at;
+    out->image_bytes = image_bytes;
+}
+
+// Writes image `index` (the index-th image kept) to its place in the temporary file.
+static void output_image(const Output *out, uint64_t index, const uint8_t *pixels) {
+    write_at(out, pixels, out->image_bytes, out->pixels_at + index * out->image_bytes);
+}
+
+// Completes the file and renames it over the output; returns its size. The header, class names
+// and labels go in front of the pixels, but only now are the image count and the classes known.
+// The images were written from the pixel offset the largest possible header would need (every
+// file read, every class used; with no labels that is always 64): when files were skipped, the
+// pixels are moved down to the real offset, and the temporary file is cut to the exact size.
+static uint64_t output_finish(Output *out, const DatasetHeader *h, const char *names, const int32_t *labels) {
+    DatasetLayout layout = checked_layout(h);
+    uint64_t pixel_bytes = h->count * layout.image_bytes;
+    if (layout.pixels_offset < out->pixels_at) {
+        size_t chunk = 1 << 24;
+        uint8_t *buf = xmalloc(chunk);
+        for (uint64_t done = 0; done < pixel_bytes; done += chunk) {
+            size_t n = pixel_bytes - done < chunk ? (size_t)(pixel_bytes - done) : chunk;
+            read_at(out, buf, n, out->pixels_at + done);
+            write_at(out, buf, n, layout.pixels_offset + done);  // below the bytes still to be read
+        }
+        free(buf);
+    }
+    uint8_t *front = calloc(1, layout.pixels_offset);  // header, names, labels and zero padding
+    if (!front) die("out of memory");
+    memcpy(front, h, sizeof *h);
+    if (h->num_classes) {
+        memcpy(front + layout.names_offset, names, h->names_bytes);
+        memcpy(front + layout.labels_offset, labels, 4 * h->count);
+    }
+    write_at(out, front, layout.pixels_offset, 0);
+    free(front);
+    if (ftruncate(out->fd, (off_t)layout.file_bytes) != 0) die("cannot write %s: %s", tmp_path, strerror(errno));
+    if (fsync(out->fd) != 0) die("cannot write %s: %s", tmp_path, strerror(errno));
+    if (close(out->fd) != 0) die("cannot write %s: %s", tmp_path, strerror(errno));
+    // No interrupt between the rename and forgetting the temporary name.
+    sigset_t block, old;
+    sigemptyset(&block);
+    sigaddset(&block, SIGINT), sigaddset(&block, SIGTERM), sigaddset(&block, SIGHUP);
+    sigprocmask(SIG_BLOCK, &block, &old);
+    if (rename(tmp_path, out->path) != 0) die("cannot rename %s to %s: %s", tmp_path, out->path, strerror(errno));
+    tmp_live = 0;
+    sigprocmask(SIG_SETMASK, &old, NULL);
+    return layout.file_bytes;
+}
+
+// The one line on stdout that says what was written.
+static void print_summary(const DatasetHeader *h, const char *path, uint64_t bytes, uint64_t skipped) {
+    char classes[32];
+    if (h->num_classes)
+        snprintf(classes, sizeof classes, "%u class%s", h->num_classes, h->num_classes == 1 ? "" : "es");
+    else
+        snprintf(classes, sizeof classes, "unlabelled");
+    printf("prepare_data: wrote %llu image%s (%ux%u RGB, %s) to %s, %llu bytes, %llu file%s skipped\n",
+           (unsigned long long)h->count, h->count == 1 ? "" : "s", h->width, h->height, classes, path,
+           (unsigned long long)bytes, (unsigned long long)skipped, skipped == 1 ? "" : "s");
+}
+
+// ----------------------------------------------------------------------------
+// the two modes
+
+// With --labels: leaves out the class folders in which no image could be read, so that the labels
+// have no gaps, renumbering the labels to match. Returns the number of classes kept and their names.
+static uint32_t keep_used_classes(const FileList *list, int32_t *labels, uint64_t count, const char **kept) {
+    uint64_t *images = calloc(list->num_classes, sizeof(uint64_t));
+    int32_t *renumber = xmalloc(list->num_classes * sizeof(int32_t));
+    if (!images) die("out of memory");
+    for (uint64_t i = 0; i < count; i++) images[labels[i]]++;
+    uint32_t num_classes = 0;
+    for (uint32_t c = 0; c < list->num_classes; c++) {
+        if (images[c] == 0) {
+            warn("leaving out class %s: its folder holds no readable image", list->class_names[c]);
+            continue;
+        }
+        renumber[c] = (int32_t)num_classes;
+        kept[num_classes++] = list->class_names[c];
+    }
+    for (uint64_t i = 0; i < count; i++) labels[i] = renumber[labels[i]];
+    free(renumber), free(images);
+    return num_classes;
+}
+
+// Folder mode. The file list is collected first; the images are then decoded one at a time and
+// written straight to the temporary file, so memory holds one image, the paths and the labels.
+static void prepare_folder(const Options *o) {
+    struct stat st;
+    if (stat(o->input, &st) != 0) die("cannot read input folder %s: %s", o->input, strerror(errno));
+    if (!S_ISDIR(st.st_mode)) die("input %s is not a folder", o->input);
+    FileList list = {0};
+    Ancestor root = {st.st_dev, st.st_ino, NULL};
+    scan_folder(&list, o->input, &root, 0, -1, o->labels);
+    if (list.count == 0) die("no files found in %s%s", o->input, o->labels ? "'s class folders" : "");
+
+    // The largest header the dataset can need: every file read and every class kept.
+    const char *const *class_names = (const char *const *)list.class_names;
+    DatasetHeader h = make_header(list.count, o->size, list.num_classes, names_size(class_names, list.num_classes));
+    DatasetLayout largest = checked_layout(&h);
+    Output out;
+    output_open(&out, o->output, largest.pixels_offset, largest.image_bytes);
+
+    uint8_t *image = xmalloc(largest.image_bytes);
+    int32_t *labels = xmalloc(list.count * sizeof(int32_t));
+    uint64_t written = 0;
+    for (uint64_t i = 0; i < list.count; i++) {
+        char why[512];
+        if (load_square(list.paths[i], o->size, image, why, sizeof why) == 0) {
+            output_image(&out, written, image);
+            labels[written++] = list.classes[i];
+        } else {
+            warn("skipping %s: %s", list.paths[i], why);
+            list.skipped++;
+        }
+        progress(i + 1, list.count);
+    }
+    end_progress_line();
+    if (written == 0)
+        die("none of the %llu files in %s is an image stb_image can read", (unsigned long long)list.count, o->input);
+
+    const char **kept = xmalloc(list.num_classes * sizeof(char *));
+    uint32_t num_classes = o->labels ? keep_used_classes(&list, labels, written, kept) : 0;
+    char *names = names_table(kept, num_classes);
+    h = make_header(written, o->size, num_classes, names_size(kept, num_classes));
+    uint64_t bytes = output_finish(&out, &h, names, labels);
+    print_summary(&h, o->output, bytes, list.skipped);
+
+    free(names), free(kept), free(labels), free(image);
+    for (uint64_t i = 0; i < list.count; i++) free(list.paths[i]);
+    for (uint32_t c = 0; c < list.num_classes; c++) free(list.class_names[c]);
+    free(list.paths), free(list.classes), free(list.class_names);
+}
+
+// The bundled synthetic dataset: image i and its label come from shapes_render(seed, i, size).
+static void prepare_shapes(const Options *o) {
+    char *names = names_table(shapes_class_names, SHAPES_NUM_CLASSES);
+    uint32_t names_bytes = names_size(shapes_class_names, SHAPES_NUM_CLASSES);
+    DatasetHeader h = make_header(o->count, o->size, SHAPES_NUM_CLASSES, names_bytes);
+    DatasetLayout layout = checked_layout(&h);
+    Output out;
+    output_open(&out, o->output, layout.pixels_offset, layout.image_bytes);
+    uint8_t *image = xmalloc(layout.image_bytes);
+    int32_t *labels = xmalloc(o->count * sizeof(int32_t));
+    for (uint64_t i = 0; i < o->count; i++) {
+        labels[i] = shapes_render(o->seed, i, o->size, image);
+        output_image(&out, i, image);
+        progress(i + 1, o->count);
+    }
+    end_progress_line();
+    uint64_t bytes = output_finish(&out, &h, names, labels);
+    print_summary(&h, o->output, bytes, 0);
+    free(labels), free(image), free(names);
+}
+
+// Parses the options, arranges for an interrupt to remove the temporary output, and runs a mode.
+int main(int argc, char **argv) {
+    Options o = parse_options(argc, argv);
+    show_progress = !o.quiet && isatty(STDERR_FILENO);
+    init_srgb_table();
+    struct sigaction sa = {.sa_handler = on_signal};  // the three signals are blocked while it runs
+    sigemptyset(&sa.sa_mask);
+    sigaddset(&sa.sa_mask, SIGINT), sigaddset(&sa.sa_mask, SIGTERM), sigaddset(&sa.sa_mask, SIGHUP);
+    sigaction(SIGINT, &sa, NULL), sigaction(SIGTERM, &sa, NULL), sigaction(SIGHUP, &sa, NULL);
+    if (o.synthetic) prepare_shapes(&o);
+    else prepare_folder(&o);
+    return 0;
+}
