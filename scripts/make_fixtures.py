@@ -1,0 +1,253 @@
+"""Whole-model test fixtures for the C/CUDA UNet, from the PyTorch reference (unet_ref.py).
+
+Storage precision (read this first):
+    parameters, x, target   BF16 in the file. They are drawn in float64 and rounded to bf16
+                            (round to nearest even), so every stored value is exactly what
+                            the model saw: the model is run in float64 on exactly these
+                            rounded values (bf16 -> float64 is exact).
+    out, loss, grad.*       float32: the float64 results rounded once to float32.
+    t, y                    int64.
+So every stored result is the float32 rounding of the exact answer for the stored inputs, and
+a consumer that widens the bf16 tensors to float32 (exact) runs on the very same numbers.
+
+Regenerate (deterministic: the same bytes every time with a given machine, device and torch
+version; another CPU or torch version may change a result in its last float32 bit, since
+float64 sums are rounded in a different order):
+
+    python3 scripts/make_fixtures.py                    # the committed set -> dev/fixtures/
+    python3 scripts/make_fixtures.py --out DIR          # the same set -> DIR
+    python3 scripts/make_fixtures.py --large --device cuda --out /tmp/fx
+                                   # only unet_seed_large.safetensors (~123 MB, not committed),
+                                   # the real seed config; for the GPU tests
+
+--device cuda runs the same float64 math on a GPU; results may differ from the CPU files in
+the last float32 bit, and the inputs (drawn on the CPU) are identical.
+
+One safetensors file per config. Tensors (PyTorch layouts):
+    <param name>        BF16, every parameter under its guided-diffusion state_dict name, random
+                        and non-zero (also the zero-initialised convs and the GroupNorm affines)
+    x        [N,3,H,W]  BF16 input, ~N(0,1)
+    t        [N] int64  timesteps in [0, 1000)
+    y        [N] int64  labels in [0, num_classes), class-conditional configs only
+    target   [N,C,H,W]  BF16, ~N(0,1), C = 6 with learn_sigma else 3
+    out      [N,C,H,W]  F32, model(x, t, y)
+    loss     [1]        F32, mean((out - target)^2) over all N*C*H*W elements (with learn_sigma
+                        too: a plain MSE over all six channels, not guided-diffusion's VLB)
+    grad.<param name>   F32, d loss / d param
+    grad.x              F32, d loss / d x
+__metadata__ holds the config under guided-diffusion's flag names, spelled as on its command
+line (plus conv_resample, num_classes when class-conditional, and fixture_seed). Dropout is 0.
+
+Committed configs (all num_channels 32, channel_mult 1,1, image 8x8, batch 2; ~4 MB together):
+    adm            num_res_blocks 1: resblock_updown, use_scale_shift_norm, new attention
+                   order with num_head_channels 16 (2 heads) at 4x4 in input, middle and
+                   output blocks, class-conditional (10 classes), learn_sigma (6 channels)
+    seed           num_res_blocks 0: conv_resample False (avg-pool down, nearest up, no
+                   convs), no scale-shift, legacy attention with num_head_channels 16 at 8x8
+                   and 4x4
+    conv_resample  num_res_blocks 0: conv_resample True (strided-conv down, nearest + conv up),
+                   use_scale_shift_norm, legacy attention with num_heads 4 (middle block) and
+                   num_heads_upsample 2 (output block at 4x4)
+Why num_res_blocks 0 in two of them: parameters cost 2 bytes and gradients 4, and a two-level
+width-32 model with num_res_blocks 1 has 254k-341k parameters (1.5-2.0 MB); the three
+resampling variants (resblock_updown, conv_resample on, off) need three two-level models, at
+least 5.2 MB with num_res_blocks 1. The input-block attention and the per-level ResBlocks of
+num_res_blocks >= 1 are covered by adm (and by the large fixture).
+
+Sizes: GroupNorm has 32 groups, so 32 channels is the narrowest model. At width 32 each group
+holds one channel and GroupNorm removes any per-channel constant, so without scale-shift the
+timestep embedding (added as a per-channel constant before a GroupNorm) has no effect in the
+seed fixture; the scale-shift configs exercise the embedding MLP, and the large fixture
+(width 64, two channels per group) exercises the plain add.
+
+Some gradients are zero in exact arithmetic for the same reason (a bias feeding a GroupNorm
+with one channel per group, e.g. in_layers.2.bias at width 32, or the last output block's
+biases before the final GroupNorm); they are stored as ~1e-17. Compare gradients with an
+absolute floor, not a pure relative error.
+
+Large fixture (--large): the seed project's config at image 32 instead of 64 (attention
+resolutions 16,8 at 64 become 8,4 at 32: the same levels, 8x8 and 4x4 tokens), num_channels
+64, channel_mult 1,2,3,4, num_res_blocks 2, num_head_channels 32, no scale-shift, no
+conv_resample, batch 2: 20,494,211 parameters.
+"""
+
+import argparse
+import hashlib
+import json
+import os
+import struct
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from unet_ref import GroupNorm32, count_parameters, create_model, model_kwargs  # noqa: E402
+
+BATCH = 2
+NUM_TIMESTEPS = 1000
+STORE = torch.bfloat16  # parameters, x, target
+RESULT = torch.float32  # out, loss, grad.*
+
+# Shared by all committed configs; each entry below overrides some of these.
+BASE = dict(
+    image_size="8", num_channels="32", num_res_blocks="1", channel_mult="1,1",
+    attention_resolutions="", num_heads="1", num_head_channels="-1",
+    num_heads_upsample="-1", use_scale_shift_norm="False", resblock_updown="False",
+    use_new_attention_order="False", dropout="0.0", class_cond="False",
+    learn_sigma="False", conv_resample="True",
+)
+
+CONFIGS = {
+    "adm": dict(resblock_updown="True", use_scale_shift_norm="True",
+                use_new_attention_order="True", num_head_channels="16",
+                attention_resolutions="4", class_cond="True", num_classes="10",
+                learn_sigma="True"),
+    "seed": dict(num_res_blocks="0", conv_resample="False", num_head_channels="16",
+                 attention_resolutions="8,4"),
+    "conv_resample": dict(num_res_blocks="0", conv_resample="True", use_scale_shift_norm="True",
+                          num_heads="4", num_heads_upsample="2", attention_resolutions="4"),
+}
+
+LARGE = ("seed_large", dict(
+    BASE, image_size="32", num_channels="64", channel_mult="1,2,3,4", num_res_blocks="2",
+    attention_resolutions="8,4", num_head_channels="32", use_scale_shift_norm="False",
+    resblock_updown="False", conv_resample="False"))
+
+DTYPE_NAMES = {torch.bfloat16: "BF16", torch.float32: "F32", torch.int64: "I64"}
+
+
+def tensor_bytes(t):
+    """Little-endian bytes of a CPU tensor (numpy has no bfloat16: view it as int16)."""
+    if t.dtype == torch.bfloat16:
+        t = t.view(torch.int16)
+    return t.numpy().tobytes()
+
+
+def save_safetensors(path, tensors, metadata):
+    """Write a safetensors file with a reproducible layout: metadata and tensors sorted by
+    name (the safetensors library orders __metadata__ differently on every run).
+    Layout: u64 little-endian header length, JSON header padded with spaces to a multiple
+    of 8 bytes, then the tensors' little-endian bytes back to back in header order.
+    Written to a temporary name and renamed."""
+    header = {"__metadata__": dict(sorted(metadata.items()))}
+    blobs, offset = [], 0
+    for name in sorted(tensors):
+        t = tensors[name].detach().cpu().contiguous()
+        blob = tensor_bytes(t)
+        header[name] = {"dtype": DTYPE_NAMES[t.dtype], "shape": list(t.shape),
+                        "data_offsets": [offset, offset + len(blob)]}
+        blobs.append(blob)
+        offset += len(blob)
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as f:
+        f.write(struct.pack("<Q", len(text)))
+        f.write(text)
+        for blob in blobs:
+            f.write(blob)
+    os.replace(tmp, path)
+
+
+def config_seed(name):
+    """A fixed seed per config name (stable across Python runs, unlike hash())."""
+    return int.from_bytes(hashlib.sha256(name.encode()).digest()[:4], "little")
+
+
+def to_store(v):
+    """float64 -> the stored dtype (round to nearest even). Refuses an exact zero, so every
+    stored parameter element is non-zero."""
+    s = v.to(STORE)
+    assert bool((s != 0).all()), "a drawn value rounded to zero"
+    return s
+
+
+def random_parameters(model, gen):
+    """Non-zero values keeping activations O(1): weights ~ N(0, 1/fan_in), biases ~ 0.1 N,
+    GroupNorm weight ~ 1 + 0.1 N, label embedding ~ N(0, 1); drawn in float64 on the CPU,
+    rounded to bf16."""
+    norm_params = {f"{m}.{p}" for m, mod in model.named_modules()
+                   if isinstance(mod, GroupNorm32) for p in ("weight", "bias")}
+    values = {}
+    for name, p in model.named_parameters():
+        z = torch.randn(p.shape, generator=gen, dtype=torch.float64)
+        if name in norm_params:
+            v = 1 + 0.1 * z if name.endswith("weight") else 0.1 * z
+        elif name == "label_emb.weight":
+            v = z
+        elif p.dim() >= 2:
+            v = z / (p[0].numel() ** 0.5)
+        else:
+            v = 0.1 * z
+        values[name] = to_store(v)
+    return values
+
+
+def make_fixture(name, cfg, device):
+    cfg = {**cfg, "fixture_seed": str(config_seed(name))}
+    gen = torch.Generator().manual_seed(config_seed(name))
+    kw = model_kwargs(cfg)
+    model = create_model(cfg).double()
+    params = random_parameters(model, gen)
+    # bf16 -> float64 is exact: the float64 model runs on exactly the stored values.
+    model.load_state_dict({k: v.double() for k, v in params.items()}, strict=True)
+    model = model.to(device)
+
+    size = kw["image_size"]
+    x = to_store(torch.randn(BATCH, 3, size, size, generator=gen, dtype=torch.float64))
+    t = torch.randint(0, NUM_TIMESTEPS, (BATCH,), generator=gen)
+    y = (torch.randint(0, kw["num_classes"], (BATCH,), generator=gen)
+         if kw["num_classes"] is not None else None)
+    target = to_store(torch.randn(BATCH, kw["out_channels"], size, size,
+                                  generator=gen, dtype=torch.float64))
+
+    x64 = x.double().to(device).requires_grad_(True)
+    out = model(x64, t.to(device), None if y is None else y.to(device))
+    loss = ((out - target.double().to(device)) ** 2).mean()
+    loss.backward()
+
+    tensors = dict(params)
+    tensors.update(x=x, t=t, target=target, out=out.detach().to(RESULT).cpu(),
+                   loss=loss.detach().to(RESULT).cpu().reshape(1))
+    if y is not None:
+        tensors["y"] = y
+    for pname, p in model.named_parameters():
+        tensors[f"grad.{pname}"] = p.grad.to(RESULT).cpu()
+    tensors["grad.x"] = x64.grad.to(RESULT).cpu()
+    return tensors, cfg, loss.item(), count_parameters(model)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    parser.add_argument("--out", metavar="DIR", default=os.path.normpath(os.path.join(
+        os.path.dirname(os.path.abspath(__file__)), "..", "dev", "fixtures")),
+        help="output directory (default dev/fixtures)")
+    parser.add_argument("--large", action="store_true",
+                        help="write only the large seed-config fixture (not committed)")
+    args = parser.parse_args()
+    if args.device.startswith("cuda"):
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.backends.cudnn.deterministic = True
+        torch.backends.cudnn.benchmark = False
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+        torch.use_deterministic_algorithms(True, warn_only=True)
+    os.makedirs(args.out, exist_ok=True)
+    jobs = [LARGE] if args.large else [(n, {**BASE, **o}) for n, o in CONFIGS.items()]
+    total = 0
+    for name, cfg in jobs:
+        start = time.time()
+        tensors, metadata, loss, n_params = make_fixture(name, cfg, args.device)
+        path = os.path.join(args.out, f"unet_{name}.safetensors")
+        save_safetensors(path, tensors, metadata)
+        nbytes = os.path.getsize(path)
+        total += nbytes
+        print(f"{path}: {nbytes / 1e6:.2f} MB, {n_params:,} parameters, loss {loss:.6f}, "
+              f"{time.time() - start:.1f} s")
+    print(f"total {total / 1e6:.2f} MB")
+
+
+if __name__ == "__main__":
+    main()
