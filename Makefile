@@ -28,7 +28,8 @@ STB_LIBS := -lstb -lm
 CFLAGS ?= -O2 -g
 CFLAGS += -std=c11 -D_GNU_SOURCE -Wall -Wextra -Wno-unused-function -I.
 NVCCFLAGS ?= -O3 -g
-NVCCFLAGS += -std=c++17 $(GPU_ARCH) -DPRECISION_$(PRECISION) -I. -Xcompiler -Wall,-Wno-unused-function
+NVCC_COMMON := $(NVCCFLAGS) -std=c++17 $(GPU_ARCH) -I. -Xcompiler -Wall,-Wno-unused-function
+NVCCFLAGS := $(NVCC_COMMON) -DPRECISION_$(PRECISION)
 CUDA_LIBS := -lcublas -lcublasLt
 
 BINARIES := train_unet prepare_data check_shapes
@@ -60,8 +61,9 @@ data/shapes.bin: prepare_data
 # Tests: every program under dev/test is built into build/test and run by dev/test/run_tests.sh.
 ASAN := -fsanitize=address,undefined -fno-omit-frame-pointer
 NVCC_ASAN := -Xcompiler -fsanitize=address,-fsanitize=undefined,-fno-omit-frame-pointer -lasan -lubsan
-TESTS_CPU := build/test/test_dataset build/test/test_shapes build/test/test_dataloader build/test/train_unet_asan
-TESTS_GPU := build/test/test_dataloader_gpu
+TESTS_CPU := build/test/test_dataset build/test/test_shapes build/test/test_dataloader build/test/train_unet_asan \
+             build/test/test_reference build/test/test_unet_fixtures
+TESTS_GPU := build/test/test_dataloader_gpu build/test/test_unet_gpu_fp32 build/test/test_unet_gpu_bf16
 
 build/test/test_dataset: dev/test/test_dataset.c dataset.h dev/test/check.h
 	@mkdir -p build/test
@@ -84,6 +86,19 @@ build/test/train_unet_asan: train_unet.cu dataset.h build/precision
 build/test/test_dataloader_gpu: dev/test/test_dataloader_gpu.cu train_unet.cu dataset.h dev/test/check.h build/precision
 	@mkdir -p build/test
 	$(NVCC) $(NVCCFLAGS) -o $@ $< $(CUDA_LIBS)
+
+# The CPU references (dev/*.cu, double precision): finite differences per layer, and the whole
+# model against the PyTorch fixtures. Host code only, so built for one GPU target.
+DEV_REFERENCES := dev/common.h dev/conv2d.cu dev/linear.cu dev/groupnorm.cu dev/attention.cu dev/resample.cu \
+                  dev/embedding.cu dev/loss.cu dev/unet.cu
+build/test/test_reference build/test/test_unet_fixtures: build/test/%: dev/test/%.cu $(DEV_REFERENCES) train_unet.cu dev/test/check.h
+	@mkdir -p build/test
+	$(NVCC) $(NVCCFLAGS) -o $@ $< $(CUDA_LIBS)
+
+# The whole model against the PyTorch fixtures, in both precisions whatever PRECISION is.
+build/test/test_unet_gpu_%: dev/test/test_unet_gpu.cu train_unet.cu dataset.h dev/test/check.h
+	@mkdir -p build/test
+	$(NVCC) $(NVCC_COMMON) -DPRECISION_$(shell echo $* | tr a-z A-Z) -o $@ $< $(CUDA_LIBS)
 
 test: all $(TESTS_CPU) $(TESTS_GPU)
 	dev/test/run_tests.sh all

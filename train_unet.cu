@@ -6,6 +6,8 @@
 //
 // Activations are NHWC (channels last). PRECISION_BF16 (the default) keeps activations in bf16
 // with fp32 master weights and fp32 accumulation; PRECISION_FP32 is fp32 throughout.
+#include <cublasLt.h>
+#include <cublas_v2.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <errno.h>
@@ -31,6 +33,16 @@ typedef float floatX;
 typedef __nv_bfloat16 floatX;
 #define PRECISION_NAME "BF16"
 #endif
+
+// Kernels move activations 16 bytes at a time (a Pack) where the channel count allows, else
+// one element at a time (a Scalar); both have the same shape for templates.
+#define PACK (16 / (int)sizeof(floatX))  // elements in 16 bytes
+typedef struct {
+    floatX v[PACK];
+} __align__(16) Pack;
+typedef struct {
+    floatX v[1];
+} Scalar;
 
 // Prints one error line and exits: every failure the user can cause ends here.
 static void fatal(const char *fmt, ...) {
@@ -60,14 +72,14 @@ static void *malloc_or_die(size_t bytes) {
 // state to save for an exact resume is only the counters.
 
 // splitmix64's finaliser: a bijective mix of 64 bits.
-static inline uint64_t mix64(uint64_t z) {
+__host__ __device__ inline uint64_t mix64(uint64_t z) {
     z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
     z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
     return z ^ (z >> 31);
 }
 
 // A random 64-bit value for draw `index` of stream `stream` under `seed`.
-static inline uint64_t random_u64(uint64_t seed, uint64_t stream, uint64_t index) {
+__host__ __device__ inline uint64_t random_u64(uint64_t seed, uint64_t stream, uint64_t index) {
     return mix64(mix64(seed ^ mix64(stream + 0x9e3779b97f4a7c15ull)) + index);
 }
 
@@ -104,143 +116,288 @@ typedef struct {
     int num_classes;                      // rows of label_emb (dataset classes + the null class), 0: unconditional
 } ModelConfig;
 
-// One parameter tensor as guided-diffusion's state_dict names it, shape in PyTorch's layout.
+// ----------------------------------------------------------------------------------------------
+// safetensors files (checkpoints, fixtures): an 8-byte little-endian header length, a JSON header
+// {"name": {"dtype": "F32", "shape": [...], "data_offsets": [begin, end]}, ...,
+//  "__metadata__": {"key": "value", ...}}, then the data; offsets count from the end of the header.
+
+#define SAFETENSORS_MAX_HEADER (100u << 20)
+#define SAFETENSORS_MAX_DIMS 8
+
 typedef struct {
-    char name[96];
+    char *name;
+    char dtype[8];  // F32, F64, F16, BF16, I64, I32, ...
     int ndim;
-    int shape[4];
+    int64_t shape[SAFETENSORS_MAX_DIMS];
     int64_t numel;
-} ParamSpec;
+    const uint8_t *data;  // into the mapped file
+} SafeTensor;
 
 typedef struct {
-    ParamSpec *specs;
-    int count, capacity;
-    int64_t numel;
-    int time_embed_dim;
-} ParamList;
+    const uint8_t *map;
+    size_t map_bytes;
+    SafeTensor *tensors;
+    int count;
+    char **meta_keys, **meta_values;
+    int meta_count;
+} SafeTensorsFile;
 
-static void param_add(ParamList *list, const char *prefix, const char *leaf, int ndim, const int *shape) {
-    if (list->count == list->capacity) {
-        list->capacity = list->capacity ? 2 * list->capacity : 256;
-        list->specs = (ParamSpec *)realloc(list->specs, list->capacity * sizeof(ParamSpec));
-        if (!list->specs) fatal("out of host memory");
+// A cursor over the JSON header; on a syntax error `error` names what was expected where.
+typedef struct {
+    const char *p, *end;
+    const char *error;
+} JsonCursor;
+
+static void json_space(JsonCursor *j) {
+    while (j->p < j->end && (*j->p == ' ' || *j->p == '\t' || *j->p == '\n' || *j->p == '\r')) j->p++;
+}
+
+// Consumes the character c (after white space); returns 0 and sets the error otherwise.
+static int json_expect(JsonCursor *j, char c, const char *what) {
+    json_space(j);
+    if (j->p < j->end && *j->p == c) return j->p++, 1;
+    if (!j->error) j->error = what;
+    return 0;
+}
+
+// Parses a JSON string into a new heap string (escapes decoded, \uXXXX to UTF-8); NULL on error.
+static char *json_string(JsonCursor *j) {
+    if (!json_expect(j, '"', "a string")) return NULL;
+    char *out = (char *)malloc_or_die((size_t)(j->end - j->p) + 1), *o = out;
+    while (j->p < j->end && *j->p != '"') {
+        char c = *j->p++;
+        if (c != '\\') { *o++ = c; continue; }
+        if (j->p >= j->end) break;
+        c = *j->p++;
+        const char *simple = "\"\\/bfnrt", *decoded = "\"\\/\b\f\n\r\t";
+        const char *k = strchr(simple, c);
+        if (k && c) { *o++ = decoded[k - simple]; continue; }
+        unsigned code = 0;
+        if (c != 'u' || j->end - j->p < 4 || sscanf(j->p, "%4x", &code) != 1) break;
+        j->p += 4;
+        if (code < 0x80) *o++ = (char)code;
+        else if (code < 0x800) *o++ = (char)(0xc0 | code >> 6), *o++ = (char)(0x80 | (code & 0x3f));
+        else *o++ = (char)(0xe0 | code >> 12), *o++ = (char)(0x80 | ((code >> 6) & 0x3f)), *o++ = (char)(0x80 | (code & 0x3f));
     }
-    ParamSpec *p = &list->specs[list->count++];
-    snprintf(p->name, sizeof p->name, "%s%s", prefix, leaf);
-    p->ndim = ndim;
-    p->numel = 1;
-    for (int i = 0; i < ndim; i++) p->shape[i] = shape[i], p->numel *= shape[i];
-    list->numel += p->numel;
-}
-
-// A convolution's weight [out][in][k...] (dims = 1 or 2 spatial dimensions) and bias [out].
-static void param_conv(ParamList *list, const char *prefix, int in, int out, int k, int dims) {
-    int weight[4] = {out, in, k, k};
-    int bias[1] = {out};
-    param_add(list, prefix, "weight", 2 + dims, weight);
-    param_add(list, prefix, "bias", 1, bias);
-}
-
-static void param_linear(ParamList *list, const char *prefix, int in, int out) {
-    int weight[2] = {out, in};
-    int bias[1] = {out};
-    param_add(list, prefix, "weight", 2, weight);
-    param_add(list, prefix, "bias", 1, bias);
-}
-
-static void param_group_norm(ParamList *list, const char *prefix, int channels) {
-    int shape[1] = {channels};
-    param_add(list, prefix, "weight", 1, shape);
-    param_add(list, prefix, "bias", 1, shape);
-}
-
-static void param_child(char *out, size_t len, const char *prefix, const char *child) {
-    snprintf(out, len, "%s%s", prefix, child);
-}
-
-// guided-diffusion's ResBlock: in_layers (GroupNorm, SiLU, conv3x3), emb_layers (SiLU, linear to
-// out or 2*out channels with scale-shift), out_layers (GroupNorm, SiLU, dropout, zero conv3x3),
-// skip_connection (1x1 conv when the channel count changes). up/down resampling has no weights.
-static void param_res_block(ParamList *list, const ModelConfig *c, const char *prefix, int in, int out) {
-    char name[96];
-    param_child(name, sizeof name, prefix, "in_layers.0."), param_group_norm(list, name, in);
-    param_child(name, sizeof name, prefix, "in_layers.2."), param_conv(list, name, in, out, 3, 2);
-    param_child(name, sizeof name, prefix, "emb_layers.1.");
-    param_linear(list, name, list->time_embed_dim, c->use_scale_shift_norm ? 2 * out : out);
-    param_child(name, sizeof name, prefix, "out_layers.0."), param_group_norm(list, name, out);
-    param_child(name, sizeof name, prefix, "out_layers.3."), param_conv(list, name, out, out, 3, 2);
-    if (out != in) param_child(name, sizeof name, prefix, "skip_connection."), param_conv(list, name, in, out, 1, 2);
-}
-
-// guided-diffusion's AttentionBlock: GroupNorm, qkv (1x1 conv1d to 3C), proj_out (zero conv1d).
-static void param_attention(ParamList *list, const char *prefix, int channels) {
-    char name[96];
-    param_child(name, sizeof name, prefix, "norm."), param_group_norm(list, name, channels);
-    param_child(name, sizeof name, prefix, "qkv."), param_conv(list, name, channels, 3 * channels, 1, 1);
-    param_child(name, sizeof name, prefix, "proj_out."), param_conv(list, name, channels, channels, 1, 1);
-}
-
-// Every parameter of the UNet in state_dict order, walking the architecture as UNetModel.__init__
-// does: time_embed, label_emb, input_blocks, middle_block, output_blocks, out.
-static ParamList model_parameters(const ModelConfig *c) {
-    ParamList list = {0};
-    list.time_embed_dim = 4 * c->model_channels;
-    char name[96];
-    param_linear(&list, "time_embed.0.", c->model_channels, list.time_embed_dim);
-    param_linear(&list, "time_embed.2.", list.time_embed_dim, list.time_embed_dim);
-    if (c->num_classes) {
-        int shape[2] = {c->num_classes, list.time_embed_dim};
-        param_add(&list, "label_emb.", "weight", 2, shape);
+    if (j->p >= j->end || *j->p != '"') {
+        free(out);
+        if (!j->error) j->error = "a closing quote";
+        return NULL;
     }
-    int ch = c->level_channels[0];
-    param_conv(&list, "input_blocks.0.0.", c->in_channels, ch, 3, 2);
-    int skip_channels[4 * MAX_LEVELS * 8], num_skips = 0, block = 1;
-    skip_channels[num_skips++] = ch;
-    for (int level = 0; level < c->num_levels; level++) {
-        for (int r = 0; r < c->num_res_blocks; r++, block++) {
-            snprintf(name, sizeof name, "input_blocks.%d.0.", block);
-            param_res_block(&list, c, name, ch, c->level_channels[level]);
-            ch = c->level_channels[level];
-            if (c->level_attention[level]) {
-                snprintf(name, sizeof name, "input_blocks.%d.1.", block);
-                param_attention(&list, name, ch);
-            }
-            skip_channels[num_skips++] = ch;
+    j->p++;
+    *o = '\0';
+    return out;
+}
+
+static int json_int(JsonCursor *j, int64_t *out) {
+    json_space(j);
+    char *endp;
+    errno = 0;
+    long long v = strtoll(j->p, &endp, 10);
+    if (endp == j->p || endp > j->end || errno) return j->error = j->error ? j->error : "an integer", 0;
+    j->p = endp;
+    *out = v;
+    return 1;
+}
+
+// Parses [n, n, ...] into out (at most max entries); returns the count, or -1.
+static int json_int_array(JsonCursor *j, int64_t *out, int max) {
+    if (!json_expect(j, '[', "an array")) return -1;
+    int n = 0;
+    json_space(j);
+    if (j->p < j->end && *j->p == ']') return j->p++, 0;
+    do {
+        if (n == max) return j->error = "a shorter array", -1;
+        if (!json_int(j, &out[n++])) return -1;
+    } while (json_expect(j, ',', NULL));
+    j->error = NULL;
+    return json_expect(j, ']', "']'") ? n : -1;
+}
+
+static int dtype_bytes(const char *dtype) {
+    static const char *const names[] = {"F64", "I64", "U64", "F32", "I32", "U32", "F16", "BF16", "I16", "U16", "I8", "U8", "BOOL"};
+    static const int bytes[] = {8, 8, 8, 4, 4, 4, 2, 2, 2, 2, 1, 1, 1};
+    for (int i = 0; i < 13; i++)
+        if (strcmp(dtype, names[i]) == 0) return bytes[i];
+    return 0;
+}
+
+static void safetensors_close(SafeTensorsFile *f) {
+    for (int i = 0; i < f->count; i++) free(f->tensors[i].name);
+    for (int i = 0; i < f->meta_count; i++) free(f->meta_keys[i]), free(f->meta_values[i]);
+    free(f->tensors);
+    free(f->meta_keys);
+    free(f->meta_values);
+    if (f->map) munmap((void *)f->map, f->map_bytes);
+    memset(f, 0, sizeof *f);
+}
+
+// Parses one tensor entry {"dtype": ..., "shape": [...], "data_offsets": [b, e]} and checks that
+// its bytes lie inside the data section and match its dtype and shape.
+static int safetensors_entry(JsonCursor *j, SafeTensor *t, const uint8_t *data, uint64_t data_bytes, char *err,
+                             size_t err_len) {
+    int64_t offsets[2] = {-1, -1};
+    int have_dtype = 0;
+    t->ndim = -1;
+    if (!json_expect(j, '{', "'{'")) return -1;
+    do {
+        char *key = json_string(j);
+        if (!key || !json_expect(j, ':', "':'")) return free(key), -1;
+        if (strcmp(key, "dtype") == 0) {
+            char *v = json_string(j);
+            if (v) snprintf(t->dtype, sizeof t->dtype, "%s", v), have_dtype = 1;
+            free(v);
+        } else if (strcmp(key, "shape") == 0) {
+            t->ndim = json_int_array(j, t->shape, SAFETENSORS_MAX_DIMS);
+        } else if (strcmp(key, "data_offsets") == 0) {
+            if (json_int_array(j, offsets, 2) != 2) j->error = j->error ? j->error : "two data offsets";
+        } else {
+            j->error = "dtype, shape or data_offsets";
         }
-        if (level != c->num_levels - 1) {
-            snprintf(name, sizeof name, c->resblock_updown ? "input_blocks.%d.0." : "input_blocks.%d.0.op.", block);
-            if (c->resblock_updown) param_res_block(&list, c, name, ch, ch);
-            else if (c->conv_resample) param_conv(&list, name, ch, ch, 3, 2);
-            skip_channels[num_skips++] = ch;
-            block++;
-        }
+        free(key);
+        if (j->error) return -1;
+    } while (json_expect(j, ',', NULL));
+    j->error = NULL;
+    if (!json_expect(j, '}', "'}'")) return -1;
+    int size = have_dtype ? dtype_bytes(t->dtype) : 0;
+    if (!size) return dataset_fail(err, err_len, "tensor %s: unknown dtype '%s'", t->name, have_dtype ? t->dtype : "");
+    if (t->ndim < 0) return dataset_fail(err, err_len, "tensor %s has no shape", t->name);
+    t->numel = 1;
+    for (int d = 0; d < t->ndim; d++) {
+        if (t->shape[d] < 0 || t->shape[d] > ((int64_t)1 << 40) || (t->shape[d] && t->numel > ((int64_t)1 << 40) / t->shape[d]))
+            return dataset_fail(err, err_len, "tensor %s has an absurd shape", t->name);
+        t->numel *= t->shape[d];
     }
-    param_res_block(&list, c, "middle_block.0.", ch, ch);
-    param_attention(&list, "middle_block.1.", ch);
-    param_res_block(&list, c, "middle_block.2.", ch, ch);
-    block = 0;
-    for (int level = c->num_levels - 1; level >= 0; level--) {
-        for (int r = 0; r <= c->num_res_blocks; r++, block++) {
-            int skip = skip_channels[--num_skips];
-            snprintf(name, sizeof name, "output_blocks.%d.0.", block);
-            param_res_block(&list, c, name, ch + skip, c->level_channels[level]);
-            ch = c->level_channels[level];
-            int layer = 1;
-            if (c->level_attention[level]) {
-                snprintf(name, sizeof name, "output_blocks.%d.%d.", block, layer++);
-                param_attention(&list, name, ch);
-            }
-            if (level > 0 && r == c->num_res_blocks) {
-                snprintf(name, sizeof name, c->resblock_updown ? "output_blocks.%d.%d." : "output_blocks.%d.%d.conv.",
-                         block, layer);
-                if (c->resblock_updown) param_res_block(&list, c, name, ch, ch);
-                else if (c->conv_resample) param_conv(&list, name, ch, ch, 3, 2);
-            }
-        }
+    if (offsets[0] < 0 || offsets[1] < offsets[0] || (uint64_t)offsets[1] > data_bytes ||
+        offsets[1] - offsets[0] != t->numel * size)
+        return dataset_fail(err, err_len, "tensor %s: data offsets [%lld, %lld] do not fit its %lld %s values in %llu bytes of data",
+                            t->name, (long long)offsets[0], (long long)offsets[1], (long long)t->numel, t->dtype,
+                            (unsigned long long)data_bytes);
+    t->data = data + offsets[0];
+    return 0;
+}
+
+// Maps a safetensors file and parses its header. Returns 0, or -1 with a message naming the file.
+static int safetensors_open(const char *path, SafeTensorsFile *f, char *err, size_t err_len) {
+    memset(f, 0, sizeof *f);
+    int fd = open(path, O_RDONLY);
+    if (fd < 0) return dataset_fail(err, err_len, "cannot open %s: %s", path, strerror(errno));
+    struct stat st;
+    if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+        close(fd);
+        return dataset_fail(err, err_len, "%s is not a regular file", path);
     }
-    param_group_norm(&list, "out.0.", ch);
-    param_conv(&list, "out.2.", c->level_channels[0], c->out_channels, 3, 2);
-    return list;
+    uint64_t header_bytes = 0, file_bytes = (uint64_t)st.st_size;
+    void *map = file_bytes >= 8 ? mmap(NULL, file_bytes, PROT_READ, MAP_PRIVATE, fd, 0) : MAP_FAILED;
+    close(fd);
+    if (map == MAP_FAILED)
+        return dataset_fail(err, err_len, "%s: %s", path, file_bytes < 8 ? "too short for a safetensors file" : strerror(errno));
+    f->map = (const uint8_t *)map;
+    f->map_bytes = file_bytes;
+    memcpy(&header_bytes, f->map, 8);
+    if (header_bytes < 2 || header_bytes > SAFETENSORS_MAX_HEADER || header_bytes > file_bytes - 8) {
+        safetensors_close(f);
+        return dataset_fail(err, err_len, "%s: header length %llu does not fit the file's %llu bytes: not a safetensors file, or truncated",
+                            path, (unsigned long long)header_bytes, (unsigned long long)file_bytes);
+    }
+    const uint8_t *data = f->map + 8 + header_bytes;
+    uint64_t data_bytes = file_bytes - 8 - header_bytes;
+    JsonCursor j = {(const char *)f->map + 8, (const char *)data, NULL};
+    char why[256] = "";
+    int capacity = 0;
+    if (json_expect(&j, '{', "'{'")) {
+        json_space(&j);
+        if (j.p < j.end && *j.p == '}') j.p++;
+        else do {
+            char *name = json_string(&j);
+            if (!name || !json_expect(&j, ':', "':'")) { free(name); break; }
+            if (strcmp(name, "__metadata__") == 0) {
+                free(name);
+                if (!json_expect(&j, '{', "'{'")) break;
+                json_space(&j);
+                if (j.p < j.end && *j.p == '}') { j.p++; continue; }
+                do {
+                    char *key = json_string(&j), *value = key && json_expect(&j, ':', "':'") ? json_string(&j) : NULL;
+                    if (!value) { free(key); break; }
+                    f->meta_keys = (char **)realloc(f->meta_keys, (f->meta_count + 1) * sizeof(char *));
+                    f->meta_values = (char **)realloc(f->meta_values, (f->meta_count + 1) * sizeof(char *));
+                    f->meta_keys[f->meta_count] = key, f->meta_values[f->meta_count++] = value;
+                } while (json_expect(&j, ',', NULL));
+                if (j.error) break;
+                if (!json_expect(&j, '}', "'}'")) break;
+                continue;
+            }
+            if (f->count == capacity) {
+                capacity = capacity ? 2 * capacity : 64;
+                f->tensors = (SafeTensor *)realloc(f->tensors, capacity * sizeof(SafeTensor));
+                if (!f->tensors) fatal("out of host memory");
+            }
+            SafeTensor *t = &f->tensors[f->count++];
+            memset(t, 0, sizeof *t);
+            t->name = name;
+            if (safetensors_entry(&j, t, data, data_bytes, why, sizeof why) != 0) break;
+        } while (json_expect(&j, ',', NULL));
+        if (!why[0] && j.error == NULL) j.error = NULL;
+        if (!why[0] && !j.error) json_expect(&j, '}', "'}' closing the header");
+    }
+    if (why[0] || j.error) {
+        if (!why[0])
+            snprintf(why, sizeof why, "malformed header: expected %s at byte %ld", j.error,
+                     (long)(j.p - (const char *)f->map));
+        safetensors_close(f);
+        return dataset_fail(err, err_len, "%s: %s", path, why);
+    }
+    return 0;
+}
+
+static const SafeTensor *safetensors_find(const SafeTensorsFile *f, const char *name) {
+    for (int i = 0; i < f->count; i++)
+        if (strcmp(f->tensors[i].name, name) == 0) return &f->tensors[i];
+    return NULL;
+}
+
+static const char *safetensors_metadata(const SafeTensorsFile *f, const char *key) {
+    for (int i = 0; i < f->meta_count; i++)
+        if (strcmp(f->meta_keys[i], key) == 0) return f->meta_values[i];
+    return NULL;
+}
+
+static float bf16_bits_to_float(uint16_t b) {
+    uint32_t u = (uint32_t)b << 16;
+    float x;
+    memcpy(&x, &u, 4);
+    return x;
+}
+
+static float f16_bits_to_float(uint16_t h) {
+    int exponent = (h >> 10) & 0x1f, mantissa = h & 0x3ff;
+    float magnitude = exponent == 0    ? ldexpf((float)mantissa, -24)
+                      : exponent == 31 ? (mantissa ? NAN : INFINITY)
+                                       : ldexpf((float)(mantissa | 0x400), exponent - 25);
+    return (h & 0x8000) ? -magnitude : magnitude;
+}
+
+// Copies a floating-point tensor (F32, F64, BF16 or F16) into out as float. Returns 0, or -1.
+static int safetensors_get_float(const SafeTensor *t, float *out) {
+    const uint8_t *d = t->data;
+    for (int64_t i = 0; i < t->numel; i++) {
+        if (strcmp(t->dtype, "F32") == 0) memcpy(&out[i], d + 4 * i, 4);
+        else if (strcmp(t->dtype, "F64") == 0) { double v; memcpy(&v, d + 8 * i, 8); out[i] = (float)v; }
+        else if (strcmp(t->dtype, "BF16") == 0) { uint16_t v; memcpy(&v, d + 2 * i, 2); out[i] = bf16_bits_to_float(v); }
+        else if (strcmp(t->dtype, "F16") == 0) { uint16_t v; memcpy(&v, d + 2 * i, 2); out[i] = f16_bits_to_float(v); }
+        else return -1;
+    }
+    return 0;
+}
+
+// Copies an integer tensor (I64 or I32) into out. Returns 0, or -1.
+static int safetensors_get_int64(const SafeTensor *t, int64_t *out) {
+    for (int64_t i = 0; i < t->numel; i++) {
+        if (strcmp(t->dtype, "I64") == 0) memcpy(&out[i], t->data + 8 * i, 8);
+        else if (strcmp(t->dtype, "I32") == 0) { int32_t v; memcpy(&v, t->data + 4 * i, 4); out[i] = v; }
+        else return -1;
+    }
+    return 0;
 }
 
 // ----------------------------------------------------------------------------------------------
@@ -379,6 +536,1527 @@ static void images_to_model_input(floatX *out, const uint8_t *pixels, size_t n, 
 }
 
 // ----------------------------------------------------------------------------------------------
+// The GPU context: one stream, cuBLAS and cuBLASLt handles, a workspace and a scratch buffer.
+
+typedef struct {
+    cudaStream_t stream;
+    cublasHandle_t blas;
+    cublasLtHandle_t lt;
+    void *workspace;
+    size_t workspace_bytes;
+    int num_sms;
+} Gpu;
+static Gpu gpu;
+
+static const cudaDataType CUDA_FLOATX = sizeof(floatX) == 4 ? CUDA_R_32F : CUDA_R_16BF;
+
+static void cublas_check_(cublasStatus_t status, const char *what, const char *file, int line) {
+    if (status != CUBLAS_STATUS_SUCCESS) fatal("cuBLAS: status %d (%s at %s:%d)", (int)status, what, file, line);
+}
+#define cublas_check(call) cublas_check_((call), #call, __FILE__, __LINE__)
+
+// Every device allocation goes through here, so the footprint can be reported.
+static size_t gpu_bytes_allocated;
+
+static void *gpu_malloc(size_t bytes) {
+    void *p = NULL;
+    cudaError_t err = cudaMalloc(&p, bytes ? bytes : 1);
+    if (err != cudaSuccess) fatal("cannot allocate %.2f GiB on the GPU (%s)", bytes / 1073741824.0, cudaGetErrorString(err));
+    gpu_bytes_allocated += bytes;
+    return p;
+}
+
+static void gpu_init(void) {
+    int device = 0;
+    cuda_check(cudaSetDevice(device));
+    cuda_check(cudaDeviceGetAttribute(&gpu.num_sms, cudaDevAttrMultiProcessorCount, device));
+    cuda_check(cudaStreamCreate(&gpu.stream));
+    cublas_check(cublasCreate(&gpu.blas));
+    cublas_check(cublasSetStream(gpu.blas, gpu.stream));
+    cublas_check(cublasLtCreate(&gpu.lt));
+    gpu.workspace_bytes = 64 << 20;
+    gpu.workspace = gpu_malloc(gpu.workspace_bytes);
+    cublas_check(cublasSetWorkspace(gpu.blas, gpu.workspace, gpu.workspace_bytes));
+}
+
+static int blocks_for(size_t n, int threads) {
+    size_t blocks = (n + threads - 1) / threads;
+    return (int)(blocks < 65536 * 16 ? blocks : 65536 * 16);
+}
+
+// ----------------------------------------------------------------------------------------------
+// Matrix products on the tensor cores (bf16 operands, fp32 accumulation; fp32 throughout in the
+// FP32 build). Row-major: D[M][N] = op(A)[M][K] op(B)[K][N] (+ bias[N]) + beta C.
+// A is stored [M][K] with row stride lda, or [K][M] when trans_a; B is [K][N], or [N][K] when
+// trans_b. cuBLAS is column-major, so the call computes D^T = op(B)^T op(A)^T.
+
+static void matmul(void *d, cudaDataType d_type, int ldd, const floatX *a, int trans_a, int lda, const floatX *b,
+                   int trans_b, int ldb, int M, int N, int K, const void *c, int ldc, float beta, const floatX *bias) {
+    cublasLtMatmulDesc_t desc;
+    cublasLtMatrixLayout_t layout_b, layout_a, layout_c, layout_d;
+    cublasOperation_t op_b = trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, op_a = trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
+    cublas_check(cublasLtMatmulDescCreate(&desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+    cublas_check(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSA, &op_b, sizeof op_b));
+    cublas_check(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSB, &op_a, sizeof op_a));
+    if (bias) {
+        cublasLtEpilogue_t epilogue = CUBLASLT_EPILOGUE_BIAS;
+        cudaDataType bias_type = CUDA_FLOATX;
+        cublas_check(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue, sizeof epilogue));
+        cublas_check(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof bias));
+        cublas_check(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bias_type, sizeof bias_type));
+    }
+    cublas_check(cublasLtMatrixLayoutCreate(&layout_b, CUDA_FLOATX, trans_b ? K : N, trans_b ? N : K, ldb));
+    cublas_check(cublasLtMatrixLayoutCreate(&layout_a, CUDA_FLOATX, trans_a ? M : K, trans_a ? K : M, lda));
+    cublas_check(cublasLtMatrixLayoutCreate(&layout_c, d_type, N, M, c ? ldc : ldd));
+    cublas_check(cublasLtMatrixLayoutCreate(&layout_d, d_type, N, M, ldd));
+    cublasLtMatmulPreference_t preference;
+    cublas_check(cublasLtMatmulPreferenceCreate(&preference));
+    cublas_check(cublasLtMatmulPreferenceSetAttribute(preference, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                                                      &gpu.workspace_bytes, sizeof gpu.workspace_bytes));
+    const void *pointers[4] = {b, a, c ? c : d, d};
+    cublasLtMatmulPreferenceAttributes_t alignment[4] = {
+        CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+        CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES};
+    for (int i = 0; i < 4; i++) {  // the largest power of two (up to 256) that divides each address
+        uint32_t bytes = 256;
+        while ((uintptr_t)pointers[i] % bytes) bytes /= 2;
+        cublas_check(cublasLtMatmulPreferenceSetAttribute(preference, alignment[i], &bytes, sizeof bytes));
+    }
+    cublasLtMatmulHeuristicResult_t heuristic;
+    int found = 0;
+    cublas_check(cublasLtMatmulAlgoGetHeuristic(gpu.lt, desc, layout_b, layout_a, layout_c, layout_d, preference, 1,
+                                                &heuristic, &found));
+    if (!found) fatal("cuBLASLt has no algorithm for a %dx%dx%d product", M, N, K);
+    float alpha = 1.0f;
+    cublas_check(cublasLtMatmul(gpu.lt, desc, &alpha, b, layout_b, a, layout_a, &beta, c ? c : d, layout_c, d, layout_d,
+                                &heuristic.algo, gpu.workspace, gpu.workspace_bytes, gpu.stream));
+    cublasLtMatmulPreferenceDestroy(preference);
+    cublasLtMatrixLayoutDestroy(layout_d);
+    cublasLtMatrixLayoutDestroy(layout_c);
+    cublasLtMatrixLayoutDestroy(layout_a);
+    cublasLtMatrixLayoutDestroy(layout_b);
+    cublasLtMatmulDescDestroy(desc);
+}
+
+// The same product for a batch of matrices given by device arrays of pointers (attention heads).
+static void matmul_batched(void *const *d, cudaDataType d_type, int ldd, const floatX *const *a, int trans_a, int lda,
+                           const floatX *const *b, int trans_b, int ldb, int M, int N, int K, float beta, int batch) {
+    float alpha = 1.0f;
+    cublas_check(cublasGemmBatchedEx(gpu.blas, trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, trans_a ? CUBLAS_OP_T : CUBLAS_OP_N,
+                                     N, M, K, &alpha, (const void *const *)b, CUDA_FLOATX, ldb, (const void *const *)a,
+                                     CUDA_FLOATX, lda, &beta, d, d_type, ldd, batch, CUBLAS_COMPUTE_32F,
+                                     CUBLAS_GEMM_DEFAULT));
+}
+
+// ----------------------------------------------------------------------------------------------
+// Per-channel sums of a [rows][C] tensor, by sample: per_sample[n][c] = sum over the sample's rows,
+// total[c] = sum over samples (the bias gradient of a layer whose output gradient it is). Two
+// passes in a fixed order, so the result is the same on every run.
+
+#define CHANNEL_SUM_CHUNKS 16
+
+__global__ void channel_sums_partial_kernel(float *partial, const floatX *x, int rows_per_sample, int C) {
+    int n = blockIdx.y, chunk = blockIdx.x;
+    int begin = (int)((int64_t)rows_per_sample * chunk / gridDim.x), end = (int)((int64_t)rows_per_sample * (chunk + 1) / gridDim.x);
+    for (int c = threadIdx.x; c < C; c += blockDim.x) {
+        float sum = 0.0f;
+        for (int r = begin; r < end; r++) sum += (float)x[((int64_t)n * rows_per_sample + r) * C + c];
+        partial[((int64_t)n * gridDim.x + chunk) * C + c] = sum;
+    }
+}
+
+__global__ void channel_sums_final_kernel(float *per_sample, int per_sample_ld, float *total, const float *partial, int N,
+                                          int chunks, int C, int accumulate) {
+    int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= C) return;
+    float all = 0.0f;
+    for (int n = 0; n < N; n++) {
+        float s = 0.0f;
+        for (int k = 0; k < chunks; k++) s += partial[((int64_t)n * chunks + k) * C + c];
+        if (per_sample) per_sample[(int64_t)n * per_sample_ld + c] += s;
+        all += s;
+    }
+    if (total) total[c] = accumulate ? total[c] + all : all;
+}
+
+static float *channel_sums_scratch;  // [N][CHANNEL_SUM_CHUNKS][C_max], set up with the model
+
+static void channel_sums(float *per_sample, int per_sample_ld, float *total, const floatX *x, int N, int rows_per_sample, int C) {
+    int chunks = rows_per_sample < CHANNEL_SUM_CHUNKS ? rows_per_sample : CHANNEL_SUM_CHUNKS;
+    channel_sums_partial_kernel<<<dim3(chunks, N), 256, 0, gpu.stream>>>(channel_sums_scratch, x, rows_per_sample, C);
+    cuda_check_launch();
+    channel_sums_final_kernel<<<(C + 127) / 128, 128, 0, gpu.stream>>>(per_sample, per_sample_ld, total,
+                                                                       channel_sums_scratch, N, chunks, C, 0);
+    cuda_check_launch();
+}
+
+// ----------------------------------------------------------------------------------------------
+// Convolution, k x k (k = 1 or 3), stride 1 or 2, zero padding k/2, NHWC, weights [out][k][k][in].
+// As a matrix product over the patch matrix col[m][(kh*k + kw)*C_in + c] = x[n][ho*s + kh - p]
+// [wo*s + kw - p][c] (m = (n*Ho + ho)*Wo + wo):   y = col W^T + b
+// Backward:  dW = dy^T col,  db = sum_m dy,  dcol = dy W,  dx = the scatter of dcol back (col2im).
+// A 1x1 stride-1 convolution is the plain product on x itself.
+
+typedef struct {
+    int in, out, k, stride;
+    floatX *w, *b;     // [out][k][k][in], [out] (compute copies)
+    float *dw, *db;    // fp32 gradients
+} Conv;
+
+static floatX *conv_scratch;  // the largest patch matrix of the model, set up with the model
+
+static int conv_out_size(int size, int k, int stride) { return (size + 2 * (k / 2) - k) / stride + 1; }
+
+// One thread per (patch row m, tap, vector of channels); V is Pack, or Scalar when C % PACK != 0.
+template <typename V>
+__global__ void im2col_kernel(floatX *col, const floatX *x, int N, int H, int W, int C, int k, int stride, int Ho, int Wo) {
+    const int per = sizeof(V) / sizeof(floatX), vecs = C / per, pad = k / 2, taps = k * k;
+    const int total = N * Ho * Wo * taps * vecs;  // < 2^31: checked by the caller
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < total; i += gridDim.x * blockDim.x) {
+        int v = i % vecs, rest = i / vecs, tap = rest % taps, m = rest / taps;
+        int wo = m % Wo, ho = (m / Wo) % Ho, n = m / (Wo * Ho);
+        int h = ho * stride + tap / k - pad, w = wo * stride + tap % k - pad;
+        V value;
+        if (h >= 0 && h < H && w >= 0 && w < W) value = ((const V *)x)[((int64_t)(n * H + h) * W + w) * vecs + v];
+        else for (int j = 0; j < per; j++) value.v[j] = (floatX)0.0f;
+        ((V *)col)[i] = value;
+    }
+}
+
+// dx[n][h][w][c] += sum over the (kh, kw) whose patch reads (h, w): dcol[m(ho, wo)][(kh*k + kw)*C + c].
+template <typename V>
+__global__ void col2im_kernel(floatX *dx, const floatX *dcol, int N, int H, int W, int C, int k, int stride, int Ho, int Wo) {
+    const int per = sizeof(V) / sizeof(floatX), vecs = C / per, pad = k / 2, taps = k * k;
+    const int total = N * H * W * vecs;
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < total; i += gridDim.x * blockDim.x) {
+        int v = i % vecs, p = i / vecs, w = p % W, h = (p / W) % H, n = p / (W * H);
+        V acc = ((V *)dx)[i];
+        float sum[sizeof(V) / sizeof(floatX)];
+        for (int j = 0; j < per; j++) sum[j] = (float)acc.v[j];
+        for (int kh = 0; kh < k; kh++) {
+            int hs = h + pad - kh;
+            if (hs < 0 || hs % stride || hs / stride >= Ho) continue;
+            for (int kw = 0; kw < k; kw++) {
+                int ws = w + pad - kw;
+                if (ws < 0 || ws % stride || ws / stride >= Wo) continue;
+                int64_t m = ((int64_t)n * Ho + hs / stride) * Wo + ws / stride;
+                V d = ((const V *)dcol)[(m * taps + kh * k + kw) * vecs + v];
+                for (int j = 0; j < per; j++) sum[j] += (float)d.v[j];
+            }
+        }
+        for (int j = 0; j < per; j++) acc.v[j] = (floatX)sum[j];
+        ((V *)dx)[i] = acc;
+    }
+}
+
+// The patch matrix of x, or x itself for a 1x1 stride-1 convolution.
+static const floatX *conv_patches(const Conv *cv, const floatX *x, int N, int H, int W) {
+    if (cv->k == 1 && cv->stride == 1) return x;
+    int Ho = conv_out_size(H, cv->k, cv->stride), Wo = conv_out_size(W, cv->k, cv->stride);
+    int64_t total = (int64_t)N * Ho * Wo * cv->k * cv->k * cv->in;
+    if (total >= INT32_MAX) fatal("a %dx%d convolution's patch matrix at batch %d is too large (%lld values)", cv->k, cv->k, N, (long long)total);
+    if (cv->in % PACK == 0)
+        im2col_kernel<Pack><<<blocks_for(total / PACK, 256), 256, 0, gpu.stream>>>(conv_scratch, x, N, H, W, cv->in, cv->k, cv->stride, Ho, Wo);
+    else
+        im2col_kernel<Scalar><<<blocks_for(total, 256), 256, 0, gpu.stream>>>(conv_scratch, x, N, H, W, cv->in, cv->k, cv->stride, Ho, Wo);
+    cuda_check_launch();
+    return conv_scratch;
+}
+
+// y = conv(x) + b (+ residual, a tensor shaped like y, when given).
+static void conv_forward(const Conv *cv, floatX *y, const floatX *x, int N, int H, int W, const floatX *residual) {
+    int M = N * conv_out_size(H, cv->k, cv->stride) * conv_out_size(W, cv->k, cv->stride), K = cv->k * cv->k * cv->in;
+    const floatX *col = conv_patches(cv, x, N, H, W);
+    matmul(y, CUDA_FLOATX, cv->out, col, 0, K, cv->w, 1, K, M, cv->out, K, residual, cv->out, residual ? 1.0f : 0.0f, cv->b);
+}
+
+// dW, db and dx += (when dx is given) from dy. d_bias_per_sample (nullable, [N][ld]) receives the
+// per-sample sums of dy too: the gradient of a per-sample channel offset added to y.
+static void conv_backward(const Conv *cv, floatX *dx, const floatX *dy, const floatX *x, int N, int H, int W,
+                          float *d_bias_per_sample, int per_sample_ld) {
+    int Ho = conv_out_size(H, cv->k, cv->stride), Wo = conv_out_size(W, cv->k, cv->stride);
+    int M = N * Ho * Wo, K = cv->k * cv->k * cv->in;
+    const floatX *col = conv_patches(cv, x, N, H, W);
+    matmul(cv->dw, CUDA_R_32F, K, dy, 1, cv->out, col, 0, K, cv->out, K, M, NULL, 0, 0.0f, NULL);
+    channel_sums(d_bias_per_sample, per_sample_ld, cv->db, dy, N, Ho * Wo, cv->out);
+    if (!dx) return;
+    if (cv->k == 1 && cv->stride == 1) {
+        matmul(dx, CUDA_FLOATX, K, dy, 0, cv->out, cv->w, 0, K, M, K, cv->out, dx, K, 1.0f, NULL);
+        return;
+    }
+    matmul(conv_scratch, CUDA_FLOATX, K, dy, 0, cv->out, cv->w, 0, K, M, K, cv->out, NULL, 0, 0.0f, NULL);
+    int64_t total = (int64_t)N * H * W * cv->in;
+    if (cv->in % PACK == 0)
+        col2im_kernel<Pack><<<blocks_for(total / PACK, 256), 256, 0, gpu.stream>>>(dx, conv_scratch, N, H, W, cv->in, cv->k, cv->stride, Ho, Wo);
+    else
+        col2im_kernel<Scalar><<<blocks_for(total, 256), 256, 0, gpu.stream>>>(dx, conv_scratch, N, H, W, cv->in, cv->k, cv->stride, Ho, Wo);
+    cuda_check_launch();
+}
+
+// ----------------------------------------------------------------------------------------------
+// Linear layers (the timestep MLP): y[N][out] = x W^T + b, W [out][in]; as a 1x1 convolution on
+// N pixels, so it shares the convolution's code.
+
+// ----------------------------------------------------------------------------------------------
+// GroupNorm with 32 groups, fused with what follows it in the model:
+//   x' = x + add[n][c]                          (optional: the timestep embedding without scale-shift)
+//   z  = (x' - mean_g) * rstd_g * gamma[c] + beta[c]   mean, variance over the group's H*W*C/32 values,
+//                                                       rstd = 1/sqrt(var + 1e-5), statistics in fp32/fp64
+//   u  = z * (1 + scale[n][c]) + shift[n][c]    (optional: scale-shift norm)
+//   y  = silu(u) = u * sigmoid(u)               (optional)
+//   y  = y * keep / (1 - p)                     (optional dropout; keep drawn from (seed, element))
+// Backward, with du = dy * keep/(1-p) * silu'(u), dz = du * (1 + scale), g = dz * gamma:
+//   d_shift = sum_hw du, d_scale = sum_hw du z, d_gamma = sum_{n,hw} dz xhat, d_beta = sum_{n,hw} dz
+//   dx' = rstd * (g - mean_g(g) - xhat * mean_g(g xhat))
+// Statistics are reduced in fixed-order passes: a partial sum per (sample, chunk of rows), then the
+// total; so results are deterministic. Each thread owns 16 bytes of channels at a time.
+
+#define GN_GROUPS 32
+#define GN_EPS 1e-5f
+#define GN_CHUNKS 16
+#define GN_THREADS 256
+
+typedef struct {
+    int channels;
+    float *gamma, *beta;     // fp32 master parameters
+    float *dgamma, *dbeta;
+} Norm;
+
+typedef struct {
+    const float *add; int add_ld;                  // [N][add_ld], or NULL
+    const float *scale_shift; int scale_shift_ld;  // [N][ld]: scale at [0, C), shift at [C, 2C), or NULL
+    int silu;
+    float dropout; uint64_t dropout_seed;
+} NormOptions;
+
+static double *gn_partial_scratch;  // [N][GN_CHUNKS][C_max][4] doubles, set up with the model
+
+__device__ inline float sigmoidf_(float x) { return 1.0f / (1.0f + expf(-x)); }
+
+__device__ inline float dropout_keep(uint64_t seed, int64_t i, float p) {
+    return (float)(random_u64(seed, 3, (uint64_t)i) >> 40) * (1.0f / 16777216.0f) >= p ? 1.0f / (1.0f - p) : 0.0f;
+}
+
+// The rows [begin, end) of chunk `chunk` of a sample with `rows` rows.
+__device__ inline void chunk_rows(int rows, int chunk, int chunks, int *begin, int *end) {
+    *begin = (int)((int64_t)rows * chunk / chunks);
+    *end = (int)((int64_t)rows * (chunk + 1) / chunks);
+}
+
+// Sums per group over one chunk: partial[n][chunk][g] = (sum x', sum x'^2).
+__global__ void group_norm_stats_kernel(double *partial, const floatX *x, NormOptions o, int HW, int C) {
+    __shared__ double sums[GN_THREADS][2 * PACK];
+    int n = blockIdx.y, chunk = blockIdx.x, packs = C / PACK, lane = threadIdx.x % packs, row0 = threadIdx.x / packs;
+    int rows_per_pass = GN_THREADS / packs, begin, end;
+    chunk_rows(HW, chunk, gridDim.x, &begin, &end);
+    double s[PACK] = {0}, ss[PACK] = {0};
+    if (row0 < rows_per_pass) {
+        for (int r = begin + row0; r < end; r += rows_per_pass) {
+            Pack p = *(const Pack *)&x[((int64_t)n * HW + r) * C + lane * PACK];
+            for (int j = 0; j < PACK; j++) {
+                double v = (double)(float)p.v[j] + (o.add ? o.add[(int64_t)n * o.add_ld + lane * PACK + j] : 0.0f);
+                s[j] += v, ss[j] += v * v;
+            }
+        }
+    }
+    for (int j = 0; j < PACK; j++) sums[threadIdx.x][j] = s[j], sums[threadIdx.x][PACK + j] = ss[j];
+    __syncthreads();
+    int per_group = C / GN_GROUPS;
+    for (int g = threadIdx.x; g < GN_GROUPS; g += blockDim.x) {  // fixed order: channels, then rows
+        double a = 0, b = 0;
+        for (int c = g * per_group; c < (g + 1) * per_group; c++)
+            for (int r = 0; r < rows_per_pass; r++) a += sums[r * packs + c / PACK][c % PACK], b += sums[r * packs + c / PACK][PACK + c % PACK];
+        partial[(((int64_t)n * gridDim.x + chunk) * GN_GROUPS + g) * 2 + 0] = a;
+        partial[(((int64_t)n * gridDim.x + chunk) * GN_GROUPS + g) * 2 + 1] = b;
+    }
+}
+
+// Normalises one chunk (statistics combined from the partial sums) and applies the fused options.
+__global__ void group_norm_apply_kernel(floatX *y, float *mean_out, float *rstd_out, const floatX *x, const double *partial,
+                                        const float *gamma, const float *beta, NormOptions o, int HW, int C) {
+    __shared__ float mean[GN_GROUPS], rstd[GN_GROUPS];
+    int n = blockIdx.y, chunk = blockIdx.x, chunks = gridDim.x, packs = C / PACK;
+    if (threadIdx.x < GN_GROUPS) {
+        double a = 0, b = 0, count = (double)HW * (C / GN_GROUPS);
+        for (int k = 0; k < chunks; k++) {
+            a += partial[(((int64_t)n * chunks + k) * GN_GROUPS + threadIdx.x) * 2 + 0];
+            b += partial[(((int64_t)n * chunks + k) * GN_GROUPS + threadIdx.x) * 2 + 1];
+        }
+        double m = a / count, var = fmax(b / count - m * m, 0.0);
+        mean[threadIdx.x] = (float)m;
+        rstd[threadIdx.x] = (float)(1.0 / sqrt(var + GN_EPS));
+        if (chunk == 0) mean_out[n * GN_GROUPS + threadIdx.x] = mean[threadIdx.x], rstd_out[n * GN_GROUPS + threadIdx.x] = rstd[threadIdx.x];
+    }
+    __syncthreads();
+    int begin, end, per_group = C / GN_GROUPS;
+    chunk_rows(HW, chunk, chunks, &begin, &end);
+    for (int64_t i = (int64_t)begin * packs + threadIdx.x; i < (int64_t)end * packs; i += blockDim.x) {
+        int c0 = (int)(i % packs) * PACK;
+        int64_t at = ((int64_t)n * HW) * C + i * PACK;
+        Pack p = *(const Pack *)&x[at], q;
+        for (int j = 0; j < PACK; j++) {
+            int c = c0 + j, g = c / per_group;
+            float v = (float)p.v[j] + (o.add ? o.add[(int64_t)n * o.add_ld + c] : 0.0f);
+            float u = (v - mean[g]) * rstd[g] * gamma[c] + beta[c];
+            if (o.scale_shift) {
+                const float *ss = o.scale_shift + (int64_t)n * o.scale_shift_ld;
+                u = u * (1.0f + ss[c]) + ss[C + c];
+            }
+            if (o.silu) u = u * sigmoidf_(u);
+            if (o.dropout > 0.0f) u *= dropout_keep(o.dropout_seed, at + j, o.dropout);
+            q.v[j] = (floatX)u;
+        }
+        *(Pack *)&y[at] = q;
+    }
+}
+
+static int gn_chunks(int HW) { return HW < GN_CHUNKS ? HW : GN_CHUNKS; }
+
+static void group_norm_forward(const Norm *norm, floatX *y, float *mean, float *rstd, const floatX *x, int N, int HW,
+                               NormOptions o) {
+    int C = norm->channels, chunks = gn_chunks(HW);
+    group_norm_stats_kernel<<<dim3(chunks, N), GN_THREADS, 0, gpu.stream>>>(gn_partial_scratch, x, o, HW, C);
+    cuda_check_launch();
+    group_norm_apply_kernel<<<dim3(chunks, N), GN_THREADS, 0, gpu.stream>>>(y, mean, rstd, x, gn_partial_scratch,
+                                                                            norm->gamma, norm->beta, o, HW, C);
+    cuda_check_launch();
+}
+
+// Backward, pass 1: per (sample, chunk) the channel sums du, du z, dz, dz xhat and the group sums
+// g, g xhat (g = dz gamma). Layout: channels [n][chunk][c][4], then groups after N*chunks*C*4.
+__global__ void group_norm_backward_sums_kernel(double *partial, const floatX *dy, const floatX *x, const float *mean,
+                                                const float *rstd, const float *gamma, const float *beta, NormOptions o,
+                                                int HW, int C) {
+    int n = blockIdx.y, chunk = blockIdx.x, chunks = gridDim.x, per_group = C / GN_GROUPS, begin, end;
+    chunk_rows(HW, chunk, chunks, &begin, &end);
+    double *channel_out = partial + ((int64_t)n * chunks + chunk) * C * 4;
+    // Channel sums: one thread per channel walks the chunk's rows (coalesced across threads).
+    for (int c = threadIdx.x; c < C; c += blockDim.x) {
+        int g = c / per_group;
+        float m = mean[n * GN_GROUPS + g], r = rstd[n * GN_GROUPS + g];
+        float add = o.add ? o.add[(int64_t)n * o.add_ld + c] : 0.0f;
+        float scale = o.scale_shift ? o.scale_shift[(int64_t)n * o.scale_shift_ld + c] : 0.0f;
+        float shift = o.scale_shift ? o.scale_shift[(int64_t)n * o.scale_shift_ld + C + c] : 0.0f;
+        double s_du = 0, s_duz = 0, s_dz = 0, s_dzx = 0;
+        for (int row = begin; row < end; row++) {
+            int64_t at = ((int64_t)n * HW + row) * C + c;
+            float xhat = ((float)x[at] + add - m) * r, z = xhat * gamma[c] + beta[c];
+            float u = o.scale_shift ? z * (1.0f + scale) + shift : z, du = (float)dy[at];
+            if (o.dropout > 0.0f) du *= dropout_keep(o.dropout_seed, at, o.dropout);
+            if (o.silu) {
+                float s = sigmoidf_(u);
+                du *= s * (1.0f + u * (1.0f - s));
+            }
+            float dz = o.scale_shift ? du * (1.0f + scale) : du;
+            s_du += du, s_duz += (double)du * z, s_dz += dz, s_dzx += (double)dz * xhat;
+        }
+        channel_out[c * 4 + 0] = s_du, channel_out[c * 4 + 1] = s_duz;
+        channel_out[c * 4 + 2] = s_dz, channel_out[c * 4 + 3] = s_dzx;
+    }
+    __syncthreads();
+    // Group sums from the channel sums of this chunk: sum g = sum_c gamma_c sum dz, likewise g xhat.
+    if (threadIdx.x < GN_GROUPS) {
+        double a = 0, b = 0;
+        for (int c = threadIdx.x * per_group; c < (threadIdx.x + 1) * per_group; c++)
+            a += gamma[c] * channel_out[c * 4 + 2], b += gamma[c] * channel_out[c * 4 + 3];
+        double *group_out = partial + (int64_t)gridDim.y * chunks * C * 4 + (((int64_t)n * chunks + chunk) * GN_GROUPS + threadIdx.x) * 2;
+        group_out[0] = a, group_out[1] = b;
+    }
+}
+
+// Backward, pass 2: dx' += rstd (g - mean_g(g) - xhat mean_g(g xhat)) for one chunk.
+__global__ void group_norm_backward_input_kernel(floatX *dx, const floatX *dy, const floatX *x, const double *partial,
+                                                 const float *mean, const float *rstd, const float *gamma,
+                                                 const float *beta, NormOptions o, int HW, int C) {
+    __shared__ float mean_g[GN_GROUPS], mean_gx[GN_GROUPS];
+    int n = blockIdx.y, chunk = blockIdx.x, chunks = gridDim.x, per_group = C / GN_GROUPS, begin, end;
+    if (threadIdx.x < GN_GROUPS) {
+        const double *groups = partial + (int64_t)gridDim.y * chunks * C * 4;
+        double a = 0, b = 0, count = (double)HW * per_group;
+        for (int k = 0; k < chunks; k++) {
+            a += groups[(((int64_t)n * chunks + k) * GN_GROUPS + threadIdx.x) * 2 + 0];
+            b += groups[(((int64_t)n * chunks + k) * GN_GROUPS + threadIdx.x) * 2 + 1];
+        }
+        mean_g[threadIdx.x] = (float)(a / count), mean_gx[threadIdx.x] = (float)(b / count);
+    }
+    __syncthreads();
+    chunk_rows(HW, chunk, chunks, &begin, &end);
+    for (int64_t i = (int64_t)begin * C + threadIdx.x; i < (int64_t)end * C; i += blockDim.x) {
+        int c = (int)(i % C), g = c / per_group;
+        int64_t at = (int64_t)n * HW * C + i;
+        float m = mean[n * GN_GROUPS + g], r = rstd[n * GN_GROUPS + g];
+        float add = o.add ? o.add[(int64_t)n * o.add_ld + c] : 0.0f;
+        float scale = o.scale_shift ? o.scale_shift[(int64_t)n * o.scale_shift_ld + c] : 0.0f;
+        float xhat = ((float)x[at] + add - m) * r, z = xhat * gamma[c] + beta[c], du = (float)dy[at];
+        float u = o.scale_shift ? z * (1.0f + scale) + o.scale_shift[(int64_t)n * o.scale_shift_ld + C + c] : z;
+        if (o.dropout > 0.0f) du *= dropout_keep(o.dropout_seed, at, o.dropout);
+        if (o.silu) {
+            float s = sigmoidf_(u);
+            du *= s * (1.0f + u * (1.0f - s));
+        }
+        float gx = (o.scale_shift ? du * (1.0f + scale) : du) * gamma[c];
+        dx[at] = (floatX)((float)dx[at] + r * (gx - mean_g[g] - xhat * mean_gx[g]));
+    }
+}
+
+// Backward, pass 3: d_gamma, d_beta (over samples and chunks) and d_scale_shift (over chunks).
+__global__ void group_norm_backward_params_kernel(float *dgamma, float *dbeta, float *d_scale_shift, int ld,
+                                                  const double *partial, int N, int chunks, int C) {
+    int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= C) return;
+    double dg = 0, db = 0;
+    for (int n = 0; n < N; n++) {
+        double du = 0, duz = 0;
+        for (int k = 0; k < chunks; k++) {
+            const double *p = partial + (((int64_t)n * chunks + k) * C + c) * 4;
+            du += p[0], duz += p[1], db += p[2], dg += p[3];
+        }
+        if (d_scale_shift) d_scale_shift[(int64_t)n * ld + c] += (float)duz, d_scale_shift[(int64_t)n * ld + C + c] += (float)du;
+    }
+    dgamma[c] = (float)dg;
+    dbeta[c] = (float)db;
+}
+
+// dx += (the input gradient), d_scale_shift += (when scale-shift is on, [N][ld] like the input).
+static void group_norm_backward(const Norm *norm, floatX *dx, float *d_scale_shift, const floatX *dy, const floatX *x,
+                                const float *mean, const float *rstd, int N, int HW, NormOptions o) {
+    int C = norm->channels, chunks = gn_chunks(HW);
+    group_norm_backward_sums_kernel<<<dim3(chunks, N), GN_THREADS, 0, gpu.stream>>>(
+        gn_partial_scratch, dy, x, mean, rstd, norm->gamma, norm->beta, o, HW, C);
+    cuda_check_launch();
+    group_norm_backward_input_kernel<<<dim3(chunks, N), GN_THREADS, 0, gpu.stream>>>(
+        dx, dy, x, gn_partial_scratch, mean, rstd, norm->gamma, norm->beta, o, HW, C);
+    cuda_check_launch();
+    group_norm_backward_params_kernel<<<(C + 127) / 128, 128, 0, gpu.stream>>>(
+        norm->dgamma, norm->dbeta, o.scale_shift ? d_scale_shift : NULL, o.scale_shift_ld, gn_partial_scratch, N, chunks, C);
+    cuda_check_launch();
+}
+
+// ----------------------------------------------------------------------------------------------
+// Attention core (guided-diffusion's QKVAttention and QKVAttentionLegacy) over T = H*W tokens:
+// for each sample n and head h with ch = C/heads channels,
+//   S = Q K^T,  P = softmax(S / sqrt(ch)) (rows, fp32),  O = P V       (q, k each scaled by ch^-1/4)
+// Q, K, V are channel slices of qkv [N][T][3C]: legacy order puts head h's q, k, v at
+// h*3ch + {0, ch, 2ch}; the new order puts q at h*ch, k at C + h*ch, v at 2C + h*ch. O is written
+// head-major into [N][T][C]. Backward:
+//   dP = dO V^T,  dS = P * (dP - rowsum(dP * P)) / sqrt(ch),  dQ = dS K,  dK = dS^T Q,  dV = P^T dO
+// The products run as batched matrix products over (n, h), given by arrays of pointers.
+
+typedef struct {
+    int N, T, C, heads, legacy;
+    float *scores;    // [N*heads][T][T] fp32 scratch: S, then dP
+    floatX *probs;    // [N*heads][T][T] P, kept for the backward
+    floatX *d_scores; // [N*heads][T][T] scratch: dS
+    // pointer arrays, one entry per (n, h)
+    const floatX **q, **k, **v, **p, **ds, **o_read;
+    floatX **o, **dq, **dk, **dv;
+    void **s, **dp_out;
+    const floatX **d_o;
+} Attention;
+
+__global__ void softmax_forward_kernel(floatX *probs, const float *scores, int rows, int T, float scale) {
+    int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (row >= rows) return;
+    const float *s = scores + (int64_t)row * T;
+    float m = -INFINITY, sum = 0.0f;
+    for (int i = lane; i < T; i += 32) m = fmaxf(m, s[i] * scale);
+    for (int o = 16; o > 0; o /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffff, m, o));
+    for (int i = lane; i < T; i += 32) sum += expf(s[i] * scale - m);
+    for (int o = 16; o > 0; o /= 2) sum += __shfl_xor_sync(0xffffffff, sum, o);
+    for (int i = lane; i < T; i += 32) probs[(int64_t)row * T + i] = (floatX)(expf(s[i] * scale - m) / sum);
+}
+
+__global__ void softmax_backward_kernel(floatX *d_scores, const float *d_probs, const floatX *probs, int rows, int T, float scale) {
+    int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (row >= rows) return;
+    const float *dp = d_probs + (int64_t)row * T;
+    const floatX *p = probs + (int64_t)row * T;
+    float dot = 0.0f;
+    for (int i = lane; i < T; i += 32) dot += dp[i] * (float)p[i];
+    for (int o = 16; o > 0; o /= 2) dot += __shfl_xor_sync(0xffffffff, dot, o);
+    for (int i = lane; i < T; i += 32) d_scores[(int64_t)row * T + i] = (floatX)((float)p[i] * (dp[i] - dot) * scale);
+}
+
+// Fills the pointer arrays for qkv / out / their gradients of one attention layer.
+__global__ void attention_pointers_kernel(Attention a, const floatX *qkv, floatX *out, floatX *d_qkv, const floatX *d_out) {
+    int b = blockIdx.x * blockDim.x + threadIdx.x;
+    if (b >= a.N * a.heads) return;
+    int n = b / a.heads, h = b % a.heads, ch = a.C / a.heads;
+    int64_t base = (int64_t)n * a.T * 3 * a.C;
+    int64_t q_off = a.legacy ? h * 3 * ch : h * ch, k_off = a.legacy ? q_off + ch : a.C + h * ch, v_off = a.legacy ? q_off + 2 * ch : 2 * a.C + h * ch;
+    int64_t tt = (int64_t)b * a.T * a.T, o_off = (int64_t)n * a.T * a.C + h * ch;
+    a.q[b] = qkv + base + q_off, a.k[b] = qkv + base + k_off, a.v[b] = qkv + base + v_off;
+    a.dq[b] = d_qkv + base + q_off, a.dk[b] = d_qkv + base + k_off, a.dv[b] = d_qkv + base + v_off;
+    a.s[b] = a.scores + tt, a.dp_out[b] = a.scores + tt, a.p[b] = a.probs + tt, a.ds[b] = a.d_scores + tt;
+    a.o[b] = out + o_off, a.o_read[b] = out + o_off, a.d_o[b] = d_out + o_off;
+}
+
+static void attention_forward(const Attention *a) {
+    int ch = a->C / a->heads, batch = a->N * a->heads, T = a->T;
+    matmul_batched(a->s, CUDA_R_32F, T, a->q, 0, 3 * a->C, a->k, 1, 3 * a->C, T, T, ch, 0.0f, batch);
+    softmax_forward_kernel<<<(batch * T + 7) / 8, 256, 0, gpu.stream>>>(a->probs, a->scores, batch * T, T, 1.0f / sqrtf((float)ch));
+    cuda_check_launch();
+    matmul_batched((void *const *)a->o, CUDA_FLOATX, a->C, a->p, 0, T, a->v, 0, 3 * a->C, T, ch, T, 0.0f, batch);
+}
+
+// d_qkv = (the gradient of the core at dO), written whole.
+static void attention_backward(const Attention *a) {
+    int ch = a->C / a->heads, batch = a->N * a->heads, T = a->T;
+    matmul_batched(a->dp_out, CUDA_R_32F, T, a->d_o, 0, a->C, a->v, 1, 3 * a->C, T, T, ch, 0.0f, batch);
+    softmax_backward_kernel<<<(batch * T + 7) / 8, 256, 0, gpu.stream>>>(a->d_scores, a->scores, a->probs, batch * T, T,
+                                                                         1.0f / sqrtf((float)ch));
+    cuda_check_launch();
+    matmul_batched((void *const *)a->dq, CUDA_FLOATX, 3 * a->C, a->ds, 0, T, a->k, 0, 3 * a->C, T, ch, T, 0.0f, batch);
+    matmul_batched((void *const *)a->dk, CUDA_FLOATX, 3 * a->C, a->ds, 1, T, a->q, 0, 3 * a->C, T, ch, T, 0.0f, batch);
+    matmul_batched((void *const *)a->dv, CUDA_FLOATX, 3 * a->C, a->p, 1, T, a->d_o, 0, a->C, T, ch, T, 0.0f, batch);
+}
+
+// ----------------------------------------------------------------------------------------------
+// Resampling without weights, NHWC: 2x2 average pooling (down) and nearest-neighbour 2x (up).
+//   pool: y[n][i][j] = (x[2i][2j] + x[2i][2j+1] + x[2i+1][2j] + x[2i+1][2j+1]) / 4;  dx = dy / 4 to each
+//   up:   y[n][i][j] = x[i/2][j/2];                                                 dx = sum of its 4 dy
+
+__global__ void avg_pool_forward_kernel(floatX *y, const floatX *x, int N, int H, int W, int C) {
+    int64_t total = (int64_t)N * (H / 2) * (W / 2) * C;
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < total; i += (int64_t)gridDim.x * blockDim.x) {
+        int c = (int)(i % C);
+        int64_t rest = i / C;
+        int j = (int)(rest % (W / 2)); rest /= W / 2;
+        int r = (int)(rest % (H / 2));
+        int64_t n = rest / (H / 2);
+        const floatX *p = x + ((n * H + 2 * r) * W + 2 * j) * C + c;
+        y[i] = (floatX)(((float)p[0] + (float)p[C] + (float)p[(int64_t)W * C] + (float)p[(int64_t)W * C + C]) * 0.25f);
+    }
+}
+
+__global__ void avg_pool_backward_kernel(floatX *dx, const floatX *dy, int N, int H, int W, int C) {
+    int64_t total = (int64_t)N * H * W * C;
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < total; i += (int64_t)gridDim.x * blockDim.x) {
+        int c = (int)(i % C);
+        int64_t rest = i / C;
+        int w = (int)(rest % W); rest /= W;
+        int h = (int)(rest % H);
+        int64_t n = rest / H;
+        dx[i] = (floatX)((float)dx[i] + 0.25f * (float)dy[((n * (H / 2) + h / 2) * (W / 2) + w / 2) * C + c]);
+    }
+}
+
+__global__ void upsample_forward_kernel(floatX *y, const floatX *x, int N, int H, int W, int C) {  // H, W: input size
+    int64_t total = (int64_t)N * 2 * H * 2 * W * C;
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < total; i += (int64_t)gridDim.x * blockDim.x) {
+        int c = (int)(i % C);
+        int64_t rest = i / C;
+        int w = (int)(rest % (2 * W)); rest /= 2 * W;
+        int h = (int)(rest % (2 * H));
+        int64_t n = rest / (2 * H);
+        y[i] = x[((n * H + h / 2) * W + w / 2) * C + c];
+    }
+}
+
+__global__ void upsample_backward_kernel(floatX *dx, const floatX *dy, int N, int H, int W, int C) {  // H, W: input size
+    int64_t total = (int64_t)N * H * W * C;
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < total; i += (int64_t)gridDim.x * blockDim.x) {
+        int c = (int)(i % C);
+        int64_t rest = i / C;
+        int w = (int)(rest % W); rest /= W;
+        int h = (int)(rest % H);
+        int64_t n = rest / H;
+        const floatX *p = dy + ((n * 2 * H + 2 * h) * 2 * W + 2 * w) * C + c;
+        int64_t row = (int64_t)2 * W * C;
+        dx[i] = (floatX)((float)dx[i] + (float)p[0] + (float)p[C] + (float)p[row] + (float)p[row + C]);
+    }
+}
+
+static void resample_forward(int up, floatX *y, const floatX *x, int N, int H, int W, int C) {
+    int64_t out = up ? (int64_t)N * 4 * H * W * C : (int64_t)N * (H / 2) * (W / 2) * C;
+    if (up) upsample_forward_kernel<<<blocks_for(out, 256), 256, 0, gpu.stream>>>(y, x, N, H, W, C);
+    else avg_pool_forward_kernel<<<blocks_for(out, 256), 256, 0, gpu.stream>>>(y, x, N, H, W, C);
+    cuda_check_launch();
+}
+
+// dx += the gradient through the resampling of an H x W input.
+static void resample_backward(int up, floatX *dx, const floatX *dy, int N, int H, int W, int C) {
+    int64_t in = (int64_t)N * H * W * C;
+    if (up) upsample_backward_kernel<<<blocks_for(in, 256), 256, 0, gpu.stream>>>(dx, dy, N, H, W, C);
+    else avg_pool_backward_kernel<<<blocks_for(in, 256), 256, 0, gpu.stream>>>(dx, dy, N, H, W, C);
+    cuda_check_launch();
+}
+
+// ----------------------------------------------------------------------------------------------
+// Channel concatenation of the skip connections: y[p] = [a[p] (Ca channels) | b[p] (Cb)];
+// backward splits dy into da += and db +=.
+
+__global__ void concat_kernel(floatX *y, const floatX *a, const floatX *b, int64_t pixels, int Ca, int Cb) {
+    int C = Ca + Cb;
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < pixels * C; i += (int64_t)gridDim.x * blockDim.x) {
+        int64_t p = i / C;
+        int c = (int)(i % C);
+        y[i] = c < Ca ? a[p * Ca + c] : b[p * Cb + c - Ca];
+    }
+}
+
+__global__ void split_add_kernel(floatX *da, floatX *db, const floatX *dy, int64_t pixels, int Ca, int Cb) {
+    int C = Ca + Cb;
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < pixels * C; i += (int64_t)gridDim.x * blockDim.x) {
+        int64_t p = i / C;
+        int c = (int)(i % C);
+        floatX *d = c < Ca ? &da[p * Ca + c] : &db[p * Cb + c - Ca];
+        *d = (floatX)((float)*d + (float)dy[i]);
+    }
+}
+
+// ----------------------------------------------------------------------------------------------
+// Elementwise: y (+)= x, SiLU and its backward dx (+)= dy * s (1 + x (1 - s)), s = sigmoid(x).
+
+__global__ void add_kernel(floatX *y, const floatX *x, int64_t n) {
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
+        y[i] = (floatX)((float)y[i] + (float)x[i]);
+}
+
+__global__ void silu_forward_kernel(floatX *y, const floatX *x, int64_t n) {
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
+        float v = (float)x[i];
+        y[i] = (floatX)(v * sigmoidf_(v));
+    }
+}
+
+__global__ void silu_backward_kernel(floatX *dx, const floatX *dy, const floatX *x, int64_t n) {
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
+        float v = (float)x[i], s = sigmoidf_(v);
+        dx[i] = (floatX)((float)dx[i] + (float)dy[i] * s * (1.0f + v * (1.0f - s)));
+    }
+}
+
+// ----------------------------------------------------------------------------------------------
+// The timestep and class embeddings. guided-diffusion's sinusoid of dim D, half = D/2:
+//   e[n][i] = cos(t_n f_i), e[n][half + i] = sin(t_n f_i), f_i = exp(-ln(10000) i / half)
+// (computed in double: the fp32 argument would be off by ~1e-4 at t ~ 1000), then the label row:
+//   emb[n] += label_emb[y_n];  backward: d_label_emb[k] = sum over n with y_n = k of d_emb[n].
+
+__global__ void timestep_embedding_kernel(floatX *e, const int64_t *t, int N, int D) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x, half = D / 2;
+    if (i >= N * D) return;
+    int n = i / D, j = i % D;
+    if (j >= 2 * half) { e[i] = (floatX)0.0f; return; }
+    double f = exp(-log(10000.0) * (j % half) / half), arg = (double)t[n] * f;
+    e[i] = (floatX)(j < half ? cos(arg) : sin(arg));
+}
+
+__global__ void label_embedding_forward_kernel(floatX *emb, const float *table, const int *labels, int N, int D) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < N * D) emb[i] = (floatX)((float)emb[i] + table[(int64_t)labels[i / D] * D + i % D]);
+}
+
+__global__ void label_embedding_backward_kernel(float *d_table, const floatX *d_emb, const int *labels, int N, int rows, int D) {
+    int j = blockIdx.x * blockDim.x + threadIdx.x;
+    if (j >= D) return;
+    for (int k = 0; k < rows; k++) d_table[(int64_t)k * D + j] = 0.0f;
+    for (int n = 0; n < N; n++) d_table[(int64_t)labels[n] * D + j] += (float)d_emb[(int64_t)n * D + j];
+}
+
+// ----------------------------------------------------------------------------------------------
+// The loss: L = mean((out - target)^2) over all elements, in fp32 with a fixed-order reduction;
+// d_out = 2 (out - target) / count.
+
+#define LOSS_BLOCKS 256
+
+__global__ void mse_partial_kernel(float *partial, floatX *d_out, const floatX *out, const floatX *target, int64_t count) {
+    __shared__ float sums[256];
+    float s = 0.0f;
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < count; i += (int64_t)gridDim.x * blockDim.x) {
+        float diff = (float)out[i] - (float)target[i];
+        s += diff * diff;
+        d_out[i] = (floatX)(2.0f * diff / (float)count);
+    }
+    sums[threadIdx.x] = s;
+    __syncthreads();
+    for (int stride = blockDim.x / 2; stride > 0; stride /= 2) {
+        if (threadIdx.x < stride) sums[threadIdx.x] += sums[threadIdx.x + stride];
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) partial[blockIdx.x] = sums[0];
+}
+
+__global__ void mse_final_kernel(float *loss, const float *partial, int64_t count) {
+    double s = 0.0;
+    for (int i = 0; i < LOSS_BLOCKS; i++) s += partial[i];
+    *loss = (float)(s / (double)count);
+}
+
+// Writes the loss to loss[0] (device) and its gradient to d_out; partial holds LOSS_BLOCKS floats.
+static void mse_loss(float *loss, float *partial, floatX *d_out, const floatX *out, const floatX *target, int64_t count) {
+    mse_partial_kernel<<<LOSS_BLOCKS, 256, 0, gpu.stream>>>(partial, d_out, out, target, count);
+    cuda_check_launch();
+    mse_final_kernel<<<1, 1, 0, gpu.stream>>>(loss, partial, count);
+    cuda_check_launch();
+}
+
+// ----------------------------------------------------------------------------------------------
+// AdamW as PyTorch defines it, on the fp32 master weights, refreshing the compute copy:
+//   p -= lr wd p;  m = b1 m + (1 - b1) g;  v = b2 v + (1 - b2) g^2
+//   p -= lr (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps)
+
+__global__ void adamw_kernel(float *params, floatX *params_x, float *m, float *v, const float *grads, int64_t n,
+                             float lr, float beta1, float beta2, float eps, float weight_decay, float bias1, float bias2) {
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
+        float g = grads[i], p = params[i] * (1.0f - lr * weight_decay);
+        float mi = beta1 * m[i] + (1.0f - beta1) * g, vi = beta2 * v[i] + (1.0f - beta2) * g * g;
+        p -= lr * (mi / bias1) / (sqrtf(vi / bias2) + eps);
+        m[i] = mi, v[i] = vi, params[i] = p;
+        if (params_x) params_x[i] = (floatX)p;
+    }
+}
+
+__global__ void float_to_floatx_kernel(floatX *out, const float *in, int64_t n) {
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
+        out[i] = (floatX)in[i];
+}
+
+// ----------------------------------------------------------------------------------------------
+// The model: guided-diffusion's UNetModel as a list of layers in data-flow order.
+//
+// One walk over the architecture, in the order of UNetModel.__init__, names every parameter as
+// guided-diffusion's state_dict does (PyTorch shapes) and, when building, creates the layers:
+//   time_embed, label_emb; input_blocks: conv, then per level ResBlocks (+ attention), then a
+//   Downsample or down-ResBlock, each block's output kept as a skip; middle_block: ResBlock,
+//   attention, ResBlock; output_blocks: concat [h, skip], ResBlock (+ attention) (+ Upsample or
+//   up-ResBlock on the last block of a level); out: GroupNorm, SiLU, conv.
+// All ResBlocks' emb_layers weights sit side by side on the GPU, so one matrix product computes
+// every block's timestep projection, and one computes their gradients.
+
+// One parameter tensor as guided-diffusion's state_dict names it, shape in PyTorch's layout.
+typedef struct {
+    char name[96];
+    int ndim;
+    int shape[4];
+    int64_t numel;
+    int64_t offset;  // element offset in the GPU parameter arrays
+} ParamSpec;
+
+typedef struct {
+    ParamSpec *specs;
+    int count, capacity;
+    int64_t numel;
+} ParamList;
+
+// An activation and its gradient, NHWC.
+typedef struct {
+    floatX *x, *dx;
+    int N, H, W, C;
+} Act;
+
+static int64_t act_numel(const Act *a) { return (int64_t)a->N * a->H * a->W * a->C; }
+
+typedef enum { LAYER_CONV, LAYER_CONCAT, LAYER_RES, LAYER_ATTENTION, LAYER_DOWN, LAYER_UP, LAYER_OUT } LayerKind;
+
+typedef struct {
+    LayerKind kind;
+    Act *in, *skip;  // inputs: the previous layer's output, and for LAYER_CONCAT the skip
+    Act out;
+    // parameters (ResBlock: norm1, conv1 = in_layers; norm2, conv2 = out_layers; conv3 = skip_connection.
+    // attention: norm1, conv1 = qkv, conv2 = proj_out. DOWN/UP with conv_resample and CONV: conv1.
+    // OUT: norm1, conv1)
+    Norm norm1, norm2;
+    Conv conv1, conv2, conv3;
+    int has_conv, has_skip_conv;
+    int resample;          // ResBlock: -1 down, +1 up, 0 none
+    int emb_offset;        // ResBlock: its columns in the timestep projection
+    // saved activations
+    Act h0, h0r, xr, h1, h2, up;     // ResBlock (h0r, xr: resampled; up: Upsample before its conv)
+    float *mean1, *rstd1, *mean2, *rstd2;
+    Attention attention;
+} Layer;
+
+typedef struct {
+    int64_t used;
+    char *base;  // NULL while measuring
+} Arena;
+
+// Takes bytes from an arena (256-byte aligned); while measuring it only counts.
+static void *arena_take(Arena *a, int64_t bytes) {
+    void *p = a->base ? a->base + a->used : NULL;
+    a->used += (bytes + 255) / 256 * 256;
+    return p;
+}
+
+typedef struct {
+    ModelConfig config;
+    int batch;
+    ParamList params;
+    int64_t storage;  // floats per parameter array: the parameters and 256-byte alignment gaps
+    int64_t emb_bias_offset, emb_total;  // the ResBlocks' emb_layers, side by side: weights at 0, then biases
+    // parameters (GPU): fp32 master, compute copy (the master itself in FP32), gradients, AdamW moments
+    float *master, *grad, *adam_m, *adam_v;
+    floatX *compute;
+    // layers and activations
+    Layer *layers;
+    int num_layers, capacity;
+    Arena acts;
+    Act input, *output;
+    int64_t *timesteps;         // [N]
+    int *labels;                // [N]
+    Conv time_embed0, time_embed2, emb_all;
+    float *label_table, *d_label_table;
+    Act t_sinusoid, t_hidden, t_hidden_silu, emb, emb_silu;
+    float *emb_out, *d_emb_out;  // [N][emb_total] fp32
+    floatX *d_emb_out_x;
+    int64_t conv_scratch_numel, attention_scratch_numel, gn_scratch_numel, channel_scratch_numel;
+    float *loss, *loss_partial;
+    Act target, d_output_placeholder;
+    uint64_t dropout_seed;
+} UNet;
+
+typedef struct {
+    const ModelConfig *c;
+    ParamList *params;
+    UNet *m;   // NULL: list the parameters only
+    Act *cur;  // the activation the next layer reads
+    int size;  // its side
+    int emb_offset;
+} Walk;
+
+static int param_add(ParamList *list, const char *prefix, const char *leaf, int ndim, const int *shape) {
+    if (list->count == list->capacity) {
+        list->capacity = list->capacity ? 2 * list->capacity : 256;
+        list->specs = (ParamSpec *)realloc(list->specs, list->capacity * sizeof(ParamSpec));
+        if (!list->specs) fatal("out of host memory");
+    }
+    ParamSpec *p = &list->specs[list->count];
+    snprintf(p->name, sizeof p->name, "%s%s", prefix, leaf);
+    p->ndim = ndim;
+    p->numel = 1;
+    for (int i = 0; i < ndim; i++) p->shape[i] = shape[i], p->numel *= shape[i];
+    p->offset = -1;
+    list->numel += p->numel;
+    return list->count++;
+}
+
+static floatX *param_compute(const UNet *m, int index) { return m->compute + m->params.specs[index].offset; }
+static float *param_master(const UNet *m, int index) { return m->master + m->params.specs[index].offset; }
+static float *param_grad(const UNet *m, int index) { return m->grad + m->params.specs[index].offset; }
+
+// A convolution's weight [out][in][k...] (dims = 1 or 2 spatial dimensions) and bias [out]; when
+// building, the Conv that uses them.
+static Conv walk_conv(Walk *w, const char *prefix, int in, int out, int k, int stride, int dims) {
+    int weight_shape[4] = {out, in, k, k}, bias_shape[1] = {out};
+    int weight = param_add(w->params, prefix, "weight", 2 + dims, weight_shape);
+    param_add(w->params, prefix, "bias", 1, bias_shape);
+    Conv cv = {in, out, k, stride, NULL, NULL, NULL, NULL};
+    if (w->m && w->m->compute) {
+        cv.w = param_compute(w->m, weight), cv.b = param_compute(w->m, weight + 1);
+        cv.dw = param_grad(w->m, weight), cv.db = param_grad(w->m, weight + 1);
+    }
+    return cv;
+}
+
+static Conv walk_linear(Walk *w, const char *prefix, int in, int out) {
+    int weight_shape[2] = {out, in}, bias_shape[1] = {out};
+    int weight = param_add(w->params, prefix, "weight", 2, weight_shape);
+    param_add(w->params, prefix, "bias", 1, bias_shape);
+    Conv cv = {in, out, 1, 1, NULL, NULL, NULL, NULL};
+    if (w->m && w->m->compute) {
+        cv.w = param_compute(w->m, weight), cv.b = param_compute(w->m, weight + 1);
+        cv.dw = param_grad(w->m, weight), cv.db = param_grad(w->m, weight + 1);
+    }
+    return cv;
+}
+
+static Norm walk_norm(Walk *w, const char *prefix, int channels) {
+    int shape[1] = {channels};
+    int weight = param_add(w->params, prefix, "weight", 1, shape);
+    param_add(w->params, prefix, "bias", 1, shape);
+    Norm n = {channels, NULL, NULL, NULL, NULL};
+    if (w->m && w->m->compute) {
+        n.gamma = param_master(w->m, weight), n.beta = param_master(w->m, weight + 1);
+        n.dgamma = param_grad(w->m, weight), n.dbeta = param_grad(w->m, weight + 1);
+    }
+    return n;
+}
+
+static Act act_alloc(UNet *m, int N, int H, int W, int C) {
+    Act a = {NULL, NULL, N, H, W, C};
+    int64_t bytes = act_numel(&a) * (int64_t)sizeof(floatX);
+    a.x = (floatX *)arena_take(&m->acts, bytes);
+    a.dx = (floatX *)arena_take(&m->acts, bytes);
+    return a;
+}
+
+static float *stats_alloc(UNet *m) { return (float *)arena_take(&m->acts, (int64_t)m->batch * GN_GROUPS * sizeof(float)); }
+
+static void note_scratch(int64_t *have, int64_t need) { if (need > *have) *have = need; }
+
+// Appends a layer reading the walk's current activation; the new layer's output becomes current.
+static Layer *walk_layer(Walk *w, LayerKind kind, int out_channels, int out_size) {
+    UNet *m = w->m;
+    if (m->num_layers == m->capacity) fatal("internal error: more layers than planned (%d)", m->capacity);
+    Layer *l = &m->layers[m->num_layers++];
+    memset(l, 0, sizeof *l);
+    l->kind = kind;
+    l->in = w->cur;
+    l->out = act_alloc(m, m->batch, out_size, out_size, out_channels);
+    return l;
+}
+
+// Notes the patch-matrix size a convolution on a size x size input needs.
+static void walk_conv_scratch(Walk *w, const Conv *cv, int size) {
+    int o = conv_out_size(size, cv->k, cv->stride);
+    if (!(cv->k == 1 && cv->stride == 1)) note_scratch(&w->m->conv_scratch_numel, (int64_t)w->m->batch * o * o * cv->k * cv->k * cv->in);
+    note_scratch(&w->m->channel_scratch_numel, (int64_t)w->m->batch * CHANNEL_SUM_CHUNKS * cv->out);
+}
+
+static void walk_norm_scratch(Walk *w, int channels) {
+    int64_t n = (int64_t)w->m->batch * GN_CHUNKS * (channels * 4 + GN_GROUPS * 2);
+    note_scratch(&w->m->gn_scratch_numel, n);
+}
+
+// The layer's output becomes the walk's current activation.
+static void walk_advance(Walk *w, Layer *l, int size) {
+    w->cur = &l->out;
+    w->size = size;
+}
+
+static void param_child(char *out, size_t len, const char *prefix, const char *child) {
+    snprintf(out, len, "%s%s", prefix, child);
+}
+
+// guided-diffusion's ResBlock: in_layers (GroupNorm, SiLU, [resample], conv3x3), emb_layers (SiLU,
+// linear to out or 2*out with scale-shift), out_layers (GroupNorm, SiLU, dropout, zero conv3x3),
+// skip_connection (1x1 conv when the channel count changes; resampled x when up/down).
+static void walk_res_block(Walk *w, const char *prefix, int in, int out, int resample) {
+    const ModelConfig *c = w->c;
+    char name[128];
+    int emb_dim = 4 * c->model_channels, emb_out = c->use_scale_shift_norm ? 2 * out : out;
+    param_child(name, sizeof name, prefix, "in_layers.0."); Norm norm1 = walk_norm(w, name, in);
+    param_child(name, sizeof name, prefix, "in_layers.2."); Conv conv1 = walk_conv(w, name, in, out, 3, 1, 2);
+    param_child(name, sizeof name, prefix, "emb_layers.1."); walk_linear(w, name, emb_dim, emb_out);
+    param_child(name, sizeof name, prefix, "out_layers.0."); Norm norm2 = walk_norm(w, name, out);
+    param_child(name, sizeof name, prefix, "out_layers.3."); Conv conv2 = walk_conv(w, name, out, out, 3, 1, 2);
+    Conv conv3 = {0};
+    if (out != in) param_child(name, sizeof name, prefix, "skip_connection."), conv3 = walk_conv(w, name, in, out, 1, 1, 2);
+    int emb_offset = w->emb_offset;
+    w->emb_offset += emb_out;
+    if (!w->m) return;
+    UNet *m = w->m;
+    int size = w->size, out_size = resample > 0 ? 2 * size : resample < 0 ? size / 2 : size, N = m->batch;
+    Layer *l = walk_layer(w, LAYER_RES, out, out_size);
+    l->norm1 = norm1, l->conv1 = conv1, l->norm2 = norm2, l->conv2 = conv2, l->conv3 = conv3;
+    l->has_skip_conv = out != in, l->resample = resample, l->emb_offset = emb_offset;
+    l->h0 = act_alloc(m, N, size, size, in);
+    if (resample) l->h0r = act_alloc(m, N, out_size, out_size, in), l->xr = act_alloc(m, N, out_size, out_size, in);
+    l->h1 = act_alloc(m, N, out_size, out_size, out);
+    l->h2 = act_alloc(m, N, out_size, out_size, out);
+    l->mean1 = stats_alloc(m), l->rstd1 = stats_alloc(m), l->mean2 = stats_alloc(m), l->rstd2 = stats_alloc(m);
+    walk_conv_scratch(w, &conv1, out_size), walk_conv_scratch(w, &conv2, out_size);
+    if (l->has_skip_conv) walk_conv_scratch(w, &conv3, out_size);
+    walk_norm_scratch(w, in), walk_norm_scratch(w, out);
+    walk_advance(w, l, out_size);
+}
+
+// guided-diffusion's AttentionBlock: GroupNorm, qkv (1x1 conv1d to 3C), attention, proj_out
+// (zero conv1d), residual.
+static void walk_attention(Walk *w, const char *prefix, int channels, int heads) {
+    char name[128];
+    param_child(name, sizeof name, prefix, "norm."); Norm norm = walk_norm(w, name, channels);
+    param_child(name, sizeof name, prefix, "qkv."); Conv qkv = walk_conv(w, name, channels, 3 * channels, 1, 1, 1);
+    param_child(name, sizeof name, prefix, "proj_out."); Conv proj = walk_conv(w, name, channels, channels, 1, 1, 1);
+    if (!w->m) return;
+    UNet *m = w->m;
+    int size = w->size, N = m->batch, T = size * size;
+    Layer *l = walk_layer(w, LAYER_ATTENTION, channels, size);
+    l->norm1 = norm, l->conv1 = qkv, l->conv2 = proj;
+    l->h0 = act_alloc(m, N, size, size, channels);       // normalised
+    l->h1 = act_alloc(m, N, size, size, 3 * channels);   // qkv
+    l->h2 = act_alloc(m, N, size, size, channels);       // attention output
+    l->mean1 = stats_alloc(m), l->rstd1 = stats_alloc(m);
+    Attention *a = &l->attention;
+    a->N = N, a->T = T, a->C = channels, a->heads = heads, a->legacy = !w->c->use_new_attention_order;
+    int64_t batch = (int64_t)N * heads, tt = batch * T * T;
+    a->probs = (floatX *)arena_take(&m->acts, tt * sizeof(floatX));
+    note_scratch(&m->attention_scratch_numel, tt);
+    void **arrays[13] = {(void **)&a->q, (void **)&a->k, (void **)&a->v, (void **)&a->p, (void **)&a->ds, (void **)&a->o_read,
+                         (void **)&a->o, (void **)&a->dq, (void **)&a->dk, (void **)&a->dv, (void **)&a->s, (void **)&a->dp_out,
+                         (void **)&a->d_o};
+    for (int i = 0; i < 13; i++) *arrays[i] = arena_take(&m->acts, batch * sizeof(void *));
+    walk_norm_scratch(w, channels);
+    walk_conv_scratch(w, &qkv, size), walk_conv_scratch(w, &proj, size);
+    walk_advance(w, l, size);
+}
+
+// guided-diffusion's Downsample (stride-2 conv, or 2x2 average pooling) and Upsample (nearest,
+// then a conv when conv_resample).
+static void walk_resample(Walk *w, const char *prefix, int channels, int up) {
+    Conv cv = {0};
+    if (w->c->conv_resample) cv = walk_conv(w, prefix, channels, channels, 3, up ? 1 : 2, 2);
+    if (!w->m) return;
+    int size = w->size, out_size = up ? 2 * size : size / 2;
+    Layer *l = walk_layer(w, up ? LAYER_UP : LAYER_DOWN, channels, out_size);
+    l->conv1 = cv, l->has_conv = w->c->conv_resample;
+    if (up && l->has_conv) l->up = act_alloc(w->m, w->m->batch, out_size, out_size, channels);
+    if (l->has_conv) walk_conv_scratch(w, &cv, up ? out_size : size);
+    walk_advance(w, l, out_size);
+}
+
+static int heads_for(const ModelConfig *c, int channels, int decoder) {
+    return c->num_head_channels != -1 ? channels / c->num_head_channels : decoder ? c->num_heads_upsample : c->num_heads;
+}
+
+// The whole walk (see the top of this section).
+static void unet_walk(const ModelConfig *c, ParamList *params, UNet *m) {
+    Walk w = {c, params, m, m ? &m->input : NULL, c->image_size, 0};
+    int emb_dim = 4 * c->model_channels;
+    Conv te0 = walk_linear(&w, "time_embed.0.", c->model_channels, emb_dim);
+    Conv te2 = walk_linear(&w, "time_embed.2.", emb_dim, emb_dim);
+    int label = -1;
+    if (c->num_classes) {
+        int shape[2] = {c->num_classes, emb_dim};
+        label = param_add(params, "label_emb.", "weight", 2, shape);
+    }
+    if (m) {
+        m->time_embed0 = te0, m->time_embed2 = te2;
+        if (m->compute && label >= 0) m->label_table = param_master(m, label), m->d_label_table = param_grad(m, label);
+    }
+    char name[128];
+    int ch = c->level_channels[0], skip_channels[64], skip_layers[64], num_skips = 0, block = 1;
+    Conv conv_in = walk_conv(&w, "input_blocks.0.0.", c->in_channels, ch, 3, 1, 2);
+    if (m) {
+        Layer *l = walk_layer(&w, LAYER_CONV, ch, w.size);
+        l->conv1 = conv_in;
+        walk_conv_scratch(&w, &conv_in, w.size);
+        walk_advance(&w, l, w.size);
+    }
+    skip_channels[num_skips] = ch, skip_layers[num_skips++] = m ? m->num_layers - 1 : 0;
+    for (int level = 0; level < c->num_levels; level++) {
+        for (int r = 0; r < c->num_res_blocks; r++, block++) {
+            snprintf(name, sizeof name, "input_blocks.%d.0.", block);
+            walk_res_block(&w, name, ch, c->level_channels[level], 0);
+            ch = c->level_channels[level];
+            if (c->level_attention[level]) {
+                snprintf(name, sizeof name, "input_blocks.%d.1.", block);
+                walk_attention(&w, name, ch, heads_for(c, ch, 0));
+            }
+            skip_channels[num_skips] = ch, skip_layers[num_skips++] = m ? m->num_layers - 1 : 0;
+        }
+        if (level != c->num_levels - 1) {
+            if (c->resblock_updown) snprintf(name, sizeof name, "input_blocks.%d.0.", block), walk_res_block(&w, name, ch, ch, -1);
+            else snprintf(name, sizeof name, "input_blocks.%d.0.op.", block), walk_resample(&w, name, ch, 0);
+            skip_channels[num_skips] = ch, skip_layers[num_skips++] = m ? m->num_layers - 1 : 0;
+            block++;
+        }
+    }
+    walk_res_block(&w, "middle_block.0.", ch, ch, 0);
+    walk_attention(&w, "middle_block.1.", ch, heads_for(c, ch, 0));
+    walk_res_block(&w, "middle_block.2.", ch, ch, 0);
+    block = 0;
+    for (int level = c->num_levels - 1; level >= 0; level--) {
+        for (int r = 0; r <= c->num_res_blocks; r++, block++) {
+            int skip = skip_channels[--num_skips];
+            if (m) {  // [h, skip] along channels
+                Layer *l = walk_layer(&w, LAYER_CONCAT, ch + skip, w.size);
+                l->skip = &m->layers[skip_layers[num_skips]].out;
+                walk_advance(&w, l, w.size);
+            }
+            snprintf(name, sizeof name, "output_blocks.%d.0.", block);
+            walk_res_block(&w, name, ch + skip, c->level_channels[level], 0);
+            ch = c->level_channels[level];
+            int layer = 1;
+            if (c->level_attention[level]) {
+                snprintf(name, sizeof name, "output_blocks.%d.%d.", block, layer++);
+                walk_attention(&w, name, ch, heads_for(c, ch, 1));
+            }
+            if (level > 0 && r == c->num_res_blocks) {
+                if (c->resblock_updown) snprintf(name, sizeof name, "output_blocks.%d.%d.", block, layer), walk_res_block(&w, name, ch, ch, 1);
+                else snprintf(name, sizeof name, "output_blocks.%d.%d.conv.", block, layer), walk_resample(&w, name, ch, 1);
+            }
+        }
+    }
+    Norm out_norm = walk_norm(&w, "out.0.", ch);
+    Conv out_conv = walk_conv(&w, "out.2.", c->level_channels[0], c->out_channels, 3, 1, 2);
+    if (m) {
+        Layer *l = walk_layer(&w, LAYER_OUT, c->out_channels, w.size);
+        l->norm1 = out_norm, l->conv1 = out_conv;
+        l->h0 = act_alloc(m, m->batch, w.size, w.size, ch);
+        l->mean1 = stats_alloc(m), l->rstd1 = stats_alloc(m);
+        walk_norm_scratch(&w, ch), walk_conv_scratch(&w, &out_conv, w.size);
+        walk_advance(&w, l, w.size);
+        m->emb_total = w.emb_offset;
+    }
+}
+
+// Every parameter of the UNet in state_dict order, with PyTorch shapes.
+static ParamList model_parameters(const ModelConfig *c) {
+    ParamList list = {0};
+    unet_walk(c, &list, NULL);
+    return list;
+}
+
+// An upper bound on the layer count: per level, input blocks make 2 layers each plus a
+// downsample; output blocks at most 4 (concat, ResBlock, attention, upsample).
+static int max_layers(const ModelConfig *c) { return 8 + c->num_levels * (2 * c->num_res_blocks + 1 + 4 * (c->num_res_blocks + 1)); }
+
+// GPU parameter layout: conv weights [out][k][k][in] (PyTorch: [out][in][k][k]); every other
+// tensor as PyTorch has it. `to_gpu` converts one tensor's values between the two.
+static void param_layout(const ParamSpec *p, const float *src, float *dst, int to_gpu) {
+    if (p->ndim != 4) { memcpy(dst, src, p->numel * sizeof(float)); return; }
+    int out = p->shape[0], in = p->shape[1], kk = p->shape[2] * p->shape[3];
+    for (int o = 0; o < out; o++)
+        for (int i = 0; i < in; i++)
+            for (int k = 0; k < kk; k++) {
+                int64_t torch = ((int64_t)o * in + i) * kk + k, gpu_at = ((int64_t)o * kk + k) * in + i;
+                if (to_gpu) dst[gpu_at] = src[torch];
+                else dst[torch] = src[gpu_at];
+            }
+}
+
+static int is_emb_layer(const char *name, const char *leaf) {
+    const char *at = strstr(name, "emb_layers.1.");
+    return at && strcmp(at + strlen("emb_layers.1."), leaf) == 0;
+}
+
+// Builds the model for batches of `batch` images: parameters (uninitialised), layers, activations
+// and scratch, all from two allocations sized by a measuring walk.
+static void unet_create(UNet *m, const ModelConfig *c, int batch) {
+    memset(m, 0, sizeof *m);
+    m->config = *c;
+    m->batch = batch;
+    m->capacity = max_layers(c);
+    m->layers = (Layer *)calloc(m->capacity, sizeof(Layer));
+    m->params = model_parameters(c);
+    // Parameter offsets: the emb_layers weights first, then their biases, then the rest in order.
+    int64_t at = 0;
+    for (int pass = 0; pass < 3; pass++) {
+        if (pass == 1) m->emb_bias_offset = at = (at + 63) / 64 * 64;  // the weights start at 0
+        for (int i = 0; i < m->params.count; i++) {
+            ParamSpec *p = &m->params.specs[i];
+            int weight = is_emb_layer(p->name, "weight"), bias = is_emb_layer(p->name, "bias");
+            if ((pass == 0 && weight) || (pass == 1 && bias) || (pass == 2 && !weight && !bias)) {
+                if (pass == 2) at = (at + 63) / 64 * 64;  // 256-byte aligned for the matrix products
+                p->offset = at;
+                at += p->numel;
+            }
+        }
+    }
+    int64_t n = m->storage = at;  // with the alignment gaps (kept at zero)
+    m->master = (float *)gpu_malloc(4 * n * sizeof(float));
+    m->grad = m->master + n, m->adam_m = m->master + 2 * n, m->adam_v = m->master + 3 * n;
+    cuda_check(cudaMemset(m->master, 0, 4 * n * sizeof(float)));
+    if (sizeof(floatX) == sizeof(float)) m->compute = (floatX *)m->master;
+    else m->compute = (floatX *)gpu_malloc(n * sizeof(floatX));
+
+    // Activations: measure, allocate once, walk again for real.
+    for (int pass = 0; pass < 2; pass++) {
+        m->num_layers = 0;
+        m->acts.used = 0;
+        int size = c->image_size, emb_dim = 4 * c->model_channels;
+        m->input = act_alloc(m, batch, size, size, c->in_channels);
+        m->target = act_alloc(m, batch, size, size, c->out_channels);
+        m->t_sinusoid = act_alloc(m, batch, 1, 1, c->model_channels);
+        m->t_hidden = act_alloc(m, batch, 1, 1, emb_dim);
+        m->t_hidden_silu = act_alloc(m, batch, 1, 1, emb_dim);
+        m->emb = act_alloc(m, batch, 1, 1, emb_dim);
+        m->emb_silu = act_alloc(m, batch, 1, 1, emb_dim);
+        ParamList again = {0};
+        unet_walk(c, &again, m);
+        free(again.specs);
+        m->output = &m->layers[m->num_layers - 1].out;
+        int64_t E = m->emb_total;
+        m->emb_out = (float *)arena_take(&m->acts, (int64_t)batch * E * sizeof(float));
+        m->d_emb_out = (float *)arena_take(&m->acts, (int64_t)batch * E * sizeof(float));
+        m->d_emb_out_x = (floatX *)arena_take(&m->acts, (int64_t)batch * E * sizeof(floatX));
+        m->timesteps = (int64_t *)arena_take(&m->acts, batch * sizeof(int64_t));
+        m->labels = (int *)arena_take(&m->acts, batch * sizeof(int));
+        m->loss = (float *)arena_take(&m->acts, (LOSS_BLOCKS + 1) * sizeof(float));
+        m->loss_partial = m->loss ? m->loss + 1 : NULL;
+        note_scratch(&m->channel_scratch_numel, (int64_t)batch * CHANNEL_SUM_CHUNKS * (E > emb_dim ? E : emb_dim));
+        if (pass == 0) m->acts.base = (char *)gpu_malloc(m->acts.used);
+    }
+    m->emb_all.in = 4 * c->model_channels, m->emb_all.out = (int)m->emb_total, m->emb_all.k = 1, m->emb_all.stride = 1;
+    m->emb_all.w = m->compute, m->emb_all.b = m->compute + m->emb_bias_offset;
+    m->emb_all.dw = m->grad, m->emb_all.db = m->grad + m->emb_bias_offset;
+    // Scratch shared by the layers, one at a time.
+    conv_scratch = (floatX *)gpu_malloc(m->conv_scratch_numel * sizeof(floatX));
+    gn_partial_scratch = (double *)gpu_malloc(m->gn_scratch_numel * sizeof(double));
+    channel_sums_scratch = (float *)gpu_malloc(m->channel_scratch_numel * sizeof(float));
+    float *scores = (float *)gpu_malloc(m->attention_scratch_numel * sizeof(float));
+    floatX *d_scores = (floatX *)gpu_malloc(m->attention_scratch_numel * sizeof(floatX));
+    for (int i = 0; i < m->num_layers; i++) {
+        Layer *l = &m->layers[i];
+        if (l->kind != LAYER_ATTENTION) continue;
+        l->attention.scores = scores, l->attention.d_scores = d_scores;
+        attention_pointers_kernel<<<(l->attention.N * l->attention.heads + 63) / 64, 64, 0, gpu.stream>>>(
+            l->attention, l->h1.x, l->h2.x, l->h1.dx, l->h2.dx);
+        cuda_check_launch();
+    }
+}
+
+// Refreshes the compute copy of the parameters from the fp32 master (BF16 builds).
+static void unet_sync_compute(UNet *m) {
+    if ((void *)m->compute == (void *)m->master) return;
+    float_to_floatx_kernel<<<blocks_for(m->storage, 256), 256, 0, gpu.stream>>>(m->compute, m->master, m->storage);
+    cuda_check_launch();
+}
+
+static NormOptions res_norm2_options(const UNet *m, const Layer *l, int training) {
+    NormOptions o = {0};
+    o.silu = 1;
+    if (m->config.use_scale_shift_norm) o.scale_shift = m->emb_out + l->emb_offset, o.scale_shift_ld = (int)m->emb_total;
+    else o.add = m->emb_out + l->emb_offset, o.add_ld = (int)m->emb_total;
+    if (training && m->config.dropout > 0.0f) o.dropout = m->config.dropout, o.dropout_seed = m->dropout_seed + (uint64_t)(l - m->layers);
+    return o;
+}
+
+static const NormOptions NORM_SILU = {NULL, 0, NULL, 0, 1, 0.0f, 0};
+static const NormOptions NORM_PLAIN = {NULL, 0, NULL, 0, 0, 0.0f, 0};
+
+static void layer_forward(UNet *m, Layer *l, int training) {
+    int N = m->batch, H = l->in->H, W = l->in->W;
+    const floatX *x = l->in->x;
+    switch (l->kind) {
+    case LAYER_CONV: conv_forward(&l->conv1, l->out.x, x, N, H, W, NULL); break;
+    case LAYER_CONCAT:
+        concat_kernel<<<blocks_for(act_numel(&l->out), 256), 256, 0, gpu.stream>>>(l->out.x, x, l->skip->x, (int64_t)N * H * W,
+                                                                                    l->in->C, l->skip->C);
+        cuda_check_launch();
+        break;
+    case LAYER_RES: {
+        group_norm_forward(&l->norm1, l->h0.x, l->mean1, l->rstd1, x, N, H * W, NORM_SILU);
+        const floatX *h = l->h0.x, *skip = x;
+        if (l->resample) {
+            resample_forward(l->resample > 0, l->h0r.x, l->h0.x, N, H, W, l->in->C);
+            resample_forward(l->resample > 0, l->xr.x, x, N, H, W, l->in->C);
+            h = l->h0r.x, skip = l->xr.x;
+        }
+        int Ho = l->out.H, Wo = l->out.W;
+        conv_forward(&l->conv1, l->h1.x, h, N, Ho, Wo, NULL);
+        NormOptions o = res_norm2_options(m, l, training);
+        group_norm_forward(&l->norm2, l->h2.x, l->mean2, l->rstd2, l->h1.x, N, Ho * Wo, o);
+        if (l->has_skip_conv) {
+            conv_forward(&l->conv3, l->out.x, skip, N, Ho, Wo, NULL);
+            skip = l->out.x;
+        }
+        conv_forward(&l->conv2, l->out.x, l->h2.x, N, Ho, Wo, skip);
+        break;
+    }
+    case LAYER_ATTENTION:
+        group_norm_forward(&l->norm1, l->h0.x, l->mean1, l->rstd1, x, N, H * W, NORM_PLAIN);
+        conv_forward(&l->conv1, l->h1.x, l->h0.x, N, H, W, NULL);
+        attention_forward(&l->attention);
+        conv_forward(&l->conv2, l->out.x, l->h2.x, N, H, W, x);
+        break;
+    case LAYER_DOWN:
+        if (l->has_conv) conv_forward(&l->conv1, l->out.x, x, N, H, W, NULL);
+        else resample_forward(0, l->out.x, x, N, H, W, l->in->C);
+        break;
+    case LAYER_UP:
+        resample_forward(1, l->has_conv ? l->up.x : l->out.x, x, N, H, W, l->in->C);
+        if (l->has_conv) conv_forward(&l->conv1, l->out.x, l->up.x, N, 2 * H, 2 * W, NULL);
+        break;
+    case LAYER_OUT:
+        group_norm_forward(&l->norm1, l->h0.x, l->mean1, l->rstd1, x, N, H * W, NORM_SILU);
+        conv_forward(&l->conv1, l->out.x, l->h0.x, N, H, W, NULL);
+        break;
+    }
+}
+
+// Accumulates into the inputs' gradients (every activation gradient starts at zero).
+static void layer_backward(UNet *m, Layer *l, int training) {
+    int N = m->batch, H = l->in->H, W = l->in->W;
+    const floatX *x = l->in->x;
+    floatX *dx = l->in->dx, *dy = l->out.dx;
+    switch (l->kind) {
+    case LAYER_CONV: conv_backward(&l->conv1, dx, dy, x, N, H, W, NULL, 0); break;
+    case LAYER_CONCAT:
+        split_add_kernel<<<blocks_for(act_numel(&l->out), 256), 256, 0, gpu.stream>>>(dx, l->skip->dx, dy, (int64_t)N * H * W,
+                                                                                       l->in->C, l->skip->C);
+        cuda_check_launch();
+        break;
+    case LAYER_RES: {
+        int Ho = l->out.H, Wo = l->out.W;
+        const floatX *h = l->resample ? l->h0r.x : l->h0.x, *skip = l->resample ? l->xr.x : x;
+        floatX *dh = l->resample ? l->h0r.dx : l->h0.dx, *dskip = l->resample ? l->xr.dx : dx;
+        conv_backward(&l->conv2, l->h2.dx, dy, l->h2.x, N, Ho, Wo, NULL, 0);
+        if (l->has_skip_conv) conv_backward(&l->conv3, dskip, dy, skip, N, Ho, Wo, NULL, 0);
+        else add_kernel<<<blocks_for(act_numel(&l->out), 256), 256, 0, gpu.stream>>>(dskip, dy, act_numel(&l->out));
+        cuda_check_launch();
+        NormOptions o = res_norm2_options(m, l, training);
+        group_norm_backward(&l->norm2, l->h1.dx, m->d_emb_out + l->emb_offset, l->h2.dx, l->h1.x, l->mean2, l->rstd2, N,
+                            Ho * Wo, o);
+        float *d_add = m->config.use_scale_shift_norm ? NULL : m->d_emb_out + l->emb_offset;
+        conv_backward(&l->conv1, dh, l->h1.dx, h, N, Ho, Wo, d_add, (int)m->emb_total);
+        if (l->resample) {
+            resample_backward(l->resample > 0, l->h0.dx, l->h0r.dx, N, H, W, l->in->C);
+            resample_backward(l->resample > 0, dx, l->xr.dx, N, H, W, l->in->C);
+        }
+        group_norm_backward(&l->norm1, dx, NULL, l->h0.dx, x, l->mean1, l->rstd1, N, H * W, NORM_SILU);
+        break;
+    }
+    case LAYER_ATTENTION:
+        conv_backward(&l->conv2, l->h2.dx, dy, l->h2.x, N, H, W, NULL, 0);
+        add_kernel<<<blocks_for(act_numel(&l->out), 256), 256, 0, gpu.stream>>>(dx, dy, act_numel(&l->out));
+        cuda_check_launch();
+        attention_backward(&l->attention);
+        conv_backward(&l->conv1, l->h0.dx, l->h1.dx, l->h0.x, N, H, W, NULL, 0);
+        group_norm_backward(&l->norm1, dx, NULL, l->h0.dx, x, l->mean1, l->rstd1, N, H * W, NORM_PLAIN);
+        break;
+    case LAYER_DOWN:
+        if (l->has_conv) conv_backward(&l->conv1, dx, dy, x, N, H, W, NULL, 0);
+        else resample_backward(0, dx, dy, N, H, W, l->in->C);
+        break;
+    case LAYER_UP:
+        if (l->has_conv) conv_backward(&l->conv1, l->up.dx, dy, l->up.x, N, 2 * H, 2 * W, NULL, 0);
+        resample_backward(1, dx, l->has_conv ? l->up.dx : dy, N, H, W, l->in->C);
+        break;
+    case LAYER_OUT:
+        conv_backward(&l->conv1, l->h0.dx, dy, l->h0.x, N, H, W, NULL, 0);
+        group_norm_backward(&l->norm1, dx, NULL, l->h0.dx, x, l->mean1, l->rstd1, N, H * W, NORM_SILU);
+        break;
+    }
+}
+
+__global__ void add_rows_kernel(float *y, const floatX *bias, int N, int E) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < N * E) y[i] += (float)bias[i % E];
+}
+
+__global__ void floatx_from_float_kernel(floatX *y, const float *x, int64_t n) {
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) y[i] = (floatX)x[i];
+}
+
+// The forward pass on m->input (NHWC), m->timesteps and m->labels; the result is m->output.
+static void unet_forward(UNet *m, int training) {
+    const ModelConfig *c = &m->config;
+    int N = m->batch, D = 4 * c->model_channels;
+    timestep_embedding_kernel<<<(N * c->model_channels + 255) / 256, 256, 0, gpu.stream>>>(m->t_sinusoid.x, m->timesteps, N, c->model_channels);
+    cuda_check_launch();
+    conv_forward(&m->time_embed0, m->t_hidden.x, m->t_sinusoid.x, N, 1, 1, NULL);
+    silu_forward_kernel<<<blocks_for(N * D, 256), 256, 0, gpu.stream>>>(m->t_hidden_silu.x, m->t_hidden.x, N * D);
+    conv_forward(&m->time_embed2, m->emb.x, m->t_hidden_silu.x, N, 1, 1, NULL);
+    if (c->num_classes) {
+        label_embedding_forward_kernel<<<(N * D + 255) / 256, 256, 0, gpu.stream>>>(m->emb.x, m->label_table, m->labels, N, D);
+        cuda_check_launch();
+    }
+    silu_forward_kernel<<<blocks_for(N * D, 256), 256, 0, gpu.stream>>>(m->emb_silu.x, m->emb.x, N * D);
+    cuda_check_launch();
+    int E = (int)m->emb_total;
+    matmul(m->emb_out, CUDA_R_32F, E, m->emb_silu.x, 0, D, m->emb_all.w, 1, D, N, E, D, NULL, 0, 0.0f, NULL);
+    add_rows_kernel<<<(N * E + 255) / 256, 256, 0, gpu.stream>>>(m->emb_out, m->emb_all.b, N, E);
+    cuda_check_launch();
+    for (int i = 0; i < m->num_layers; i++) layer_forward(m, &m->layers[i], training);
+}
+
+// The backward pass from m->output->dx: every parameter gradient into m->grad, and m->input.dx.
+static void unet_backward(UNet *m, int training) {
+    const ModelConfig *c = &m->config;
+    int N = m->batch, D = 4 * c->model_channels, E = (int)m->emb_total;
+    // Zero every activation gradient but the output's (set by the loss).
+    for (int i = 0; i < m->num_layers; i++) {
+        Layer *l = &m->layers[i];
+        Act *acts[7] = {l->in, &l->h0, &l->h0r, &l->xr, &l->h1, &l->h2, &l->up};
+        for (int j = 0; j < 7; j++)
+            if (acts[j]->dx && acts[j] != m->output) cuda_check(cudaMemsetAsync(acts[j]->dx, 0, act_numel(acts[j]) * sizeof(floatX), gpu.stream));
+    }
+    Act *emb_acts[4] = {&m->t_hidden, &m->t_hidden_silu, &m->emb, &m->emb_silu};
+    for (int j = 0; j < 4; j++) cuda_check(cudaMemsetAsync(emb_acts[j]->dx, 0, act_numel(emb_acts[j]) * sizeof(floatX), gpu.stream));
+    cuda_check(cudaMemsetAsync(m->d_emb_out, 0, (size_t)N * E * sizeof(float), gpu.stream));
+    for (int i = m->num_layers - 1; i >= 0; i--) layer_backward(m, &m->layers[i], training);
+    // The timestep projections of all ResBlocks at once, then the embedding MLP.
+    floatx_from_float_kernel<<<blocks_for((int64_t)N * E, 256), 256, 0, gpu.stream>>>(m->d_emb_out_x, m->d_emb_out, (int64_t)N * E);
+    cuda_check_launch();
+    conv_backward(&m->emb_all, m->emb_silu.dx, m->d_emb_out_x, m->emb_silu.x, N, 1, 1, NULL, 0);
+    silu_backward_kernel<<<blocks_for(N * D, 256), 256, 0, gpu.stream>>>(m->emb.dx, m->emb_silu.dx, m->emb.x, N * D);
+    cuda_check_launch();
+    if (c->num_classes) {
+        label_embedding_backward_kernel<<<(D + 127) / 128, 128, 0, gpu.stream>>>(m->d_label_table, m->emb.dx, m->labels, N, c->num_classes, D);
+        cuda_check_launch();
+    }
+    conv_backward(&m->time_embed2, m->t_hidden_silu.dx, m->emb.dx, m->t_hidden_silu.x, N, 1, 1, NULL, 0);
+    silu_backward_kernel<<<blocks_for(N * D, 256), 256, 0, gpu.stream>>>(m->t_hidden.dx, m->t_hidden_silu.dx, m->t_hidden.x, N * D);
+    cuda_check_launch();
+    conv_backward(&m->time_embed0, NULL, m->t_hidden.dx, m->t_sinusoid.x, N, 1, 1, NULL, 0);
+}
+
+// Copies parameters given in PyTorch layout (host, fp32, checkpoint order) to the GPU.
+static void unet_set_parameters(UNet *m, const float *const *values) {
+    int64_t biggest = 0;
+    for (int i = 0; i < m->params.count; i++) note_scratch(&biggest, m->params.specs[i].numel);
+    float *staged = (float *)malloc_or_die(biggest * sizeof(float));
+    for (int i = 0; i < m->params.count; i++) {
+        const ParamSpec *p = &m->params.specs[i];
+        param_layout(p, values[i], staged, 1);
+        cuda_check(cudaMemcpy(m->master + p->offset, staged, p->numel * sizeof(float), cudaMemcpyHostToDevice));
+    }
+    free(staged);
+    unet_sync_compute(m);
+}
+
+// Copies one parameter's gradient (or value, with `values`) to the host in PyTorch layout.
+static void unet_get_parameter(const UNet *m, int index, int gradient, float *out) {
+    const ParamSpec *p = &m->params.specs[index];
+    float *staged = (float *)malloc_or_die(p->numel * sizeof(float));
+    cuda_check(cudaMemcpy(staged, (gradient ? m->grad : m->master) + p->offset, p->numel * sizeof(float), cudaMemcpyDeviceToHost));
+    param_layout(p, staged, out, 0);
+    free(staged);
+}
+
+// ----------------------------------------------------------------------------------------------
+// Initialisation as PyTorch initialises guided-diffusion's UNetModel, from a seed: Conv and Linear
+// weights and biases ~ U(-1/sqrt(fan_in), 1/sqrt(fan_in)) (kaiming_uniform with a = sqrt(5), and
+// the matching bias rule), fan_in = in * k * k; Embedding ~ N(0, 1); GroupNorm weight 1, bias 0;
+// the zero-initialised convs (out_layers.3, proj_out, out.2) zero. Counter-based: parameter i,
+// element j is a pure function of (seed, i, j).
+
+static int ends_with(const char *s, const char *suffix) {
+    size_t n = strlen(s), k = strlen(suffix);
+    return n >= k && strcmp(s + n - k, suffix) == 0;
+}
+
+static double uniform01(uint64_t seed, uint64_t stream, uint64_t index) {
+    return ((random_u64(seed, stream, index) >> 11) + 0.5) * (1.0 / 9007199254740992.0);
+}
+
+static void init_parameter(const ParamSpec *p, int index, uint64_t seed, float *out) {
+    enum { STREAM_INIT = 1000 };
+    int is_norm = strstr(p->name, "in_layers.0.") || strstr(p->name, "out_layers.0.") || strstr(p->name, ".norm.") ||
+                  strncmp(p->name, "out.0.", 6) == 0;
+    int is_zero = strstr(p->name, "out_layers.3.") || strstr(p->name, "proj_out.") || strncmp(p->name, "out.2.", 6) == 0;
+    int is_bias = ends_with(p->name, "bias");
+    if (is_zero || (is_norm && is_bias)) {
+        memset(out, 0, p->numel * sizeof(float));
+    } else if (is_norm) {
+        for (int64_t j = 0; j < p->numel; j++) out[j] = 1.0f;
+    } else if (strncmp(p->name, "label_emb.", 10) == 0) {  // Box-Muller
+        for (int64_t j = 0; j < p->numel; j++) {
+            double u1 = uniform01(seed, STREAM_INIT + index, 2 * j), u2 = uniform01(seed, STREAM_INIT + index, 2 * j + 1);
+            out[j] = (float)(sqrt(-2.0 * log(u1)) * cos(2.0 * M_PI * u2));
+        }
+    } else {
+        // A bias takes its weight's fan_in: the weight is the previous tensor, [out][in][k...].
+        const ParamSpec *w = is_bias ? p - 1 : p;
+        int64_t fan_in = w->numel / w->shape[0];
+        double bound = 1.0 / sqrt((double)fan_in);
+        for (int64_t j = 0; j < p->numel; j++) out[j] = (float)((2.0 * uniform01(seed, STREAM_INIT + index, j) - 1.0) * bound);
+    }
+}
+
+static void unet_init_parameters(UNet *m, uint64_t seed) {
+    float **values = (float **)malloc_or_die(m->params.count * sizeof(float *));
+    for (int i = 0; i < m->params.count; i++) {
+        values[i] = (float *)malloc_or_die(m->params.specs[i].numel * sizeof(float));
+        init_parameter(&m->params.specs[i], i, seed, values[i]);
+    }
+    unet_set_parameters(m, values);
+    for (int i = 0; i < m->params.count; i++) free(values[i]);
+    free(values);
+}
+
+// One AdamW step over every parameter (see adamw_kernel); step counts from 1.
+static void unet_adamw(UNet *m, int step, float lr, float beta1, float beta2, float eps, float weight_decay) {
+    floatX *copy = (void *)m->compute == (void *)m->master ? NULL : m->compute;
+    adamw_kernel<<<blocks_for(m->storage, 256), 256, 0, gpu.stream>>>(m->master, copy, m->adam_m, m->adam_v, m->grad, m->storage,
+        lr, beta1, beta2, eps, weight_decay, 1.0f - powf(beta1, (float)step), 1.0f - powf(beta2, (float)step));
+    cuda_check_launch();
+}
+
+// ----------------------------------------------------------------------------------------------
 // The command line. Model and training flags carry guided-diffusion's names; a preset sets a
 // group of them first, and every flag given explicitly overrides it whatever its position.
 
@@ -389,7 +2067,7 @@ typedef struct {
     int num_heads, num_head_channels, num_heads_upsample;
     int use_new_attention_order, use_scale_shift_norm, resblock_updown, conv_resample;
     float dropout;
-    int class_cond, num_classes;
+    int class_cond, num_classes, learn_sigma;
     // diffusion
     int diffusion_steps;
     const char *noise_schedule;
@@ -404,7 +2082,7 @@ typedef struct {
     int random_flip;
     long long steps;
     long long seed;
-    int dry_run;
+    int dry_run, bench;
 } Options;
 
 typedef enum { OPT_INT, OPT_LONG, OPT_FLOAT, OPT_BOOL, OPT_STRING, OPT_SWITCH } OptionType;
@@ -435,6 +2113,7 @@ static const OptionSpec option_specs[] = {
     OPT(dropout, OPT_FLOAT, "dropout in residual blocks"),
     OPT(class_cond, OPT_BOOL, "condition on the dataset's labels"),
     OPT(num_classes, OPT_INT, "classes, when there is no --data to read them from"),
+    OPT(learn_sigma, OPT_BOOL, "6 output channels (guided-diffusion's learned variance): evaluation only, not trained"),
     OPT(diffusion_steps, OPT_INT, "diffusion timesteps"),
     OPT(noise_schedule, OPT_STRING, "linear | cosine"),
     OPT(lr, OPT_FLOAT, "AdamW learning rate"),
@@ -448,6 +2127,7 @@ static const OptionSpec option_specs[] = {
     OPT(steps, OPT_LONG, "training steps"),
     OPT(seed, OPT_LONG, "random seed (initialisation, data order, noise)"),
     OPT(dry_run, OPT_SWITCH, "check the configuration and dataset, print them and the parameter count, exit"),
+    OPT(bench, OPT_INT, "time N training steps on random data (after warm-up) and exit; needs no --data"),
 };
 #define NUM_OPTIONS ((int)(sizeof option_specs / sizeof option_specs[0]))
 
@@ -459,7 +2139,7 @@ static Options preset_seed(void) {
     o.channel_mult = "1,2,3,4", o.attention_resolutions = "16,8";
     o.num_heads = 4, o.num_head_channels = 32, o.num_heads_upsample = -1;
     o.use_new_attention_order = 0, o.use_scale_shift_norm = 0, o.resblock_updown = 0, o.conv_resample = 0;
-    o.dropout = 0.0f, o.class_cond = 0, o.num_classes = 0;
+    o.dropout = 0.0f, o.class_cond = 0, o.num_classes = 0, o.learn_sigma = 0;
     o.diffusion_steps = 1000, o.noise_schedule = "linear";
     o.lr = 1e-4f, o.weight_decay = 0.0f, o.batch_size = 32, o.ema_rate = "0.9999";
     o.log_interval = 10, o.save_interval = 10000, o.resume_checkpoint = "";
@@ -503,8 +2183,8 @@ static void print_usage(FILE *f) {
             "\nPresets: seed = 64x64, 64 channels, mult 1,2,3,4, 2 blocks, attention at 16,8 with 32-channel\n"
             "heads, no conv resampling; adm64 = guided-diffusion's ImageNet-64 model (192 channels, 3 blocks,\n"
             "attention at 32,16,8 with 64-channel heads, scale-shift norm, resblock up/down, new attention\n"
-            "order, dropout 0.1, cosine schedule). Learned sigma (learn_sigma) is not supported: the model\n"
-            "predicts noise only.\n");
+            "order, dropout 0.1, cosine schedule). Training a learned variance (learn_sigma) is not supported:\n"
+            "the model is trained to predict the noise.\n");
 }
 
 // Parses a boolean as guided-diffusion's str2bool does (yes/true/t/y/1, no/false/f/n/0).
@@ -629,13 +2309,14 @@ static const char *default_channel_mult(int image_size) {
 }
 
 // Checks every value and resolves the model configuration; a bad value is one error line.
-static ModelConfig resolve_model(Options *o) {
+// label_rows: rows of the class embedding (0: unconditional).
+static ModelConfig resolve_model(Options *o, int label_rows) {
     ModelConfig c;
     memset(&c, 0, sizeof c);
     if (o->image_size < 8 || o->image_size > 4096) usage_error("--image_size %d is out of range (8..4096)", o->image_size);
     if (o->num_channels < 32 || o->num_channels % 32)
         usage_error("--num_channels %d must be a positive multiple of 32 (GroupNorm uses 32 groups)", o->num_channels);
-    if (o->num_res_blocks < 1 || o->num_res_blocks > 8) usage_error("--num_res_blocks %d is out of range (1..8)", o->num_res_blocks);
+    if (o->num_res_blocks < 0 || o->num_res_blocks > 8) usage_error("--num_res_blocks %d is out of range (0..8)", o->num_res_blocks);
     if (!o->channel_mult[0]) {
         o->channel_mult = default_channel_mult(o->image_size);
         if (!o->channel_mult) usage_error("no default --channel_mult for image size %d; give one", o->image_size);
@@ -648,7 +2329,7 @@ static ModelConfig resolve_model(Options *o) {
                     1 << (levels - 1), levels);
     c.image_size = o->image_size;
     c.in_channels = 3;
-    c.out_channels = 3;
+    c.out_channels = o->learn_sigma ? 6 : 3;
     c.model_channels = o->num_channels;
     c.num_levels = levels;
     for (int l = 0; l < levels; l++) {
@@ -694,10 +2375,33 @@ static ModelConfig resolve_model(Options *o) {
     c.conv_resample = o->conv_resample;
     c.use_new_attention_order = o->use_new_attention_order;
     c.dropout = o->dropout;
-    if (o->class_cond && o->num_classes < 1)
+    if (o->class_cond && label_rows < 1)
         usage_error("--class_cond needs a dataset with labels (--data) or --num_classes");
-    c.num_classes = o->class_cond ? o->num_classes + 1 : 0;  // + the null class for classifier-free guidance
+    c.num_classes = o->class_cond ? label_rows : 0;
     return c;
+}
+
+// guided-diffusion's own defaults (script_util.model_and_diffusion_defaults), for reading a
+// checkpoint whose metadata leaves a flag out; conv_resample is always on there.
+static Options guided_diffusion_defaults(void) {
+    Options o = preset_seed();
+    o.num_channels = 128, o.channel_mult = "", o.num_head_channels = -1, o.use_scale_shift_norm = 1;
+    o.conv_resample = 1, o.num_classes = 1000;
+    return o;
+}
+
+// The model configuration a checkpoint's metadata gives under guided-diffusion's flag names.
+// There num_classes is the label embedding's row count, null class included.
+static ModelConfig model_config_from_metadata(const SafeTensorsFile *f) {
+    Options o = guided_diffusion_defaults();
+    static const char *const model_flags[] = {"image_size", "num_channels", "num_res_blocks", "channel_mult",
+        "attention_resolutions", "num_heads", "num_head_channels", "num_heads_upsample", "use_new_attention_order",
+        "use_scale_shift_norm", "resblock_updown", "conv_resample", "dropout", "class_cond", "num_classes", "learn_sigma"};
+    for (size_t i = 0; i < sizeof model_flags / sizeof model_flags[0]; i++) {
+        const char *value = safetensors_metadata(f, model_flags[i]);
+        if (value) set_option(&o, find_option(model_flags[i], strlen(model_flags[i])), value);
+    }
+    return resolve_model(&o, o.num_classes);
 }
 
 // Checks the training values that are not part of the model.
@@ -705,6 +2409,7 @@ static void validate_training(const Options *o) {
     if (o->diffusion_steps < 1 || o->diffusion_steps > 100000) usage_error("--diffusion_steps %d is out of range (1..100000)", o->diffusion_steps);
     if (strcmp(o->noise_schedule, "linear") != 0 && strcmp(o->noise_schedule, "cosine") != 0)
         usage_error("--noise_schedule '%s' must be linear or cosine", o->noise_schedule);
+    if (o->learn_sigma) usage_error("--learn_sigma: training a learned variance is not supported (the model predicts noise)");
     if (!(o->lr > 0)) usage_error("--lr %g must be positive", o->lr);
     if (!(o->weight_decay >= 0)) usage_error("--weight_decay %g must not be negative", o->weight_decay);
     if (o->batch_size < 1 || o->batch_size > 65536) usage_error("--batch_size %d is out of range (1..65536)", o->batch_size);
@@ -755,6 +2460,115 @@ static void print_model_summary(FILE *f, const ModelConfig *c, const ParamList *
         fprintf(f, " %d@%d%s", c->level_channels[l], c->image_size >> l, c->level_attention[l] ? "+attn" : "");
     fprintf(f, ", %d parameter tensors\n", params->count);
     fprintf(f, "parameters: %s\n", with_commas(params->numel, buf, sizeof buf));
+}
+
+// ----------------------------------------------------------------------------------------------
+// One training step, and the benchmark that times it.
+
+// Standard normal samples from (seed, index) by Box-Muller.
+__global__ void random_normal_kernel(floatX *x, int64_t n, uint64_t seed) {
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
+        float u1 = ((random_u64(seed, 7, 2 * i) >> 40) + 0.5f) * (1.0f / 16777216.0f);
+        float u2 = (random_u64(seed, 7, 2 * i + 1) >> 40) * (1.0f / 16777216.0f);
+        x[i] = (floatX)(sqrtf(-2.0f * logf(u1)) * cospif(2.0f * u2));
+    }
+}
+
+__global__ void random_conditions_kernel(int64_t *t, int *labels, int N, int timesteps, int classes, uint64_t seed) {
+    int n = blockIdx.x * blockDim.x + threadIdx.x;
+    if (n >= N) return;
+    t[n] = (int64_t)(random_u64(seed, 8, n) % (uint64_t)timesteps);
+    labels[n] = classes ? (int)(random_u64(seed, 9, n) % (uint64_t)classes) : 0;
+}
+
+// Forward, loss, backward and AdamW; the loss lands in m->loss[0] on the GPU.
+static void training_step(UNet *m, int step, const Options *o) {
+    unet_forward(m, 1);
+    mse_loss(m->loss, m->loss_partial, m->output->dx, m->output->x, m->target.x, act_numel(m->output));
+    unet_backward(m, 1);
+    unet_adamw(m, step, o->lr, 0.9f, 0.999f, 1e-8f, o->weight_decay);
+}
+
+// Where a step's time goes: each layer's forward and backward timed with events (one eager step),
+// summed by kind of layer.
+static void print_profile(UNet *m) {
+    static const char *const kinds[] = {"conv", "concat", "resblock", "attention", "downsample", "upsample", "out"};
+    float forward[7] = {0}, backward[7] = {0}, ms;
+    int count[7] = {0};
+    cudaEvent_t a, b;
+    cuda_check(cudaEventCreate(&a));
+    cuda_check(cudaEventCreate(&b));
+    unet_forward(m, 1);  // the embedding and all layers, to get the activations; then per layer again
+    for (int pass = 0; pass < 2; pass++)
+        for (int j = 0; j < m->num_layers; j++) {
+            int i = pass == 0 ? j : m->num_layers - 1 - j;
+            Layer *l = &m->layers[i];
+            cuda_check(cudaEventRecord(a, gpu.stream));
+            if (pass == 0) layer_forward(m, l, 1);
+            else layer_backward(m, l, 1);
+            cuda_check(cudaEventRecord(b, gpu.stream));
+            cuda_check(cudaEventSynchronize(b));
+            cuda_check(cudaEventElapsedTime(&ms, a, b));
+            (pass == 0 ? forward : backward)[l->kind] += ms;
+            count[l->kind] += pass == 0;
+        }
+    printf("profile (one eager step, GPU time by kind of layer):\n  %-11s %6s %10s %10s\n", "layer", "count", "fwd ms", "bwd ms");
+    for (int k = 0; k < 7; k++)
+        if (count[k]) printf("  %-11s %6d %10.3f %10.3f\n", kinds[k], count[k], forward[k], backward[k]);
+}
+
+static int compare_floats(const void *a, const void *b) {
+    float x = *(const float *)a, y = *(const float *)b;
+    return (x > y) - (x < y);
+}
+
+// --bench N: the training step on one fixed random batch, captured once as a CUDA graph and
+// replayed; after 10 warm-up replays, N replays are timed one by one with events; prints the median.
+static void run_bench(const Options *o, const ModelConfig *config, const ParamList *params) {
+    gpu_init();
+    UNet m;
+    unet_create(&m, config, o->batch_size);
+    unet_init_parameters(&m, (uint64_t)o->seed);
+    random_normal_kernel<<<blocks_for(act_numel(&m.input), 256), 256, 0, gpu.stream>>>(m.input.x, act_numel(&m.input), 1);
+    random_normal_kernel<<<blocks_for(act_numel(&m.target), 256), 256, 0, gpu.stream>>>(m.target.x, act_numel(&m.target), 2);
+    random_conditions_kernel<<<(o->batch_size + 127) / 128, 128, 0, gpu.stream>>>(m.timesteps, m.labels, o->batch_size,
+                                                                                o->diffusion_steps, config->num_classes, 3);
+    cuda_check_launch();
+    for (int step = 1; step <= 3; step++) training_step(&m, step, o);  // eager warm-up: cuBLAS picks its kernels
+    float first_loss, last_loss;
+    cuda_check(cudaMemcpy(&first_loss, m.loss, sizeof(float), cudaMemcpyDeviceToHost));
+
+    cudaGraph_t graph;
+    cudaGraphExec_t exec;
+    cuda_check(cudaStreamBeginCapture(gpu.stream, cudaStreamCaptureModeGlobal));
+    training_step(&m, 4, o);
+    cuda_check(cudaStreamEndCapture(gpu.stream, &graph));
+    cuda_check(cudaGraphInstantiate(&exec, graph, 0));
+    for (int i = 0; i < 10; i++) cuda_check(cudaGraphLaunch(exec, gpu.stream));
+    cudaEvent_t start, stop;
+    cuda_check(cudaEventCreate(&start));
+    cuda_check(cudaEventCreate(&stop));
+    float *ms = (float *)malloc_or_die(o->bench * sizeof(float));
+    for (int i = 0; i < o->bench; i++) {
+        cuda_check(cudaEventRecord(start, gpu.stream));
+        cuda_check(cudaGraphLaunch(exec, gpu.stream));
+        cuda_check(cudaEventRecord(stop, gpu.stream));
+        cuda_check(cudaEventSynchronize(stop));
+        cuda_check(cudaEventElapsedTime(&ms[i], start, stop));
+    }
+    cuda_check(cudaMemcpy(&last_loss, m.loss, sizeof(float), cudaMemcpyDeviceToHost));
+    qsort(ms, o->bench, sizeof(float), compare_floats);
+    float median = ms[o->bench / 2];
+    cudaDeviceProp prop;
+    cuda_check(cudaGetDeviceProperties(&prop, 0));
+    char buf[32];
+    printf("bench: %s, %s preset, batch %d, %s, %s parameters\n", prop.name, o->preset, o->batch_size, PRECISION_NAME,
+           with_commas(params->numel, buf, sizeof buf));
+    printf("bench: loss %.4f after 3 steps, %.4f after %d (one fixed random batch)\n", first_loss, last_loss, 14 + o->bench);
+    printf("bench: median %.3f ms/step (min %.3f, max %.3f over %d steps), %.0f img/s, GPU memory %.2f GiB\n", median,
+           ms[0], ms[o->bench - 1], o->bench, o->batch_size / (median / 1000.0), gpu_bytes_allocated / 1073741824.0);
+    free(ms);
+    if (getenv("UNET_PROFILE")) print_profile(&m);
 }
 
 // ----------------------------------------------------------------------------------------------
@@ -813,7 +2627,7 @@ int main(int argc, char **argv) {
             fatal("--num_classes %d disagrees with the %u classes of dataset %s", o.num_classes, data.header.num_classes, o.data);
         if (o.class_cond) o.num_classes = (int)data.header.num_classes;
     }
-    ModelConfig model = resolve_model(&o);
+    ModelConfig model = resolve_model(&o, o.num_classes ? o.num_classes + 1 : 0);  // + the null class (guidance)
     validate_training(&o);
     ParamList params = model_parameters(&model);
 
@@ -829,11 +2643,17 @@ int main(int argc, char **argv) {
         return 0;
     }
 
+    if (o.bench < 0) usage_error("--bench %d must be positive", o.bench);
     int devices = 0;
     cudaError_t cerr = cudaGetDeviceCount(&devices);
     if (cerr != cudaSuccess || devices == 0)
         fatal("no usable CUDA GPU (the CUDA runtime says: %s); --dry_run checks a configuration without one",
               cerr != cudaSuccess ? cudaGetErrorString(cerr) : "no devices");
+    if (o.bench) {
+        run_bench(&o, &model, &params);
+        free(params.specs);
+        return 0;
+    }
     if (!o.data[0]) usage_error("training needs --data FILE.bin");
     dataset_close(&data);
 

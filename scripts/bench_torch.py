@@ -1,0 +1,80 @@
+"""The PyTorch side of `make bench`: one training step of our reference UNet (unet_ref.py) on a
+fixed random batch, timed like `train_unet --bench`: forward under bf16 autocast, MSE loss,
+backward, fused AdamW; CUDA events around each step after warm-up, median of N.
+
+    python3 scripts/bench_torch.py --preset seed|adm64 --batch_size 32 --mode eager|compile|reduce-overhead [--steps 50]
+
+Modes: eager; torch.compile (default mode); torch.compile(mode="reduce-overhead"), which adds
+CUDA graphs. The model is channels-last (NHWC), as ours is.
+"""
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from unet_ref import create_model  # noqa: E402
+
+PRESETS = {
+    "seed": dict(image_size="64", num_channels="64", channel_mult="1,2,3,4", num_res_blocks="2",
+                 attention_resolutions="16,8", num_head_channels="32", use_scale_shift_norm="False",
+                 resblock_updown="False", conv_resample="False", use_new_attention_order="False", dropout="0.0"),
+    "adm64": dict(image_size="64", num_channels="192", channel_mult="1,2,3,4", num_res_blocks="3",
+                  attention_resolutions="32,16,8", num_head_channels="64", use_scale_shift_norm="True",
+                  resblock_updown="True", conv_resample="True", use_new_attention_order="True", dropout="0.1"),
+}
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--preset", default="seed", choices=PRESETS)
+    parser.add_argument("--batch_size", type=int, default=32)
+    parser.add_argument("--mode", default="eager", choices=["eager", "compile", "reduce-overhead"])
+    parser.add_argument("--steps", type=int, default=50)
+    args = parser.parse_args()
+
+    torch.manual_seed(0)
+    model = create_model(PRESETS[args.preset]).cuda().to(memory_format=torch.channels_last)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0, fused=True)
+    n, size = args.batch_size, int(PRESETS[args.preset]["image_size"])
+    x = torch.randn(n, 3, size, size, device="cuda").to(memory_format=torch.channels_last)
+    target = torch.randn_like(x)
+    t = torch.randint(0, 1000, (n,), device="cuda")
+    forward = model
+    if args.mode != "eager":
+        forward = torch.compile(model, mode=None if args.mode == "compile" else "reduce-overhead")
+
+    def step():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = forward(x, t)
+        loss = torch.nn.functional.mse_loss(out.float(), target)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss
+
+    began = time.time()
+    for _ in range(10):
+        step()
+    torch.cuda.synchronize()
+    warmup_s = time.time() - began
+    times = []
+    for _ in range(args.steps):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        step()
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop))
+    median = statistics.median(times)
+    print(f"torch {args.mode}: {args.preset} preset, batch {n}: median {median:.3f} ms/step "
+          f"(min {min(times):.3f}, max {max(times):.3f} over {args.steps} steps), {n / median * 1000:.0f} img/s, "
+          f"peak memory {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB, warm-up {warmup_s:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
