@@ -648,6 +648,51 @@ static void matmul_batched(void *const *d, cudaDataType d_type, int ldd, const f
                                      CUBLAS_GEMM_DEFAULT));
 }
 
+// The weight gradient of a layer, dW[out][K] = dy^T[out][M] x[M][K] (fp32), a reduction over all M
+// rows of the batch. A single product would run on a handful of output tiles for M ~ 10^5, so
+// the rows are split into slices computed as one batched product into scratch, then summed in a
+// fixed order; rows left over after the slices are added by one more product.
+
+#define WEIGHT_GRAD_SLICE_ROWS 4096
+#define WEIGHT_GRAD_MAX_SLICES 64
+
+static float *weight_grad_scratch;  // [slices][out][K], set up with the model
+static int64_t weight_grad_scratch_numel;
+
+static int weight_grad_slices(int M, int out, int K) {
+    int64_t slices = M / WEIGHT_GRAD_SLICE_ROWS, cap = weight_grad_scratch_numel / ((int64_t)out * K);
+    if (slices > WEIGHT_GRAD_MAX_SLICES) slices = WEIGHT_GRAD_MAX_SLICES;
+    return (int)(slices < cap ? slices : cap);
+}
+
+__global__ void sum_slices_kernel(float *out, const float *slices, int count, int64_t n) {
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
+        float s = 0.0f;
+        for (int k = 0; k < count; k++) s += slices[k * n + i];
+        out[i] = s;
+    }
+}
+
+static void weight_gradient(float *dw, const floatX *dy, const floatX *x, int M, int out, int K) {
+    int slices = weight_grad_slices(M, out, K);
+    if (slices < 2) {
+        matmul(dw, CUDA_R_32F, K, dy, 1, out, x, 0, K, out, K, M, NULL, 0, 0.0f, NULL);
+        return;
+    }
+    int rows = M / slices;
+    float alpha = 1.0f, beta = 0.0f;
+    cublas_check(cublasGemmStridedBatchedEx(gpu.blas, CUBLAS_OP_N, CUBLAS_OP_T, K, out, rows, &alpha, x, CUDA_FLOATX, K,
+                                            (int64_t)rows * K, dy, CUDA_FLOATX, out, (int64_t)rows * out, &beta,
+                                            weight_grad_scratch, CUDA_R_32F, K, (int64_t)out * K, slices,
+                                            CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+    int64_t n = (int64_t)out * K;
+    sum_slices_kernel<<<blocks_for(n, 256), 256, 0, gpu.stream>>>(dw, weight_grad_scratch, slices, n);
+    cuda_check_launch();
+    int done = rows * slices;
+    if (done < M)
+        matmul(dw, CUDA_R_32F, K, dy + (int64_t)done * out, 1, out, x + (int64_t)done * K, 0, K, out, K, M - done, dw, K, 1.0f, NULL);
+}
+
 // ----------------------------------------------------------------------------------------------
 // Per-channel sums of a [rows][C] tensor, by sample: per_sample[n][c] = sum over the sample's rows,
 // total[c] = sum over samples (the bias gradient of a layer whose output gradient it is). Two
@@ -655,38 +700,78 @@ static void matmul_batched(void *const *d, cudaDataType d_type, int ldd, const f
 
 #define CHANNEL_SUM_CHUNKS 16
 
+// Thread t sums vector (t mod vecs) of its chunk's rows t/vecs, t/vecs + rows_per_pass, ...; then
+// one thread per channel adds up the rows in shared memory. Rows wider than the block (the
+// timestep projections of all ResBlocks) take one thread per vector over all the chunk's rows.
+template <typename V>
 __global__ void channel_sums_partial_kernel(float *partial, const floatX *x, int rows_per_sample, int C) {
+    __shared__ float sums[256][PACK];
+    const int per = sizeof(V) / sizeof(floatX), vecs = C / per;
     int n = blockIdx.y, chunk = blockIdx.x;
     int begin = (int)((int64_t)rows_per_sample * chunk / gridDim.x), end = (int)((int64_t)rows_per_sample * (chunk + 1) / gridDim.x);
+    float *out = partial + ((int64_t)n * gridDim.x + chunk) * C;
+    if (vecs > (int)blockDim.x) {
+        for (int lane = threadIdx.x; lane < vecs; lane += blockDim.x) {
+            float acc[sizeof(V) / sizeof(floatX)] = {0};
+            for (int r = begin; r < end; r++) {
+                V v = ((const V *)x)[((int64_t)n * rows_per_sample + r) * vecs + lane];
+                for (int j = 0; j < per; j++) acc[j] += (float)v.v[j];
+            }
+            for (int j = 0; j < per; j++) out[lane * per + j] = acc[j];
+        }
+        return;
+    }
+    int lane = threadIdx.x % vecs, row0 = threadIdx.x / vecs, rows_per_pass = blockDim.x / vecs;
+    float acc[sizeof(V) / sizeof(floatX)] = {0};
+    if (row0 < rows_per_pass)
+        for (int r = begin + row0; r < end; r += rows_per_pass) {
+            V v = ((const V *)x)[((int64_t)n * rows_per_sample + r) * vecs + lane];
+            for (int j = 0; j < per; j++) acc[j] += (float)v.v[j];
+        }
+    for (int j = 0; j < per; j++) sums[threadIdx.x][j] = acc[j];
+    __syncthreads();
     for (int c = threadIdx.x; c < C; c += blockDim.x) {
-        float sum = 0.0f;
-        for (int r = begin; r < end; r++) sum += (float)x[((int64_t)n * rows_per_sample + r) * C + c];
-        partial[((int64_t)n * gridDim.x + chunk) * C + c] = sum;
+        float total = 0.0f;
+        for (int r = 0; r < rows_per_pass; r++) total += sums[r * vecs + c / per][c % per];
+        out[c] = total;
     }
 }
 
+// The partial sums added up: a block per 32 channels, its threads (channel, slice of samples); each
+// thread sums its samples' chunks in order, then the slices are added in order. Deterministic.
+#define REDUCE_SLICES 8
+
 __global__ void channel_sums_final_kernel(float *per_sample, int per_sample_ld, float *total, const float *partial, int N,
-                                          int chunks, int C, int accumulate) {
-    int c = blockIdx.x * blockDim.x + threadIdx.x;
-    if (c >= C) return;
+                                          int chunks, int C) {
+    __shared__ float totals[REDUCE_SLICES][32];
+    int c = blockIdx.x * 32 + threadIdx.x, slice = threadIdx.y;
     float all = 0.0f;
-    for (int n = 0; n < N; n++) {
-        float s = 0.0f;
-        for (int k = 0; k < chunks; k++) s += partial[((int64_t)n * chunks + k) * C + c];
-        if (per_sample) per_sample[(int64_t)n * per_sample_ld + c] += s;
-        all += s;
+    if (c < C)
+        for (int n = slice; n < N; n += REDUCE_SLICES) {
+            float s = 0.0f;
+            for (int k = 0; k < chunks; k++) s += partial[((int64_t)n * chunks + k) * C + c];
+            if (per_sample) per_sample[(int64_t)n * per_sample_ld + c] += s;
+            all += s;
+        }
+    totals[slice][threadIdx.x] = all;
+    __syncthreads();
+    if (slice == 0 && c < C) {
+        for (int k = 1; k < REDUCE_SLICES; k++) all += totals[k][threadIdx.x];
+        if (total) total[c] = all;
     }
-    if (total) total[c] = accumulate ? total[c] + all : all;
 }
 
 static float *channel_sums_scratch;  // [N][CHANNEL_SUM_CHUNKS][C_max], set up with the model
 
 static void channel_sums(float *per_sample, int per_sample_ld, float *total, const floatX *x, int N, int rows_per_sample, int C) {
     int chunks = rows_per_sample < CHANNEL_SUM_CHUNKS ? rows_per_sample : CHANNEL_SUM_CHUNKS;
-    channel_sums_partial_kernel<<<dim3(chunks, N), 256, 0, gpu.stream>>>(channel_sums_scratch, x, rows_per_sample, C);
+    if (C % PACK == 0)
+        channel_sums_partial_kernel<Pack><<<dim3(chunks, N), 256, 0, gpu.stream>>>(channel_sums_scratch, x, rows_per_sample, C);
+    else
+        channel_sums_partial_kernel<Scalar><<<dim3(chunks, N), 256, 0, gpu.stream>>>(channel_sums_scratch, x, rows_per_sample, C);
     cuda_check_launch();
-    channel_sums_final_kernel<<<(C + 127) / 128, 128, 0, gpu.stream>>>(per_sample, per_sample_ld, total,
-                                                                       channel_sums_scratch, N, chunks, C, 0);
+    channel_sums_final_kernel<<<(C + 31) / 32, dim3(32, REDUCE_SLICES), 0, gpu.stream>>>(per_sample, per_sample_ld, total,
+                                                                                         channel_sums_scratch, N, chunks, C);
     cuda_check_launch();
 }
 
@@ -777,7 +862,7 @@ static void conv_backward(const Conv *cv, floatX *dx, const floatX *dy, const fl
     int Ho = conv_out_size(H, cv->k, cv->stride), Wo = conv_out_size(W, cv->k, cv->stride);
     int M = N * Ho * Wo, K = cv->k * cv->k * cv->in;
     const floatX *col = conv_patches(cv, x, N, H, W);
-    matmul(cv->dw, CUDA_R_32F, K, dy, 1, cv->out, col, 0, K, cv->out, K, M, NULL, 0, 0.0f, NULL);
+    weight_gradient(cv->dw, dy, col, M, cv->out, K);
     channel_sums(d_bias_per_sample, per_sample_ld, cv->db, dy, N, Ho * Wo, cv->out);
     if (!dx) return;
     if (cv->k == 1 && cv->stride == 1) {
@@ -922,36 +1007,75 @@ static void group_norm_forward(const Norm *norm, floatX *y, float *mean, float *
     cuda_check_launch();
 }
 
+// The per-element part of the backward at one value v = x + add of channel c: xhat, z (before
+// scale-shift), du (dy through dropout and SiLU) and dz (du through scale-shift).
+__device__ inline void group_norm_backward_element(float v, float dy, float mean, float rstd, float gamma, float beta,
+                                                   float scale, float shift, const NormOptions &o, int64_t at, float *xhat,
+                                                   float *z, float *du, float *dz) {
+    *xhat = (v - mean) * rstd;
+    *z = *xhat * gamma + beta;
+    float u = o.scale_shift ? *z * (1.0f + scale) + shift : *z;
+    if (o.dropout > 0.0f) dy *= dropout_keep(o.dropout_seed, at, o.dropout);
+    if (o.silu) {
+        float s = sigmoidf_(u);
+        dy *= s * (1.0f + u * (1.0f - s));
+    }
+    *du = dy;
+    *dz = o.scale_shift ? dy * (1.0f + scale) : dy;
+}
+
+// The per-channel constants of the element function for channels c0 .. c0+PACK-1 of sample n.
+typedef struct {
+    float mean[PACK], rstd[PACK], add[PACK], scale[PACK], shift[PACK];
+} GroupNormChannels;
+
+__device__ inline GroupNormChannels group_norm_channels(const float *mean, const float *rstd, const NormOptions &o, int n,
+                                                        int c0, int C) {
+    GroupNormChannels k;
+    int per_group = C / GN_GROUPS;
+    for (int j = 0; j < PACK; j++) {
+        int c = c0 + j, g = c / per_group;
+        k.mean[j] = mean[n * GN_GROUPS + g], k.rstd[j] = rstd[n * GN_GROUPS + g];
+        k.add[j] = o.add ? o.add[(int64_t)n * o.add_ld + c] : 0.0f;
+        k.scale[j] = o.scale_shift ? o.scale_shift[(int64_t)n * o.scale_shift_ld + c] : 0.0f;
+        k.shift[j] = o.scale_shift ? o.scale_shift[(int64_t)n * o.scale_shift_ld + C + c] : 0.0f;
+    }
+    return k;
+}
+
 // Backward, pass 1: per (sample, chunk) the channel sums du, du z, dz, dz xhat and the group sums
 // g, g xhat (g = dz gamma). Layout: channels [n][chunk][c][4], then groups after N*chunks*C*4.
+// Threads as in the statistics: 16 bytes of channels each, rows strided; then one thread per channel.
 __global__ void group_norm_backward_sums_kernel(double *partial, const floatX *dy, const floatX *x, const float *mean,
                                                 const float *rstd, const float *gamma, const float *beta, NormOptions o,
                                                 int HW, int C) {
-    int n = blockIdx.y, chunk = blockIdx.x, chunks = gridDim.x, per_group = C / GN_GROUPS, begin, end;
+    __shared__ float sums[GN_THREADS][4 * PACK];
+    int n = blockIdx.y, chunk = blockIdx.x, chunks = gridDim.x, packs = C / PACK, lane = threadIdx.x % packs;
+    int row0 = threadIdx.x / packs, rows_per_pass = GN_THREADS / packs, per_group = C / GN_GROUPS, begin, end;
     chunk_rows(HW, chunk, chunks, &begin, &end);
-    double *channel_out = partial + ((int64_t)n * chunks + chunk) * C * 4;
-    // Channel sums: one thread per channel walks the chunk's rows (coalesced across threads).
-    for (int c = threadIdx.x; c < C; c += blockDim.x) {
-        int g = c / per_group;
-        float m = mean[n * GN_GROUPS + g], r = rstd[n * GN_GROUPS + g];
-        float add = o.add ? o.add[(int64_t)n * o.add_ld + c] : 0.0f;
-        float scale = o.scale_shift ? o.scale_shift[(int64_t)n * o.scale_shift_ld + c] : 0.0f;
-        float shift = o.scale_shift ? o.scale_shift[(int64_t)n * o.scale_shift_ld + C + c] : 0.0f;
-        double s_du = 0, s_duz = 0, s_dz = 0, s_dzx = 0;
-        for (int row = begin; row < end; row++) {
-            int64_t at = ((int64_t)n * HW + row) * C + c;
-            float xhat = ((float)x[at] + add - m) * r, z = xhat * gamma[c] + beta[c];
-            float u = o.scale_shift ? z * (1.0f + scale) + shift : z, du = (float)dy[at];
-            if (o.dropout > 0.0f) du *= dropout_keep(o.dropout_seed, at, o.dropout);
-            if (o.silu) {
-                float s = sigmoidf_(u);
-                du *= s * (1.0f + u * (1.0f - s));
+    float acc[4 * PACK] = {0};
+    if (row0 < rows_per_pass) {
+        GroupNormChannels k = group_norm_channels(mean, rstd, o, n, lane * PACK, C);
+        for (int row = begin + row0; row < end; row += rows_per_pass) {
+            int64_t at = ((int64_t)n * HW + row) * C + lane * PACK;
+            Pack xp = *(const Pack *)&x[at], dp = *(const Pack *)&dy[at];
+            for (int j = 0; j < PACK; j++) {
+                int c = lane * PACK + j;
+                float xhat, z, du, dz;
+                group_norm_backward_element((float)xp.v[j] + k.add[j], (float)dp.v[j], k.mean[j], k.rstd[j], gamma[c], beta[c],
+                                            k.scale[j], k.shift[j], o, at + j, &xhat, &z, &du, &dz);
+                acc[j] += du, acc[PACK + j] += du * z, acc[2 * PACK + j] += dz, acc[3 * PACK + j] += dz * xhat;
             }
-            float dz = o.scale_shift ? du * (1.0f + scale) : du;
-            s_du += du, s_duz += (double)du * z, s_dz += dz, s_dzx += (double)dz * xhat;
         }
-        channel_out[c * 4 + 0] = s_du, channel_out[c * 4 + 1] = s_duz;
-        channel_out[c * 4 + 2] = s_dz, channel_out[c * 4 + 3] = s_dzx;
+    }
+    for (int q = 0; q < 4 * PACK; q++) sums[threadIdx.x][q] = acc[q];
+    __syncthreads();
+    double *channel_out = partial + ((int64_t)n * chunks + chunk) * C * 4;
+    for (int c = threadIdx.x; c < C; c += blockDim.x) {
+        double t[4] = {0, 0, 0, 0};
+        for (int r = 0; r < rows_per_pass; r++)
+            for (int q = 0; q < 4; q++) t[q] += sums[r * packs + c / PACK][q * PACK + c % PACK];
+        for (int q = 0; q < 4; q++) channel_out[c * 4 + q] = t[q];
     }
     __syncthreads();
     // Group sums from the channel sums of this chunk: sum g = sum_c gamma_c sum dz, likewise g xhat.
@@ -964,12 +1088,12 @@ __global__ void group_norm_backward_sums_kernel(double *partial, const floatX *d
     }
 }
 
-// Backward, pass 2: dx' += rstd (g - mean_g(g) - xhat mean_g(g xhat)) for one chunk.
+// Backward, pass 2: dx' += rstd (g - mean_g(g) - xhat mean_g(g xhat)) for one chunk, 16 bytes a thread.
 __global__ void group_norm_backward_input_kernel(floatX *dx, const floatX *dy, const floatX *x, const double *partial,
                                                  const float *mean, const float *rstd, const float *gamma,
                                                  const float *beta, NormOptions o, int HW, int C) {
     __shared__ float mean_g[GN_GROUPS], mean_gx[GN_GROUPS];
-    int n = blockIdx.y, chunk = blockIdx.x, chunks = gridDim.x, per_group = C / GN_GROUPS, begin, end;
+    int n = blockIdx.y, chunk = blockIdx.x, chunks = gridDim.x, per_group = C / GN_GROUPS, packs = C / PACK, begin, end;
     if (threadIdx.x < GN_GROUPS) {
         const double *groups = partial + (int64_t)gridDim.y * chunks * C * 4;
         double a = 0, b = 0, count = (double)HW * per_group;
@@ -981,40 +1105,45 @@ __global__ void group_norm_backward_input_kernel(floatX *dx, const floatX *dy, c
     }
     __syncthreads();
     chunk_rows(HW, chunk, chunks, &begin, &end);
-    for (int64_t i = (int64_t)begin * C + threadIdx.x; i < (int64_t)end * C; i += blockDim.x) {
-        int c = (int)(i % C), g = c / per_group;
-        int64_t at = (int64_t)n * HW * C + i;
-        float m = mean[n * GN_GROUPS + g], r = rstd[n * GN_GROUPS + g];
-        float add = o.add ? o.add[(int64_t)n * o.add_ld + c] : 0.0f;
-        float scale = o.scale_shift ? o.scale_shift[(int64_t)n * o.scale_shift_ld + c] : 0.0f;
-        float xhat = ((float)x[at] + add - m) * r, z = xhat * gamma[c] + beta[c], du = (float)dy[at];
-        float u = o.scale_shift ? z * (1.0f + scale) + o.scale_shift[(int64_t)n * o.scale_shift_ld + C + c] : z;
-        if (o.dropout > 0.0f) du *= dropout_keep(o.dropout_seed, at, o.dropout);
-        if (o.silu) {
-            float s = sigmoidf_(u);
-            du *= s * (1.0f + u * (1.0f - s));
+    for (int64_t i = (int64_t)begin * packs + threadIdx.x; i < (int64_t)end * packs; i += blockDim.x) {
+        int c0 = (int)(i % packs) * PACK;
+        int64_t at = (int64_t)n * HW * C + i * PACK;
+        GroupNormChannels k = group_norm_channels(mean, rstd, o, n, c0, C);
+        Pack xp = *(const Pack *)&x[at], dp = *(const Pack *)&dy[at], out = *(const Pack *)&dx[at];
+        for (int j = 0; j < PACK; j++) {
+            int c = c0 + j, g = c / per_group;
+            float xhat, z, du, dz;
+            group_norm_backward_element((float)xp.v[j] + k.add[j], (float)dp.v[j], k.mean[j], k.rstd[j], gamma[c], beta[c],
+                                        k.scale[j], k.shift[j], o, at + j, &xhat, &z, &du, &dz);
+            out.v[j] = (floatX)((float)out.v[j] + k.rstd[j] * (dz * gamma[c] - mean_g[g] - xhat * mean_gx[g]));
         }
-        float gx = (o.scale_shift ? du * (1.0f + scale) : du) * gamma[c];
-        dx[at] = (floatX)((float)dx[at] + r * (gx - mean_g[g] - xhat * mean_gx[g]));
+        *(Pack *)&dx[at] = out;
     }
 }
 
-// Backward, pass 3: d_gamma, d_beta (over samples and chunks) and d_scale_shift (over chunks).
+// Backward, pass 3: d_gamma, d_beta (over samples and chunks) and d_scale_shift (over chunks), in
+// the fixed order of channel_sums_final_kernel.
 __global__ void group_norm_backward_params_kernel(float *dgamma, float *dbeta, float *d_scale_shift, int ld,
                                                   const double *partial, int N, int chunks, int C) {
-    int c = blockIdx.x * blockDim.x + threadIdx.x;
-    if (c >= C) return;
+    __shared__ double totals[REDUCE_SLICES][32][2];
+    int c = blockIdx.x * 32 + threadIdx.x, slice = threadIdx.y;
     double dg = 0, db = 0;
-    for (int n = 0; n < N; n++) {
-        double du = 0, duz = 0;
-        for (int k = 0; k < chunks; k++) {
-            const double *p = partial + (((int64_t)n * chunks + k) * C + c) * 4;
-            du += p[0], duz += p[1], db += p[2], dg += p[3];
+    if (c < C)
+        for (int n = slice; n < N; n += REDUCE_SLICES) {
+            double du = 0, duz = 0;
+            for (int k = 0; k < chunks; k++) {
+                const double *p = partial + (((int64_t)n * chunks + k) * C + c) * 4;
+                du += p[0], duz += p[1], db += p[2], dg += p[3];
+            }
+            if (d_scale_shift) d_scale_shift[(int64_t)n * ld + c] += (float)duz, d_scale_shift[(int64_t)n * ld + C + c] += (float)du;
         }
-        if (d_scale_shift) d_scale_shift[(int64_t)n * ld + c] += (float)duz, d_scale_shift[(int64_t)n * ld + C + c] += (float)du;
+    totals[slice][threadIdx.x][0] = dg, totals[slice][threadIdx.x][1] = db;
+    __syncthreads();
+    if (slice == 0 && c < C) {
+        for (int k = 1; k < REDUCE_SLICES; k++) dg += totals[k][threadIdx.x][0], db += totals[k][threadIdx.x][1];
+        dgamma[c] = (float)dg;
+        dbeta[c] = (float)db;
     }
-    dgamma[c] = (float)dg;
-    dbeta[c] = (float)db;
 }
 
 // dx += (the input gradient), d_scale_shift += (when scale-shift is on, [N][ld] like the input).
@@ -1027,7 +1156,7 @@ static void group_norm_backward(const Norm *norm, floatX *dx, float *d_scale_shi
     group_norm_backward_input_kernel<<<dim3(chunks, N), GN_THREADS, 0, gpu.stream>>>(
         dx, dy, x, gn_partial_scratch, mean, rstd, norm->gamma, norm->beta, o, HW, C);
     cuda_check_launch();
-    group_norm_backward_params_kernel<<<(C + 127) / 128, 128, 0, gpu.stream>>>(
+    group_norm_backward_params_kernel<<<(C + 31) / 32, dim3(32, REDUCE_SLICES), 0, gpu.stream>>>(
         norm->dgamma, norm->dbeta, o.scale_shift ? d_scale_shift : NULL, o.scale_shift_ld, gn_partial_scratch, N, chunks, C);
     cuda_check_launch();
 }
@@ -1775,6 +1904,8 @@ static void unet_create(UNet *m, const ModelConfig *c, int batch) {
     // Scratch shared by the layers, one at a time.
     conv_scratch = (floatX *)gpu_malloc(m->conv_scratch_numel * sizeof(floatX));
     gn_partial_scratch = (double *)gpu_malloc(m->gn_scratch_numel * sizeof(double));
+    weight_grad_scratch_numel = 32 << 20;  // 128 MiB: enough slices for every layer of the presets
+    weight_grad_scratch = (float *)gpu_malloc(weight_grad_scratch_numel * sizeof(float));
     channel_sums_scratch = (float *)gpu_malloc(m->channel_scratch_numel * sizeof(float));
     float *scores = (float *)gpu_malloc(m->attention_scratch_numel * sizeof(float));
     floatX *d_scores = (floatX *)gpu_malloc(m->attention_scratch_numel * sizeof(floatX));
@@ -2515,6 +2646,32 @@ static void print_profile(UNet *m) {
     printf("profile (one eager step, GPU time by kind of layer):\n  %-11s %6s %10s %10s\n", "layer", "count", "fwd ms", "bwd ms");
     for (int k = 0; k < 7; k++)
         if (count[k]) printf("  %-11s %6d %10.3f %10.3f\n", kinds[k], count[k], forward[k], backward[k]);
+    // The parts of the first ResBlock's backward.
+    Layer *l = NULL;
+    for (int i = 0; i < m->num_layers && !l; i++)
+        if (m->layers[i].kind == LAYER_RES) l = &m->layers[i];
+    int N = m->batch, H = l->out.H, W = l->out.W, M = N * H * W, K = 9 * l->conv2.in;
+    NormOptions o = res_norm2_options(m, l, 1);
+    printf("  first ResBlock (%dx%d, %d -> %d channels), backward parts in ms:\n", H, W, l->conv1.in, l->conv1.out);
+    for (int part = 0; part < 8; part++) {
+        cuda_check(cudaEventRecord(a, gpu.stream));
+        switch (part) {
+        case 0: conv_backward(&l->conv2, l->h2.dx, l->out.dx, l->h2.x, N, H, W, NULL, 0); break;
+        case 1: conv_patches(&l->conv2, l->h2.x, N, H, W); break;
+        case 2: weight_gradient(l->conv2.dw, l->out.dx, conv_scratch, M, l->conv2.out, K); break;
+        case 3: channel_sums(NULL, 0, l->conv2.db, l->out.dx, N, H * W, l->conv2.out); break;
+        case 4: matmul(conv_scratch, CUDA_FLOATX, K, l->out.dx, 0, l->conv2.out, l->conv2.w, 0, K, M, K, l->conv2.out, NULL, 0, 0.0f, NULL); break;
+        case 5: col2im_kernel<Pack><<<blocks_for((int64_t)M * l->conv2.in / PACK, 256), 256, 0, gpu.stream>>>(l->h2.dx, conv_scratch, N, H, W, l->conv2.in, 3, 1, H, W); break;
+        case 6: group_norm_backward(&l->norm2, l->h1.dx, m->d_emb_out + l->emb_offset, l->h2.dx, l->h1.x, l->mean2, l->rstd2, N, H * W, o); break;
+        case 7: group_norm_forward(&l->norm2, l->h2.x, l->mean2, l->rstd2, l->h1.x, N, H * W, o); break;
+        }
+        cuda_check(cudaEventRecord(b, gpu.stream));
+        cuda_check(cudaEventSynchronize(b));
+        cuda_check(cudaEventElapsedTime(&ms, a, b));
+        static const char *const parts[] = {"conv backward", "  patches", "  weight gradient", "  bias gradient", "  patch gradient",
+                                            "  col2im", "group norm backward", "group norm forward"};
+        printf("    %-20s %8.3f\n", parts[part], ms);
+    }
 }
 
 static int compare_floats(const void *a, const void *b) {

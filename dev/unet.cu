@@ -9,6 +9,10 @@
 // unet_ref.py's modules call each other, so the builders below read like its forward methods;
 // parameters are looked up by their state_dict names, and every one must be used exactly once,
 // which checks this walk against model_parameters().
+// The layer files' own checks (their mains) are not part of the whole model.
+#ifndef DEV_NO_MAIN
+#define DEV_NO_MAIN
+#endif
 #include "common.h"
 #include "conv2d.cu"
 #include "linear.cu"
