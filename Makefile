@@ -4,6 +4,8 @@
 #   make PRECISION=FP32       fp32 throughout (for matching PyTorch); BF16 is the default
 #   make test                 CPU tests, plus GPU tests when a GPU is present
 #   make test-gpu             GPU tests only
+#   make dev                  every kernel against its CPU reference on the GPU, one table
+#   make bench                our training step and PyTorch's side by side (BENCH="seed:32 adm64:32")
 #   make clean
 
 PRECISION ?= BF16
@@ -63,7 +65,8 @@ ASAN := -fsanitize=address,undefined -fno-omit-frame-pointer
 NVCC_ASAN := -Xcompiler -fsanitize=address,-fsanitize=undefined,-fno-omit-frame-pointer -lasan -lubsan
 TESTS_CPU := build/test/test_dataset build/test/test_shapes build/test/test_dataloader build/test/train_unet_asan \
              build/test/test_reference build/test/test_unet_fixtures
-TESTS_GPU := build/test/test_dataloader_gpu build/test/test_unet_gpu_fp32 build/test/test_unet_gpu_bf16
+TESTS_GPU := build/test/test_dataloader_gpu build/test/test_unet_gpu_fp32 build/test/test_unet_gpu_bf16 \
+             build/test/test_unet_gpu_reference_fp32 build/test/test_unet_gpu_reference_bf16
 
 build/test/test_dataset: dev/test/test_dataset.c dataset.h dev/test/check.h
 	@mkdir -p build/test
@@ -96,12 +99,46 @@ build/test/test_reference build/test/test_unet_fixtures: build/test/%: dev/test/
 	$(NVCC) $(NVCCFLAGS) -o $@ $< $(CUDA_LIBS)
 
 # The whole model against the PyTorch fixtures, in both precisions whatever PRECISION is.
-build/test/test_unet_gpu_%: dev/test/test_unet_gpu.cu train_unet.cu dataset.h dev/test/check.h
+# The same against the CPU reference on configurations the fixtures do not cover.
+build/test/test_unet_gpu_fp32 build/test/test_unet_gpu_bf16: build/test/test_unet_gpu_%: dev/test/test_unet_gpu.cu train_unet.cu \
+        dataset.h dev/test/check.h
+	@mkdir -p build/test
+	$(NVCC) $(NVCC_COMMON) -DPRECISION_$(shell echo $* | tr a-z A-Z) -o $@ $< $(CUDA_LIBS)
+build/test/test_unet_gpu_reference_%: dev/test/test_unet_gpu_reference.cu train_unet.cu $(DEV_REFERENCES) dev/test/check.h
 	@mkdir -p build/test
 	$(NVCC) $(NVCC_COMMON) -DPRECISION_$(shell echo $* | tr a-z A-Z) -o $@ $< $(CUDA_LIBS)
 
+# Per-layer GPU checks: each dev/<layer>.cu has a main (the trainer's own kernels against the CPU
+# reference on random shapes, and timings at the seed model's shapes). `make dev` builds them into
+# build/dev and runs dev/run_dev.sh (one table, "N passed, N failed"); `make dev-memcheck` runs each
+# under compute-sanitizer (DEV_QUICK=1: one timed run each). Neither needs stb or the dataset.
+DEV_LAYERS := conv2d linear groupnorm attention resample concat embedding loss adamw
+DEV_BINARIES := $(addprefix build/dev/,$(DEV_LAYERS))
+
+$(DEV_BINARIES): build/dev/%: dev/%.cu dev/common.h train_unet.cu dataset.h build/precision
+	@mkdir -p build/dev
+	$(NVCC) $(NVCCFLAGS) -o $@ $< $(CUDA_LIBS)
+
+dev: $(DEV_BINARIES)
+	dev/run_dev.sh
+
+dev-memcheck: $(DEV_BINARIES)
+	@failed=""; for b in $(DEV_BINARIES); do \
+	    echo "== compute-sanitizer --tool memcheck $$b"; \
+	    DEV_QUICK=1 compute-sanitizer --tool memcheck --error-exitcode 1 $$b || failed="$$failed $$b"; \
+	done; \
+	if [ -n "$$failed" ]; then echo "memcheck: FAIL:$$failed"; exit 1; else echo "memcheck: all clean"; fi
+
+.PHONY: dev dev-memcheck
+
 test: all $(TESTS_CPU) $(TESTS_GPU)
 	dev/test/run_tests.sh all
+
+# Our training step against PyTorch's (eager, compile, compile + CUDA graphs), side by side.
+# BENCH="seed:32 seed:128 adm64:32" picks presets and batch sizes (adm64's compile takes minutes).
+BENCH ?= seed:32 seed:128
+bench: train_unet
+	scripts/bench.sh $(BENCH)
 
 test-gpu: all $(TESTS_GPU)
 	dev/test/run_tests.sh gpu
@@ -110,4 +147,4 @@ clean:
 	rm -rf build $(BINARIES) data/shapes.bin
 
 FORCE:
-.PHONY: all test test-gpu clean FORCE
+.PHONY: all test test-gpu bench clean FORCE

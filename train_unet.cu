@@ -584,6 +584,16 @@ static int blocks_for(size_t n, int threads) {
     return (int)(blocks < 65536 * 16 ? blocks : 65536 * 16);
 }
 
+// Launches kernel<Pack> when the channel count C allows 16-byte vectors, else kernel<Scalar>, with
+// a thread per vector of the `elements` values.
+#define LAUNCH_VECTORISED(kernel, elements, C, ...)                                                            \
+    do {                                                                                                       \
+        if ((C) % PACK == 0) kernel<Pack><<<blocks_for((elements) / PACK, 256), 256, 0, gpu.stream>>>(__VA_ARGS__); \
+        else kernel<Scalar><<<blocks_for(elements, 256), 256, 0, gpu.stream>>>(__VA_ARGS__);                   \
+        cuda_check_launch();                                                                                   \
+    } while (0)
+
+
 // ----------------------------------------------------------------------------------------------
 // Matrix products on the tensor cores (bf16 operands, fp32 accumulation; fp32 throughout in the
 // FP32 build). Row-major: D[M][N] = op(A)[M][K] op(B)[K][N] (+ bias[N]) + beta C.
@@ -840,11 +850,7 @@ static const floatX *conv_patches(const Conv *cv, const floatX *x, int N, int H,
     int Ho = conv_out_size(H, cv->k, cv->stride), Wo = conv_out_size(W, cv->k, cv->stride);
     int64_t total = (int64_t)N * Ho * Wo * cv->k * cv->k * cv->in;
     if (total >= INT32_MAX) fatal("a %dx%d convolution's patch matrix at batch %d is too large (%lld values)", cv->k, cv->k, N, (long long)total);
-    if (cv->in % PACK == 0)
-        im2col_kernel<Pack><<<blocks_for(total / PACK, 256), 256, 0, gpu.stream>>>(conv_scratch, x, N, H, W, cv->in, cv->k, cv->stride, Ho, Wo);
-    else
-        im2col_kernel<Scalar><<<blocks_for(total, 256), 256, 0, gpu.stream>>>(conv_scratch, x, N, H, W, cv->in, cv->k, cv->stride, Ho, Wo);
-    cuda_check_launch();
+    LAUNCH_VECTORISED(im2col_kernel, total, cv->in, conv_scratch, x, N, H, W, cv->in, cv->k, cv->stride, Ho, Wo);
     return conv_scratch;
 }
 
@@ -871,11 +877,7 @@ static void conv_backward(const Conv *cv, floatX *dx, const floatX *dy, const fl
     }
     matmul(conv_scratch, CUDA_FLOATX, K, dy, 0, cv->out, cv->w, 0, K, M, K, cv->out, NULL, 0, 0.0f, NULL);
     int64_t total = (int64_t)N * H * W * cv->in;
-    if (cv->in % PACK == 0)
-        col2im_kernel<Pack><<<blocks_for(total / PACK, 256), 256, 0, gpu.stream>>>(dx, conv_scratch, N, H, W, cv->in, cv->k, cv->stride, Ho, Wo);
-    else
-        col2im_kernel<Scalar><<<blocks_for(total, 256), 256, 0, gpu.stream>>>(dx, conv_scratch, N, H, W, cv->in, cv->k, cv->stride, Ho, Wo);
-    cuda_check_launch();
+    LAUNCH_VECTORISED(col2im_kernel, total, cv->in, dx, conv_scratch, N, H, W, cv->in, cv->k, cv->stride, Ho, Wo);
 }
 
 // ----------------------------------------------------------------------------------------------
@@ -1245,70 +1247,68 @@ static void attention_backward(const Attention *a) {
 //   pool: y[n][i][j] = (x[2i][2j] + x[2i][2j+1] + x[2i+1][2j] + x[2i+1][2j+1]) / 4;  dx = dy / 4 to each
 //   up:   y[n][i][j] = x[i/2][j/2];                                                 dx = sum of its 4 dy
 
+// One thread per output (forward) or input (backward) pixel and vector of channels; V is Pack, or
+// Scalar when C % PACK != 0. H, W: the input's size. Odd sizes drop the last row or column, as
+// PyTorch's AvgPool2d does.
+template <typename V>
 __global__ void avg_pool_forward_kernel(floatX *y, const floatX *x, int N, int H, int W, int C) {
-    int64_t total = (int64_t)N * (H / 2) * (W / 2) * C;
-    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < total; i += (int64_t)gridDim.x * blockDim.x) {
-        int c = (int)(i % C);
-        int64_t rest = i / C;
-        int j = (int)(rest % (W / 2)); rest /= W / 2;
-        int r = (int)(rest % (H / 2));
-        int64_t n = rest / (H / 2);
-        const floatX *p = x + ((n * H + 2 * r) * W + 2 * j) * C + c;
-        y[i] = (floatX)(((float)p[0] + (float)p[C] + (float)p[(int64_t)W * C] + (float)p[(int64_t)W * C + C]) * 0.25f);
+    const int per = sizeof(V) / sizeof(floatX), vecs = C / per, Ho = H / 2, Wo = W / 2, total = N * Ho * Wo * vecs;
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < total; i += gridDim.x * blockDim.x) {
+        int v = i % vecs, p = i / vecs, j = p % Wo, r = (p / Wo) % Ho, n = p / (Wo * Ho);
+        const V *at = (const V *)x + ((int64_t)(n * H + 2 * r) * W + 2 * j) * vecs + v;
+        V a = at[0], b = at[vecs], c = at[(int64_t)W * vecs], d = at[(int64_t)W * vecs + vecs], out;
+        for (int k = 0; k < per; k++)
+            out.v[k] = (floatX)(((float)a.v[k] + (float)b.v[k] + (float)c.v[k] + (float)d.v[k]) * 0.25f);
+        ((V *)y)[i] = out;
     }
 }
 
+template <typename V>
 __global__ void avg_pool_backward_kernel(floatX *dx, const floatX *dy, int N, int H, int W, int C) {
-    int64_t total = (int64_t)N * H * W * C;
-    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < total; i += (int64_t)gridDim.x * blockDim.x) {
-        int c = (int)(i % C);
-        int64_t rest = i / C;
-        int w = (int)(rest % W); rest /= W;
-        int h = (int)(rest % H);
-        int64_t n = rest / H;
-        dx[i] = (floatX)((float)dx[i] + 0.25f * (float)dy[((n * (H / 2) + h / 2) * (W / 2) + w / 2) * C + c]);
+    const int per = sizeof(V) / sizeof(floatX), vecs = C / per, Ho = H / 2, Wo = W / 2, total = N * H * W * vecs;
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < total; i += gridDim.x * blockDim.x) {
+        int v = i % vecs, p = i / vecs, w = p % W, h = (p / W) % H, n = p / (W * H);
+        if (h / 2 >= Ho || w / 2 >= Wo) continue;  // a dropped row or column: no gradient
+        V g = ((const V *)dy)[((int64_t)(n * Ho + h / 2) * Wo + w / 2) * vecs + v], acc = ((V *)dx)[i];
+        for (int k = 0; k < per; k++) acc.v[k] = (floatX)((float)acc.v[k] + 0.25f * (float)g.v[k]);
+        ((V *)dx)[i] = acc;
     }
 }
 
-__global__ void upsample_forward_kernel(floatX *y, const floatX *x, int N, int H, int W, int C) {  // H, W: input size
-    int64_t total = (int64_t)N * 2 * H * 2 * W * C;
-    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < total; i += (int64_t)gridDim.x * blockDim.x) {
-        int c = (int)(i % C);
-        int64_t rest = i / C;
-        int w = (int)(rest % (2 * W)); rest /= 2 * W;
-        int h = (int)(rest % (2 * H));
-        int64_t n = rest / (2 * H);
-        y[i] = x[((n * H + h / 2) * W + w / 2) * C + c];
+template <typename V>
+__global__ void upsample_forward_kernel(floatX *y, const floatX *x, int N, int H, int W, int C) {
+    const int per = sizeof(V) / sizeof(floatX), vecs = C / per, total = N * 4 * H * W * vecs;
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < total; i += gridDim.x * blockDim.x) {
+        int v = i % vecs, p = i / vecs, w = p % (2 * W), h = (p / (2 * W)) % (2 * H), n = p / (4 * W * H);
+        ((V *)y)[i] = ((const V *)x)[((int64_t)(n * H + h / 2) * W + w / 2) * vecs + v];
     }
 }
 
-__global__ void upsample_backward_kernel(floatX *dx, const floatX *dy, int N, int H, int W, int C) {  // H, W: input size
-    int64_t total = (int64_t)N * H * W * C;
-    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < total; i += (int64_t)gridDim.x * blockDim.x) {
-        int c = (int)(i % C);
-        int64_t rest = i / C;
-        int w = (int)(rest % W); rest /= W;
-        int h = (int)(rest % H);
-        int64_t n = rest / H;
-        const floatX *p = dy + ((n * 2 * H + 2 * h) * 2 * W + 2 * w) * C + c;
-        int64_t row = (int64_t)2 * W * C;
-        dx[i] = (floatX)((float)dx[i] + (float)p[0] + (float)p[C] + (float)p[row] + (float)p[row + C]);
+template <typename V>
+__global__ void upsample_backward_kernel(floatX *dx, const floatX *dy, int N, int H, int W, int C) {
+    const int per = sizeof(V) / sizeof(floatX), vecs = C / per, total = N * H * W * vecs;
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < total; i += gridDim.x * blockDim.x) {
+        int v = i % vecs, p = i / vecs, w = p % W, h = (p / W) % H, n = p / (W * H);
+        const V *at = (const V *)dy + ((int64_t)(n * 2 * H + 2 * h) * 2 * W + 2 * w) * vecs + v;
+        int64_t row = (int64_t)2 * W * vecs;
+        V a = at[0], b = at[vecs], c = at[row], d = at[row + vecs], acc = ((V *)dx)[i];
+        for (int k = 0; k < per; k++)
+            acc.v[k] = (floatX)((float)acc.v[k] + (float)a.v[k] + (float)b.v[k] + (float)c.v[k] + (float)d.v[k]);
+        ((V *)dx)[i] = acc;
     }
 }
 
 static void resample_forward(int up, floatX *y, const floatX *x, int N, int H, int W, int C) {
     int64_t out = up ? (int64_t)N * 4 * H * W * C : (int64_t)N * (H / 2) * (W / 2) * C;
-    if (up) upsample_forward_kernel<<<blocks_for(out, 256), 256, 0, gpu.stream>>>(y, x, N, H, W, C);
-    else avg_pool_forward_kernel<<<blocks_for(out, 256), 256, 0, gpu.stream>>>(y, x, N, H, W, C);
-    cuda_check_launch();
+    if (up) LAUNCH_VECTORISED(upsample_forward_kernel, out, C, y, x, N, H, W, C);
+    else LAUNCH_VECTORISED(avg_pool_forward_kernel, out, C, y, x, N, H, W, C);
 }
 
 // dx += the gradient through the resampling of an H x W input.
 static void resample_backward(int up, floatX *dx, const floatX *dy, int N, int H, int W, int C) {
     int64_t in = (int64_t)N * H * W * C;
-    if (up) upsample_backward_kernel<<<blocks_for(in, 256), 256, 0, gpu.stream>>>(dx, dy, N, H, W, C);
-    else avg_pool_backward_kernel<<<blocks_for(in, 256), 256, 0, gpu.stream>>>(dx, dy, N, H, W, C);
-    cuda_check_launch();
+    if (up) LAUNCH_VECTORISED(upsample_backward_kernel, in, C, dx, dy, N, H, W, C);
+    else LAUNCH_VECTORISED(avg_pool_backward_kernel, in, C, dx, dy, N, H, W, C);
 }
 
 // ----------------------------------------------------------------------------------------------

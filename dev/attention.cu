@@ -90,3 +90,118 @@ static void ref_attention_backward(double *d_qkv, const double *d_out, const dou
     free(w);
     free(dw);
 }
+
+#ifndef DEV_NO_MAIN
+// ----------------------------------------------------------------------------------------------
+// GPU check: the trainer's attention core (attention_pointers_kernel, attention_forward,
+// attention_backward: batched products through cuBLAS, softmax kernels) against the reference.
+// out [N][T][C] and d_qkv [N][T][3C] are written whole; the scratch (scores, d_scores) and probs
+// are poisoned too, so a read before a write shows.
+
+typedef struct {
+    Attention a;
+    floatX *qkv, *out, *d_qkv, *d_out;
+} AttentionRun;
+
+static void attention_run_forward(void *p) { attention_forward(&((AttentionRun *)p)->a); }
+static void attention_run_backward(void *p) { attention_backward(&((AttentionRun *)p)->a); }
+
+// Sets up an Attention as unet_create does: scratch, probs and the 13 pointer arrays.
+static void attention_setup(AttentionRun *r, int N, int T, int C, int heads, int legacy) {
+    Attention *a = &r->a;
+    memset(a, 0, sizeof *a);
+    a->N = N, a->T = T, a->C = C, a->heads = heads, a->legacy = legacy;
+    size_t batch = (size_t)N * heads, tt = batch * T * T;
+    a->scores = (float *)dev_gpu_poisoned(tt * sizeof(float));
+    a->probs = (floatX *)dev_gpu_poisoned(tt * sizeof(floatX));
+    a->d_scores = (floatX *)dev_gpu_poisoned(tt * sizeof(floatX));
+    void **arrays[13] = {(void **)&a->q, (void **)&a->k, (void **)&a->v, (void **)&a->p, (void **)&a->ds, (void **)&a->o_read,
+                         (void **)&a->o, (void **)&a->dq, (void **)&a->dk, (void **)&a->dv, (void **)&a->s, (void **)&a->dp_out,
+                         (void **)&a->d_o};
+    for (int i = 0; i < 13; i++) *arrays[i] = dev_gpu_poisoned(batch * sizeof(void *));
+    attention_pointers_kernel<<<(int)((batch + 63) / 64), 64, 0, gpu.stream>>>(*a, r->qkv, r->out, r->d_qkv, r->d_out);
+    cuda_check_launch();
+}
+
+static void attention_teardown(AttentionRun *r) {
+    Attention *a = &r->a;
+    dev_gpu_free(a->scores, a->probs, a->d_scores, a->q, a->k, a->v, a->p, a->ds, a->o_read, a->o, a->dq, a->dk, a->dv,
+                 a->s, a->dp_out, a->d_o, r->qkv, r->out, r->d_qkv, r->d_out, NULL);
+}
+
+static void check_attention(int N, int H, int W, int C, int heads, int legacy) {
+    int T = H * W;
+    size_t nqkv = (size_t)N * T * 3 * C, nout = (size_t)N * T * C;
+    double *qkv = dev_alloc(nqkv), *d_out = dev_alloc(nout), *out = dev_alloc(nout), *d_qkv = dev_alloc(nqkv);
+    dev_fill_x(qkv, nqkv, -2, 2), dev_fill_x(d_out, nout, -1, 1);
+    ref_attention_forward(out, qkv, N, T, C, heads, legacy);
+    ref_attention_backward(d_qkv, d_out, qkv, N, T, C, heads, legacy);
+
+    AttentionRun r;
+    r.qkv = dev_upload_x(qkv, nqkv), r.d_out = dev_upload_x(d_out, nout);
+    r.out = (floatX *)dev_gpu_poisoned(nout * sizeof(floatX)), r.d_qkv = (floatX *)dev_gpu_poisoned(nqkv * sizeof(floatX));
+    attention_setup(&r, N, T, C, heads, legacy);
+    attention_run_forward(&r);
+    attention_run_backward(&r);
+
+    double tol = DEV_TOLERANCE, fwd = dev_check_x(r.out, NULL, out, nout);
+    DevErrors e;
+    dev_errors_init(&e);
+    dev_errors_add(&e, "dqkv", dev_check_x(r.d_qkv, NULL, d_qkv, nqkv), tol);
+    // The three parts separately (a wrong one hides less in the whole).
+    double *g = dev_download_x(r.d_qkv, nqkv), *parts[3][2];
+    const char *names[3] = {"dq", "dk", "dv"};
+    int ch = C / heads;
+    for (int j = 0; j < 3; j++) parts[j][0] = dev_alloc(nout), parts[j][1] = dev_alloc(nout);
+    for (int n = 0; n < N; n++)
+        for (int t = 0; t < T; t++)
+            for (int h = 0; h < heads; h++) {
+                int off[3];
+                ref_attention_offsets(&off[0], &off[1], &off[2], h, C, heads, legacy);
+                for (int j = 0; j < 3; j++)
+                    for (int i = 0; i < ch; i++) {
+                        size_t from = ((size_t)n * T + t) * 3 * C + off[j] + i, to = ((size_t)n * T + t) * C + h * ch + i;
+                        parts[j][0][to] = g[from], parts[j][1][to] = d_qkv[from];
+                    }
+            }
+    for (int j = 0; j < 3; j++) {
+        dev_errors_add(&e, names[j], dev_error(parts[j][0], NULL, parts[j][1], nout), tol);
+        free(parts[j][0]), free(parts[j][1]);
+    }
+    char shape[96];
+    snprintf(shape, sizeof shape, "N%d %dx%d (T%d) C%d heads %d %s", N, H, W, T, C, heads, legacy ? "legacy" : "new");
+    dev_row("attention", shape, fwd, tol, &e, -1, -1);
+    attention_teardown(&r);
+    free(qkv), free(d_out), free(out), free(d_qkv), free(g);
+}
+
+static void time_attention(int N, int H, int W, int C, int heads, int legacy) {
+    int T = H * W;
+    size_t nqkv = (size_t)N * T * 3 * C, nout = (size_t)N * T * C;
+    AttentionRun r;
+    r.qkv = dev_random_x(nqkv, -2, 2), r.d_out = dev_random_x(nout, -1, 1);
+    r.out = (floatX *)gpu_malloc(nout * sizeof(floatX)), r.d_qkv = (floatX *)gpu_malloc(nqkv * sizeof(floatX));
+    attention_setup(&r, N, T, C, heads, legacy);
+    double fwd = dev_time_ms(attention_run_forward, &r), bwd = dev_time_ms(attention_run_backward, &r);
+    int finite = dev_finite_x(r.out, nout) && dev_finite_x(r.d_qkv, nqkv);
+    char shape[96];
+    snprintf(shape, sizeof shape, "N%d %dx%d (T%d) C%d heads %d %s", N, H, W, T, C, heads, legacy ? "legacy" : "new");
+    dev_timing_row("attention", shape, fwd, bwd, finite);
+    attention_teardown(&r);
+}
+
+int main(void) {
+    dev_begin("attention");
+    // 1, 2, 3 heads, both orders, T = 1, 49, 256; batch 1, 2, 3 in turn; channels per head 32 to 96.
+    const int sides[3] = {1, 7, 16}, channels[3] = {64, 96, 96};
+    int batch = 0;
+    for (int s = 0; s < 3; s++)
+        for (int heads = 1; heads <= 3; heads++)
+            for (int legacy = 1; legacy >= 0; legacy--)
+                check_attention(1 + batch++ % 3, sides[s], sides[s], channels[heads - 1], heads, legacy);
+    check_attention(2, 8, 8, 160, 5, 1);  // 5 heads of 32
+    time_attention(32, 16, 16, 192, 6, 1);
+    time_attention(32, 8, 8, 256, 8, 1);
+    return dev_end();
+}
+#endif  // DEV_NO_MAIN

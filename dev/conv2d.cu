@@ -66,3 +66,156 @@ static void ref_conv2d_backward(double *d_in, double *d_weight, double *d_bias, 
                 }
             }
 }
+
+#ifndef DEV_NO_MAIN
+// ----------------------------------------------------------------------------------------------
+// GPU check: the trainer's conv_forward / conv_backward (im2col + cuBLASLt, col2im, channel sums)
+// against the reference, then timed at the seed model's largest convolutions.
+//   conv_forward:  y = conv(x) + b (+ residual, also in place: residual == y)    y written whole
+//   conv_backward: dw, db written whole; dx += (when given); d_bias_per_sample += ([N][ld])
+
+typedef struct {
+    Conv cv;
+    floatX *y, *x, *dx, *dy;
+    const floatX *residual;
+    float *d_per_sample;
+    int ld, N, H, W;
+} ConvRun;
+
+static void conv_run_forward(void *p) {
+    ConvRun *r = (ConvRun *)p;
+    conv_forward(&r->cv, r->y, r->x, r->N, r->H, r->W, r->residual);
+}
+
+static void conv_run_backward(void *p) {
+    ConvRun *r = (ConvRun *)p;
+    conv_backward(&r->cv, r->dx, r->dy, r->x, r->N, r->H, r->W, r->d_per_sample, r->ld);
+}
+
+// PyTorch's weight layout [out][in][k][k] <-> the GPU's [out][k][k][in], by the trainer's param_layout.
+static void conv_weight_layout(double *dst, const double *src, int out, int in, int k, int to_gpu) {
+    ParamSpec p;
+    memset(&p, 0, sizeof p);
+    p.ndim = 4, p.shape[0] = out, p.shape[1] = in, p.shape[2] = k, p.shape[3] = k;
+    p.numel = (int64_t)out * in * k * k;
+    float *a = (float *)malloc_or_die(p.numel * sizeof(float)), *b = (float *)malloc_or_die(p.numel * sizeof(float));
+    for (int64_t i = 0; i < p.numel; i++) a[i] = (float)src[i];
+    param_layout(&p, a, b, to_gpu);
+    for (int64_t i = 0; i < p.numel; i++) dst[i] = b[i];
+    free(a), free(b);
+}
+
+// The patch matrix (forward) and dcol (backward) share conv_scratch; the bias gradient's partial sums.
+static void conv_scratch_for(int N, int H, int W, int Cin, int Cout, int k, int stride) {
+    int64_t Ho = ref_conv2d_out_size(H, k, stride), Wo = ref_conv2d_out_size(W, k, stride);
+    dev_scratch((int64_t)N * Ho * Wo * k * k * Cin, 0, (int64_t)N * CHANNEL_SUM_CHUNKS * Cout);
+    dev_poison(conv_scratch, dev_conv_scratch_have * sizeof(floatX));
+}
+
+enum { RESIDUAL_NONE, RESIDUAL_SEPARATE, RESIDUAL_IN_PLACE };
+
+// One check. residual: none, a separate tensor, or y itself (a ResBlock's skip conv writes y, then
+// its last conv adds onto it). per_sample: d_bias_per_sample too ([N][Cout + 5]). with_dx 0: dx NULL.
+static void check_conv(int N, int H, int W, int Cin, int Cout, int k, int stride, int residual, int per_sample, int with_dx) {
+    int Ho = ref_conv2d_out_size(H, k, stride), Wo = ref_conv2d_out_size(W, k, stride), ld = Cout + 5;
+    size_t nx = (size_t)N * H * W * Cin, ny = (size_t)N * Ho * Wo * Cout, nw = (size_t)Cout * Cin * k * k, nps = (size_t)N * ld;
+    double bound = 1 / sqrt((double)Cin * k * k);
+    double *x = dev_alloc(nx), *w = dev_alloc(nw), *b = dev_alloc(Cout), *res = dev_alloc(ny), *dy = dev_alloc(ny);
+    dev_fill_x(x, nx, -1, 1), dev_fill_x(w, nw, -bound, bound), dev_fill_x(b, Cout, -0.5, 0.5);
+    dev_fill_x(res, ny, -1, 1), dev_fill_x(dy, ny, -1, 1);
+
+    // Reference.
+    double *y = dev_alloc(ny), *dx = dev_alloc(nx), *dw = dev_alloc(nw), *db = dev_alloc(Cout), *dps = dev_alloc(nps);
+    ref_conv2d_forward(y, x, w, b, N, H, W, Cin, Cout, k, stride);
+    if (residual != RESIDUAL_NONE)
+        for (size_t i = 0; i < ny; i++) y[i] += res[i];
+    ref_conv2d_backward(with_dx ? dx : NULL, dw, db, dy, x, w, N, H, W, Cin, Cout, k, stride);
+    for (int n = 0; n < N; n++)
+        for (int p = 0; p < Ho * Wo; p++)
+            for (int c = 0; c < Cout; c++) dps[(size_t)n * ld + c] += dy[((size_t)n * Ho * Wo + p) * Cout + c];
+    // What the accumulating outputs hold before: random values of the gradient's size.
+    double *dx_before = dev_alloc(nx), *dps_before = dev_alloc(nps), s;
+    s = dev_rms(dx, nx), dev_fill_x(dx_before, nx, -s, s);
+    s = dev_rms(dps, nps), dev_fill_f(dps_before, nps, -s, s);
+
+    // The trainer.
+    double *w_gpu = dev_alloc(nw);
+    conv_weight_layout(w_gpu, w, Cout, Cin, k, 1);
+    ConvRun r;
+    memset(&r, 0, sizeof r);
+    r.cv.in = Cin, r.cv.out = Cout, r.cv.k = k, r.cv.stride = stride;
+    r.cv.w = dev_upload_x(w_gpu, nw), r.cv.b = dev_upload_x(b, Cout);
+    r.cv.dw = (float *)dev_gpu_poisoned(nw * sizeof(float)), r.cv.db = (float *)dev_gpu_poisoned(Cout * sizeof(float));
+    r.x = dev_upload_x(x, nx), r.dy = dev_upload_x(dy, ny);
+    r.N = N, r.H = H, r.W = W, r.ld = ld;
+    floatX *res_gpu = NULL;
+    if (residual == RESIDUAL_IN_PLACE) r.y = dev_upload_x(res, ny), r.residual = r.y;
+    else r.y = (floatX *)dev_gpu_poisoned(ny * sizeof(floatX));
+    if (residual == RESIDUAL_SEPARATE) r.residual = res_gpu = dev_upload_x(res, ny);
+    r.dx = with_dx ? dev_upload_x(dx_before, nx) : NULL;
+    r.d_per_sample = per_sample ? dev_upload_f(dps_before, nps) : NULL;
+    conv_scratch_for(N, H, W, Cin, Cout, k, stride);
+    conv_run_forward(&r);
+    conv_run_backward(&r);
+
+    double tol = DEV_TOLERANCE, fwd = dev_check_x(r.y, NULL, y, ny);
+    DevErrors e;
+    dev_errors_init(&e);
+    if (with_dx) dev_errors_add(&e, "dx", dev_check_x(r.dx, dx_before, dx, nx), tol);
+    double *dw_gpu = dev_download_f(r.cv.dw, nw), *dw_torch = dev_alloc(nw);
+    conv_weight_layout(dw_torch, dw_gpu, Cout, Cin, k, 0);
+    dev_errors_add(&e, "dw", dev_error(dw_torch, NULL, dw, nw), tol);
+    dev_errors_add(&e, "db", dev_check_f(r.cv.db, NULL, db, Cout), tol);
+    if (per_sample) dev_errors_add(&e, "dbias_n", dev_check_f(r.d_per_sample, dps_before, dps, nps), tol);
+    char shape[96];
+    snprintf(shape, sizeof shape, "N%d %dx%d %d->%d k%d s%d%s%s", N, H, W, Cin, Cout, k, stride,
+             residual == RESIDUAL_SEPARATE ? " +res" : residual == RESIDUAL_IN_PLACE ? " +res(y)" : "", with_dx ? "" : " dx=NULL");
+    dev_row("conv2d", shape, fwd, tol, &e, -1, -1);
+
+    dev_gpu_free(r.cv.w, r.cv.b, r.cv.dw, r.cv.db, r.x, r.dy, r.y, NULL);
+    if (res_gpu) dev_gpu_free(res_gpu, NULL);
+    if (r.dx) dev_gpu_free(r.dx, NULL);
+    if (r.d_per_sample) dev_gpu_free(r.d_per_sample, NULL);
+    free(x), free(w), free(b), free(res), free(dy), free(y), free(dx), free(dw), free(db), free(dps);
+    free(dx_before), free(dps_before), free(w_gpu), free(dw_gpu), free(dw_torch);
+}
+
+// Forward and backward (dx given, the bias gradient total only) timed separately.
+static void time_conv(const char *what, int N, int H, int W, int Cin, int Cout, int k, int stride) {
+    int Ho = ref_conv2d_out_size(H, k, stride), Wo = ref_conv2d_out_size(W, k, stride);
+    size_t nx = (size_t)N * H * W * Cin, ny = (size_t)N * Ho * Wo * Cout, nw = (size_t)Cout * Cin * k * k;
+    double bound = 1 / sqrt((double)Cin * k * k);
+    ConvRun r;
+    memset(&r, 0, sizeof r);
+    r.cv.in = Cin, r.cv.out = Cout, r.cv.k = k, r.cv.stride = stride;
+    r.cv.w = dev_random_x(nw, -bound, bound), r.cv.b = dev_random_x(Cout, -0.5, 0.5);
+    r.cv.dw = (float *)gpu_malloc(nw * sizeof(float)), r.cv.db = (float *)gpu_malloc(Cout * sizeof(float));
+    r.x = dev_random_x(nx, -1, 1), r.dy = dev_random_x(ny, -1, 1);
+    r.y = (floatX *)gpu_malloc(ny * sizeof(floatX)), r.dx = (floatX *)gpu_malloc(nx * sizeof(floatX));
+    cuda_check(cudaMemsetAsync(r.dx, 0, nx * sizeof(floatX), gpu.stream));
+    r.N = N, r.H = H, r.W = W;
+    conv_scratch_for(N, H, W, Cin, Cout, k, stride);
+    double fwd = dev_time_ms(conv_run_forward, &r), bwd = dev_time_ms(conv_run_backward, &r);
+    int finite = dev_finite_x(r.y, ny) && dev_finite_x(r.dx, nx) && dev_finite_f(r.cv.dw, nw) && dev_finite_f(r.cv.db, Cout);
+    char shape[96];
+    snprintf(shape, sizeof shape, "N%d %dx%d %d->%d k%d s%d (%s)", N, H, W, Cin, Cout, k, stride, what);
+    dev_timing_row("conv2d", shape, fwd, bwd, finite);
+    dev_gpu_free(r.cv.w, r.cv.b, r.cv.dw, r.cv.db, r.x, r.dy, r.y, r.dx, NULL);
+}
+
+int main(void) {
+    dev_begin("conv2d");
+    check_conv(1, 7, 7, 3, 64, 3, 1, RESIDUAL_NONE, 0, 1);        // the first conv: 3 input channels
+    check_conv(3, 13, 13, 96, 3, 3, 1, RESIDUAL_NONE, 0, 1);      // the last conv: 3 output channels
+    check_conv(2, 13, 13, 64, 64, 3, 2, RESIDUAL_NONE, 0, 1);     // stride 2, odd size
+    check_conv(2, 8, 8, 32, 32, 3, 2, RESIDUAL_NONE, 0, 1);       // stride 2, even size
+    check_conv(3, 7, 13, 3, 96, 3, 2, RESIDUAL_NONE, 1, 0);       // stride 2 on 3 channels, dx NULL
+    check_conv(1, 1, 1, 64, 160, 3, 1, RESIDUAL_NONE, 0, 1);      // 1x1 image
+    check_conv(3, 7, 7, 160, 96, 1, 1, RESIDUAL_SEPARATE, 0, 1);  // skip connection + residual
+    check_conv(3, 9, 9, 96, 160, 3, 1, RESIDUAL_IN_PLACE, 1, 1);  // ResBlock out conv onto its skip
+    check_conv(2, 4, 4, 192, 576, 1, 1, RESIDUAL_NONE, 0, 1);     // attention qkv
+    time_conv("ResBlock conv", 32, 64, 64, 64, 64, 3, 1);
+    time_conv("attention qkv", 32, 16, 16, 192, 576, 1, 1);
+    return dev_end();
+}
+#endif  // DEV_NO_MAIN

@@ -87,3 +87,168 @@ static void ref_group_norm_backward(double *d_in, double *d_gamma, double *d_bet
         }
     free(dxhat);
 }
+
+#ifndef DEV_NO_MAIN
+// ----------------------------------------------------------------------------------------------
+// GPU check: the trainer's group_norm_forward / group_norm_backward with every NormOptions path:
+// SiLU; `add` (the timestep embedding added to the input without scale-shift; its gradient is the
+// per-sample channel sums of dx, taken in the model by the conv before, here by channel_sums);
+// scale_shift (use_scale_shift_norm; rows of a wider [N][ld] array as in the model); dropout (the
+// trainer's keep mask, drawn from its counter-based generator, applied to the reference).
+//   forward: y, mean, rstd written whole.  backward: dx +=, d_scale_shift +=, dgamma, dbeta written.
+
+enum { GN_ADD = 1, GN_SCALE_SHIFT = 2 };
+
+typedef struct {
+    Norm norm;
+    NormOptions o;
+    floatX *y, *x, *dx, *dy;
+    float *mean, *rstd, *d_scale_shift;
+    int N, HW;
+} NormRun;
+
+static void norm_run_forward(void *p) {
+    NormRun *r = (NormRun *)p;
+    group_norm_forward(&r->norm, r->y, r->mean, r->rstd, r->x, r->N, r->HW, r->o);
+}
+
+static void norm_run_backward(void *p) {
+    NormRun *r = (NormRun *)p;
+    group_norm_backward(&r->norm, r->dx, r->d_scale_shift, r->dy, r->x, r->mean, r->rstd, r->N, r->HW, r->o);
+}
+
+static void norm_scratch_for(int N, int C) {
+    dev_scratch(0, (int64_t)N * GN_CHUNKS * (C * 4 + GN_GROUPS * 2), (int64_t)N * CHANNEL_SUM_CHUNKS * C);
+    dev_poison(gn_partial_scratch, dev_gn_scratch_have * sizeof(double));
+}
+
+// The trainer's dropout multiplier of element i (dropout_keep, on the host): 1/(1-p) or 0.
+static double gn_keep(uint64_t seed, int64_t i, float p) {
+    return (float)(random_u64(seed, 3, (uint64_t)i) >> 40) * (1.0f / 16777216.0f) >= p ? 1.0 / (1.0 - (double)p) : 0.0;
+}
+
+static void check_norm(int N, int H, int W, int C, int silu, int mode, float dropout) {
+    int HW = H * W, ld = 2 * C + 7, add_ld = C + 3;  // the embedding arrays are wider than C, as in the model
+    size_t n = (size_t)N * HW * C, nss = (size_t)N * ld, nadd = (size_t)N * add_ld;
+    double *x = dev_alloc(n), *gamma = dev_alloc(C), *beta = dev_alloc(C), *dy = dev_alloc(n);
+    double *ss = dev_alloc(nss), *add = dev_alloc(nadd);
+    dev_fill_x(x, n, -1, 2), dev_fill_f(gamma, C, 0.5, 1.5), dev_fill_f(beta, C, -0.5, 0.5), dev_fill_x(dy, n, -1, 1);
+    dev_fill_f(ss, nss, -0.5, 0.5), dev_fill_f(add, nadd, -1, 1);
+    uint64_t seed = random_u64(dev_seed, 7, 0);
+
+    // Reference on x' = x + add, with scale_shift compacted to [N][2C] and dropout applied after.
+    double *xin = dev_alloc(n), *ss2 = dev_alloc((size_t)N * 2 * C), *keep = dev_alloc(n), *dy_keep = dev_alloc(n);
+    for (size_t i = 0; i < n; i++) {
+        size_t nn = i / ((size_t)HW * C);
+        int c = (int)(i % C);
+        xin[i] = x[i] + (mode & GN_ADD ? add[nn * add_ld + c] : 0);
+        keep[i] = dropout > 0 ? gn_keep(seed, (int64_t)i, dropout) : 1;
+        dy_keep[i] = dy[i] * keep[i];
+    }
+    for (int nn = 0; nn < N; nn++)
+        for (int c = 0; c < 2 * C; c++) ss2[(size_t)nn * 2 * C + c] = ss[(size_t)nn * ld + c];
+    const double *ss_ref = mode & GN_SCALE_SHIFT ? ss2 : NULL;
+    double *y = dev_alloc(n), *dx = dev_alloc(n), *dgamma = dev_alloc(C), *dbeta = dev_alloc(C);
+    double *dss2 = dev_alloc((size_t)N * 2 * C), *dss = dev_alloc(nss), *dadd = dev_alloc(nadd);
+    ref_group_norm_forward(y, xin, gamma, beta, ss_ref, N, HW, C, silu);
+    for (size_t i = 0; i < n; i++) y[i] *= keep[i];
+    ref_group_norm_backward(dx, dgamma, dbeta, ss_ref ? dss2 : NULL, dy_keep, xin, gamma, beta, ss_ref, N, HW, C, silu);
+    for (int nn = 0; nn < N; nn++)
+        for (int c = 0; c < 2 * C; c++) dss[(size_t)nn * ld + c] = dss2[(size_t)nn * 2 * C + c];
+    for (size_t i = 0; i < n; i++) dadd[i / ((size_t)HW * C) * add_ld + i % C] += dx[i];
+    // Accumulating outputs start random (dx starts at zero with `add`, as in the model, whose
+    // per-sample sums of dx are the embedding's gradient).
+    double *dx_before = dev_alloc(n), *dss_before = dev_alloc(nss), *dadd_before = dev_alloc(nadd), s;
+    if (!(mode & GN_ADD)) s = dev_rms(dx, n), dev_fill_x(dx_before, n, -s, s);
+    s = dev_rms(dss, nss), dev_fill_f(dss_before, nss, -s, s);
+    s = dev_rms(dadd, nadd), dev_fill_f(dadd_before, nadd, -s, s);
+
+    NormRun r;
+    memset(&r, 0, sizeof r);
+    r.norm.channels = C;
+    r.norm.gamma = dev_upload_f(gamma, C), r.norm.beta = dev_upload_f(beta, C);
+    r.norm.dgamma = (float *)dev_gpu_poisoned(C * sizeof(float)), r.norm.dbeta = (float *)dev_gpu_poisoned(C * sizeof(float));
+    float *ss_gpu = dev_upload_f(ss, nss), *add_gpu = dev_upload_f(add, nadd), *dadd_gpu = dev_upload_f(dadd_before, nadd);
+    r.o.silu = silu;
+    if (mode & GN_ADD) r.o.add = add_gpu, r.o.add_ld = add_ld;
+    if (mode & GN_SCALE_SHIFT) r.o.scale_shift = ss_gpu, r.o.scale_shift_ld = ld;
+    r.o.dropout = dropout, r.o.dropout_seed = seed;
+    r.x = dev_upload_x(x, n), r.dy = dev_upload_x(dy, n), r.dx = dev_upload_x(dx_before, n);
+    r.y = (floatX *)dev_gpu_poisoned(n * sizeof(floatX));
+    r.mean = (float *)dev_gpu_poisoned((size_t)N * GN_GROUPS * sizeof(float));
+    r.rstd = (float *)dev_gpu_poisoned((size_t)N * GN_GROUPS * sizeof(float));
+    r.d_scale_shift = dev_upload_f(dss_before, nss);
+    r.N = N, r.HW = HW;
+    norm_scratch_for(N, C);
+    norm_run_forward(&r);
+    norm_run_backward(&r);
+    if (mode & GN_ADD) channel_sums(dadd_gpu, add_ld, NULL, r.dx, N, HW, C);
+
+    double tol = DEV_TOLERANCE, fwd = dev_check_x(r.y, NULL, y, n);
+    DevErrors e;
+    dev_errors_init(&e);
+    dev_errors_add(&e, "dx", dev_check_x(r.dx, dx_before, dx, n), tol);
+    dev_errors_add(&e, "dgamma", dev_check_f(r.norm.dgamma, NULL, dgamma, C), tol);
+    dev_errors_add(&e, "dbeta", dev_check_f(r.norm.dbeta, NULL, dbeta, C), tol);
+    if (mode & GN_SCALE_SHIFT) dev_errors_add(&e, "dss", dev_check_f(r.d_scale_shift, dss_before, dss, nss), tol);
+    else dev_errors_add(&e, "dss_untouched", dev_check_f(r.d_scale_shift, dss_before, dss, nss), 0);  // dss is zero
+    if (mode & GN_ADD) dev_errors_add(&e, "dadd", dev_check_f(dadd_gpu, dadd_before, dadd, nadd), tol);
+    char shape[96];
+    snprintf(shape, sizeof shape, "N%d %dx%d C%d%s%s%s", N, H, W, C, silu ? " silu" : "", mode & GN_ADD ? " add" : "",
+             mode & GN_SCALE_SHIFT ? " scale-shift" : "");
+    if (dropout > 0) snprintf(shape + strlen(shape), sizeof shape - strlen(shape), " drop%.2g", dropout);
+    dev_row("groupnorm", shape, fwd, tol, &e, -1, -1);
+
+    dev_gpu_free(r.norm.gamma, r.norm.beta, r.norm.dgamma, r.norm.dbeta, ss_gpu, add_gpu, dadd_gpu, r.x, r.dy, r.dx, r.y,
+                 r.mean, r.rstd, r.d_scale_shift, NULL);
+    free(x), free(gamma), free(beta), free(dy), free(ss), free(add), free(xin), free(ss2), free(keep), free(dy_keep);
+    free(y), free(dx), free(dgamma), free(dbeta), free(dss2), free(dss), free(dadd), free(dx_before), free(dss_before);
+    free(dadd_before);
+}
+
+static void time_norm(const char *what, int N, int H, int W, int C, int silu, int scale_shift) {
+    size_t n = (size_t)N * H * W * C;
+    NormRun r;
+    memset(&r, 0, sizeof r);
+    r.norm.channels = C;
+    r.norm.gamma = dev_random_f(C, 0.5, 1.5), r.norm.beta = dev_random_f(C, -0.5, 0.5);
+    r.norm.dgamma = (float *)gpu_malloc(C * sizeof(float)), r.norm.dbeta = (float *)gpu_malloc(C * sizeof(float));
+    float *ss = dev_random_f((size_t)N * 2 * C, -0.5, 0.5);
+    r.o.silu = silu;
+    if (scale_shift) r.o.scale_shift = ss, r.o.scale_shift_ld = 2 * C;
+    r.x = dev_random_x(n, -1, 2), r.dy = dev_random_x(n, -1, 1);
+    r.y = (floatX *)gpu_malloc(n * sizeof(floatX)), r.dx = (floatX *)gpu_malloc(n * sizeof(floatX));
+    cuda_check(cudaMemsetAsync(r.dx, 0, n * sizeof(floatX), gpu.stream));
+    r.mean = (float *)gpu_malloc((size_t)N * GN_GROUPS * sizeof(float)), r.rstd = (float *)gpu_malloc((size_t)N * GN_GROUPS * sizeof(float));
+    r.d_scale_shift = (float *)gpu_malloc((size_t)N * 2 * C * sizeof(float));
+    cuda_check(cudaMemsetAsync(r.d_scale_shift, 0, (size_t)N * 2 * C * sizeof(float), gpu.stream));
+    r.N = N, r.HW = H * W;
+    norm_scratch_for(N, C);
+    double fwd = dev_time_ms(norm_run_forward, &r), bwd = dev_time_ms(norm_run_backward, &r);
+    int finite = dev_finite_x(r.y, n) && dev_finite_x(r.dx, n) && dev_finite_f(r.norm.dgamma, C) && dev_finite_f(r.norm.dbeta, C);
+    char shape[96];
+    snprintf(shape, sizeof shape, "N%d %dx%d C%d (%s)", N, H, W, C, what);
+    dev_timing_row("groupnorm", shape, fwd, bwd, finite);
+    dev_gpu_free(r.norm.gamma, r.norm.beta, r.norm.dgamma, r.norm.dbeta, ss, r.x, r.dy, r.y, r.dx, r.mean, r.rstd,
+                 r.d_scale_shift, NULL);
+}
+
+int main(void) {
+    dev_begin("groupnorm");
+    check_norm(1, 7, 7, 96, 0, 0, 0);                       // attention's norm
+    check_norm(3, 13, 13, 160, 1, 0, 0);                    // in_layers: GroupNorm + SiLU
+    // 1x1 image: 3 values per group. (Not 2: with two values xhat = +-1 up to eps, so the exact
+    // input gradient is ~eps/var of its terms and fp32 rounding alone is ~1e-4 of it.)
+    check_norm(2, 1, 1, 96, 1, 0, 0);
+    check_norm(3, 17, 17, 32, 1, 0, 0);                     // 289 rows over 16 chunks
+    check_norm(3, 8, 8, 128, 1, GN_ADD, 0);                 // out_layers without scale-shift
+    check_norm(2, 13, 13, 96, 1, GN_SCALE_SHIFT, 0);        // out_layers with scale-shift
+    check_norm(1, 1, 1, 160, 1, GN_SCALE_SHIFT, 0);
+    check_norm(2, 16, 16, 64, 1, GN_SCALE_SHIFT, 0.1f);     // + dropout
+    check_norm(3, 7, 7, 96, 1, GN_ADD, 0.3f);
+    check_norm(2, 4, 4, 512, 0, 0, 0);                      // wide
+    time_norm("in_layers", 32, 64, 64, 64, 1, 0);
+    time_norm("out_layers scale-shift", 32, 64, 64, 64, 1, 1);
+    return dev_end();
+}
+#endif  // DEV_NO_MAIN

@@ -47,3 +47,80 @@ static void ref_upsample_backward(double *d_in, const double *d_out, int N, int 
                 for (int c = 0; c < C; c++)
                     d_in[(((size_t)n * H + y / 2) * W + x / 2) * C + c] += d_out[(((size_t)n * 2 * H + y) * 2 * W + x) * C + c];
 }
+
+#ifndef DEV_NO_MAIN
+// ----------------------------------------------------------------------------------------------
+// GPU check: the trainer's resample_forward / resample_backward (2x2 average pooling and nearest
+// 2x upsampling). y written whole; dx += (checked against what it held before).
+
+typedef struct {
+    floatX *y, *x, *dx, *dy;
+    int up, N, H, W, C;
+} ResampleRun;
+
+static void resample_run_forward(void *p) {
+    ResampleRun *r = (ResampleRun *)p;
+    resample_forward(r->up, r->y, r->x, r->N, r->H, r->W, r->C);
+}
+
+static void resample_run_backward(void *p) {
+    ResampleRun *r = (ResampleRun *)p;
+    resample_backward(r->up, r->dx, r->dy, r->N, r->H, r->W, r->C);
+}
+
+static size_t resample_out_numel(int up, int N, int H, int W, int C) {
+    return up ? (size_t)N * 2 * H * 2 * W * C : (size_t)N * (H / 2) * (W / 2) * C;
+}
+
+static void check_resample(int up, int N, int H, int W, int C) {
+    size_t nx = (size_t)N * H * W * C, ny = resample_out_numel(up, N, H, W, C);
+    double *x = dev_alloc(nx), *dy = dev_alloc(ny), *y = dev_alloc(ny), *dx = dev_alloc(nx), *dx_before = dev_alloc(nx), s;
+    dev_fill_x(x, nx, -1, 1), dev_fill_x(dy, ny, -1, 1);
+    if (up) ref_upsample_forward(y, x, N, H, W, C), ref_upsample_backward(dx, dy, N, H, W, C);
+    else ref_avgpool_forward(y, x, N, H, W, C), ref_avgpool_backward(dx, dy, N, H, W, C);
+    s = dev_rms(dx, nx), dev_fill_x(dx_before, nx, -s, s);
+
+    ResampleRun r = {(floatX *)dev_gpu_poisoned(ny * sizeof(floatX)), dev_upload_x(x, nx), dev_upload_x(dx_before, nx),
+                     dev_upload_x(dy, ny), up, N, H, W, C};
+    resample_run_forward(&r);
+    resample_run_backward(&r);
+    double tol = DEV_TOLERANCE, fwd = dev_check_x(r.y, NULL, y, ny);
+    DevErrors e;
+    dev_errors_init(&e);
+    dev_errors_add(&e, "dx", dev_check_x(r.dx, dx_before, dx, nx), tol);
+    char shape[96];
+    snprintf(shape, sizeof shape, "%s N%d %dx%d C%d", up ? "up" : "down", N, H, W, C);
+    dev_row(up ? "upsample" : "avgpool", shape, fwd, tol, &e, -1, -1);
+    dev_gpu_free(r.y, r.x, r.dx, r.dy, NULL);
+    free(x), free(dy), free(y), free(dx), free(dx_before);
+}
+
+static void time_resample(const char *what, int up, int N, int H, int W, int C) {
+    size_t nx = (size_t)N * H * W * C, ny = resample_out_numel(up, N, H, W, C);
+    ResampleRun r = {(floatX *)gpu_malloc(ny * sizeof(floatX)), dev_random_x(nx, -1, 1), (floatX *)gpu_malloc(nx * sizeof(floatX)),
+                     dev_random_x(ny, -1, 1), up, N, H, W, C};
+    cuda_check(cudaMemsetAsync(r.dx, 0, nx * sizeof(floatX), gpu.stream));
+    double fwd = dev_time_ms(resample_run_forward, &r), bwd = dev_time_ms(resample_run_backward, &r);
+    char shape[96];
+    snprintf(shape, sizeof shape, "%s N%d %dx%d C%d (%s)", up ? "up" : "down", N, H, W, C, what);
+    dev_timing_row(up ? "upsample" : "avgpool", shape, fwd, bwd, dev_finite_x(r.y, ny) && dev_finite_x(r.dx, nx));
+    dev_gpu_free(r.y, r.x, r.dx, r.dy, NULL);
+}
+
+int main(void) {
+    dev_begin("resample");
+    check_resample(0, 3, 8, 8, 96);
+    check_resample(0, 3, 2, 2, 160);   // to 1x1
+    check_resample(1, 3, 1, 1, 96);    // 1x1 up to 2x2
+    check_resample(1, 1, 7, 7, 160);
+    check_resample(1, 2, 13, 13, 3);
+    time_resample("64 -> 32", 0, 32, 64, 64, 64);
+    time_resample("32 -> 64", 1, 32, 32, 32, 128);
+    // Odd sides last (the model never pools one: image_size is divisible by 2^(levels-1)): the last
+    // row and column are dropped, as AvgPool2d(2, 2), so their gradient is zero.
+    check_resample(0, 1, 7, 7, 64);
+    check_resample(0, 2, 13, 13, 3);
+    check_resample(0, 2, 6, 9, 32);    // even by odd
+    return dev_end();
+}
+#endif  // DEV_NO_MAIN

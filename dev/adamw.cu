@@ -1,0 +1,89 @@
+// dev/adamw.cu: AdamW as PyTorch's torch.optim.AdamW defines it (decoupled weight decay, bias
+// correction), one step on fp32 master weights. CPU reference in double.
+#include "common.h"
+
+// One step t (counting from 1) over n parameters, in place:
+//   p -= lr wd p
+//   m = b1 m + (1 - b1) g;   v = b2 v + (1 - b2) g^2
+//   p -= lr (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps)
+static void ref_adamw_step(double *p, double *m, double *v, const double *g, size_t n, int t, double lr, double beta1,
+                           double beta2, double eps, double weight_decay) {
+    double bias1 = 1 - pow(beta1, t), bias2 = 1 - pow(beta2, t);
+    for (size_t i = 0; i < n; i++) {
+        p[i] -= lr * weight_decay * p[i];
+        m[i] = beta1 * m[i] + (1 - beta1) * g[i];
+        v[i] = beta2 * v[i] + (1 - beta2) * g[i] * g[i];
+        p[i] -= lr * (m[i] / bias1) / (sqrt(v[i] / bias2) + eps);
+    }
+}
+
+#ifndef DEV_NO_MAIN
+// ----------------------------------------------------------------------------------------------
+// GPU check: the trainer's adamw_kernel, launched as unet_adamw launches it (bias corrections
+// 1 - beta^t computed on the host in float). params, m, v are fp32 in both builds, so they are
+// held to the FP32 tolerance 1e-5 in both; the compute copy params_x (floatX) to the build's.
+
+typedef struct {
+    float *p, *m, *v, *g;
+    floatX *px;
+    int64_t n;
+    int step;
+    float lr, beta1, beta2, eps, weight_decay;
+} AdamRun;
+
+static void adam_run(void *q) {
+    AdamRun *r = (AdamRun *)q;
+    adamw_kernel<<<blocks_for(r->n, 256), 256, 0, gpu.stream>>>(r->p, r->px, r->m, r->v, r->g, r->n, r->lr, r->beta1, r->beta2,
+                                                               r->eps, r->weight_decay, 1.0f - powf(r->beta1, (float)r->step),
+                                                               1.0f - powf(r->beta2, (float)r->step));
+    cuda_check_launch();
+}
+
+// grad_scale: the gradients' size (small ones put eps to work); step 1 starts from zero moments.
+static void check_adamw(size_t n, int step, float lr, float weight_decay, double grad_scale) {
+    double *p = dev_alloc(n), *m = dev_alloc(n), *v = dev_alloc(n), *g = dev_alloc(n);
+    dev_fill_f(p, n, -1, 1), dev_fill_f(g, n, -grad_scale, grad_scale);
+    if (step > 1) dev_fill_f(m, n, -0.1 * grad_scale, 0.1 * grad_scale), dev_fill_f(v, n, 0, 0.01 * grad_scale * grad_scale);
+    AdamRun r = {dev_upload_f(p, n), dev_upload_f(m, n), dev_upload_f(v, n), dev_upload_f(g, n),
+                 (floatX *)dev_gpu_poisoned(n * sizeof(floatX)), (int64_t)n, step, lr, 0.9f, 0.999f, 1e-8f, weight_decay};
+    adam_run(&r);
+    ref_adamw_step(p, m, v, g, n, step, r.lr, r.beta1, r.beta2, r.eps, r.weight_decay);  // the float values, widened
+    double tol = DEV_TOLERANCE, fwd = dev_check_f(r.p, NULL, p, n);
+    DevErrors e;
+    dev_errors_init(&e);
+    dev_errors_add(&e, "m", dev_check_f(r.m, NULL, m, n), 1e-5);
+    dev_errors_add(&e, "v", dev_check_f(r.v, NULL, v, n), 1e-5);
+    dev_errors_add(&e, "p_compute", dev_check_x(r.px, NULL, p, n), tol);
+    char shape[96];
+    snprintf(shape, sizeof shape, "n %zu t%d lr %g wd %g grad~%g", n, step, lr, weight_decay, grad_scale);
+    dev_row("adamw", shape, fwd, 1e-5, &e, -1, -1);
+    dev_gpu_free(r.p, r.m, r.v, r.g, r.px, NULL);
+    free(p), free(m), free(v), free(g);
+}
+
+// The seed model's parameter count.
+static void time_adamw(void) {
+    Options o = preset_seed();
+    ModelConfig c = resolve_model(&o, o.num_classes);
+    ParamList params = model_parameters(&c);
+    int64_t n = params.numel;
+    free(params.specs);
+    AdamRun r = {dev_random_f(n, -1, 1), dev_random_f(n, -0.01, 0.01), dev_random_f(n, 0, 1e-4), dev_random_f(n, -0.1, 0.1),
+                 (floatX *)gpu_malloc(n * sizeof(floatX)), n, 10, 1e-4f, 0.9f, 0.999f, 1e-8f, 0.0f};
+    double ms = dev_time_ms(adam_run, &r);
+    char shape[96];
+    snprintf(shape, sizeof shape, "n %lld (seed model)", (long long)n);
+    dev_timing_row("adamw", shape, ms, -1, dev_finite_f(r.p, n) && dev_finite_x(r.px, n));
+    dev_gpu_free(r.p, r.m, r.v, r.g, r.px, NULL);
+}
+
+int main(void) {
+    dev_begin("adamw");
+    check_adamw(1, 1, 1e-3f, 0.0f, 1);
+    check_adamw(1000, 1, 1e-3f, 0.1f, 1);
+    check_adamw(1000, 7, 2e-2f, 0.1f, 1e-6);      // tiny gradients: eps matters
+    check_adamw(1000003, 1000, 1e-3f, 0.01f, 0.1);
+    time_adamw();
+    return dev_end();
+}
+#endif  // DEV_NO_MAIN

@@ -1,0 +1,124 @@
+// dev/concat.cu: the UNet decoder's skip connections: channel concatenation of the running
+// activation a [P][Ca] and the skip b [P][Cb] (P = N H W pixels, NHWC), and the residual add
+// (y += x) of the ResBlocks' and attention blocks' backward. CPU reference in double.
+#include "common.h"
+
+// y[p] = [a[p][0 .. Ca) | b[p][0 .. Cb)]
+static void ref_concat_forward(double *y, const double *a, const double *b, size_t P, int Ca, int Cb) {
+    for (size_t p = 0; p < P; p++) {
+        for (int c = 0; c < Ca; c++) y[p * (Ca + Cb) + c] = a[p * Ca + c];
+        for (int c = 0; c < Cb; c++) y[p * (Ca + Cb) + Ca + c] = b[p * Cb + c];
+    }
+}
+
+// da[p][c] += dy[p][c];  db[p][c] += dy[p][Ca + c]
+static void ref_concat_backward(double *da, double *db, const double *dy, size_t P, int Ca, int Cb) {
+    for (size_t p = 0; p < P; p++) {
+        for (int c = 0; c < Ca; c++) da[p * Ca + c] += dy[p * (Ca + Cb) + c];
+        for (int c = 0; c < Cb; c++) db[p * Cb + c] += dy[p * (Ca + Cb) + Ca + c];
+    }
+}
+
+#ifndef DEV_NO_MAIN
+// ----------------------------------------------------------------------------------------------
+// GPU check: the trainer's concat_kernel (y written whole), split_add_kernel (da +=, db +=) and
+// add_kernel (y += x), launched as layer_forward / layer_backward launch them.
+
+typedef struct {
+    floatX *y, *a, *b, *dy, *da, *db;
+    int64_t P;
+    int Ca, Cb;
+} ConcatRun;
+
+static void concat_run_forward(void *p) {
+    ConcatRun *r = (ConcatRun *)p;
+    int64_t n = r->P * (r->Ca + r->Cb);
+    concat_kernel<<<blocks_for(n, 256), 256, 0, gpu.stream>>>(r->y, r->a, r->b, r->P, r->Ca, r->Cb);
+    cuda_check_launch();
+}
+
+static void concat_run_backward(void *p) {
+    ConcatRun *r = (ConcatRun *)p;
+    int64_t n = r->P * (r->Ca + r->Cb);
+    split_add_kernel<<<blocks_for(n, 256), 256, 0, gpu.stream>>>(r->da, r->db, r->dy, r->P, r->Ca, r->Cb);
+    cuda_check_launch();
+}
+
+typedef struct {
+    floatX *y, *x;
+    int64_t n;
+} AddRun;
+
+static void add_run(void *p) {
+    AddRun *r = (AddRun *)p;
+    add_kernel<<<blocks_for(r->n, 256), 256, 0, gpu.stream>>>(r->y, r->x, r->n);
+    cuda_check_launch();
+}
+
+static void check_concat(int N, int H, int W, int Ca, int Cb) {
+    size_t P = (size_t)N * H * W, na = P * Ca, nb = P * Cb, ny = P * (Ca + Cb);
+    double *a = dev_alloc(na), *b = dev_alloc(nb), *dy = dev_alloc(ny), *y = dev_alloc(ny);
+    double *da = dev_alloc(na), *db = dev_alloc(nb), *da_before = dev_alloc(na), *db_before = dev_alloc(nb);
+    dev_fill_x(a, na, -1, 1), dev_fill_x(b, nb, -1, 1), dev_fill_x(dy, ny, -1, 1);
+    dev_fill_x(da_before, na, -1, 1), dev_fill_x(db_before, nb, -1, 1);
+    ref_concat_forward(y, a, b, P, Ca, Cb);
+    ref_concat_backward(da, db, dy, P, Ca, Cb);
+    ConcatRun r = {(floatX *)dev_gpu_poisoned(ny * sizeof(floatX)), dev_upload_x(a, na), dev_upload_x(b, nb), dev_upload_x(dy, ny),
+                   dev_upload_x(da_before, na), dev_upload_x(db_before, nb), (int64_t)P, Ca, Cb};
+    concat_run_forward(&r);
+    concat_run_backward(&r);
+    double tol = DEV_TOLERANCE, fwd = dev_check_x(r.y, NULL, y, ny);
+    DevErrors e;
+    dev_errors_init(&e);
+    dev_errors_add(&e, "da", dev_check_x(r.da, da_before, da, na), tol);
+    dev_errors_add(&e, "db", dev_check_x(r.db, db_before, db, nb), tol);
+    char shape[96];
+    snprintf(shape, sizeof shape, "N%d %dx%d %d+%d", N, H, W, Ca, Cb);
+    dev_row("concat", shape, fwd, tol, &e, -1, -1);
+    dev_gpu_free(r.y, r.a, r.b, r.dy, r.da, r.db, NULL);
+    free(a), free(b), free(dy), free(y), free(da), free(db), free(da_before), free(db_before);
+}
+
+static void check_add(size_t n) {
+    double *y = dev_alloc(n), *x = dev_alloc(n);
+    dev_fill_x(y, n, -1, 1), dev_fill_x(x, n, -1, 1);
+    AddRun r = {dev_upload_x(y, n), dev_upload_x(x, n), (int64_t)n};
+    add_run(&r);
+    double tol = DEV_TOLERANCE, err = dev_check_x(r.y, y, x, n);  // y += x
+    char shape[96];
+    snprintf(shape, sizeof shape, "n %zu", n);
+    dev_row("add", shape, err, tol, NULL, -1, -1);
+    dev_gpu_free(r.y, r.x, NULL);
+    free(y), free(x);
+}
+
+static void time_concat(int N, int H, int W, int Ca, int Cb) {
+    size_t P = (size_t)N * H * W, na = P * Ca, nb = P * Cb, ny = P * (Ca + Cb);
+    ConcatRun r = {(floatX *)gpu_malloc(ny * sizeof(floatX)), dev_random_x(na, -1, 1), dev_random_x(nb, -1, 1),
+                   dev_random_x(ny, -1, 1), (floatX *)gpu_malloc(na * sizeof(floatX)), (floatX *)gpu_malloc(nb * sizeof(floatX)),
+                   (int64_t)P, Ca, Cb};
+    cuda_check(cudaMemsetAsync(r.da, 0, na * sizeof(floatX), gpu.stream));
+    cuda_check(cudaMemsetAsync(r.db, 0, nb * sizeof(floatX), gpu.stream));
+    double fwd = dev_time_ms(concat_run_forward, &r), bwd = dev_time_ms(concat_run_backward, &r);
+    char shape[96];
+    snprintf(shape, sizeof shape, "N%d %dx%d %d+%d", N, H, W, Ca, Cb);
+    dev_timing_row("concat", shape, fwd, bwd, dev_finite_x(r.y, ny) && dev_finite_x(r.da, na) && dev_finite_x(r.db, nb));
+    AddRun add = {r.y, r.dy, (int64_t)ny};
+    double ms = dev_time_ms(add_run, &add);
+    snprintf(shape, sizeof shape, "n %zu (N%d %dx%d C%d)", ny, N, H, W, Ca + Cb);
+    dev_timing_row("add", shape, ms, -1, dev_finite_x(r.y, ny));
+    dev_gpu_free(r.y, r.a, r.b, r.dy, r.da, r.db, NULL);
+}
+
+int main(void) {
+    dev_begin("concat");
+    check_concat(1, 7, 7, 64, 64);
+    check_concat(3, 13, 13, 96, 160);
+    check_concat(2, 1, 1, 256, 192);
+    check_concat(3, 5, 3, 3, 5);    // narrow, odd
+    check_add(1);
+    check_add(3 * 13 * 13 * 96);
+    time_concat(32, 64, 64, 64, 64);
+    return dev_end();
+}
+#endif  // DEV_NO_MAIN

@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# bench.sh [PRESET:BATCH ...]: our training step (./train_unet --bench) and the PyTorch reference
+# (scripts/bench_torch.py: eager bf16, torch.compile, torch.compile with CUDA graphs) on the same
+# configurations, one after the other in one run; prints a table of medians and the ratios
+# (PyTorch time / ours: above 1 means we are faster). Default: seed:32 seed:128.
+# BENCH_MODES="eager compile reduce-overhead" picks the PyTorch modes; BENCH_STEPS the steps timed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+configs=("$@")
+[ ${#configs[@]} -gt 0 ] || configs=(seed:32 seed:128)
+modes=${BENCH_MODES:-eager compile reduce-overhead}
+steps=${BENCH_STEPS:-50}
+log=$(mktemp)
+rows=()
+for config in "${configs[@]}"; do
+    preset=${config%%:*} batch=${config##*:}
+    ours=$(./train_unet --bench "$steps" --preset "$preset" --batch_size "$batch" | tee -a "$log" | sed -n 's/.*median \([0-9.]*\) ms.*/\1/p')
+    row="$preset $batch $ours"
+    for mode in $modes; do
+        theirs=$(python3 scripts/bench_torch.py --preset "$preset" --batch_size "$batch" --mode "$mode" --steps "$steps" 2>&1 |
+                 tee -a "$log" | sed -n 's/.*median \([0-9.]*\) ms.*/\1/p')
+        row="$row $mode=${theirs:-failed}"
+    done
+    rows+=("$row")
+done
+cat "$log"
+rm -f "$log"
+echo
+printf '%-8s %6s %12s' preset batch "ours ms"
+for mode in $modes; do printf ' %26s' "$mode ms (ratio)"; done
+echo
+for row in "${rows[@]}"; do
+    set -- $row
+    printf '%-8s %6s %12s' "$1" "$2" "$3"
+    ours=$3; shift 3
+    for cell in "$@"; do
+        theirs=${cell#*=}
+        if [ "$theirs" = failed ]; then printf ' %26s' failed
+        else printf ' %26s' "$theirs ($(awk -v a="$theirs" -v b="$ours" 'BEGIN { printf "%.2fx", a / b }'))"; fi
+    done
+    echo
+done
