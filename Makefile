@@ -64,7 +64,7 @@ data/shapes.bin: prepare_data
 ASAN := -fsanitize=address,undefined -fno-omit-frame-pointer
 NVCC_ASAN := -Xcompiler -fsanitize=address,-fsanitize=undefined,-fno-omit-frame-pointer -lasan -lubsan
 TESTS_CPU := build/test/test_dataset build/test/test_shapes build/test/test_dataloader build/test/train_unet_asan \
-             build/test/test_reference build/test/test_unet_fixtures
+             build/test/test_reference build/test/test_unet_fixtures build/test/test_checkpoint
 TESTS_GPU := build/test/test_dataloader_gpu build/test/test_unet_gpu_fp32 build/test/test_unet_gpu_bf16 \
              build/test/test_unet_gpu_reference_fp32 build/test/test_unet_gpu_reference_bf16
 
@@ -80,6 +80,10 @@ build/test/test_shapes: dev/test/test_shapes.c data/shapes.c data/shapes.h dev/t
 build/test/test_dataloader: dev/test/test_dataloader.cu train_unet.cu dataset.h dev/test/check.h build/precision
 	@mkdir -p build/test
 	$(NVCC) $(NVCCFLAGS) $(NVCC_ASAN) -o $@ $< $(CUDA_LIBS)
+
+build/test/test_checkpoint: dev/test/test_checkpoint.cu train_unet.cu dataset.h dev/test/check.h build/precision
+	@mkdir -p build/test
+	$(NVCC) $(NVCCFLAGS) -o $@ $< $(CUDA_LIBS)
 
 # The trainer's host code under AddressSanitizer, for the command-line tests on damaged input.
 build/test/train_unet_asan: train_unet.cu dataset.h build/precision

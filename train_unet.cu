@@ -10,9 +10,11 @@
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
+#include <dirent.h>
 #include <errno.h>
 #include <inttypes.h>
 #include <math.h>
+#include <signal.h>
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -20,6 +22,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <strings.h>
+#include <time.h>
 
 #include "dataset.h"
 
@@ -913,15 +916,18 @@ typedef struct {
     const float *add; int add_ld;                  // [N][add_ld], or NULL
     const float *scale_shift; int scale_shift_ld;  // [N][ld]: scale at [0, C), shift at [C, 2C), or NULL
     int silu;
-    float dropout; uint64_t dropout_seed;
+    float dropout;                  // probability of zeroing an output (training only)
+    const uint64_t *dropout_seed;   // on the GPU: the step's seed (a training step can be a replayed graph)
+    uint64_t dropout_stream;        // the layer's own random stream
 } NormOptions;
 
 static double *gn_partial_scratch;  // [N][GN_CHUNKS][C_max][4] doubles, set up with the model
 
 __device__ inline float sigmoidf_(float x) { return 1.0f / (1.0f + expf(-x)); }
 
-__device__ inline float dropout_keep(uint64_t seed, int64_t i, float p) {
-    return (float)(random_u64(seed, 3, (uint64_t)i) >> 40) * (1.0f / 16777216.0f) >= p ? 1.0f / (1.0f - p) : 0.0f;
+// Dropout's multiplier for element i: 0 with probability p, else 1/(1 - p).
+__host__ __device__ inline float dropout_keep(uint64_t seed, uint64_t stream, int64_t i, float p) {
+    return (float)(random_u64(seed, stream, (uint64_t)i) >> 40) * (1.0f / 16777216.0f) >= p ? 1.0f / (1.0f - p) : 0.0f;
 }
 
 // The rows [begin, end) of chunk `chunk` of a sample with `rows` rows.
@@ -990,7 +996,7 @@ __global__ void group_norm_apply_kernel(floatX *y, float *mean_out, float *rstd_
                 u = u * (1.0f + ss[c]) + ss[C + c];
             }
             if (o.silu) u = u * sigmoidf_(u);
-            if (o.dropout > 0.0f) u *= dropout_keep(o.dropout_seed, at + j, o.dropout);
+            if (o.dropout > 0.0f) u *= dropout_keep(*o.dropout_seed, o.dropout_stream, at + j, o.dropout);
             q.v[j] = (floatX)u;
         }
         *(Pack *)&y[at] = q;
@@ -1017,7 +1023,7 @@ __device__ inline void group_norm_backward_element(float v, float dy, float mean
     *xhat = (v - mean) * rstd;
     *z = *xhat * gamma + beta;
     float u = o.scale_shift ? *z * (1.0f + scale) + shift : *z;
-    if (o.dropout > 0.0f) dy *= dropout_keep(o.dropout_seed, at, o.dropout);
+    if (o.dropout > 0.0f) dy *= dropout_keep(*o.dropout_seed, o.dropout_stream, at, o.dropout);
     if (o.silu) {
         float s = sigmoidf_(u);
         dy *= s * (1.0f + u * (1.0f - s));
@@ -1422,13 +1428,28 @@ static void mse_loss(float *loss, float *partial, floatX *d_out, const floatX *o
 
 // ----------------------------------------------------------------------------------------------
 // AdamW as PyTorch defines it, on the fp32 master weights, refreshing the compute copy:
-//   p -= lr wd p;  m = b1 m + (1 - b1) g;  v = b2 v + (1 - b2) g^2
+//   g = grad * clip scale;  p -= lr wd p;  m = b1 m + (1 - b1) g;  v = b2 v + (1 - b2) g^2
 //   p -= lr (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps)
+// A step whose loss or gradient is not finite changes nothing.
+
+// What a training step reads and writes on the GPU besides tensors. The host fills the first part
+// before the step; the step fills the second. Kept in one struct, copied in and out by the step
+// itself, so that the step can be one CUDA graph replayed with new values.
+typedef struct {
+    int64_t step;          // the step being taken, from 1
+    float lr, bias1, bias2;  // AdamW: learning rate, 1 - beta1^step, 1 - beta2^step
+    float grad_clip;       // clip the global gradient norm to this (0: off)
+    uint64_t noise_seed;   // draws of this step: timesteps, noise, label dropout
+    float loss, grad_norm, grad_scale;  // results: loss, norm before clipping, the scale applied
+    int finite;            // loss and gradients finite: parameters and EMA updated
+} StepState;
 
 __global__ void adamw_kernel(float *params, floatX *params_x, float *m, float *v, const float *grads, int64_t n,
-                             float lr, float beta1, float beta2, float eps, float weight_decay, float bias1, float bias2) {
+                             const StepState *s, float beta1, float beta2, float eps, float weight_decay) {
+    if (!s->finite) return;
+    float lr = s->lr, bias1 = s->bias1, bias2 = s->bias2, scale = s->grad_scale;
     for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
-        float g = grads[i], p = params[i] * (1.0f - lr * weight_decay);
+        float g = grads[i] * scale, p = params[i] * (1.0f - lr * weight_decay);
         float mi = beta1 * m[i] + (1.0f - beta1) * g, vi = beta2 * v[i] + (1.0f - beta2) * g * g;
         p -= lr * (mi / bias1) / (sqrtf(vi / bias2) + eps);
         m[i] = mi, v[i] = vi, params[i] = p;
@@ -1532,7 +1553,7 @@ typedef struct {
     int64_t conv_scratch_numel, attention_scratch_numel, gn_scratch_numel, channel_scratch_numel;
     float *loss, *loss_partial;
     Act target, d_output_placeholder;
-    uint64_t dropout_seed;
+    uint64_t *dropout_seed;  // on the GPU: dropout's seed for this step (see NormOptions)
 } UNet;
 
 typedef struct {
@@ -1895,9 +1916,11 @@ static void unet_create(UNet *m, const ModelConfig *c, int batch) {
         m->labels = (int *)arena_take(&m->acts, batch * sizeof(int));
         m->loss = (float *)arena_take(&m->acts, (LOSS_BLOCKS + 1) * sizeof(float));
         m->loss_partial = m->loss ? m->loss + 1 : NULL;
+        m->dropout_seed = (uint64_t *)arena_take(&m->acts, sizeof(uint64_t));
         note_scratch(&m->channel_scratch_numel, (int64_t)batch * CHANNEL_SUM_CHUNKS * (E > emb_dim ? E : emb_dim));
         if (pass == 0) m->acts.base = (char *)gpu_malloc(m->acts.used);
     }
+    cuda_check(cudaMemset(m->dropout_seed, 0, sizeof(uint64_t)));
     m->emb_all.in = 4 * c->model_channels, m->emb_all.out = (int)m->emb_total, m->emb_all.k = 1, m->emb_all.stride = 1;
     m->emb_all.w = m->compute, m->emb_all.b = m->compute + m->emb_bias_offset;
     m->emb_all.dw = m->grad, m->emb_all.db = m->grad + m->emb_bias_offset;
@@ -1931,12 +1954,13 @@ static NormOptions res_norm2_options(const UNet *m, const Layer *l, int training
     o.silu = 1;
     if (m->config.use_scale_shift_norm) o.scale_shift = m->emb_out + l->emb_offset, o.scale_shift_ld = (int)m->emb_total;
     else o.add = m->emb_out + l->emb_offset, o.add_ld = (int)m->emb_total;
-    if (training && m->config.dropout > 0.0f) o.dropout = m->config.dropout, o.dropout_seed = m->dropout_seed + (uint64_t)(l - m->layers);
+    if (training && m->config.dropout > 0.0f)
+        o.dropout = m->config.dropout, o.dropout_seed = m->dropout_seed, o.dropout_stream = 100 + (uint64_t)(l - m->layers);
     return o;
 }
 
-static const NormOptions NORM_SILU = {NULL, 0, NULL, 0, 1, 0.0f, 0};
-static const NormOptions NORM_PLAIN = {NULL, 0, NULL, 0, 0, 0.0f, 0};
+static const NormOptions NORM_SILU = {NULL, 0, NULL, 0, 1, 0.0f, NULL, 0};
+static const NormOptions NORM_PLAIN = {NULL, 0, NULL, 0, 0, 0.0f, NULL, 0};
 
 static void layer_forward(UNet *m, Layer *l, int training) {
     int N = m->batch, H = l->in->H, W = l->in->W;
@@ -2179,13 +2203,6 @@ static void unet_init_parameters(UNet *m, uint64_t seed) {
     free(values);
 }
 
-// One AdamW step over every parameter (see adamw_kernel); step counts from 1.
-static void unet_adamw(UNet *m, int step, float lr, float beta1, float beta2, float eps, float weight_decay) {
-    floatX *copy = (void *)m->compute == (void *)m->master ? NULL : m->compute;
-    adamw_kernel<<<blocks_for(m->storage, 256), 256, 0, gpu.stream>>>(m->master, copy, m->adam_m, m->adam_v, m->grad, m->storage,
-        lr, beta1, beta2, eps, weight_decay, 1.0f - powf(beta1, (float)step), 1.0f - powf(beta2, (float)step));
-    cuda_check_launch();
-}
 
 // ----------------------------------------------------------------------------------------------
 // The command line. Model and training flags carry guided-diffusion's names; a preset sets a
@@ -2201,17 +2218,19 @@ typedef struct {
     int class_cond, num_classes, learn_sigma;
     // diffusion
     int diffusion_steps;
-    const char *noise_schedule;
+    const char *noise_schedule, *predict;
     // training
-    float lr, weight_decay;
+    float lr, weight_decay, beta1, beta2, adam_eps, min_lr, grad_clip, cfg_dropout;
+    const char *lr_decay;
+    int warmup_steps;
     int batch_size;
     const char *ema_rate;
-    int log_interval, save_interval;
-    const char *resume_checkpoint;
+    int log_interval, save_interval, keep, max_bad_steps;
+    const char *resume_checkpoint, *run_dir;
     // data and run
     const char *data, *preset;
     int random_flip;
-    long long steps;
+    long long steps, stop_step;
     long long seed;
     int dry_run, bench;
 } Options;
@@ -2247,15 +2266,28 @@ static const OptionSpec option_specs[] = {
     OPT(learn_sigma, OPT_BOOL, "6 output channels (guided-diffusion's learned variance): evaluation only, not trained"),
     OPT(diffusion_steps, OPT_INT, "diffusion timesteps"),
     OPT(noise_schedule, OPT_STRING, "linear | cosine"),
+    OPT(predict, OPT_STRING, "eps | v: what the model is trained to predict"),
     OPT(lr, OPT_FLOAT, "AdamW learning rate"),
+    OPT(beta1, OPT_FLOAT, "AdamW beta1"),
+    OPT(beta2, OPT_FLOAT, "AdamW beta2"),
+    OPT(adam_eps, OPT_FLOAT, "AdamW epsilon"),
     OPT(weight_decay, OPT_FLOAT, "AdamW decoupled weight decay"),
+    OPT(warmup_steps, OPT_INT, "linear learning-rate warm-up steps"),
+    OPT(lr_decay, OPT_STRING, "none | cosine: after warm-up, constant or a half cosine down to min_lr at the last step"),
+    OPT(min_lr, OPT_FLOAT, "the learning rate at the end of a cosine decay"),
+    OPT(grad_clip, OPT_FLOAT, "clip the global gradient norm to this (0: off); the norm is logged either way"),
+    OPT(cfg_dropout, OPT_FLOAT, "probability of replacing a label by the null class (classifier-free guidance)"),
     OPT(batch_size, OPT_INT, "images per step"),
     OPT(ema_rate, OPT_STRING, "EMA decay rates, comma-separated"),
     OPT(log_interval, OPT_INT, "steps between progress lines"),
     OPT(save_interval, OPT_INT, "steps between checkpoints"),
-    OPT(resume_checkpoint, OPT_STRING, "checkpoint directory to resume from"),
+    OPT(keep, OPT_INT, "checkpoints to keep, the newest (0: all)"),
+    OPT(max_bad_steps, OPT_INT, "stop after this many steps in a row with a non-finite loss or gradient"),
+    OPT(run_dir, OPT_STRING, "run folder: config.txt, log.csv, checkpoints/"),
+    OPT(resume_checkpoint, OPT_STRING, "checkpoint folder to resume from, or latest (the newest in run_dir)"),
     OPT(random_flip, OPT_BOOL, "random horizontal flips of the training images"),
-    OPT(steps, OPT_LONG, "training steps"),
+    OPT(steps, OPT_LONG, "training steps (the length of the learning-rate schedule)"),
+    OPT(stop_step, OPT_LONG, "save and stop after this step, to continue later with --resume_checkpoint (0: at --steps)"),
     OPT(seed, OPT_LONG, "random seed (initialisation, data order, noise)"),
     OPT(dry_run, OPT_SWITCH, "check the configuration and dataset, print them and the parameter count, exit"),
     OPT(bench, OPT_INT, "time N training steps on random data (after warm-up) and exit; needs no --data"),
@@ -2271,10 +2303,13 @@ static Options preset_seed(void) {
     o.num_heads = 4, o.num_head_channels = 32, o.num_heads_upsample = -1;
     o.use_new_attention_order = 0, o.use_scale_shift_norm = 0, o.resblock_updown = 0, o.conv_resample = 0;
     o.dropout = 0.0f, o.class_cond = 0, o.num_classes = 0, o.learn_sigma = 0;
-    o.diffusion_steps = 1000, o.noise_schedule = "linear";
-    o.lr = 1e-4f, o.weight_decay = 0.0f, o.batch_size = 32, o.ema_rate = "0.9999";
-    o.log_interval = 10, o.save_interval = 10000, o.resume_checkpoint = "";
-    o.data = "", o.preset = "seed", o.random_flip = 1, o.steps = 100000, o.seed = 0, o.dry_run = 0;
+    o.diffusion_steps = 1000, o.noise_schedule = "linear", o.predict = "eps";
+    o.lr = 1e-4f, o.weight_decay = 0.0f, o.beta1 = 0.9f, o.beta2 = 0.999f, o.adam_eps = 1e-8f;
+    o.warmup_steps = 0, o.lr_decay = "none", o.min_lr = 0.0f, o.grad_clip = 0.0f, o.cfg_dropout = 0.0f;
+    o.batch_size = 32, o.ema_rate = "0.9999";
+    o.log_interval = 10, o.save_interval = 10000, o.keep = 0, o.max_bad_steps = 10;
+    o.resume_checkpoint = "", o.run_dir = "run";
+    o.data = "", o.preset = "seed", o.random_flip = 1, o.steps = 100000, o.stop_step = 0, o.seed = 0, o.dry_run = 0;
     return o;
 }
 
@@ -2543,6 +2578,18 @@ static void validate_training(const Options *o) {
     if (o->learn_sigma) usage_error("--learn_sigma: training a learned variance is not supported (the model predicts noise)");
     if (!(o->lr > 0)) usage_error("--lr %g must be positive", o->lr);
     if (!(o->weight_decay >= 0)) usage_error("--weight_decay %g must not be negative", o->weight_decay);
+    if (strcmp(o->predict, "eps") != 0 && strcmp(o->predict, "v") != 0) usage_error("--predict '%s' must be eps or v", o->predict);
+    if (!(o->beta1 >= 0 && o->beta1 < 1) || !(o->beta2 >= 0 && o->beta2 < 1)) usage_error("--beta1 and --beta2 must be in [0, 1)");
+    if (!(o->adam_eps > 0)) usage_error("--adam_eps %g must be positive", o->adam_eps);
+    if (o->warmup_steps < 0) usage_error("--warmup_steps %d must not be negative", o->warmup_steps);
+    if (strcmp(o->lr_decay, "none") != 0 && strcmp(o->lr_decay, "cosine") != 0) usage_error("--lr_decay '%s' must be none or cosine", o->lr_decay);
+    if (!(o->min_lr >= 0 && o->min_lr <= o->lr)) usage_error("--min_lr %g must be in [0, lr]", o->min_lr);
+    if (!(o->grad_clip >= 0)) usage_error("--grad_clip %g must not be negative", o->grad_clip);
+    if (!(o->cfg_dropout >= 0 && o->cfg_dropout < 1)) usage_error("--cfg_dropout %g must be in [0, 1)", o->cfg_dropout);
+    if (o->cfg_dropout > 0 && !o->class_cond) usage_error("--cfg_dropout needs --class_cond");
+    if (o->keep < 0) usage_error("--keep %d must not be negative", o->keep);
+    if (o->max_bad_steps < 1) usage_error("--max_bad_steps %d must be positive", o->max_bad_steps);
+    if (!o->run_dir[0]) usage_error("--run_dir must not be empty");
     if (o->batch_size < 1 || o->batch_size > 65536) usage_error("--batch_size %d is out of range (1..65536)", o->batch_size);
     double rates[8];
     int n = parse_number_list(o->ema_rate, rates, 8);
@@ -2552,6 +2599,7 @@ static void validate_training(const Options *o) {
     if (o->log_interval < 1) usage_error("--log_interval %d must be positive", o->log_interval);
     if (o->save_interval < 1) usage_error("--save_interval %d must be positive", o->save_interval);
     if (o->steps < 1) usage_error("--steps %lld must be positive", o->steps);
+    if (o->stop_step < 0) usage_error("--stop_step %lld must not be negative", o->stop_step);
     if (o->seed < 0) usage_error("--seed %lld must not be negative", o->seed);
 }
 
@@ -2594,31 +2642,253 @@ static void print_model_summary(FILE *f, const ModelConfig *c, const ParamList *
 }
 
 // ----------------------------------------------------------------------------------------------
-// One training step, and the benchmark that times it.
+// Diffusion as guided-diffusion defines it (gaussian_diffusion.py): betas for T steps,
+//   linear: scale = 1000/T, betas = linspace(scale * 1e-4, scale * 0.02, T)
+//   cosine: beta_t = min(1 - abar((t+1)/T) / abar(t/T), 0.999), abar(s) = cos((s + 0.008)/1.008 * pi/2)^2
+// alphas_cumprod = cumprod(1 - betas) (in double). Training draws t uniformly in [0, T), noise
+// eps ~ N(0, I), x_t = sqrt(abar_t) x0 + sqrt(1 - abar_t) eps, and regresses the model's output on
+// eps (--predict eps) or on v = sqrt(abar_t) eps - sqrt(1 - abar_t) x0 (--predict v).
 
-// Standard normal samples from (seed, index) by Box-Muller.
-__global__ void random_normal_kernel(floatX *x, int64_t n, uint64_t seed) {
-    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
-        float u1 = ((random_u64(seed, 7, 2 * i) >> 40) + 0.5f) * (1.0f / 16777216.0f);
-        float u2 = (random_u64(seed, 7, 2 * i + 1) >> 40) * (1.0f / 16777216.0f);
-        x[i] = (floatX)(sqrtf(-2.0f * logf(u1)) * cospif(2.0f * u2));
+typedef struct {
+    int steps;
+    double *betas, *alphas_cumprod;  // [steps], host
+    float *sqrt_abar, *sqrt_one_minus_abar;  // [steps], GPU
+} Diffusion;
+
+static double cosine_alpha_bar(double s) {
+    double c = cos((s + 0.008) / 1.008 * M_PI / 2);
+    return c * c;
+}
+
+static void diffusion_schedule(Diffusion *d, int steps, const char *schedule) {
+    d->steps = steps;
+    d->betas = (double *)malloc_or_die(steps * sizeof(double));
+    d->alphas_cumprod = (double *)malloc_or_die(steps * sizeof(double));
+    double scale = 1000.0 / steps, start = scale * 0.0001, end = scale * 0.02, product = 1.0;
+    for (int t = 0; t < steps; t++) {
+        if (strcmp(schedule, "linear") == 0) d->betas[t] = steps == 1 ? start : start + (end - start) * t / (steps - 1);
+        else d->betas[t] = fmin(1.0 - cosine_alpha_bar((t + 1.0) / steps) / cosine_alpha_bar((double)t / steps), 0.999);
+        product *= 1.0 - d->betas[t];
+        d->alphas_cumprod[t] = product;
     }
 }
 
-__global__ void random_conditions_kernel(int64_t *t, int *labels, int N, int timesteps, int classes, uint64_t seed) {
-    int n = blockIdx.x * blockDim.x + threadIdx.x;
-    if (n >= N) return;
-    t[n] = (int64_t)(random_u64(seed, 8, n) % (uint64_t)timesteps);
-    labels[n] = classes ? (int)(random_u64(seed, 9, n) % (uint64_t)classes) : 0;
+// The two per-timestep coefficients of x_t, on the GPU.
+static void diffusion_upload(Diffusion *d) {
+    float *host = (float *)malloc_or_die(2 * d->steps * sizeof(float));
+    for (int t = 0; t < d->steps; t++)
+        host[t] = (float)sqrt(d->alphas_cumprod[t]), host[d->steps + t] = (float)sqrt(1.0 - d->alphas_cumprod[t]);
+    d->sqrt_abar = (float *)gpu_malloc(2 * d->steps * sizeof(float));
+    d->sqrt_one_minus_abar = d->sqrt_abar + d->steps;
+    cuda_check(cudaMemcpy(d->sqrt_abar, host, 2 * d->steps * sizeof(float), cudaMemcpyHostToDevice));
+    free(host);
 }
 
-// Forward, loss, backward and AdamW; the loss lands in m->loss[0] on the GPU.
-static void training_step(UNet *m, int step, const Options *o) {
-    unet_forward(m, 1);
-    mse_loss(m->loss, m->loss_partial, m->output->dx, m->output->x, m->target.x, act_numel(m->output));
-    unet_backward(m, 1);
-    unet_adamw(m, step, o->lr, 0.9f, 0.999f, 1e-8f, o->weight_decay);
+enum { STREAM_NOISE = 4, STREAM_TIMESTEP = 5, STREAM_LABEL_DROP = 6 };
+
+__device__ inline float normal_sample(uint64_t seed, uint64_t stream, uint64_t i) {
+    float u1 = ((random_u64(seed, stream, 2 * i) >> 40) + 0.5f) * (1.0f / 16777216.0f);
+    float u2 = (random_u64(seed, stream, 2 * i + 1) >> 40) * (1.0f / 16777216.0f);
+    return sqrtf(-2.0f * logf(u1)) * cospif(2.0f * u2);
 }
+
+// Timesteps t ~ U[0, T) and, for classifier-free guidance, labels replaced by the null class
+// with probability cfg_dropout.
+__global__ void diffusion_conditions_kernel(int64_t *t, int *labels, int N, int T, float cfg_dropout, int null_label,
+                                            const StepState *s) {
+    int n = blockIdx.x * blockDim.x + threadIdx.x;
+    if (n >= N) return;
+    t[n] = (int64_t)(random_u64(s->noise_seed, STREAM_TIMESTEP, n) % (uint64_t)T);
+    if (cfg_dropout > 0.0f && (random_u64(s->noise_seed, STREAM_LABEL_DROP, n) >> 40) * (1.0f / 16777216.0f) < cfg_dropout)
+        labels[n] = null_label;
+}
+
+// x_t and the regression target from x0 (all [N][per_sample]).
+__global__ void diffusion_inputs_kernel(floatX *x_t, floatX *target, const floatX *x0, const int64_t *t, const float *sqrt_abar,
+                                        const float *sqrt_one_minus_abar, int predict_v, int64_t per_sample, int64_t n,
+                                        const StepState *s) {
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
+        int64_t step = t[i / per_sample];
+        float a = sqrt_abar[step], b = sqrt_one_minus_abar[step], eps = normal_sample(s->noise_seed, STREAM_NOISE, i);
+        float x = (float)x0[i];
+        x_t[i] = (floatX)(a * x + b * eps);
+        target[i] = (floatX)(predict_v ? a * eps - b * x : eps);
+    }
+}
+
+// The global gradient norm, in two fixed-order passes: sums of squares per block, then the total;
+// the second pass also decides the step: finite (loss and norm) and the clipping scale.
+#define NORM_BLOCKS 1024
+
+__global__ void grad_norm_partial_kernel(double *partial, const float *grads, int64_t n) {
+    __shared__ double sums[256];
+    double s = 0;
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
+        s += (double)grads[i] * grads[i];
+    sums[threadIdx.x] = s;
+    __syncthreads();
+    for (int stride = blockDim.x / 2; stride > 0; stride /= 2) {
+        if (threadIdx.x < stride) sums[threadIdx.x] += sums[threadIdx.x + stride];
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) partial[blockIdx.x] = sums[0];
+}
+
+__global__ void step_decide_kernel(StepState *s, const double *partial, const float *loss) {
+    __shared__ double sums[NORM_BLOCKS];
+    for (int i = threadIdx.x; i < NORM_BLOCKS; i += blockDim.x) sums[i] = partial[i];
+    __syncthreads();
+    for (int stride = NORM_BLOCKS / 2; stride > 0; stride /= 2) {
+        for (int i = threadIdx.x; i < stride; i += blockDim.x) sums[i] += sums[i + stride];
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) {
+        float norm = (float)sqrt(sums[0]);
+        s->loss = *loss;
+        s->grad_norm = norm;
+        s->finite = isfinite(norm) && isfinite(*loss);
+        s->grad_scale = s->grad_clip > 0.0f && norm > s->grad_clip ? s->grad_clip / (norm + 1e-6f) : 1.0f;
+    }
+}
+
+// EMA of the weights, guided-diffusion's update_ema: ema = rate ema + (1 - rate) params.
+__global__ void ema_kernel(float *ema, const float *params, int64_t n, float rate, const StepState *s) {
+    if (!s->finite) return;
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
+        ema[i] = rate * ema[i] + (1.0f - rate) * params[i];
+}
+
+// ----------------------------------------------------------------------------------------------
+// safetensors writing. A checkpoint is a folder holding model.safetensors (the fp32 weights under
+// guided-diffusion's state_dict names and shapes, the configuration in __metadata__ under its flag
+// names), ema.safetensors (the first EMA rate; ema_<rate>.safetensors for the others) and
+// state.bin (everything else an exact resume needs). The folder is written under a temporary
+// name, every file and the folder synced, then renamed: a crash leaves the previous checkpoint
+// the latest complete one.
+
+typedef struct {
+    const char *key, *value;
+} MetaEntry;
+
+// Appends a JSON string (quoted, escaped) to buf.
+static void json_put_string(char **buf, size_t *len, size_t *cap, const char *s) {
+    size_t need = *len + 2 * strlen(s) + 8;
+    if (need > *cap) {
+        *cap = 2 * need;
+        *buf = (char *)realloc(*buf, *cap);
+        if (!*buf) fatal("out of host memory");
+    }
+    char *o = *buf + *len;
+    *o++ = '"';
+    for (; *s; s++) {
+        if (*s == '"' || *s == '\\') *o++ = '\\';
+        *o++ = *s;
+    }
+    *o++ = '"';
+    *len = o - *buf;
+}
+
+static void json_put(char **buf, size_t *len, size_t *cap, const char *fmt, ...) {
+    va_list args;
+    for (;;) {
+        va_start(args, fmt);
+        int n = vsnprintf(*buf + *len, *cap - *len, fmt, args);
+        va_end(args);
+        if ((size_t)n < *cap - *len) { *len += n; return; }
+        *cap = 2 * (*cap + n);
+        *buf = (char *)realloc(*buf, *cap);
+        if (!*buf) fatal("out of host memory");
+    }
+}
+
+// Writes fp32 tensors (PyTorch layouts) and metadata to path, then fsyncs it. Returns 0, or -1
+// with errno set.
+static int safetensors_write(const char *path, const ParamList *params, float *const *values, const MetaEntry *meta,
+                             int meta_count) {
+    size_t cap = 4096, len = 0;
+    char *h = (char *)malloc_or_die(cap);
+    json_put(&h, &len, &cap, "{\"__metadata__\":{");
+    for (int i = 0; i < meta_count; i++) {
+        if (i) json_put(&h, &len, &cap, ",");
+        json_put_string(&h, &len, &cap, meta[i].key);
+        json_put(&h, &len, &cap, ":");
+        json_put_string(&h, &len, &cap, meta[i].value);
+    }
+    json_put(&h, &len, &cap, "}");
+    uint64_t offset = 0;
+    for (int i = 0; i < params->count; i++) {
+        const ParamSpec *p = &params->specs[i];
+        json_put(&h, &len, &cap, ",");
+        json_put_string(&h, &len, &cap, p->name);
+        json_put(&h, &len, &cap, ":{\"dtype\":\"F32\",\"shape\":[");
+        for (int d = 0; d < p->ndim; d++) json_put(&h, &len, &cap, d ? ",%d" : "%d", p->shape[d]);
+        json_put(&h, &len, &cap, "],\"data_offsets\":[%llu,%llu]}", (unsigned long long)offset,
+                 (unsigned long long)(offset + 4 * p->numel));
+        offset += 4 * p->numel;
+    }
+    json_put(&h, &len, &cap, "}");
+    while (len % 8) json_put(&h, &len, &cap, " ");  // data starts 8-byte aligned
+    FILE *f = fopen(path, "wb");
+    if (!f) return free(h), -1;
+    uint64_t header_bytes = len;
+    int ok = fwrite(&header_bytes, 8, 1, f) == 1 && fwrite(h, 1, len, f) == len;
+    for (int i = 0; ok && i < params->count; i++)
+        ok = fwrite(values[i], 4, params->specs[i].numel, f) == (size_t)params->specs[i].numel;
+    ok = ok && fflush(f) == 0 && fsync(fileno(f)) == 0;
+    ok = (fclose(f) == 0) && ok;
+    free(h);
+    return ok ? 0 : -1;
+}
+
+// The configuration under guided-diffusion's flag names, spelled as on its command line.
+typedef struct {
+    char values[24][64];
+    MetaEntry entries[24];
+    int count;
+} Metadata;
+
+static void meta_add(Metadata *m, const char *key, const char *fmt, ...) {
+    va_list args;
+    va_start(args, fmt);
+    vsnprintf(m->values[m->count], sizeof m->values[0], fmt, args);
+    va_end(args);
+    m->entries[m->count].key = key;
+    m->entries[m->count].value = m->values[m->count];
+    m->count++;
+}
+
+#define CHECKPOINT_FORMAT_VERSION 1
+
+static Metadata checkpoint_metadata(const Options *o, const ModelConfig *c, int64_t step) {
+    Metadata m = {0};
+    const char *truth[2] = {"False", "True"};
+    meta_add(&m, "format", "unet.cu checkpoint");
+    meta_add(&m, "format_version", "%d", CHECKPOINT_FORMAT_VERSION);
+    meta_add(&m, "step", "%lld", (long long)step);
+    meta_add(&m, "image_size", "%d", c->image_size);
+    meta_add(&m, "num_channels", "%d", c->model_channels);
+    meta_add(&m, "num_res_blocks", "%d", c->num_res_blocks);
+    meta_add(&m, "channel_mult", "%s", o->channel_mult);
+    meta_add(&m, "attention_resolutions", "%s", o->attention_resolutions);
+    meta_add(&m, "num_heads", "%d", c->num_heads);
+    meta_add(&m, "num_head_channels", "%d", c->num_head_channels);
+    meta_add(&m, "num_heads_upsample", "%d", c->num_heads_upsample);
+    meta_add(&m, "use_scale_shift_norm", "%s", truth[c->use_scale_shift_norm]);
+    meta_add(&m, "resblock_updown", "%s", truth[c->resblock_updown]);
+    meta_add(&m, "use_new_attention_order", "%s", truth[c->use_new_attention_order]);
+    meta_add(&m, "conv_resample", "%s", truth[c->conv_resample]);
+    meta_add(&m, "dropout", "%g", c->dropout);
+    meta_add(&m, "class_cond", "%s", truth[c->num_classes > 0]);
+    meta_add(&m, "num_classes", "%d", c->num_classes);
+    meta_add(&m, "learn_sigma", "False");
+    meta_add(&m, "diffusion_steps", "%d", o->diffusion_steps);
+    meta_add(&m, "noise_schedule", "%s", o->noise_schedule);
+    meta_add(&m, "predict", "%s", o->predict);
+    return m;
+}
+
+// ----------------------------------------------------------------------------------------------
+// Profiling the layers of a step.
 
 // Where a step's time goes: each layer's forward and backward timed with events (one eager step),
 // summed by kind of layer.
@@ -2679,41 +2949,567 @@ static int compare_floats(const void *a, const void *b) {
     return (x > y) - (x < y);
 }
 
-// --bench N: the training step on one fixed random batch, captured once as a CUDA graph and
-// replayed; after 10 warm-up replays, N replays are timed one by one with events; prints the median.
-static void run_bench(const Options *o, const ModelConfig *config, const ParamList *params) {
-    gpu_init();
-    UNet m;
-    unet_create(&m, config, o->batch_size);
-    unet_init_parameters(&m, (uint64_t)o->seed);
-    random_normal_kernel<<<blocks_for(act_numel(&m.input), 256), 256, 0, gpu.stream>>>(m.input.x, act_numel(&m.input), 1);
-    random_normal_kernel<<<blocks_for(act_numel(&m.target), 256), 256, 0, gpu.stream>>>(m.target.x, act_numel(&m.target), 2);
-    random_conditions_kernel<<<(o->batch_size + 127) / 128, 128, 0, gpu.stream>>>(m.timesteps, m.labels, o->batch_size,
-                                                                                o->diffusion_steps, config->num_classes, 3);
-    cuda_check_launch();
-    for (int step = 1; step <= 3; step++) training_step(&m, step, o);  // eager warm-up: cuBLAS picks its kernels
-    float first_loss, last_loss;
-    cuda_check(cudaMemcpy(&first_loss, m.loss, sizeof(float), cudaMemcpyDeviceToHost));
+static int compare_int64(const void *a, const void *b) {
+    int64_t x = *(const int64_t *)a, y = *(const int64_t *)b;
+    return (x > y) - (x < y);
+}
 
-    cudaGraph_t graph;
-    cudaGraphExec_t exec;
-    cuda_check(cudaStreamBeginCapture(gpu.stream, cudaStreamCaptureModeGlobal));
-    training_step(&m, 4, o);
-    cuda_check(cudaStreamEndCapture(gpu.stream, &graph));
-    cuda_check(cudaGraphInstantiate(&exec, graph, 0));
-    for (int i = 0; i < 10; i++) cuda_check(cudaGraphLaunch(exec, gpu.stream));
+// ----------------------------------------------------------------------------------------------
+// The trainer: one training step as a CUDA graph (batch copied in, noised, forward, loss,
+// backward, gradient norm, AdamW, EMA, results copied out), the schedule around it, checkpoints.
+
+typedef struct {
+    const Options *o;
+    ModelConfig config;
+    UNet m;
+    Diffusion diffusion;
+    uint8_t *pixels;       // the pinned host batch the step copies in ([batch][H][W][3])
+    int32_t *labels;       // [batch], with pixels
+    uint8_t *d_pixels;
+    floatX *x0;
+    int num_ema;
+    float ema_rates[8];
+    float *ema[8];         // [storage] fp32 each, GPU layout like master
+    StepState *host_state, *state;  // pinned, GPU
+    double *norm_partial;
+    cudaGraphExec_t graph;
+    int64_t step;          // steps completed
+} Trainer;
+
+static void trainer_create(Trainer *tr, const Options *o, const ModelConfig *c, uint8_t *pixels, int32_t *labels) {
+    memset(tr, 0, sizeof *tr);
+    tr->o = o;
+    tr->config = *c;
+    tr->pixels = pixels, tr->labels = labels;
+    unet_create(&tr->m, c, o->batch_size);
+    diffusion_schedule(&tr->diffusion, o->diffusion_steps, o->noise_schedule);
+    diffusion_upload(&tr->diffusion);
+    double rates[8];
+    tr->num_ema = parse_number_list(o->ema_rate, rates, 8);
+    for (int i = 0; i < tr->num_ema; i++) {
+        tr->ema_rates[i] = (float)rates[i];
+        tr->ema[i] = (float *)gpu_malloc(tr->m.storage * sizeof(float));
+    }
+    cuda_check(cudaMallocHost((void **)&tr->host_state, sizeof(StepState)));
+    memset(tr->host_state, 0, sizeof(StepState));
+    tr->state = (StepState *)gpu_malloc(sizeof(StepState));
+    tr->m.dropout_seed = &tr->state->noise_seed;  // dropout draws from the step's seed too
+    tr->norm_partial = (double *)gpu_malloc(NORM_BLOCKS * sizeof(double));
+    int64_t n = act_numel(&tr->m.input);
+    tr->d_pixels = (uint8_t *)gpu_malloc(n);
+    tr->x0 = (floatX *)gpu_malloc(n * sizeof(floatX));
+}
+
+// Every EMA starts from the current weights.
+static void trainer_reset_ema(Trainer *tr) {
+    for (int i = 0; i < tr->num_ema; i++)
+        cuda_check(cudaMemcpy(tr->ema[i], tr->m.master, tr->m.storage * sizeof(float), cudaMemcpyDeviceToDevice));
+}
+
+// The kernels of one step, in stream order (captured once as the step's graph).
+static void trainer_enqueue_step(Trainer *tr) {
+    UNet *m = &tr->m;
+    const Options *o = tr->o;
+    int N = m->batch;
+    int64_t n = act_numel(&m->input);
+    cuda_check(cudaMemcpyAsync(tr->state, tr->host_state, sizeof(StepState), cudaMemcpyHostToDevice, gpu.stream));
+    cuda_check(cudaMemcpyAsync(tr->d_pixels, tr->pixels, n, cudaMemcpyHostToDevice, gpu.stream));
+    if (tr->config.num_classes)
+        cuda_check(cudaMemcpyAsync(m->labels, tr->labels, N * sizeof(int), cudaMemcpyHostToDevice, gpu.stream));
+    images_to_model_input(tr->x0, tr->d_pixels, n, gpu.stream);
+    diffusion_conditions_kernel<<<(N + 127) / 128, 128, 0, gpu.stream>>>(m->timesteps, m->labels, N, tr->diffusion.steps,
+                                                                        o->cfg_dropout, tr->config.num_classes - 1, tr->state);
+    diffusion_inputs_kernel<<<blocks_for(n, 256), 256, 0, gpu.stream>>>(m->input.x, m->target.x, tr->x0, m->timesteps,
+        tr->diffusion.sqrt_abar, tr->diffusion.sqrt_one_minus_abar, strcmp(o->predict, "v") == 0, n / N, n, tr->state);
+    cuda_check_launch();
+    unet_forward(m, 1);
+    mse_loss(m->loss, m->loss_partial, m->output->dx, m->output->x, m->target.x, act_numel(m->output));
+    unet_backward(m, 1);
+    grad_norm_partial_kernel<<<NORM_BLOCKS, 256, 0, gpu.stream>>>(tr->norm_partial, m->grad, m->storage);
+    step_decide_kernel<<<1, 1024, 0, gpu.stream>>>(tr->state, tr->norm_partial, m->loss);
+    floatX *copy = (void *)m->compute == (void *)m->master ? NULL : m->compute;
+    adamw_kernel<<<blocks_for(m->storage, 256), 256, 0, gpu.stream>>>(m->master, copy, m->adam_m, m->adam_v, m->grad,
+        m->storage, tr->state, o->beta1, o->beta2, o->adam_eps, o->weight_decay);
+    for (int i = 0; i < tr->num_ema; i++)
+        ema_kernel<<<blocks_for(m->storage, 256), 256, 0, gpu.stream>>>(tr->ema[i], m->master, m->storage, tr->ema_rates[i], tr->state);
+    cuda_check_launch();
+    cuda_check(cudaMemcpyAsync(tr->host_state, tr->state, sizeof(StepState), cudaMemcpyDeviceToHost, gpu.stream));
+}
+
+// The learning rate at a step (from 1): linear warm-up over warmup_steps, then constant, or with
+// --lr_decay cosine a half cosine from lr down to min_lr at the last step.
+static float learning_rate(const Options *o, int64_t step) {
+    if (o->warmup_steps > 0 && step <= o->warmup_steps) return o->lr * (float)step / (float)o->warmup_steps;
+    if (strcmp(o->lr_decay, "cosine") != 0 || o->steps <= o->warmup_steps) return o->lr;
+    double progress = (double)(step - o->warmup_steps) / (double)(o->steps - o->warmup_steps);
+    return (float)(o->min_lr + (o->lr - o->min_lr) * 0.5 * (1.0 + cos(M_PI * fmin(progress, 1.0))));
+}
+
+// Runs step tr->step + 1 (its batch already in tr->pixels) and waits for it; the results are in
+// tr->host_state. The first call captures the step as a graph; every call replays it.
+static void trainer_step(Trainer *tr) {
+    const Options *o = tr->o;
+    int64_t step = tr->step + 1;
+    StepState *h = tr->host_state;
+    h->step = step;
+    h->lr = learning_rate(o, step);
+    h->bias1 = 1.0f - powf(o->beta1, (float)step);
+    h->bias2 = 1.0f - powf(o->beta2, (float)step);
+    h->grad_clip = o->grad_clip;
+    h->noise_seed = random_u64((uint64_t)o->seed, 10, (uint64_t)step);
+    if (!tr->graph) {
+        cudaGraph_t graph;
+        cuda_check(cudaStreamBeginCapture(gpu.stream, cudaStreamCaptureModeGlobal));
+        trainer_enqueue_step(tr);
+        cuda_check(cudaStreamEndCapture(gpu.stream, &graph));
+        cuda_check(cudaGraphInstantiate(&tr->graph, graph, 0));
+        cuda_check(cudaGraphDestroy(graph));
+    }
+    cuda_check(cudaGraphLaunch(tr->graph, gpu.stream));
+    cuda_check(cudaStreamSynchronize(gpu.stream));
+    tr->step = step;
+}
+
+// ----------------------------------------------------------------------------------------------
+// Checkpoints: DIR/checkpoints/step_NNNNNNNNN/{model.safetensors, ema.safetensors,
+// ema_<rate>.safetensors..., state.bin}. state.bin: the magic "UNETSTAT", version, then the
+// StateHeader, then AdamW's m and v as [storage] fp32 each in the GPU layout.
+
+#define STATE_MAGIC "UNETSTAT"
+#define STATE_VERSION 1u
+
+typedef struct {
+    char magic[8];
+    uint32_t version, num_params;
+    int64_t step, storage;
+    int64_t seed;
+    uint64_t loader_epoch, loader_next;
+    int32_t batch_size, diffusion_steps;
+    char noise_schedule[16], predict[8];
+} StateHeader;
+
+// A parameter array in the GPU layout ([storage] fp32 on the GPU) as host tensors in PyTorch
+// layouts, one malloc'd array per parameter (freed by free_tensors).
+static float **download_tensors(const UNet *m, const float *array) {
+    float **values = (float **)malloc_or_die(m->params.count * sizeof(float *));
+    float *staged = (float *)malloc_or_die(m->storage * sizeof(float));
+    cuda_check(cudaMemcpy(staged, array, m->storage * sizeof(float), cudaMemcpyDeviceToHost));
+    for (int i = 0; i < m->params.count; i++) {
+        const ParamSpec *p = &m->params.specs[i];
+        values[i] = (float *)malloc_or_die(p->numel * sizeof(float));
+        param_layout(p, staged + p->offset, values[i], 0);
+    }
+    free(staged);
+    return values;
+}
+
+static void free_tensors(const UNet *m, float **values) {
+    for (int i = 0; i < m->params.count; i++) free(values[i]);
+    free(values);
+}
+
+static int fsync_path(const char *path) {
+    int fd = open(path, O_RDONLY);
+    if (fd < 0) return -1;
+    int r = fsync(fd);
+    close(fd);
+    return r;
+}
+
+static int write_all(FILE *f, const void *data, size_t bytes) { return fwrite(data, 1, bytes, f) == bytes ? 0 : -1; }
+
+// ema.safetensors holds the first EMA rate, ema_<rate>.safetensors each other.
+static void ema_file_name(char *out, size_t len, const char *dir, const float *rates, int i) {
+    if (i == 0) snprintf(out, len, "%s/ema.safetensors", dir);
+    else snprintf(out, len, "%s/ema_%g.safetensors", dir, rates[i]);
+}
+
+// Removes a checkpoint folder and the files in it (the names it can hold).
+static void remove_checkpoint_dir(const char *dir) {
+    DIR *d = opendir(dir);
+    if (!d) return;
+    struct dirent *e;
+    char path[4096];
+    while ((e = readdir(d)))
+        if (e->d_name[0] != '.') snprintf(path, sizeof path, "%s/%s", dir, e->d_name), unlink(path);
+    closedir(d);
+    rmdir(dir);
+}
+
+// The step of a complete checkpoint folder name ("step_000000100"), or -1 for anything else
+// (temporary folders end in .tmp.PID).
+static int64_t checkpoint_step(const char *name) {
+    char *end;
+    if (strncmp(name, "step_", 5) != 0) return -1;
+    long long step = strtoll(name + 5, &end, 10);
+    return *end || end == name + 5 ? -1 : step;
+}
+
+// The latest complete checkpoint under run_dir/checkpoints into out; 0 if found.
+static int latest_checkpoint(const char *run_dir, char *out, size_t len) {
+    char dir[4096];
+    snprintf(dir, sizeof dir, "%s/checkpoints", run_dir);
+    DIR *d = opendir(dir);
+    if (!d) return -1;
+    int64_t best = -1;
+    struct dirent *e;
+    while ((e = readdir(d))) {
+        int64_t step = checkpoint_step(e->d_name);
+        if (step > best) best = step, snprintf(out, len, "%s/%s", dir, e->d_name);
+    }
+    closedir(d);
+    return best >= 0 ? 0 : -1;
+}
+
+// Keeps the newest `keep` complete checkpoints (0: all) and removes temporary folders left by a crash.
+static void prune_checkpoints(const char *run_dir, int keep) {
+    char dir[4096], path[4096 + 300];
+    snprintf(dir, sizeof dir, "%s/checkpoints", run_dir);
+    DIR *d = opendir(dir);
+    if (!d) return;
+    int64_t steps[4096];
+    int count = 0;
+    struct dirent *e;
+    while ((e = readdir(d))) {
+        int64_t step = checkpoint_step(e->d_name);
+        if (step >= 0 && count < 4096) steps[count++] = step;
+        else if (strncmp(e->d_name, "step_", 5) == 0 && strstr(e->d_name, ".tmp."))
+            snprintf(path, sizeof path, "%s/%s", dir, e->d_name), remove_checkpoint_dir(path);
+    }
+    closedir(d);
+    if (keep <= 0 || count <= keep) return;
+    qsort(steps, count, sizeof steps[0], compare_int64);
+    for (int i = 0; i < count - keep; i++)
+        snprintf(path, sizeof path, "%s/step_%09lld", dir, (long long)steps[i]), remove_checkpoint_dir(path);
+}
+
+// Everything a checkpoint holds, on the host: the weights and each EMA in PyTorch layouts, the
+// metadata, the training state.
+typedef struct {
+    int64_t step;
+    const ParamList *params;
+    float **model;
+    int num_ema;
+    const float *ema_rates;
+    float **ema[8];
+    const Metadata *meta;
+    const StateHeader *header;
+    const float *moments;  // AdamW m then v, [2][storage]
+    size_t moments_bytes;
+} CheckpointData;
+
+// Writes run_dir/checkpoints/step_NNNNNNNNN under a temporary name, syncs every file and the folder,
+// renames it into place and syncs its parent; then keeps the newest `keep`. Returns 0, or -1 with
+// a message (and nothing left behind but the previous checkpoints).
+static int write_checkpoint(const char *run_dir, const CheckpointData *d, int keep, char *saved, size_t saved_len, char *err,
+                            size_t err_len) {
+    char dir[4096], tmp[4200], path[4400];
+    snprintf(dir, sizeof dir, "%s/checkpoints", run_dir);
+    mkdir(dir, 0777);
+    snprintf(dir, sizeof dir, "%s/checkpoints/step_%09lld", run_dir, (long long)d->step);
+    snprintf(tmp, sizeof tmp, "%s.tmp.%d", dir, (int)getpid());
+    if (mkdir(tmp, 0777) != 0) return dataset_fail(err, err_len, "cannot create %s: %s", tmp, strerror(errno));
+    snprintf(path, sizeof path, "%s/model.safetensors", tmp);
+    int failed = safetensors_write(path, d->params, d->model, d->meta->entries, d->meta->count);
+    for (int i = 0; i < d->num_ema && !failed; i++) {
+        Metadata em = *d->meta;
+        for (int k = 0; k < em.count; k++) em.entries[k].value = em.values[k];  // point into this copy
+        meta_add(&em, "ema_rate", "%g", d->ema_rates[i]);
+        ema_file_name(path, sizeof path, tmp, d->ema_rates, i);
+        failed = safetensors_write(path, d->params, d->ema[i], em.entries, em.count);
+    }
+    if (!failed) {
+        snprintf(path, sizeof path, "%s/state.bin", tmp);
+        FILE *f = fopen(path, "wb");
+        failed = !f || write_all(f, d->header, sizeof *d->header) || write_all(f, d->moments, d->moments_bytes) ||
+                 fflush(f) != 0 || fsync(fileno(f)) != 0;
+        if (f && fclose(f) != 0) failed = 1;
+    }
+    if (failed || fsync_path(tmp) != 0 || rename(tmp, dir) != 0) {
+        int e = errno;
+        remove_checkpoint_dir(tmp);
+        return dataset_fail(err, err_len, "cannot write checkpoint %s: %s", dir, strerror(e));
+    }
+    snprintf(path, sizeof path, "%s/checkpoints", run_dir);
+    fsync_path(path);
+    snprintf(saved, saved_len, "%s", dir);
+    prune_checkpoints(run_dir, keep);
+    return 0;
+}
+
+// A checkpoint of the trainer's current step.
+static int save_checkpoint(Trainer *tr, const char *run_dir, const LoaderPosition *position, char *saved, size_t saved_len,
+                           char *err, size_t err_len) {
+    const Options *o = tr->o;
+    UNet *m = &tr->m;
+    Metadata meta = checkpoint_metadata(o, &tr->config, tr->step);
+    StateHeader h;
+    memset(&h, 0, sizeof h);
+    memcpy(h.magic, STATE_MAGIC, 8);
+    h.version = STATE_VERSION, h.num_params = (uint32_t)m->params.count;
+    h.step = tr->step, h.storage = m->storage, h.seed = o->seed;
+    h.loader_epoch = position->epoch, h.loader_next = position->next;
+    h.batch_size = o->batch_size, h.diffusion_steps = o->diffusion_steps;
+    snprintf(h.noise_schedule, sizeof h.noise_schedule, "%s", o->noise_schedule);
+    snprintf(h.predict, sizeof h.predict, "%s", o->predict);
+    CheckpointData d = {tr->step, &m->params, download_tensors(m, m->master), tr->num_ema, tr->ema_rates, {0}, &meta, &h, NULL,
+                        2 * (size_t)m->storage * sizeof(float)};
+    for (int i = 0; i < tr->num_ema; i++) d.ema[i] = download_tensors(m, tr->ema[i]);
+    float *moments = (float *)malloc_or_die(d.moments_bytes);
+    cuda_check(cudaMemcpy(moments, m->adam_m, d.moments_bytes, cudaMemcpyDeviceToHost));
+    d.moments = moments;
+    int r = write_checkpoint(run_dir, &d, o->keep, saved, saved_len, err, err_len);
+    free(moments);
+    free_tensors(m, d.model);
+    for (int i = 0; i < tr->num_ema; i++) free_tensors(m, d.ema[i]);
+    return r;
+}
+
+// Checks that a safetensors file holds exactly these parameters, each F32 of its shape; returns 0,
+// or -1 with what does not match (the first few problems, and their count).
+static int match_parameters(const ParamList *params, const SafeTensorsFile *f, const char *path, char *err, size_t err_len) {
+    char problems[1024] = "";
+    int count = 0;
+    for (int i = 0; i < params->count; i++) {
+        const ParamSpec *p = &params->specs[i];
+        const SafeTensor *t = safetensors_find(f, p->name);
+        int same = t && t->ndim == p->ndim && strcmp(t->dtype, "F32") == 0;
+        for (int d = 0; same && d < p->ndim; d++) same = t->shape[d] == p->shape[d];
+        if (same || count++ >= 3) continue;
+        size_t at = strlen(problems);
+        char want[64] = "", have[64] = "";
+        for (int d = 0; d < p->ndim; d++) snprintf(want + strlen(want), sizeof want - strlen(want), d ? ",%d" : "%d", p->shape[d]);
+        for (int d = 0; t && d < t->ndim; d++)
+            snprintf(have + strlen(have), sizeof have - strlen(have), d ? ",%lld" : "%lld", (long long)t->shape[d]);
+        if (!t) snprintf(problems + at, sizeof problems - at, "%s%s is missing", at ? "; " : "", p->name);
+        else snprintf(problems + at, sizeof problems - at, "%s%s is %s [%s], expected F32 [%s]", at ? "; " : "", p->name, t->dtype,
+                      have, want);
+    }
+    if (!count && f->count != params->count)
+        count = 1, snprintf(problems, sizeof problems, "it holds %d tensors, the model has %d", f->count, params->count);
+    if (count) return dataset_fail(err, err_len, "%s does not match the model (%d problems): %s", path, count, problems);
+    return 0;
+}
+
+// Reads a safetensors file of this model's parameters into a GPU array (GPU layout).
+static int load_parameters(const UNet *m, const char *path, float *array, char *err, size_t err_len) {
+    SafeTensorsFile f;
+    if (safetensors_open(path, &f, err, err_len) != 0) return -1;
+    if (match_parameters(&m->params, &f, path, err, err_len) != 0) return safetensors_close(&f), -1;
+    float *staged = (float *)calloc(m->storage, sizeof(float));
+    for (int i = 0; i < m->params.count; i++) {
+        const ParamSpec *p = &m->params.specs[i];
+        float *torch = (float *)malloc_or_die(p->numel * sizeof(float));
+        safetensors_get_float(safetensors_find(&f, p->name), torch);
+        param_layout(p, torch, staged + p->offset, 1);
+        free(torch);
+    }
+    cuda_check(cudaMemcpy(array, staged, m->storage * sizeof(float), cudaMemcpyHostToDevice));
+    free(staged);
+    safetensors_close(&f);
+    return 0;
+}
+
+// Restores everything from a checkpoint folder; returns 0, or -1 with the reason.
+static int load_checkpoint(Trainer *tr, const char *dir, LoaderPosition *position, char *err, size_t err_len) {
+    const Options *o = tr->o;
+    UNet *m = &tr->m;
+    char path[4400];
+    snprintf(path, sizeof path, "%s/model.safetensors", dir);
+    if (load_parameters(m, path, m->master, err, err_len) != 0) return -1;
+    for (int i = 0; i < tr->num_ema; i++) {
+        ema_file_name(path, sizeof path, dir, tr->ema_rates, i);
+        if (load_parameters(m, path, tr->ema[i], err, err_len) != 0) return -1;
+    }
+    snprintf(path, sizeof path, "%s/state.bin", dir);
+    FILE *f = fopen(path, "rb");
+    if (!f) return dataset_fail(err, err_len, "cannot open %s: %s", path, strerror(errno));
+    StateHeader h;
+    size_t moments = 2 * (size_t)m->storage * sizeof(float);
+    struct stat st;
+    int ok = fstat(fileno(f), &st) == 0 && fread(&h, sizeof h, 1, f) == 1;
+    if (!ok || memcmp(h.magic, STATE_MAGIC, 8) != 0 || h.version != STATE_VERSION || (size_t)st.st_size != sizeof h + moments ||
+        h.storage != m->storage || (int)h.num_params != m->params.count) {
+        fclose(f);
+        return dataset_fail(err, err_len, "%s is not a training state of this model (damaged, or another configuration)", path);
+    }
+    if (h.batch_size != o->batch_size || h.diffusion_steps != o->diffusion_steps || h.seed != o->seed ||
+        strcmp(h.noise_schedule, o->noise_schedule) != 0 || strcmp(h.predict, o->predict) != 0) {
+        fclose(f);
+        return dataset_fail(err, err_len,
+                            "%s was trained with --batch_size %d --diffusion_steps %d --noise_schedule %s --predict %s --seed %lld; "
+                            "resume with the same values", dir, h.batch_size, h.diffusion_steps, h.noise_schedule, h.predict,
+                            (long long)h.seed);
+    }
+    float *buffer = (float *)malloc_or_die(moments);
+    ok = fread(buffer, 1, moments, f) == moments;
+    fclose(f);
+    if (!ok) return free(buffer), dataset_fail(err, err_len, "%s is truncated", path);
+    cuda_check(cudaMemcpy(m->adam_m, buffer, moments, cudaMemcpyHostToDevice));
+    free(buffer);
+    unet_sync_compute(m);
+    tr->step = h.step;
+    position->epoch = h.loader_epoch, position->next = h.loader_next;
+    return 0;
+}
+
+// ----------------------------------------------------------------------------------------------
+// The training run: a run folder with config.txt, log.csv and checkpoints/; a progress line every
+// log_interval steps; checkpoints every save_interval steps and at the end; SIGINT or SIGTERM
+// finish the step, save and exit 0 (a second SIGINT exits at once).
+
+static volatile sig_atomic_t stop_requested;
+
+static void on_stop_signal(int sig) {
+    if (stop_requested && sig == SIGINT) _exit(130);
+    stop_requested = 1;
+}
+
+#define LOG_HEADER "step,loss,lr,grad_norm,img_per_s,ms_per_step,gpu_mem_gib"
+
+// Opens log.csv for appending; on resume keeps only the rows up to the resumed step.
+static FILE *open_log(const char *run_dir, int64_t resumed_step) {
+    char path[4096], tmp[4200], line[512];
+    snprintf(path, sizeof path, "%s/log.csv", run_dir);
+    FILE *old = resumed_step > 0 ? fopen(path, "r") : NULL;
+    snprintf(tmp, sizeof tmp, "%s.tmp.%d", path, (int)getpid());
+    FILE *f = fopen(tmp, "w");
+    if (!f) fatal("cannot write %s: %s", tmp, strerror(errno));
+    fprintf(f, "%s\n", LOG_HEADER);
+    while (old && fgets(line, sizeof line, old))
+        if (line[0] >= '0' && line[0] <= '9' && strtoll(line, NULL, 10) <= resumed_step) fputs(line, f);
+    if (old) fclose(old);
+    if (fflush(f) != 0 || rename(tmp, path) != 0) fatal("cannot write %s: %s", path, strerror(errno));
+    return f;
+}
+
+static void write_config(const char *run_dir, const Options *o) {
+    char path[4096], tmp[4200];
+    snprintf(path, sizeof path, "%s/config.txt", run_dir);
+    snprintf(tmp, sizeof tmp, "%s.tmp.%d", path, (int)getpid());
+    FILE *f = fopen(tmp, "w");
+    if (!f) fatal("cannot write %s: %s", tmp, strerror(errno));
+    print_config(f, o);
+    if (fclose(f) != 0 || rename(tmp, path) != 0) fatal("cannot write %s: %s", path, strerror(errno));
+}
+
+static double now_seconds(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return t.tv_sec + 1e-9 * t.tv_nsec;
+}
+
+static void run_training(const Options *o, const ModelConfig *config, const ParamList *params) {
+    char err[1024], saved[4096] = "";
+    if (mkdir(o->run_dir, 0777) != 0 && errno != EEXIST) fatal("cannot create run folder %s: %s", o->run_dir, strerror(errno));
+    DataLoader loader;
+    if (loader_open(&loader, o->data, o->batch_size, o->random_flip, (uint64_t)o->seed, 1, err, sizeof err) != 0) fatal("%s", err);
+    Trainer tr;
+    trainer_create(&tr, o, config, loader.batch_pixels, loader.batch_labels);
+    if (o->resume_checkpoint[0]) {
+        char dir[4096];
+        if (strcmp(o->resume_checkpoint, "latest") == 0) {
+            if (latest_checkpoint(o->run_dir, dir, sizeof dir) != 0) fatal("--resume_checkpoint latest: no checkpoint in %s/checkpoints", o->run_dir);
+        } else {
+            snprintf(dir, sizeof dir, "%s", o->resume_checkpoint);
+        }
+        LoaderPosition position = {0, 0};
+        if (load_checkpoint(&tr, dir, &position, err, sizeof err) != 0) fatal("%s", err);
+        if (loader_seek(&loader, position, err, sizeof err) != 0) fatal("%s", err);
+        printf("resumed from %s at step %lld\n", dir, (long long)tr.step);
+    } else {
+        unet_init_parameters(&tr.m, (uint64_t)o->seed);
+        trainer_reset_ema(&tr);
+    }
+    prune_checkpoints(o->run_dir, 0);  // temporary folders of a crashed save
+    write_config(o->run_dir, o);
+    FILE *log = open_log(o->run_dir, tr.step);
+    struct sigaction sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_handler = on_stop_signal;
+    sigaction(SIGINT, &sa, NULL);
+    sigaction(SIGTERM, &sa, NULL);
+
+    cudaDeviceProp prop;
+    cuda_check(cudaGetDeviceProperties(&prop, 0));
+    char buf[32];
+    printf("training on %s (%s): %s parameters, %lld steps of %d images, run folder %s\n", prop.name, PRECISION_NAME,
+           with_commas(params->numel, buf, sizeof buf), o->steps, o->batch_size, o->run_dir);
+    double interval_loss = 0, started = now_seconds(), interval_start = started;
+    int interval_steps = 0, bad_in_row = 0;
+    int64_t bad_total = 0, first_step = tr.step;
+    int64_t last = o->stop_step > 0 && o->stop_step < o->steps ? o->stop_step : o->steps;
+    while (tr.step < last && !stop_requested) {
+        LoaderPosition before = loader.position;
+        loader_next_batch(&loader);
+        trainer_step(&tr);
+        const StepState *s = tr.host_state;
+        if (!s->finite) {
+            bad_in_row++, bad_total++;
+            fprintf(stderr, "train_unet: warning: step %lld skipped: loss %g, gradient norm %g (not finite); weights unchanged\n",
+                    (long long)tr.step, s->loss, s->grad_norm);
+            if (bad_in_row >= o->max_bad_steps)
+                fatal("stopping: %d non-finite steps in a row (at step %lld); the last good checkpoint is %s", bad_in_row,
+                      (long long)tr.step, saved[0] ? saved : "none (no checkpoint was saved in this run)");
+            (void)before;
+            continue;
+        }
+        bad_in_row = 0;
+        interval_loss += s->loss, interval_steps++;
+        if (tr.step % o->log_interval == 0 || tr.step == o->steps) {
+            double t = now_seconds(), ms = 1000.0 * (t - interval_start) / fmax(interval_steps, 1);
+            double img_s = o->batch_size * 1000.0 / ms, eta = (o->steps - tr.step) * ms / 1000.0;
+            double mem = gpu_bytes_allocated / 1073741824.0;
+            printf("step %lld/%lld  loss %.4f  lr %.3g  grad norm %.3f  %.0f img/s  %.1f ms/step  ETA %.0fh%02.0fm%s\n",
+                   (long long)tr.step, o->steps, interval_loss / interval_steps, s->lr, s->grad_norm, img_s, ms,
+                   floor(eta / 3600), fmod(eta / 60, 60), bad_total ? "  (non-finite steps skipped so far: see warnings)" : "");
+            fprintf(log, "%lld,%.6f,%.6g,%.6f,%.1f,%.3f,%.3f\n", (long long)tr.step, interval_loss / interval_steps, s->lr,
+                    s->grad_norm, img_s, ms, mem);
+            fflush(log);
+            fflush(stdout);
+            interval_loss = 0, interval_steps = 0, interval_start = t;
+        }
+        if (tr.step % o->save_interval == 0 && tr.step < last) {
+            if (save_checkpoint(&tr, o->run_dir, &loader.position, saved, sizeof saved, err, sizeof err) != 0) fatal("%s", err);
+            printf("saved %s\n", saved);
+        }
+    }
+    if (tr.step > first_step || !saved[0]) {
+        if (save_checkpoint(&tr, o->run_dir, &loader.position, saved, sizeof saved, err, sizeof err) != 0) fatal("%s", err);
+    }
+    printf("%s at step %lld: checkpoint %s (%.0f s; %lld non-finite steps skipped)\n",
+           tr.step < o->steps ? "stopped" : "done", (long long)tr.step, saved, now_seconds() - started, (long long)bad_total);
+    fclose(log);
+    loader_close(&loader);
+}
+
+// --bench N: the training step on one fixed random batch (no data loading), as training replays
+// it; after 10 warm-up steps, N steps are timed one by one with events; prints the median.
+static void run_bench(const Options *o, const ModelConfig *config, const ParamList *params) {
+    uint8_t *pixels;
+    int32_t *labels;
+    size_t n = (size_t)o->batch_size * config->image_size * config->image_size * 3;
+    cuda_check(cudaMallocHost((void **)&pixels, n));
+    cuda_check(cudaMallocHost((void **)&labels, o->batch_size * sizeof(int32_t)));
+    for (size_t i = 0; i < n; i++) pixels[i] = (uint8_t)(random_u64(1, 11, i) >> 56);
+    for (int i = 0; i < o->batch_size; i++) labels[i] = config->num_classes ? (int32_t)(random_u64(1, 12, i) % (config->num_classes - 1)) : 0;
+    Trainer tr;
+    trainer_create(&tr, o, config, pixels, labels);
+    unet_init_parameters(&tr.m, (uint64_t)o->seed);
+    trainer_reset_ema(&tr);
+    for (int i = 0; i < 10; i++) trainer_step(&tr);
+    float first_loss = tr.host_state->loss;
     cudaEvent_t start, stop;
     cuda_check(cudaEventCreate(&start));
     cuda_check(cudaEventCreate(&stop));
     float *ms = (float *)malloc_or_die(o->bench * sizeof(float));
     for (int i = 0; i < o->bench; i++) {
         cuda_check(cudaEventRecord(start, gpu.stream));
-        cuda_check(cudaGraphLaunch(exec, gpu.stream));
+        trainer_step(&tr);
         cuda_check(cudaEventRecord(stop, gpu.stream));
         cuda_check(cudaEventSynchronize(stop));
         cuda_check(cudaEventElapsedTime(&ms[i], start, stop));
     }
-    cuda_check(cudaMemcpy(&last_loss, m.loss, sizeof(float), cudaMemcpyDeviceToHost));
     qsort(ms, o->bench, sizeof(float), compare_floats);
     float median = ms[o->bench / 2];
     cudaDeviceProp prop;
@@ -2721,51 +3517,18 @@ static void run_bench(const Options *o, const ModelConfig *config, const ParamLi
     char buf[32];
     printf("bench: %s, %s preset, batch %d, %s, %s parameters\n", prop.name, o->preset, o->batch_size, PRECISION_NAME,
            with_commas(params->numel, buf, sizeof buf));
-    printf("bench: loss %.4f after 3 steps, %.4f after %d (one fixed random batch)\n", first_loss, last_loss, 14 + o->bench);
+    printf("bench: loss %.4f at step 10, %.4f at step %d (one fixed batch, fresh noise each step)\n", first_loss,
+           tr.host_state->loss, 10 + o->bench);
     printf("bench: median %.3f ms/step (min %.3f, max %.3f over %d steps), %.0f img/s, GPU memory %.2f GiB\n", median,
            ms[0], ms[o->bench - 1], o->bench, o->batch_size / (median / 1000.0), gpu_bytes_allocated / 1073741824.0);
     free(ms);
-    if (getenv("UNET_PROFILE")) print_profile(&m);
+    if (getenv("UNET_PROFILE")) print_profile(&tr.m);
 }
 
 // ----------------------------------------------------------------------------------------------
 // main
 
 #ifndef TRAIN_UNET_LIBRARY
-
-// Streams the dataset through the GPU input pipeline: pinned batch -> device -> [-1, 1].
-// The UNet itself arrives with the model issue; until then this is what a run does.
-static void run_input_pipeline(const Options *o, DataLoader *loader) {
-    size_t n = (size_t)o->batch_size * loader->data.layout.image_bytes;
-    uint8_t *d_pixels;
-    floatX *d_input;
-    cudaStream_t stream;
-    cudaEvent_t start, stop;
-    cuda_check(cudaStreamCreate(&stream));
-    cuda_check(cudaMalloc((void **)&d_pixels, n));
-    cuda_check(cudaMalloc((void **)&d_input, n * sizeof(floatX)));
-    cuda_check(cudaEventCreate(&start));
-    cuda_check(cudaEventCreate(&stop));
-    printf("note: the UNet is not built yet; this run streams %lld batches through the GPU input pipeline\n", o->steps);
-    cuda_check(cudaEventRecord(start, stream));
-    for (long long step = 1; step <= o->steps; step++) {
-        loader_next_batch(loader);
-        cuda_check(cudaMemcpyAsync(d_pixels, loader->batch_pixels, n, cudaMemcpyHostToDevice, stream));
-        images_to_model_input(d_input, d_pixels, n, stream);
-        cuda_check(cudaStreamSynchronize(stream));  // the host batch is reused next step
-        if (step % o->log_interval == 0 || step == o->steps) {
-            float ms;
-            cuda_check(cudaEventRecord(stop, stream));
-            cuda_check(cudaEventSynchronize(stop));
-            cuda_check(cudaEventElapsedTime(&ms, start, stop));
-            printf("step %lld/%lld  epoch %" PRIu64 "  %.0f img/s\n", step, o->steps, loader->position.epoch,
-                   o->batch_size * (double)step / (ms / 1000.0));
-        }
-    }
-    cudaFree(d_input);
-    cudaFree(d_pixels);
-    cudaStreamDestroy(stream);
-}
 
 int main(int argc, char **argv) {
     Options o = parse_options(argc, argv);
@@ -2806,23 +3569,14 @@ int main(int argc, char **argv) {
     if (cerr != cudaSuccess || devices == 0)
         fatal("no usable CUDA GPU (the CUDA runtime says: %s); --dry_run checks a configuration without one",
               cerr != cudaSuccess ? cudaGetErrorString(cerr) : "no devices");
+    gpu_init();
     if (o.bench) {
         run_bench(&o, &model, &params);
-        free(params.specs);
-        return 0;
+    } else {
+        if (!o.data[0]) usage_error("training needs --data FILE.bin");
+        dataset_close(&data);
+        run_training(&o, &model, &params);
     }
-    if (!o.data[0]) usage_error("training needs --data FILE.bin");
-    dataset_close(&data);
-
-    DataLoader loader;
-    if (loader_open(&loader, o.data, o.batch_size, o.random_flip, (uint64_t)o.seed, 1, err, sizeof err) != 0)
-        fatal("%s", err);
-    cudaDeviceProp prop;
-    cuda_check(cudaGetDeviceProperties(&prop, 0));
-    printf("GPU: %s, precision %s\n", prop.name, PRECISION_NAME);
-    print_model_summary(stdout, &model, &params);
-    run_input_pipeline(&o, &loader);
-    loader_close(&loader);
     free(params.specs);
     return 0;
 }

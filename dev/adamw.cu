@@ -19,8 +19,7 @@ static void ref_adamw_step(double *p, double *m, double *v, const double *g, siz
 
 #ifndef DEV_NO_MAIN
 // ----------------------------------------------------------------------------------------------
-// GPU check: the trainer's adamw_kernel, launched as unet_adamw launches it (bias corrections
-// 1 - beta^t computed on the host in float). params, m, v are fp32 in both builds, so they are
+// GPU check: the trainer's adamw_kernel, given the step state as a training step gives it. params, m, v are fp32 in both builds, so they are
 // held to the FP32 tolerance 1e-5 in both; the compute copy params_x (floatX) to the build's.
 
 typedef struct {
@@ -29,13 +28,24 @@ typedef struct {
     int64_t n;
     int step;
     float lr, beta1, beta2, eps, weight_decay;
+    StepState *state;  // on the GPU, filled by adam_state
 } AdamRun;
+
+// The step state the training step's decision kernel leaves for AdamW: this step's learning rate
+// and bias corrections (1 - beta^t on the host in float), no clipping, finite.
+static void adam_state(AdamRun *r) {
+    StepState h;
+    memset(&h, 0, sizeof h);
+    h.step = r->step, h.lr = r->lr, h.grad_scale = 1.0f, h.finite = 1;
+    h.bias1 = 1.0f - powf(r->beta1, (float)r->step), h.bias2 = 1.0f - powf(r->beta2, (float)r->step);
+    r->state = (StepState *)dev_gpu_poisoned(sizeof h);
+    cuda_check(cudaMemcpy(r->state, &h, sizeof h, cudaMemcpyHostToDevice));
+}
 
 static void adam_run(void *q) {
     AdamRun *r = (AdamRun *)q;
-    adamw_kernel<<<blocks_for(r->n, 256), 256, 0, gpu.stream>>>(r->p, r->px, r->m, r->v, r->g, r->n, r->lr, r->beta1, r->beta2,
-                                                               r->eps, r->weight_decay, 1.0f - powf(r->beta1, (float)r->step),
-                                                               1.0f - powf(r->beta2, (float)r->step));
+    adamw_kernel<<<blocks_for(r->n, 256), 256, 0, gpu.stream>>>(r->p, r->px, r->m, r->v, r->g, r->n, r->state, r->beta1,
+                                                               r->beta2, r->eps, r->weight_decay);
     cuda_check_launch();
 }
 
@@ -46,6 +56,7 @@ static void check_adamw(size_t n, int step, float lr, float weight_decay, double
     if (step > 1) dev_fill_f(m, n, -0.1 * grad_scale, 0.1 * grad_scale), dev_fill_f(v, n, 0, 0.01 * grad_scale * grad_scale);
     AdamRun r = {dev_upload_f(p, n), dev_upload_f(m, n), dev_upload_f(v, n), dev_upload_f(g, n),
                  (floatX *)dev_gpu_poisoned(n * sizeof(floatX)), (int64_t)n, step, lr, 0.9f, 0.999f, 1e-8f, weight_decay};
+    adam_state(&r);
     adam_run(&r);
     ref_adamw_step(p, m, v, g, n, step, r.lr, r.beta1, r.beta2, r.eps, r.weight_decay);  // the float values, widened
     double tol = DEV_TOLERANCE, fwd = dev_check_f(r.p, NULL, p, n);
@@ -57,7 +68,7 @@ static void check_adamw(size_t n, int step, float lr, float weight_decay, double
     char shape[96];
     snprintf(shape, sizeof shape, "n %zu t%d lr %g wd %g grad~%g", n, step, lr, weight_decay, grad_scale);
     dev_row("adamw", shape, fwd, 1e-5, &e, -1, -1);
-    dev_gpu_free(r.p, r.m, r.v, r.g, r.px, NULL);
+    dev_gpu_free(r.p, r.m, r.v, r.g, r.px, r.state, NULL);
     free(p), free(m), free(v), free(g);
 }
 
@@ -70,11 +81,12 @@ static void time_adamw(void) {
     free(params.specs);
     AdamRun r = {dev_random_f(n, -1, 1), dev_random_f(n, -0.01, 0.01), dev_random_f(n, 0, 1e-4), dev_random_f(n, -0.1, 0.1),
                  (floatX *)gpu_malloc(n * sizeof(floatX)), n, 10, 1e-4f, 0.9f, 0.999f, 1e-8f, 0.0f};
+    adam_state(&r);
     double ms = dev_time_ms(adam_run, &r);
     char shape[96];
     snprintf(shape, sizeof shape, "n %lld (seed model)", (long long)n);
     dev_timing_row("adamw", shape, ms, -1, dev_finite_f(r.p, n) && dev_finite_x(r.px, n));
-    dev_gpu_free(r.p, r.m, r.v, r.g, r.px, NULL);
+    dev_gpu_free(r.p, r.m, r.v, r.g, r.px, r.state, NULL);
 }
 
 int main(void) {

@@ -122,11 +122,6 @@ static void norm_scratch_for(int N, int C) {
     dev_poison(gn_partial_scratch, dev_gn_scratch_have * sizeof(double));
 }
 
-// The trainer's dropout multiplier of element i (dropout_keep, on the host): 1/(1-p) or 0.
-static double gn_keep(uint64_t seed, int64_t i, float p) {
-    return (float)(random_u64(seed, 3, (uint64_t)i) >> 40) * (1.0f / 16777216.0f) >= p ? 1.0 / (1.0 - (double)p) : 0.0;
-}
-
 static void check_norm(int N, int H, int W, int C, int silu, int mode, float dropout) {
     int HW = H * W, ld = 2 * C + 7, add_ld = C + 3;  // the embedding arrays are wider than C, as in the model
     size_t n = (size_t)N * HW * C, nss = (size_t)N * ld, nadd = (size_t)N * add_ld;
@@ -142,7 +137,7 @@ static void check_norm(int N, int H, int W, int C, int silu, int mode, float dro
         size_t nn = i / ((size_t)HW * C);
         int c = (int)(i % C);
         xin[i] = x[i] + (mode & GN_ADD ? add[nn * add_ld + c] : 0);
-        keep[i] = dropout > 0 ? gn_keep(seed, (int64_t)i, dropout) : 1;
+        keep[i] = dropout > 0 ? dropout_keep(seed, 7, (int64_t)i, dropout) : 1;  // the trainer's rule, on the host
         dy_keep[i] = dy[i] * keep[i];
     }
     for (int nn = 0; nn < N; nn++)
@@ -172,7 +167,10 @@ static void check_norm(int N, int H, int W, int C, int silu, int mode, float dro
     r.o.silu = silu;
     if (mode & GN_ADD) r.o.add = add_gpu, r.o.add_ld = add_ld;
     if (mode & GN_SCALE_SHIFT) r.o.scale_shift = ss_gpu, r.o.scale_shift_ld = ld;
-    r.o.dropout = dropout, r.o.dropout_seed = seed;
+    r.o.dropout = dropout, r.o.dropout_stream = 7;
+    uint64_t *seed_gpu = (uint64_t *)dev_gpu_poisoned(sizeof(uint64_t));
+    cuda_check(cudaMemcpy(seed_gpu, &seed, sizeof seed, cudaMemcpyHostToDevice));
+    r.o.dropout_seed = seed_gpu;
     r.x = dev_upload_x(x, n), r.dy = dev_upload_x(dy, n), r.dx = dev_upload_x(dx_before, n);
     r.y = (floatX *)dev_gpu_poisoned(n * sizeof(floatX));
     r.mean = (float *)dev_gpu_poisoned((size_t)N * GN_GROUPS * sizeof(float));
@@ -200,7 +198,7 @@ static void check_norm(int N, int H, int W, int C, int silu, int mode, float dro
     dev_row("groupnorm", shape, fwd, tol, &e, -1, -1);
 
     dev_gpu_free(r.norm.gamma, r.norm.beta, r.norm.dgamma, r.norm.dbeta, ss_gpu, add_gpu, dadd_gpu, r.x, r.dy, r.dx, r.y,
-                 r.mean, r.rstd, r.d_scale_shift, NULL);
+                 r.mean, r.rstd, r.d_scale_shift, seed_gpu, NULL);
     free(x), free(gamma), free(beta), free(dy), free(ss), free(add), free(xin), free(ss2), free(keep), free(dy_keep);
     free(y), free(dx), free(dgamma), free(dbeta), free(dss2), free(dss), free(dadd), free(dx_before), free(dss_before);
     free(dadd_before);

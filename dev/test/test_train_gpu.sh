@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# test_train_gpu.sh: training on the GPU, end to end: a run stopped and resumed equals a run that
+# never stopped (every logged loss, learning rate and gradient norm, and the final weights, EMA
+# and optimiser state to the byte); SIGINT saves and exits 0; non-finite steps stop the run with
+# a clear message; bad checkpoints are refused with one line.
+cd "$(dirname "$0")/../.." || exit 1
+. dev/test/lib.sh
+./prepare_data --synthetic shapes --count 300 --size 32 --seed 5 --output "$TEST_TMP/s.bin" --quiet >/dev/null
+# A small class-conditional model with dropout, label dropout, two EMA rates, warm-up, cosine
+# decay and clipping, so that every random draw and schedule takes part in the comparison.
+ARGS=(--data "$TEST_TMP/s.bin" --image_size 32 --num_channels 32 --channel_mult 1,2 --num_res_blocks 1
+      --attention_resolutions 16 --num_head_channels 32 --class_cond --cfg_dropout 0.2 --dropout 0.1 --batch_size 8
+      --lr 1e-3 --warmup_steps 5 --lr_decay cosine --grad_clip 1.0 --ema_rate 0.99,0.999 --log_interval 1 --seed 3)
+train() { ./train_unet "${ARGS[@]}" "$@"; }
+
+case_begin "a run stopped at step 13 and resumed equals one that never stopped"
+expect_ok train --steps 30 --run_dir "$TEST_TMP/a"
+expect_ok train --steps 30 --stop_step 13 --run_dir "$TEST_TMP/b"
+expect_grep "^stopped at step 13: checkpoint" "$LAST_OUT"
+expect_ok train --steps 30 --run_dir "$TEST_TMP/b" --resume_checkpoint latest
+expect_grep "resumed from .*step_000000013 at step 13" "$LAST_OUT"
+cut -d, -f1-4 "$TEST_TMP/a/log.csv" >"$TEST_TMP/a.rows"
+cut -d, -f1-4 "$TEST_TMP/b/log.csv" >"$TEST_TMP/b.rows"
+[ "$(wc -l <"$TEST_TMP/a.rows")" = 31 ] || case_fail "log.csv of the straight run has $(wc -l <"$TEST_TMP/a.rows") lines, expected 31"
+cmp -s "$TEST_TMP/a.rows" "$TEST_TMP/b.rows" || { case_fail "logged losses differ:"; diff "$TEST_TMP/a.rows" "$TEST_TMP/b.rows" | head -6; }
+for f in model.safetensors ema.safetensors ema_0.999.safetensors state.bin; do
+    cmp -s "$TEST_TMP/a/checkpoints/step_000000030/$f" "$TEST_TMP/b/checkpoints/step_000000030/$f" || case_fail "$f differs"
+done
+
+case_begin "SIGINT finishes the step, saves a checkpoint, says where and exits 0"
+./train_unet "${ARGS[@]}" --steps 1000000 --run_dir "$TEST_TMP/c" >"$TEST_TMP/c.out" 2>&1 &  # not through a function: $! is train_unet
+pid=$!
+for _ in $(seq 300); do grep -q "^step 3/" "$TEST_TMP/c.out" && break; sleep 0.1; done
+kill -INT $pid
+wait $pid
+rc=$?
+cat "$TEST_TMP/c.out" >"$LAST_OUT"
+[ $rc = 0 ] || case_fail "exit status $rc after SIGINT"
+expect_grep "^stopped at step [0-9]+: checkpoint .*/checkpoints/step_" "$TEST_TMP/c.out"
+
+case_begin "non-finite losses skip steps, then stop the run with a clear message"
+expect_fail train --steps 50 --run_dir "$TEST_TMP/d" --lr 1e30 --warmup_steps 0 --grad_clip 0 --max_bad_steps 3 2>/dev/null
+grep -q "non-finite steps in a row" "$LAST_ERR" || case_fail "no stop message"
+
+case_begin "bad checkpoints: one error line each"
+expect_fail train --steps 40 --run_dir "$TEST_TMP/e" --resume_checkpoint "$TEST_TMP/nowhere"
+expect_fail train --steps 40 --run_dir "$TEST_TMP/e" --resume_checkpoint latest
+cp -r "$TEST_TMP/a/checkpoints/step_000000030" "$TEST_TMP/damaged"
+truncate -s 100 "$TEST_TMP/damaged/state.bin"
+expect_fail train --steps 40 --run_dir "$TEST_TMP/e" --resume_checkpoint "$TEST_TMP/damaged"
+expect_grep "state.bin" "$LAST_ERR"
+expect_fail train --steps 40 --run_dir "$TEST_TMP/e" --resume_checkpoint "$TEST_TMP/a/checkpoints/step_000000030" --num_channels 64
+expect_grep "does not match the model" "$LAST_ERR"
+expect_fail train --steps 40 --run_dir "$TEST_TMP/e" --resume_checkpoint "$TEST_TMP/a/checkpoints/step_000000030" --batch_size 4
+expect_grep "resume with the same values" "$LAST_ERR"
+case_summary

@@ -1,0 +1,281 @@
+"""The PyTorch reference training loop: our UNet (unet_ref.py) trained on a dataset .bin with
+guided-diffusion's diffusion math, logging the same CSV as train_unet, so loss curves can be
+compared (scripts/compare_training.sh, scripts/plot_log.py).
+
+    python3 scripts/train_torch.py --data data/shapes.bin --preset seed --steps 2000 --batch_size 32 \
+        --lr 1e-4 --log_interval 10 --csv OUT.csv [--seed 0] [--class_cond False] [--cfg_dropout 0] \
+        [--noise_schedule linear|cosine] [--diffusion_steps 1000] [--predict eps|v] [--device cuda] \
+        [--bf16 True] [--compile none|default|reduce-overhead]
+
+Flags carry train_unet's names; model flags (--num_channels, --dropout, ...) override the preset.
+The step: t ~ U{0..T-1}, x_t = sqrt(ab_t) x0 + sqrt(1 - ab_t) eps, loss = mean squared error of
+model(x_t, t[, y]) against eps (or v = sqrt(ab_t) eps - sqrt(1 - ab_t) x0), AdamW, EMA.
+Data: each epoch a fresh seeded permutation, batches run across epoch boundaries, random
+horizontal flips; the same semantics as train_unet's loader, not the same random draws.
+CSV columns: step,loss,lr,grad_norm,img_per_s,ms_per_step,gpu_mem_gib (see --help).
+"""
+
+import argparse
+import math
+import os
+import sys
+import time
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_torch import PRESETS  # noqa: E402
+from unet_ref import create_model, str2bool  # noqa: E402
+
+PRESET_SCHEDULE = {"seed": "linear", "adm64": "cosine"}
+MODEL_FLAGS = ["image_size", "num_channels", "channel_mult", "num_res_blocks", "attention_resolutions",
+               "num_heads", "num_head_channels", "num_heads_upsample", "use_new_attention_order",
+               "use_scale_shift_norm", "resblock_updown", "conv_resample", "dropout"]
+CSV_HEADER = "step,loss,lr,grad_norm,img_per_s,ms_per_step,gpu_mem_gib"
+
+# ---------------------------------------------------------------------------------------------
+# Dataset .bin (dataset.h is authoritative): 64-byte header, class names, int32 labels, NHWC uint8.
+
+HEADER = np.dtype([("magic", "S8"), ("version", "<u4"), ("channels", "<u4"), ("count", "<u8"),
+                   ("height", "<u4"), ("width", "<u4"), ("num_classes", "<u4"), ("names_bytes", "<u4"),
+                   ("reserved", "u1", (24,))])
+assert HEADER.itemsize == 64
+
+
+def align(x, a):
+    return (x + a - 1) // a * a
+
+
+def open_dataset(path):
+    """Maps a dataset .bin and checks it as dataset_check does. Returns (pixels [N,H,W,3] uint8
+    memmap, labels [N] int32 or None, class names)."""
+    def fail(msg):
+        sys.exit(f"dataset {path}: {msg}")
+    size = os.path.getsize(path)
+    if size < 64:
+        fail(f"file is {size} bytes, shorter than the 64-byte header")
+    raw = np.memmap(path, dtype=np.uint8, mode="r")
+    h = raw[:64].view(HEADER)[0]
+    if h["magic"] != b"UNETDSET":
+        fail('not a dataset file (bad magic; expected "UNETDSET")')
+    if h["version"] != 1:
+        fail(f"unsupported dataset version {h['version']} (this script reads 1)")
+    if h["channels"] != 3:
+        fail(f"{h['channels']} channels in header, expected 3 (RGB)")
+    count, height, width = int(h["count"]), int(h["height"]), int(h["width"])
+    classes, names_bytes = int(h["num_classes"]), int(h["names_bytes"])
+    if not (1 <= height <= 8192 and 1 <= width <= 8192):
+        fail(f"image size {width}x{height} in header is out of range (1..8192)")
+    if count < 1:
+        fail("header says the dataset holds no images")
+    if classes > 100000:
+        fail(f"{classes} classes in header, more than the limit of 100000")
+    if (classes == 0) != (names_bytes == 0) or names_bytes > (1 << 24) or names_bytes < classes:
+        fail(f"class-name table of {names_bytes} bytes does not fit {classes} classes")
+    if np.any(h["reserved"]):
+        fail("reserved header bytes are not zero")
+    image_bytes = height * width * 3
+    labels_offset = align(64 + names_bytes, 8)
+    pixels_offset = align(labels_offset + (4 * count if classes else 0), 64)
+    needed = pixels_offset + count * image_bytes
+    if size != needed:
+        fail(f"file is {size} bytes but its header ({count} images of {width}x{height}x3, {classes} classes) "
+             f"needs {needed}: truncated or damaged")
+    names, labels = [], None
+    if classes:
+        table = bytes(raw[64:64 + names_bytes])
+        strings = table.count(b"\0")
+        if strings != classes or table[-1:] != b"\0":
+            fail(f"class-name table holds {strings} names, header says {classes} classes")
+        names = [s.decode("utf-8", "replace") for s in table[:-1].split(b"\0")]
+        labels = raw[labels_offset:labels_offset + 4 * count].view("<i4")
+        bad = np.flatnonzero((labels < 0) | (labels >= classes))
+        if bad.size:
+            fail(f"image {bad[0]} has label {labels[bad[0]]}, outside 0..{classes - 1}")
+    pixels = raw[pixels_offset:].reshape(count, height, width, 3)
+    return pixels, labels, names
+
+
+class Loader:
+    """Batches of (uint8 NHWC images, labels or None): a fresh permutation each epoch, a batch
+    may span two epochs, random horizontal flip with p = 0.5."""
+
+    def __init__(self, pixels, labels, batch_size, seed, random_flip):
+        self.pixels, self.labels, self.batch_size, self.random_flip = pixels, labels, batch_size, random_flip
+        self.rng = np.random.default_rng(seed)
+        self.order, self.pos = self.rng.permutation(len(pixels)), 0
+
+    def next(self):
+        idx = []
+        while len(idx) < self.batch_size:
+            if self.pos == len(self.order):
+                self.order, self.pos = self.rng.permutation(len(self.pixels)), 0
+            take = min(self.batch_size - len(idx), len(self.order) - self.pos)
+            idx.extend(self.order[self.pos:self.pos + take])
+            self.pos += take
+        idx = np.asarray(idx)
+        x = np.array(self.pixels[idx])  # a copy, [B,H,W,3]
+        if self.random_flip:
+            flip = self.rng.random(len(idx)) < 0.5
+            x[flip] = x[flip, :, ::-1]
+        y = None if self.labels is None else self.labels[idx].astype(np.int64)
+        return x, y
+
+
+# ---------------------------------------------------------------------------------------------
+# guided-diffusion's noise schedules (gaussian_diffusion.py), in float64.
+
+def betas_for_alpha_bar(T, alpha_bar, max_beta=0.999):
+    return np.array([min(1 - alpha_bar((i + 1) / T) / alpha_bar(i / T), max_beta) for i in range(T)],
+                    dtype=np.float64)
+
+
+def get_betas(schedule, T):
+    if schedule == "linear":
+        scale = 1000 / T
+        return np.linspace(scale * 0.0001, scale * 0.02, T, dtype=np.float64)
+    if schedule == "cosine":
+        return betas_for_alpha_bar(T, lambda t: math.cos((t + 0.008) / 1.008 * math.pi / 2) ** 2)
+    raise ValueError(f"unknown noise schedule {schedule!r} (linear or cosine)")
+
+
+# ---------------------------------------------------------------------------------------------
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--data", required=True, help="dataset .bin written by prepare_data")
+    p.add_argument("--preset", default="seed", choices=PRESETS)
+    for name in MODEL_FLAGS:
+        p.add_argument(f"--{name}", default=None, help="overrides the preset")
+    p.add_argument("--class_cond", type=str2bool, default=False, help="condition on the dataset's labels")
+    p.add_argument("--cfg_dropout", type=float, default=0.0,
+                   help="probability of replacing a label by the null class (class_cond only)")
+    p.add_argument("--diffusion_steps", type=int, default=1000)
+    p.add_argument("--noise_schedule", default=None, choices=["linear", "cosine"],
+                   help="default: the preset's (seed linear, adm64 cosine)")
+    p.add_argument("--predict", default="eps", choices=["eps", "v"])
+    p.add_argument("--steps", type=int, default=2000)
+    p.add_argument("--batch_size", type=int, default=32)
+    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--weight_decay", type=float, default=0.0)
+    p.add_argument("--ema_rate", type=float, default=0.9999)
+    p.add_argument("--random_flip", type=str2bool, default=True)
+    p.add_argument("--log_interval", type=int, default=10)
+    p.add_argument("--csv", default="", help="CSV log to write (" + CSV_HEADER + ")")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--bf16", type=str2bool, default=True, help="bf16 autocast (fp32 master weights)")
+    p.add_argument("--compile", default="none", choices=["none", "default", "reduce-overhead"])
+    a = p.parse_args()
+    if a.steps < 1 or a.batch_size < 1 or a.log_interval < 1 or a.diffusion_steps < 1:
+        p.error("--steps, --batch_size, --log_interval and --diffusion_steps must be positive")
+    return a
+
+
+def main():
+    a = parse_args()
+    device = torch.device(a.device)
+    torch.manual_seed(a.seed)
+    pixels, labels, names = open_dataset(a.data)
+    count, height, width, _ = pixels.shape
+
+    flags = dict(PRESETS[a.preset])
+    flags.update({k: getattr(a, k) for k in MODEL_FLAGS if getattr(a, k) is not None})
+    if int(flags["image_size"]) != height or height != width:
+        sys.exit(f"--image_size {flags['image_size']} does not match the dataset's {width}x{height} images")
+    if a.class_cond and labels is None:
+        sys.exit(f"--class_cond: dataset {a.data} has no labels")
+    num_classes = len(names) if a.class_cond else 0
+    flags.update(class_cond=a.class_cond, num_classes=num_classes + 1)  # + the null class
+    schedule = a.noise_schedule or PRESET_SCHEDULE[a.preset]
+
+    model = create_model(flags).to(device).to(memory_format=torch.channels_last)
+    model.train()
+    params = [p for p in model.parameters()]
+    ema = [p.detach().clone() for p in params]
+    fused = {"fused": True} if device.type == "cuda" else {}
+    opt = torch.optim.AdamW(params, lr=a.lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=a.weight_decay, **fused)
+    forward = model if a.compile == "none" else torch.compile(
+        model, mode=None if a.compile == "default" else "reduce-overhead")
+
+    T = a.diffusion_steps
+    alphas_cumprod = np.cumprod(1.0 - get_betas(schedule, T))
+    # As guided-diffusion's _extract_into_tensor: float64 table, gathered, then float32.
+    sqrt_ab = torch.from_numpy(np.sqrt(alphas_cumprod)).to(device)
+    sqrt_1mab = torch.from_numpy(np.sqrt(1.0 - alphas_cumprod)).to(device)
+    loader = Loader(pixels, labels if a.class_cond else None, a.batch_size, a.seed, a.random_flip)
+    gen = torch.Generator(device=device).manual_seed(a.seed + 1)  # timesteps, noise, label dropout
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=a.bf16)
+
+    nparams = sum(p.numel() for p in params)
+    print(f"train_torch: {a.preset} preset, {nparams:,} parameters, {count} images {width}x{height}"
+          f"{f', {num_classes} classes (+ null, cfg_dropout {a.cfg_dropout})' if a.class_cond else ''}, "
+          f"{schedule} schedule T={T}, predict {a.predict}, batch {a.batch_size}, lr {a.lr:g}, "
+          f"{device}, {'bf16' if a.bf16 else 'fp32'}, compile {a.compile}", flush=True)
+    csv = None
+    if a.csv:
+        os.makedirs(os.path.dirname(os.path.abspath(a.csv)), exist_ok=True)
+        csv = open(a.csv, "w")
+        csv.write(CSV_HEADER + "\n")
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    sync()
+    interval_start, losses = time.perf_counter(), []
+    for step in range(1, a.steps + 1):
+        x_u8, y = loader.next()
+        x0 = torch.from_numpy(x_u8).to(device, non_blocking=True).permute(0, 3, 1, 2)
+        x0 = (x0.float() / 127.5 - 1.0).contiguous(memory_format=torch.channels_last)
+        n = x0.shape[0]
+        t = torch.randint(0, T, (n,), device=device, generator=gen)
+        eps = torch.randn(x0.shape, device=device, generator=gen).contiguous(memory_format=torch.channels_last)
+        ca = sqrt_ab[t].float().view(n, 1, 1, 1)
+        cb = sqrt_1mab[t].float().view(n, 1, 1, 1)
+        x_t = ca * x0 + cb * eps
+        target = eps if a.predict == "eps" else ca * eps - cb * x0
+        extra = ()
+        if a.class_cond:
+            y = torch.from_numpy(y).to(device)
+            drop = torch.rand(n, device=device, generator=gen) < a.cfg_dropout
+            extra = (torch.where(drop, torch.full_like(y, num_classes), y),)
+        with autocast:
+            out = forward(x_t, t, *extra)
+        loss = F.mse_loss(out.float(), target)
+        loss.backward()
+        last = step % a.log_interval == 0 or step == a.steps
+        if last:  # global L2 norm of all gradients, before any clipping
+            grad_norm = torch.linalg.vector_norm(
+                torch.stack(torch._foreach_norm([p.grad for p in params if p.grad is not None]))).item()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            torch._foreach_lerp_(ema, [p.detach() for p in params], 1.0 - a.ema_rate)
+        losses.append(loss.detach())
+        if last:
+            sync()
+            now = time.perf_counter()
+            elapsed, k = now - interval_start, len(losses)
+            mean_loss = torch.stack(losses).mean().item()
+            mem = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
+            row = (f"{step},{mean_loss:.6f},{a.lr:.6g},{grad_norm:.6f},{k * a.batch_size / elapsed:.2f},"
+                   f"{elapsed / k * 1000:.3f},{mem:.3f}")
+            if csv:
+                csv.write(row + "\n")
+                csv.flush()
+            print(f"step {step}/{a.steps} | loss {mean_loss:.6f} | grad norm {grad_norm:.4f} | "
+                  f"{elapsed / k * 1000:.1f} ms/step | {k * a.batch_size / elapsed:.0f} img/s | {mem:.2f} GiB",
+                  flush=True)
+            if not math.isfinite(mean_loss):
+                sys.exit(f"loss is {mean_loss} at step {step}: stopping")
+            interval_start, losses = time.perf_counter(), []
+    if csv:
+        csv.close()
+
+
+if __name__ == "__main__":
+    main()
