@@ -30,9 +30,9 @@ STB_LIBS := -lstb -lm
 CFLAGS ?= -O2 -g
 CFLAGS += -std=c11 -D_GNU_SOURCE -Wall -Wextra -Wno-unused-function -I.
 NVCCFLAGS ?= -O3 -g
-NVCC_COMMON := $(NVCCFLAGS) -std=c++17 $(GPU_ARCH) -I. -Xcompiler -Wall,-Wno-unused-function
+NVCC_COMMON := $(NVCCFLAGS) -std=c++17 $(GPU_ARCH) -I. $(STB_CFLAGS) -Xcompiler -Wall,-Wno-unused-function
 NVCCFLAGS := $(NVCC_COMMON) -DPRECISION_$(PRECISION)
-CUDA_LIBS := -lcublas -lcublasLt
+CUDA_LIBS := -lcublas -lcublasLt $(STB_LIBS)
 
 BINARIES := train_unet prepare_data check_shapes
 SHAPES_COUNT := 10000
@@ -64,7 +64,8 @@ data/shapes.bin: prepare_data
 ASAN := -fsanitize=address,undefined -fno-omit-frame-pointer
 NVCC_ASAN := -Xcompiler -fsanitize=address,-fsanitize=undefined,-fno-omit-frame-pointer -lasan -lubsan
 TESTS_CPU := build/test/test_dataset build/test/test_shapes build/test/test_dataloader build/test/train_unet_asan \
-             build/test/test_reference build/test/test_unet_fixtures build/test/test_checkpoint
+             build/test/test_reference build/test/test_unet_fixtures build/test/test_checkpoint \
+             build/test/test_sampler
 TESTS_GPU := build/test/test_dataloader_gpu build/test/test_unet_gpu_fp32 build/test/test_unet_gpu_bf16 \
              build/test/test_unet_gpu_reference_fp32 build/test/test_unet_gpu_reference_bf16
 
@@ -81,7 +82,8 @@ build/test/test_dataloader: dev/test/test_dataloader.cu train_unet.cu dataset.h 
 	@mkdir -p build/test
 	$(NVCC) $(NVCCFLAGS) $(NVCC_ASAN) -o $@ $< $(CUDA_LIBS)
 
-build/test/test_checkpoint: dev/test/test_checkpoint.cu train_unet.cu dataset.h dev/test/check.h build/precision
+build/test/test_checkpoint build/test/test_sampler: build/test/%: dev/test/%.cu train_unet.cu dataset.h dev/test/check.h \
+        build/precision
 	@mkdir -p build/test
 	$(NVCC) $(NVCCFLAGS) -o $@ $< $(CUDA_LIBS)
 

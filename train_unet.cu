@@ -24,6 +24,8 @@
 #include <strings.h>
 #include <time.h>
 
+#include <stb_image_write.h>
+
 #include "dataset.h"
 
 // ----------------------------------------------------------------------------------------------
@@ -1839,6 +1841,16 @@ static ParamList model_parameters(const ModelConfig *c) {
     return list;
 }
 
+// Grows a shared scratch buffer to at least `need` elements. The old one is kept (not freed), so
+// a CUDA graph captured with it stays valid.
+static int64_t conv_scratch_have, gn_scratch_have, channel_scratch_have;
+
+static void *scratch_reserve(void *current, int64_t *have, int64_t need, size_t element) {
+    if (current && need <= *have) return current;
+    *have = need;
+    return gpu_malloc(need * element);
+}
+
 // An upper bound on the layer count: per level, input blocks make 2 layers each plus a
 // downsample; output blocks at most 4 (concat, ResBlock, attention, upsample).
 static int max_layers(const ModelConfig *c) { return 8 + c->num_levels * (2 * c->num_res_blocks + 1 + 4 * (c->num_res_blocks + 1)); }
@@ -1924,12 +1936,14 @@ static void unet_create(UNet *m, const ModelConfig *c, int batch) {
     m->emb_all.in = 4 * c->model_channels, m->emb_all.out = (int)m->emb_total, m->emb_all.k = 1, m->emb_all.stride = 1;
     m->emb_all.w = m->compute, m->emb_all.b = m->compute + m->emb_bias_offset;
     m->emb_all.dw = m->grad, m->emb_all.db = m->grad + m->emb_bias_offset;
-    // Scratch shared by the layers, one at a time.
-    conv_scratch = (floatX *)gpu_malloc(m->conv_scratch_numel * sizeof(floatX));
-    gn_partial_scratch = (double *)gpu_malloc(m->gn_scratch_numel * sizeof(double));
-    weight_grad_scratch_numel = 32 << 20;  // 128 MiB: enough slices for every layer of the presets
-    weight_grad_scratch = (float *)gpu_malloc(weight_grad_scratch_numel * sizeof(float));
-    channel_sums_scratch = (float *)gpu_malloc(m->channel_scratch_numel * sizeof(float));
+    // Scratch shared by the layers (one at a time) and by every model of the process.
+    conv_scratch = (floatX *)scratch_reserve(conv_scratch, &conv_scratch_have, m->conv_scratch_numel, sizeof(floatX));
+    gn_partial_scratch = (double *)scratch_reserve(gn_partial_scratch, &gn_scratch_have, m->gn_scratch_numel, sizeof(double));
+    channel_sums_scratch = (float *)scratch_reserve(channel_sums_scratch, &channel_scratch_have, m->channel_scratch_numel, sizeof(float));
+    if (!weight_grad_scratch) {
+        weight_grad_scratch_numel = 32 << 20;  // 128 MiB: enough slices for every layer of the presets
+        weight_grad_scratch = (float *)gpu_malloc(weight_grad_scratch_numel * sizeof(float));
+    }
     float *scores = (float *)gpu_malloc(m->attention_scratch_numel * sizeof(float));
     floatX *d_scores = (floatX *)gpu_malloc(m->attention_scratch_numel * sizeof(floatX));
     for (int i = 0; i < m->num_layers; i++) {
@@ -2225,7 +2239,7 @@ typedef struct {
     int warmup_steps;
     int batch_size;
     const char *ema_rate;
-    int log_interval, save_interval, keep, max_bad_steps;
+    int log_interval, save_interval, keep, max_bad_steps, sample_interval, sample_count, sample_steps;
     const char *resume_checkpoint, *run_dir;
     // data and run
     const char *data, *preset;
@@ -2282,6 +2296,9 @@ static const OptionSpec option_specs[] = {
     OPT(log_interval, OPT_INT, "steps between progress lines"),
     OPT(save_interval, OPT_INT, "steps between checkpoints"),
     OPT(keep, OPT_INT, "checkpoints to keep, the newest (0: all)"),
+    OPT(sample_interval, OPT_INT, "steps between sample grids from the EMA weights (0: only at the end)"),
+    OPT(sample_count, OPT_INT, "images in a sample grid (0: no grids)"),
+    OPT(sample_steps, OPT_INT, "DDIM steps of a sample grid"),
     OPT(max_bad_steps, OPT_INT, "stop after this many steps in a row with a non-finite loss or gradient"),
     OPT(run_dir, OPT_STRING, "run folder: config.txt, log.csv, checkpoints/"),
     OPT(resume_checkpoint, OPT_STRING, "checkpoint folder to resume from, or latest (the newest in run_dir)"),
@@ -2308,6 +2325,7 @@ static Options preset_seed(void) {
     o.warmup_steps = 0, o.lr_decay = "none", o.min_lr = 0.0f, o.grad_clip = 0.0f, o.cfg_dropout = 0.0f;
     o.batch_size = 32, o.ema_rate = "0.9999";
     o.log_interval = 10, o.save_interval = 10000, o.keep = 0, o.max_bad_steps = 10;
+    o.sample_interval = 5000, o.sample_count = 64, o.sample_steps = 50;
     o.resume_checkpoint = "", o.run_dir = "run";
     o.data = "", o.preset = "seed", o.random_flip = 1, o.steps = 100000, o.stop_step = 0, o.seed = 0, o.dry_run = 0;
     return o;
@@ -2590,6 +2608,10 @@ static void validate_training(const Options *o) {
     if (o->keep < 0) usage_error("--keep %d must not be negative", o->keep);
     if (o->max_bad_steps < 1) usage_error("--max_bad_steps %d must be positive", o->max_bad_steps);
     if (!o->run_dir[0]) usage_error("--run_dir must not be empty");
+    if (o->sample_interval < 0) usage_error("--sample_interval %d must not be negative", o->sample_interval);
+    if (o->sample_count < 0 || o->sample_count > 10000) usage_error("--sample_count %d is out of range (0..10000)", o->sample_count);
+    if (o->sample_steps < 1 || o->sample_steps > o->diffusion_steps)
+        usage_error("--sample_steps %d must be in 1..%d (--diffusion_steps)", o->sample_steps, o->diffusion_steps);
     if (o->batch_size < 1 || o->batch_size > 65536) usage_error("--batch_size %d is out of range (1..65536)", o->batch_size);
     double rates[8];
     int n = parse_number_list(o->ema_rate, rates, 8);
@@ -2952,6 +2974,129 @@ static int compare_floats(const void *a, const void *b) {
 static int compare_int64(const void *a, const void *b) {
     int64_t x = *(const int64_t *)a, y = *(const int64_t *)b;
     return (x > y) - (x < y);
+}
+
+// ----------------------------------------------------------------------------------------------
+// Sampling with DDIM (Song et al.), on guided-diffusion's respaced timesteps: "ddimN" keeps
+// t = 0, s, 2s, ... with the stride s that gives N steps; the model sees the original t. At each
+// kept step, from the model's output:
+//   x0 = (x_t - sqrt(1 - abar_t) eps) / sqrt(abar_t)    (eps prediction; v: x0 = sqrt(abar_t) x_t - sqrt(1 - abar_t) v)
+//   x0 clipped to [-1, 1] (guided-diffusion's clip_denoised), eps recomputed from it,
+//   sigma = eta sqrt((1 - abar_prev)/(1 - abar_t)) sqrt(1 - abar_t/abar_prev)
+//   x_prev = sqrt(abar_prev) x0 + sqrt(1 - abar_prev - sigma^2) eps + sigma z
+// eta = 0 is deterministic; eta = 1 over all T steps is DDPM's ancestral sampling with the fixed
+// small variance. abar_prev = 1 after the last step.
+
+typedef struct {
+    int count;        // kept steps
+    int *timesteps;   // [count], increasing
+    double *abar;     // [count]
+} SampleSchedule;
+
+// guided-diffusion's space_timesteps(T, "ddimN") (N = T: every step, as unrespaced sampling);
+// returns 0, or -1 when no stride gives N steps.
+static int ddim_schedule(const Diffusion *d, int steps, SampleSchedule *s) {
+    int stride = 0;
+    for (int i = 1; i <= d->steps && !stride; i++)
+        if ((d->steps + i - 1) / i == steps) stride = i;
+    if (!stride) return -1;
+    s->count = steps;
+    s->timesteps = (int *)malloc_or_die(steps * sizeof(int));
+    s->abar = (double *)malloc_or_die(steps * sizeof(double));
+    for (int k = 0; k < steps; k++) s->timesteps[k] = k * stride, s->abar[k] = d->alphas_cumprod[k * stride];
+    return 0;
+}
+
+// One DDIM update of one value (see above); `noise` is z.
+__host__ __device__ inline float ddim_update(float x, float out, float abar, float abar_prev, float eta, float noise,
+                                             int predict_v, int clip) {
+    float a = sqrtf(abar), b = sqrtf(1.0f - abar);
+    float x0 = predict_v ? a * x - b * out : (x - b * out) / a;
+    if (clip) x0 = fminf(fmaxf(x0, -1.0f), 1.0f);
+    float eps = (x - a * x0) / b;
+    float sigma = eta * sqrtf((1.0f - abar_prev) / (1.0f - abar)) * sqrtf(fmaxf(1.0f - abar / abar_prev, 0.0f));
+    return sqrtf(abar_prev) * x0 + sqrtf(fmaxf(1.0f - abar_prev - sigma * sigma, 0.0f)) * eps + sigma * noise;
+}
+
+enum { STREAM_SAMPLE_START = 20, STREAM_SAMPLE_NOISE = 21 };
+
+__global__ void sample_start_kernel(float *x, floatX *input, int64_t n, uint64_t seed, int64_t first) {
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
+        x[i] = normal_sample(seed, STREAM_SAMPLE_START, first + i);
+        input[i] = (floatX)x[i];
+    }
+}
+
+__global__ void ddim_step_kernel(float *x, floatX *input, const floatX *out, int64_t n, float abar, float abar_prev,
+                                 float eta, uint64_t seed, int64_t first, int k, int predict_v) {
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
+        float z = eta > 0.0f && k > 0 ? normal_sample(seed, STREAM_SAMPLE_NOISE + 16 * (uint64_t)k, first + i) : 0.0f;
+        x[i] = ddim_update(x[i], (float)out[i], abar, abar_prev, eta, z, predict_v, 1);
+        input[i] = (floatX)x[i];
+    }
+}
+
+__global__ void to_pixels_kernel(uint8_t *pixels, const float *x, int64_t n) {
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
+        pixels[i] = (uint8_t)lrintf(fminf(fmaxf((x[i] + 1.0f) * 127.5f, 0.0f), 255.0f));
+}
+
+// Samples count images with the model m (its weights set; any batch size) into pixels (host,
+// [count][H][W][3] uint8). Image i's starting noise and draws depend only on (seed, i), so the same
+// seed gives the same images at any batch size. labels: [count] or NULL (unconditional).
+static void sample_images(UNet *m, const SampleSchedule *s, float eta, int predict_v, uint64_t seed, const int *labels,
+                          int count, uint8_t *pixels) {
+    int B = m->batch;
+    int64_t per_image = act_numel(&m->input) / B;
+    float *x = (float *)gpu_malloc(act_numel(&m->input) * sizeof(float));
+    uint8_t *d_pixels = (uint8_t *)gpu_malloc(act_numel(&m->input));
+    int64_t *timesteps = (int64_t *)malloc_or_die(B * sizeof(int64_t));
+    for (int first = 0; first < count; first += B) {
+        int n_images = count - first < B ? count - first : B;
+        int64_t n = (int64_t)B * per_image, offset = (int64_t)first * per_image;
+        if (labels) {  // a last, partial batch repeats the first label in its unused slots
+            int *chunk = (int *)malloc_or_die(B * sizeof(int));
+            for (int b = 0; b < B; b++) chunk[b] = labels[first + (b < n_images ? b : 0)];
+            cuda_check(cudaMemcpy(m->labels, chunk, B * sizeof(int), cudaMemcpyHostToDevice));
+            free(chunk);
+        }
+        sample_start_kernel<<<blocks_for(n, 256), 256, 0, gpu.stream>>>(x, m->input.x, n, seed, offset);
+        cuda_check_launch();
+        for (int k = s->count - 1; k >= 0; k--) {
+            for (int b = 0; b < B; b++) timesteps[b] = s->timesteps[k];
+            cuda_check(cudaMemcpyAsync(m->timesteps, timesteps, B * sizeof(int64_t), cudaMemcpyHostToDevice, gpu.stream));
+            unet_forward(m, 0);
+            ddim_step_kernel<<<blocks_for(n, 256), 256, 0, gpu.stream>>>(x, m->input.x, m->output->x, n, (float)s->abar[k],
+                k > 0 ? (float)s->abar[k - 1] : 1.0f, eta, seed, offset, k, predict_v);
+            cuda_check_launch();
+            cuda_check(cudaStreamSynchronize(gpu.stream));  // timesteps is reused
+        }
+        to_pixels_kernel<<<blocks_for(n, 256), 256, 0, gpu.stream>>>(d_pixels, x, n);
+        cuda_check_launch();
+        cuda_check(cudaMemcpy(pixels + offset, d_pixels, n_images * per_image, cudaMemcpyDeviceToHost));
+    }
+    free(timesteps);
+    cudaFree(x);
+    cudaFree(d_pixels);
+}
+
+// Writes images ([count][size][size][3]) as one PNG grid, ceil(sqrt(count)) to a row, with a
+// 2-pixel white border; written to a temporary name and renamed. Returns 0, or -1 with errno.
+static int write_grid_png(const char *path, const uint8_t *images, int count, int size) {
+    int cols = (int)ceil(sqrt((double)count)), rows = (count + cols - 1) / cols, pad = 2;
+    int W = cols * (size + pad) + pad, H = rows * (size + pad) + pad;
+    uint8_t *grid = (uint8_t *)malloc_or_die((size_t)W * H * 3);
+    memset(grid, 255, (size_t)W * H * 3);
+    for (int i = 0; i < count; i++)
+        for (int y = 0; y < size; y++)
+            memcpy(grid + ((size_t)(pad + (i / cols) * (size + pad) + y) * W + pad + (i % cols) * (size + pad)) * 3,
+                   images + ((size_t)i * size + y) * size * 3, (size_t)size * 3);
+    char tmp[4200];
+    snprintf(tmp, sizeof tmp, "%s.tmp.%d", path, (int)getpid());
+    int ok = stbi_write_png(tmp, W, H, 3, grid, W * 3) != 0 && rename(tmp, path) == 0;
+    if (!ok) unlink(tmp);
+    free(grid);
+    return ok ? 0 : -1;
 }
 
 // ----------------------------------------------------------------------------------------------
@@ -3358,6 +3503,31 @@ static int load_checkpoint(Trainer *tr, const char *dir, LoaderPosition *positio
 // log_interval steps; checkpoints every save_interval steps and at the end; SIGINT or SIGTERM
 // finish the step, save and exit 0 (a second SIGINT exits at once).
 
+// A grid of sample_count images from the first EMA's weights, DDIM with sample_steps steps and
+// the same starting noise every time (so grids compare over a run), into run_dir/samples/.
+// Class-conditional models get the classes in turn.
+static void write_samples(Trainer *tr, UNet *sampler, const SampleSchedule *schedule, const char *run_dir) {
+    const Options *o = tr->o;
+    int count = o->sample_count, size = tr->config.image_size;
+    cuda_check(cudaMemcpy(sampler->master, tr->ema[0], tr->m.storage * sizeof(float), cudaMemcpyDeviceToDevice));
+    unet_sync_compute(sampler);
+    int *labels = NULL, classes = tr->config.num_classes - 1;  // without the null class
+    if (classes > 0) {
+        labels = (int *)malloc_or_die(count * sizeof(int));
+        for (int i = 0; i < count; i++) labels[i] = i % classes;
+    }
+    uint8_t *pixels = (uint8_t *)malloc_or_die((size_t)count * size * size * 3);
+    sample_images(sampler, schedule, 0.0f, strcmp(o->predict, "v") == 0, random_u64((uint64_t)o->seed, 30, 0), labels, count, pixels);
+    char path[4096];
+    snprintf(path, sizeof path, "%s/samples", run_dir);
+    mkdir(path, 0777);
+    snprintf(path, sizeof path, "%s/samples/step_%09lld.png", run_dir, (long long)tr->step);
+    if (write_grid_png(path, pixels, count, size) != 0) fatal("cannot write %s: %s", path, strerror(errno));
+    printf("samples: %s\n", path);
+    free(pixels);
+    free(labels);
+}
+
 static volatile sig_atomic_t stop_requested;
 
 static void on_stop_signal(int sig) {
@@ -3435,6 +3605,11 @@ static void run_training(const Options *o, const ModelConfig *config, const Para
     char buf[32];
     printf("training on %s (%s): %s parameters, %lld steps of %d images, run folder %s\n", prop.name, PRECISION_NAME,
            with_commas(params->numel, buf, sizeof buf), o->steps, o->batch_size, o->run_dir);
+    UNet sampler;  // created at the first grid
+    memset(&sampler, 0, sizeof sampler);
+    SampleSchedule schedule;
+    if (o->sample_count && ddim_schedule(&tr.diffusion, o->sample_steps, &schedule) != 0)
+        fatal("--sample_steps %d: no stride of the %d diffusion steps gives that many", o->sample_steps, o->diffusion_steps);
     double interval_loss = 0, started = now_seconds(), interval_start = started;
     int interval_steps = 0, bad_in_row = 0;
     int64_t bad_total = 0, first_step = tr.step;
@@ -3469,6 +3644,10 @@ static void run_training(const Options *o, const ModelConfig *config, const Para
             fflush(stdout);
             interval_loss = 0, interval_steps = 0, interval_start = t;
         }
+        if (o->sample_count && o->sample_interval && tr.step % o->sample_interval == 0 && tr.step < last) {
+            if (!sampler.layers) unet_create(&sampler, config, o->sample_count < 64 ? o->sample_count : 64);
+            write_samples(&tr, &sampler, &schedule, o->run_dir);
+        }
         if (tr.step % o->save_interval == 0 && tr.step < last) {
             if (save_checkpoint(&tr, o->run_dir, &loader.position, saved, sizeof saved, err, sizeof err) != 0) fatal("%s", err);
             printf("saved %s\n", saved);
@@ -3476,6 +3655,10 @@ static void run_training(const Options *o, const ModelConfig *config, const Para
     }
     if (tr.step > first_step || !saved[0]) {
         if (save_checkpoint(&tr, o->run_dir, &loader.position, saved, sizeof saved, err, sizeof err) != 0) fatal("%s", err);
+    }
+    if (o->sample_count && tr.step > first_step) {
+        if (!sampler.layers) unet_create(&sampler, config, o->sample_count < 64 ? o->sample_count : 64);
+        write_samples(&tr, &sampler, &schedule, o->run_dir);
     }
     printf("%s at step %lld: checkpoint %s (%.0f s; %lld non-finite steps skipped)\n",
            tr.step < o->steps ? "stopped" : "done", (long long)tr.step, saved, now_seconds() - started, (long long)bad_total);

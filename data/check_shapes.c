@@ -72,12 +72,31 @@ static void check_dataset(Tally *t, const char *path) {
     dataset_close(&ds);
 }
 
-// Checks one image file, converted to RGB.
+// A sample grid as train_unet writes it: tiles of grid_size pixels, 2-pixel borders around and
+// between them, row by row; grid_count > 0 checks only the first grid_count tiles.
+static int grid_size, grid_count;
+
+// Checks one image file, converted to RGB (each tile of it with --grid).
 static void check_image(Tally *t, const char *path) {
     int w, h, channels;
     uint8_t *rgb = stbi_load(path, &w, &h, &channels, 3);
     if (!rgb) die("cannot read image %s: %s", path, stbi_failure_reason());
-    check_one(t, rgb, w, h, path, -1, NULL);
+    if (!grid_size) {
+        check_one(t, rgb, w, h, path, -1, NULL);
+    } else {
+        int cols = (w - 2) / (grid_size + 2), rows = (h - 2) / (grid_size + 2), tiles = cols * rows;
+        if (cols < 1 || rows < 1) die("%s (%dx%d) holds no %dx%d tile", path, w, h, grid_size, grid_size);
+        if (grid_count > 0 && grid_count < tiles) tiles = grid_count;
+        uint8_t *tile = malloc((size_t)grid_size * grid_size * 3);
+        if (!tile) die("out of memory");
+        for (int i = 0; i < tiles; i++) {
+            int x0 = 2 + (i % cols) * (grid_size + 2), y0 = 2 + (i / cols) * (grid_size + 2);
+            for (int y = 0; y < grid_size; y++)
+                memcpy(tile + (size_t)y * grid_size * 3, rgb + ((size_t)(y0 + y) * w + x0) * 3, (size_t)grid_size * 3);
+            check_one(t, tile, grid_size, grid_size, path, i, NULL);
+        }
+        free(tile);
+    }
     stbi_image_free(rgb);
 }
 
@@ -134,7 +153,9 @@ int main(int argc, char **argv) {
                    "on a clean plain background) among the images of each PATH: a dataset .bin, an image\n"
                    "file or a folder of images. For a labelled dataset it also compares class and label.\n"
                    "  --verbose     one line per failing image (and per label disagreement)\n"
-                   "  --min-pass P  exit 1 when fewer than P percent of the images are valid\n");
+                   "  --min-pass P  exit 1 when fewer than P percent of the images are valid\n"
+                   "  --grid S      each image is a sample grid of train_unet (SxS tiles, 2-pixel borders)\n"
+                   "  --count N     with --grid: only the first N tiles\n");
             return 0;
         } else if (strcmp(argv[i], "--verbose") == 0) {
             t.verbose = 1;
@@ -144,6 +165,13 @@ int main(int argc, char **argv) {
             min_pass = strtod(argv[++i], &end);
             if (*end || end == argv[i] || !(min_pass >= 0 && min_pass <= 100))
                 die("--min-pass takes a percentage in 0..100, not '%s'", argv[i]);
+        } else if (strcmp(argv[i], "--grid") == 0 || strcmp(argv[i], "--count") == 0) {
+            char *end;
+            if (i + 1 >= argc) die("%s needs a number", argv[i]);
+            long v = strtol(argv[i + 1], &end, 10);
+            if (*end || end == argv[i + 1] || v < 1 || v > 100000) die("%s takes a positive number, not '%s'", argv[i], argv[i + 1]);
+            *(argv[i][2] == 'g' ? &grid_size : &grid_count) = (int)v;
+            i++;
         } else if (strncmp(argv[i], "--", 2) == 0) {
             die("unknown option %s (usage: check_shapes [--verbose] [--min-pass P] PATH...)", argv[i]);
         } else {

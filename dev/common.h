@@ -294,26 +294,11 @@ static int dev_finite_f(const float *d, size_t n) {
 
 // The trainer's shared scratch buffers (set up by unet_create in the trainer), grown to at least
 // the given sizes in elements: conv_scratch (patch matrices), gn_partial_scratch (GroupNorm
-// partial sums), channel_sums_scratch (bias gradients).
-static int64_t dev_conv_scratch_have, dev_gn_scratch_have, dev_channel_scratch_have;
-
+// partial sums), channel_sums_scratch (bias gradients). Their sizes: conv_scratch_have etc.
 static void dev_scratch(int64_t conv_numel, int64_t gn_numel, int64_t channel_numel) {
-    cuda_check(cudaStreamSynchronize(gpu.stream));
-    if (conv_numel > dev_conv_scratch_have) {
-        if (conv_scratch) cuda_check(cudaFree(conv_scratch));
-        conv_scratch = (floatX *)gpu_malloc(conv_numel * sizeof(floatX));
-        dev_conv_scratch_have = conv_numel;
-    }
-    if (gn_numel > dev_gn_scratch_have) {
-        if (gn_partial_scratch) cuda_check(cudaFree(gn_partial_scratch));
-        gn_partial_scratch = (double *)gpu_malloc(gn_numel * sizeof(double));
-        dev_gn_scratch_have = gn_numel;
-    }
-    if (channel_numel > dev_channel_scratch_have) {
-        if (channel_sums_scratch) cuda_check(cudaFree(channel_sums_scratch));
-        channel_sums_scratch = (float *)gpu_malloc(channel_numel * sizeof(float));
-        dev_channel_scratch_have = channel_numel;
-    }
+    conv_scratch = (floatX *)scratch_reserve(conv_scratch, &conv_scratch_have, conv_numel, sizeof(floatX));
+    gn_partial_scratch = (double *)scratch_reserve(gn_partial_scratch, &gn_scratch_have, gn_numel, sizeof(double));
+    channel_sums_scratch = (float *)scratch_reserve(channel_sums_scratch, &channel_scratch_have, channel_numel, sizeof(float));
 }
 
 // Frees device buffers given as a NULL-terminated list.

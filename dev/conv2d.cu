@@ -109,7 +109,7 @@ static void conv_weight_layout(double *dst, const double *src, int out, int in, 
 static void conv_scratch_for(int N, int H, int W, int Cin, int Cout, int k, int stride) {
     int64_t Ho = ref_conv2d_out_size(H, k, stride), Wo = ref_conv2d_out_size(W, k, stride);
     dev_scratch((int64_t)N * Ho * Wo * k * k * Cin, 0, (int64_t)N * CHANNEL_SUM_CHUNKS * Cout);
-    dev_poison(conv_scratch, dev_conv_scratch_have * sizeof(floatX));
+    dev_poison(conv_scratch, conv_scratch_have * sizeof(floatX));
 }
 
 enum { RESIDUAL_NONE, RESIDUAL_SEPARATE, RESIDUAL_IN_PLACE };

@@ -119,7 +119,7 @@ static void norm_run_backward(void *p) {
 
 static void norm_scratch_for(int N, int C) {
     dev_scratch(0, (int64_t)N * GN_CHUNKS * (C * 4 + GN_GROUPS * 2), (int64_t)N * CHANNEL_SUM_CHUNKS * C);
-    dev_poison(gn_partial_scratch, dev_gn_scratch_have * sizeof(double));
+    dev_poison(gn_partial_scratch, gn_scratch_have * sizeof(double));
 }
 
 static void check_norm(int N, int H, int W, int C, int silu, int mode, float dropout) {
