@@ -2297,7 +2297,7 @@ static const OptionSpec option_specs[] = {
     OPT(save_interval, OPT_INT, "steps between checkpoints"),
     OPT(keep, OPT_INT, "checkpoints to keep, the newest (0: all)"),
     OPT(sample_interval, OPT_INT, "steps between sample grids from the EMA weights (0: only at the end)"),
-    OPT(sample_count, OPT_INT, "images in a sample grid (0: no grids)"),
+    OPT(sample_count, OPT_INT, "images in a sample grid, e.g. 64 (0: no grids)"),
     OPT(sample_steps, OPT_INT, "DDIM steps of a sample grid"),
     OPT(max_bad_steps, OPT_INT, "stop after this many steps in a row with a non-finite loss or gradient"),
     OPT(run_dir, OPT_STRING, "run folder: config.txt, log.csv, checkpoints/"),
@@ -2325,7 +2325,7 @@ static Options preset_seed(void) {
     o.warmup_steps = 0, o.lr_decay = "none", o.min_lr = 0.0f, o.grad_clip = 0.0f, o.cfg_dropout = 0.0f;
     o.batch_size = 32, o.ema_rate = "0.9999";
     o.log_interval = 10, o.save_interval = 10000, o.keep = 0, o.max_bad_steps = 10;
-    o.sample_interval = 5000, o.sample_count = 64, o.sample_steps = 50;
+    o.sample_interval = 5000, o.sample_count = 0, o.sample_steps = 50;  // grids off until checked on a GPU (dev/NOTES.md)
     o.resume_checkpoint = "", o.run_dir = "run";
     o.data = "", o.preset = "seed", o.random_flip = 1, o.steps = 100000, o.stop_step = 0, o.seed = 0, o.dry_run = 0;
     return o;
