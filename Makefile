@@ -46,7 +46,7 @@ build/precision: FORCE
 	@mkdir -p build
 	@[ "$$(cat $@ 2>/dev/null)" = "$(PRECISION)" ] || echo $(PRECISION) > $@
 
-train_unet: train_unet.cu dataset.h build/precision
+train_unet: train_unet.cu dataset.h sampler.h build/precision
 	$(NVCC) $(NVCCFLAGS) -o $@ $< $(CUDA_LIBS)
 
 prepare_data: prepare_data.c data/shapes.c dataset.h data/shapes.h
@@ -82,8 +82,11 @@ build/test/test_dataloader: dev/test/test_dataloader.cu train_unet.cu dataset.h 
 	@mkdir -p build/test
 	$(NVCC) $(NVCCFLAGS) $(NVCC_ASAN) -o $@ $< $(CUDA_LIBS)
 
-build/test/test_checkpoint build/test/test_sampler: build/test/%: dev/test/%.cu train_unet.cu dataset.h dev/test/check.h \
-        build/precision
+build/test/test_sampler: dev/test/test_sampler.c sampler.h dev/test/check.h
+	@mkdir -p build/test
+	$(CC) $(CFLAGS) $(ASAN) -o $@ $< -lm
+
+build/test/test_checkpoint: dev/test/test_checkpoint.cu train_unet.cu sampler.h dataset.h dev/test/check.h build/precision
 	@mkdir -p build/test
 	$(NVCC) $(NVCCFLAGS) -o $@ $< $(CUDA_LIBS)
 

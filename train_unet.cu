@@ -27,6 +27,7 @@
 #include <stb_image_write.h>
 
 #include "dataset.h"
+#include "sampler.h"
 
 // ----------------------------------------------------------------------------------------------
 // Precision and error checks
@@ -2664,45 +2665,24 @@ static void print_model_summary(FILE *f, const ModelConfig *c, const ParamList *
 }
 
 // ----------------------------------------------------------------------------------------------
-// Diffusion as guided-diffusion defines it (gaussian_diffusion.py): betas for T steps,
-//   linear: scale = 1000/T, betas = linspace(scale * 1e-4, scale * 0.02, T)
-//   cosine: beta_t = min(1 - abar((t+1)/T) / abar(t/T), 0.999), abar(s) = cos((s + 0.008)/1.008 * pi/2)^2
-// alphas_cumprod = cumprod(1 - betas) (in double). Training draws t uniformly in [0, T), noise
-// eps ~ N(0, I), x_t = sqrt(abar_t) x0 + sqrt(1 - abar_t) eps, and regresses the model's output on
-// eps (--predict eps) or on v = sqrt(abar_t) eps - sqrt(1 - abar_t) x0 (--predict v).
+// Diffusion training, on guided-diffusion's schedules (sampler.h): t drawn uniformly in [0, T),
+// noise eps ~ N(0, I), x_t = sqrt(abar_t) x0 + sqrt(1 - abar_t) eps, and the model's output
+// regressed on eps (--predict eps) or on v = sqrt(abar_t) eps - sqrt(1 - abar_t) x0 (--predict v).
 
 typedef struct {
-    int steps;
-    double *betas, *alphas_cumprod;  // [steps], host
+    NoiseSchedule schedule;
     float *sqrt_abar, *sqrt_one_minus_abar;  // [steps], GPU
 } Diffusion;
 
-static double cosine_alpha_bar(double s) {
-    double c = cos((s + 0.008) / 1.008 * M_PI / 2);
-    return c * c;
-}
-
-static void diffusion_schedule(Diffusion *d, int steps, const char *schedule) {
-    d->steps = steps;
-    d->betas = (double *)malloc_or_die(steps * sizeof(double));
-    d->alphas_cumprod = (double *)malloc_or_die(steps * sizeof(double));
-    double scale = 1000.0 / steps, start = scale * 0.0001, end = scale * 0.02, product = 1.0;
-    for (int t = 0; t < steps; t++) {
-        if (strcmp(schedule, "linear") == 0) d->betas[t] = steps == 1 ? start : start + (end - start) * t / (steps - 1);
-        else d->betas[t] = fmin(1.0 - cosine_alpha_bar((t + 1.0) / steps) / cosine_alpha_bar((double)t / steps), 0.999);
-        product *= 1.0 - d->betas[t];
-        d->alphas_cumprod[t] = product;
-    }
-}
-
 // The two per-timestep coefficients of x_t, on the GPU.
-static void diffusion_upload(Diffusion *d) {
-    float *host = (float *)malloc_or_die(2 * d->steps * sizeof(float));
-    for (int t = 0; t < d->steps; t++)
-        host[t] = (float)sqrt(d->alphas_cumprod[t]), host[d->steps + t] = (float)sqrt(1.0 - d->alphas_cumprod[t]);
-    d->sqrt_abar = (float *)gpu_malloc(2 * d->steps * sizeof(float));
-    d->sqrt_one_minus_abar = d->sqrt_abar + d->steps;
-    cuda_check(cudaMemcpy(d->sqrt_abar, host, 2 * d->steps * sizeof(float), cudaMemcpyHostToDevice));
+static void diffusion_create(Diffusion *d, int steps, const char *schedule) {
+    if (noise_schedule_make(&d->schedule, steps, schedule) != 0) fatal("unknown noise schedule '%s'", schedule);
+    float *host = (float *)malloc_or_die(2 * steps * sizeof(float));
+    for (int t = 0; t < steps; t++)
+        host[t] = (float)sqrt(d->schedule.alphas_cumprod[t]), host[steps + t] = (float)sqrt(1.0 - d->schedule.alphas_cumprod[t]);
+    d->sqrt_abar = (float *)gpu_malloc(2 * steps * sizeof(float));
+    d->sqrt_one_minus_abar = d->sqrt_abar + steps;
+    cuda_check(cudaMemcpy(d->sqrt_abar, host, 2 * steps * sizeof(float), cudaMemcpyHostToDevice));
     free(host);
 }
 
@@ -2977,46 +2957,8 @@ static int compare_int64(const void *a, const void *b) {
 }
 
 // ----------------------------------------------------------------------------------------------
-// Sampling with DDIM (Song et al.), on guided-diffusion's respaced timesteps: "ddimN" keeps
-// t = 0, s, 2s, ... with the stride s that gives N steps; the model sees the original t. At each
-// kept step, from the model's output:
-//   x0 = (x_t - sqrt(1 - abar_t) eps) / sqrt(abar_t)    (eps prediction; v: x0 = sqrt(abar_t) x_t - sqrt(1 - abar_t) v)
-//   x0 clipped to [-1, 1] (guided-diffusion's clip_denoised), eps recomputed from it,
-//   sigma = eta sqrt((1 - abar_prev)/(1 - abar_t)) sqrt(1 - abar_t/abar_prev)
-//   x_prev = sqrt(abar_prev) x0 + sqrt(1 - abar_prev - sigma^2) eps + sigma z
-// eta = 0 is deterministic; eta = 1 over all T steps is DDPM's ancestral sampling with the fixed
-// small variance. abar_prev = 1 after the last step.
-
-typedef struct {
-    int count;        // kept steps
-    int *timesteps;   // [count], increasing
-    double *abar;     // [count]
-} SampleSchedule;
-
-// guided-diffusion's space_timesteps(T, "ddimN") (N = T: every step, as unrespaced sampling);
-// returns 0, or -1 when no stride gives N steps.
-static int ddim_schedule(const Diffusion *d, int steps, SampleSchedule *s) {
-    int stride = 0;
-    for (int i = 1; i <= d->steps && !stride; i++)
-        if ((d->steps + i - 1) / i == steps) stride = i;
-    if (!stride) return -1;
-    s->count = steps;
-    s->timesteps = (int *)malloc_or_die(steps * sizeof(int));
-    s->abar = (double *)malloc_or_die(steps * sizeof(double));
-    for (int k = 0; k < steps; k++) s->timesteps[k] = k * stride, s->abar[k] = d->alphas_cumprod[k * stride];
-    return 0;
-}
-
-// One DDIM update of one value (see above); `noise` is z.
-__host__ __device__ inline float ddim_update(float x, float out, float abar, float abar_prev, float eta, float noise,
-                                             int predict_v, int clip) {
-    float a = sqrtf(abar), b = sqrtf(1.0f - abar);
-    float x0 = predict_v ? a * x - b * out : (x - b * out) / a;
-    if (clip) x0 = fminf(fmaxf(x0, -1.0f), 1.0f);
-    float eps = (x - a * x0) / b;
-    float sigma = eta * sqrtf((1.0f - abar_prev) / (1.0f - abar)) * sqrtf(fmaxf(1.0f - abar / abar_prev, 0.0f));
-    return sqrtf(abar_prev) * x0 + sqrtf(fmaxf(1.0f - abar_prev - sigma * sigma, 0.0f)) * eps + sigma * noise;
-}
+// Sample grids during training: DDIM (sampler.h's ddim_update) on the GPU, on guided-diffusion's
+// respaced timesteps, x0 clipped to [-1, 1].
 
 enum { STREAM_SAMPLE_START = 20, STREAM_SAMPLE_NOISE = 21 };
 
@@ -3127,8 +3069,7 @@ static void trainer_create(Trainer *tr, const Options *o, const ModelConfig *c, 
     tr->config = *c;
     tr->pixels = pixels, tr->labels = labels;
     unet_create(&tr->m, c, o->batch_size);
-    diffusion_schedule(&tr->diffusion, o->diffusion_steps, o->noise_schedule);
-    diffusion_upload(&tr->diffusion);
+    diffusion_create(&tr->diffusion, o->diffusion_steps, o->noise_schedule);
     double rates[8];
     tr->num_ema = parse_number_list(o->ema_rate, rates, 8);
     for (int i = 0; i < tr->num_ema; i++) {
@@ -3162,7 +3103,7 @@ static void trainer_enqueue_step(Trainer *tr) {
     if (tr->config.num_classes)
         cuda_check(cudaMemcpyAsync(m->labels, tr->labels, N * sizeof(int), cudaMemcpyHostToDevice, gpu.stream));
     images_to_model_input(tr->x0, tr->d_pixels, n, gpu.stream);
-    diffusion_conditions_kernel<<<(N + 127) / 128, 128, 0, gpu.stream>>>(m->timesteps, m->labels, N, tr->diffusion.steps,
+    diffusion_conditions_kernel<<<(N + 127) / 128, 128, 0, gpu.stream>>>(m->timesteps, m->labels, N, tr->diffusion.schedule.steps,
                                                                         o->cfg_dropout, tr->config.num_classes - 1, tr->state);
     diffusion_inputs_kernel<<<blocks_for(n, 256), 256, 0, gpu.stream>>>(m->input.x, m->target.x, tr->x0, m->timesteps,
         tr->diffusion.sqrt_abar, tr->diffusion.sqrt_one_minus_abar, strcmp(o->predict, "v") == 0, n / N, n, tr->state);
@@ -3608,7 +3549,7 @@ static void run_training(const Options *o, const ModelConfig *config, const Para
     UNet sampler;  // created at the first grid
     memset(&sampler, 0, sizeof sampler);
     SampleSchedule schedule;
-    if (o->sample_count && ddim_schedule(&tr.diffusion, o->sample_steps, &schedule) != 0)
+    if (o->sample_count && sample_schedule_make(&tr.diffusion.schedule, o->sample_steps, &schedule) != 0)
         fatal("--sample_steps %d: no stride of the %d diffusion steps gives that many", o->sample_steps, o->diffusion_steps);
     double interval_loss = 0, started = now_seconds(), interval_start = started;
     int interval_steps = 0, bad_in_row = 0;

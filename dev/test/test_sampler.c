@@ -1,0 +1,141 @@
+// test_sampler.c: the diffusion math of sampler.h (shared by train_unet.cu and generate.c) on the
+// CPU: guided-diffusion's schedules and respacing, and every sampler driven by the optimal
+// denoiser of Gaussian data. For x0 ~ N(mu, s^2) per value, x_t ~ N(sqrt(abar) mu, v),
+// v = abar s^2 + 1 - abar, and
+//   E[eps | x_t] = sqrt(1 - abar) (x_t - sqrt(abar) mu) / v
+//   E[x0 | x_t]  = mu + sqrt(abar) s^2 (x_t - sqrt(abar) mu) / v
+// Every step is then affine in x_t, so the mean and deviation a discrete DDIM must produce follow
+// exactly from a recursion (few steps shrink the deviation a little; all 1000 land on mu and s):
+// its samples must match the recursion within 5 standard errors. DPM-Solver++ with 20 steps (on
+// log-SNR spacing) must land within 0.01 of mu and s.
+#include <stdint.h>
+#include <stdio.h>
+#include <time.h>
+
+#include "dev/test/check.h"
+#include "sampler.h"
+
+static const double MU = 0.3, SIGMA = 0.4;
+
+typedef struct {
+    const SampleSchedule *s;
+    int predict_v;
+    uint64_t seed;
+    size_t calls;
+} Analytic;
+
+static uint64_t mix(uint64_t z) {
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+static double gaussian(uint64_t seed, uint64_t stream, uint64_t i) {
+    double u1 = ((mix(seed ^ mix(stream) ^ mix(2 * i + 1)) >> 11) + 0.5) / 9007199254740992.0;
+    double u2 = (mix(seed ^ mix(stream) ^ mix(2 * i + 2) ^ 0x1234) >> 11) / 9007199254740992.0;
+    return sqrt(-2 * log(u1)) * cos(2 * M_PI * u2);
+}
+
+// The optimal model at timestep t: eps, or v = sqrt(abar) eps - sqrt(1 - abar) x0.
+static void analytic_model(void *ctx, const float *x, int t, float *out) {
+    Analytic *a = (Analytic *)ctx;
+    double abar = -1;
+    for (int k = 0; k < a->s->count; k++)
+        if (a->s->timesteps[k] == t) abar = a->s->abar[k];
+    a->calls++;
+    for (size_t i = 0; i < 40000; i++) {
+        double var = abar * SIGMA * SIGMA + 1 - abar, r = (x[i] - sqrt(abar) * MU) / var;
+        double eps = sqrt(1 - abar) * r, x0 = MU + sqrt(abar) * SIGMA * SIGMA * r;
+        out[i] = (float)(a->predict_v ? sqrt(abar) * eps - sqrt(1 - abar) * x0 : eps);
+    }
+}
+
+static float analytic_noise(void *ctx, int k, size_t i) { return (float)gaussian(((Analytic *)ctx)->seed, 100 + k, i); }
+
+// The mean and deviation DDIM (any eta) must give, by the recursion of the header comment.
+static void ddim_expected(const SampleSchedule *s, float eta, double *mean, double *sd) {
+    double m = 0, var = 1;
+    for (int k = s->count - 1; k >= 0; k--) {
+        double at = s->abar[k], as = k > 0 ? s->abar[k - 1] : 1.0, vt = at * SIGMA * SIGMA + 1 - at;
+        double sig = eta * sqrt((1 - as) / (1 - at)) * sqrt(fmax(1 - at / as, 0));
+        double c = (sqrt(as * at) * SIGMA * SIGMA + sqrt(fmax(1 - as - sig * sig, 0)) * sqrt(1 - at)) / vt;
+        m = sqrt(as) * MU + c * (m - sqrt(at) * MU);
+        var = c * c * var + sig * sig;
+    }
+    *mean = m, *sd = sqrt(var);
+}
+
+// Samples 40000 values and checks their mean and deviation: against the DDIM recursion (exact),
+// and/or against the data (mu, s) within `tolerance` (a solver's own error).
+static void check_sampler(const char *name, SamplerKind kind, const char *schedule, int steps, float eta, int predict_v,
+                          int recursion, double tolerance) {
+    check_case(name);
+    enum { N = 40000 };
+    NoiseSchedule d;
+    SampleSchedule s;
+    CHECK(noise_schedule_make(&d, 1000, schedule) == 0);
+    CHECK((kind == SAMPLER_DPM_SOLVER_PP ? sample_schedule_log_snr(&d, steps, &s) : sample_schedule_make(&d, steps, &s)) == 0);
+    static float x[N];
+    Analytic a = {&s, predict_v, (uint64_t)time(NULL), 0};
+    for (size_t i = 0; i < N; i++) x[i] = (float)gaussian(a.seed, 1, i);
+    CHECK(sample_loop(kind, &s, eta, predict_v, 0, analytic_model, analytic_noise, &a, x, N) == 0);
+    CHECK(a.calls == (size_t)s.count);
+    double sum = 0, sum2 = 0, want_mean = MU, want_sd = SIGMA;
+    for (size_t i = 0; i < N; i++) sum += x[i], sum2 += (double)x[i] * x[i];
+    double mean = sum / N, sd = sqrt(sum2 / N - mean * mean);
+    if (recursion) ddim_expected(&s, kind == SAMPLER_DDPM ? 1.0f : eta, &want_mean, &want_sd);
+    printf("  mean %.4f, deviation %.4f (%s: %.4f, %.4f)\n", mean, sd, recursion ? "recursion" : "data", want_mean, want_sd);
+    CHECK(fabs(mean - want_mean) < 5 * want_sd / sqrt(N) + tolerance);
+    CHECK(fabs(sd - want_sd) < 5 * want_sd / sqrt(2.0 * N) + tolerance);
+    if (recursion && tolerance == 0 && steps == 1000) CHECK(fabs(want_mean - MU) < 0.005 && fabs(want_sd - SIGMA) < 0.005);
+    noise_schedule_free(&d);
+    sample_schedule_free(&s);
+}
+
+int main(void) {
+    check_case("schedules: guided-diffusion's linear and cosine betas");
+    NoiseSchedule d;
+    CHECK(noise_schedule_make(&d, 1000, "linear") == 0);
+    CHECK(fabs(d.betas[0] - 1e-4) < 1e-15 && fabs(d.betas[999] - 0.02) < 1e-15 && fabs(d.betas[500] - (1e-4 + 0.0199 * 500 / 999)) < 1e-15);
+    CHECK(fabs(d.alphas_cumprod[999] - 4.035829e-05) < 1e-10);  // numpy: cumprod(1 - linspace(1e-4, 0.02, 1000))[-1]
+    noise_schedule_free(&d);
+    CHECK(noise_schedule_make(&d, 4000, "linear") == 0);  // scaled by 1000/T
+    CHECK(fabs(d.betas[0] - 2.5e-5) < 1e-15 && fabs(d.betas[3999] - 0.005) < 1e-15);
+    noise_schedule_free(&d);
+    CHECK(noise_schedule_make(&d, 1000, "cosine") == 0);
+    double f = cos((0.001 + 0.008) / 1.008 * M_PI / 2), f0 = cos(0.008 / 1.008 * M_PI / 2);
+    CHECK(fabs(d.betas[0] - (1 - f * f / (f0 * f0))) < 1e-15 && d.betas[999] == 0.999);
+    noise_schedule_free(&d);
+    CHECK(noise_schedule_make(&d, 1000, "quadratic") != 0);
+
+    check_case("respacing: guided-diffusion's ddimN strides");
+    SampleSchedule s;
+    CHECK(noise_schedule_make(&d, 1000, "linear") == 0);
+    CHECK(sample_schedule_make(&d, 50, &s) == 0 && s.count == 50 && s.timesteps[1] == 20 && s.timesteps[49] == 980);
+    CHECK(s.abar[1] == d.alphas_cumprod[20]);
+    sample_schedule_free(&s);
+    CHECK(sample_schedule_make(&d, 7, &s) == 0 && s.timesteps[1] == 143 && s.timesteps[6] == 858);
+    sample_schedule_free(&s);
+    CHECK(sample_schedule_make(&d, 1000, &s) == 0 && s.timesteps[999] == 999);  // every step
+    sample_schedule_free(&s);
+    CHECK(sample_schedule_make(&d, 999, &s) != 0);  // no stride gives 999 steps
+    CHECK(sample_schedule_log_snr(&d, 20, &s) == 0 && s.count == 20 && s.timesteps[0] == 0 && s.timesteps[19] == 999);
+    int increasing = 1;
+    for (int k = 1; k < s.count; k++) increasing &= s.timesteps[k] > s.timesteps[k - 1];
+    CHECK(increasing);
+    sample_schedule_free(&s);
+    noise_schedule_free(&d);
+
+    check_case("guidance: uncond + w (cond - uncond)");
+    CHECK(guided_output(2.0f, 1.0f, 1.0f) == 2.0f && guided_output(2.0f, 1.0f, 0.0f) == 1.0f && guided_output(2.0f, 1.0f, 3.0f) == 4.0f);
+
+    check_sampler("DDPM, all 1000 steps: the recursion, landing on the data", SAMPLER_DDPM, "linear", 1000, 1.0f, 0, 1, 0);
+    check_sampler("DDIM, 50 steps, eta 0", SAMPLER_DDIM, "linear", 50, 0.0f, 0, 1, 0);
+    check_sampler("DDIM, 50 steps, eta 1", SAMPLER_DDIM, "linear", 50, 1.0f, 0, 1, 0);
+    check_sampler("DDIM, 50 steps, eta 0, cosine schedule, v prediction", SAMPLER_DDIM, "cosine", 50, 0.0f, 1, 1, 0);
+    check_sampler("DPM-Solver++(2M), 20 steps: the data's mean and deviation within 0.01", SAMPLER_DPM_SOLVER_PP, "linear", 20,
+                  0.0f, 0, 0, 0.01);
+    check_sampler("DPM-Solver++(2M), 20 steps, cosine, v prediction: within 0.015", SAMPLER_DPM_SOLVER_PP, "cosine", 20, 0.0f, 1,
+                  0, 0.015);  // its own error here is ~0.011
+    return check_summary();
+}

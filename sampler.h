@@ -1,0 +1,203 @@
+// sampler.h: the diffusion math shared by train_unet.cu (training, sample grids) and generate.c:
+// guided-diffusion's noise schedules and timestep respacing, and one step of each sampler as a
+// function of one value, so the GPU kernels and the host sampling loop run the same code.
+// Plain C (C11); in CUDA code the step functions are also device functions.
+#ifndef SAMPLER_H
+#define SAMPLER_H
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#ifdef __CUDACC__
+#define HOST_DEVICE __host__ __device__
+#else
+#define HOST_DEVICE
+#endif
+
+// ----------------------------------------------------------------------------------------------
+// guided-diffusion's schedules (gaussian_diffusion.py) for T steps, in double:
+//   linear: scale = 1000/T, betas = linspace(scale * 1e-4, scale * 0.02, T)
+//   cosine: beta_t = min(1 - abar((t+1)/T) / abar(t/T), 0.999), abar(s) = cos((s + 0.008)/1.008 * pi/2)^2
+//   alphas_cumprod = cumprod(1 - betas)
+
+typedef struct {
+    int steps;
+    double *betas, *alphas_cumprod;  // [steps]
+} NoiseSchedule;
+
+static inline double cosine_alpha_bar(double s) {
+    double c = cos((s + 0.008) / 1.008 * M_PI / 2);
+    return c * c;
+}
+
+// Returns 0, or -1 for an unknown schedule name or no memory.
+static inline int noise_schedule_make(NoiseSchedule *d, int steps, const char *name) {
+    int linear = strcmp(name, "linear") == 0;
+    if (!linear && strcmp(name, "cosine") != 0) return -1;
+    d->steps = steps;
+    d->betas = (double *)malloc(steps * sizeof(double));
+    d->alphas_cumprod = (double *)malloc(steps * sizeof(double));
+    if (!d->betas || !d->alphas_cumprod) return -1;
+    double scale = 1000.0 / steps, start = scale * 0.0001, end = scale * 0.02, product = 1.0;
+    for (int t = 0; t < steps; t++) {
+        if (linear) d->betas[t] = steps == 1 ? start : start + (end - start) * t / (steps - 1);
+        else d->betas[t] = fmin(1.0 - cosine_alpha_bar((t + 1.0) / steps) / cosine_alpha_bar((double)t / steps), 0.999);
+        product *= 1.0 - d->betas[t];
+        d->alphas_cumprod[t] = product;
+    }
+    return 0;
+}
+
+static inline void noise_schedule_free(NoiseSchedule *d) {
+    free(d->betas);
+    free(d->alphas_cumprod);
+    memset(d, 0, sizeof *d);
+}
+
+// ----------------------------------------------------------------------------------------------
+// Respacing: guided-diffusion's space_timesteps(T, "ddimN") keeps t = 0, s, 2s, ... with the
+// smallest stride s that gives N steps (N = T keeps every step); the model always sees the
+// original t. Sampling runs k = N-1 .. 0 from abar[k] to abar[k-1], and from abar[0] to 1.
+
+typedef struct {
+    int count;       // kept steps
+    int *timesteps;  // [count], increasing
+    double *abar;    // [count]
+} SampleSchedule;
+
+// Returns 0, or -1 when no stride gives `steps` steps.
+static inline int sample_schedule_make(const NoiseSchedule *d, int steps, SampleSchedule *s) {
+    int stride = 0;
+    for (int i = 1; i <= d->steps && !stride; i++)
+        if ((d->steps + i - 1) / i == steps) stride = i;
+    if (!stride) return -1;
+    s->count = steps;
+    s->timesteps = (int *)malloc(steps * sizeof(int));
+    s->abar = (double *)malloc(steps * sizeof(double));
+    if (!s->timesteps || !s->abar) return -1;
+    for (int k = 0; k < steps; k++) s->timesteps[k] = k * stride, s->abar[k] = d->alphas_cumprod[k * stride];
+    return 0;
+}
+
+// DPM-Solver++'s timesteps: `steps` values of t whose lambda = log(alpha/sigma) are nearest to
+// evenly spaced points from lambda(T-1) to lambda(0) (repeats dropped). With guided-diffusion's
+// even spacing in t instead, the linear schedule's first steps span most of lambda's range and the
+// second-order extrapolation overshoots. Returns 0, or -1 without memory.
+static inline int sample_schedule_log_snr(const NoiseSchedule *d, int steps, SampleSchedule *s) {
+    s->timesteps = (int *)malloc(steps * sizeof(int));
+    s->abar = (double *)malloc(steps * sizeof(double));
+    if (!s->timesteps || !s->abar || steps < 1) return -1;
+    double first = 0.5 * log(d->alphas_cumprod[0] / (1 - d->alphas_cumprod[0]));
+    double last = 0.5 * log(d->alphas_cumprod[d->steps - 1] / (1 - d->alphas_cumprod[d->steps - 1]));
+    s->count = 0;
+    for (int k = 0; k < steps; k++) {  // increasing t: lambda from first down to last
+        double target = steps == 1 ? last : first + (last - first) * k / (steps - 1), best = INFINITY;
+        int t_best = 0;
+        for (int t = 0; t < d->steps; t++) {
+            double gap = fabs(0.5 * log(d->alphas_cumprod[t] / (1 - d->alphas_cumprod[t])) - target);
+            if (gap < best) best = gap, t_best = t;
+        }
+        if (s->count == 0 || s->timesteps[s->count - 1] != t_best)
+            s->timesteps[s->count] = t_best, s->abar[s->count++] = d->alphas_cumprod[t_best];
+    }
+    return 0;
+}
+
+static inline void sample_schedule_free(SampleSchedule *s) {
+    free(s->timesteps);
+    free(s->abar);
+    memset(s, 0, sizeof *s);
+}
+
+// ----------------------------------------------------------------------------------------------
+// One step of a sampler for one value x at abar (from the model's output `out`) to abar_prev.
+// The model predicts eps, or with predict_v v = sqrt(abar) eps - sqrt(1 - abar) x0; both give
+//   x0 = (x - sqrt(1 - abar) eps) / sqrt(abar)  =  sqrt(abar) x - sqrt(1 - abar) v
+// clipped to [-1, 1] when clip is set (guided-diffusion's clip_denoised).
+
+HOST_DEVICE static inline float predict_x0(float x, float out, float abar, int predict_v, int clip) {
+    float a = sqrtf(abar), b = sqrtf(1.0f - abar);
+    float x0 = predict_v ? a * x - b * out : (x - b * out) / a;
+    return clip ? fminf(fmaxf(x0, -1.0f), 1.0f) : x0;
+}
+
+// DDIM (Song et al.): eps recomputed from x0, then
+//   sigma = eta sqrt((1 - abar_prev)/(1 - abar)) sqrt(1 - abar/abar_prev)
+//   x_prev = sqrt(abar_prev) x0 + sqrt(1 - abar_prev - sigma^2) eps + sigma z
+// eta = 0 is deterministic; eta = 1 over all T steps is DDPM's ancestral sampling with the fixed
+// small variance (guided-diffusion's p_sample: the posterior mean and variance of q(x_prev | x, x0)).
+HOST_DEVICE static inline float ddim_update(float x, float out, float abar, float abar_prev, float eta, float z,
+                                            int predict_v, int clip) {
+    float x0 = predict_x0(x, out, abar, predict_v, clip);
+    float eps = (x - sqrtf(abar) * x0) / sqrtf(1.0f - abar);
+    float sigma = eta * sqrtf((1.0f - abar_prev) / (1.0f - abar)) * sqrtf(fmaxf(1.0f - abar / abar_prev, 0.0f));
+    return sqrtf(abar_prev) * x0 + sqrtf(fmaxf(1.0f - abar_prev - sigma * sigma, 0.0f)) * eps + sigma * z;
+}
+
+// DPM-Solver++(2M) (Lu et al. 2022), data prediction, multistep, with lambda = log(alpha/sigma),
+// alpha = sqrt(abar), sigma = sqrt(1 - abar), h = lambda_prev - lambda (the step), r = h_last / h:
+//   D = x0                                        (first order: the first step, and the last)
+//   D = (1 + 1/(2r)) x0 - 1/(2r) x0_last          (second order)
+//   x_prev = (sigma_prev / sigma) x - alpha_prev (exp(-h) - 1) D
+// The last step goes to abar_prev = 1 (sigma_prev = 0), where x_prev = D.
+HOST_DEVICE static inline float dpm_solver_pp_update(float x, float x0, float x0_last, float abar, float abar_prev,
+                                                     float r, int second_order) {
+    float D = second_order ? (1.0f + 0.5f / r) * x0 - (0.5f / r) * x0_last : x0;
+    if (abar_prev >= 1.0f) return D;
+    float alpha_prev = sqrtf(abar_prev), sigma = sqrtf(1.0f - abar), sigma_prev = sqrtf(1.0f - abar_prev);
+    float h = logf(alpha_prev / sigma_prev) - logf(sqrtf(abar) / sigma);
+    return (sigma_prev / sigma) * x - alpha_prev * expm1f(-h) * D;
+}
+
+// lambda = log(alpha / sigma) of a step (abar < 1).
+static inline double log_snr_half(double abar) { return 0.5 * log(abar / (1.0 - abar)); }
+
+// Classifier-free guidance on the model's output: uncond + w (cond - uncond); w = 1 is the
+// conditional output, w = 0 the unconditional.
+HOST_DEVICE static inline float guided_output(float cond, float uncond, float w) { return uncond + w * (cond - uncond); }
+
+// ----------------------------------------------------------------------------------------------
+// The sampling loop on the host, for any model: x holds n values of starting noise N(0, 1) and is
+// replaced by the samples. model(ctx, x, t, out) writes the model's output for x at timestep t
+// (guidance, if any, inside it); noise(ctx, k, i) draws z for value i at step k (DDPM, DDIM with
+// eta > 0). DDPM runs DDIM with eta = 1 on the schedule given (all T steps for guided-diffusion's).
+
+typedef enum { SAMPLER_DDPM, SAMPLER_DDIM, SAMPLER_DPM_SOLVER_PP } SamplerKind;
+
+typedef void (*SamplerModel)(void *ctx, const float *x, int t, float *out);
+typedef float (*SamplerNoise)(void *ctx, int k, size_t i);
+
+// Returns 0, or -1 without memory.
+static inline int sample_loop(SamplerKind kind, const SampleSchedule *s, float eta, int predict_v, int clip, SamplerModel model,
+                              SamplerNoise noise, void *ctx, float *x, size_t n) {
+    float *out = (float *)malloc(n * sizeof(float)), *x0_last = (float *)malloc(n * sizeof(float));
+    if (!out || !x0_last) return free(out), free(x0_last), -1;
+    if (kind == SAMPLER_DDPM) eta = 1.0f;
+    double h_last = 0;
+    for (int k = s->count - 1; k >= 0; k--) {
+        float abar = (float)s->abar[k], abar_prev = k > 0 ? (float)s->abar[k - 1] : 1.0f;
+        model(ctx, x, s->timesteps[k], out);
+        if (kind != SAMPLER_DPM_SOLVER_PP) {
+            for (size_t i = 0; i < n; i++) {
+                float z = eta > 0.0f && k > 0 ? noise(ctx, k, i) : 0.0f;
+                x[i] = ddim_update(x[i], out[i], abar, abar_prev, eta, z, predict_v, clip);
+            }
+            continue;
+        }
+        double h = k > 0 ? log_snr_half(s->abar[k - 1]) - log_snr_half(s->abar[k]) : 0.0;
+        int second_order = k < s->count - 1 && k > 0;  // first order on the first and the last step
+        float r = second_order ? (float)(h_last / h) : 1.0f;
+        for (size_t i = 0; i < n; i++) {
+            float x0 = predict_x0(x[i], out[i], abar, predict_v, clip);
+            x[i] = dpm_solver_pp_update(x[i], x0, x0_last[i], abar, abar_prev, r, second_order);
+            x0_last[i] = x0;
+        }
+        h_last = h;
+    }
+    free(out);
+    free(x0_last);
+    return 0;
+}
+
+#endif  // SAMPLER_H
