@@ -34,7 +34,7 @@ NVCC_COMMON := $(NVCCFLAGS) -std=c++17 $(GPU_ARCH) -I. $(STB_CFLAGS) -Xcompiler 
 NVCCFLAGS := $(NVCC_COMMON) -DPRECISION_$(PRECISION)
 CUDA_LIBS := -lcublas -lcublasLt $(STB_LIBS)
 
-BINARIES := train_unet prepare_data check_shapes
+BINARIES := train_unet prepare_data check_shapes generate
 SHAPES_COUNT := 10000
 SHAPES_SIZE := 64
 SHAPES_SEED := 1
@@ -46,8 +46,20 @@ build/precision: FORCE
 	@mkdir -p build
 	@[ "$$(cat $@ 2>/dev/null)" = "$(PRECISION)" ] || echo $(PRECISION) > $@
 
-train_unet: train_unet.cu dataset.h sampler.h build/precision
+train_unet: train_unet.cu dataset.h sampler.h unet_api.h build/precision
 	$(NVCC) $(NVCCFLAGS) -o $@ $< $(CUDA_LIBS)
+
+# generate: C, calling the model through train_unet.cu's library build (unet_api.h).
+build/unet_api.o: train_unet.cu dataset.h sampler.h unet_api.h build/precision
+	@mkdir -p build
+	$(NVCC) $(NVCCFLAGS) -DTRAIN_UNET_LIBRARY -c -o $@ $<
+
+build/generate.o: generate.c sampler.h unet_api.h
+	@mkdir -p build
+	$(CC) $(CFLAGS) $(STB_CFLAGS) -c -o $@ $<
+
+generate: build/generate.o build/unet_api.o
+	$(NVCC) $(GPU_ARCH) -o $@ $^ $(CUDA_LIBS)
 
 prepare_data: prepare_data.c data/shapes.c dataset.h data/shapes.h
 	$(CC) $(CFLAGS) $(STB_CFLAGS) -o $@ prepare_data.c data/shapes.c $(STB_LIBS)
@@ -84,7 +96,7 @@ build/test/test_dataloader: dev/test/test_dataloader.cu train_unet.cu dataset.h 
 
 build/test/test_sampler: dev/test/test_sampler.c sampler.h dev/test/check.h
 	@mkdir -p build/test
-	$(CC) $(CFLAGS) $(ASAN) -o $@ $< -lm
+	$(CC) $(CFLAGS) $(ASAN) $(STB_CFLAGS) -o $@ $< $(STB_LIBS)
 
 build/test/test_checkpoint: dev/test/test_checkpoint.cu train_unet.cu sampler.h dataset.h dev/test/check.h build/precision
 	@mkdir -p build/test

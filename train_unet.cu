@@ -24,10 +24,9 @@
 #include <strings.h>
 #include <time.h>
 
-#include <stb_image_write.h>
-
 #include "dataset.h"
 #include "sampler.h"
+#include "unet_api.h"
 
 // ----------------------------------------------------------------------------------------------
 // Precision and error checks
@@ -50,11 +49,14 @@ typedef struct {
     floatX v[1];
 } Scalar;
 
+// The name error lines start with (generate sets its own through the C API).
+static const char *program_name = "train_unet";
+
 // Prints one error line and exits: every failure the user can cause ends here.
 static void fatal(const char *fmt, ...) {
     va_list args;
     va_start(args, fmt);
-    fprintf(stderr, "train_unet: error: ");
+    fprintf(stderr, "%s: error: ", program_name);
     vfprintf(stderr, fmt, args);
     fprintf(stderr, "\n");
     va_end(args);
@@ -74,20 +76,8 @@ static void *malloc_or_die(size_t bytes) {
 }
 
 // ----------------------------------------------------------------------------------------------
-// Random numbers: counter-based, so any draw is a pure function of (seed, stream, index) and the
-// state to save for an exact resume is only the counters.
-
-// splitmix64's finaliser: a bijective mix of 64 bits.
-__host__ __device__ inline uint64_t mix64(uint64_t z) {
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
-}
-
-// A random 64-bit value for draw `index` of stream `stream` under `seed`.
-__host__ __device__ inline uint64_t random_u64(uint64_t seed, uint64_t stream, uint64_t index) {
-    return mix64(mix64(seed ^ mix64(stream + 0x9e3779b97f4a7c15ull)) + index);
-}
+// Random numbers: counter-based (random_u64 in sampler.h), so any draw is a pure function of
+// (seed, stream, index) and the state to save for an exact resume is only the counters.
 
 // A uniform integer in [0, n) without modulo bias (Lemire's multiply-shift, with rejection).
 static inline uint64_t random_below(uint64_t seed, uint64_t stream, uint64_t *counter, uint64_t n) {
@@ -2385,7 +2375,7 @@ static int parse_bool(const char *s, int *out) {
 static void usage_error(const char *fmt, ...) {
     va_list args;
     va_start(args, fmt);
-    fprintf(stderr, "train_unet: error: ");
+    fprintf(stderr, "%s: error: ", program_name);
     vfprintf(stderr, fmt, args);
     fprintf(stderr, " (see --help)\n");
     va_end(args);
@@ -2843,13 +2833,16 @@ static int safetensors_write(const char *path, const ParamList *params, float *c
 }
 
 // The configuration under guided-diffusion's flag names, spelled as on its command line.
+#define MAX_METADATA 32
+
 typedef struct {
-    char values[24][64];
-    MetaEntry entries[24];
+    char values[MAX_METADATA][64];
+    MetaEntry entries[MAX_METADATA];
     int count;
 } Metadata;
 
 static void meta_add(Metadata *m, const char *key, const char *fmt, ...) {
+    if (m->count == MAX_METADATA) fatal("internal error: more than %d metadata entries", MAX_METADATA);
     va_list args;
     va_start(args, fmt);
     vsnprintf(m->values[m->count], sizeof m->values[0], fmt, args);
@@ -2882,6 +2875,7 @@ static Metadata checkpoint_metadata(const Options *o, const ModelConfig *c, int6
     meta_add(&m, "dropout", "%g", c->dropout);
     meta_add(&m, "class_cond", "%s", truth[c->num_classes > 0]);
     meta_add(&m, "num_classes", "%d", c->num_classes);
+    meta_add(&m, "null_class", "%s", truth[c->num_classes > 0]);  // the last label_emb row: unconditional
     meta_add(&m, "learn_sigma", "False");
     meta_add(&m, "diffusion_steps", "%d", o->diffusion_steps);
     meta_add(&m, "noise_schedule", "%s", o->noise_schedule);
@@ -3022,24 +3016,6 @@ static void sample_images(UNet *m, const SampleSchedule *s, float eta, int predi
     cudaFree(d_pixels);
 }
 
-// Writes images ([count][size][size][3]) as one PNG grid, ceil(sqrt(count)) to a row, with a
-// 2-pixel white border; written to a temporary name and renamed. Returns 0, or -1 with errno.
-static int write_grid_png(const char *path, const uint8_t *images, int count, int size) {
-    int cols = (int)ceil(sqrt((double)count)), rows = (count + cols - 1) / cols, pad = 2;
-    int W = cols * (size + pad) + pad, H = rows * (size + pad) + pad;
-    uint8_t *grid = (uint8_t *)malloc_or_die((size_t)W * H * 3);
-    memset(grid, 255, (size_t)W * H * 3);
-    for (int i = 0; i < count; i++)
-        for (int y = 0; y < size; y++)
-            memcpy(grid + ((size_t)(pad + (i / cols) * (size + pad) + y) * W + pad + (i % cols) * (size + pad)) * 3,
-                   images + ((size_t)i * size + y) * size * 3, (size_t)size * 3);
-    char tmp[4200];
-    snprintf(tmp, sizeof tmp, "%s.tmp.%d", path, (int)getpid());
-    int ok = stbi_write_png(tmp, W, H, 3, grid, W * 3) != 0 && rename(tmp, path) == 0;
-    if (!ok) unlink(tmp);
-    free(grid);
-    return ok ? 0 : -1;
-}
 
 // ----------------------------------------------------------------------------------------------
 // The trainer: one training step as a CUDA graph (batch copied in, noised, forward, loss,
@@ -3351,15 +3327,21 @@ static int save_checkpoint(Trainer *tr, const char *run_dir, const LoaderPositio
     return r;
 }
 
-// Checks that a safetensors file holds exactly these parameters, each F32 of its shape; returns 0,
-// or -1 with what does not match (the first few problems, and their count).
-static int match_parameters(const ParamList *params, const SafeTensorsFile *f, const char *path, char *err, size_t err_len) {
+// Checks that a safetensors file holds these parameters, each of its shape: strictly (a checkpoint
+// to resume: F32 and nothing else) or not (weights to evaluate: any float dtype, other tensors
+// ignored). Returns 0, or -1 with what does not match (the first few problems, and their count).
+static int dtype_is_float(const char *dtype) {
+    return strcmp(dtype, "F32") == 0 || strcmp(dtype, "F64") == 0 || strcmp(dtype, "BF16") == 0 || strcmp(dtype, "F16") == 0;
+}
+
+static int match_parameters(const ParamList *params, const SafeTensorsFile *f, const char *path, int strict, char *err,
+                            size_t err_len) {
     char problems[1024] = "";
     int count = 0;
     for (int i = 0; i < params->count; i++) {
         const ParamSpec *p = &params->specs[i];
         const SafeTensor *t = safetensors_find(f, p->name);
-        int same = t && t->ndim == p->ndim && strcmp(t->dtype, "F32") == 0;
+        int same = t && t->ndim == p->ndim && (strict ? strcmp(t->dtype, "F32") == 0 : dtype_is_float(t->dtype));
         for (int d = 0; same && d < p->ndim; d++) same = t->shape[d] == p->shape[d];
         if (same || count++ >= 3) continue;
         size_t at = strlen(problems);
@@ -3371,17 +3353,17 @@ static int match_parameters(const ParamList *params, const SafeTensorsFile *f, c
         else snprintf(problems + at, sizeof problems - at, "%s%s is %s [%s], expected F32 [%s]", at ? "; " : "", p->name, t->dtype,
                       have, want);
     }
-    if (!count && f->count != params->count)
+    if (!count && strict && f->count != params->count)
         count = 1, snprintf(problems, sizeof problems, "it holds %d tensors, the model has %d", f->count, params->count);
     if (count) return dataset_fail(err, err_len, "%s does not match the model (%d problems): %s", path, count, problems);
     return 0;
 }
 
 // Reads a safetensors file of this model's parameters into a GPU array (GPU layout).
-static int load_parameters(const UNet *m, const char *path, float *array, char *err, size_t err_len) {
+static int load_parameters(const UNet *m, const char *path, float *array, int strict, char *err, size_t err_len) {
     SafeTensorsFile f;
     if (safetensors_open(path, &f, err, err_len) != 0) return -1;
-    if (match_parameters(&m->params, &f, path, err, err_len) != 0) return safetensors_close(&f), -1;
+    if (match_parameters(&m->params, &f, path, strict, err, err_len) != 0) return safetensors_close(&f), -1;
     float *staged = (float *)calloc(m->storage, sizeof(float));
     for (int i = 0; i < m->params.count; i++) {
         const ParamSpec *p = &m->params.specs[i];
@@ -3402,10 +3384,10 @@ static int load_checkpoint(Trainer *tr, const char *dir, LoaderPosition *positio
     UNet *m = &tr->m;
     char path[4400];
     snprintf(path, sizeof path, "%s/model.safetensors", dir);
-    if (load_parameters(m, path, m->master, err, err_len) != 0) return -1;
+    if (load_parameters(m, path, m->master, 1, err, err_len) != 0) return -1;
     for (int i = 0; i < tr->num_ema; i++) {
         ema_file_name(path, sizeof path, dir, tr->ema_rates, i);
-        if (load_parameters(m, path, tr->ema[i], err, err_len) != 0) return -1;
+        if (load_parameters(m, path, tr->ema[i], 1, err, err_len) != 0) return -1;
     }
     snprintf(path, sizeof path, "%s/state.bin", dir);
     FILE *f = fopen(path, "rb");
@@ -3556,7 +3538,6 @@ static void run_training(const Options *o, const ModelConfig *config, const Para
     int64_t bad_total = 0, first_step = tr.step;
     int64_t last = o->stop_step > 0 && o->stop_step < o->steps ? o->stop_step : o->steps;
     while (tr.step < last && !stop_requested) {
-        LoaderPosition before = loader.position;
         loader_next_batch(&loader);
         trainer_step(&tr);
         const StepState *s = tr.host_state;
@@ -3567,7 +3548,6 @@ static void run_training(const Options *o, const ModelConfig *config, const Para
             if (bad_in_row >= o->max_bad_steps)
                 fatal("stopping: %d non-finite steps in a row (at step %lld); the last good checkpoint is %s", bad_in_row,
                       (long long)tr.step, saved[0] ? saved : "none (no checkpoint was saved in this run)");
-            (void)before;
             continue;
         }
         bad_in_row = 0;
@@ -3647,6 +3627,84 @@ static void run_bench(const Options *o, const ModelConfig *config, const ParamLi
            ms[0], ms[o->bench - 1], o->bench, o->batch_size / (median / 1000.0), gpu_bytes_allocated / 1073741824.0);
     free(ms);
     if (getenv("UNET_PROFILE")) print_profile(&tr.m);
+}
+
+// ----------------------------------------------------------------------------------------------
+// The C API (unet_api.h) for generate.c: a checkpoint's configuration, and its model forward.
+
+struct UnetModel {
+    UNet m;
+    floatX *x_host;     // the input, converted (host)
+    float *out_staged;  // room for the output as floatX (host)
+};
+
+extern "C" void unet_set_program_name(const char *name) { program_name = name; }
+
+extern "C" int unet_inspect(const char *path, const char *weights, UnetInfo *info, char *file, size_t file_len, char *err,
+                            size_t err_len) {
+    struct stat st;
+    if (stat(path, &st) != 0) return dataset_fail(err, err_len, "cannot open checkpoint %s: %s", path, strerror(errno));
+    if (S_ISDIR(st.st_mode)) snprintf(file, file_len, "%s/%s.safetensors", path, strcmp(weights, "model") == 0 ? "model" : "ema");
+    else snprintf(file, file_len, "%s", path);
+    SafeTensorsFile f;
+    if (safetensors_open(file, &f, err, err_len) != 0) return -1;
+    ModelConfig c = model_config_from_metadata(&f);
+    ParamList params = model_parameters(&c);
+    int r = match_parameters(&params, &f, file, 0, err, err_len);
+    memset(info, 0, sizeof *info);
+    info->image_size = c.image_size, info->in_channels = c.in_channels, info->out_channels = c.out_channels;
+    info->num_classes = c.num_classes, info->parameters = params.numel;
+    const char *null_class = safetensors_metadata(&f, "null_class");
+    info->null_class = c.num_classes > 0 && null_class && strcmp(null_class, "True") == 0;
+    const char *steps = safetensors_metadata(&f, "diffusion_steps"), *schedule = safetensors_metadata(&f, "noise_schedule");
+    const char *predict = safetensors_metadata(&f, "predict");
+    info->diffusion_steps = steps ? atoi(steps) : 1000;  // guided-diffusion's defaults
+    snprintf(info->noise_schedule, sizeof info->noise_schedule, "%s", schedule ? schedule : "linear");
+    snprintf(info->predict, sizeof info->predict, "%s", predict ? predict : "eps");
+    free(params.specs);
+    safetensors_close(&f);
+    return r;
+}
+
+extern "C" UnetModel *unet_load(const char *file, int batch, char *err, size_t err_len) {
+    int devices = 0;
+    cudaError_t e = cudaGetDeviceCount(&devices);
+    if (e != cudaSuccess || devices == 0) {
+        dataset_fail(err, err_len, "no usable CUDA GPU (the CUDA runtime says: %s)", e != cudaSuccess ? cudaGetErrorString(e) : "no devices");
+        return NULL;
+    }
+    SafeTensorsFile f;
+    if (safetensors_open(file, &f, err, err_len) != 0) return NULL;
+    ModelConfig c = model_config_from_metadata(&f);
+    safetensors_close(&f);
+    if (!gpu.blas) gpu_init();
+    UnetModel *model = (UnetModel *)calloc(1, sizeof(UnetModel));
+    unet_create(&model->m, &c, batch);
+    if (load_parameters(&model->m, file, model->m.master, 0, err, err_len) != 0) return NULL;
+    unet_sync_compute(&model->m);
+    model->x_host = (floatX *)malloc_or_die(act_numel(&model->m.input) * sizeof(floatX));
+    model->out_staged = (float *)malloc_or_die(act_numel(model->m.output) * sizeof(floatX));
+    return model;
+}
+
+extern "C" void unet_forward_nhwc(UnetModel *model, const float *x, const int64_t *t, const int *y, float *out) {
+    UNet *m = &model->m;
+    int64_t n_in = act_numel(&m->input), n_out = act_numel(m->output);
+    for (int64_t i = 0; i < n_in; i++) model->x_host[i] = (floatX)x[i];
+    cuda_check(cudaMemcpy(m->input.x, model->x_host, n_in * sizeof(floatX), cudaMemcpyHostToDevice));
+    cuda_check(cudaMemcpy(m->timesteps, t, m->batch * sizeof(int64_t), cudaMemcpyHostToDevice));
+    if (m->config.num_classes) cuda_check(cudaMemcpy(m->labels, y, m->batch * sizeof(int), cudaMemcpyHostToDevice));
+    unet_forward(m, 0);
+    floatX *staged = (floatX *)model->out_staged;
+    cuda_check(cudaMemcpy(staged, m->output->x, n_out * sizeof(floatX), cudaMemcpyDeviceToHost));
+    for (int64_t i = n_out - 1; i >= 0; i--) out[i] = (float)staged[i];
+}
+
+extern "C" void unet_free(UnetModel *model) {
+    if (!model) return;
+    free(model->x_host);
+    free(model->out_staged);
+    free(model);  // the GPU memory goes with the process
 }
 
 // ----------------------------------------------------------------------------------------------

@@ -12,6 +12,8 @@
 #include <stdio.h>
 #include <time.h>
 
+#include <stb_image.h>
+
 #include "dev/test/check.h"
 #include "sampler.h"
 
@@ -24,15 +26,9 @@ typedef struct {
     size_t calls;
 } Analytic;
 
-static uint64_t mix(uint64_t z) {
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
-}
-
 static double gaussian(uint64_t seed, uint64_t stream, uint64_t i) {
-    double u1 = ((mix(seed ^ mix(stream) ^ mix(2 * i + 1)) >> 11) + 0.5) / 9007199254740992.0;
-    double u2 = (mix(seed ^ mix(stream) ^ mix(2 * i + 2) ^ 0x1234) >> 11) / 9007199254740992.0;
+    double u1 = ((random_u64(seed, stream, 2 * i) >> 11) + 0.5) / 9007199254740992.0;
+    double u2 = (random_u64(seed, stream, 2 * i + 1) >> 11) / 9007199254740992.0;
     return sqrt(-2 * log(u1)) * cos(2 * M_PI * u2);
 }
 
@@ -137,5 +133,21 @@ int main(void) {
                   0.0f, 0, 0, 0.01);
     check_sampler("DPM-Solver++(2M), 20 steps, cosine, v prediction: within 0.015", SAMPLER_DPM_SOLVER_PP, "cosine", 20, 0.0f, 1,
                   0, 0.015);  // its own error here is ~0.011
+    check_case("sample grid: 10 images of 5x5 in 4 columns, 2-pixel white borders, read back");
+    uint8_t images[10 * 5 * 5 * 3];
+    for (int i = 0; i < 10 * 75; i++) images[i] = (uint8_t)(i / 75 * 20 + 1);  // image k is all k*20+1
+    char path[] = "/tmp/test_grid_XXXXXX";
+    close(mkstemp(path));
+    CHECK(write_grid_png(path, images, 10, 5) == 0);
+    int w, h, channels;
+    uint8_t *grid = stbi_load(path, &w, &h, &channels, 3);
+    CHECK(grid && w == 4 * 7 + 2 && h == 3 * 7 + 2);
+    for (int k = 0; grid && k < 10; k++) {
+        int x = 2 + (k % 4) * 7 + 4, y = 2 + (k / 4) * 7 + 4;  // the tile's last pixel
+        CHECK(grid[(y * w + x) * 3] == k * 20 + 1 && grid[((y + 1) * w + x + 1) * 3] == 255);
+    }
+    stbi_image_free(grid);
+    unlink(path);
+
     return check_summary();
 }
