@@ -32,7 +32,11 @@ static const char usage[] =
     "  --num N             images (default 64)\n"
     "  --batch B           images per model call (default 64)\n"
     "  --seed S            (default 0)\n"
-    "  --out DIR           output folder (default samples): 000000.png ... and grid.png\n";
+    "  --out DIR           output folder (default samples): 000000.png ... and grid.png\n"
+    "\n"
+    "       generate --checkpoint PATH --eval IN.safetensors --output OUT.safetensors\n"
+    "runs the model once on IN's x [N,C,H,W] (float, NCHW), t [N] and, class-conditional, y [N], and\n"
+    "writes its raw output out [N,C_out,H,W] (F32, NCHW): for comparing with PyTorch.\n";
 
 static void die(const char *fmt, ...) __attribute__((format(printf, 1, 2), noreturn));
 static void die(const char *fmt, ...) {
@@ -46,7 +50,7 @@ static void die(const char *fmt, ...) {
 }
 
 typedef struct {
-    const char *checkpoint, *weights, *sampler, *class_name, *out;
+    const char *checkpoint, *weights, *sampler, *class_name, *out, *eval, *output;
     int steps, num, batch;
     double eta, guidance;
     long long seed;
@@ -69,7 +73,7 @@ static double parse_real(const char *name, const char *s, double lo, double hi) 
 }
 
 static Options parse_options(int argc, char **argv) {
-    Options o = {NULL, "ema", "ddim", "all", "samples", 0, 64, 64, 0.0, 1.0, 0};
+    Options o = {NULL, "ema", "ddim", "all", "samples", NULL, NULL, 0, 64, 64, 0.0, 1.0, 0};
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         if (strcmp(a, "--help") == 0 || strcmp(a, "-h") == 0) fputs(usage, stdout), exit(0);
@@ -81,6 +85,8 @@ static Options parse_options(int argc, char **argv) {
         else if (strcmp(a, "--sampler") == 0) o.sampler = v;
         else if (strcmp(a, "--class") == 0) o.class_name = v;
         else if (strcmp(a, "--out") == 0) o.out = v;
+        else if (strcmp(a, "--eval") == 0) o.eval = v;
+        else if (strcmp(a, "--output") == 0) o.output = v;
         else if (strcmp(a, "--steps") == 0) o.steps = (int)parse_int(a, v, 1, 100000);
         else if (strcmp(a, "--num") == 0) o.num = (int)parse_int(a, v, 1, 1000000);
         else if (strcmp(a, "--batch") == 0) o.batch = (int)parse_int(a, v, 1, 4096);
@@ -93,6 +99,7 @@ static Options parse_options(int argc, char **argv) {
     if (strcmp(o.weights, "ema") != 0 && strcmp(o.weights, "model") != 0) die("--weights must be ema or model, not '%s'", o.weights);
     if (strcmp(o.sampler, "ddim") != 0 && strcmp(o.sampler, "ddpm") != 0 && strcmp(o.sampler, "dpm++") != 0)
         die("--sampler must be ddim, ddpm or dpm++, not '%s'", o.sampler);
+    if ((o.eval != NULL) != (o.output != NULL)) die("--eval IN.safetensors and --output OUT.safetensors go together");
     if (o.batch > o.num) o.batch = o.num;
     return o;
 }
@@ -140,6 +147,11 @@ int main(int argc, char **argv) {
     char file[4096], err[1024];
     UnetInfo info;
     if (unet_inspect(o.checkpoint, o.weights, &info, file, sizeof file, err, sizeof err) != 0) die("%s", err);
+    if (o.eval) {
+        if (unet_eval(file, o.eval, o.output, err, sizeof err) != 0) die("%s", err);
+        printf("generate: wrote %s\n", o.output);
+        return 0;
+    }
     int classes = info.num_classes - info.null_class, fixed_class = -1;
     if (!classes && (strcmp(o.class_name, "all") != 0 || o.guidance != 1.0))
         die("%s is unconditional: --class and --guidance need a class-conditional model", file);

@@ -3707,6 +3707,61 @@ extern "C" void unet_free(UnetModel *model) {
     free(model);  // the GPU memory goes with the process
 }
 
+extern "C" int unet_eval(const char *file, const char *in_path, const char *out_path, char *err, size_t err_len) {
+    UnetInfo info;
+    char used[4096];
+    if (unet_inspect(file, "model", &info, used, sizeof used, err, err_len) != 0) return -1;
+    SafeTensorsFile in;
+    if (safetensors_open(in_path, &in, err, err_len) != 0) return -1;
+    const SafeTensor *x = safetensors_find(&in, "x"), *t = safetensors_find(&in, "t"), *y = safetensors_find(&in, "y");
+    int S = info.image_size, N = x && x->ndim == 4 ? (int)x->shape[0] : 0, r = -1;
+    if (!x || x->ndim != 4 || N < 1 || x->shape[1] != info.in_channels || x->shape[2] != S || x->shape[3] != S)
+        dataset_fail(err, err_len, "%s: x must be [N, %d, %d, %d] (NCHW)", in_path, info.in_channels, S, S);
+    else if (!t || t->numel != N)
+        dataset_fail(err, err_len, "%s: t must hold N = %d timesteps", in_path, N);
+    else if (info.num_classes && (!y || y->numel != N))
+        dataset_fail(err, err_len, "%s: the model is class-conditional: y must hold N = %d labels", in_path, N);
+    else r = 0;
+    int64_t *steps = (int64_t *)malloc_or_die(N * sizeof(int64_t)), *labels64 = (int64_t *)malloc_or_die(N * sizeof(int64_t));
+    if (r == 0 && (safetensors_get_int64(t, steps) != 0 || (info.num_classes && safetensors_get_int64(y, labels64) != 0)))
+        r = dataset_fail(err, err_len, "%s: t and y must be integers (I64 or I32)", in_path);
+    for (int n = 0; r == 0 && n < N; n++) {
+        if (steps[n] < 0 || steps[n] >= info.diffusion_steps)
+            r = dataset_fail(err, err_len, "%s: t[%d] = %lld is outside 0..%d", in_path, n, (long long)steps[n], info.diffusion_steps - 1);
+        else if (info.num_classes && (labels64[n] < 0 || labels64[n] >= info.num_classes))
+            r = dataset_fail(err, err_len, "%s: y[%d] = %lld is outside 0..%d", in_path, n, (long long)labels64[n], info.num_classes - 1);
+    }
+    float *x_nchw = (float *)malloc_or_die(x ? x->numel * sizeof(float) : 1);
+    if (r == 0 && safetensors_get_float(x, x_nchw) != 0) r = dataset_fail(err, err_len, "%s: x must be floating point", in_path);
+    UnetModel *model = r == 0 ? unet_load(used, N, err, err_len) : NULL;
+    if (model) {
+        int C = info.in_channels, Co = info.out_channels, HW = S * S;
+        float *x_nhwc = (float *)malloc_or_die((size_t)N * C * HW * sizeof(float)), *out = (float *)malloc_or_die((size_t)N * Co * HW * sizeof(float));
+        float *out_nchw = (float *)malloc_or_die((size_t)N * Co * HW * sizeof(float));
+        int *labels = (int *)calloc(N, sizeof(int));
+        for (int n = 0; n < N; n++) labels[n] = (int)labels64[n];
+        for (size_t i = 0; i < (size_t)N * C * HW; i++)  // i walks NCHW
+            x_nhwc[(i / (C * HW) * HW + i % HW) * C + i / HW % C] = x_nchw[i];
+        unet_forward_nhwc(model, x_nhwc, steps, labels, out);
+        for (size_t i = 0; i < (size_t)N * Co * HW; i++)
+            out_nchw[i] = out[(i / (Co * HW) * HW + i % HW) * Co + i / HW % Co];
+        ParamList one = {0};  // the output as a one-tensor list, for the writer
+        int shape[4] = {N, Co, S, S};
+        param_add(&one, "", "out", 4, shape);
+        Metadata meta = {0};
+        meta_add(&meta, "checkpoint", "%.60s", used);
+        if (safetensors_write(out_path, &one, &out_nchw, meta.entries, meta.count) != 0)
+            r = dataset_fail(err, err_len, "cannot write %s: %s", out_path, strerror(errno));
+        free(one.specs), free(x_nhwc), free(out), free(out_nchw), free(labels);
+        unet_free(model);
+    } else if (r == 0) {
+        r = -1;
+    }
+    free(steps), free(labels64), free(x_nchw);
+    safetensors_close(&in);
+    return r;
+}
+
 // ----------------------------------------------------------------------------------------------
 // main
 

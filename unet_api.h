@@ -41,6 +41,12 @@ void unet_forward_nhwc(UnetModel *model, const float *x, const int64_t *t, const
 
 void unet_free(UnetModel *model);
 
+// --eval: runs the model of a safetensors file (from unet_inspect) on the inputs of in_path
+// (x [N][C][H][W] float in PyTorch's NCHW layout, t [N] and, for a class-conditional model, y [N],
+// integers) and writes its raw output to out_path (out [N][C_out][H][W] F32, NCHW). Every input is
+// checked before the GPU is used. Returns 0, or -1 with a message.
+int unet_eval(const char *file, const char *in_path, const char *out_path, char *err, size_t err_len);
+
 #ifdef __cplusplus
 }
 #endif

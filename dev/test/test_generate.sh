@@ -34,6 +34,38 @@ expect_fail ./generate --checkpoint "$TEST_TMP/cut.safetensors"
 expect_grep "truncated" "$LAST_ERR"
 expect_absent samples/grid.png
 
+# safetensors files for --eval, written with the standard library: NAME=DTYPE:SHAPE:VALUE ...
+write_inputs() {
+    python3 - "$@" <<'PY'
+import json, struct, sys
+path, tensors, header, blobs, at = sys.argv[1], sys.argv[2:], {}, b"", 0
+for spec in tensors:
+    name, rest = spec.split("=")
+    dtype, shape, value = rest.split(":")
+    shape = [int(d) for d in shape.split(",")]
+    n = 1
+    for d in shape: n *= d
+    data = struct.pack("<%d%s" % (n, "f" if dtype == "F32" else "q"), *([float(value)] * n if dtype == "F32" else [int(value)] * n))
+    header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [at, at + len(data)]}
+    blobs += data; at += len(data)
+h = json.dumps(header).encode(); h += b" " * (-len(h) % 8)
+open(path, "wb").write(struct.pack("<Q", len(h)) + h + blobs)
+PY
+}
+case_begin "--eval: bad inputs are one error line each, before the GPU"
+write_inputs "$TEST_TMP/no_x.safetensors" t=I64:2:5
+write_inputs "$TEST_TMP/shape.safetensors" x=F32:2,3,4,8:0.5 t=I64:2:5
+write_inputs "$TEST_TMP/late.safetensors" x=F32:2,3,8,8:0.5 t=I64:2:1000
+write_inputs "$TEST_TMP/no_y.safetensors" x=F32:2,3,8,8:0.5 t=I64:2:5
+for f in no_x shape late; do
+    expect_fail ./generate --checkpoint "$UNCOND" --eval "$TEST_TMP/$f.safetensors" --output "$TEST_TMP/out.safetensors"
+done
+expect_grep "outside 0..999" "$LAST_ERR"
+expect_fail ./generate --checkpoint "$SIGMA" --eval "$TEST_TMP/no_y.safetensors" --output "$TEST_TMP/out.safetensors"
+expect_grep "y must hold" "$LAST_ERR"
+expect_fail ./generate --checkpoint "$UNCOND" --eval "$TEST_TMP/no_y.safetensors"
+expect_absent "$TEST_TMP/out.safetensors"
+
 if nvidia-smi -L >/dev/null 2>&1; then
     case_begin "samples from the fixture's weights: PNGs and a grid, the same for the same seed"
     for sampler in ddim ddpm dpm++; do
@@ -42,6 +74,20 @@ if nvidia-smi -L >/dev/null 2>&1; then
     done
     expect_ok ./generate --checkpoint "$UNCOND" --num 5 --batch 5 --out "$TEST_TMP/again"
     cmp -s "$TEST_TMP/ddim/000003.png" "$TEST_TMP/again/000003.png" || case_fail "another batch size gave another image"
+
+    case_begin "--eval on a fixture's inputs reproduces PyTorch's output (BF16 build: 2e-2)"
+    for fixture in dev/fixtures/*.safetensors; do
+        expect_ok ./generate --checkpoint "$fixture" --eval "$fixture" --output "$TEST_TMP/eval.safetensors"
+        python3 - "$fixture" "$TEST_TMP/eval.safetensors" <<'PY' || case_fail "$fixture: output differs"
+import json, math, struct, sys
+def read(path, name):
+    b = open(path, "rb").read(); n = struct.unpack("<Q", b[:8])[0]; h = json.loads(b[8:8 + n]); t = h[name]
+    s, e = t["data_offsets"]; return struct.unpack("<%df" % ((e - s) // 4), b[8 + n + s:8 + n + e])
+ref, out = read(sys.argv[1], "out"), read(sys.argv[2], "out")
+err = math.sqrt(sum((a - b) ** 2 for a, b in zip(out, ref)) / sum(b * b for b in ref))
+print("  %s: relative error %.2e" % (sys.argv[1], err)); sys.exit(0 if len(out) == len(ref) and err <= 2e-2 else 1)
+PY
+    done
 else
     case_begin "without a GPU: one clear error line"
     expect_fail ./generate --checkpoint "$UNCOND" --num 2 --out "$TEST_TMP/out"
