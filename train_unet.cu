@@ -1547,6 +1547,8 @@ typedef struct {
     float *loss, *loss_partial;
     Act target, d_output_placeholder;
     uint64_t *dropout_seed;  // on the GPU: dropout's seed for this step (see NormOptions)
+    float *attention_scores;  // the attention layers' shared scratch (Attention.scores, d_scores)
+    floatX *attention_d_scores;
 } UNet;
 
 typedef struct {
@@ -1935,8 +1937,8 @@ static void unet_create(UNet *m, const ModelConfig *c, int batch) {
         weight_grad_scratch_numel = 32 << 20;  // 128 MiB: enough slices for every layer of the presets
         weight_grad_scratch = (float *)gpu_malloc(weight_grad_scratch_numel * sizeof(float));
     }
-    float *scores = (float *)gpu_malloc(m->attention_scratch_numel * sizeof(float));
-    floatX *d_scores = (floatX *)gpu_malloc(m->attention_scratch_numel * sizeof(floatX));
+    float *scores = m->attention_scores = (float *)gpu_malloc(m->attention_scratch_numel * sizeof(float));
+    floatX *d_scores = m->attention_d_scores = (floatX *)gpu_malloc(m->attention_scratch_numel * sizeof(floatX));
     for (int i = 0; i < m->num_layers; i++) {
         Layer *l = &m->layers[i];
         if (l->kind != LAYER_ATTENTION) continue;
@@ -1945,6 +1947,18 @@ static void unet_create(UNet *m, const ModelConfig *c, int batch) {
             l->attention, l->h1.x, l->h2.x, l->h1.dx, l->h2.dx);
         cuda_check_launch();
     }
+}
+
+// Frees what unet_create allocated for this model (the shared scratch stays for the others).
+static void unet_destroy(UNet *m) {
+    if ((void *)m->compute != (void *)m->master) cudaFree(m->compute);
+    cudaFree(m->master);
+    cudaFree(m->acts.base);
+    cudaFree(m->attention_scores);
+    cudaFree(m->attention_d_scores);
+    free(m->layers);
+    free(m->params.specs);
+    memset(m, 0, sizeof *m);
 }
 
 // Refreshes the compute copy of the parameters from the fp32 master (BF16 builds).
@@ -3702,9 +3716,10 @@ extern "C" void unet_forward_nhwc(UnetModel *model, const float *x, const int64_
 
 extern "C" void unet_free(UnetModel *model) {
     if (!model) return;
+    unet_destroy(&model->m);
     free(model->x_host);
     free(model->out_staged);
-    free(model);  // the GPU memory goes with the process
+    free(model);
 }
 
 extern "C" int unet_eval(const char *file, const char *in_path, const char *out_path, char *err, size_t err_len) {
