@@ -1,8 +1,12 @@
 // train_unet.cu: trains guided-diffusion's UNet on NVIDIA GPUs, in one file.
 //
-// Reading order: precision and error checks; random numbers; the model's configuration and its
-// parameter list (guided-diffusion's state_dict names and shapes); the data loader; the command
-// line; main. Built with -DTRAIN_UNET_LIBRARY it has no main, so tests and tools include it.
+// Reading order: precision and error checks; the model's configuration; safetensors reading; the
+// data loader; the GPU context and matrix products; the layers, each forward and backward side by
+// side (channel sums, convolution, GroupNorm, attention, resampling, concat, elementwise,
+// embeddings, loss, AdamW); the model (guided-diffusion's architecture, state_dict names, layers,
+// forward, backward); initialisation; the command line; diffusion training and checkpoints; sample
+// grids; the trainer and the training run; the C API for generate.c (unet_api.h); main. Built with
+// -DTRAIN_UNET_LIBRARY it has no main: tests include it, and generate links it.
 //
 // Activations are NHWC (channels last). PRECISION_BF16 (the default) keeps activations in bf16
 // with fp32 master weights and fp32 accumulation; PRECISION_FP32 is fp32 throughout.
