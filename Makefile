@@ -77,7 +77,7 @@ ASAN := -fsanitize=address,undefined -fno-omit-frame-pointer
 NVCC_ASAN := -Xcompiler -fsanitize=address,-fsanitize=undefined,-fno-omit-frame-pointer -lasan -lubsan
 TESTS_CPU := build/test/test_dataset build/test/test_shapes build/test/test_dataloader build/test/train_unet_asan \
              build/test/test_reference build/test/test_unet_fixtures build/test/test_checkpoint \
-             build/test/test_sampler
+             build/test/test_sampler build/test/test_sampler_fixture
 TESTS_GPU := build/test/test_dataloader_gpu build/test/test_unet_gpu_fp32 build/test/test_unet_gpu_bf16 \
              build/test/test_unet_gpu_reference_fp32 build/test/test_unet_gpu_reference_bf16
 
@@ -98,7 +98,8 @@ build/test/test_sampler: dev/test/test_sampler.c sampler.h dev/test/check.h
 	@mkdir -p build/test
 	$(CC) $(CFLAGS) $(ASAN) $(STB_CFLAGS) -o $@ $< $(STB_LIBS)
 
-build/test/test_checkpoint: dev/test/test_checkpoint.cu train_unet.cu sampler.h dataset.h dev/test/check.h build/precision
+build/test/test_checkpoint build/test/test_sampler_fixture: build/test/%: dev/test/%.cu train_unet.cu sampler.h dataset.h \
+        dev/test/check.h build/precision
 	@mkdir -p build/test
 	$(NVCC) $(NVCCFLAGS) -o $@ $< $(CUDA_LIBS)
 
