@@ -3,8 +3,9 @@
 //
 //   ./generate --checkpoint DIR|FILE.safetensors [--sampler ddim|ddpm|dpm++] [--steps N] [--num N] ...
 //
-// Image i's starting noise and every draw it needs depend only on (--seed, i), so the same seed
-// gives the same images whatever --batch is.
+// Image i's starting noise and every draw it needs depend only on (--seed, i): the same seed and
+// --batch give the same images (another --batch gives the same noise; the model's products may
+// then round differently in the last bits).
 #include <errno.h>
 #include <stdarg.h>
 #include <stdio.h>
