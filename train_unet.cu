@@ -2997,7 +2997,7 @@ __global__ void to_pixels_kernel(uint8_t *pixels, const float *x, int64_t n) {
 
 // Samples count images with the model m (its weights set; any batch size) into pixels (host,
 // [count][H][W][3] uint8). Image i's starting noise and draws depend only on (seed, i), so the same
-// seed gives the same images at any batch size. labels: [count] or NULL (unconditional).
+// seed and batch size give the same images. labels: [count] or NULL (unconditional).
 static void sample_images(UNet *m, const SampleSchedule *s, float eta, int predict_v, uint64_t seed, const int *labels,
                           int count, uint8_t *pixels) {
     int B = m->batch;
