@@ -277,20 +277,14 @@ static double dev_check_f(const float *d, const double *before, const double *re
 }
 
 // Whether every element of a device tensor is finite (the timed runs' outputs).
-static int dev_finite_x(const floatX *d, size_t n) {
-    double *g = dev_download_x(d, n);
+static int dev_all_finite(double *downloaded, size_t n) {
     int ok = 1;
-    for (size_t i = 0; i < n && ok; i++) ok = isfinite(g[i]);
-    free(g);
+    for (size_t i = 0; i < n && ok; i++) ok = isfinite(downloaded[i]);
+    free(downloaded);
     return ok;
 }
-static int dev_finite_f(const float *d, size_t n) {
-    double *g = dev_download_f(d, n);
-    int ok = 1;
-    for (size_t i = 0; i < n && ok; i++) ok = isfinite(g[i]);
-    free(g);
-    return ok;
-}
+static int dev_finite_x(const floatX *d, size_t n) { return dev_all_finite(dev_download_x(d, n), n); }
+static int dev_finite_f(const float *d, size_t n) { return dev_all_finite(dev_download_f(d, n), n); }
 
 // The trainer's shared scratch buffers (set up by unet_create in the trainer), grown to at least
 // the given sizes in elements: conv_scratch (patch matrices), gn_partial_scratch (GroupNorm
