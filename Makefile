@@ -4,8 +4,9 @@
 #   make PRECISION=FP32       fp32 throughout (for matching PyTorch); BF16 is the default
 #   make test                 CPU tests, plus GPU tests when a GPU is present
 #   make test-gpu             GPU tests only
+#   make tests                the test programs, built and not run
 #   make dev                  every kernel against its CPU reference on the GPU, one table
-#   make bench                our training step and PyTorch's side by side (BENCH="seed:32 adm64:32")
+#   make bench                our training step and DDIM sampling against PyTorch (BENCH="seed:32 adm64:32")
 #   make clean
 
 PRECISION ?= BF16
@@ -79,7 +80,8 @@ TESTS_CPU := build/test/test_dataset build/test/test_shapes build/test/test_data
              build/test/test_reference build/test/test_unet_fixtures build/test/test_checkpoint \
              build/test/test_sampler build/test/test_sampler_fixture
 TESTS_GPU := build/test/test_dataloader_gpu build/test/test_unet_gpu_fp32 build/test/test_unet_gpu_bf16 \
-             build/test/test_unet_gpu_reference_fp32 build/test/test_unet_gpu_reference_bf16
+             build/test/test_unet_gpu_reference_fp32 build/test/test_unet_gpu_reference_bf16 \
+             build/test/test_sampler_gpu_fp32 build/test/test_sampler_gpu_bf16
 
 build/test/test_dataset: dev/test/test_dataset.c dataset.h dev/test/check.h
 	@mkdir -p build/test
@@ -129,6 +131,10 @@ build/test/test_unet_gpu_fp32 build/test/test_unet_gpu_bf16: build/test/test_une
 build/test/test_unet_gpu_reference_%: dev/test/test_unet_gpu_reference.cu train_unet.cu $(DEV_REFERENCES) dev/test/check.h
 	@mkdir -p build/test
 	$(NVCC) $(NVCC_COMMON) -DPRECISION_$(shell echo $* | tr a-z A-Z) -o $@ $< $(CUDA_LIBS)
+# The GPU sampling loop against sampler.h's host loop, in both precisions.
+build/test/test_sampler_gpu_%: dev/test/test_sampler_gpu.cu train_unet.cu sampler.h dataset.h dev/test/check.h
+	@mkdir -p build/test
+	$(NVCC) $(NVCC_COMMON) -DPRECISION_$(shell echo $* | tr a-z A-Z) -o $@ $< $(CUDA_LIBS)
 
 # Per-layer GPU checks: each dev/<layer>.cu has a main (the trainer's own kernels against the CPU
 # reference on random shapes, and timings at the seed model's shapes). `make dev` builds them into
@@ -156,10 +162,14 @@ dev-memcheck: $(DEV_BINARIES)
 test: all $(TESTS_CPU) $(TESTS_GPU)
 	dev/test/run_tests.sh all
 
-# Our training step against PyTorch's (eager, compile, compile + CUDA graphs), side by side.
+# The binaries and test programs, built and not run.
+tests: all $(TESTS_CPU) $(TESTS_GPU)
+
+# Our training step against PyTorch's (eager, compile, compile + CUDA graphs), side by side, then
+# DDIM-50 sampling of 256 images (generate --bench against scripts/sample_torch.py).
 # BENCH="seed:32 seed:128 adm64:32" picks presets and batch sizes (adm64's compile takes minutes).
 BENCH ?= seed:32 seed:128
-bench: train_unet
+bench: train_unet generate data/shapes.bin
 	scripts/bench.sh $(BENCH)
 
 test-gpu: all $(TESTS_GPU)
@@ -169,4 +179,4 @@ clean:
 	rm -rf build $(BINARIES) data/shapes.bin
 
 FORCE:
-.PHONY: all test test-gpu bench clean FORCE
+.PHONY: all test tests test-gpu bench clean FORCE

@@ -1,5 +1,6 @@
 // generate.c: images from a trained checkpoint, without Python. The samplers are sampler.h's
-// (shared with the trainer); the model runs on the GPU through train_unet.cu's C API (unet_api.h).
+// plans (shared with the trainer's sample grids), run on the GPU by train_unet.cu's C API
+// (unet_api.h): one captured CUDA graph per step, no host work inside the loop.
 //
 //   ./generate --checkpoint DIR|FILE.safetensors [--sampler ddim|ddpm|dpm++] [--steps N] [--num N] ...
 //
@@ -34,6 +35,8 @@ static const char usage[] =
     "  --batch B           images per model call (default 64)\n"
     "  --seed S            (default 0)\n"
     "  --out DIR           output folder (default samples): 000000.png ... and grid.png\n"
+    "  --bench R           time the sampling of --num images R times after a warm-up, print the median\n"
+    "                      images/s (GPU time) and write no images\n"
     "\n"
     "       generate --checkpoint PATH --eval IN.safetensors --output OUT.safetensors\n"
     "runs the model once on IN's x [N,C,H,W] (float, NCHW), t [N] and, class-conditional, y [N], and\n"
@@ -52,7 +55,7 @@ static void die(const char *fmt, ...) {
 
 typedef struct {
     const char *checkpoint, *weights, *sampler, *class_name, *out, *eval, *output;
-    int steps, num, batch;
+    int steps, num, batch, bench;
     double eta, guidance;
     long long seed;
 } Options;
@@ -74,7 +77,7 @@ static double parse_real(const char *name, const char *s, double lo, double hi) 
 }
 
 static Options parse_options(int argc, char **argv) {
-    Options o = {NULL, "ema", "ddim", "all", "samples", NULL, NULL, 0, 64, 64, 0.0, 1.0, 0};
+    Options o = {NULL, "ema", "ddim", "all", "samples", NULL, NULL, 0, 64, 64, 0, 0.0, 1.0, 0};
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         if (strcmp(a, "--help") == 0 || strcmp(a, "-h") == 0) fputs(usage, stdout), exit(0);
@@ -91,6 +94,7 @@ static Options parse_options(int argc, char **argv) {
         else if (strcmp(a, "--steps") == 0) o.steps = (int)parse_int(a, v, 1, 100000);
         else if (strcmp(a, "--num") == 0) o.num = (int)parse_int(a, v, 1, 1000000);
         else if (strcmp(a, "--batch") == 0) o.batch = (int)parse_int(a, v, 1, 4096);
+        else if (strcmp(a, "--bench") == 0) o.bench = (int)parse_int(a, v, 1, 1000);
         else if (strcmp(a, "--seed") == 0) o.seed = parse_int(a, v, 0, (1ll << 62));
         else if (strcmp(a, "--eta") == 0) o.eta = parse_real(a, v, 0, 1);
         else if (strcmp(a, "--guidance") == 0) o.guidance = parse_real(a, v, 0, 100);
@@ -105,41 +109,9 @@ static Options parse_options(int argc, char **argv) {
     return o;
 }
 
-// What the sampling loop's callbacks need: the model, this batch's labels, the guidance.
-typedef struct {
-    UnetModel *model;
-    int batch, first, per_image, guided, null_label;
-    float guidance;
-    int *labels, *null_labels;
-    int64_t *t;
-    float *uncond;
-    uint64_t seed;
-} Batch;
-
-// The model's output at timestep t for the whole batch; with guidance, uncond + w (cond - uncond).
-static void batch_model(void *ctx, const float *x, int t, float *out) {
-    Batch *b = (Batch *)ctx;
-    for (int i = 0; i < b->batch; i++) b->t[i] = t;
-    unet_forward_nhwc(b->model, x, b->t, b->labels, out);
-    if (!b->guided) return;
-    unet_forward_nhwc(b->model, x, b->t, b->null_labels, b->uncond);
-    size_t n = (size_t)b->batch * b->per_image;
-    for (size_t i = 0; i < n; i++) out[i] = guided_output(out[i], b->uncond[i], b->guidance);
-}
-
-// Standard normal draw for value i of the batch at step k (stream 0: the starting noise).
-static float batch_noise(void *ctx, int k, size_t i) {
-    Batch *b = (Batch *)ctx;
-    uint64_t image = (uint64_t)b->first + i / b->per_image, at = image * b->per_image + i % b->per_image;
-    double u1 = ((random_u64(b->seed, 2 * (uint64_t)k + 1, at) >> 11) + 0.5) / 9007199254740992.0;
-    double u2 = (random_u64(b->seed, 2 * (uint64_t)k + 2, at) >> 11) / 9007199254740992.0;
-    return (float)(sqrt(-2 * log(u1)) * cos(2 * M_PI * u2));
-}
-
-static double now(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return t.tv_sec + 1e-9 * t.tv_nsec;
+static int compare_doubles(const void *a, const void *b) {
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
 }
 
 int main(int argc, char **argv) {
@@ -162,55 +134,56 @@ int main(int argc, char **argv) {
     if (info.out_channels != info.in_channels) die("%s predicts a learned variance (learn_sigma): not supported for sampling", file);
 
     NoiseSchedule schedule;
-    SampleSchedule steps;
+    SamplePlan plan;
     if (noise_schedule_make(&schedule, info.diffusion_steps, info.noise_schedule) != 0)
         die("%s: unknown noise_schedule '%s' in its metadata", file, info.noise_schedule);
     SamplerKind kind = strcmp(o.sampler, "ddpm") == 0 ? SAMPLER_DDPM : strcmp(o.sampler, "dpm++") == 0 ? SAMPLER_DPM_SOLVER_PP : SAMPLER_DDIM;
-    int count = kind == SAMPLER_DDPM ? info.diffusion_steps : o.steps ? o.steps : kind == SAMPLER_DDIM ? 50 : 20;
-    int made = kind == SAMPLER_DPM_SOLVER_PP ? sample_schedule_log_snr(&schedule, count, &steps) : sample_schedule_make(&schedule, count, &steps);
-    if (made != 0) die("--steps %d: no even spacing of the %d diffusion steps gives that many", count, info.diffusion_steps);
-    if (mkdir(o.out, 0777) != 0 && errno != EEXIST) die("cannot create %s: %s", o.out, strerror(errno));
+    int count = o.steps ? o.steps : kind == SAMPLER_DPM_SOLVER_PP ? 20 : 50;
+    if (sample_plan_make(&plan, &schedule, kind, count, (float)o.eta, strcmp(info.predict, "v") == 0, 1) != 0)
+        die("--steps %d: no even spacing of the %d diffusion steps gives that many", count, info.diffusion_steps);
+    if (!o.bench && mkdir(o.out, 0777) != 0 && errno != EEXIST) die("cannot create %s: %s", o.out, strerror(errno));
 
-    UnetModel *model = unet_load(file, o.batch, err, sizeof err);
-    if (!model) die("%s", err);
-    int S = info.image_size, per_image = S * S * info.in_channels;
-    size_t batch_values = (size_t)o.batch * per_image;
-    float *x = malloc(batch_values * sizeof(float));
+    UnetSampler *sampler = unet_sampler_create(file, o.batch, &plan, (float)o.guidance, (uint64_t)o.seed, err, sizeof err);
+    if (!sampler) die("%s", err);
+    int S = info.image_size;
+    size_t per_image = (size_t)S * S * info.in_channels;
     unsigned char *images = malloc((size_t)o.num * per_image);
-    Batch b = {model, o.batch, 0, per_image, info.null_class && o.guidance != 1.0, classes, (float)o.guidance,
-               calloc(o.batch, sizeof(int)), calloc(o.batch, sizeof(int)), calloc(o.batch, sizeof(int64_t)),
-               malloc(batch_values * sizeof(float)), (uint64_t)o.seed};
-    if (!x || !images || !b.labels || !b.null_labels || !b.t || !b.uncond) die("out of memory");
-    for (int i = 0; i < o.batch; i++) b.null_labels[i] = classes;
-    printf("generate: %d images of %dx%d from %s (%lld parameters), %s with %d steps\n", o.num, S, S, file,
-           (long long)info.parameters, o.sampler, steps.count);
-    double started = now();
-    for (int first = 0; first < o.num; first += o.batch) {
-        int n = o.num - first < o.batch ? o.num - first : o.batch;  // a short last batch fills its tail with copies
-        b.first = first;
-        for (int i = 0; i < o.batch; i++) b.labels[i] = fixed_class >= 0 ? fixed_class : classes ? (first + (i < n ? i : 0)) % classes : 0;
-        for (size_t i = 0; i < batch_values; i++) x[i] = batch_noise(&b, -1, i);
-        if (sample_loop(kind, &steps, (float)o.eta, strcmp(info.predict, "v") == 0, 1, batch_model, batch_noise, &b, x, batch_values) != 0)
-            die("out of memory");
-        for (size_t i = 0; i < (size_t)n * per_image; i++) {
-            float v = (x[i] + 1.0f) * 127.5f;
-            images[(size_t)first * per_image + i] = (unsigned char)(v < 0 ? 0 : v > 255 ? 255 : v + 0.5f);
+    int *labels = malloc((size_t)o.num * sizeof(int));
+    if (!images || !labels) die("out of memory");
+    for (int i = 0; i < o.num; i++) labels[i] = fixed_class >= 0 ? fixed_class : classes ? i % classes : 0;
+    printf("generate: %d images of %dx%d from %s (%lld parameters), %s with %d steps%s\n", o.num, S, S, file,
+           (long long)info.parameters, o.sampler, plan.count, o.guidance != 1.0 ? ", classifier-free guidance" : "");
+    int runs = o.bench ? o.bench + 1 : 1;  // --bench: a warm-up, then the timed runs
+    double *seconds = malloc(runs * sizeof(double));
+    if (!seconds) die("out of memory");
+    for (int run = 0; run < runs; run++) {
+        double ms = 0;
+        for (int first = 0; first < o.num; first += o.batch) {
+            int n = o.num - first < o.batch ? o.num - first : o.batch;
+            ms += unet_sample(sampler, first, n, labels + first, images + (size_t)first * per_image);
+            if (!o.bench) printf("generate: %d/%d images\n", first + n, o.num), fflush(stdout);
         }
-        printf("generate: %d/%d images\n", first + n, o.num);
-        fflush(stdout);
+        seconds[run] = ms / 1000.0;
     }
-    double seconds = now() - started;
-    char path[4400];
-    for (int i = 0; i < o.num; i++) {
-        snprintf(path, sizeof path, "%s/%06d.png", o.out, i);
-        if (write_png(path, S, S, images + (size_t)i * per_image) != 0) die("cannot write %s: %s", path, strerror(errno));
+    unet_sampler_free(sampler);
+    if (o.bench) {
+        qsort(seconds + 1, o.bench, sizeof(double), compare_doubles);
+        double median = seconds[1 + o.bench / 2];
+        printf("generate: bench: median %.3f s for %d images (%.1f images/s; min %.3f s, max %.3f s over %d runs)\n", median, o.num,
+               o.num / median, seconds[1], seconds[o.bench], o.bench);
+    } else {
+        char path[4400];
+        for (int i = 0; i < o.num; i++) {
+            snprintf(path, sizeof path, "%s/%06d.png", o.out, i);
+            if (write_png(path, S, S, images + (size_t)i * per_image) != 0) die("cannot write %s: %s", path, strerror(errno));
+        }
+        snprintf(path, sizeof path, "%s/grid.png", o.out);
+        if (write_grid_png(path, images, o.num, S) != 0) die("cannot write %s: %s", path, strerror(errno));
+        printf("generate: wrote %d images and %s; sampling took %.2f s on the GPU (%.1f images/s)\n", o.num, path, seconds[0],
+               o.num / seconds[0]);
     }
-    snprintf(path, sizeof path, "%s/grid.png", o.out);
-    if (write_grid_png(path, images, o.num, S) != 0) die("cannot write %s: %s", path, strerror(errno));
-    printf("generate: wrote %d images and %s in %.1f s (%.1f images/s)\n", o.num, path, seconds, o.num / seconds);
-    unet_free(model);
-    free(x), free(images), free(b.labels), free(b.null_labels), free(b.t), free(b.uncond);
+    free(images), free(labels), free(seconds);
     noise_schedule_free(&schedule);
-    sample_schedule_free(&steps);
+    sample_plan_free(&plan);
     return 0;
 }

@@ -88,11 +88,16 @@ typedef struct {
     double *abar;    // [count]
 } SampleSchedule;
 
+// The smallest stride that keeps `steps` of T steps, or 0 when none does.
+static inline int respacing_stride(int T, int steps) {
+    for (int i = 1; i <= T; i++)
+        if ((T + i - 1) / i == steps) return i;
+    return 0;
+}
+
 // Returns 0, or -1 when no stride gives `steps` steps.
 static inline int sample_schedule_make(const NoiseSchedule *d, int steps, SampleSchedule *s) {
-    int stride = 0;
-    for (int i = 1; i <= d->steps && !stride; i++)
-        if ((d->steps + i - 1) / i == steps) stride = i;
+    int stride = respacing_stride(d->steps, steps);
     if (!stride) return -1;
     s->count = steps;
     s->timesteps = (int *)malloc(steps * sizeof(int));
@@ -180,42 +185,100 @@ static inline double log_snr_half(double abar) { return 0.5 * log(abar / (1.0 - 
 HOST_DEVICE static inline float guided_output(float cond, float uncond, float w) { return uncond + w * (cond - uncond); }
 
 // ----------------------------------------------------------------------------------------------
-// The sampling loop on the host, for any model: x holds n values of starting noise N(0, 1) and is
-// replaced by the samples. model(ctx, x, t, out) writes the model's output for x at timestep t
-// (guidance, if any, inside it); noise(ctx, k, i) draws z for value i at step k (DDPM, DDIM with
-// eta > 0). DDPM runs DDIM with eta = 1 on the schedule given (all T steps for guided-diffusion's).
+// A sampling plan: the steps in the order they run (from the noisiest), each with everything its
+// update needs, so that one function updates any value at any step. The GPU loop of train_unet.cu
+// (sample grids, generate) replays it; sample_loop below runs it on the host (the tests).
+// DDPM is DDIM with eta = 1 on every one of the T steps.
 
 typedef enum { SAMPLER_DDPM, SAMPLER_DDIM, SAMPLER_DPM_SOLVER_PP } SamplerKind;
 
+typedef struct {
+    int timestep;           // the model's t (the original, unrespaced)
+    float abar, abar_prev;  // from abar to abar_prev (1 after the last step)
+    float eta;              // DDIM's noise scale
+    int noisy;              // draws z: DDIM with eta > 0, but not the last step (sigma is 0 there)
+    float r;                // DPM-Solver++: h_last / h
+    int second_order;       // DPM-Solver++: all steps but the first and the last
+} SampleStep;
+
+typedef struct {
+    SamplerKind kind;
+    int count, predict_v, clip;
+    SampleStep *steps;  // [count]
+} SamplePlan;
+
+// The plan for `steps` steps of a sampler (DDPM: all T) on a noise schedule: DDIM and DDPM on
+// guided-diffusion's respacing, DPM-Solver++ on log-SNR spacing. Returns 0, or -1 when no spacing
+// gives that many steps (or without memory).
+static inline int sample_plan_make(SamplePlan *p, const NoiseSchedule *d, SamplerKind kind, int steps, float eta, int predict_v,
+                                   int clip) {
+    SampleSchedule s = {0, NULL, NULL};
+    if (kind == SAMPLER_DDPM) steps = d->steps, eta = 1.0f;
+    int made = kind == SAMPLER_DPM_SOLVER_PP ? sample_schedule_log_snr(d, steps, &s) : sample_schedule_make(d, steps, &s);
+    p->kind = kind, p->count = s.count, p->predict_v = predict_v, p->clip = clip;
+    p->steps = made == 0 ? (SampleStep *)calloc(s.count, sizeof(SampleStep)) : NULL;
+    if (!p->steps) return sample_schedule_free(&s), -1;
+    double h_last = 0;
+    for (int j = 0; j < s.count; j++) {
+        int k = s.count - 1 - j;  // the schedule's index, from the last
+        SampleStep *st = &p->steps[j];
+        st->timestep = s.timesteps[k];
+        st->abar = (float)s.abar[k], st->abar_prev = k > 0 ? (float)s.abar[k - 1] : 1.0f;
+        st->eta = kind == SAMPLER_DPM_SOLVER_PP ? 0.0f : eta;
+        st->noisy = st->eta > 0.0f && k > 0;
+        if (kind == SAMPLER_DPM_SOLVER_PP) {
+            double h = k > 0 ? log_snr_half(s.abar[k - 1]) - log_snr_half(s.abar[k]) : 0.0;
+            st->second_order = j > 0 && k > 0;
+            st->r = st->second_order ? (float)(h_last / h) : 1.0f;
+            h_last = h;
+        }
+    }
+    sample_schedule_free(&s);
+    return 0;
+}
+
+static inline void sample_plan_free(SamplePlan *p) {
+    free(p->steps);
+    memset(p, 0, sizeof *p);
+}
+
+// One value's update at one step of a plan: x from the model's output (after guidance), z the
+// value's normal draw (when st->noisy); x0_last: DPM-Solver++'s previous x0 of this value, updated.
+HOST_DEVICE static inline float sample_step_value(const SamplePlan *p, const SampleStep *st, float x, float out, float z,
+                                                  float *x0_last) {
+    if (p->kind != SAMPLER_DPM_SOLVER_PP) return ddim_update(x, out, st->abar, st->abar_prev, st->eta, z, p->predict_v, p->clip);
+    float x0 = predict_x0(x, out, st->abar, p->predict_v, p->clip);
+    float next = dpm_solver_pp_update(x, x0, *x0_last, st->abar, st->abar_prev, st->r, st->second_order);
+    *x0_last = x0;
+    return next;
+}
+
+// A standard normal draw for value i of stream `stream` under `seed` (Box-Muller on two 24-bit
+// uniforms), on the host and the GPU alike (to the last bits of cos and log).
+HOST_DEVICE static inline float normal_sample(uint64_t seed, uint64_t stream, uint64_t i) {
+    float u1 = ((random_u64(seed, stream, 2 * i) >> 40) + 0.5f) * (1.0f / 16777216.0f);
+    float u2 = (random_u64(seed, stream, 2 * i + 1) >> 40) * (1.0f / 16777216.0f);
+#ifdef __CUDA_ARCH__
+    return sqrtf(-2.0f * logf(u1)) * cospif(2.0f * u2);
+#else
+    return sqrtf(-2.0f * logf(u1)) * cosf(6.28318530718f * u2);
+#endif
+}
+
+// The plan on the host, for any model: x holds n values of starting noise and is replaced by the
+// samples. model(ctx, x, t, out) writes the model's output for x at timestep t (guidance, if any,
+// inside it); noise(ctx, j, i) draws z for value i at step j of the plan.
 typedef void (*SamplerModel)(void *ctx, const float *x, int t, float *out);
-typedef float (*SamplerNoise)(void *ctx, int k, size_t i);
+typedef float (*SamplerNoise)(void *ctx, int j, size_t i);
 
 // Returns 0, or -1 without memory.
-static inline int sample_loop(SamplerKind kind, const SampleSchedule *s, float eta, int predict_v, int clip, SamplerModel model,
-                              SamplerNoise noise, void *ctx, float *x, size_t n) {
-    float *out = (float *)malloc(n * sizeof(float)), *x0_last = (float *)malloc(n * sizeof(float));
+static inline int sample_loop(const SamplePlan *p, SamplerModel model, SamplerNoise noise, void *ctx, float *x, size_t n) {
+    float *out = (float *)malloc(n * sizeof(float)), *x0_last = (float *)calloc(n, sizeof(float));
     if (!out || !x0_last) return free(out), free(x0_last), -1;
-    if (kind == SAMPLER_DDPM) eta = 1.0f;
-    double h_last = 0;
-    for (int k = s->count - 1; k >= 0; k--) {
-        float abar = (float)s->abar[k], abar_prev = k > 0 ? (float)s->abar[k - 1] : 1.0f;
-        model(ctx, x, s->timesteps[k], out);
-        if (kind != SAMPLER_DPM_SOLVER_PP) {
-            for (size_t i = 0; i < n; i++) {
-                float z = eta > 0.0f && k > 0 ? noise(ctx, k, i) : 0.0f;
-                x[i] = ddim_update(x[i], out[i], abar, abar_prev, eta, z, predict_v, clip);
-            }
-            continue;
-        }
-        double h = k > 0 ? log_snr_half(s->abar[k - 1]) - log_snr_half(s->abar[k]) : 0.0;
-        int second_order = k < s->count - 1 && k > 0;  // first order on the first and the last step
-        float r = second_order ? (float)(h_last / h) : 1.0f;
-        for (size_t i = 0; i < n; i++) {
-            float x0 = predict_x0(x[i], out[i], abar, predict_v, clip);
-            x[i] = dpm_solver_pp_update(x[i], x0, x0_last[i], abar, abar_prev, r, second_order);
-            x0_last[i] = x0;
-        }
-        h_last = h;
+    for (int j = 0; j < p->count; j++) {
+        const SampleStep *st = &p->steps[j];
+        model(ctx, x, st->timestep, out);
+        for (size_t i = 0; i < n; i++) x[i] = sample_step_value(p, st, x[i], out[i], st->noisy ? noise(ctx, j, i) : 0.0f, &x0_last[i]);
     }
     free(out);
     free(x0_last);

@@ -1211,7 +1211,7 @@ __global__ void softmax_backward_kernel(floatX *d_scores, const float *d_probs, 
     for (int i = lane; i < T; i += 32) d_scores[(int64_t)row * T + i] = (floatX)((float)p[i] * (dp[i] - dot) * scale);
 }
 
-// Fills the pointer arrays for qkv / out / their gradients of one attention layer.
+// Fills the pointer arrays for qkv / out / their gradients (NULL: forward only) of one attention layer.
 __global__ void attention_pointers_kernel(Attention a, const floatX *qkv, floatX *out, floatX *d_qkv, const floatX *d_out) {
     int b = blockIdx.x * blockDim.x + threadIdx.x;
     if (b >= a.N * a.heads) return;
@@ -1220,9 +1220,11 @@ __global__ void attention_pointers_kernel(Attention a, const floatX *qkv, floatX
     int64_t q_off = a.legacy ? h * 3 * ch : h * ch, k_off = a.legacy ? q_off + ch : a.C + h * ch, v_off = a.legacy ? q_off + 2 * ch : 2 * a.C + h * ch;
     int64_t tt = (int64_t)b * a.T * a.T, o_off = (int64_t)n * a.T * a.C + h * ch;
     a.q[b] = qkv + base + q_off, a.k[b] = qkv + base + k_off, a.v[b] = qkv + base + v_off;
+    a.s[b] = a.scores + tt, a.p[b] = a.probs + tt;
+    a.o[b] = out + o_off, a.o_read[b] = out + o_off;
+    if (!d_qkv) return;
     a.dq[b] = d_qkv + base + q_off, a.dk[b] = d_qkv + base + k_off, a.dv[b] = d_qkv + base + v_off;
-    a.s[b] = a.scores + tt, a.dp_out[b] = a.scores + tt, a.p[b] = a.probs + tt, a.ds[b] = a.d_scores + tt;
-    a.o[b] = out + o_off, a.o_read[b] = out + o_off, a.d_o[b] = d_out + o_off;
+    a.dp_out[b] = a.scores + tt, a.ds[b] = a.d_scores + tt, a.d_o[b] = d_out + o_off;
 }
 
 static void attention_forward(const Attention *a) {
@@ -1529,6 +1531,7 @@ static void *arena_take(Arena *a, int64_t bytes) {
 typedef struct {
     ModelConfig config;
     int batch;
+    int training;     // 0: forward only (no gradients, no AdamW state)
     ParamList params;
     int64_t storage;  // floats per parameter array: the parameters and 256-byte alignment gaps
     int64_t emb_bias_offset, emb_total;  // the ResBlocks' emb_layers, side by side: weights at 0, then biases
@@ -1549,7 +1552,7 @@ typedef struct {
     floatX *d_emb_out_x;
     int64_t conv_scratch_numel, attention_scratch_numel, gn_scratch_numel, channel_scratch_numel;
     float *loss, *loss_partial;
-    Act target, d_output_placeholder;
+    Act target;
     uint64_t *dropout_seed;  // on the GPU: dropout's seed for this step (see NormOptions)
     float *attention_scores;  // the attention layers' shared scratch (Attention.scores, d_scores)
     floatX *attention_d_scores;
@@ -1582,7 +1585,7 @@ static int param_add(ParamList *list, const char *prefix, const char *leaf, int 
 
 static floatX *param_compute(const UNet *m, int index) { return m->compute + m->params.specs[index].offset; }
 static float *param_master(const UNet *m, int index) { return m->master + m->params.specs[index].offset; }
-static float *param_grad(const UNet *m, int index) { return m->grad + m->params.specs[index].offset; }
+static float *param_grad(const UNet *m, int index) { return m->grad ? m->grad + m->params.specs[index].offset : NULL; }
 
 // A convolution's weight [out][in][k...] (dims = 1 or 2 spatial dimensions) and bias [out]; when
 // building, the Conv that uses them.
@@ -1622,11 +1625,12 @@ static Norm walk_norm(Walk *w, const char *prefix, int channels) {
     return n;
 }
 
+// An activation, and its gradient when the model trains.
 static Act act_alloc(UNet *m, int N, int H, int W, int C) {
     Act a = {NULL, NULL, N, H, W, C};
     int64_t bytes = act_numel(&a) * (int64_t)sizeof(floatX);
     a.x = (floatX *)arena_take(&m->acts, bytes);
-    a.dx = (floatX *)arena_take(&m->acts, bytes);
+    if (m->training) a.dx = (floatX *)arena_take(&m->acts, bytes);
     return a;
 }
 
@@ -1873,10 +1877,11 @@ static int is_emb_layer(const char *name, const char *leaf) {
 
 // Builds the model for batches of `batch` images: parameters (uninitialised), layers, activations
 // and scratch, all from two allocations sized by a measuring walk.
-static void unet_create(UNet *m, const ModelConfig *c, int batch) {
+static void unet_create(UNet *m, const ModelConfig *c, int batch, int training) {
     memset(m, 0, sizeof *m);
     m->config = *c;
     m->batch = batch;
+    m->training = training;
     m->capacity = max_layers(c);
     m->layers = (Layer *)calloc(m->capacity, sizeof(Layer));
     m->params = model_parameters(c);
@@ -1895,9 +1900,10 @@ static void unet_create(UNet *m, const ModelConfig *c, int batch) {
         }
     }
     int64_t n = m->storage = at;  // with the alignment gaps (kept at zero)
-    m->master = (float *)gpu_malloc(4 * n * sizeof(float));
-    m->grad = m->master + n, m->adam_m = m->master + 2 * n, m->adam_v = m->master + 3 * n;
-    cuda_check(cudaMemset(m->master, 0, 4 * n * sizeof(float)));
+    int arrays = training ? 4 : 1;  // master, then gradients and AdamW's moments
+    m->master = (float *)gpu_malloc(arrays * n * sizeof(float));
+    if (training) m->grad = m->master + n, m->adam_m = m->master + 2 * n, m->adam_v = m->master + 3 * n;
+    cuda_check(cudaMemset(m->master, 0, arrays * n * sizeof(float)));
     if (sizeof(floatX) == sizeof(float)) m->compute = (floatX *)m->master;
     else m->compute = (floatX *)gpu_malloc(n * sizeof(floatX));
 
@@ -1919,8 +1925,10 @@ static void unet_create(UNet *m, const ModelConfig *c, int batch) {
         m->output = &m->layers[m->num_layers - 1].out;
         int64_t E = m->emb_total;
         m->emb_out = (float *)arena_take(&m->acts, (int64_t)batch * E * sizeof(float));
-        m->d_emb_out = (float *)arena_take(&m->acts, (int64_t)batch * E * sizeof(float));
-        m->d_emb_out_x = (floatX *)arena_take(&m->acts, (int64_t)batch * E * sizeof(floatX));
+        if (training) {
+            m->d_emb_out = (float *)arena_take(&m->acts, (int64_t)batch * E * sizeof(float));
+            m->d_emb_out_x = (floatX *)arena_take(&m->acts, (int64_t)batch * E * sizeof(floatX));
+        }
         m->timesteps = (int64_t *)arena_take(&m->acts, batch * sizeof(int64_t));
         m->labels = (int *)arena_take(&m->acts, batch * sizeof(int));
         m->loss = (float *)arena_take(&m->acts, (LOSS_BLOCKS + 1) * sizeof(float));
@@ -1932,7 +1940,7 @@ static void unet_create(UNet *m, const ModelConfig *c, int batch) {
     cuda_check(cudaMemset(m->dropout_seed, 0, sizeof(uint64_t)));
     m->emb_all.in = 4 * c->model_channels, m->emb_all.out = (int)m->emb_total, m->emb_all.k = 1, m->emb_all.stride = 1;
     m->emb_all.w = m->compute, m->emb_all.b = m->compute + m->emb_bias_offset;
-    m->emb_all.dw = m->grad, m->emb_all.db = m->grad + m->emb_bias_offset;
+    if (training) m->emb_all.dw = m->grad, m->emb_all.db = m->grad + m->emb_bias_offset;
     // Scratch shared by the layers (one at a time) and by every model of the process.
     conv_scratch = (floatX *)scratch_reserve(conv_scratch, &conv_scratch_have, m->conv_scratch_numel, sizeof(floatX));
     gn_partial_scratch = (double *)scratch_reserve(gn_partial_scratch, &gn_scratch_have, m->gn_scratch_numel, sizeof(double));
@@ -1942,7 +1950,7 @@ static void unet_create(UNet *m, const ModelConfig *c, int batch) {
         weight_grad_scratch = (float *)gpu_malloc(weight_grad_scratch_numel * sizeof(float));
     }
     float *scores = m->attention_scores = (float *)gpu_malloc(m->attention_scratch_numel * sizeof(float));
-    floatX *d_scores = m->attention_d_scores = (floatX *)gpu_malloc(m->attention_scratch_numel * sizeof(floatX));
+    floatX *d_scores = m->attention_d_scores = training ? (floatX *)gpu_malloc(m->attention_scratch_numel * sizeof(floatX)) : NULL;
     for (int i = 0; i < m->num_layers; i++) {
         Layer *l = &m->layers[i];
         if (l->kind != LAYER_ATTENTION) continue;
@@ -2334,7 +2342,7 @@ static Options preset_seed(void) {
     o.warmup_steps = 0, o.lr_decay = "none", o.min_lr = 0.0f, o.grad_clip = 0.0f, o.cfg_dropout = 0.0f;
     o.batch_size = 32, o.ema_rate = "0.9999";
     o.log_interval = 10, o.save_interval = 10000, o.keep = 0, o.max_bad_steps = 10;
-    o.sample_interval = 5000, o.sample_count = 0, o.sample_steps = 50;  // grids off until checked on a GPU (dev/NOTES.md)
+    o.sample_interval = 5000, o.sample_count = 64, o.sample_steps = 50;
     o.resume_checkpoint = "", o.run_dir = "run";
     o.data = "", o.preset = "seed", o.random_flip = 1, o.steps = 100000, o.stop_step = 0, o.seed = 0, o.dry_run = 0;
     return o;
@@ -2619,8 +2627,9 @@ static void validate_training(const Options *o) {
     if (!o->run_dir[0]) usage_error("--run_dir must not be empty");
     if (o->sample_interval < 0) usage_error("--sample_interval %d must not be negative", o->sample_interval);
     if (o->sample_count < 0 || o->sample_count > 10000) usage_error("--sample_count %d is out of range (0..10000)", o->sample_count);
-    if (o->sample_steps < 1 || o->sample_steps > o->diffusion_steps)
-        usage_error("--sample_steps %d must be in 1..%d (--diffusion_steps)", o->sample_steps, o->diffusion_steps);
+    if (o->sample_steps < 1 || o->sample_steps > o->diffusion_steps || !respacing_stride(o->diffusion_steps, o->sample_steps))
+        usage_error("--sample_steps %d: no even spacing of the %d diffusion steps (--diffusion_steps) gives that many",
+                    o->sample_steps, o->diffusion_steps);
     if (o->batch_size < 1 || o->batch_size > 65536) usage_error("--batch_size %d is out of range (1..65536)", o->batch_size);
     double rates[8];
     int n = parse_number_list(o->ema_rate, rates, 8);
@@ -2695,12 +2704,6 @@ static void diffusion_create(Diffusion *d, int steps, const char *schedule) {
 }
 
 enum { STREAM_NOISE = 4, STREAM_TIMESTEP = 5, STREAM_LABEL_DROP = 6 };
-
-__device__ inline float normal_sample(uint64_t seed, uint64_t stream, uint64_t i) {
-    float u1 = ((random_u64(seed, stream, 2 * i) >> 40) + 0.5f) * (1.0f / 16777216.0f);
-    float u2 = (random_u64(seed, stream, 2 * i + 1) >> 40) * (1.0f / 16777216.0f);
-    return sqrtf(-2.0f * logf(u1)) * cospif(2.0f * u2);
-}
 
 // Timesteps t ~ U[0, T) and, for classifier-free guidance, labels replaced by the null class
 // with probability cfg_dropout.
@@ -2969,71 +2972,137 @@ static int compare_int64(const void *a, const void *b) {
 }
 
 // ----------------------------------------------------------------------------------------------
-// Sample grids during training: DDIM (sampler.h's ddim_update) on the GPU, on guided-diffusion's
-// respaced timesteps, x0 clipped to [-1, 1].
+// Sampling on the GPU (the trainer's sample grids, generate): sampler.h's plan, with one step
+// captured as a CUDA graph and replayed once per step, no host work in between. The plan's step
+// index lives on the GPU, so each replay reads its own timestep and coefficients. With
+// classifier-free guidance the model runs on twice the batch: the images with their labels,
+// then the same images with the null class. Image i's starting noise and every draw it needs
+// depend only on (seed, i): the same seed and batch size give the same images.
 
-enum { STREAM_SAMPLE_START = 20, STREAM_SAMPLE_NOISE = 21 };
+enum { STREAM_SAMPLE_START = 20, STREAM_SAMPLE_NOISE = 21 };  // step j of the plan draws from 21 + j
 
-__global__ void sample_start_kernel(float *x, floatX *input, int64_t n, uint64_t seed, int64_t first) {
+typedef struct {
+    int step;        // the plan's next step
+    int64_t offset;  // the batch's first value: first image * values per image
+} SampleCursor;
+
+typedef struct {
+    UNet m;                 // forward only; batch: images, twice that when guided
+    int images, guided, null_label;
+    float guidance;
+    uint64_t seed;
+    SamplePlan plan;        // its steps also on the GPU:
+    SampleStep *steps;
+    SampleCursor *cursor;   // GPU
+    float *x, *x0_last;     // GPU, [images][H][W][C]
+    uint8_t *pixels;        // GPU
+    cudaEvent_t start, stop;
+    cudaGraphExec_t graph;  // one step of the plan
+} GpuSampler;
+
+// The starting noise: x, and the model's input (both halves when guided).
+__global__ void sample_start_kernel(float *x, floatX *input, int64_t n, int guided, uint64_t seed, const SampleCursor *c) {
     for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
-        x[i] = normal_sample(seed, STREAM_SAMPLE_START, first + i);
+        x[i] = normal_sample(seed, STREAM_SAMPLE_START, c->offset + i);
         input[i] = (floatX)x[i];
+        if (guided) input[n + i] = input[i];
     }
 }
 
-__global__ void ddim_step_kernel(float *x, floatX *input, const floatX *out, int64_t n, float abar, float abar_prev,
-                                 float eta, uint64_t seed, int64_t first, int k, int predict_v) {
+__global__ void sample_timesteps_kernel(int64_t *t, int N, const SampleStep *steps, const SampleCursor *c) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < N) t[i] = steps[c->step].timestep;
+}
+
+// One step of the plan for every value, from the model's output (guided: uncond + w (cond -
+// uncond), the second half being the unconditional); x and the next input are written.
+__global__ void sample_step_kernel(float *x, float *x0_last, floatX *input, const floatX *out, int64_t n, int guided, float guidance,
+                                   SamplePlan plan, const SampleStep *steps, const SampleCursor *c, uint64_t seed) {
+    const SampleStep st = steps[c->step];
     for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
-        float z = eta > 0.0f && k > 0 ? normal_sample(seed, STREAM_SAMPLE_NOISE + 16 * (uint64_t)k, first + i) : 0.0f;
-        x[i] = ddim_update(x[i], (float)out[i], abar, abar_prev, eta, z, predict_v, 1);
+        float o = guided ? guided_output((float)out[i], (float)out[n + i], guidance) : (float)out[i];
+        float z = st.noisy ? normal_sample(seed, STREAM_SAMPLE_NOISE + (uint64_t)c->step, c->offset + i) : 0.0f;
+        x[i] = sample_step_value(&plan, &st, x[i], o, z, &x0_last[i]);
         input[i] = (floatX)x[i];
+        if (guided) input[n + i] = input[i];
     }
 }
+
+__global__ void sample_advance_kernel(SampleCursor *c) { c->step++; }
 
 __global__ void to_pixels_kernel(uint8_t *pixels, const float *x, int64_t n) {
     for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
         pixels[i] = (uint8_t)lrintf(fminf(fmaxf((x[i] + 1.0f) * 127.5f, 0.0f), 255.0f));
 }
 
-// Samples count images with the model m (its weights set; any batch size) into pixels (host,
-// [count][H][W][3] uint8). Image i's starting noise and draws depend only on (seed, i), so the same
-// seed and batch size give the same images. labels: [count] or NULL (unconditional).
-static void sample_images(UNet *m, const SampleSchedule *s, float eta, int predict_v, uint64_t seed, const int *labels,
-                          int count, uint8_t *pixels) {
-    int B = m->batch;
-    int64_t per_image = act_numel(&m->input) / B;
-    float *x = (float *)gpu_malloc(act_numel(&m->input) * sizeof(float));
-    uint8_t *d_pixels = (uint8_t *)gpu_malloc(act_numel(&m->input));
-    int64_t *timesteps = (int64_t *)malloc_or_die(B * sizeof(int64_t));
-    for (int first = 0; first < count; first += B) {
-        int n_images = count - first < B ? count - first : B;
-        int64_t n = (int64_t)B * per_image, offset = (int64_t)first * per_image;
-        if (labels) {  // a last, partial batch repeats the first label in its unused slots
-            int *chunk = (int *)malloc_or_die(B * sizeof(int));
-            for (int b = 0; b < B; b++) chunk[b] = labels[first + (b < n_images ? b : 0)];
-            cuda_check(cudaMemcpy(m->labels, chunk, B * sizeof(int), cudaMemcpyHostToDevice));
-            free(chunk);
-        }
-        sample_start_kernel<<<blocks_for(n, 256), 256, 0, gpu.stream>>>(x, m->input.x, n, seed, offset);
-        cuda_check_launch();
-        for (int k = s->count - 1; k >= 0; k--) {
-            for (int b = 0; b < B; b++) timesteps[b] = s->timesteps[k];
-            cuda_check(cudaMemcpyAsync(m->timesteps, timesteps, B * sizeof(int64_t), cudaMemcpyHostToDevice, gpu.stream));
-            unet_forward(m, 0);
-            ddim_step_kernel<<<blocks_for(n, 256), 256, 0, gpu.stream>>>(x, m->input.x, m->output->x, n, (float)s->abar[k],
-                k > 0 ? (float)s->abar[k - 1] : 1.0f, eta, seed, offset, k, predict_v);
-            cuda_check_launch();
-            cuda_check(cudaStreamSynchronize(gpu.stream));  // timesteps is reused
-        }
-        to_pixels_kernel<<<blocks_for(n, 256), 256, 0, gpu.stream>>>(d_pixels, x, n);
-        cuda_check_launch();
-        cuda_check(cudaMemcpy(pixels + offset, d_pixels, n_images * per_image, cudaMemcpyDeviceToHost));
-    }
-    free(timesteps);
-    cudaFree(x);
-    cudaFree(d_pixels);
+// A sampler for batches of `images` images of the model c (its weights go into s->m.master, then
+// unet_sync_compute). guidance != 1 needs the model's null class (its last label row).
+static void gpu_sampler_create(GpuSampler *s, const ModelConfig *c, int images, const SamplePlan *plan, float guidance, uint64_t seed) {
+    memset(s, 0, sizeof *s);
+    s->images = images, s->guided = guidance != 1.0f, s->guidance = guidance, s->null_label = c->num_classes - 1, s->seed = seed;
+    unet_create(&s->m, c, s->guided ? 2 * images : images, 0);
+    s->plan = *plan;
+    s->plan.steps = NULL;  // the host's copy stays with the caller
+    s->steps = (SampleStep *)gpu_malloc(plan->count * sizeof(SampleStep));
+    cuda_check(cudaMemcpy(s->steps, plan->steps, plan->count * sizeof(SampleStep), cudaMemcpyHostToDevice));
+    int64_t n = (int64_t)images * c->image_size * c->image_size * c->in_channels;
+    s->cursor = (SampleCursor *)gpu_malloc(sizeof(SampleCursor));
+    s->x = (float *)gpu_malloc(2 * n * sizeof(float));
+    s->x0_last = s->x + n;
+    cuda_check(cudaMemset(s->x, 0, 2 * n * sizeof(float)));
+    s->pixels = (uint8_t *)gpu_malloc(n);
+    cuda_check(cudaEventCreate(&s->start));
+    cuda_check(cudaEventCreate(&s->stop));
 }
 
+static void gpu_sampler_destroy(GpuSampler *s) {
+    if (s->graph) cudaGraphExecDestroy(s->graph);
+    cudaEventDestroy(s->start), cudaEventDestroy(s->stop);
+    cudaFree(s->steps), cudaFree(s->cursor), cudaFree(s->x), cudaFree(s->pixels);
+    unet_destroy(&s->m);
+    memset(s, 0, sizeof *s);
+}
+
+// Samples images first .. first + count - 1 (count <= s->images; the batch's other slots sample
+// copies of labels[0]) into pixels (host, [count][H][W][C]); labels: [count], NULL when the model
+// is unconditional. Returns the GPU time of the batch in ms (events around the whole loop).
+static float gpu_sampler_run(GpuSampler *s, int64_t first, int count, const int *labels, uint8_t *pixels) {
+    UNet *m = &s->m;
+    int B = s->images;
+    int64_t per_image = act_numel(&m->input) / m->batch, n = B * per_image;
+    SampleCursor cursor = {0, first * per_image};
+    cuda_check(cudaMemcpy(s->cursor, &cursor, sizeof cursor, cudaMemcpyHostToDevice));
+    if (m->config.num_classes) {
+        int *batch_labels = (int *)malloc_or_die(m->batch * sizeof(int));
+        for (int b = 0; b < B; b++) batch_labels[b] = labels ? labels[b < count ? b : 0] : 0;
+        for (int b = B; b < m->batch; b++) batch_labels[b] = s->null_label;
+        cuda_check(cudaMemcpy(m->labels, batch_labels, m->batch * sizeof(int), cudaMemcpyHostToDevice));
+        free(batch_labels);
+    }
+    if (!s->graph) {
+        cudaGraph_t graph;
+        cuda_check(cudaStreamBeginCapture(gpu.stream, cudaStreamCaptureModeGlobal));
+        sample_timesteps_kernel<<<(m->batch + 127) / 128, 128, 0, gpu.stream>>>(m->timesteps, m->batch, s->steps, s->cursor);
+        unet_forward(m, 0);
+        sample_step_kernel<<<blocks_for(n, 256), 256, 0, gpu.stream>>>(s->x, s->x0_last, m->input.x, m->output->x, n, s->guided,
+                                                                        s->guidance, s->plan, s->steps, s->cursor, s->seed);
+        sample_advance_kernel<<<1, 1, 0, gpu.stream>>>(s->cursor);
+        cuda_check(cudaStreamEndCapture(gpu.stream, &graph));
+        cuda_check(cudaGraphInstantiate(&s->graph, graph, 0));
+        cuda_check(cudaGraphDestroy(graph));
+    }
+    cuda_check(cudaEventRecord(s->start, gpu.stream));
+    sample_start_kernel<<<blocks_for(n, 256), 256, 0, gpu.stream>>>(s->x, m->input.x, n, s->guided, s->seed, s->cursor);
+    cuda_check_launch();
+    for (int j = 0; j < s->plan.count; j++) cuda_check(cudaGraphLaunch(s->graph, gpu.stream));
+    to_pixels_kernel<<<blocks_for(n, 256), 256, 0, gpu.stream>>>(s->pixels, s->x, n);
+    cuda_check_launch();
+    cuda_check(cudaEventRecord(s->stop, gpu.stream));
+    cuda_check(cudaMemcpy(pixels, s->pixels, count * per_image, cudaMemcpyDeviceToHost));
+    float ms;
+    cuda_check(cudaEventElapsedTime(&ms, s->start, s->stop));
+    return ms;
+}
 
 // ----------------------------------------------------------------------------------------------
 // The trainer: one training step as a CUDA graph (batch copied in, noised, forward, loss,
@@ -3062,7 +3131,7 @@ static void trainer_create(Trainer *tr, const Options *o, const ModelConfig *c, 
     tr->o = o;
     tr->config = *c;
     tr->pixels = pixels, tr->labels = labels;
-    unet_create(&tr->m, c, o->batch_size);
+    unet_create(&tr->m, c, o->batch_size, 1);
     diffusion_create(&tr->diffusion, o->diffusion_steps, o->noise_schedule);
     double rates[8];
     tr->num_ema = parse_number_list(o->ema_rate, rates, 8);
@@ -3446,19 +3515,30 @@ static int load_checkpoint(Trainer *tr, const char *dir, LoaderPosition *positio
 
 // A grid of sample_count images from the first EMA's weights, DDIM with sample_steps steps and
 // the same starting noise every time (so grids compare over a run), into run_dir/samples/.
-// Class-conditional models get the classes in turn.
-static void write_samples(Trainer *tr, UNet *sampler, const SampleSchedule *schedule, const char *run_dir) {
+// Class-conditional models get the classes in turn. The sampler is made at the first grid.
+static void write_samples(Trainer *tr, GpuSampler *sampler, const char *run_dir) {
     const Options *o = tr->o;
     int count = o->sample_count, size = tr->config.image_size;
-    cuda_check(cudaMemcpy(sampler->master, tr->ema[0], tr->m.storage * sizeof(float), cudaMemcpyDeviceToDevice));
-    unet_sync_compute(sampler);
+    if (!sampler->m.layers) {
+        SamplePlan plan;
+        if (sample_plan_make(&plan, &tr->diffusion.schedule, SAMPLER_DDIM, o->sample_steps, 0.0f, strcmp(o->predict, "v") == 0, 1) != 0)
+            fatal("out of memory");
+        gpu_sampler_create(sampler, &tr->config, count < 64 ? count : 64, &plan, 1.0f, random_u64((uint64_t)o->seed, 30, 0));
+        sample_plan_free(&plan);
+    }
+    cuda_check(cudaMemcpy(sampler->m.master, tr->ema[0], tr->m.storage * sizeof(float), cudaMemcpyDeviceToDevice));
+    unet_sync_compute(&sampler->m);
     int *labels = NULL, classes = tr->config.num_classes - 1;  // without the null class
     if (classes > 0) {
         labels = (int *)malloc_or_die(count * sizeof(int));
         for (int i = 0; i < count; i++) labels[i] = i % classes;
     }
-    uint8_t *pixels = (uint8_t *)malloc_or_die((size_t)count * size * size * 3);
-    sample_images(sampler, schedule, 0.0f, strcmp(o->predict, "v") == 0, random_u64((uint64_t)o->seed, 30, 0), labels, count, pixels);
+    int64_t per_image = (int64_t)size * size * 3;
+    uint8_t *pixels = (uint8_t *)malloc_or_die(count * per_image);
+    for (int first = 0; first < count; first += sampler->images) {
+        int n = count - first < sampler->images ? count - first : sampler->images;
+        gpu_sampler_run(sampler, first, n, labels ? labels + first : NULL, pixels + first * per_image);
+    }
     char path[4096];
     snprintf(path, sizeof path, "%s/samples", run_dir);
     mkdir(path, 0777);
@@ -3546,11 +3626,8 @@ static void run_training(const Options *o, const ModelConfig *config, const Para
     char buf[32];
     printf("training on %s (%s): %s parameters, %lld steps of %d images, run folder %s\n", prop.name, PRECISION_NAME,
            with_commas(params->numel, buf, sizeof buf), o->steps, o->batch_size, o->run_dir);
-    UNet sampler;  // created at the first grid
+    GpuSampler sampler;  // made at the first grid
     memset(&sampler, 0, sizeof sampler);
-    SampleSchedule schedule;
-    if (o->sample_count && sample_schedule_make(&tr.diffusion.schedule, o->sample_steps, &schedule) != 0)
-        fatal("--sample_steps %d: no stride of the %d diffusion steps gives that many", o->sample_steps, o->diffusion_steps);
     double interval_loss = 0, started = now_seconds(), interval_start = started;
     int interval_steps = 0, bad_in_row = 0;
     int64_t bad_total = 0, first_step = tr.step;
@@ -3583,10 +3660,8 @@ static void run_training(const Options *o, const ModelConfig *config, const Para
             fflush(stdout);
             interval_loss = 0, interval_steps = 0, interval_start = t;
         }
-        if (o->sample_count && o->sample_interval && tr.step % o->sample_interval == 0 && tr.step < last) {
-            if (!sampler.layers) unet_create(&sampler, config, o->sample_count < 64 ? o->sample_count : 64);
-            write_samples(&tr, &sampler, &schedule, o->run_dir);
-        }
+        if (o->sample_count && o->sample_interval && tr.step % o->sample_interval == 0 && tr.step < last)
+            write_samples(&tr, &sampler, o->run_dir);
         if (tr.step % o->save_interval == 0 && tr.step < last) {
             if (save_checkpoint(&tr, o->run_dir, &loader.position, saved, sizeof saved, err, sizeof err) != 0) fatal("%s", err);
             printf("saved %s\n", saved);
@@ -3595,10 +3670,7 @@ static void run_training(const Options *o, const ModelConfig *config, const Para
     if (tr.step > first_step || !saved[0]) {
         if (save_checkpoint(&tr, o->run_dir, &loader.position, saved, sizeof saved, err, sizeof err) != 0) fatal("%s", err);
     }
-    if (o->sample_count && tr.step > first_step) {
-        if (!sampler.layers) unet_create(&sampler, config, o->sample_count < 64 ? o->sample_count : 64);
-        write_samples(&tr, &sampler, &schedule, o->run_dir);
-    }
+    if (o->sample_count && tr.step > first_step) write_samples(&tr, &sampler, o->run_dir);
     printf("%s at step %lld: checkpoint %s (%.0f s; %lld non-finite steps skipped)\n",
            tr.step < o->steps ? "stopped" : "done", (long long)tr.step, saved, now_seconds() - started, (long long)bad_total);
     fclose(log);
@@ -3650,10 +3722,8 @@ static void run_bench(const Options *o, const ModelConfig *config, const ParamLi
 // ----------------------------------------------------------------------------------------------
 // The C API (unet_api.h) for generate.c: a checkpoint's configuration, and its model forward.
 
-struct UnetModel {
-    UNet m;
-    floatX *x_host;     // the input, converted (host)
-    float *out_staged;  // room for the output as floatX (host)
+struct UnetSampler {
+    GpuSampler s;
 };
 
 extern "C" void unet_set_program_name(const char *name) { program_name = name; }
@@ -3684,46 +3754,69 @@ extern "C" int unet_inspect(const char *path, const char *weights, UnetInfo *inf
     return r;
 }
 
-extern "C" UnetModel *unet_load(const char *file, int batch, char *err, size_t err_len) {
+// The model configuration of a safetensors file (from unet_inspect), with the GPU made ready.
+// Returns 0, or -1 with a message (no GPU).
+static int model_config_for_gpu(const char *file, ModelConfig *c, char *err, size_t err_len) {
     int devices = 0;
     cudaError_t e = cudaGetDeviceCount(&devices);
-    if (e != cudaSuccess || devices == 0) {
-        dataset_fail(err, err_len, "no usable CUDA GPU (the CUDA runtime says: %s)", e != cudaSuccess ? cudaGetErrorString(e) : "no devices");
-        return NULL;
-    }
+    if (e != cudaSuccess || devices == 0)
+        return dataset_fail(err, err_len, "no usable CUDA GPU (the CUDA runtime says: %s)", e != cudaSuccess ? cudaGetErrorString(e) : "no devices");
     SafeTensorsFile f;
-    if (safetensors_open(file, &f, err, err_len) != 0) return NULL;
-    ModelConfig c = model_config_from_metadata(&f);
+    if (safetensors_open(file, &f, err, err_len) != 0) return -1;
+    *c = model_config_from_metadata(&f);
     safetensors_close(&f);
     if (!gpu.blas) gpu_init();
-    UnetModel *model = (UnetModel *)calloc(1, sizeof(UnetModel));
-    unet_create(&model->m, &c, batch);
-    if (load_parameters(&model->m, file, model->m.master, 0, err, err_len) != 0) return NULL;
-    unet_sync_compute(&model->m);
-    model->x_host = (floatX *)malloc_or_die(act_numel(&model->m.input) * sizeof(floatX));
-    model->out_staged = (float *)malloc_or_die(act_numel(model->m.output) * sizeof(floatX));
-    return model;
+    return 0;
 }
 
-extern "C" void unet_forward_nhwc(UnetModel *model, const float *x, const int64_t *t, const int *y, float *out) {
-    UNet *m = &model->m;
+// A forward-only model for batches of `batch` with the weights of a safetensors file. Returns 0,
+// or -1 with a message.
+static int load_model(UNet *m, const char *file, int batch, char *err, size_t err_len) {
+    ModelConfig c;
+    if (model_config_for_gpu(file, &c, err, err_len) != 0) return -1;
+    unet_create(m, &c, batch, 0);
+    if (load_parameters(m, file, m->master, 0, err, err_len) != 0) return unet_destroy(m), -1;
+    unet_sync_compute(m);
+    return 0;
+}
+
+// The model's output for x [batch][H][W][in_channels] (NHWC, float), timesteps t [batch] and labels
+// y [batch] (ignored when unconditional): out [batch][H][W][out_channels].
+static void forward_nhwc(UNet *m, const float *x, const int64_t *t, const int *y, float *out) {
     int64_t n_in = act_numel(&m->input), n_out = act_numel(m->output);
-    for (int64_t i = 0; i < n_in; i++) model->x_host[i] = (floatX)x[i];
-    cuda_check(cudaMemcpy(m->input.x, model->x_host, n_in * sizeof(floatX), cudaMemcpyHostToDevice));
+    floatX *staged = (floatX *)malloc_or_die((n_in > n_out ? n_in : n_out) * sizeof(floatX));
+    for (int64_t i = 0; i < n_in; i++) staged[i] = (floatX)x[i];
+    cuda_check(cudaMemcpy(m->input.x, staged, n_in * sizeof(floatX), cudaMemcpyHostToDevice));
     cuda_check(cudaMemcpy(m->timesteps, t, m->batch * sizeof(int64_t), cudaMemcpyHostToDevice));
     if (m->config.num_classes) cuda_check(cudaMemcpy(m->labels, y, m->batch * sizeof(int), cudaMemcpyHostToDevice));
     unet_forward(m, 0);
-    floatX *staged = (floatX *)model->out_staged;
     cuda_check(cudaMemcpy(staged, m->output->x, n_out * sizeof(floatX), cudaMemcpyDeviceToHost));
-    for (int64_t i = n_out - 1; i >= 0; i--) out[i] = (float)staged[i];
+    for (int64_t i = 0; i < n_out; i++) out[i] = (float)staged[i];
+    free(staged);
 }
 
-extern "C" void unet_free(UnetModel *model) {
-    if (!model) return;
-    unet_destroy(&model->m);
-    free(model->x_host);
-    free(model->out_staged);
-    free(model);
+extern "C" UnetSampler *unet_sampler_create(const char *file, int batch, const SamplePlan *plan, float guidance, uint64_t seed,
+                                            char *err, size_t err_len) {
+    ModelConfig c;
+    if (model_config_for_gpu(file, &c, err, err_len) != 0) return NULL;
+    UnetSampler *u = (UnetSampler *)malloc_or_die(sizeof(UnetSampler));
+    gpu_sampler_create(&u->s, &c, batch, plan, guidance, seed);
+    if (load_parameters(&u->s.m, file, u->s.m.master, 0, err, err_len) != 0) {
+        unet_sampler_free(u);
+        return NULL;
+    }
+    unet_sync_compute(&u->s.m);
+    return u;
+}
+
+extern "C" float unet_sample(UnetSampler *u, int64_t first, int count, const int *labels, uint8_t *pixels) {
+    return gpu_sampler_run(&u->s, first, count, labels, pixels);
+}
+
+extern "C" void unet_sampler_free(UnetSampler *u) {
+    if (!u) return;
+    gpu_sampler_destroy(&u->s);
+    free(u);
 }
 
 extern "C" int unet_eval(const char *file, const char *in_path, const char *out_path, char *err, size_t err_len) {
@@ -3752,8 +3845,9 @@ extern "C" int unet_eval(const char *file, const char *in_path, const char *out_
     }
     float *x_nchw = (float *)malloc_or_die(x ? x->numel * sizeof(float) : 1);
     if (r == 0 && safetensors_get_float(x, x_nchw) != 0) r = dataset_fail(err, err_len, "%s: x must be floating point", in_path);
-    UnetModel *model = r == 0 ? unet_load(used, N, err, err_len) : NULL;
-    if (model) {
+    UNet m;
+    if (r == 0 && load_model(&m, used, N, err, err_len) != 0) r = -1;
+    if (r == 0) {
         int C = info.in_channels, Co = info.out_channels, HW = S * S;
         float *x_nhwc = (float *)malloc_or_die((size_t)N * C * HW * sizeof(float)), *out = (float *)malloc_or_die((size_t)N * Co * HW * sizeof(float));
         float *out_nchw = (float *)malloc_or_die((size_t)N * Co * HW * sizeof(float));
@@ -3761,7 +3855,7 @@ extern "C" int unet_eval(const char *file, const char *in_path, const char *out_
         for (int n = 0; n < N; n++) labels[n] = (int)labels64[n];
         for (size_t i = 0; i < (size_t)N * C * HW; i++)  // i walks NCHW
             x_nhwc[(i / (C * HW) * HW + i % HW) * C + i / HW % C] = x_nchw[i];
-        unet_forward_nhwc(model, x_nhwc, steps, labels, out);
+        forward_nhwc(&m, x_nhwc, steps, labels, out);
         for (size_t i = 0; i < (size_t)N * Co * HW; i++)
             out_nchw[i] = out[(i / (Co * HW) * HW + i % HW) * Co + i / HW % Co];
         ParamList one = {0};  // the output as a one-tensor list, for the writer
@@ -3772,9 +3866,7 @@ extern "C" int unet_eval(const char *file, const char *in_path, const char *out_
         if (safetensors_write(out_path, &one, &out_nchw, meta.entries, meta.count) != 0)
             r = dataset_fail(err, err_len, "cannot write %s: %s", out_path, strerror(errno));
         free(one.specs), free(x_nhwc), free(out), free(out_nchw), free(labels);
-        unet_free(model);
-    } else if (r == 0) {
-        r = -1;
+        unet_destroy(&m);
     }
     free(steps), free(labels64), free(x_nchw);
     safetensors_close(&in);

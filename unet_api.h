@@ -1,16 +1,19 @@
 // unet_api.h: the small C API of train_unet.cu's library build (make builds it into
-// build/unet_api.o): load a checkpoint, run the model forward, free. generate.c uses it.
+// build/unet_api.o): read a checkpoint's configuration, sample images on the GPU, evaluate the
+// model on given inputs. generate.c uses it.
 #ifndef UNET_API_H
 #define UNET_API_H
 
 #include <stddef.h>
 #include <stdint.h>
 
+#include "sampler.h"
+
 #ifdef __cplusplus
 extern "C" {
 #endif
 
-typedef struct UnetModel UnetModel;
+typedef struct UnetSampler UnetSampler;
 
 // What a checkpoint's metadata says about its model and diffusion.
 typedef struct {
@@ -31,15 +34,19 @@ void unet_set_program_name(const char *name);
 // or -1 with a message; on success *file holds the safetensors path used (file_len bytes).
 int unet_inspect(const char *path, const char *weights, UnetInfo *info, char *file, size_t file_len, char *err, size_t err_len);
 
-// Loads the weights of a safetensors file (from unet_inspect) onto the GPU for batches of `batch`
-// images; NULL with a message on error (a missing GPU, a mismatched file).
-UnetModel *unet_load(const char *file, int batch, char *err, size_t err_len);
+// A sampler on the GPU for batches of `batch` images with the weights of a safetensors file (from
+// unet_inspect), running `plan` (copied) with classifier-free guidance scale `guidance` (1: none;
+// otherwise the model's last label row is the null class) and starting noise and draws from
+// `seed`. NULL with a message on error (a missing GPU, a mismatched file).
+UnetSampler *unet_sampler_create(const char *file, int batch, const SamplePlan *plan, float guidance, uint64_t seed, char *err,
+                                 size_t err_len);
 
-// The model's output for x [batch][H][W][in_channels] (NHWC, float), timesteps t [batch] and labels
-// y [batch] (ignored when unconditional): out [batch][H][W][out_channels].
-void unet_forward_nhwc(UnetModel *model, const float *x, const int64_t *t, const int *y, float *out);
+// Samples images first .. first + count - 1 (count <= batch) of the seed with their labels
+// ([count], ignored by an unconditional model) into pixels ([count][H][W][C], 0..255). Image i
+// depends only on (seed, i, its label) and the batch size. Returns the GPU time taken, in ms.
+float unet_sample(UnetSampler *sampler, int64_t first, int count, const int *labels, uint8_t *pixels);
 
-void unet_free(UnetModel *model);
+void unet_sampler_free(UnetSampler *sampler);
 
 // --eval: runs the model of a safetensors file (from unet_inspect) on the inputs of in_path
 // (x [N][C][H][W] float in PyTorch's NCHW layout, t [N] and, for a class-conditional model, y [N],

@@ -23,6 +23,7 @@
 
 typedef struct {
     int verbose;
+    int in_turn;  // images without a label are labelled class 0, 1, 2, 0, ... in the order checked
     long images, valid, per_class[SHAPES_NUM_CLASSES];
     long labelled, agree;  // valid images that carry a label, and those whose label agrees
 } Tally;
@@ -43,6 +44,7 @@ static void die(const char *fmt, ...) {
 static void check_one(Tally *t, const uint8_t *rgb, int w, int h, const char *path, long index, const char *label) {
     char why[256];
     int cls = shapes_check(rgb, w, h, why, sizeof why);
+    if (!label && t->in_turn) label = shapes_class_names[t->images % SHAPES_NUM_CLASSES];
     t->images++;
     if (cls < 0) {
         if (t->verbose) {
@@ -155,10 +157,16 @@ int main(int argc, char **argv) {
                    "  --verbose     one line per failing image (and per label disagreement)\n"
                    "  --min-pass P  exit 1 when fewer than P percent of the images are valid\n"
                    "  --grid S      each image is a sample grid of train_unet (SxS tiles, 2-pixel borders)\n"
-                   "  --count N     with --grid: only the first N tiles\n");
+                   "  --count N     with --grid: only the first N tiles\n"
+                   "  --classes-in-turn  the images (in the order checked: tiles row by row, a folder's files\n"
+                   "                by name) were asked for as classes 0, 1, 2, 0, ... (circle, square, triangle),\n"
+                   "                as generate and train_unet's grids do for a class-conditional model:\n"
+                   "                also compare class and request\n");
             return 0;
         } else if (strcmp(argv[i], "--verbose") == 0) {
             t.verbose = 1;
+        } else if (strcmp(argv[i], "--classes-in-turn") == 0) {
+            t.in_turn = 1;
         } else if (strcmp(argv[i], "--min-pass") == 0) {
             char *end;
             if (i + 1 >= argc) die("--min-pass needs a percentage");

@@ -4,6 +4,9 @@
 # configurations, one after the other in one run; prints a table of medians and the ratios
 # (PyTorch time / ours: above 1 means we are faster). Default: seed:32 seed:128.
 # BENCH_MODES="eager compile reduce-overhead" picks the PyTorch modes; BENCH_STEPS the steps timed.
+# Then sampling: DDIM with 50 steps, 256 images of the seed preset in one batch, `generate --bench`
+# against scripts/sample_torch.py in the same modes (images/s: above 1 means we are faster).
+# BENCH_SAMPLE=0 leaves it out.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 configs=("$@")
@@ -23,6 +26,20 @@ for config in "${configs[@]}"; do
     done
     rows+=("$row")
 done
+sample_row=""
+if [ "${BENCH_SAMPLE:-1}" != 0 ]; then
+    run=build/bench_run  # one training step of the seed preset: a checkpoint to sample from
+    rm -rf "$run"
+    ./train_unet --data data/shapes.bin --steps 1 --run_dir "$run" >>"$log"
+    ours=$(./generate --checkpoint "$run/checkpoints/step_000000001" --num 256 --batch 256 --steps 50 --bench 5 |
+           tee -a "$log" | sed -n 's/.*(\([0-9.]*\) images\/s.*/\1/p')
+    sample_row="$ours"
+    for mode in $modes; do
+        theirs=$(python3 scripts/sample_torch.py --num 256 --steps 50 --mode "$mode" 2>&1 | tee -a "$log" |
+                 sed -n 's/.*(\([0-9.]*\) images\/s.*/\1/p')
+        sample_row="$sample_row $mode=${theirs:-failed}"
+    done
+fi
 cat "$log"
 rm -f "$log"
 echo
@@ -40,3 +57,18 @@ for row in "${rows[@]}"; do
     done
     echo
 done
+if [ -n "$sample_row" ]; then
+    echo
+    printf '%-26s %12s' "sampling: DDIM-50, 256" "ours img/s"
+    for mode in $modes; do printf ' %26s' "$mode img/s (ratio)"; done
+    echo
+    set -- $sample_row
+    printf '%-26s %12s' "seed preset, batch 256" "$1"
+    ours=$1; shift
+    for cell in "$@"; do
+        theirs=${cell#*=}
+        if [ "$theirs" = failed ]; then printf ' %26s' failed
+        else printf ' %26s' "$theirs ($(awk -v a="$theirs" -v b="$ours" 'BEGIN { printf "%.2fx", b / a }'))"; fi
+    done
+    echo
+fi

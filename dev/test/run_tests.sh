@@ -9,7 +9,8 @@ cpu_tests=(build/test/test_dataset build/test/test_shapes build/test/test_datalo
            build/test/test_reference build/test/test_unet_fixtures build/test/test_checkpoint
            build/test/test_sampler build/test/test_sampler_fixture)
 gpu_tests=(build/test/test_dataloader_gpu build/test/test_unet_gpu_fp32 build/test/test_unet_gpu_bf16
-           build/test/test_unet_gpu_reference_fp32 build/test/test_unet_gpu_reference_bf16 dev/test/test_train_gpu.sh)
+           build/test/test_unet_gpu_reference_fp32 build/test/test_unet_gpu_reference_bf16
+           build/test/test_sampler_gpu_fp32 build/test/test_sampler_gpu_bf16 dev/test/test_train_gpu.sh)
 
 passed=0; failed=0; skipped=0
 run() {  # runs one test program, adds up its "N passed, N failed" line

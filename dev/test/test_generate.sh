@@ -29,6 +29,7 @@ expect_grep "no null class" "$LAST_ERR"
 expect_fail ./generate --checkpoint "$SIGMA"
 expect_grep "learn_sigma" "$LAST_ERR"
 expect_fail ./generate --checkpoint "$UNCOND" --steps 999
+expect_fail ./generate --checkpoint "$UNCOND" --bench 0
 head -c 5000 "$UNCOND" >"$TEST_TMP/cut.safetensors"
 expect_fail ./generate --checkpoint "$TEST_TMP/cut.safetensors"
 expect_grep "truncated" "$LAST_ERR"
@@ -74,6 +75,9 @@ if nvidia-smi -L >/dev/null 2>&1; then
     done
     expect_ok ./generate --checkpoint "$UNCOND" --num 5 --batch 2 --out "$TEST_TMP/again"
     cmp -s "$TEST_TMP/ddim/000003.png" "$TEST_TMP/again/000003.png" || case_fail "the same seed gave another image"
+    expect_ok ./generate --checkpoint "$UNCOND" --num 4 --batch 2 --bench 2 --out "$TEST_TMP/bench"
+    expect_grep "images/s" "$LAST_OUT"
+    expect_absent "$TEST_TMP/bench"
 
     case_begin "--eval on a fixture's inputs reproduces PyTorch's output (BF16 build: 2e-2)"
     for fixture in dev/fixtures/*.safetensors; do

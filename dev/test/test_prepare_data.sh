@@ -271,6 +271,30 @@ cmp -s "$T/shapes.bin" "$T/shapes2.bin" || case_fail "same seed, different files
 expect_ok "$PD" --synthetic shapes --count 50 --size 32 --seed 8 --output "$T/shapes3.bin"
 cmp -s "$T/shapes.bin" "$T/shapes3.bin" && case_fail "different seeds, same files"
 
+case_begin "check_shapes: a dataset's labels agree; a grid in turn of the classes (circle, square, triangle)"
+expect_ok ./check_shapes "$T/shapes.bin"
+expect_grep "labels agree with the checker on ([0-9]+) of \1 " "$LAST_OUT"
+# 12 dataset images as a 4x3 grid with 2-pixel white borders (train_unet's and generate's layout):
+# in turn of the classes, then shifted by one
+check_py "
+d = read('$T/shapes.bin')
+by = [[im for im, l in zip(d['images'], d['labels']) if l == c] for c in range(3)]
+def grid(path, tiles):
+    s, W, H = 32, 4 * 34 + 2, 3 * 34 + 2
+    g = bytearray([255] * (W * H * 3))
+    for i, im in enumerate(tiles):
+        x0, y0 = 2 + (i % 4) * 34, 2 + (i // 4) * 34
+        for y in range(s): g[((y0 + y) * W + x0) * 3:((y0 + y) * W + x0 + s) * 3] = im[y * s * 3:(y + 1) * s * 3]
+    png(path, W, H, 2, g)
+grid('$T/in_turn.png', [by[i % 3][i // 3] for i in range(12)])
+grid('$T/shifted.png', [by[(i + 1) % 3][i // 3] for i in range(12)])
+"
+expect_ok ./check_shapes --grid 32 --classes-in-turn "$T/in_turn.png"
+expect_grep "^12 images, 12 valid" "$LAST_OUT"
+expect_grep "labels agree with the checker on 12 of 12 " "$LAST_OUT"
+expect_ok ./check_shapes --grid 32 --count 6 --classes-in-turn "$T/shifted.png"
+expect_grep "labels agree with the checker on 0 of 6 " "$LAST_OUT"
+
 case_begin "an interrupt leaves neither the output nor a temporary file"
 mkdir -p "$T/out2"
 for sig in INT TERM; do

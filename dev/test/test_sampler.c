@@ -20,7 +20,7 @@
 static const double MU = 0.3, SIGMA = 0.4;
 
 typedef struct {
-    const SampleSchedule *s;
+    const NoiseSchedule *d;
     int predict_v;
     uint64_t seed;
     size_t calls;
@@ -35,9 +35,7 @@ static double gaussian(uint64_t seed, uint64_t stream, uint64_t i) {
 // The optimal model at timestep t: eps, or v = sqrt(abar) eps - sqrt(1 - abar) x0.
 static void analytic_model(void *ctx, const float *x, int t, float *out) {
     Analytic *a = (Analytic *)ctx;
-    double abar = -1;
-    for (int k = 0; k < a->s->count; k++)
-        if (a->s->timesteps[k] == t) abar = a->s->abar[k];
+    double abar = a->d->alphas_cumprod[t];
     a->calls++;
     for (size_t i = 0; i < 40000; i++) {
         double var = abar * SIGMA * SIGMA + 1 - abar, r = (x[i] - sqrt(abar) * MU) / var;
@@ -46,7 +44,7 @@ static void analytic_model(void *ctx, const float *x, int t, float *out) {
     }
 }
 
-static float analytic_noise(void *ctx, int k, size_t i) { return (float)gaussian(((Analytic *)ctx)->seed, 100 + k, i); }
+static float analytic_noise(void *ctx, int j, size_t i) { return (float)gaussian(((Analytic *)ctx)->seed, 100 + j, i); }
 
 // The mean and deviation DDIM (any eta) must give, by the recursion of the header comment.
 static void ddim_expected(const SampleSchedule *s, float eta, double *mean, double *sd) {
@@ -71,11 +69,15 @@ static void check_sampler(const char *name, SamplerKind kind, const char *schedu
     SampleSchedule s;
     CHECK(noise_schedule_make(&d, 1000, schedule) == 0);
     CHECK((kind == SAMPLER_DPM_SOLVER_PP ? sample_schedule_log_snr(&d, steps, &s) : sample_schedule_make(&d, steps, &s)) == 0);
+    SamplePlan plan;
+    CHECK(sample_plan_make(&plan, &d, kind, steps, eta, predict_v, 0) == 0 && plan.count == s.count);
+    for (int j = 0; j < plan.count; j++) CHECK(plan.steps[j].timestep == s.timesteps[s.count - 1 - j]);
     static float x[N];
-    Analytic a = {&s, predict_v, (uint64_t)time(NULL), 0};
+    Analytic a = {&d, predict_v, (uint64_t)time(NULL), 0};
     for (size_t i = 0; i < N; i++) x[i] = (float)gaussian(a.seed, 1, i);
-    CHECK(sample_loop(kind, &s, eta, predict_v, 0, analytic_model, analytic_noise, &a, x, N) == 0);
+    CHECK(sample_loop(&plan, analytic_model, analytic_noise, &a, x, N) == 0);
     CHECK(a.calls == (size_t)s.count);
+    sample_plan_free(&plan);
     double sum = 0, sum2 = 0, want_mean = MU, want_sd = SIGMA;
     for (size_t i = 0; i < N; i++) sum += x[i], sum2 += (double)x[i] * x[i];
     double mean = sum / N, sd = sqrt(sum2 / N - mean * mean);
@@ -121,6 +123,31 @@ int main(void) {
     CHECK(increasing);
     sample_schedule_free(&s);
     noise_schedule_free(&d);
+
+    check_case("plans: DDPM is DDIM with eta 1 on all T steps; no noise on the last step; DPM-Solver++ first order at the ends");
+    SamplePlan plan;
+    CHECK(noise_schedule_make(&d, 1000, "linear") == 0);
+    CHECK(sample_plan_make(&plan, &d, SAMPLER_DDPM, 50, 0.0f, 0, 1) == 0 && plan.count == 1000 && plan.steps[0].timestep == 999);
+    CHECK(plan.steps[0].eta == 1.0f && plan.steps[0].noisy && !plan.steps[999].noisy && plan.steps[999].abar_prev == 1.0f);
+    CHECK(plan.steps[0].abar == (float)d.alphas_cumprod[999] && plan.steps[0].abar_prev == (float)d.alphas_cumprod[998]);
+    sample_plan_free(&plan);
+    CHECK(sample_plan_make(&plan, &d, SAMPLER_DDIM, 50, 0.0f, 0, 1) == 0 && !plan.steps[0].noisy && plan.steps[1].timestep == 960);
+    sample_plan_free(&plan);
+    CHECK(sample_plan_make(&plan, &d, SAMPLER_DDIM, 999, 0.0f, 0, 1) != 0 && !plan.steps);
+    CHECK(respacing_stride(1000, 50) == 20 && respacing_stride(1000, 999) == 0);
+    CHECK(sample_plan_make(&plan, &d, SAMPLER_DPM_SOLVER_PP, 20, 0.0f, 0, 1) == 0 && plan.count == 20);
+    CHECK(!plan.steps[0].second_order && plan.steps[1].second_order && plan.steps[18].second_order && !plan.steps[19].second_order);
+    CHECK(!plan.steps[0].noisy && plan.steps[1].r > 0.5f && plan.steps[1].r < 2.0f);
+    sample_plan_free(&plan);
+    noise_schedule_free(&d);
+
+    check_case("normal_sample: 200000 draws have mean 0 and deviation 1 (within 5 standard errors)");
+    double sum = 0, sum2 = 0;
+    for (uint64_t i = 0; i < 200000; i++) {
+        double z = normal_sample(7, 20, i);
+        sum += z, sum2 += z * z;
+    }
+    CHECK(fabs(sum / 200000) < 5 / sqrt(200000.0) && fabs(sqrt(sum2 / 200000) - 1) < 5 / sqrt(400000.0));
 
     check_case("guidance: uncond + w (cond - uncond)");
     CHECK(guided_output(2.0f, 1.0f, 1.0f) == 2.0f && guided_output(2.0f, 1.0f, 0.0f) == 1.0f && guided_output(2.0f, 1.0f, 3.0f) == 4.0f);

@@ -2,7 +2,7 @@
 # test_train_gpu.sh: training on the GPU, end to end: a run stopped and resumed equals a run that
 # never stopped (every logged loss, learning rate and gradient norm, and the final weights, EMA
 # and optimiser state to the byte); SIGINT saves and exits 0; non-finite steps stop the run with
-# a clear message; bad checkpoints are refused with one line.
+# a clear message; sample grids are written; bad checkpoints are refused with one line.
 cd "$(dirname "$0")/../.." || exit 1
 . dev/test/lib.sh
 ./prepare_data --synthetic shapes --count 300 --size 32 --seed 5 --output "$TEST_TMP/s.bin" --quiet >/dev/null
@@ -45,6 +45,18 @@ rc=$?
 [ "$(grep -c "skipped: loss" "$LAST_ERR")" = 3 ] || case_fail "expected 3 skipped-step warnings"
 tail -n 1 "$LAST_ERR" | grep -q "^train_unet: error: stopping: 3 non-finite steps in a row" || case_fail "no stop message"
 [ "$(grep -c "error" "$LAST_ERR")" = 1 ] || case_fail "more than one error line"
+
+case_begin "sample grids every --sample_interval steps and at the end, of the PNG size expected"
+expect_ok train --steps 20 --run_dir "$TEST_TMP/f" --sample_count 5 --sample_interval 10 --sample_steps 10
+expect_grep "^samples: .*/samples/step_000000010.png" "$LAST_OUT"
+for step in 10 20; do
+    python3 - "$TEST_TMP/f/samples/step_0000000$step.png" <<'PY' || case_fail "grid of step $step: missing or of the wrong size"
+import struct, sys
+b = open(sys.argv[1], "rb").read()
+w, h = struct.unpack(">II", b[16:24])
+sys.exit(0 if b[:8] == b"\x89PNG\r\n\x1a\n" and (w, h) == (3 * 34 + 2, 2 * 34 + 2) else 1)
+PY
+done
 
 case_begin "bad checkpoints: one error line each"
 expect_fail train --steps 40 --run_dir "$TEST_TMP/e" --resume_checkpoint "$TEST_TMP/nowhere"

@@ -85,7 +85,7 @@ static void test_fixture(const char *path) {
     if (!xt) fatal("%s: no input x", path);
     int N = (int)xt->shape[0], S = c.image_size;
     UNet m;
-    unet_create(&m, &c, N);
+    unet_create(&m, &c, N, 1);
 
     char name[256];
     snprintf(name, sizeof name, "%s: parameter names and shapes equal guided-diffusion's", path);

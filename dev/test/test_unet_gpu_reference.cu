@@ -76,7 +76,7 @@ static void test_config(const TestConfig *t) {
 
     // The trainer.
     UNet m;
-    unet_create(&m, &c, N);
+    unet_create(&m, &c, N, 1);
     float **values = (float **)malloc_or_die(r.params.count * sizeof(float *));
     for (int i = 0; i < r.params.count; i++) {
         values[i] = (float *)malloc_or_die(r.params.specs[i].numel * sizeof(float));

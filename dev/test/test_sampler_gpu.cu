@@ -1,0 +1,129 @@
+// test_sampler_gpu.cu: the GPU sampling loop (train_unet.cu's GpuSampler: one step captured as a
+// CUDA graph and replayed, the step index on the GPU, guidance at twice the batch) against
+// sampler.h's host loop driving the same model one forward pass at a time, with the same draws.
+// Every sampler (DDPM on a 100-step schedule, DDIM with eta 0 and 1, DPM-Solver++), eps and v
+// prediction, with and without classifier-free guidance, on a small class-conditional model with
+// random weights everywhere (zero-initialised layers too). Tolerance on the final x: FP32 1e-4
+// relative (the host's cosf against the GPU's cospif, and other product shapes); BF16 2e-2.
+// Sampling the same batch again gives the same pixels, bit for bit.
+#define TRAIN_UNET_LIBRARY
+#include "../../train_unet.cu"
+#include "check.h"
+
+static const double TOLERANCE = sizeof(floatX) == 4 ? 1e-4 : 2e-2;
+enum { IMAGES = 3, CLASSES = 3, FIRST = 5 };  // the batch samples images FIRST .. FIRST + IMAGES - 1
+
+// The host loop's model: forward passes of m (batch IMAGES), guided like the GPU's.
+typedef struct {
+    UNet *m;
+    int guided;
+    float guidance;
+    int labels[IMAGES], null_labels[IMAGES];
+    int64_t t[IMAGES];
+    float *uncond;
+    int64_t offset;
+    uint64_t seed;
+} Host;
+
+static void host_model(void *ctx, const float *x, int t, float *out) {
+    Host *h = (Host *)ctx;
+    for (int b = 0; b < IMAGES; b++) h->t[b] = t;
+    forward_nhwc(h->m, x, h->t, h->labels, out);
+    if (!h->guided) return;
+    forward_nhwc(h->m, x, h->t, h->null_labels, h->uncond);
+    for (int64_t i = 0; i < act_numel(&h->m->input); i++) out[i] = guided_output(out[i], h->uncond[i], h->guidance);
+}
+
+static float host_noise(void *ctx, int j, size_t i) {
+    Host *h = (Host *)ctx;
+    return normal_sample(h->seed, STREAM_SAMPLE_NOISE + (uint64_t)j, h->offset + i);
+}
+
+// Random parameters of roughly PyTorch's scale, the zero-initialised layers too.
+static void random_parameters(UNet *m, uint64_t seed) {
+    float *host = (float *)calloc(m->storage, sizeof(float));
+    for (int i = 0; i < m->params.count; i++) {
+        const ParamSpec *p = &m->params.specs[i];
+        int norm_weight = p->ndim == 1 && (strstr(p->name, "layers.0.") || strstr(p->name, ".norm.") || strncmp(p->name, "out.0.", 6) == 0) &&
+                          ends_with(p->name, "weight");
+        double bound = p->ndim >= 2 ? 1.5 / sqrt((double)(p->numel / p->shape[0])) : 0.1;
+        if (strncmp(p->name, "label_emb.", 10) == 0) bound = 1.0;
+        float *values = (float *)malloc_or_die(p->numel * sizeof(float));
+        for (int64_t j = 0; j < p->numel; j++) values[j] = (float)((2 * uniform01(seed, i, j) - 1) * bound + norm_weight);
+        param_layout(p, values, host + p->offset, 1);
+        free(values);
+    }
+    cuda_check(cudaMemcpy(m->master, host, m->storage * sizeof(float), cudaMemcpyHostToDevice));
+    unet_sync_compute(m);
+    free(host);
+}
+
+static void test_plan(const char *name, const ModelConfig *c, const UNet *weights, SamplerKind kind, int steps, float eta,
+                      int predict_v, float guidance) {
+    check_case(name);
+    NoiseSchedule d;
+    SamplePlan plan;
+    CHECK(noise_schedule_make(&d, 100, "linear") == 0);
+    CHECK(sample_plan_make(&plan, &d, kind, steps, eta, predict_v, 1) == 0);
+    uint64_t seed = 1234;
+    int S = c->image_size;
+    int64_t per_image = (int64_t)S * S * c->in_channels, n = IMAGES * per_image;
+    int labels[IMAGES] = {2, 0, 1};
+
+    GpuSampler s;
+    gpu_sampler_create(&s, c, IMAGES, &plan, guidance, seed);
+    cuda_check(cudaMemcpy(s.m.master, weights->master, weights->storage * sizeof(float), cudaMemcpyDeviceToDevice));
+    unet_sync_compute(&s.m);
+    uint8_t *pixels = (uint8_t *)malloc_or_die(n), *again = (uint8_t *)malloc_or_die(n);
+    float ms = gpu_sampler_run(&s, FIRST, IMAGES, labels, pixels);
+    float *gpu_x = (float *)malloc_or_die(n * sizeof(float));
+    cuda_check(cudaMemcpy(gpu_x, s.x, n * sizeof(float), cudaMemcpyDeviceToHost));
+    gpu_sampler_run(&s, FIRST, IMAGES, labels, again);
+    CHECK(memcmp(pixels, again, n) == 0);
+
+    Host h;
+    memset(&h, 0, sizeof h);
+    h.m = (UNet *)weights, h.guided = guidance != 1.0f, h.guidance = guidance, h.offset = FIRST * per_image, h.seed = seed;
+    for (int b = 0; b < IMAGES; b++) h.labels[b] = labels[b], h.null_labels[b] = CLASSES;
+    h.uncond = (float *)malloc_or_die(n * sizeof(float));
+    float *x = (float *)malloc_or_die(n * sizeof(float));
+    for (int64_t i = 0; i < n; i++) x[i] = normal_sample(seed, STREAM_SAMPLE_START, h.offset + i);
+    CHECK(sample_loop(&plan, host_model, host_noise, &h, x, n) == 0);
+
+    double diff = 0, norm = 0;
+    int pixel_gap = 0;
+    for (int64_t i = 0; i < n; i++) {
+        diff += (double)(gpu_x[i] - x[i]) * (gpu_x[i] - x[i]), norm += (double)x[i] * x[i];
+        int want = (int)lrintf(fminf(fmaxf((gpu_x[i] + 1.0f) * 127.5f, 0.0f), 255.0f));
+        pixel_gap = abs(want - pixels[i]) > pixel_gap ? abs(want - pixels[i]) : pixel_gap;
+    }
+    double err = sqrt(diff / norm);
+    printf("  %d steps, GPU against the host loop %.2e, x's RMS %.3f, %.2f ms\n", plan.count, err, sqrt(norm / n), ms);
+    CHECK(err <= TOLERANCE);
+    CHECK(pixel_gap <= 1);  // the pixels are the samples, rounded (the host's lrintf may round a tie otherwise)
+    CHECK(sqrt(norm / n) > 0.05);  // the samples are not all zero
+    gpu_sampler_destroy(&s);
+    free(pixels), free(again), free(gpu_x), free(x), free(h.uncond);
+    sample_plan_free(&plan);
+    noise_schedule_free(&d);
+}
+
+int main(void) {
+    gpu_init();
+    Options o = preset_seed();
+    o.image_size = 16, o.num_channels = 32, o.channel_mult = "1,2", o.num_res_blocks = 1, o.attention_resolutions = "8";
+    o.use_scale_shift_norm = 1, o.class_cond = 1;
+    ModelConfig c = resolve_model(&o, CLASSES + 1);  // 3 classes and the null class
+    UNet m;
+    unet_create(&m, &c, IMAGES, 0);
+    random_parameters(&m, 99);
+
+    test_plan("DDIM, 10 steps, eta 0", &c, &m, SAMPLER_DDIM, 10, 0.0f, 0, 1.0f);
+    test_plan("DDIM, 10 steps, eta 1 (noise every step but the last)", &c, &m, SAMPLER_DDIM, 10, 1.0f, 0, 1.0f);
+    test_plan("DDPM, all 100 steps", &c, &m, SAMPLER_DDPM, 0, 0.0f, 0, 1.0f);
+    test_plan("DPM-Solver++(2M), 8 steps, v prediction", &c, &m, SAMPLER_DPM_SOLVER_PP, 8, 0.0f, 1, 1.0f);
+    test_plan("DDIM, 10 steps, classifier-free guidance 3", &c, &m, SAMPLER_DDIM, 10, 0.0f, 0, 3.0f);
+    test_plan("DPM-Solver++(2M), 8 steps, guidance 2, eta ignored", &c, &m, SAMPLER_DPM_SOLVER_PP, 8, 0.5f, 0, 2.0f);
+    unet_destroy(&m);
+    return check_summary();
+}

@@ -1,0 +1,108 @@
+"""The PyTorch side of `make bench`'s sampling row: guided-diffusion's DDIM (ddim_sample with
+eta 0, space_timesteps' "ddimN" respacing, x0 clipped to [-1, 1]) on our reference UNet
+(unet_ref.py), one batch of N images, the model under bf16 autocast, channels-last. CUDA events
+around each whole sampling run after a warm-up run; median of R runs.
+
+    python3 scripts/sample_torch.py --preset seed --num 256 --steps 50 --mode eager|compile|reduce-overhead [--runs 5]
+
+The weights are PyTorch's initialisation (the time does not depend on them).
+"""
+
+import argparse
+import math
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_torch import PRESETS  # noqa: E402
+from unet_ref import create_model  # noqa: E402
+
+
+def linear_alphas_cumprod(T):
+    scale = 1000 / T
+    betas = torch.linspace(scale * 1e-4, scale * 0.02, T, dtype=torch.float64)
+    return torch.cumprod(1 - betas, 0)
+
+
+def respaced(T, count):
+    """space_timesteps(T, "ddim<count>"): t = 0, s, 2s, ... with the smallest stride s giving count."""
+    for stride in range(1, T + 1):
+        if len(range(0, T, stride)) == count:
+            return list(range(0, T, stride))
+    raise ValueError(f"no stride gives {count} of {T} steps")
+
+
+def ddim_step(model, x, t, coef):
+    """One DDIM step (eta 0): x0 = (x - sqrt(1 - a) eps) / sqrt(a), clipped; eps recomputed from x0;
+    x_prev = sqrt(a_prev) x0 + sqrt(1 - a_prev) eps. coef: sqrt(a), sqrt(1 - a), sqrt(a_prev), sqrt(1 - a_prev)."""
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        out = model(x, t).float()
+    x0 = ((x - coef[1] * out) / coef[0]).clamp(-1, 1)
+    eps = (x - coef[0] * x0) / coef[1]
+    return coef[2] * x0 + coef[3] * eps
+
+
+@torch.no_grad()
+def ddim_sample(step, x, t, coefs, mark_step):
+    """The steps in turn; t [steps][N] and coefs [steps][4] already on the GPU."""
+    for k in range(t.shape[0]):
+        mark_step()
+        x = step(x, t[k], coefs[k]).clone()  # clone: a CUDA-graph output is overwritten by the next replay
+    return x
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--preset", default="seed", choices=PRESETS)
+    parser.add_argument("--num", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--mode", default="eager", choices=["eager", "compile", "reduce-overhead"])
+    parser.add_argument("--runs", type=int, default=5)
+    args = parser.parse_args()
+
+    torch.manual_seed(0)
+    model = create_model(PRESETS[args.preset]).cuda().eval().to(memory_format=torch.channels_last)
+
+    def step(x, t, coef):
+        return ddim_step(model, x, t, coef)
+
+    mark_step = lambda: None  # noqa: E731
+    if args.mode != "eager":  # the whole step compiled: the model and the update
+        step = torch.compile(step, mode=None if args.mode == "compile" else "reduce-overhead")
+        if args.mode == "reduce-overhead":
+            mark_step = torch.compiler.cudagraph_mark_step_begin
+    size = int(PRESETS[args.preset]["image_size"])
+    abar = linear_alphas_cumprod(1000)
+    timesteps = respaced(1000, args.steps)[::-1]  # from the noisiest
+    rows = []
+    for k, timestep in enumerate(timesteps):
+        a, a_prev = abar[timestep].item(), abar[timesteps[k + 1]].item() if k + 1 < len(timesteps) else 1.0
+        rows.append([math.sqrt(a), math.sqrt(1 - a), math.sqrt(a_prev), math.sqrt(1 - a_prev)])
+    coefs = torch.tensor(rows, device="cuda", dtype=torch.float32)
+    t = torch.tensor(timesteps, device="cuda", dtype=torch.long)[:, None].expand(-1, args.num).contiguous()
+    noise = torch.randn(args.num, 3, size, size, device="cuda").to(memory_format=torch.channels_last)
+
+    began = time.time()
+    ddim_sample(step, noise, t, coefs, mark_step)
+    torch.cuda.synchronize()
+    warmup_s = time.time() - began
+    seconds = []
+    for _ in range(args.runs):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        ddim_sample(step, noise, t, coefs, mark_step)
+        stop.record()
+        stop.synchronize()
+        seconds.append(start.elapsed_time(stop) / 1000)
+    median = statistics.median(seconds)
+    print(f"torch {args.mode}: {args.preset} preset, DDIM {args.steps} steps, {args.num} images in one batch: median "
+          f"{median:.3f} s ({args.num / median:.1f} images/s; min {min(seconds):.3f} s, max {max(seconds):.3f} s over "
+          f"{args.runs} runs), warm-up {warmup_s:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
