@@ -131,10 +131,11 @@ build/test/test_unet_gpu_fp32 build/test/test_unet_gpu_bf16: build/test/test_une
 build/test/test_unet_gpu_reference_%: dev/test/test_unet_gpu_reference.cu train_unet.cu $(DEV_REFERENCES) dev/test/check.h
 	@mkdir -p build/test
 	$(NVCC) $(NVCC_COMMON) -DPRECISION_$(shell echo $* | tr a-z A-Z) -o $@ $< $(CUDA_LIBS)
-# The GPU sampling loop against sampler.h's host loop, in both precisions.
+# The GPU sampling loop against sampler.h's host loop, in both precisions; with products of at most
+# 100,000 patch values, so that forward passes run in slices of 1 or 2 images.
 build/test/test_sampler_gpu_%: dev/test/test_sampler_gpu.cu train_unet.cu sampler.h dataset.h dev/test/check.h
 	@mkdir -p build/test
-	$(NVCC) $(NVCC_COMMON) -DPRECISION_$(shell echo $* | tr a-z A-Z) -o $@ $< $(CUDA_LIBS)
+	$(NVCC) $(NVCC_COMMON) -DPRECISION_$(shell echo $* | tr a-z A-Z) -DCONV_SLICE_VALUES=100000 -o $@ $< $(CUDA_LIBS)
 
 # Per-layer GPU checks: each dev/<layer>.cu has a main (the trainer's own kernels against the CPU
 # reference on random shapes, and timings at the seed model's shapes). `make dev` builds them into

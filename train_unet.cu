@@ -855,10 +855,28 @@ static const floatX *conv_patches(const Conv *cv, const floatX *x, int N, int H,
 }
 
 // y = conv(x) + b (+ residual, a tensor shaped like y, when given).
+// The images of one product in the forward pass: a patch matrix under CONV_SLICE_VALUES values
+// (512 MiB in bf16), so a large batch runs as a few products on a small scratch.
+#ifndef CONV_SLICE_VALUES  // (a test makes it small)
+#define CONV_SLICE_VALUES (1 << 28)
+#endif
+static int conv_slice_images(const Conv *cv, int N, int H, int W) {
+    if (cv->k == 1 && cv->stride == 1) return N;  // no patch matrix
+    int64_t per_image = (int64_t)conv_out_size(H, cv->k, cv->stride) * conv_out_size(W, cv->k, cv->stride) * cv->k * cv->k * cv->in;
+    int64_t images = CONV_SLICE_VALUES / per_image;
+    return images < 1 ? 1 : images < N ? (int)images : N;
+}
+
 static void conv_forward(const Conv *cv, floatX *y, const floatX *x, int N, int H, int W, const floatX *residual) {
-    int M = N * conv_out_size(H, cv->k, cv->stride) * conv_out_size(W, cv->k, cv->stride), K = cv->k * cv->k * cv->in;
-    const floatX *col = conv_patches(cv, x, N, H, W);
-    matmul(y, CUDA_FLOATX, cv->out, col, 0, K, cv->w, 1, K, M, cv->out, K, residual, cv->out, residual ? 1.0f : 0.0f, cv->b);
+    int Ho = conv_out_size(H, cv->k, cv->stride), Wo = conv_out_size(W, cv->k, cv->stride), K = cv->k * cv->k * cv->in;
+    int slice = conv_slice_images(cv, N, H, W);
+    for (int first = 0; first < N; first += slice) {
+        int n = N - first < slice ? N - first : slice;
+        int64_t out_at = (int64_t)first * Ho * Wo * cv->out;
+        const floatX *col = conv_patches(cv, x + (int64_t)first * H * W * cv->in, n, H, W);
+        matmul(y + out_at, CUDA_FLOATX, cv->out, col, 0, K, cv->w, 1, K, n * Ho * Wo, cv->out, K, residual ? residual + out_at : NULL,
+               cv->out, residual ? 1.0f : 0.0f, cv->b);
+    }
 }
 
 // dW, db and dx += (when dx is given) from dy. d_bias_per_sample (nullable, [N][ld]) receives the
@@ -1651,9 +1669,11 @@ static Layer *walk_layer(Walk *w, LayerKind kind, int out_channels, int out_size
 }
 
 // Notes the patch-matrix size a convolution on a size x size input needs.
+// The patch matrix: of the whole batch for the backward pass, of a slice in a forward-only model.
 static void walk_conv_scratch(Walk *w, const Conv *cv, int size) {
     int o = conv_out_size(size, cv->k, cv->stride);
-    if (!(cv->k == 1 && cv->stride == 1)) note_scratch(&w->m->conv_scratch_numel, (int64_t)w->m->batch * o * o * cv->k * cv->k * cv->in);
+    int images = w->m->training ? w->m->batch : conv_slice_images(cv, w->m->batch, size, size);
+    if (!(cv->k == 1 && cv->stride == 1)) note_scratch(&w->m->conv_scratch_numel, (int64_t)images * o * o * cv->k * cv->k * cv->in);
     note_scratch(&w->m->channel_scratch_numel, (int64_t)w->m->batch * CHANNEL_SUM_CHUNKS * cv->out);
 }
 

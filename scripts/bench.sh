@@ -14,6 +14,18 @@ configs=("$@")
 modes=${BENCH_MODES:-eager compile reduce-overhead}
 steps=${BENCH_STEPS:-50}
 log=$(mktemp)
+# ratio_cells EXPR OURS MODE=THEIRS...: one table cell per mode, "theirs (ratio)", the ratio being
+# EXPR of a = theirs and b = ours (times: a / b; rates: b / a; above 1: we are faster).
+ratio_cells() {
+    local expr=$1 ours=$2 cell theirs
+    shift 2
+    for cell in "$@"; do
+        theirs=${cell#*=}
+        if [ "$theirs" = failed ]; then printf ' %26s' failed
+        else printf ' %26s' "$theirs ($(awk -v a="$theirs" -v b="$ours" "BEGIN { printf \"%.2fx\", $expr }"))"; fi
+    done
+    echo
+}
 rows=()
 for config in "${configs[@]}"; do
     preset=${config%%:*} batch=${config##*:}
@@ -50,12 +62,7 @@ for row in "${rows[@]}"; do
     set -- $row
     printf '%-8s %6s %12s' "$1" "$2" "$3"
     ours=$3; shift 3
-    for cell in "$@"; do
-        theirs=${cell#*=}
-        if [ "$theirs" = failed ]; then printf ' %26s' failed
-        else printf ' %26s' "$theirs ($(awk -v a="$theirs" -v b="$ours" 'BEGIN { printf "%.2fx", a / b }'))"; fi
-    done
-    echo
+    ratio_cells "a / b" "$ours" "$@"
 done
 if [ -n "$sample_row" ]; then
     echo
@@ -64,11 +71,5 @@ if [ -n "$sample_row" ]; then
     echo
     set -- $sample_row
     printf '%-26s %12s' "seed preset, batch 256" "$1"
-    ours=$1; shift
-    for cell in "$@"; do
-        theirs=${cell#*=}
-        if [ "$theirs" = failed ]; then printf ' %26s' failed
-        else printf ' %26s' "$theirs ($(awk -v a="$theirs" -v b="$ours" 'BEGIN { printf "%.2fx", b / a }'))"; fi
-    done
-    echo
+    ratio_cells "b / a" "$@"
 fi

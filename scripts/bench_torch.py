@@ -29,6 +29,19 @@ PRESETS = {
 }
 
 
+def time_runs(fn, runs):
+    """Milliseconds of each of `runs` calls of fn, by CUDA events around each."""
+    times = []
+    for _ in range(runs):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop))
+    return times
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--preset", default="seed", choices=PRESETS)
@@ -62,14 +75,7 @@ def main():
         step()
     torch.cuda.synchronize()
     warmup_s = time.time() - began
-    times = []
-    for _ in range(args.steps):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        step()
-        stop.record()
-        stop.synchronize()
-        times.append(start.elapsed_time(stop))
+    times = time_runs(step, args.steps)
     median = statistics.median(times)
     print(f"torch {args.mode}: {args.preset} preset, batch {n}: median {median:.3f} ms/step "
           f"(min {min(times):.3f}, max {max(times):.3f} over {args.steps} steps), {n / median * 1000:.0f} img/s, "

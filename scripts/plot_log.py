@@ -3,7 +3,7 @@ as train_unet and train_torch.py write them) in one PNG, and how far apart they 
 
     python3 scripts/plot_log.py OUT.png A.csv[:label] [B.csv[:label] ...] [--smooth N] [--title T]
 
-Each log: the raw loss thin and transparent, its trailing moving average over N rows bold;
+Each log: the raw loss thin and transparent, its trailing geometric mean over N rows bold;
 log-scale loss against step. Printed per log: mean and std of the loss over the last 20% of
 rows. Each further log is compared with the first: the difference of the means in units of
 the first log's row-to-row std (the noise of one logged loss), and in standard errors of the
@@ -48,11 +48,12 @@ def read_log(spec):
 
 
 def moving_average(y, n):
-    """Trailing mean over n rows (fewer at the start)."""
-    c = np.cumsum(np.insert(y, 0, 0.0))
+    """Trailing geometric mean over n rows (fewer at the start): the mean of log y, as the plot's
+    log scale shows it, so the first, large losses do not hold the curve up for n rows."""
+    c = np.cumsum(np.insert(np.log(y), 0, 0.0))
     i = np.arange(1, len(y) + 1)
     lo = np.maximum(i - n, 0)
-    return (c[i] - c[lo]) / (i - lo)
+    return np.exp((c[i] - c[lo]) / (i - lo))
 
 
 def tail_stats(losses):
@@ -74,7 +75,7 @@ def main():
         color = f"C{i}"
         ax.plot(steps, losses, color=color, linewidth=0.6, alpha=0.3)
         ax.plot(steps, moving_average(losses, max(1, a.smooth)), color=color, linewidth=2.0,
-                label=f"{label} (avg of {a.smooth} rows)")
+                label=f"{label} (geometric mean of {a.smooth} rows)")
     ax.set_yscale("log")
     ax.set_xlabel("step")
     ax.set_ylabel("loss")

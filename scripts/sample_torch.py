@@ -18,7 +18,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_torch import PRESETS  # noqa: E402
+from bench_torch import PRESETS, time_runs  # noqa: E402
 from unet_ref import create_model  # noqa: E402
 
 
@@ -90,14 +90,7 @@ def main():
     ddim_sample(step, noise, t, coefs, mark_step)
     torch.cuda.synchronize()
     warmup_s = time.time() - began
-    seconds = []
-    for _ in range(args.runs):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        ddim_sample(step, noise, t, coefs, mark_step)
-        stop.record()
-        stop.synchronize()
-        seconds.append(start.elapsed_time(stop) / 1000)
+    seconds = [ms / 1000 for ms in time_runs(lambda: ddim_sample(step, noise, t, coefs, mark_step), args.runs)]
     median = statistics.median(seconds)
     print(f"torch {args.mode}: {args.preset} preset, DDIM {args.steps} steps, {args.num} images in one batch: median "
           f"{median:.3f} s ({args.num / median:.1f} images/s; min {min(seconds):.3f} s, max {max(seconds):.3f} s over "

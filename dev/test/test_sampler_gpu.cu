@@ -5,7 +5,8 @@
 // prediction, with and without classifier-free guidance, on a small class-conditional model with
 // random weights everywhere (zero-initialised layers too). Tolerance on the final x: FP32 1e-4
 // relative (the host's cosf against the GPU's cospif, and other product shapes); BF16 2e-2.
-// Sampling the same batch again gives the same pixels, bit for bit.
+// Sampling the same batch again gives the same pixels, bit for bit. Built with small products, so
+// that the model's convolutions run in slices of the batch (checked against one image at a time).
 #define TRAIN_UNET_LIBRARY
 #include "../../train_unet.cu"
 #include "check.h"
@@ -108,6 +109,34 @@ static void test_plan(const char *name, const ModelConfig *c, const UNet *weight
     noise_schedule_free(&d);
 }
 
+// A forward pass over the batch, its convolutions in slices of 1 or 2 images (CONV_SLICE_VALUES is
+// small in this test), equals the forward pass of each image alone (no slicing at batch 1).
+static void test_slices(const ModelConfig *c, const UNet *batch_model) {
+    check_case("a forward pass in slices of the batch equals each image's own");
+    UNet one;
+    unet_create(&one, c, 1, 0);
+    cuda_check(cudaMemcpy(one.master, batch_model->master, batch_model->storage * sizeof(float), cudaMemcpyDeviceToDevice));
+    unet_sync_compute(&one);
+    int64_t per_in = act_numel(&one.input), per_out = act_numel(one.output);
+    float *x = (float *)malloc_or_die(IMAGES * per_in * sizeof(float)), *out = (float *)malloc_or_die(IMAGES * per_out * sizeof(float));
+    float *alone = (float *)malloc_or_die(per_out * sizeof(float));
+    int64_t t[IMAGES] = {999, 500, 3};
+    int y[IMAGES] = {1, 3, 0};
+    for (int64_t i = 0; i < IMAGES * per_in; i++) x[i] = normal_sample(5, 1, i);
+    forward_nhwc((UNet *)batch_model, x, t, y, out);
+    double worst = 0;
+    for (int b = 0; b < IMAGES; b++) {
+        forward_nhwc(&one, x + b * per_in, t + b, y + b, alone);
+        double diff = 0, norm = 0;
+        for (int64_t i = 0; i < per_out; i++) diff += pow(out[b * per_out + i] - alone[i], 2), norm += pow(alone[i], 2);
+        worst = fmax(worst, sqrt(diff / norm));
+    }
+    printf("  worst relative difference %.2e\n", worst);
+    CHECK(worst <= (sizeof(floatX) == 4 ? 1e-5 : 1e-2));
+    unet_destroy(&one);
+    free(x), free(out), free(alone);
+}
+
 int main(void) {
     gpu_init();
     Options o = preset_seed();
@@ -117,6 +146,7 @@ int main(void) {
     UNet m;
     unet_create(&m, &c, IMAGES, 0);
     random_parameters(&m, 99);
+    test_slices(&c, &m);
 
     test_plan("DDIM, 10 steps, eta 0", &c, &m, SAMPLER_DDIM, 10, 0.0f, 0, 1.0f);
     test_plan("DDIM, 10 steps, eta 1 (noise every step but the last)", &c, &m, SAMPLER_DDIM, 10, 1.0f, 0, 1.0f);
