@@ -1412,21 +1412,29 @@ __global__ void label_embedding_backward_kernel(float *d_table, const floatX *d_
 
 #define LOSS_BLOCKS 256
 
+// The sum of every thread's v in a block of 256 threads, in a fixed order (a tree in shared
+// memory); valid in thread 0. Used by the loss and the gradient norm.
+template <typename T>
+__device__ T block_sum_256(T v) {
+    __shared__ T sums[256];
+    sums[threadIdx.x] = v;
+    __syncthreads();
+    for (int stride = blockDim.x / 2; stride > 0; stride /= 2) {
+        if (threadIdx.x < stride) sums[threadIdx.x] += sums[threadIdx.x + stride];
+        __syncthreads();
+    }
+    return sums[0];
+}
+
 __global__ void mse_partial_kernel(float *partial, floatX *d_out, const floatX *out, const floatX *target, int64_t count) {
-    __shared__ float sums[256];
     float s = 0.0f;
     for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < count; i += (int64_t)gridDim.x * blockDim.x) {
         float diff = (float)out[i] - (float)target[i];
         s += diff * diff;
         d_out[i] = (floatX)(2.0f * diff / (float)count);
     }
-    sums[threadIdx.x] = s;
-    __syncthreads();
-    for (int stride = blockDim.x / 2; stride > 0; stride /= 2) {
-        if (threadIdx.x < stride) sums[threadIdx.x] += sums[threadIdx.x + stride];
-        __syncthreads();
-    }
-    if (threadIdx.x == 0) partial[blockIdx.x] = sums[0];
+    s = block_sum_256(s);
+    if (threadIdx.x == 0) partial[blockIdx.x] = s;
 }
 
 __global__ void mse_final_kernel(float *loss, const float *partial, int64_t count) {
@@ -2754,17 +2762,11 @@ __global__ void diffusion_inputs_kernel(floatX *x_t, floatX *target, const float
 #define NORM_BLOCKS 1024
 
 __global__ void grad_norm_partial_kernel(double *partial, const float *grads, int64_t n) {
-    __shared__ double sums[256];
     double s = 0;
     for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
         s += (double)grads[i] * grads[i];
-    sums[threadIdx.x] = s;
-    __syncthreads();
-    for (int stride = blockDim.x / 2; stride > 0; stride /= 2) {
-        if (threadIdx.x < stride) sums[threadIdx.x] += sums[threadIdx.x + stride];
-        __syncthreads();
-    }
-    if (threadIdx.x == 0) partial[blockIdx.x] = sums[0];
+    s = block_sum_256(s);
+    if (threadIdx.x == 0) partial[blockIdx.x] = s;
 }
 
 __global__ void step_decide_kernel(StepState *s, const double *partial, const float *loss) {

@@ -59,7 +59,7 @@ static void random_parameters(UNet *m, uint64_t seed) {
     free(host);
 }
 
-static void test_plan(const char *name, const ModelConfig *c, const UNet *weights, SamplerKind kind, int steps, float eta,
+static void test_plan(const char *name, const ModelConfig *c, UNet *weights, SamplerKind kind, int steps, float eta,
                       int predict_v, float guidance) {
     check_case(name);
     NoiseSchedule d;
@@ -84,7 +84,7 @@ static void test_plan(const char *name, const ModelConfig *c, const UNet *weight
 
     Host h;
     memset(&h, 0, sizeof h);
-    h.m = (UNet *)weights, h.guided = guidance != 1.0f, h.guidance = guidance, h.offset = FIRST * per_image, h.seed = seed;
+    h.m = weights, h.guided = guidance != 1.0f, h.guidance = guidance, h.offset = FIRST * per_image, h.seed = seed;
     for (int b = 0; b < IMAGES; b++) h.labels[b] = labels[b], h.null_labels[b] = CLASSES;
     h.uncond = (float *)malloc_or_die(n * sizeof(float));
     float *x = (float *)malloc_or_die(n * sizeof(float));
@@ -111,7 +111,7 @@ static void test_plan(const char *name, const ModelConfig *c, const UNet *weight
 
 // A forward pass over the batch, its convolutions in slices of 1 or 2 images (CONV_SLICE_VALUES is
 // small in this test), equals the forward pass of each image alone (no slicing at batch 1).
-static void test_slices(const ModelConfig *c, const UNet *batch_model) {
+static void test_slices(const ModelConfig *c, UNet *batch_model) {
     check_case("a forward pass in slices of the batch equals each image's own");
     UNet one;
     unet_create(&one, c, 1, 0);
@@ -123,7 +123,7 @@ static void test_slices(const ModelConfig *c, const UNet *batch_model) {
     int64_t t[IMAGES] = {999, 500, 3};
     int y[IMAGES] = {1, 3, 0};
     for (int64_t i = 0; i < IMAGES * per_in; i++) x[i] = normal_sample(5, 1, i);
-    forward_nhwc((UNet *)batch_model, x, t, y, out);
+    forward_nhwc(batch_model, x, t, y, out);
     double worst = 0;
     for (int b = 0; b < IMAGES; b++) {
         forward_nhwc(&one, x + b * per_in, t + b, y + b, alone);
