@@ -7,6 +7,7 @@
 #   make tests                the test programs, built and not run
 #   make dev                  every kernel against its CPU reference on the GPU, one table
 #   make bench                our training step and DDIM sampling against PyTorch (BENCH="seed:32 adm64:32")
+#   make fuzz                 the file readers under libFuzzer (clang), FUZZ_SECONDS each (default 60)
 #   make clean
 
 PRECISION ?= BF16
@@ -47,11 +48,11 @@ build/precision: FORCE
 	@mkdir -p build
 	@[ "$$(cat $@ 2>/dev/null)" = "$(PRECISION)" ] || echo $(PRECISION) > $@
 
-train_unet: train_unet.cu dataset.h sampler.h unet_api.h build/precision
+train_unet: train_unet.cu checkpoint.h dataset.h sampler.h unet_api.h build/precision
 	$(NVCC) $(NVCCFLAGS) -o $@ $< $(CUDA_LIBS)
 
 # generate: C, calling the model through train_unet.cu's library build (unet_api.h).
-build/unet_api.o: train_unet.cu dataset.h sampler.h unet_api.h build/precision
+build/unet_api.o: train_unet.cu checkpoint.h dataset.h sampler.h unet_api.h build/precision
 	@mkdir -p build
 	$(NVCC) $(NVCCFLAGS) -DTRAIN_UNET_LIBRARY -c -o $@ $<
 
@@ -76,7 +77,7 @@ data/shapes.bin: prepare_data
 # Tests: every program under dev/test is built into build/test and run by dev/test/run_tests.sh.
 ASAN := -fsanitize=address,undefined -fno-omit-frame-pointer
 NVCC_ASAN := -Xcompiler -fsanitize=address,-fsanitize=undefined,-fno-omit-frame-pointer -lasan -lubsan
-TESTS_CPU := build/test/test_dataset build/test/test_shapes build/test/test_dataloader build/test/train_unet_asan \
+TESTS_CPU := build/test/test_dataset build/test/test_safetensors build/test/test_shapes build/test/test_dataloader build/test/train_unet_asan \
              build/test/test_reference build/test/test_unet_fixtures build/test/test_checkpoint \
              build/test/test_sampler build/test/test_sampler_fixture
 TESTS_GPU := build/test/test_dataloader_gpu build/test/test_unet_gpu_fp32 build/test/test_unet_gpu_bf16 \
@@ -87,12 +88,17 @@ build/test/test_dataset: dev/test/test_dataset.c dataset.h dev/test/check.h
 	@mkdir -p build/test
 	$(CC) $(CFLAGS) $(ASAN) -o $@ $<
 
+# The checkpoint readers (checkpoint.h) on the corpus, with UBSan findings fatal.
+build/test/test_safetensors: dev/test/test_safetensors.c checkpoint.h dataset.h dev/test/check.h
+	@mkdir -p build/test
+	$(CC) $(CFLAGS) $(ASAN) -fno-sanitize-recover=undefined -o $@ $< -lm
+
 build/test/test_shapes: dev/test/test_shapes.c data/shapes.c data/shapes.h dev/test/check.h
 	@mkdir -p build/test
 	$(CC) $(CFLAGS) $(ASAN) $(STB_CFLAGS) -o $@ dev/test/test_shapes.c data/shapes.c $(STB_LIBS)
 
 # The loader tests compile train_unet.cu itself (library mode, no main): one source of truth.
-build/test/test_dataloader: dev/test/test_dataloader.cu train_unet.cu dataset.h dev/test/check.h build/precision
+build/test/test_dataloader: dev/test/test_dataloader.cu train_unet.cu checkpoint.h dataset.h dev/test/check.h build/precision
 	@mkdir -p build/test
 	$(NVCC) $(NVCCFLAGS) $(NVCC_ASAN) -o $@ $< $(CUDA_LIBS)
 
@@ -100,17 +106,17 @@ build/test/test_sampler: dev/test/test_sampler.c sampler.h dev/test/check.h
 	@mkdir -p build/test
 	$(CC) $(CFLAGS) $(ASAN) $(STB_CFLAGS) -o $@ $< $(STB_LIBS)
 
-build/test/test_checkpoint build/test/test_sampler_fixture: build/test/%: dev/test/%.cu train_unet.cu sampler.h dataset.h \
+build/test/test_checkpoint build/test/test_sampler_fixture: build/test/%: dev/test/%.cu train_unet.cu checkpoint.h sampler.h dataset.h \
         dev/test/check.h build/precision
 	@mkdir -p build/test
 	$(NVCC) $(NVCCFLAGS) -o $@ $< $(CUDA_LIBS)
 
 # The trainer's host code under AddressSanitizer, for the command-line tests on damaged input.
-build/test/train_unet_asan: train_unet.cu dataset.h build/precision
+build/test/train_unet_asan: train_unet.cu checkpoint.h dataset.h build/precision
 	@mkdir -p build/test
 	$(NVCC) $(NVCCFLAGS) $(NVCC_ASAN) -o $@ $< $(CUDA_LIBS)
 
-build/test/test_dataloader_gpu: dev/test/test_dataloader_gpu.cu train_unet.cu dataset.h dev/test/check.h build/precision
+build/test/test_dataloader_gpu: dev/test/test_dataloader_gpu.cu train_unet.cu checkpoint.h dataset.h dev/test/check.h build/precision
 	@mkdir -p build/test
 	$(NVCC) $(NVCCFLAGS) -o $@ $< $(CUDA_LIBS)
 
@@ -118,22 +124,22 @@ build/test/test_dataloader_gpu: dev/test/test_dataloader_gpu.cu train_unet.cu da
 # model against the PyTorch fixtures. Host code only, so built for one GPU target.
 DEV_REFERENCES := dev/common.h dev/conv2d.cu dev/linear.cu dev/groupnorm.cu dev/attention.cu dev/resample.cu \
                   dev/embedding.cu dev/loss.cu dev/unet.cu
-build/test/test_reference build/test/test_unet_fixtures: build/test/%: dev/test/%.cu $(DEV_REFERENCES) train_unet.cu dev/test/check.h
+build/test/test_reference build/test/test_unet_fixtures: build/test/%: dev/test/%.cu $(DEV_REFERENCES) train_unet.cu checkpoint.h dev/test/check.h
 	@mkdir -p build/test
 	$(NVCC) $(NVCCFLAGS) -o $@ $< $(CUDA_LIBS)
 
 # The whole model against the PyTorch fixtures, in both precisions whatever PRECISION is.
 # The same against the CPU reference on configurations the fixtures do not cover.
-build/test/test_unet_gpu_fp32 build/test/test_unet_gpu_bf16: build/test/test_unet_gpu_%: dev/test/test_unet_gpu.cu train_unet.cu \
+build/test/test_unet_gpu_fp32 build/test/test_unet_gpu_bf16: build/test/test_unet_gpu_%: dev/test/test_unet_gpu.cu train_unet.cu checkpoint.h \
         dataset.h dev/test/check.h
 	@mkdir -p build/test
 	$(NVCC) $(NVCC_COMMON) -DPRECISION_$(shell echo $* | tr a-z A-Z) -o $@ $< $(CUDA_LIBS)
-build/test/test_unet_gpu_reference_%: dev/test/test_unet_gpu_reference.cu train_unet.cu $(DEV_REFERENCES) dev/test/check.h
+build/test/test_unet_gpu_reference_%: dev/test/test_unet_gpu_reference.cu train_unet.cu checkpoint.h $(DEV_REFERENCES) dev/test/check.h
 	@mkdir -p build/test
 	$(NVCC) $(NVCC_COMMON) -DPRECISION_$(shell echo $* | tr a-z A-Z) -o $@ $< $(CUDA_LIBS)
 # The GPU sampling loop against sampler.h's host loop, in both precisions; with products of at most
 # 100,000 patch values, so that forward passes run in slices of 1 or 2 images.
-build/test/test_sampler_gpu_%: dev/test/test_sampler_gpu.cu train_unet.cu sampler.h dataset.h dev/test/check.h
+build/test/test_sampler_gpu_%: dev/test/test_sampler_gpu.cu train_unet.cu checkpoint.h sampler.h dataset.h dev/test/check.h
 	@mkdir -p build/test
 	$(NVCC) $(NVCC_COMMON) -DPRECISION_$(shell echo $* | tr a-z A-Z) -DCONV_SLICE_VALUES=100000 -o $@ $< $(CUDA_LIBS)
 
@@ -144,7 +150,7 @@ build/test/test_sampler_gpu_%: dev/test/test_sampler_gpu.cu train_unet.cu sample
 DEV_LAYERS := conv2d linear groupnorm attention resample concat embedding loss adamw
 DEV_BINARIES := $(addprefix build/dev/,$(DEV_LAYERS))
 
-$(DEV_BINARIES): build/dev/%: dev/%.cu dev/common.h train_unet.cu dataset.h build/precision
+$(DEV_BINARIES): build/dev/%: dev/%.cu dev/common.h train_unet.cu checkpoint.h dataset.h build/precision
 	@mkdir -p build/dev
 	$(NVCC) $(NVCCFLAGS) -o $@ $< $(CUDA_LIBS)
 
@@ -175,6 +181,26 @@ bench: train_unet generate data/shapes.bin
 
 test-gpu: all $(TESTS_GPU)
 	dev/test/run_tests.sh gpu
+
+# Fuzzing with libFuzzer (clang): each dev/fuzz/fuzz_X.c is built with AddressSanitizer and UBSan
+# into build/fuzz/fuzz_X and run for FUZZ_SECONDS from the committed seed corpus dev/test/corpus/X
+# (read only: new inputs go to build/fuzz/corpus_X) by dev/fuzz/run_fuzz.sh, which prints each
+# target's execution count and fails on any crash, leak or sanitizer report.
+FUZZ_TARGETS := dataset safetensors state
+FUZZ_SECONDS ?= 60
+FUZZ_CC ?= clang
+
+# Header dependencies come from the compiler (-MMD), so each target rebuilds when what it includes changes.
+build/fuzz/fuzz_%: dev/fuzz/fuzz_%.c
+	@mkdir -p build/fuzz
+	$(FUZZ_CC) -g -O1 -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined -Wall -Wextra -I. -MMD -MP \
+	    -MF $@.d -MT $@ -o $@ $<
+-include $(FUZZ_TARGETS:%=build/fuzz/fuzz_%.d)
+
+fuzz: $(FUZZ_TARGETS:%=build/fuzz/fuzz_%)
+	dev/fuzz/run_fuzz.sh $(FUZZ_SECONDS) $(FUZZ_TARGETS)
+
+.PHONY: fuzz
 
 clean:
 	rm -rf build $(BINARIES) data/shapes.bin

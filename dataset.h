@@ -17,6 +17,7 @@
 #include <stdarg.h>
 #include <stdint.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
@@ -26,6 +27,7 @@
 #define DATASET_VERSION 1u
 #define DATASET_HEADER_BYTES 64u
 #define DATASET_MAX_SIDE 8192u         // largest height or width accepted
+#define DATASET_MAX_COUNT UINT32_MAX   // most images: the trainer's loader permutes 32-bit image indices
 #define DATASET_MAX_CLASSES 100000u
 #define DATASET_MAX_NAMES_BYTES (1u << 24)
 
@@ -57,18 +59,23 @@ typedef struct {
     const uint8_t *pixels;    // count * image_bytes
 } Dataset;
 
+// Formats an error message into err and returns -1. The message stays one line whatever it quotes
+// from a damaged file: control characters (a newline in a name, say) become '?'.
 static inline int dataset_fail(char *err, size_t err_len, const char *fmt, ...) {
     va_list args;
     va_start(args, fmt);
     vsnprintf(err, err_len, fmt, args);
     va_end(args);
+    for (char *c = err; err_len && *c; c++)
+        if ((unsigned char)*c < 0x20 || *c == 0x7f) *c = '?';
     return -1;
 }
 
 static inline uint64_t dataset_align(uint64_t x, uint64_t a) { return (x + a - 1) / a * a; }
 
 // Checks the header's own fields and derives the layout. Every product is bounded before it is
-// formed, so absurd values fail here instead of overflowing. Returns 0, or -1 with a message.
+// formed, so absurd values fail here instead of overflowing, and before a byte past the header is
+// read. Returns 0, or -1 with a message.
 static inline int dataset_layout(const DatasetHeader *h, DatasetLayout *out, char *err, size_t err_len) {
     if (memcmp(h->magic, DATASET_MAGIC, 8) != 0)
         return dataset_fail(err, err_len, "not a dataset file (bad magic; expected \"%s\")", DATASET_MAGIC);
@@ -80,6 +87,9 @@ static inline int dataset_layout(const DatasetHeader *h, DatasetLayout *out, cha
         return dataset_fail(err, err_len, "image size %ux%u in header is out of range (1..%u)", h->width, h->height,
                             DATASET_MAX_SIDE);
     if (h->count < 1) return dataset_fail(err, err_len, "header says the dataset holds no images");
+    if (h->count > DATASET_MAX_COUNT)
+        return dataset_fail(err, err_len, "%llu images in header, more than the limit of %u",
+                            (unsigned long long)h->count, (unsigned)DATASET_MAX_COUNT);
     if (h->num_classes > DATASET_MAX_CLASSES)
         return dataset_fail(err, err_len, "%u classes in header, more than the limit of %u", h->num_classes,
                             DATASET_MAX_CLASSES);
@@ -89,9 +99,8 @@ static inline int dataset_layout(const DatasetHeader *h, DatasetLayout *out, cha
                             h->num_classes);
     for (int i = 0; i < 24; i++)
         if (h->reserved[i] != 0) return dataset_fail(err, err_len, "reserved header bytes are not zero");
-    uint64_t image_bytes = (uint64_t)h->height * h->width * h->channels;  // <= 2^26 * 3
-    if (h->count > (UINT64_MAX / 2) / (image_bytes + 4))
-        return dataset_fail(err, err_len, "image count %llu in header is absurd", (unsigned long long)h->count);
+    // image_bytes <= 2^26 * 3 and count < 2^32, so the file size stays below 2^61: no overflow.
+    uint64_t image_bytes = (uint64_t)h->height * h->width * h->channels;
     out->image_bytes = image_bytes;
     out->names_offset = DATASET_HEADER_BYTES;
     out->labels_offset = dataset_align(out->names_offset + h->names_bytes, 8);
@@ -101,7 +110,56 @@ static inline int dataset_layout(const DatasetHeader *h, DatasetLayout *out, cha
     return 0;
 }
 
-// Checks a whole file in memory: header, size, class-name table and every label.
+// A class name and its label, for finding repeated names by sorting.
+typedef struct {
+    const char *name;
+    uint32_t label;
+} DatasetClassName;
+
+// qsort's order for DatasetClassName: by name (strcmp), then by label.
+static inline int dataset_compare_names(const void *a, const void *b) {
+    const DatasetClassName *x = (const DatasetClassName *)a, *y = (const DatasetClassName *)b;
+    int c = strcmp(x->name, y->name);
+    return c ? c : (x->label > y->label) - (x->label < y->label);
+}
+
+// A class name fit for a one-line message, in out: at most 40 bytes, then "...", with control
+// characters (a newline among them) shown as '?'.
+static inline const char *dataset_printable_name(const char *name, char out[48]) {
+    size_t n = 0;
+    for (; name[n] && n < 40; n++) out[n] = (unsigned char)name[n] < 0x20 || name[n] == 0x7f ? '?' : name[n];
+    strcpy(out + n, name[n] ? "..." : "");
+    return out;
+}
+
+// Checks that none of the num_classes class names in the table is empty or repeated: the names
+// sorted, then compared with their neighbours, O(n log n). Returns 0, or -1 with a message.
+static inline int dataset_check_names(const char *names, uint32_t num_classes, char *err, size_t err_len) {
+    DatasetClassName *sorted = (DatasetClassName *)malloc(num_classes * sizeof *sorted);
+    if (!sorted) return dataset_fail(err, err_len, "out of memory checking %u class names", num_classes);
+    for (uint32_t k = 0; k < num_classes; k++) {
+        if (!names[0]) {
+            free(sorted);
+            return dataset_fail(err, err_len, "class name %u is empty", k);
+        }
+        sorted[k].name = names;
+        sorted[k].label = k;
+        names += strlen(names) + 1;
+    }
+    qsort(sorted, num_classes, sizeof *sorted, dataset_compare_names);
+    int result = 0;
+    for (uint32_t k = 1; k < num_classes && result == 0; k++)
+        if (strcmp(sorted[k - 1].name, sorted[k].name) == 0) {
+            char shown[48];
+            result = dataset_fail(err, err_len, "class name '%s' appears twice (classes %u and %u)",
+                                  dataset_printable_name(sorted[k].name, shown), sorted[k - 1].label, sorted[k].label);
+        }
+    free(sorted);
+    return result;
+}
+
+// Checks a whole file in memory: header, size, class-name table (no empty or repeated name) and
+// every label.
 static inline int dataset_check(const uint8_t *file, uint64_t file_bytes, DatasetHeader *h, DatasetLayout *layout,
                                 char *err, size_t err_len) {
     if (file_bytes < DATASET_HEADER_BYTES)
@@ -122,6 +180,7 @@ static inline int dataset_check(const uint8_t *file, uint64_t file_bytes, Datase
         return dataset_fail(err, err_len, "class-name table holds %u names, header says %u classes", strings,
                             h->num_classes);
     if (h->num_classes) {
+        if (dataset_check_names(names, h->num_classes, err, err_len) != 0) return -1;
         const int32_t *labels = (const int32_t *)(file + layout->labels_offset);
         for (uint64_t i = 0; i < h->count; i++)
             if (labels[i] < 0 || (uint32_t)labels[i] >= h->num_classes)
@@ -131,10 +190,26 @@ static inline int dataset_check(const uint8_t *file, uint64_t file_bytes, Datase
     return 0;
 }
 
+// Checks a whole file in memory and points ds into it (ds->map = file: nothing is copied, and the
+// caller keeps the memory alive and frees it; dataset_close is for dataset_open's datasets).
+// Returns 0, or -1 with a message.
+static inline int dataset_from_memory(const uint8_t *file, uint64_t file_bytes, Dataset *ds, char *err,
+                                      size_t err_len) {
+    memset(ds, 0, sizeof *ds);
+    if (dataset_check(file, file_bytes, &ds->header, &ds->layout, err, err_len) != 0) return -1;
+    ds->map = file;
+    ds->class_names = ds->header.num_classes ? (const char *)file + ds->layout.names_offset : NULL;
+    ds->labels = ds->header.num_classes ? (const int32_t *)(file + ds->layout.labels_offset) : NULL;
+    ds->pixels = file + ds->layout.pixels_offset;
+    return 0;
+}
+
 // Maps a dataset file read-only and checks it. Returns 0, or -1 with a message naming the file.
+// O_NONBLOCK: opening a FIFO returns at once (to be refused as not a regular file) instead of
+// waiting for a writer; it changes nothing for a regular file.
 static inline int dataset_open(const char *path, Dataset *ds, char *err, size_t err_len) {
     memset(ds, 0, sizeof *ds);
-    int fd = open(path, O_RDONLY);
+    int fd = open(path, O_RDONLY | O_NONBLOCK | O_CLOEXEC);
     if (fd < 0) return dataset_fail(err, err_len, "cannot open dataset %s: %s", path, strerror(errno));
     struct stat st;
     if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
@@ -151,17 +226,14 @@ static inline int dataset_open(const char *path, Dataset *ds, char *err, size_t 
     close(fd);
     if (map == MAP_FAILED) return dataset_fail(err, err_len, "cannot map dataset %s: %s", path, strerror(errno));
     char why[256];
-    if (dataset_check((const uint8_t *)map, file_bytes, &ds->header, &ds->layout, why, sizeof why) != 0) {
+    if (dataset_from_memory((const uint8_t *)map, file_bytes, ds, why, sizeof why) != 0) {
         munmap(map, file_bytes);
         return dataset_fail(err, err_len, "dataset %s: %s", path, why);
     }
-    ds->map = (const uint8_t *)map;
-    ds->class_names = ds->header.num_classes ? (const char *)ds->map + ds->layout.names_offset : NULL;
-    ds->labels = ds->header.num_classes ? (const int32_t *)(ds->map + ds->layout.labels_offset) : NULL;
-    ds->pixels = ds->map + ds->layout.pixels_offset;
     return 0;
 }
 
+// Unmaps a dataset that dataset_open mapped.
 static inline void dataset_close(Dataset *ds) {
     if (ds->map) munmap((void *)ds->map, ds->layout.file_bytes);
     memset(ds, 0, sizeof *ds);

@@ -141,10 +141,10 @@ int main(int argc, char **argv) {
     int count = o.steps ? o.steps : kind == SAMPLER_DPM_SOLVER_PP ? 20 : 50;
     if (sample_plan_make(&plan, &schedule, kind, count, (float)o.eta, strcmp(info.predict, "v") == 0, 1) != 0)
         die("--steps %d: no even spacing of the %d diffusion steps gives that many", count, info.diffusion_steps);
-    if (!o.bench && mkdir(o.out, 0777) != 0 && errno != EEXIST) die("cannot create %s: %s", o.out, strerror(errno));
-
     UnetSampler *sampler = unet_sampler_create(file, o.batch, &plan, (float)o.guidance, (uint64_t)o.seed, err, sizeof err);
     if (!sampler) die("%s", err);
+    // The output folder only once the model is on the GPU: a run that cannot sample leaves none.
+    if (!o.bench && mkdir(o.out, 0777) != 0 && errno != EEXIST) die("cannot create %s: %s", o.out, strerror(errno));
     int S = info.image_size;
     size_t per_image = (size_t)S * S * info.in_channels;
     unsigned char *images = malloc((size_t)o.num * per_image);

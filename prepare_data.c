@@ -5,12 +5,14 @@
 //   ./prepare_data --synthetic shapes --output FILE.bin [--count 10000] [--size 64] [--seed 1]
 //
 // Folder mode decodes every regular file under DIR with stb_image (JPEG, PNG, BMP, GIF's first
-// frame, TGA, PSD, HDR, PNM); a file it cannot read is skipped with one warning. Each image is
-// centre-cropped to a square, composited over white where it has alpha, and resized to
+// frame, TGA, PSD, HDR, PNM); a file it cannot read, or an image of more than MAX_PIXELS pixels, is
+// skipped with one warning. A file or folder reached again through links is used once. Each image
+// is centre-cropped to a square, composited over white where it has alpha, and resized to
 // size x size RGB in linear light. With --labels, an image's class is its first-level folder.
 //
 // The dataset is written to FILE.bin.tmp.PID next to FILE.bin and renamed over it only once it is
-// complete and synced, so an error or an interrupt never leaves a partial dataset behind.
+// complete and synced, so an error or an interrupt never leaves a partial dataset behind. An
+// output that is not a regular file, or that is one of the input files, is refused.
 #include <dirent.h>
 #include <limits.h>
 #include <math.h>
@@ -27,6 +29,7 @@
 
 #define MIN_SIDE 8
 #define MAX_COUNT 1000000000ull  // --count limit for synthetic datasets
+#define MAX_PIXELS (1ull << 26)  // larger input images (more than 8192x8192) are skipped undecoded
 
 static const char usage[] =
     "usage: prepare_data --input DIR --output FILE.bin [--size N] [--labels] [--quiet]\n"
@@ -35,14 +38,16 @@ static const char usage[] =
     "Writes a dataset file for train_unet.\n"
     "  --input DIR        folder of images, searched recursively (hidden files and folders are\n"
     "                     skipped); every file stb_image can read is used: JPEG, PNG, BMP, GIF\n"
-    "                     (first frame), TGA, PSD, HDR, PNM. Unreadable files are skipped with a warning\n"
+    "                     (first frame), TGA, PSD, HDR, PNM. Unreadable files, and images of more\n"
+    "                     than 2^26 pixels (8192x8192), are skipped with a warning; a file or folder\n"
+    "                     reached again through links is used once\n"
     "  --labels           the class of an image is the name of its first-level folder under DIR\n"
     "  --synthetic shapes the bundled synthetic dataset (circles, squares, triangles; labelled)\n"
     "  --count N          synthetic images to write (default 10000)\n"
     "  --seed K           synthetic dataset seed (default 1)\n"
     "  --size N           side of the square output images, 8..8192 (default 64): images are\n"
     "                     centre-cropped to a square and resized\n"
-    "  --output FILE.bin  the dataset file, replaced atomically\n"
+    "  --output FILE.bin  the dataset file, replaced atomically (a regular file, not an input)\n"
     "  --quiet            no progress line\n";
 
 // The temporary output file: die() and the signal handler remove it while it exists.
@@ -199,6 +204,45 @@ static Options parse_options(int argc, char **argv) {
 // ----------------------------------------------------------------------------
 // finding the image files
 
+// A set of files and folders by identity (device, inode), however many paths lead to each: a hash
+// table with open addressing, at most half full.
+typedef struct {
+    dev_t dev;
+    ino_t ino;
+    bool used;
+} InodeSlot;
+
+typedef struct {
+    InodeSlot *slots;
+    size_t count, capacity;  // capacity: a power of two
+} InodeSet;
+
+// The slot holding (dev, ino), or the free slot where it belongs.
+static InodeSlot *inode_slot(InodeSlot *slots, size_t capacity, dev_t dev, ino_t ino) {
+    uint64_t h = ((uint64_t)ino ^ (uint64_t)dev * 0x9e3779b97f4a7c15ull) * 0xbf58476d1ce4e5b9ull;
+    for (size_t i = (size_t)(h ^ h >> 31) & (capacity - 1);; i = (i + 1) & (capacity - 1))
+        if (!slots[i].used || (slots[i].dev == dev && slots[i].ino == ino)) return &slots[i];
+}
+
+// Adds the file or folder st describes to the set; returns false if it was there already.
+static bool inode_set_add(InodeSet *set, const struct stat *st) {
+    if (2 * (set->count + 1) > set->capacity) {
+        size_t capacity = set->capacity ? 2 * set->capacity : 1024;
+        InodeSlot *slots = calloc(capacity, sizeof *slots);
+        if (!slots) die("out of memory");
+        for (size_t i = 0; i < set->capacity; i++)
+            if (set->slots[i].used)
+                *inode_slot(slots, capacity, set->slots[i].dev, set->slots[i].ino) = set->slots[i];
+        free(set->slots);
+        set->slots = slots, set->capacity = capacity;
+    }
+    InodeSlot *slot = inode_slot(set->slots, set->capacity, st->st_dev, st->st_ino);
+    if (slot->used) return false;
+    *slot = (InodeSlot){st->st_dev, st->st_ino, true};
+    set->count++;
+    return true;
+}
+
 // The files found under the input folder, in traversal order, with the class folder of each.
 typedef struct {
     char **paths;
@@ -206,7 +250,11 @@ typedef struct {
     uint64_t count, capacity;
     char **class_names;  // with --labels: the first-level folders, in strcmp order
     uint32_t num_classes;
-    uint64_t skipped;  // entries skipped with a warning
+    uint64_t skipped;     // entries skipped with a warning
+    uint64_t duplicates;  // files and folders reached again through links, skipped silently
+    InodeSet seen;        // the folders scanned and the files taken
+    const char *output;   // --output, and its identity when it exists already (else NULL)
+    const struct stat *output_st;
 } FileList;
 
 // A folder on the way from the input folder down to the one being scanned, to detect symlink loops.
@@ -222,15 +270,18 @@ static int not_hidden(const struct dirent *e) { return e->d_name[0] != '.'; }
 
 // dir + "/" + name, newly allocated.
 static char *join_path(const char *dir, const char *name) {
-    size_t n = strlen(dir);
-    char *path = xmalloc(n + strlen(name) + 2);
-    sprintf(path, "%s%s%s", dir, n && dir[n - 1] == '/' ? "" : "/", name);
+    size_t n = strlen(dir), bytes = n + strlen(name) + 2;
+    char *path = xmalloc(bytes);
+    snprintf(path, bytes, "%s%s%s", dir, n && dir[n - 1] == '/' ? "" : "/", name);
     return path;
 }
 
 // Adds the regular files under dir to the list, entries in strcmp order, depth first. Symlinks are
-// followed except to a folder that is being scanned already (a loop). With --labels, each folder
-// directly under the input (depth 0) is a class and files directly in the input are skipped.
+// followed; a folder being scanned already (a loop) is skipped with a warning, and a folder or file
+// reached a second time (a link to one seen before, a hard link) silently: the first path in this
+// order is the one used. Dies if a file is the existing output: writing it would destroy an input.
+// With --labels, each folder directly under the input (depth 0) is a class and files directly in
+// the input are skipped.
 static void scan_folder(FileList *list, const char *dir, const Ancestor *up, int depth, int32_t cls, bool labels) {
     struct dirent **entries;
     int n = scandir(dir, &entries, not_hidden, by_name);
@@ -253,6 +304,8 @@ static void scan_folder(FileList *list, const char *dir, const Ancestor *up, int
             if (loop) {
                 warn("skipping %s: a link back to a folder that contains it", path);
                 list->skipped++;
+            } else if (!inode_set_add(&list->seen, &st)) {
+                list->duplicates++;
             } else {
                 int32_t sub_cls = cls;
                 if (labels && depth == 0) {
@@ -267,10 +320,14 @@ static void scan_folder(FileList *list, const char *dir, const Ancestor *up, int
         } else if (!S_ISREG(st.st_mode)) {
             warn("skipping %s: not a regular file", path);
             list->skipped++;
+        } else if (list->output_st && st.st_ino == list->output_st->st_ino && st.st_dev == list->output_st->st_dev) {
+            die("output %s is the input file %s: give another --output", list->output, path);
         } else if (labels && depth == 0) {
             warn("skipping %s: not in a class folder (with --labels, an image's class is its first-level folder)",
                  path);
             list->skipped++;
+        } else if (!inode_set_add(&list->seen, &st)) {
+            list->duplicates++;
         } else {
             if (list->count == list->capacity) {
                 list->capacity = list->capacity ? 2 * list->capacity : 1024;
@@ -320,6 +377,52 @@ static void composite_on_white(const uint8_t *src, size_t stride, int side, uint
     }
 }
 
+// The size a binary PNM file (P5 grey, P6 RGB) of w x h pixels must have: its header, then the
+// pixels, 1 or 3 samples each of 1 byte (maxval up to 255) or 2; 0 for other formats. The header
+// is read as stb_image reads it: whitespace and # comments before each of width, height and
+// maxval, and one byte after maxval. Leaves f at its start.
+static uint64_t pnm_file_bytes(FILE *f, int w, int h) {
+    rewind(f);
+    int p = getc(f), t = getc(f);
+    if (p != 'P' || (t != '5' && t != '6')) return rewind(f), 0;
+    uint64_t value = 0;  // the last number read: maxval
+    int c = getc(f);
+    for (int number = 0; number < 3; number++) {
+        while (c == '#' || c == ' ' || (c >= '\t' && c <= '\r')) {
+            if (c == '#')
+                while (c != EOF && c != '\n' && c != '\r') c = getc(f);
+            else
+                c = getc(f);
+        }
+        for (value = 0; c >= '0' && c <= '9'; c = getc(f))
+            if (value <= 65535) value = 10 * value + (uint64_t)(c - '0');
+    }
+    uint64_t header = (uint64_t)ftell(f);  // a regular file: ftell does not fail
+    rewind(f);
+    return header + (uint64_t)w * (uint64_t)h * (t == '6' ? 3 : 1) * (value > 255 ? 2 : 1);
+}
+
+// Checks an image file before stb_image decodes it, for what stb does not check: the size (stb
+// allocates and fills whatever a header claims: 19 bytes of PPM header can cost gigabytes and
+// seconds), and for binary PNM, that the pixels the header promises are all there (stb ignores a
+// short read, and the missing pixels would be whatever the heap held). Returns 0, or -1 with the
+// reason in why.
+static int check_before_decoding(FILE *f, char *why, size_t why_len) {
+    int w, h, channels;
+    if (!stbi_info_from_file(f, &w, &h, &channels))
+        return snprintf(why, why_len, "stb_image cannot decode it (%s)", stbi_failure_reason()), -1;
+    if ((uint64_t)w * (uint64_t)h > MAX_PIXELS)
+        return snprintf(why, why_len, "%dx%d pixels, more than the limit of %llu (8192x8192)", w, h, MAX_PIXELS), -1;
+    struct stat st;
+    if (fstat(fileno(f), &st) != 0) return snprintf(why, why_len, "%s", strerror(errno)), -1;
+    uint64_t need = pnm_file_bytes(f, w, h);
+    if (need > (uint64_t)st.st_size)
+        return snprintf(why, why_len, "truncated: %dx%d pixels need %llu bytes, the file has %lld", w, h,
+                        (unsigned long long)need, (long long)st.st_size),
+               -1;
+    return 0;
+}
+
 // Decodes an image file into size x size RGB: centre crop to a square (the longer side is cut
 // equally at both ends), alpha composited over white, then resized with stb_image_resize in
 // linear light (Mitchell filter when shrinking, Catmull-Rom when enlarging; a crop that has the
@@ -329,6 +432,7 @@ static void composite_on_white(const uint8_t *src, size_t stride, int side, uint
 static int load_square(const char *path, int size, uint8_t *out, char *why, size_t why_len) {
     FILE *f = fopen(path, "rb");
     if (!f) return snprintf(why, why_len, "%s", strerror(errno)), -1;
+    if (check_before_decoding(f, why, why_len) != 0) return fclose(f), -1;
     int w, h, channels;
     uint8_t *rgba = stbi_load_from_file(f, &w, &h, &channels, 4);
     fclose(f);
@@ -349,9 +453,10 @@ static int load_square(const char *path, int size, uint8_t *out, char *why, size
 
 // A dataset being written: a temporary file next to the output, renamed over it when complete.
 typedef struct {
-    const char *path;    // the final name
+    const char *path;       // the final name
+    char folder[PATH_MAX];  // the folder it is in, synced after the rename
     int fd;
-    uint64_t pixels_at;  // where image 0 goes until the header is known (see output_finish)
+    uint64_t pixels_at;     // where image 0 goes until the header is known (see output_finish)
     uint64_t image_bytes;
 } Output;
 
@@ -414,13 +519,49 @@ static void read_at(const Output *out, void *buf, size_t n, uint64_t at) {
     }
 }
 
-// Creates the temporary file FILE.bin.tmp.PID. Images are written from offset pixels_at on, the
-// pixel offset of the largest header the dataset can end up with.
+// Checks the output before anything is read or written: only a regular file may be replaced (the
+// new file would take the place of a folder, a device or a pipe). Returns whether it exists, with
+// its identity in st; a path that cannot be examined is left for creating the file to report.
+static bool check_output(const char *path, struct stat *st) {
+    if (stat(path, st) != 0) return false;
+    if (S_ISDIR(st->st_mode)) die("output %s is a folder", path);
+    if (!S_ISREG(st->st_mode)) die("output %s is not a regular file (a device, a pipe or a socket)", path);
+    return true;
+}
+
+// A run killed with SIGKILL cannot remove its temporary file: removes the files FILE.bin.tmp.PID in
+// folder whose process no longer exists (kill(pid, 0) fails with ESRCH). The file of a live process,
+// another run writing the same output now, is left alone. Best effort: one that cannot be removed
+// stays, and does no harm.
+static void remove_stale_temps(const char *folder, const char *name) {
+    DIR *dir = opendir(folder);
+    if (!dir) return;  // creating the temporary file reports the problem
+    size_t n = strlen(name);
+    for (struct dirent *e; (e = readdir(dir));) {
+        if (strncmp(e->d_name, name, n) != 0 || strncmp(e->d_name + n, ".tmp.", 5) != 0) continue;
+        const char *pid_text = e->d_name + n + 5;
+        char *end;
+        errno = 0;
+        long pid = strtol(pid_text, &end, 10);
+        if (pid_text[0] < '1' || pid_text[0] > '9' || *end != '\0' || errno != 0 || pid > INT_MAX) continue;
+        struct stat st;
+        bool dead = kill((pid_t)pid, 0) != 0 && errno == ESRCH;
+        if (dead && fstatat(dirfd(dir), e->d_name, &st, AT_SYMLINK_NOFOLLOW) == 0 && S_ISREG(st.st_mode))
+            unlinkat(dirfd(dir), e->d_name, 0);
+    }
+    closedir(dir);
+}
+
+// Creates the temporary file FILE.bin.tmp.PID, after removing those of killed runs. Images are
+// written from offset pixels_at on, the pixel offset of the largest header the dataset can end up
+// with.
 static void output_open(Output *out, const char *path, uint64_t pixels_at, uint64_t image_bytes) {
-    struct stat st;
-    if (stat(path, &st) == 0 && S_ISDIR(st.st_mode)) die("output %s is a folder", path);
     if (snprintf(tmp_path, sizeof tmp_path, "%s.tmp.%ld", path, (long)getpid()) >= (int)sizeof tmp_path)
         die("output path %s is too long", path);
+    const char *slash = strrchr(path, '/');
+    if (!slash) strcpy(out->folder, ".");
+    else snprintf(out->folder, sizeof out->folder, "%.*s", slash == path ? 1 : (int)(slash - path), path);
+    remove_stale_temps(out->folder, slash ? slash + 1 : path);
     tmp_live = 1;  // before the file exists, so that no interrupt can miss it
     out->fd = open(tmp_path, O_RDWR | O_CREAT | O_EXCL, 0644);
     if (out->fd < 0) {
@@ -476,19 +617,30 @@ static uint64_t output_finish(Output *out, const DatasetHeader *h, const char *n
     if (rename(tmp_path, out->path) != 0) die("cannot rename %s to %s: %s", tmp_path, out->path, strerror(errno));
     tmp_live = 0;
     sigprocmask(SIG_SETMASK, &old, NULL);
+    // The new name is durable only once the folder is synced too. EINVAL: a file system that cannot
+    // sync folders (there is nothing to wait for).
+    int dir = open(out->folder, O_RDONLY | O_DIRECTORY);
+    if (dir < 0 || (fsync(dir) != 0 && errno != EINVAL))
+        die("cannot sync folder %s after writing %s: %s", out->folder, out->path, strerror(errno));
+    close(dir);
     return layout.file_bytes;
 }
 
 // The one line on stdout that says what was written.
-static void print_summary(const DatasetHeader *h, const char *path, uint64_t bytes, uint64_t skipped) {
+static void print_summary(const DatasetHeader *h, const char *path, uint64_t bytes, uint64_t skipped,
+                          uint64_t duplicates) {
     char classes[32];
     if (h->num_classes)
         snprintf(classes, sizeof classes, "%u class%s", h->num_classes, h->num_classes == 1 ? "" : "es");
     else
         snprintf(classes, sizeof classes, "unlabelled");
-    printf("prepare_data: wrote %llu image%s (%ux%u RGB, %s) to %s, %llu bytes, %llu file%s skipped\n",
+    char repeats[64] = "";  // said only when there are any
+    if (duplicates)
+        snprintf(repeats, sizeof repeats, ", %llu duplicate%s skipped", (unsigned long long)duplicates,
+                 duplicates == 1 ? "" : "s");
+    printf("prepare_data: wrote %llu image%s (%ux%u RGB, %s) to %s, %llu bytes, %llu file%s skipped%s\n",
            (unsigned long long)h->count, h->count == 1 ? "" : "s", h->width, h->height, classes, path,
-           (unsigned long long)bytes, (unsigned long long)skipped, skipped == 1 ? "" : "s");
+           (unsigned long long)bytes, (unsigned long long)skipped, skipped == 1 ? "" : "s", repeats);
 }
 
 // ----------------------------------------------------------------------------
@@ -517,11 +669,13 @@ static uint32_t keep_used_classes(const FileList *list, int32_t *labels, uint64_
 
 // Folder mode. The file list is collected first; the images are then decoded one at a time and
 // written straight to the temporary file, so memory holds one image, the paths and the labels.
-static void prepare_folder(const Options *o) {
+// output_st: the existing output file, or NULL.
+static void prepare_folder(const Options *o, const struct stat *output_st) {
     struct stat st;
     if (stat(o->input, &st) != 0) die("cannot read input folder %s: %s", o->input, strerror(errno));
     if (!S_ISDIR(st.st_mode)) die("input %s is not a folder", o->input);
-    FileList list = {0};
+    FileList list = {.output = o->output, .output_st = output_st};
+    inode_set_add(&list.seen, &st);
     Ancestor root = {st.st_dev, st.st_ino, NULL};
     scan_folder(&list, o->input, &root, 0, -1, o->labels);
     if (list.count == 0) die("no files found in %s%s", o->input, o->labels ? "'s class folders" : "");
@@ -556,12 +710,12 @@ static void prepare_folder(const Options *o) {
     char *names = names_table(kept, num_classes);
     h = make_header(written, o->size, num_classes, names_size(kept, num_classes));
     uint64_t bytes = output_finish(&out, &h, names, labels);
-    print_summary(&h, o->output, bytes, list.skipped);
+    print_summary(&h, o->output, bytes, list.skipped, list.duplicates);
 
     free(names), free(kept), free(labels), free(image);
     for (uint64_t i = 0; i < list.count; i++) free(list.paths[i]);
     for (uint32_t c = 0; c < list.num_classes; c++) free(list.class_names[c]);
-    free(list.paths), free(list.classes), free(list.class_names);
+    free(list.paths), free(list.classes), free(list.class_names), free(list.seen.slots);
 }
 
 // The bundled synthetic dataset: image i and its label come from shapes_render(seed, i, size).
@@ -581,20 +735,26 @@ static void prepare_shapes(const Options *o) {
     }
     end_progress_line();
     uint64_t bytes = output_finish(&out, &h, names, labels);
-    print_summary(&h, o->output, bytes, 0);
+    print_summary(&h, o->output, bytes, 0, 0);
     free(labels), free(image), free(names);
 }
 
-// Parses the options, arranges for an interrupt to remove the temporary output, and runs a mode.
+// Parses the options, checks the output, arranges for an interrupt to remove the temporary output,
+// and runs a mode.
 int main(int argc, char **argv) {
     Options o = parse_options(argc, argv);
+    struct stat output_st;
+    bool output_exists = check_output(o.output, &output_st);
     show_progress = !o.quiet && isatty(STDERR_FILENO);
     init_srgb_table();
     struct sigaction sa = {.sa_handler = on_signal};  // the three signals are blocked while it runs
     sigemptyset(&sa.sa_mask);
     sigaddset(&sa.sa_mask, SIGINT), sigaddset(&sa.sa_mask, SIGTERM), sigaddset(&sa.sa_mask, SIGHUP);
     sigaction(SIGINT, &sa, NULL), sigaction(SIGTERM, &sa, NULL), sigaction(SIGHUP, &sa, NULL);
+    // Past a file size limit (ulimit -f), a write fails with EFBIG and die() removes the temporary
+    // file, instead of SIGXFSZ killing the process with the file left behind.
+    signal(SIGXFSZ, SIG_IGN);
     if (o.synthetic) prepare_shapes(&o);
-    else prepare_folder(&o);
+    else prepare_folder(&o, output_exists ? &output_st : NULL);
     return 0;
 }

@@ -53,10 +53,10 @@ static inline double cosine_alpha_bar(double s) {
     return c * c;
 }
 
-// Returns 0, or -1 for an unknown schedule name or no memory.
+// Returns 0, or -1 for an unknown schedule name, a step count outside 1..100000, or no memory.
 static inline int noise_schedule_make(NoiseSchedule *d, int steps, const char *name) {
     int linear = strcmp(name, "linear") == 0;
-    if (!linear && strcmp(name, "cosine") != 0) return -1;
+    if ((!linear && strcmp(name, "cosine") != 0) || steps < 1 || steps > 100000) return -1;  // trainer's range
     d->steps = steps;
     d->betas = (double *)malloc(steps * sizeof(double));
     d->alphas_cumprod = (double *)malloc(steps * sizeof(double));

@@ -28,6 +28,7 @@
 #include <strings.h>
 #include <time.h>
 
+#include "checkpoint.h"
 #include "dataset.h"
 #include "sampler.h"
 #include "unet_api.h"
@@ -117,290 +118,6 @@ typedef struct {
 } ModelConfig;
 
 // ----------------------------------------------------------------------------------------------
-// safetensors files (checkpoints, fixtures): an 8-byte little-endian header length, a JSON header
-// {"name": {"dtype": "F32", "shape": [...], "data_offsets": [begin, end]}, ...,
-//  "__metadata__": {"key": "value", ...}}, then the data; offsets count from the end of the header.
-
-#define SAFETENSORS_MAX_HEADER (100u << 20)
-#define SAFETENSORS_MAX_DIMS 8
-
-typedef struct {
-    char *name;
-    char dtype[8];  // F32, F64, F16, BF16, I64, I32, ...
-    int ndim;
-    int64_t shape[SAFETENSORS_MAX_DIMS];
-    int64_t numel;
-    const uint8_t *data;  // into the mapped file
-} SafeTensor;
-
-typedef struct {
-    const uint8_t *map;
-    size_t map_bytes;
-    SafeTensor *tensors;
-    int count;
-    char **meta_keys, **meta_values;
-    int meta_count;
-} SafeTensorsFile;
-
-// A cursor over the JSON header; on a syntax error `error` names what was expected where.
-typedef struct {
-    const char *p, *end;
-    const char *error;
-} JsonCursor;
-
-static void json_space(JsonCursor *j) {
-    while (j->p < j->end && (*j->p == ' ' || *j->p == '\t' || *j->p == '\n' || *j->p == '\r')) j->p++;
-}
-
-// Consumes the character c (after white space); returns 0 and sets the error otherwise.
-static int json_expect(JsonCursor *j, char c, const char *what) {
-    json_space(j);
-    if (j->p < j->end && *j->p == c) return j->p++, 1;
-    if (!j->error) j->error = what;
-    return 0;
-}
-
-// Parses a JSON string into a new heap string (escapes decoded, \uXXXX to UTF-8); NULL on error.
-static char *json_string(JsonCursor *j) {
-    if (!json_expect(j, '"', "a string")) return NULL;
-    char *out = (char *)malloc_or_die((size_t)(j->end - j->p) + 1), *o = out;
-    while (j->p < j->end && *j->p != '"') {
-        char c = *j->p++;
-        if (c != '\\') { *o++ = c; continue; }
-        if (j->p >= j->end) break;
-        c = *j->p++;
-        const char *simple = "\"\\/bfnrt", *decoded = "\"\\/\b\f\n\r\t";
-        const char *k = strchr(simple, c);
-        if (k && c) { *o++ = decoded[k - simple]; continue; }
-        unsigned code = 0;
-        if (c != 'u' || j->end - j->p < 4 || sscanf(j->p, "%4x", &code) != 1) break;
-        j->p += 4;
-        if (code < 0x80) *o++ = (char)code;
-        else if (code < 0x800) *o++ = (char)(0xc0 | code >> 6), *o++ = (char)(0x80 | (code & 0x3f));
-        else *o++ = (char)(0xe0 | code >> 12), *o++ = (char)(0x80 | ((code >> 6) & 0x3f)), *o++ = (char)(0x80 | (code & 0x3f));
-    }
-    if (j->p >= j->end || *j->p != '"') {
-        free(out);
-        if (!j->error) j->error = "a closing quote";
-        return NULL;
-    }
-    j->p++;
-    *o = '\0';
-    return out;
-}
-
-static int json_int(JsonCursor *j, int64_t *out) {
-    json_space(j);
-    char *endp;
-    errno = 0;
-    long long v = strtoll(j->p, &endp, 10);
-    if (endp == j->p || endp > j->end || errno) return j->error = j->error ? j->error : "an integer", 0;
-    j->p = endp;
-    *out = v;
-    return 1;
-}
-
-// Parses [n, n, ...] into out (at most max entries); returns the count, or -1.
-static int json_int_array(JsonCursor *j, int64_t *out, int max) {
-    if (!json_expect(j, '[', "an array")) return -1;
-    int n = 0;
-    json_space(j);
-    if (j->p < j->end && *j->p == ']') return j->p++, 0;
-    do {
-        if (n == max) return j->error = "a shorter array", -1;
-        if (!json_int(j, &out[n++])) return -1;
-    } while (json_expect(j, ',', NULL));
-    j->error = NULL;
-    return json_expect(j, ']', "']'") ? n : -1;
-}
-
-static int dtype_bytes(const char *dtype) {
-    static const char *const names[] = {"F64", "I64", "U64", "F32", "I32", "U32", "F16", "BF16", "I16", "U16", "I8", "U8", "BOOL"};
-    static const int bytes[] = {8, 8, 8, 4, 4, 4, 2, 2, 2, 2, 1, 1, 1};
-    for (int i = 0; i < 13; i++)
-        if (strcmp(dtype, names[i]) == 0) return bytes[i];
-    return 0;
-}
-
-static void safetensors_close(SafeTensorsFile *f) {
-    for (int i = 0; i < f->count; i++) free(f->tensors[i].name);
-    for (int i = 0; i < f->meta_count; i++) free(f->meta_keys[i]), free(f->meta_values[i]);
-    free(f->tensors);
-    free(f->meta_keys);
-    free(f->meta_values);
-    if (f->map) munmap((void *)f->map, f->map_bytes);
-    memset(f, 0, sizeof *f);
-}
-
-// Parses one tensor entry {"dtype": ..., "shape": [...], "data_offsets": [b, e]} and checks that
-// its bytes lie inside the data section and match its dtype and shape.
-static int safetensors_entry(JsonCursor *j, SafeTensor *t, const uint8_t *data, uint64_t data_bytes, char *err,
-                             size_t err_len) {
-    int64_t offsets[2] = {-1, -1};
-    int have_dtype = 0;
-    t->ndim = -1;
-    if (!json_expect(j, '{', "'{'")) return -1;
-    do {
-        char *key = json_string(j);
-        if (!key || !json_expect(j, ':', "':'")) return free(key), -1;
-        if (strcmp(key, "dtype") == 0) {
-            char *v = json_string(j);
-            if (v) snprintf(t->dtype, sizeof t->dtype, "%s", v), have_dtype = 1;
-            free(v);
-        } else if (strcmp(key, "shape") == 0) {
-            t->ndim = json_int_array(j, t->shape, SAFETENSORS_MAX_DIMS);
-        } else if (strcmp(key, "data_offsets") == 0) {
-            if (json_int_array(j, offsets, 2) != 2) j->error = j->error ? j->error : "two data offsets";
-        } else {
-            j->error = "dtype, shape or data_offsets";
-        }
-        free(key);
-        if (j->error) return -1;
-    } while (json_expect(j, ',', NULL));
-    j->error = NULL;
-    if (!json_expect(j, '}', "'}'")) return -1;
-    int size = have_dtype ? dtype_bytes(t->dtype) : 0;
-    if (!size) return dataset_fail(err, err_len, "tensor %s: unknown dtype '%s'", t->name, have_dtype ? t->dtype : "");
-    if (t->ndim < 0) return dataset_fail(err, err_len, "tensor %s has no shape", t->name);
-    t->numel = 1;
-    for (int d = 0; d < t->ndim; d++) {
-        if (t->shape[d] < 0 || t->shape[d] > ((int64_t)1 << 40) || (t->shape[d] && t->numel > ((int64_t)1 << 40) / t->shape[d]))
-            return dataset_fail(err, err_len, "tensor %s has an absurd shape", t->name);
-        t->numel *= t->shape[d];
-    }
-    if (offsets[0] < 0 || offsets[1] < offsets[0] || (uint64_t)offsets[1] > data_bytes ||
-        offsets[1] - offsets[0] != t->numel * size)
-        return dataset_fail(err, err_len, "tensor %s: data offsets [%lld, %lld] do not fit its %lld %s values in %llu bytes of data",
-                            t->name, (long long)offsets[0], (long long)offsets[1], (long long)t->numel, t->dtype,
-                            (unsigned long long)data_bytes);
-    t->data = data + offsets[0];
-    return 0;
-}
-
-// Maps a safetensors file and parses its header. Returns 0, or -1 with a message naming the file.
-static int safetensors_open(const char *path, SafeTensorsFile *f, char *err, size_t err_len) {
-    memset(f, 0, sizeof *f);
-    int fd = open(path, O_RDONLY);
-    if (fd < 0) return dataset_fail(err, err_len, "cannot open %s: %s", path, strerror(errno));
-    struct stat st;
-    if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
-        close(fd);
-        return dataset_fail(err, err_len, "%s is not a regular file", path);
-    }
-    uint64_t header_bytes = 0, file_bytes = (uint64_t)st.st_size;
-    void *map = file_bytes >= 8 ? mmap(NULL, file_bytes, PROT_READ, MAP_PRIVATE, fd, 0) : MAP_FAILED;
-    close(fd);
-    if (map == MAP_FAILED)
-        return dataset_fail(err, err_len, "%s: %s", path, file_bytes < 8 ? "too short for a safetensors file" : strerror(errno));
-    f->map = (const uint8_t *)map;
-    f->map_bytes = file_bytes;
-    memcpy(&header_bytes, f->map, 8);
-    if (header_bytes < 2 || header_bytes > SAFETENSORS_MAX_HEADER || header_bytes > file_bytes - 8) {
-        safetensors_close(f);
-        return dataset_fail(err, err_len, "%s: header length %llu does not fit the file's %llu bytes: not a safetensors file, or truncated",
-                            path, (unsigned long long)header_bytes, (unsigned long long)file_bytes);
-    }
-    const uint8_t *data = f->map + 8 + header_bytes;
-    uint64_t data_bytes = file_bytes - 8 - header_bytes;
-    JsonCursor j = {(const char *)f->map + 8, (const char *)data, NULL};
-    char why[256] = "";
-    int capacity = 0;
-    if (json_expect(&j, '{', "'{'")) {
-        json_space(&j);
-        if (j.p < j.end && *j.p == '}') j.p++;
-        else do {
-            char *name = json_string(&j);
-            if (!name || !json_expect(&j, ':', "':'")) { free(name); break; }
-            if (strcmp(name, "__metadata__") == 0) {
-                free(name);
-                if (!json_expect(&j, '{', "'{'")) break;
-                json_space(&j);
-                if (j.p < j.end && *j.p == '}') { j.p++; continue; }
-                do {
-                    char *key = json_string(&j), *value = key && json_expect(&j, ':', "':'") ? json_string(&j) : NULL;
-                    if (!value) { free(key); break; }
-                    f->meta_keys = (char **)realloc(f->meta_keys, (f->meta_count + 1) * sizeof(char *));
-                    f->meta_values = (char **)realloc(f->meta_values, (f->meta_count + 1) * sizeof(char *));
-                    f->meta_keys[f->meta_count] = key, f->meta_values[f->meta_count++] = value;
-                } while (json_expect(&j, ',', NULL));
-                if (j.error) break;
-                if (!json_expect(&j, '}', "'}'")) break;
-                continue;
-            }
-            if (f->count == capacity) {
-                capacity = capacity ? 2 * capacity : 64;
-                f->tensors = (SafeTensor *)realloc(f->tensors, capacity * sizeof(SafeTensor));
-                if (!f->tensors) fatal("out of host memory");
-            }
-            SafeTensor *t = &f->tensors[f->count++];
-            memset(t, 0, sizeof *t);
-            t->name = name;
-            if (safetensors_entry(&j, t, data, data_bytes, why, sizeof why) != 0) break;
-        } while (json_expect(&j, ',', NULL));
-        if (!why[0] && j.error == NULL) j.error = NULL;
-        if (!why[0] && !j.error) json_expect(&j, '}', "'}' closing the header");
-    }
-    if (why[0] || j.error) {
-        if (!why[0])
-            snprintf(why, sizeof why, "malformed header: expected %s at byte %ld", j.error,
-                     (long)(j.p - (const char *)f->map));
-        safetensors_close(f);
-        return dataset_fail(err, err_len, "%s: %s", path, why);
-    }
-    return 0;
-}
-
-static const SafeTensor *safetensors_find(const SafeTensorsFile *f, const char *name) {
-    for (int i = 0; i < f->count; i++)
-        if (strcmp(f->tensors[i].name, name) == 0) return &f->tensors[i];
-    return NULL;
-}
-
-static const char *safetensors_metadata(const SafeTensorsFile *f, const char *key) {
-    for (int i = 0; i < f->meta_count; i++)
-        if (strcmp(f->meta_keys[i], key) == 0) return f->meta_values[i];
-    return NULL;
-}
-
-static float bf16_bits_to_float(uint16_t b) {
-    uint32_t u = (uint32_t)b << 16;
-    float x;
-    memcpy(&x, &u, 4);
-    return x;
-}
-
-static float f16_bits_to_float(uint16_t h) {
-    int exponent = (h >> 10) & 0x1f, mantissa = h & 0x3ff;
-    float magnitude = exponent == 0    ? ldexpf((float)mantissa, -24)
-                      : exponent == 31 ? (mantissa ? NAN : INFINITY)
-                                       : ldexpf((float)(mantissa | 0x400), exponent - 25);
-    return (h & 0x8000) ? -magnitude : magnitude;
-}
-
-// Copies a floating-point tensor (F32, F64, BF16 or F16) into out as float. Returns 0, or -1.
-static int safetensors_get_float(const SafeTensor *t, float *out) {
-    const uint8_t *d = t->data;
-    for (int64_t i = 0; i < t->numel; i++) {
-        if (strcmp(t->dtype, "F32") == 0) memcpy(&out[i], d + 4 * i, 4);
-        else if (strcmp(t->dtype, "F64") == 0) { double v; memcpy(&v, d + 8 * i, 8); out[i] = (float)v; }
-        else if (strcmp(t->dtype, "BF16") == 0) { uint16_t v; memcpy(&v, d + 2 * i, 2); out[i] = bf16_bits_to_float(v); }
-        else if (strcmp(t->dtype, "F16") == 0) { uint16_t v; memcpy(&v, d + 2 * i, 2); out[i] = f16_bits_to_float(v); }
-        else return -1;
-    }
-    return 0;
-}
-
-// Copies an integer tensor (I64 or I32) into out. Returns 0, or -1.
-static int safetensors_get_int64(const SafeTensor *t, int64_t *out) {
-    for (int64_t i = 0; i < t->numel; i++) {
-        if (strcmp(t->dtype, "I64") == 0) memcpy(&out[i], t->data + 8 * i, 8);
-        else if (strcmp(t->dtype, "I32") == 0) { int32_t v; memcpy(&v, t->data + 4 * i, 4); out[i] = v; }
-        else return -1;
-    }
-    return 0;
-}
-
-// ----------------------------------------------------------------------------------------------
 // The data loader: maps a dataset file, serves shuffled batches of uint8 NHWC images and int32
 // labels in host buffers (pinned for fast copies when a GPU is used), and converts them on the GPU.
 //
@@ -453,12 +170,7 @@ static int loader_open(DataLoader *loader, const char *path, int batch_size, int
                        int pinned, char *err, size_t err_len) {
     memset(loader, 0, sizeof *loader);
     if (dataset_open(path, &loader->data, err, err_len) != 0) return -1;
-    const DatasetHeader *h = &loader->data.header;
-    if (h->count > UINT32_MAX) {
-        dataset_close(&loader->data);
-        return dataset_fail(err, err_len, "dataset %s has %" PRIu64 " images, more than the loader's limit of %u",
-                            path, h->count, UINT32_MAX);
-    }
+    const DatasetHeader *h = &loader->data.header;  // count <= DATASET_MAX_COUNT: the order's 32-bit indices hold it
     loader->batch_size = batch_size;
     loader->random_flip = random_flip;
     loader->seed = seed;
@@ -2291,7 +2003,7 @@ typedef struct {
     int random_flip;
     long long steps, stop_step;
     long long seed;
-    int dry_run, bench;
+    int dry_run, bench, overwrite;
 } Options;
 
 typedef enum { OPT_INT, OPT_LONG, OPT_FLOAT, OPT_BOOL, OPT_STRING, OPT_SWITCH } OptionType;
@@ -2347,6 +2059,7 @@ static const OptionSpec option_specs[] = {
     OPT(max_bad_steps, OPT_INT, "stop after this many steps in a row with a non-finite loss or gradient"),
     OPT(run_dir, OPT_STRING, "run folder: config.txt, log.csv, checkpoints/"),
     OPT(resume_checkpoint, OPT_STRING, "checkpoint folder to resume from, or latest (the newest in run_dir)"),
+    OPT(overwrite, OPT_SWITCH, "start a new run in a run folder that holds one, removing its checkpoints, samples, log and config"),
     OPT(random_flip, OPT_BOOL, "random horizontal flips of the training images"),
     OPT(steps, OPT_LONG, "training steps (the length of the learning-rate schedule)"),
     OPT(stop_step, OPT_LONG, "save and stop after this step, to continue later with --resume_checkpoint (0: at --steps)"),
@@ -2437,35 +2150,42 @@ static void usage_error(const char *fmt, ...) {
 }
 
 // Stores one option's value, checking that a number is a whole number (or a real) and nothing else.
-static void set_option(Options *o, const OptionSpec *s, const char *value) {
+// Returns 0, or -1 with a message.
+static int option_from_string(Options *o, const OptionSpec *s, const char *value, char *err, size_t err_len) {
     char *p = (char *)o + s->offset, *end = NULL;
     errno = 0;
     switch (s->type) {
     case OPT_INT: {
         long v = strtol(value, &end, 10);
         if (end == value || *end || errno || v < INT32_MIN || v > INT32_MAX)
-            usage_error("--%s needs a whole number, not '%s'", s->name, value);
+            return dataset_fail(err, err_len, "--%s needs a whole number, not '%s'", s->name, value);
         *(int *)p = (int)v;
         break;
     }
     case OPT_LONG: {
         long long v = strtoll(value, &end, 10);
-        if (end == value || *end || errno) usage_error("--%s needs a whole number, not '%s'", s->name, value);
+        if (end == value || *end || errno) return dataset_fail(err, err_len, "--%s needs a whole number, not '%s'", s->name, value);
         *(long long *)p = v;
         break;
     }
     case OPT_FLOAT: {
         double v = strtod(value, &end);
-        if (end == value || *end || errno || !isfinite(v)) usage_error("--%s needs a number, not '%s'", s->name, value);
+        if (end == value || *end || errno || !isfinite(v)) return dataset_fail(err, err_len, "--%s needs a number, not '%s'", s->name, value);
         *(float *)p = (float)v;
         break;
     }
     case OPT_BOOL:
-        if (parse_bool(value, (int *)p) != 0) usage_error("--%s needs True or False, not '%s'", s->name, value);
+        if (parse_bool(value, (int *)p) != 0) return dataset_fail(err, err_len, "--%s needs True or False, not '%s'", s->name, value);
         break;
     case OPT_STRING: *(const char **)p = value; break;
     case OPT_SWITCH: *(int *)p = 1; break;
     }
+    return 0;
+}
+
+static void set_option(Options *o, const OptionSpec *s, const char *value) {
+    char err[512];
+    if (option_from_string(o, s, value, err, sizeof err) != 0) usage_error("%s", err);
 }
 
 static const OptionSpec *find_option(const char *name, size_t len) {
@@ -2537,24 +2257,25 @@ static const char *default_channel_mult(int image_size) {
     }
 }
 
-// Checks every value and resolves the model configuration; a bad value is one error line.
-// label_rows: rows of the class embedding (0: unconditional).
-static ModelConfig resolve_model(Options *o, int label_rows) {
+// Checks every value and resolves the model configuration into c. label_rows: rows of the class
+// embedding (0: unconditional). Returns 0, or -1 with the first bad value (the command line's
+// or a checkpoint's metadata's: the caller says which).
+static int model_config_from_options(Options *o, int label_rows, ModelConfig *out, char *err, size_t err_len) {
     ModelConfig c;
     memset(&c, 0, sizeof c);
-    if (o->image_size < 8 || o->image_size > 4096) usage_error("--image_size %d is out of range (8..4096)", o->image_size);
-    if (o->num_channels < 32 || o->num_channels % 32)
-        usage_error("--num_channels %d must be a positive multiple of 32 (GroupNorm uses 32 groups)", o->num_channels);
-    if (o->num_res_blocks < 0 || o->num_res_blocks > 8) usage_error("--num_res_blocks %d is out of range (0..8)", o->num_res_blocks);
+    if (o->image_size < 8 || o->image_size > 4096) return dataset_fail(err, err_len, "--image_size %d is out of range (8..4096)", o->image_size);
+    if (o->num_channels < 32 || o->num_channels > 8192 || o->num_channels % 32)
+        return dataset_fail(err, err_len, "--num_channels %d must be a multiple of 32 (GroupNorm uses 32 groups) from 32 to 8192", o->num_channels);
+    if (o->num_res_blocks < 0 || o->num_res_blocks > 8) return dataset_fail(err, err_len, "--num_res_blocks %d is out of range (0..8)", o->num_res_blocks);
     if (!o->channel_mult[0]) {
         o->channel_mult = default_channel_mult(o->image_size);
-        if (!o->channel_mult) usage_error("no default --channel_mult for image size %d; give one", o->image_size);
+        if (!o->channel_mult) return dataset_fail(err, err_len, "no default --channel_mult for image size %d; give one", o->image_size);
     }
     double mult[MAX_LEVELS];
     int levels = parse_number_list(o->channel_mult, mult, MAX_LEVELS);
-    if (levels < 1) usage_error("--channel_mult '%s' must be 1 to %d positive numbers separated by commas", o->channel_mult, MAX_LEVELS);
+    if (levels < 1) return dataset_fail(err, err_len, "--channel_mult '%s' must be 1 to %d positive numbers separated by commas", o->channel_mult, MAX_LEVELS);
     if (o->image_size % (1 << (levels - 1)))
-        usage_error("--image_size %d must be divisible by 2^%d = %d for %d levels", o->image_size, levels - 1,
+        return dataset_fail(err, err_len, "--image_size %d must be divisible by 2^%d = %d for %d levels", o->image_size, levels - 1,
                     1 << (levels - 1), levels);
     c.image_size = o->image_size;
     c.in_channels = 3;
@@ -2562,39 +2283,40 @@ static ModelConfig resolve_model(Options *o, int label_rows) {
     c.model_channels = o->num_channels;
     c.num_levels = levels;
     for (int l = 0; l < levels; l++) {
-        c.level_channels[l] = (int)(mult[l] * o->num_channels);
+        double channels = mult[l] * o->num_channels;
+        c.level_channels[l] = channels <= 32768 ? (int)channels : 0;
         if (c.level_channels[l] < 32 || c.level_channels[l] % 32)
-            usage_error("channel_mult %g x num_channels %d = %d channels at level %d; must be a multiple of 32", mult[l],
-                        o->num_channels, c.level_channels[l], l);
+            return dataset_fail(err, err_len, "channel_mult %g x num_channels %d = %g channels at level %d; must be a multiple of 32 from 32 to 32768",
+                        mult[l], o->num_channels, channels, l);
     }
     double res[MAX_LEVELS];
     int num_res = o->attention_resolutions[0] ? parse_number_list(o->attention_resolutions, res, MAX_LEVELS) : 0;
-    if (num_res < 0) usage_error("--attention_resolutions '%s' must be resolutions separated by commas", o->attention_resolutions);
+    if (num_res < 0) return dataset_fail(err, err_len, "--attention_resolutions '%s' must be resolutions separated by commas", o->attention_resolutions);
     for (int i = 0; i < num_res; i++) {
         int level = -1;
         for (int l = 0; l < levels; l++)
             if (res[i] == (double)(o->image_size >> l)) level = l;
         if (level < 0)
-            usage_error("attention resolution %g is none of the model's resolutions (%d down to %d)", res[i],
+            return dataset_fail(err, err_len, "attention resolution %g is none of the model's resolutions (%d down to %d)", res[i],
                         o->image_size, o->image_size >> (levels - 1));
         c.level_attention[level] = 1;
     }
     if (o->num_head_channels != -1 && o->num_head_channels < 1)
-        usage_error("--num_head_channels %d must be positive or -1", o->num_head_channels);
-    if (o->num_heads < 1) usage_error("--num_heads %d must be positive", o->num_heads);
+        return dataset_fail(err, err_len, "--num_head_channels %d must be positive or -1", o->num_head_channels);
+    if (o->num_heads < 1) return dataset_fail(err, err_len, "--num_heads %d must be positive", o->num_heads);
     if (o->num_heads_upsample == -1) o->num_heads_upsample = o->num_heads;
-    if (o->num_heads_upsample < 1) usage_error("--num_heads_upsample %d must be positive or -1", o->num_heads_upsample);
+    if (o->num_heads_upsample < 1) return dataset_fail(err, err_len, "--num_heads_upsample %d must be positive or -1", o->num_heads_upsample);
     for (int l = 0; l < levels; l++) {  // every attention block's channels split evenly into heads
         int middle = l == levels - 1, ch = c.level_channels[l];
         if (!c.level_attention[l] && !middle) continue;
         if (o->num_head_channels != -1 && ch % o->num_head_channels)
-            usage_error("--num_head_channels %d does not divide the %d channels of the attention at resolution %d",
+            return dataset_fail(err, err_len, "--num_head_channels %d does not divide the %d channels of the attention at resolution %d",
                         o->num_head_channels, ch, o->image_size >> l);
         if (o->num_head_channels == -1 && (ch % o->num_heads || ch % o->num_heads_upsample))
-            usage_error("--num_heads %d (or --num_heads_upsample %d) does not divide the %d channels at resolution %d",
+            return dataset_fail(err, err_len, "--num_heads %d (or --num_heads_upsample %d) does not divide the %d channels at resolution %d",
                         o->num_heads, o->num_heads_upsample, ch, o->image_size >> l);
     }
-    if (!(o->dropout >= 0 && o->dropout < 1)) usage_error("--dropout %g must be in [0, 1)", o->dropout);
+    if (!(o->dropout >= 0 && o->dropout < 1)) return dataset_fail(err, err_len, "--dropout %g must be in [0, 1)", o->dropout);
     c.num_res_blocks = o->num_res_blocks;
     c.num_heads = o->num_heads;
     c.num_heads_upsample = o->num_heads_upsample;
@@ -2605,8 +2327,17 @@ static ModelConfig resolve_model(Options *o, int label_rows) {
     c.use_new_attention_order = o->use_new_attention_order;
     c.dropout = o->dropout;
     if (o->class_cond && label_rows < 1)
-        usage_error("--class_cond needs a dataset with labels (--data) or --num_classes");
+        return dataset_fail(err, err_len, "--class_cond needs a dataset with labels (--data) or --num_classes");
     c.num_classes = o->class_cond ? label_rows : 0;
+    *out = c;
+    return 0;
+}
+
+// The same for the command line: a bad value ends the program with one usage error line.
+static ModelConfig resolve_model(Options *o, int label_rows) {
+    ModelConfig c;
+    char err[512];
+    if (model_config_from_options(o, label_rows, &c, err, sizeof err) != 0) usage_error("%s", err);
     return c;
 }
 
@@ -2620,17 +2351,45 @@ static Options guided_diffusion_defaults(void) {
 }
 
 // The model configuration a checkpoint's metadata gives under guided-diffusion's flag names.
-// There num_classes is the label embedding's row count, null class included.
-static ModelConfig model_config_from_metadata(const SafeTensorsFile *f) {
+// There num_classes is the label embedding's row count, null class included. Returns 0, or -1
+// with a message naming the file.
+static const char *const model_flags[] = {"image_size", "num_channels", "num_res_blocks", "channel_mult",
+    "attention_resolutions", "num_heads", "num_head_channels", "num_heads_upsample", "use_new_attention_order",
+    "use_scale_shift_norm", "resblock_updown", "conv_resample", "dropout", "class_cond", "num_classes", "learn_sigma"};
+#define NUM_MODEL_FLAGS ((int)(sizeof model_flags / sizeof model_flags[0]))
+
+static int model_config_from_metadata(const SafeTensorsFile *f, const char *path, ModelConfig *c, char *err, size_t err_len) {
     Options o = guided_diffusion_defaults();
-    static const char *const model_flags[] = {"image_size", "num_channels", "num_res_blocks", "channel_mult",
-        "attention_resolutions", "num_heads", "num_head_channels", "num_heads_upsample", "use_new_attention_order",
-        "use_scale_shift_norm", "resblock_updown", "conv_resample", "dropout", "class_cond", "num_classes", "learn_sigma"};
-    for (size_t i = 0; i < sizeof model_flags / sizeof model_flags[0]; i++) {
+    char why[512];
+    int r = 0;
+    for (int i = 0; r == 0 && i < NUM_MODEL_FLAGS; i++) {
         const char *value = safetensors_metadata(f, model_flags[i]);
-        if (value) set_option(&o, find_option(model_flags[i], strlen(model_flags[i])), value);
+        if (value) r = option_from_string(&o, find_option(model_flags[i], strlen(model_flags[i])), value, why, sizeof why);
     }
-    return resolve_model(&o, o.num_classes);
+    if (r == 0) r = model_config_from_options(&o, o.num_classes, c, why, sizeof why);
+    return r == 0 ? 0 : dataset_fail(err, err_len, "%s: its metadata gives no valid model: %s", path, why);
+}
+
+// The diffusion a checkpoint's metadata gives (guided-diffusion's defaults where it says nothing):
+// its number of steps, its noise schedule and what the model predicts, each checked. Returns 0, or
+// -1 with a message naming the file.
+static int diffusion_from_metadata(const SafeTensorsFile *f, const char *path, int *steps, const char **schedule,
+                                   const char **predict, char *err, size_t err_len) {
+    const char *value = safetensors_metadata(f, "diffusion_steps");
+    char *end = NULL;
+    long n = value ? (errno = 0, strtol(value, &end, 10)) : 1000;
+    if (value && (end == value || *end || errno || n < 1 || n > 100000))
+        return dataset_fail(err, err_len, "%s: metadata diffusion_steps '%s' is not a whole number from 1 to 100000", path, value);
+    *steps = (int)n;
+    *schedule = safetensors_metadata(f, "noise_schedule");
+    *predict = safetensors_metadata(f, "predict");
+    if (!*schedule) *schedule = "linear";
+    if (!*predict) *predict = "eps";
+    if (strcmp(*schedule, "linear") != 0 && strcmp(*schedule, "cosine") != 0)
+        return dataset_fail(err, err_len, "%s: metadata noise_schedule '%s' is neither linear nor cosine", path, *schedule);
+    if (strcmp(*predict, "eps") != 0 && strcmp(*predict, "v") != 0)
+        return dataset_fail(err, err_len, "%s: metadata predict '%s' is neither eps nor v", path, *predict);
+    return 0;
 }
 
 // Checks the training values that are not part of the model.
@@ -2652,7 +2411,9 @@ static void validate_training(const Options *o) {
     if (o->cfg_dropout > 0 && !o->class_cond) usage_error("--cfg_dropout needs --class_cond");
     if (o->keep < 0) usage_error("--keep %d must not be negative", o->keep);
     if (o->max_bad_steps < 1) usage_error("--max_bad_steps %d must be positive", o->max_bad_steps);
-    if (!o->run_dir[0]) usage_error("--run_dir must not be empty");
+    if (!o->run_dir[0] || strlen(o->run_dir) > 3000) usage_error("--run_dir must be 1 to 3000 characters");
+    if (strlen(o->resume_checkpoint) > 3000) usage_error("--resume_checkpoint must be at most 3000 characters");
+    if (o->overwrite && o->resume_checkpoint[0]) usage_error("--overwrite starts a new run: it does not go with --resume_checkpoint");
     if (o->sample_interval < 0) usage_error("--sample_interval %d must not be negative", o->sample_interval);
     if (o->sample_count < 0 || o->sample_count > 10000) usage_error("--sample_count %d is out of range (0..10000)", o->sample_count);
     if (o->sample_steps < 1 || o->sample_steps > o->diffusion_steps || !respacing_stride(o->diffusion_steps, o->sample_steps))
@@ -2805,9 +2566,9 @@ typedef struct {
     const char *key, *value;
 } MetaEntry;
 
-// Appends a JSON string (quoted, escaped) to buf.
+// Appends a JSON string (quoted; quotes, backslashes and control characters escaped) to buf.
 static void json_put_string(char **buf, size_t *len, size_t *cap, const char *s) {
-    size_t need = *len + 2 * strlen(s) + 8;
+    size_t need = *len + 6 * strlen(s) + 8;
     if (need > *cap) {
         *cap = 2 * need;
         *buf = (char *)realloc(*buf, *cap);
@@ -2816,6 +2577,7 @@ static void json_put_string(char **buf, size_t *len, size_t *cap, const char *s)
     char *o = *buf + *len;
     *o++ = '"';
     for (; *s; s++) {
+        if ((unsigned char)*s < 0x20) { o += sprintf(o, "\\u%04x", (unsigned char)*s); continue; }
         if (*s == '"' || *s == '\\') *o++ = '\\';
         *o++ = *s;
     }
@@ -2875,11 +2637,11 @@ static int safetensors_write(const char *path, const ParamList *params, float *c
     return ok ? 0 : -1;
 }
 
-// The configuration under guided-diffusion's flag names, spelled as on its command line.
-#define MAX_METADATA 32
+// The configuration under guided-diffusion's flag names, spelled as on its command line, each
+// value a heap string of any length (metadata_free releases them).
+#define MAX_METADATA 48
 
 typedef struct {
-    char values[MAX_METADATA][64];
     MetaEntry entries[MAX_METADATA];
     int count;
 } Metadata;
@@ -2888,18 +2650,36 @@ static void meta_add(Metadata *m, const char *key, const char *fmt, ...) {
     if (m->count == MAX_METADATA) fatal("internal error: more than %d metadata entries", MAX_METADATA);
     va_list args;
     va_start(args, fmt);
-    vsnprintf(m->values[m->count], sizeof m->values[0], fmt, args);
+    char *value;
+    if (vasprintf(&value, fmt, args) < 0) fatal("out of host memory");
     va_end(args);
     m->entries[m->count].key = key;
-    m->entries[m->count].value = m->values[m->count];
+    m->entries[m->count].value = value;
     m->count++;
 }
 
-#define CHECKPOINT_FORMAT_VERSION 1
+static void metadata_free(Metadata *m) {
+    for (int i = 0; i < m->count; i++) free((char *)m->entries[i].value);
+    m->count = 0;
+}
+
+// A float as the shortest %g text that reads back as the same float (1e-4 stays "0.0001").
+static const char *float_text(float v, char *buf, size_t len) {
+    for (int digits = 6; digits <= 9; digits++) {
+        snprintf(buf, len, "%.*g", digits, v);
+        if (strtof(buf, NULL) == v) break;
+    }
+    return buf;
+}
+
+// Format 2 adds the training configuration (the keys after "predict") for resume to compare.
+#define CHECKPOINT_FORMAT_VERSION 2
 
 static Metadata checkpoint_metadata(const Options *o, const ModelConfig *c, int64_t step) {
-    Metadata m = {0};
+    Metadata m;
+    memset(&m, 0, sizeof m);
     const char *truth[2] = {"False", "True"};
+    char buf[32];
     meta_add(&m, "format", "unet.cu checkpoint");
     meta_add(&m, "format_version", "%d", CHECKPOINT_FORMAT_VERSION);
     meta_add(&m, "step", "%lld", (long long)step);
@@ -2923,7 +2703,61 @@ static Metadata checkpoint_metadata(const Options *o, const ModelConfig *c, int6
     meta_add(&m, "diffusion_steps", "%d", o->diffusion_steps);
     meta_add(&m, "noise_schedule", "%s", o->noise_schedule);
     meta_add(&m, "predict", "%s", o->predict);
+    meta_add(&m, "batch_size", "%d", o->batch_size);
+    meta_add(&m, "seed", "%lld", o->seed);
+    meta_add(&m, "ema_rates", "%s", o->ema_rate);  // every rate; each EMA file names its own as ema_rate
+    meta_add(&m, "random_flip", "%s", truth[o->random_flip]);
+    meta_add(&m, "lr", "%s", float_text(o->lr, buf, sizeof buf));
+    meta_add(&m, "weight_decay", "%s", float_text(o->weight_decay, buf, sizeof buf));
+    meta_add(&m, "beta1", "%s", float_text(o->beta1, buf, sizeof buf));
+    meta_add(&m, "beta2", "%s", float_text(o->beta2, buf, sizeof buf));
+    meta_add(&m, "adam_eps", "%s", float_text(o->adam_eps, buf, sizeof buf));
+    meta_add(&m, "warmup_steps", "%d", o->warmup_steps);
+    meta_add(&m, "lr_decay", "%s", o->lr_decay);
+    meta_add(&m, "min_lr", "%s", float_text(o->min_lr, buf, sizeof buf));
+    meta_add(&m, "grad_clip", "%s", float_text(o->grad_clip, buf, sizeof buf));
+    meta_add(&m, "cfg_dropout", "%s", float_text(o->cfg_dropout, buf, sizeof buf));
+    meta_add(&m, "steps", "%lld", o->steps);
     return m;
+}
+
+// What resume allows to differ between the checkpoint's configuration and this run's: nothing of
+// the model (its weights would not fit, or would mean another function), nothing that fixes the
+// data, noise or EMA streams (batch, seed, diffusion, EMA rates), and anything of the optimiser
+// and its schedule (said when it differs).
+static int resume_may_change(const char *key) {
+    static const char *const fixed[] = {"diffusion_steps", "noise_schedule", "predict", "batch_size", "seed", "ema_rates", "null_class"};
+    for (int i = 0; i < NUM_MODEL_FLAGS; i++)
+        if (strcmp(key, model_flags[i]) == 0) return 0;
+    for (size_t i = 0; i < sizeof fixed / sizeof fixed[0]; i++)
+        if (strcmp(key, fixed[i]) == 0) return 0;
+    return 1;
+}
+
+// Appends "key A (checkpoint B)" to a list of at most len bytes, "..." when it is full.
+static void append_difference(char *list, size_t len, const char *key, const char *now, const char *then) {
+    size_t at = strlen(list);
+    if (at + 4 >= len) return;
+    int n = snprintf(list + at, len - at, "%s--%s %s (checkpoint: %s)", at ? ", " : "", key, now, then);
+    if (n < 0 || (size_t)n >= len - at) snprintf(list + (len > 4 ? len - 4 : 0), len > 4 ? 4 : len, "...");
+}
+
+// Compares this run's configuration (its metadata `now`) with the one a checkpoint was trained
+// with. Differences that resume may not make refuse, each named; the others are listed in changes.
+// Keys the checkpoint does not hold (an older format) are not compared. Returns 0, or -1.
+static int compare_with_checkpoint(const SafeTensorsFile *f, const char *path, const Metadata *now, char *changes,
+                                   size_t changes_len, char *err, size_t err_len) {
+    char refused[768] = "";
+    changes[0] = '\0';
+    for (int i = 0; i < now->count; i++) {
+        const char *key = now->entries[i].key, *then = safetensors_metadata(f, key);
+        if (!then || strcmp(then, now->entries[i].value) == 0 || strcmp(key, "step") == 0 || strncmp(key, "format", 6) == 0) continue;
+        if (resume_may_change(key)) append_difference(changes, changes_len, key, now->entries[i].value, then);
+        else append_difference(refused, sizeof refused, key, now->entries[i].value, then);
+    }
+    if (refused[0])
+        return dataset_fail(err, err_len, "%s was trained with another configuration: %s; resume with the checkpoint's values", path, refused);
+    return 0;
 }
 
 // ----------------------------------------------------------------------------------------------
@@ -3246,19 +3080,6 @@ static void trainer_step(Trainer *tr) {
 // ema_<rate>.safetensors..., state.bin}. state.bin: the magic "UNETSTAT", version, then the
 // StateHeader, then AdamW's m and v as [storage] fp32 each in the GPU layout.
 
-#define STATE_MAGIC "UNETSTAT"
-#define STATE_VERSION 1u
-
-typedef struct {
-    char magic[8];
-    uint32_t version, num_params;
-    int64_t step, storage;
-    int64_t seed;
-    uint64_t loader_epoch, loader_next;
-    int32_t batch_size, diffusion_steps;
-    char noise_schedule[16], predict[8];
-} StateHeader;
-
 // A parameter array in the GPU layout ([storage] fp32 on the GPU) as host tensors in PyTorch
 // layouts, one malloc'd array per parameter (freed by free_tensors).
 static float **download_tensors(const UNet *m, const float *array) {
@@ -3279,12 +3100,29 @@ static void free_tensors(const UNet *m, float **values) {
     free(values);
 }
 
+// Syncs a file or folder by name, so that what was written to it, or renamed into it, is durable.
 static int fsync_path(const char *path) {
-    int fd = open(path, O_RDONLY);
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
     if (fd < 0) return -1;
     int r = fsync(fd);
     close(fd);
     return r;
+}
+
+// Creates a folder if it is missing and syncs its parent, so that the new name is durable.
+// Returns 0, or -1 with errno set.
+static int make_dir_synced(const char *path) {
+    if (mkdir(path, 0777) != 0) {
+        struct stat st;
+        return errno == EEXIST && stat(path, &st) == 0 && S_ISDIR(st.st_mode) ? 0 : (errno = errno == EEXIST ? ENOTDIR : errno, -1);
+    }
+    char parent[4096];
+    snprintf(parent, sizeof parent, "%s", path);
+    char *slash = strrchr(parent, '/');
+    if (slash == parent) slash[1] = '\0';
+    else if (slash) *slash = '\0';
+    else snprintf(parent, sizeof parent, ".");
+    return fsync_path(parent);
 }
 
 static int write_all(FILE *f, const void *data, size_t bytes) { return fwrite(data, 1, bytes, f) == bytes ? 0 : -1; }
@@ -3295,26 +3133,55 @@ static void ema_file_name(char *out, size_t len, const char *dir, const float *r
     else snprintf(out, len, "%s/ema_%g.safetensors", dir, rates[i]);
 }
 
-// Removes a checkpoint folder and the files in it (the names it can hold).
-static void remove_checkpoint_dir(const char *dir) {
+// A save stops here between its steps when a test asks it to (dev/test/test_checkpoint.cu kills the
+// writer at each of these points); NULL in every program.
+static void (*checkpoint_stage_hook)(const char *stage);
+static void checkpoint_stage(const char *stage) {
+    if (checkpoint_stage_hook) checkpoint_stage_hook(stage);
+}
+
+// Deletes a folder that no valid checkpoint name points at, and the files in it.
+static void delete_folder(const char *dir) {
     DIR *d = opendir(dir);
     if (!d) return;
     struct dirent *e;
-    char path[4096];
-    while ((e = readdir(d)))
-        if (e->d_name[0] != '.') snprintf(path, sizeof path, "%s/%s", dir, e->d_name), unlink(path);
+    char path[4400];
+    while ((e = readdir(d))) {
+        if (e->d_name[0] == '.') continue;
+        snprintf(path, sizeof path, "%s/%s", dir, e->d_name);
+        unlink(path);
+        checkpoint_stage("deleting");
+    }
     closedir(d);
     rmdir(dir);
 }
 
-// The step of a complete checkpoint folder name ("step_000000100"), or -1 for anything else
-// (temporary folders end in .tmp.PID).
-static int64_t checkpoint_step(const char *name) {
-    char *end;
-    if (strncmp(name, "step_", 5) != 0) return -1;
-    long long step = strtoll(name + 5, &end, 10);
-    return *end || end == name + 5 ? -1 : step;
+// Removes a complete checkpoint step_N: first renamed to step_N.del.PID (synced), so that a crash
+// while its files are deleted never leaves a half checkpoint under a valid name.
+static void remove_checkpoint(const char *checkpoints_dir, const char *name) {
+    char from[4400], to[4500];
+    snprintf(from, sizeof from, "%.4000s/%.255s", checkpoints_dir, name);
+    snprintf(to, sizeof to, "%s.del.%d", from, (int)getpid());
+    if (rename(from, to) != 0) return;
+    fsync_path(checkpoints_dir);
+    checkpoint_stage("renamed for deletion");
+    delete_folder(to);
 }
+
+// A step written as decimal digits and nothing else; -1 for anything else.
+static int64_t step_from_digits(const char *p) {
+    int64_t step = 0;
+    if (!*p) return -1;
+    for (; *p; p++) {
+        if (*p < '0' || *p > '9' || step > (INT64_MAX - 9) / 10) return -1;
+        step = 10 * step + (*p - '0');
+    }
+    return step;
+}
+
+// The step of a complete checkpoint folder name ("step_000000100"), or -1 for anything else
+// (a save in progress is step_N.tmp.PID, a removal in progress step_N.del.PID).
+static int64_t checkpoint_step(const char *name) { return strncmp(name, "step_", 5) == 0 ? step_from_digits(name + 5) : -1; }
 
 // The latest complete checkpoint under run_dir/checkpoints into out; 0 if found.
 static int latest_checkpoint(const char *run_dir, char *out, size_t len) {
@@ -3326,32 +3193,42 @@ static int latest_checkpoint(const char *run_dir, char *out, size_t len) {
     struct dirent *e;
     while ((e = readdir(d))) {
         int64_t step = checkpoint_step(e->d_name);
-        if (step > best) best = step, snprintf(out, len, "%s/%s", dir, e->d_name);
+        if (step > best) best = step, snprintf(out, len, "%.3500s/%.255s", dir, e->d_name);
     }
     closedir(d);
     return best >= 0 ? 0 : -1;
 }
 
-// Keeps the newest `keep` complete checkpoints (0: all) and removes temporary folders left by a crash.
+// Keeps the newest `keep` complete checkpoints (0: all) and deletes what crashed saves and
+// removals left behind (step_N.tmp.PID, step_N.del.PID).
 static void prune_checkpoints(const char *run_dir, int keep) {
-    char dir[4096], path[4096 + 300];
+    char dir[4096], path[4400];
     snprintf(dir, sizeof dir, "%s/checkpoints", run_dir);
     DIR *d = opendir(dir);
     if (!d) return;
-    int64_t steps[4096];
-    int count = 0;
+    int64_t *steps = NULL;
+    int count = 0, capacity = 0;
     struct dirent *e;
     while ((e = readdir(d))) {
         int64_t step = checkpoint_step(e->d_name);
-        if (step >= 0 && count < 4096) steps[count++] = step;
-        else if (strncmp(e->d_name, "step_", 5) == 0 && strstr(e->d_name, ".tmp."))
-            snprintf(path, sizeof path, "%s/%s", dir, e->d_name), remove_checkpoint_dir(path);
+        if (step >= 0) {
+            if (count == capacity) steps = (int64_t *)realloc(steps, (capacity = 2 * capacity + 64) * sizeof *steps);
+            if (!steps) fatal("out of host memory");
+            steps[count++] = step;
+        } else if (strncmp(e->d_name, "step_", 5) == 0 && (strstr(e->d_name, ".tmp.") || strstr(e->d_name, ".del."))) {
+            snprintf(path, sizeof path, "%s/%.255s", dir, e->d_name);
+            delete_folder(path);
+        }
     }
     closedir(d);
-    if (keep <= 0 || count <= keep) return;
-    qsort(steps, count, sizeof steps[0], compare_int64);
-    for (int i = 0; i < count - keep; i++)
-        snprintf(path, sizeof path, "%s/step_%09lld", dir, (long long)steps[i]), remove_checkpoint_dir(path);
+    if (keep > 0 && count > keep) {
+        qsort(steps, count, sizeof steps[0], compare_int64);
+        for (int i = 0; i < count - keep; i++) {
+            snprintf(path, sizeof path, "step_%09lld", (long long)steps[i]);
+            remove_checkpoint(dir, path);
+        }
+    }
+    free(steps);
 }
 
 // Everything a checkpoint holds, on the host: the weights and each EMA in PyTorch layouts, the
@@ -3369,40 +3246,65 @@ typedef struct {
     size_t moments_bytes;
 } CheckpointData;
 
+// Puts a complete folder tmp in place as dir, replacing a checkpoint of the same step atomically
+// (renameat2's RENAME_EXCHANGE swaps the two; the old one, now under the temporary name, is then
+// deleted). On a file system without the exchange, the old one is renamed away first: a crash
+// between the two renames leaves the step missing, and the previous checkpoint the latest.
+static int put_in_place(const char *tmp, const char *dir) {
+    if (rename(tmp, dir) == 0) return 0;
+    if (errno != ENOTEMPTY && errno != EEXIST) return -1;
+    if (renameat2(AT_FDCWD, tmp, AT_FDCWD, dir, RENAME_EXCHANGE) == 0) {
+        checkpoint_stage("exchanged");
+        delete_folder(tmp);
+        return 0;
+    }
+    char old[4500];
+    snprintf(old, sizeof old, "%s.del.%d", dir, (int)getpid());
+    if (rename(dir, old) != 0 || rename(tmp, dir) != 0) return -1;
+    delete_folder(old);
+    return 0;
+}
+
 // Writes run_dir/checkpoints/step_NNNNNNNNN under a temporary name, syncs every file and the folder,
-// renames it into place and syncs its parent; then keeps the newest `keep`. Returns 0, or -1 with
-// a message (and nothing left behind but the previous checkpoints).
+// puts it in place (replacing one of the same step) and syncs its parent; then keeps the newest
+// `keep`. Returns 0, or -1 with a message (and nothing left behind but the previous checkpoints).
 static int write_checkpoint(const char *run_dir, const CheckpointData *d, int keep, char *saved, size_t saved_len, char *err,
                             size_t err_len) {
-    char dir[4096], tmp[4200], path[4400];
-    snprintf(dir, sizeof dir, "%s/checkpoints", run_dir);
-    mkdir(dir, 0777);
-    snprintf(dir, sizeof dir, "%s/checkpoints/step_%09lld", run_dir, (long long)d->step);
+    char checkpoints[4096], dir[4200], tmp[4300], path[4400];
+    snprintf(checkpoints, sizeof checkpoints, "%s/checkpoints", run_dir);
+    if (make_dir_synced(checkpoints) != 0) return dataset_fail(err, err_len, "cannot create %s: %s", checkpoints, strerror(errno));
+    snprintf(dir, sizeof dir, "%s/step_%09lld", checkpoints, (long long)d->step);
     snprintf(tmp, sizeof tmp, "%s.tmp.%d", dir, (int)getpid());
+    delete_folder(tmp);  // a save of this step by this process that failed before
     if (mkdir(tmp, 0777) != 0) return dataset_fail(err, err_len, "cannot create %s: %s", tmp, strerror(errno));
+    checkpoint_stage("folder created");
     snprintf(path, sizeof path, "%s/model.safetensors", tmp);
     int failed = safetensors_write(path, d->params, d->model, d->meta->entries, d->meta->count);
     for (int i = 0; i < d->num_ema && !failed; i++) {
-        Metadata em = *d->meta;
-        for (int k = 0; k < em.count; k++) em.entries[k].value = em.values[k];  // point into this copy
+        checkpoint_stage("file written");
+        Metadata em = *d->meta;  // the same entries, and this file's own rate (freed below)
         meta_add(&em, "ema_rate", "%g", d->ema_rates[i]);
         ema_file_name(path, sizeof path, tmp, d->ema_rates, i);
         failed = safetensors_write(path, d->params, d->ema[i], em.entries, em.count);
+        free((char *)em.entries[em.count - 1].value);
     }
     if (!failed) {
+        checkpoint_stage("file written");
         snprintf(path, sizeof path, "%s/state.bin", tmp);
         FILE *f = fopen(path, "wb");
         failed = !f || write_all(f, d->header, sizeof *d->header) || write_all(f, d->moments, d->moments_bytes) ||
                  fflush(f) != 0 || fsync(fileno(f)) != 0;
         if (f && fclose(f) != 0) failed = 1;
     }
-    if (failed || fsync_path(tmp) != 0 || rename(tmp, dir) != 0) {
+    if (!failed) checkpoint_stage("files written");
+    if (failed || fsync_path(tmp) != 0 || (checkpoint_stage("folder synced"), put_in_place(tmp, dir)) != 0) {
         int e = errno;
-        remove_checkpoint_dir(tmp);
+        delete_folder(tmp);
         return dataset_fail(err, err_len, "cannot write checkpoint %s: %s", dir, strerror(e));
     }
-    snprintf(path, sizeof path, "%s/checkpoints", run_dir);
-    fsync_path(path);
+    checkpoint_stage("in place");
+    fsync_path(checkpoints);
+    checkpoint_stage("synced");
     snprintf(saved, saved_len, "%s", dir);
     prune_checkpoints(run_dir, keep);
     return 0;
@@ -3433,6 +3335,7 @@ static int save_checkpoint(Trainer *tr, const char *run_dir, const LoaderPositio
     free(moments);
     free_tensors(m, d.model);
     for (int i = 0; i < tr->num_ema; i++) free_tensors(m, d.ema[i]);
+    metadata_free(&meta);
     return r;
 }
 
@@ -3468,65 +3371,120 @@ static int match_parameters(const ParamList *params, const SafeTensorsFile *f, c
     return 0;
 }
 
-// Reads a safetensors file of this model's parameters into a GPU array (GPU layout).
-static int load_parameters(const UNet *m, const char *path, float *array, int strict, char *err, size_t err_len) {
+// Reads a safetensors file of this model's parameters (matched as match_parameters does, every value
+// finite) into staged ([storage] floats in the GPU layout), or only checks it when staged is NULL.
+// Returns 0, or -1 with a message.
+static int read_parameters(const ParamList *params, const char *path, int strict, float *staged, char *err, size_t err_len) {
     SafeTensorsFile f;
     if (safetensors_open(path, &f, err, err_len) != 0) return -1;
-    if (match_parameters(&m->params, &f, path, strict, err, err_len) != 0) return safetensors_close(&f), -1;
-    float *staged = (float *)calloc(m->storage, sizeof(float));
-    for (int i = 0; i < m->params.count; i++) {
-        const ParamSpec *p = &m->params.specs[i];
+    int r = match_parameters(params, &f, path, strict, err, err_len);
+    for (int i = 0; r == 0 && i < params->count; i++) {
+        const ParamSpec *p = &params->specs[i];
         float *torch = (float *)malloc_or_die(p->numel * sizeof(float));
-        safetensors_get_float(safetensors_find(&f, p->name), torch);
-        param_layout(p, torch, staged + p->offset, 1);
+        if (safetensors_get_float(safetensors_find(&f, p->name), torch) != 0)
+            r = dataset_fail(err, err_len, "%s: tensor %s holds NaN or infinite values", path, p->name);
+        else if (staged)
+            param_layout(p, torch, staged + p->offset, 1);
         free(torch);
     }
-    cuda_check(cudaMemcpy(array, staged, m->storage * sizeof(float), cudaMemcpyHostToDevice));
-    free(staged);
     safetensors_close(&f);
-    return 0;
+    return r;
 }
 
-// Restores everything from a checkpoint folder; returns 0, or -1 with the reason.
-static int load_checkpoint(Trainer *tr, const char *dir, LoaderPosition *position, char *err, size_t err_len) {
-    const Options *o = tr->o;
+// Reads a safetensors file of this model's parameters into a GPU array (GPU layout).
+static int load_parameters(const UNet *m, const char *path, float *array, int strict, char *err, size_t err_len) {
+    float *staged = (float *)calloc(m->storage, sizeof(float));
+    if (!staged) fatal("out of host memory");
+    int r = read_parameters(&m->params, path, strict, staged, err, err_len);
+    if (r == 0) cuda_check(cudaMemcpy(array, staged, m->storage * sizeof(float), cudaMemcpyHostToDevice));
+    free(staged);
+    return r;
+}
+
+// A checkpoint to resume from, checked on the host before any GPU work (so that --dry_run checks
+// all of it): its folder, step and data position, and what changed since (said, not refused).
+typedef struct {
+    char dir[4096];
+    int64_t step;
+    LoaderPosition position;
+    char changes[1024];
+} ResumePoint;
+
+// Checks everything a resume reads: model.safetensors and each EMA file (header, names, shapes,
+// F32, finite values), the configuration they were trained with against this run's (see
+// compare_with_checkpoint), and state.bin (state_check, then against this model and step).
+static int check_resume(const Options *o, const ModelConfig *c, const ParamList *params, ResumePoint *rp, char *err, size_t err_len) {
+    char path[4400];
+    SafeTensorsFile f;
+    snprintf(path, sizeof path, "%s/model.safetensors", rp->dir);
+    if (safetensors_open(path, &f, err, err_len) != 0) return -1;
+    const char *format = safetensors_metadata(&f, "format"), *step = safetensors_metadata(&f, "step");
+    Metadata now = checkpoint_metadata(o, c, 0);
+    int r = 0;
+    if (!format || strcmp(format, "unet.cu checkpoint") != 0 || !step || (rp->step = step_from_digits(step)) < 0)
+        r = dataset_fail(err, err_len, "%s is not a checkpoint of this trainer (its metadata lacks format or step): it can be "
+                         "evaluated or sampled, not resumed", path);
+    if (r == 0) r = compare_with_checkpoint(&f, rp->dir, &now, rp->changes, sizeof rp->changes, err, err_len);
+    metadata_free(&now);
+    safetensors_close(&f);
+    if (r == 0) r = read_parameters(params, path, 1, NULL, err, err_len);
+    double rates[8];
+    int num_ema = parse_number_list(o->ema_rate, rates, 8);
+    float ema_rates[8];
+    for (int i = 0; i < num_ema; i++) ema_rates[i] = (float)rates[i];
+    for (int i = 0; r == 0 && i < num_ema; i++) {
+        ema_file_name(path, sizeof path, rp->dir, ema_rates, i);
+        r = read_parameters(params, path, 1, NULL, err, err_len);
+    }
+    if (r != 0) return -1;
+    snprintf(path, sizeof path, "%s/state.bin", rp->dir);
+    MappedFile state;
+    StateHeader h;
+    char why[512];
+    if (map_regular_file(path, "training state", &state, err, err_len) != 0) return -1;
+    int64_t storage = 0;
+    for (int i = 0; i < params->count; i++) storage += params->specs[i].numel;
+    if (state_check(state.bytes, state.size, &h, why, sizeof why) != 0)
+        r = dataset_fail(err, err_len, "%s: %s", path, why);
+    else if (h.storage != storage || (int)h.num_params != params->count)
+        r = dataset_fail(err, err_len, "%s holds the state of a model of %lld values in %u tensors, not this one's %lld in %d", path,
+                         (long long)h.storage, h.num_params, (long long)storage, params->count);
+    else if (h.step != rp->step)
+        r = dataset_fail(err, err_len, "%s is of step %lld but the weights beside it are of step %lld", path, (long long)h.step,
+                         (long long)rp->step);
+    else if (h.batch_size != o->batch_size || h.diffusion_steps != o->diffusion_steps || h.seed != o->seed ||
+             strcmp(h.noise_schedule, o->noise_schedule) != 0 || strcmp(h.predict, o->predict) != 0)
+        r = dataset_fail(err, err_len, "%s was trained with --batch_size %d --diffusion_steps %d --noise_schedule %s --predict %s "
+                         "--seed %lld; resume with the same values", rp->dir, h.batch_size, h.diffusion_steps, h.noise_schedule,
+                         h.predict, (long long)h.seed);
+    rp->position.epoch = h.loader_epoch, rp->position.next = h.loader_next;
+    unmap_file(&state);
+    return r;
+}
+
+// Restores a checked resume point onto the GPU: weights, EMAs, AdamW's moments, the step.
+static int load_checkpoint(Trainer *tr, const ResumePoint *rp, char *err, size_t err_len) {
     UNet *m = &tr->m;
     char path[4400];
-    snprintf(path, sizeof path, "%s/model.safetensors", dir);
+    snprintf(path, sizeof path, "%s/model.safetensors", rp->dir);
     if (load_parameters(m, path, m->master, 1, err, err_len) != 0) return -1;
     for (int i = 0; i < tr->num_ema; i++) {
-        ema_file_name(path, sizeof path, dir, tr->ema_rates, i);
+        ema_file_name(path, sizeof path, rp->dir, tr->ema_rates, i);
         if (load_parameters(m, path, tr->ema[i], 1, err, err_len) != 0) return -1;
     }
-    snprintf(path, sizeof path, "%s/state.bin", dir);
-    FILE *f = fopen(path, "rb");
-    if (!f) return dataset_fail(err, err_len, "cannot open %s: %s", path, strerror(errno));
+    snprintf(path, sizeof path, "%s/state.bin", rp->dir);
+    MappedFile state;
     StateHeader h;
-    size_t moments = 2 * (size_t)m->storage * sizeof(float);
-    struct stat st;
-    int ok = fstat(fileno(f), &st) == 0 && fread(&h, sizeof h, 1, f) == 1;
-    if (!ok || memcmp(h.magic, STATE_MAGIC, 8) != 0 || h.version != STATE_VERSION || (size_t)st.st_size != sizeof h + moments ||
-        h.storage != m->storage || (int)h.num_params != m->params.count) {
-        fclose(f);
-        return dataset_fail(err, err_len, "%s is not a training state of this model (damaged, or another configuration)", path);
+    char why[512];
+    if (map_regular_file(path, "training state", &state, err, err_len) != 0) return -1;
+    if (state_check(state.bytes, state.size, &h, why, sizeof why) != 0 || h.storage != m->storage) {
+        unmap_file(&state);
+        return dataset_fail(err, err_len, "%s changed since it was checked", path);
     }
-    if (h.batch_size != o->batch_size || h.diffusion_steps != o->diffusion_steps || h.seed != o->seed ||
-        strcmp(h.noise_schedule, o->noise_schedule) != 0 || strcmp(h.predict, o->predict) != 0) {
-        fclose(f);
-        return dataset_fail(err, err_len,
-                            "%s was trained with --batch_size %d --diffusion_steps %d --noise_schedule %s --predict %s --seed %lld; "
-                            "resume with the same values", dir, h.batch_size, h.diffusion_steps, h.noise_schedule, h.predict,
-                            (long long)h.seed);
-    }
-    float *buffer = (float *)malloc_or_die(moments);
-    ok = fread(buffer, 1, moments, f) == moments;
-    fclose(f);
-    if (!ok) return free(buffer), dataset_fail(err, err_len, "%s is truncated", path);
-    cuda_check(cudaMemcpy(m->adam_m, buffer, moments, cudaMemcpyHostToDevice));
-    free(buffer);
+    cuda_check(cudaMemcpy(m->adam_m, state.bytes + sizeof h, 2 * (size_t)m->storage * sizeof(float), cudaMemcpyHostToDevice));
+    unmap_file(&state);
     unet_sync_compute(m);
-    tr->step = h.step;
-    position->epoch = h.loader_epoch, position->next = h.loader_next;
+    tr->step = rp->step;
     return 0;
 }
 
@@ -3580,30 +3538,119 @@ static void on_stop_signal(int sig) {
 
 #define LOG_HEADER "step,loss,lr,grad_norm,img_per_s,ms_per_step,gpu_mem_gib"
 
-// Opens log.csv for appending; on resume keeps only the rows up to the resumed step.
-static FILE *open_log(const char *run_dir, int64_t resumed_step) {
-    char path[4096], tmp[4200], line[512];
-    snprintf(path, sizeof path, "%s/log.csv", run_dir);
-    FILE *old = resumed_step > 0 ? fopen(path, "r") : NULL;
+// Writes a small file whole under a temporary name, syncs it and renames it into place; exits on
+// an error. `fill` writes the content.
+static void write_file_atomically(const char *path, void (*fill)(FILE *, const void *), const void *arg) {
+    char tmp[4300];
     snprintf(tmp, sizeof tmp, "%s.tmp.%d", path, (int)getpid());
     FILE *f = fopen(tmp, "w");
     if (!f) fatal("cannot write %s: %s", tmp, strerror(errno));
+    fill(f, arg);
+    int failed = fflush(f) != 0 || fsync(fileno(f)) != 0;
+    if (fclose(f) != 0 || failed || rename(tmp, path) != 0) {
+        int e = errno;
+        unlink(tmp);
+        fatal("cannot write %s: %s", path, strerror(e));
+    }
+}
+
+// log.csv of a resumed run: the header, then the old file's rows up to the resumed step.
+typedef struct {
+    const char *old_path;
+    int64_t resumed_step;
+} LogStart;
+
+static void fill_log(FILE *f, const void *arg) {
+    const LogStart *start = (const LogStart *)arg;
+    char line[512];
     fprintf(f, "%s\n", LOG_HEADER);
+    FILE *old = start->resumed_step > 0 ? fopen(start->old_path, "r") : NULL;
     while (old && fgets(line, sizeof line, old))
-        if (line[0] >= '0' && line[0] <= '9' && strtoll(line, NULL, 10) <= resumed_step) fputs(line, f);
+        if (line[0] >= '0' && line[0] <= '9' && strtoll(line, NULL, 10) <= start->resumed_step) fputs(line, f);
     if (old) fclose(old);
-    if (fflush(f) != 0 || rename(tmp, path) != 0) fatal("cannot write %s: %s", path, strerror(errno));
+}
+
+// Opens log.csv for appending; on resume keeps only the rows up to the resumed step.
+static FILE *open_log(const char *run_dir, int64_t resumed_step) {
+    char path[4096];
+    snprintf(path, sizeof path, "%s/log.csv", run_dir);
+    LogStart start = {path, resumed_step};
+    write_file_atomically(path, fill_log, &start);
+    FILE *f = fopen(path, "a");
+    if (!f) fatal("cannot write %s: %s", path, strerror(errno));
     return f;
 }
 
+static void fill_config(FILE *f, const void *o) { print_config(f, (const Options *)o); }
+
 static void write_config(const char *run_dir, const Options *o) {
-    char path[4096], tmp[4200];
+    char path[4096];
     snprintf(path, sizeof path, "%s/config.txt", run_dir);
-    snprintf(tmp, sizeof tmp, "%s.tmp.%d", path, (int)getpid());
-    FILE *f = fopen(tmp, "w");
-    if (!f) fatal("cannot write %s: %s", tmp, strerror(errno));
-    print_config(f, o);
-    if (fclose(f) != 0 || rename(tmp, path) != 0) fatal("cannot write %s: %s", path, strerror(errno));
+    write_file_atomically(path, fill_config, o);
+}
+
+// A run folder holds one run. What in it shows that a run was started there (a checkpoint, log.csv
+// or config.txt) into what; 0 when it holds none (it may not exist yet). -1 when the path is
+// something else than a folder.
+static int run_folder_contents(const char *run_dir, char *what, size_t len) {
+    struct stat st;
+    what[0] = '\0';
+    if (stat(run_dir, &st) != 0) return 0;
+    if (!S_ISDIR(st.st_mode)) return -1;
+    char path[4096];
+    if (latest_checkpoint(run_dir, path, sizeof path) == 0) return snprintf(what, len, "%s", path), 1;
+    const char *files[] = {"log.csv", "config.txt"};
+    for (int i = 0; i < 2; i++) {
+        snprintf(path, sizeof path, "%s/%s", run_dir, files[i]);
+        if (stat(path, &st) == 0) return snprintf(what, len, "%s", path), 1;
+    }
+    return 0;
+}
+
+// Checks before anything is read or written that the run folder may take this run: a new run
+// (no --resume_checkpoint) refuses a folder that holds one, unless --overwrite.
+static void check_run_folder(const Options *o) {
+    char what[4096];
+    int held = run_folder_contents(o->run_dir, what, sizeof what);
+    if (held < 0) fatal("run folder %s exists and is not a folder", o->run_dir);
+    if (held && !o->resume_checkpoint[0] && !o->overwrite)
+        fatal("run folder %s already holds a run (%s): continue it with --resume_checkpoint latest, start over with "
+              "--overwrite, or choose another --run_dir", o->run_dir, what);
+}
+
+// --overwrite: removes what an earlier run left in the run folder (its checkpoints, sample grids,
+// log and configuration) and nothing else.
+static void clear_run_folder(const char *run_dir) {
+    char dir[4096], path[4400];
+    snprintf(dir, sizeof dir, "%s/checkpoints", run_dir);
+    prune_checkpoints(run_dir, 0);
+    DIR *d = opendir(dir);
+    struct dirent *e;
+    while (d && (e = readdir(d)))
+        if (checkpoint_step(e->d_name) >= 0) remove_checkpoint(dir, e->d_name);
+    if (d) closedir(d);
+    snprintf(dir, sizeof dir, "%s/samples", run_dir);
+    d = opendir(dir);
+    while (d && (e = readdir(d)))
+        if (strncmp(e->d_name, "step_", 5) == 0 && strstr(e->d_name, ".png")) snprintf(path, sizeof path, "%s/%.255s", dir, e->d_name), unlink(path);
+    if (d) closedir(d);
+    const char *files[] = {"log.csv", "config.txt"};
+    for (int i = 0; i < 2; i++) snprintf(path, sizeof path, "%s/%s", run_dir, files[i]), unlink(path);
+    fsync_path(run_dir);
+}
+
+// The checkpoint --resume_checkpoint names ("latest": the newest in the run folder) into rp->dir,
+// and everything in it checked (check_resume). Exits with one line on a problem.
+static void find_resume_point(const Options *o, const ModelConfig *c, const ParamList *params, ResumePoint *rp) {
+    char err[2048];
+    memset(rp, 0, sizeof *rp);
+    if (strcmp(o->resume_checkpoint, "latest") == 0) {
+        if (latest_checkpoint(o->run_dir, rp->dir, sizeof rp->dir) != 0)
+            fatal("--resume_checkpoint latest: no checkpoint in %s/checkpoints", o->run_dir);
+    } else {
+        snprintf(rp->dir, sizeof rp->dir, "%s", o->resume_checkpoint);
+    }
+    if (check_resume(o, c, params, rp, err, sizeof err) != 0) fatal("%s", err);
 }
 
 static double now_seconds(void) {
@@ -3612,29 +3659,24 @@ static double now_seconds(void) {
     return t.tv_sec + 1e-9 * t.tv_nsec;
 }
 
-static void run_training(const Options *o, const ModelConfig *config, const ParamList *params) {
-    char err[1024], saved[4096] = "";
-    if (mkdir(o->run_dir, 0777) != 0 && errno != EEXIST) fatal("cannot create run folder %s: %s", o->run_dir, strerror(errno));
+// Trains from a checked resume point, or from a fresh initialisation when resume is NULL.
+static void run_training(const Options *o, const ModelConfig *config, const ParamList *params, const ResumePoint *resume) {
+    char err[1024], saved[4400] = "";
+    if (o->overwrite && !resume) clear_run_folder(o->run_dir);
+    if (make_dir_synced(o->run_dir) != 0) fatal("cannot create run folder %s: %s", o->run_dir, strerror(errno));
     DataLoader loader;
     if (loader_open(&loader, o->data, o->batch_size, o->random_flip, (uint64_t)o->seed, 1, err, sizeof err) != 0) fatal("%s", err);
     Trainer tr;
     trainer_create(&tr, o, config, loader.batch_pixels, loader.batch_labels);
-    if (o->resume_checkpoint[0]) {
-        char dir[4096];
-        if (strcmp(o->resume_checkpoint, "latest") == 0) {
-            if (latest_checkpoint(o->run_dir, dir, sizeof dir) != 0) fatal("--resume_checkpoint latest: no checkpoint in %s/checkpoints", o->run_dir);
-        } else {
-            snprintf(dir, sizeof dir, "%s", o->resume_checkpoint);
-        }
-        LoaderPosition position = {0, 0};
-        if (load_checkpoint(&tr, dir, &position, err, sizeof err) != 0) fatal("%s", err);
-        if (loader_seek(&loader, position, err, sizeof err) != 0) fatal("%s", err);
-        printf("resumed from %s at step %lld\n", dir, (long long)tr.step);
+    if (resume) {
+        if (load_checkpoint(&tr, resume, err, sizeof err) != 0) fatal("%s", err);
+        if (loader_seek(&loader, resume->position, err, sizeof err) != 0) fatal("%s", err);
+        printf("resumed from %s at step %lld\n", resume->dir, (long long)tr.step);
     } else {
         unet_init_parameters(&tr.m, (uint64_t)o->seed);
         trainer_reset_ema(&tr);
     }
-    prune_checkpoints(o->run_dir, 0);  // temporary folders of a crashed save
+    prune_checkpoints(o->run_dir, 0);  // what a crashed save or removal left
     write_config(o->run_dir, o);
     FILE *log = open_log(o->run_dir, tr.step);
     struct sigaction sa;
@@ -3758,19 +3800,20 @@ extern "C" int unet_inspect(const char *path, const char *weights, UnetInfo *inf
     else snprintf(file, file_len, "%s", path);
     SafeTensorsFile f;
     if (safetensors_open(file, &f, err, err_len) != 0) return -1;
-    ModelConfig c = model_config_from_metadata(&f);
-    ParamList params = model_parameters(&c);
-    int r = match_parameters(&params, &f, file, 0, err, err_len);
+    ModelConfig c;
+    const char *schedule = "", *predict = "";
     memset(info, 0, sizeof *info);
+    if (model_config_from_metadata(&f, file, &c, err, err_len) != 0 ||
+        diffusion_from_metadata(&f, file, &info->diffusion_steps, &schedule, &predict, err, err_len) != 0)
+        return safetensors_close(&f), -1;
+    ParamList params = model_parameters(&c);
+    int r = read_parameters(&params, file, 0, NULL, err, err_len);  // names, shapes, finite values
     info->image_size = c.image_size, info->in_channels = c.in_channels, info->out_channels = c.out_channels;
     info->num_classes = c.num_classes, info->parameters = params.numel;
     const char *null_class = safetensors_metadata(&f, "null_class");
     info->null_class = c.num_classes > 0 && null_class && strcmp(null_class, "True") == 0;
-    const char *steps = safetensors_metadata(&f, "diffusion_steps"), *schedule = safetensors_metadata(&f, "noise_schedule");
-    const char *predict = safetensors_metadata(&f, "predict");
-    info->diffusion_steps = steps ? atoi(steps) : 1000;  // guided-diffusion's defaults
-    snprintf(info->noise_schedule, sizeof info->noise_schedule, "%s", schedule ? schedule : "linear");
-    snprintf(info->predict, sizeof info->predict, "%s", predict ? predict : "eps");
+    snprintf(info->noise_schedule, sizeof info->noise_schedule, "%s", schedule);
+    snprintf(info->predict, sizeof info->predict, "%s", predict);
     free(params.specs);
     safetensors_close(&f);
     return r;
@@ -3785,8 +3828,9 @@ static int model_config_for_gpu(const char *file, ModelConfig *c, char *err, siz
         return dataset_fail(err, err_len, "no usable CUDA GPU (the CUDA runtime says: %s)", e != cudaSuccess ? cudaGetErrorString(e) : "no devices");
     SafeTensorsFile f;
     if (safetensors_open(file, &f, err, err_len) != 0) return -1;
-    *c = model_config_from_metadata(&f);
+    int r = model_config_from_metadata(&f, file, c, err, err_len);
     safetensors_close(&f);
+    if (r != 0) return -1;
     if (!gpu.blas) gpu_init();
     return 0;
 }
@@ -3848,9 +3892,9 @@ extern "C" int unet_eval(const char *file, const char *in_path, const char *out_
     SafeTensorsFile in;
     if (safetensors_open(in_path, &in, err, err_len) != 0) return -1;
     const SafeTensor *x = safetensors_find(&in, "x"), *t = safetensors_find(&in, "t"), *y = safetensors_find(&in, "y");
-    int S = info.image_size, N = x && x->ndim == 4 ? (int)x->shape[0] : 0, r = -1;
+    int S = info.image_size, N = x && x->ndim == 4 && x->shape[0] <= 65536 ? (int)x->shape[0] : 0, r = -1;
     if (!x || x->ndim != 4 || N < 1 || x->shape[1] != info.in_channels || x->shape[2] != S || x->shape[3] != S)
-        dataset_fail(err, err_len, "%s: x must be [N, %d, %d, %d] (NCHW)", in_path, info.in_channels, S, S);
+        dataset_fail(err, err_len, "%s: x must be [N, %d, %d, %d] (NCHW) with N from 1 to 65536", in_path, info.in_channels, S, S);
     else if (!t || t->numel != N)
         dataset_fail(err, err_len, "%s: t must hold N = %d timesteps", in_path, N);
     else if (info.num_classes && (!y || y->numel != N))
@@ -3866,7 +3910,8 @@ extern "C" int unet_eval(const char *file, const char *in_path, const char *out_
             r = dataset_fail(err, err_len, "%s: y[%d] = %lld is outside 0..%d", in_path, n, (long long)labels64[n], info.num_classes - 1);
     }
     float *x_nchw = (float *)malloc_or_die(x ? x->numel * sizeof(float) : 1);
-    if (r == 0 && safetensors_get_float(x, x_nchw) != 0) r = dataset_fail(err, err_len, "%s: x must be floating point", in_path);
+    int got = r == 0 ? safetensors_get_float(x, x_nchw) : 0;
+    if (got) r = dataset_fail(err, err_len, got == -2 ? "%s: x holds NaN or infinite values" : "%s: x must be floating point", in_path);
     UNet m;
     if (r == 0 && load_model(&m, used, N, err, err_len) != 0) r = -1;
     if (r == 0) {
@@ -3883,10 +3928,16 @@ extern "C" int unet_eval(const char *file, const char *in_path, const char *out_
         ParamList one = {0};  // the output as a one-tensor list, for the writer
         int shape[4] = {N, Co, S, S};
         param_add(&one, "", "out", 4, shape);
-        Metadata meta = {0};
-        meta_add(&meta, "checkpoint", "%.60s", used);
-        if (safetensors_write(out_path, &one, &out_nchw, meta.entries, meta.count) != 0)
+        Metadata meta;
+        memset(&meta, 0, sizeof meta);
+        meta_add(&meta, "checkpoint", "%s", used);
+        char tmp[4200];  // written whole under a temporary name, then renamed: never a partial file
+        snprintf(tmp, sizeof tmp, "%.4000s.tmp.%d", out_path, (int)getpid());
+        if (safetensors_write(tmp, &one, &out_nchw, meta.entries, meta.count) != 0 || rename(tmp, out_path) != 0) {
             r = dataset_fail(err, err_len, "cannot write %s: %s", out_path, strerror(errno));
+            unlink(tmp);
+        }
+        metadata_free(&meta);
         free(one.specs), free(x_nhwc), free(out), free(out_nchw), free(labels);
         unet_destroy(&m);
     }
@@ -3921,6 +3972,17 @@ int main(int argc, char **argv) {
     validate_training(&o);
     ParamList params = model_parameters(&model);
 
+    // Everything a run will read or write is checked here, before the GPU, and by --dry_run too.
+    ResumePoint resume;
+    if (!o.bench) check_run_folder(&o);
+    if (!o.bench && o.resume_checkpoint[0]) {
+        find_resume_point(&o, &model, &params, &resume);
+        if (data.map && resume.position.next > data.header.count)
+            fatal("%s stopped at image %" PRIu64 " of an epoch, past the %" PRIu64 " images of dataset %s: another dataset?",
+                  resume.dir, resume.position.next, data.header.count, o.data);
+        if (resume.changes[0]) printf("resume: changed since the checkpoint: %s\n", resume.changes);
+    }
+
     if (o.dry_run) {
         print_config(stdout, &o);
         printf("precision: %s\n", PRECISION_NAME);
@@ -3928,6 +3990,7 @@ int main(int argc, char **argv) {
         if (data.map)
             printf("dataset: %s, %" PRIu64 " images of %ux%u, %u classes\n", o.data, data.header.count,
                    data.header.width, data.header.height, data.header.num_classes);
+        if (o.resume_checkpoint[0]) printf("resume: %s at step %lld, checked\n", resume.dir, (long long)resume.step);
         dataset_close(&data);
         free(params.specs);
         return 0;
@@ -3945,7 +4008,7 @@ int main(int argc, char **argv) {
     } else {
         if (!o.data[0]) usage_error("training needs --data FILE.bin");
         dataset_close(&data);
-        run_training(&o, &model, &params);
+        run_training(&o, &model, &params, o.resume_checkpoint[0] ? &resume : NULL);
     }
     free(params.specs);
     return 0;

@@ -168,10 +168,10 @@ static void test_damaged(const char *path) {
     expect_refused(path, "damaged: height inconsistent with the size", 24, &u32, 4, -1, "truncated");
     u32 = 4000000000u;
     expect_refused(path, "damaged: absurd width", 28, &u32, 4, -1, "out of range");
-    u64 = 0xffffffffffffull;
+    u64 = 1000;
     expect_refused(path, "damaged: count inconsistent with the size", 16, &u64, 8, -1, "truncated");
     u64 = 0x7fffffffffffffffull;
-    expect_refused(path, "damaged: absurd count", 16, &u64, 8, -1, "absurd");
+    expect_refused(path, "damaged: absurd count", 16, &u64, 8, -1, "limit");
     u64 = 0;
     expect_refused(path, "damaged: zero images", 16, &u64, 8, -1, "no images");
     u32 = 4;

@@ -1,7 +1,9 @@
 // test_dataset.c: the dataset file format (dataset.h): layout arithmetic, class names, and random
 // damage to the header, which must always be refused cleanly or accepted consistently (run under
 // AddressSanitizer: a read past the mapping fails the run).
+#include <signal.h>
 #include <stdlib.h>
+#include <sys/wait.h>
 #include <time.h>
 
 #include "dataset.h"
@@ -16,22 +18,65 @@ static DatasetHeader make_header(uint64_t count, uint32_t h, uint32_t w, uint32_
     return hd;
 }
 
-// Writes a valid file with two classes "cat" and "dog" and returns its size.
-static uint64_t write_valid(const char *path, uint64_t count, uint32_t side) {
-    DatasetHeader h = make_header(count, side, side, 2, 8);
+// A labelled file in memory: count images of side x side, the class-name table `names` (names_bytes
+// bytes holding `classes` strings) and label i % classes for image i. Returns the buffer (free it)
+// and its size in *bytes, or NULL when the header is refused.
+static uint8_t *build_file(uint64_t count, uint32_t side, uint32_t classes, const char *names, uint32_t names_bytes,
+                           uint64_t *bytes) {
+    DatasetHeader h = make_header(count, side, side, classes, names_bytes);
     DatasetLayout l;
     char err[256];
-    if (dataset_layout(&h, &l, err, sizeof err) != 0) return 0;
+    if (dataset_layout(&h, &l, err, sizeof err) != 0) return NULL;
     uint8_t *file = calloc(l.file_bytes, 1);
     memcpy(file, &h, sizeof h);
-    memcpy(file + l.names_offset, "cat\0dog\0", 8);
-    for (uint64_t i = 0; i < count; i++) ((int32_t *)(file + l.labels_offset))[i] = (int32_t)(i & 1);
+    memcpy(file + l.names_offset, names, names_bytes);
+    for (uint64_t i = 0; i < count; i++) ((int32_t *)(file + l.labels_offset))[i] = (int32_t)(i % classes);
     for (uint64_t j = 0; j < count * l.image_bytes; j++) file[l.pixels_offset + j] = (uint8_t)(j * 31);
+    *bytes = l.file_bytes;
+    return file;
+}
+
+// Writes a valid file with two classes "cat" and "dog" and returns its size.
+static uint64_t write_valid(const char *path, uint64_t count, uint32_t side) {
+    uint64_t bytes;
+    uint8_t *file = build_file(count, side, 2, "cat\0dog\0", 8, &bytes);
+    if (!file) return 0;
     FILE *f = fopen(path, "wb");
-    fwrite(file, 1, l.file_bytes, f);
+    fwrite(file, 1, bytes, f);
     fclose(f);
     free(file);
-    return l.file_bytes;
+    return bytes;
+}
+
+// dataset_check on a file of two 2x2 images with this class-name table; the message goes to err.
+static int check_names(uint32_t classes, const char *names, uint32_t names_bytes, char *err, size_t err_len) {
+    uint64_t bytes;
+    uint8_t *file = build_file(2, 2, classes, names, names_bytes, &bytes);
+    DatasetHeader h;
+    DatasetLayout l;
+    err[0] = '\0';
+    int result = file ? dataset_check(file, bytes, &h, &l, err, err_len) : -1;
+    free(file);
+    return result;
+}
+
+// dataset_open on a FIFO, in a child process that an alarm ends if open() waits for a writer (which
+// none will ever be). Returns 1 when the child was refused promptly with one line naming the cause.
+static int fifo_refused(const char *fifo) {
+    fflush(stdout);
+    pid_t child = fork();
+    if (child == 0) {
+        alarm(10);  // a safety net only: a correct open returns at once
+        Dataset ds;
+        char err[256] = "";
+        int ok = dataset_open(fifo, &ds, err, sizeof err) != 0 && strstr(err, "not a regular file") &&
+                 !strchr(err, '\n');
+        _exit(ok ? 0 : 1);
+    }
+    int status;
+    if (child < 0 || waitpid(child, &status, 0) != child) return 0;
+    if (WIFSIGNALED(status) && WTERMSIG(status) == SIGALRM) printf("  dataset_open blocked on the FIFO\n");
+    return WIFEXITED(status) && WEXITSTATUS(status) == 0;
 }
 
 int main(void) {
@@ -53,6 +98,36 @@ int main(void) {
     CHECK(l.file_bytes == 64 + 1000000ull * DATASET_MAX_SIDE * DATASET_MAX_SIDE * 3);
     h = make_header(10, 8, 8, 2, 0);
     CHECK(dataset_layout(&h, &l, err, sizeof err) != 0 && strstr(err, "class-name table"));
+
+    check_case("layout: more than 2^32-1 images is refused from the header alone, before any label is read");
+    h = make_header(UINT32_MAX, 1, 1, 2, 8);
+    CHECK(dataset_layout(&h, &l, err, sizeof err) == 0);
+    h = make_header((uint64_t)UINT32_MAX + 1, 1, 1, 2, 8);
+    CHECK(dataset_layout(&h, &l, err, sizeof err) != 0 && strstr(err, "4294967296 images") && strstr(err, "limit"));
+    h = make_header(UINT64_MAX, DATASET_MAX_SIDE, DATASET_MAX_SIDE, 0, 0);
+    CHECK(dataset_layout(&h, &l, err, sizeof err) != 0 && strstr(err, "limit"));
+
+    check_case("check: an empty class name is refused, first, middle or last");
+    CHECK(check_names(2, "\0dog\0", 5, err, sizeof err) != 0 && strcmp(err, "class name 0 is empty") == 0);
+    CHECK(check_names(3, "cat\0\0dog\0", 9, err, sizeof err) != 0 && strcmp(err, "class name 1 is empty") == 0);
+    CHECK(check_names(2, "cat\0\0", 5, err, sizeof err) != 0 && strcmp(err, "class name 1 is empty") == 0);
+
+    check_case("check: a repeated class name is refused, naming both classes");
+    CHECK(check_names(3, "cat\0dog\0cat\0", 12, err, sizeof err) != 0 &&
+          strcmp(err, "class name 'cat' appears twice (classes 0 and 2)") == 0);
+    CHECK(check_names(2, "a\nb\0a\nb\0", 8, err, sizeof err) != 0 &&
+          strcmp(err, "class name 'a?b' appears twice (classes 0 and 1)") == 0);  // still one line
+    CHECK(check_names(2, "cat\0cats\0", 9, err, sizeof err) == 0);
+
+    check_case("check: 100,000 distinct class names pass; one repeat among them is found");
+    enum { MANY = 100000, NAME_BYTES = 12 };  // "class000000" and its NUL
+    char *many = malloc((size_t)MANY * NAME_BYTES);
+    for (int k = 0; k < MANY; k++) sprintf(many + (size_t)k * NAME_BYTES, "class%06d", (k * 7919) % MANY);
+    CHECK(check_names(MANY, many, MANY * NAME_BYTES, err, sizeof err) == 0);
+    memcpy(many + (size_t)99998 * NAME_BYTES, many + 5 * NAME_BYTES, NAME_BYTES);
+    CHECK(check_names(MANY, many, MANY * NAME_BYTES, err, sizeof err) != 0 &&
+          strcmp(err, "class name 'class039595' appears twice (classes 5 and 99998)") == 0);
+    free(many);
 
     check_case("open: a valid file maps, with its class names, labels and pixels");
     char path[] = "/tmp/test_dataset_XXXXXX";
@@ -101,5 +176,14 @@ int main(void) {
     CHECK(dataset_open("/tmp", &ds, err, sizeof err) != 0 && strstr(err, "not a regular file"));
     CHECK(dataset_open("/nonexistent.bin", &ds, err, sizeof err) != 0 && strstr(err, "cannot open"));
     unlink(path);
+
+    check_case("open: a FIFO is refused at once, without waiting for a writer");
+    char fifo_dir[] = "/tmp/test_dataset_fifo_XXXXXX", fifo[64];
+    CHECK(mkdtemp(fifo_dir) != NULL);
+    snprintf(fifo, sizeof fifo, "%s/data.bin", fifo_dir);
+    CHECK(mkfifo(fifo, 0600) == 0);
+    CHECK(fifo_refused(fifo));
+    unlink(fifo);
+    rmdir(fifo_dir);
     return check_summary();
 }

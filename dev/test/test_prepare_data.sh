@@ -9,6 +9,8 @@ PD=${PREPARE_DATA:-./prepare_data}
 [ -x "$PD" ] || { echo "$PD not built (run make)"; echo "0 passed, 1 failed"; exit 1; }
 T=$TEST_TMP
 
+CORPUS=dev/test/corpus/prepare_data  # small bad input files, described where they are used
+
 # imgs.py: writers for the test images and a reader for dataset files.
 cat >"$T/imgs.py" <<'EOF'
 import os, random, struct, sys, zlib
@@ -169,7 +171,7 @@ ln -s .. "$T/links/a/up"
 ln -s a "$T/links/b"
 expect_ok "$PD" --input "$T/links/" --output "$T/links.bin" --size 8
 expect_grep "skipping $T/links/a/up: a link back" "$LAST_ERR"
-expect_grep "wrote 2 images" "$LAST_OUT"
+expect_grep "wrote 1 image .*, 1 duplicate skipped" "$LAST_OUT"  # b is a second way to a
 
 # Class folders: cats (2 images), dogs (1 image in a sub-folder), empty (no readable image).
 mkdir -p "$T/classes/cats" "$T/classes/dogs/puppies" "$T/classes/empty"
@@ -305,5 +307,147 @@ for sig in INT TERM; do
     expect_absent "$T/out2/big.bin"
     expect_no_temp "$T/out2"
 done
+
+case_begin "an input file as --output is refused and left as it was (same path, another path, links)"
+mkdir -p "$T/same"
+cp "$T/formats/a_rgb.png" "$T/same/a.png"
+cp "$T/formats/j.bmp" "$T/same/b.bmp"
+cp "$T/same/a.png" "$T/a.orig"
+cp "$T/same/b.bmp" "$T/b.orig"
+ln -s "$T/same/a.png" "$T/link_to_a.png"
+ln "$T/same/b.bmp" "$T/hard_link_to_b.bmp"
+for out in "$T/same/a.png" "$T/same/../same/a.png" "$T/link_to_a.png" "$T/hard_link_to_b.bmp"; do
+    expect_fail "$PD" --input "$T/same" --output "$out" --size 8
+    expect_grep "^prepare_data: error: output $out is the input file $T/same/(a.png|b.bmp)" "$LAST_ERR"
+done
+cmp -s "$T/same/a.png" "$T/a.orig" && cmp -s "$T/same/b.bmp" "$T/b.orig" || case_fail "an input file was changed"
+[ -L "$T/link_to_a.png" ] || case_fail "the link given as --output was replaced"
+expect_no_temp "$T/same"
+expect_no_temp "$T"
+
+case_begin "a device or a pipe as --output is refused, not replaced"
+mkdir -p "$T/out4"
+# As root, a broken build would replace /dev/null itself: a device node of our own when we can make one.
+if mknod "$T/out4/null" c 1 3 2>/dev/null; then dev=$T/out4/null; else dev=/dev/null; fi
+expect_fail "$PD" --synthetic shapes --count 2 --size 8 --output "$dev"
+expect_grep "^prepare_data: error: output $dev is not a regular file" "$LAST_ERR"
+[ -c "$dev" ] || case_fail "$dev is no longer a device"
+mkfifo "$T/out4/fifo"
+expect_fail "$PD" --input "$T/formats" --size 8 --output "$T/out4/fifo"
+expect_grep "^prepare_data: error: output $T/out4/fifo is not a regular file" "$LAST_ERR"
+[ -p "$T/out4/fifo" ] || case_fail "the pipe was replaced"
+expect_no_temp "$T/out4"
+
+# bad_huge_header.ppm: the 19-byte header of a 23000x23000 PPM. bad_huge.png: 124 bytes, a 23000x23000
+# grey PNG with the data of its first rows only. Decoding either would cost gigabytes.
+case_begin "an image of more than 8192x8192 pixels is skipped before it is decoded"
+mkdir -p "$T/huge"
+cp "$CORPUS/bad_huge_header.ppm" "$CORPUS/bad_huge.png" "$T/formats/a_rgb.png" "$T/huge/"
+expect_ok "$PD" --input "$T/huge" --output "$T/huge.bin" --size 8
+expect_grep "^prepare_data: warning: skipping $T/huge/bad_huge.png: 23000x23000 pixels, more than the limit" "$LAST_ERR"
+expect_grep "^prepare_data: warning: skipping $T/huge/bad_huge_header.ppm: 23000x23000 pixels, more than the limit" \
+    "$LAST_ERR"
+expect_grep "wrote 1 image .*, 2 files skipped" "$LAST_OUT"
+
+# bad_header_only.ppm: the header of a 4x4 PPM, without its pixels.
+case_begin "a PNM file shorter than its header says is skipped, not filled from stale memory"
+mkdir -p "$T/short"
+cp "$CORPUS/bad_header_only.ppm" "$T/formats/a_rgb.png" "$T/short/"
+check_py "
+d = '$T/short/'
+open(d + 'short16.pgm', 'wb').write(b'P5 4 4 65535\n' + bytes(16))  # 16 of its 32 bytes
+open(d + 'short.ppm', 'wb').write(b'P6\n4 4\n255\n' + bytes(47))   # one byte short
+open(d + 'whole16.pgm', 'wb').write(b'P5\n# a comment\n4 4\n65535\n' + bytes(32))
+"
+expect_ok "$PD" --input "$T/short" --output "$T/short.bin" --size 8
+for f in bad_header_only.ppm short.ppm short16.pgm; do
+    expect_grep "^prepare_data: warning: skipping $T/short/$f: truncated" "$LAST_ERR"
+done
+expect_grep "wrote 2 images .*, 3 files skipped" "$LAST_OUT"
+
+case_begin "each folder and file is used once, however many links lead to it"
+# An 18-level DAG: each folder holds two links to the next, the last one image: 2^18 paths to it.
+mkdir -p "$T/dag/d18"
+cp "$T/formats/a_rgb.png" "$T/dag/d18/image.png"
+for i in $(seq 0 17); do
+    mkdir -p "$T/dag/d$i"
+    ln -s "../d$((i + 1))" "$T/dag/d$i/a"
+    ln -s "../d$((i + 1))" "$T/dag/d$i/b"
+done
+expect_ok "$PD" --input "$T/dag/d0" --output "$T/dag.bin" --size 8
+expect_grep "wrote 1 image .*, 0 files skipped, 18 duplicates skipped" "$LAST_OUT"
+[ -s "$LAST_ERR" ] && case_fail "expected no warnings: $(head -2 "$LAST_ERR")"
+# Files reached through several links (as in an icon theme) and hard links, silently.
+mkdir -p "$T/icons"
+cp "$T/formats/a_rgb.png" "$T/icons/a.png"
+cp "$T/formats/j.bmp" "$T/icons/e.bmp"
+ln -s a.png "$T/icons/b.png"
+ln -s "$T/icons/a.png" "$T/icons/c.png"
+ln "$T/icons/a.png" "$T/icons/d.png"
+expect_ok "$PD" --input "$T/icons" --output "$T/icons.bin" --size 8
+expect_grep "wrote 2 images .*, 0 files skipped, 3 duplicates skipped" "$LAST_OUT"
+[ -s "$LAST_ERR" ] && case_fail "expected no warnings: $(head -2 "$LAST_ERR")"
+# The first path in sorted order wins: with --labels, an image linked from cats into dogs is a cat.
+mkdir -p "$T/linked/cats" "$T/linked/dogs"
+cp "$T/formats/a_rgb.png" "$T/linked/cats/1.png"
+cp "$T/formats/h_one_pixel.png" "$T/linked/dogs/2.png"
+ln -s ../cats/1.png "$T/linked/dogs/0.png"
+expect_ok "$PD" --input "$T/linked" --output "$T/linked.bin" --size 8 --labels
+check_py "
+d = read('$T/linked.bin')
+assert d['labels'] == [0, 1] and d['images'][1] == bytes([200, 100, 50] * 64), d['labels']
+"
+
+case_begin "a file size limit (SIGXFSZ) is one error line, leaves no temporary file and the old output"
+mkdir -p "$T/out5"
+printf 'old' >"$T/out5/big.bin"
+expect_fail bash -c 'ulimit -f 64 && exec "$@"' - "$PD" --synthetic shapes --count 100 --size 32 \
+    --output "$T/out5/big.bin"
+expect_grep "^prepare_data: error: cannot write $T/out5/big.bin.tmp.[0-9]+: File too large" "$LAST_ERR"
+[ "$(cat "$T/out5/big.bin")" = old ] || case_fail "the previous output was changed"
+expect_no_temp "$T/out5"
+
+case_begin "temporary files of killed runs (kill -9) are removed, those of running ones kept"
+mkdir -p "$T/out6"
+true & dead=$!
+wait $dead  # now a PID of no process
+for f in "out.bin.tmp.$dead" "out.bin.tmp.$$" "other.bin.tmp.$dead"; do printf 'x' >"$T/out6/$f"; done
+expect_ok "$PD" --synthetic shapes --count 2 --size 8 --output "$T/out6/out.bin"
+expect_absent "$T/out6/out.bin.tmp.$dead"
+[ -e "$T/out6/out.bin.tmp.$$" ] || case_fail "the temporary file of a running process (this shell) was removed"
+[ -e "$T/out6/other.bin.tmp.$dead" ] || case_fail "the temporary file of another output was removed"
+
+case_begin "the output's folder is synced after the rename"
+# sync_log.so logs the program's rename() and fsync() calls, in order, to $SYNC_LOG.
+cat >"$T/sync_log.c" <<'END'
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <sys/stat.h>
+static void note(const char *what) {
+    FILE *f = fopen(getenv("SYNC_LOG"), "a");
+    if (f) fprintf(f, "%s\n", what), fclose(f);
+}
+int rename(const char *from, const char *to) {
+    int r = ((int (*)(const char *, const char *))dlsym(RTLD_NEXT, "rename"))(from, to);
+    note("rename");
+    return r;
+}
+int fsync(int fd) {
+    struct stat st;
+    note(fstat(fd, &st) == 0 && S_ISDIR(st.st_mode) ? "fsync folder" : "fsync file");
+    return ((int (*)(int))dlsym(RTLD_NEXT, "fsync"))(fd);
+}
+END
+if ! ${CC:-cc} -shared -fPIC -o "$T/sync_log.so" "$T/sync_log.c" -ldl; then
+    case_fail "cannot build sync_log.so"
+else
+    # (An AddressSanitizer build wants its runtime loaded first; this preload is harmless to it.)
+    expect_ok env SYNC_LOG="$T/sync.log" LD_PRELOAD="$T/sync_log.so" ASAN_OPTIONS=verify_asan_link_order=0 \
+        "$PD" --synthetic shapes --count 2 --size 8 --output "$T/out6/synced.bin"
+    [ "$(tr '\n' ' ' <"$T/sync.log")" = "fsync file rename fsync folder " ] ||
+        case_fail "expected fsync of the file, rename, fsync of the folder; got: $(tr '\n' ' ' <"$T/sync.log")"
+fi
 
 case_summary

@@ -105,6 +105,8 @@ int main(void) {
     CHECK(fabs(d.betas[0] - (1 - f * f / (f0 * f0))) < 1e-15 && d.betas[999] == 0.999);
     noise_schedule_free(&d);
     CHECK(noise_schedule_make(&d, 1000, "quadratic") != 0);
+    CHECK(noise_schedule_make(&d, 0, "linear") != 0 && noise_schedule_make(&d, -3, "cosine") != 0 &&
+          noise_schedule_make(&d, 100001, "linear") != 0);  // a checkpoint's metadata must not size the arrays
 
     check_case("respacing: guided-diffusion's ddimN strides");
     SampleSchedule s;

@@ -3,8 +3,12 @@
 # every value, damaged datasets (through an AddressSanitizer build), and the no-GPU message.
 cd "$(dirname "$0")/../.." || exit 1
 . dev/test/lib.sh
-TRAIN=./train_unet
-TRAIN_ASAN=build/test/train_unet_asan
+# Every run gets a run folder of its own under $TEST_TMP (a --run_dir given later overrides it), so
+# that a run folder in the working tree never changes what a test sees.
+train() { ./train_unet --run_dir "$TEST_TMP/run" "$@"; }
+train_asan() { build/test/train_unet_asan --run_dir "$TEST_TMP/run" "$@"; }
+TRAIN=train
+TRAIN_ASAN=train_asan
 
 params() { "$TRAIN" --dry_run "$@" | sed -n 's/^parameters: //p'; }
 case_begin "dry_run: parameter counts equal guided-diffusion's"
@@ -108,6 +112,34 @@ if ! nvidia-smi -L >/dev/null 2>&1; then
     expect_fail "$TRAIN" --data data/shapes.bin --steps 1
     expect_grep 'no usable CUDA GPU' "$LAST_ERR"
 fi
+
+case_begin "run folder: a new run refuses a folder that holds a run, unless told to resume or to overwrite"
+mkdir -p "$TEST_TMP/held/checkpoints/step_000000010"
+expect_fail "$TRAIN" --dry_run --run_dir "$TEST_TMP/held"
+expect_grep 'already holds a run .*step_000000010.*--resume_checkpoint latest.*--overwrite' "$LAST_ERR"
+rm -r "$TEST_TMP/held/checkpoints"; echo "step,loss" >"$TEST_TMP/held/log.csv"
+expect_fail "$TRAIN" --dry_run --run_dir "$TEST_TMP/held"
+expect_grep 'log.csv' "$LAST_ERR"
+expect_ok "$TRAIN" --dry_run --run_dir "$TEST_TMP/held" --overwrite
+expect_fail "$TRAIN" --dry_run --run_dir "$TEST_TMP/held" --overwrite --resume_checkpoint latest
+expect_fail "$TRAIN" --dry_run --run_dir "$TEST_TMP/held/log.csv"
+expect_grep 'not a folder' "$LAST_ERR"
+expect_ok "$TRAIN" --dry_run --run_dir "$TEST_TMP/new_folder"
+expect_absent "$TEST_TMP/new_folder"
+
+case_begin "dry_run checks --resume_checkpoint before the GPU: one error line naming the file"
+mkdir -p "$TEST_TMP/garbage"; echo garbage >"$TEST_TMP/garbage/model.safetensors"
+expect_fail "$TRAIN" --dry_run --resume_checkpoint "$TEST_TMP/garbage"
+expect_grep 'garbage/model.safetensors' "$LAST_ERR"
+mkdir -p "$TEST_TMP/fifo"; mkfifo "$TEST_TMP/fifo/model.safetensors"
+expect_fail timeout 60 ./train_unet --run_dir "$TEST_TMP/run" --dry_run --resume_checkpoint "$TEST_TMP/fifo"
+expect_grep 'not a regular file' "$LAST_ERR"
+expect_fail "$TRAIN" --dry_run --resume_checkpoint "$TEST_TMP/nowhere"
+expect_fail "$TRAIN" --dry_run --resume_checkpoint latest --run_dir "$TEST_TMP/empty_run"
+expect_grep 'no checkpoint' "$LAST_ERR"
+mkdir -p "$TEST_TMP/foreign"; cp dev/fixtures/unet_seed.safetensors "$TEST_TMP/foreign/model.safetensors"
+expect_fail "$TRAIN" --dry_run --resume_checkpoint "$TEST_TMP/foreign"
+expect_grep 'not a checkpoint of this trainer' "$LAST_ERR"
 
 case_begin "--help lists every guided-diffusion flag"
 expect_ok "$TRAIN" --help

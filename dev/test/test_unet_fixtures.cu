@@ -79,7 +79,13 @@ static void test_fixture(const char *dir, const char *file) {
         CHECK(0);
         return;
     }
-    ModelConfig config = model_config_from_metadata(&f);
+    ModelConfig config;
+    if (model_config_from_metadata(&f, path, &config, err, sizeof err) != 0) {
+        printf("  %s\n", err);
+        CHECK(0);
+        safetensors_close(&f);
+        return;
+    }
     RefUNet m;
     ref_unet_init(&m, &config);
     check_names(file, &f, &m);

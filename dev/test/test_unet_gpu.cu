@@ -80,7 +80,8 @@ static void test_fixture(const char *path) {
     SafeTensorsFile f;
     char err[512];
     if (safetensors_open(path, &f, err, sizeof err) != 0) fatal("%s", err);
-    ModelConfig c = model_config_from_metadata(&f);
+    ModelConfig c;
+    if (model_config_from_metadata(&f, path, &c, err, sizeof err) != 0) fatal("%s", err);
     const SafeTensor *xt = safetensors_find(&f, "x");
     if (!xt) fatal("%s: no input x", path);
     int N = (int)xt->shape[0], S = c.image_size;

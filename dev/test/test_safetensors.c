@@ -1,0 +1,135 @@
+// test_safetensors.c: the readers of checkpoint.h (safetensors and state.bin) on the committed
+// corpus (dev/test/corpus/{safetensors,state}: every good_* file accepted, every bad_* refused with
+// one line) and on files made here: escapes, limits, a FIFO, non-finite values. Built with
+// AddressSanitizer and UBSan, so a read outside a file's bytes fails the test too.
+#include <dirent.h>
+#include <sys/wait.h>
+
+#include "checkpoint.h"
+#include "check.h"
+
+static char tmp_dir[] = "/tmp/test_safetensors_XXXXXX";
+
+// Writes a safetensors file from a header text and data bytes; returns its path.
+static const char *write_file(const char *name, const char *header, const void *data, size_t data_bytes) {
+    static char path[512];
+    snprintf(path, sizeof path, "%s/%s", tmp_dir, name);
+    FILE *f = fopen(path, "wb");
+    uint64_t n = strlen(header);
+    fwrite(&n, 8, 1, f), fwrite(header, 1, n, f);
+    if (data_bytes) fwrite(data, 1, data_bytes, f);
+    fclose(f);
+    return path;
+}
+
+// Runs one reader on every file of a corpus folder; counts the files whose verdict is wrong.
+static int check_corpus(const char *folder, int is_state) {
+    DIR *d = opendir(folder);
+    if (!d) return printf("  cannot open %s\n", folder), 1;
+    int wrong = 0, files = 0;
+    struct dirent *e;
+    char path[1024], err[512];
+    while ((e = readdir(d))) {
+        int good = strncmp(e->d_name, "good_", 5) == 0;
+        if (!good && strncmp(e->d_name, "bad_", 4) != 0) continue;
+        snprintf(path, sizeof path, "%s/%s", folder, e->d_name);
+        err[0] = '\0';
+        int r;
+        if (is_state) {
+            MappedFile m;
+            StateHeader h;
+            r = map_regular_file(path, "training state", &m, err, sizeof err);
+            if (r == 0) r = state_check(m.bytes, m.size, &h, err, sizeof err), unmap_file(&m);
+        } else {
+            SafeTensorsFile f;
+            r = safetensors_open(path, &f, err, sizeof err);
+            if (r == 0) safetensors_close(&f);
+        }
+        files++;
+        if (good && r != 0) wrong++, printf("  %s refused: %s\n", e->d_name, err);
+        if (!good && (r == 0 || !err[0] || strchr(err, '\n'))) wrong++, printf("  %s not refused with one line\n", e->d_name);
+    }
+    closedir(d);
+    printf("  %d files in %s\n", files, folder);
+    return wrong + (files == 0);
+}
+
+int main(void) {
+    if (!mkdtemp(tmp_dir)) return printf("mkdtemp failed\n"), 1;
+    char err[512], header[4096];
+    SafeTensorsFile f;
+
+    check_case("corpus: every good safetensors file is read, every bad one refused with one line");
+    CHECK(check_corpus("dev/test/corpus/safetensors", 0) == 0);
+
+    check_case("corpus: every good training state is read, every bad one refused with one line");
+    CHECK(check_corpus("dev/test/corpus/state", 1) == 0);
+
+    check_case("safetensors: escapes decode to UTF-8, names and metadata are found");
+    CHECK(safetensors_open("dev/test/corpus/safetensors/good_escapes.safetensors", &f, err, sizeof err) == 0);
+    CHECK(f.count == 1 && safetensors_find(&f, "caf\xc3\xa9 \xf0\x9f\x98\x80 \"q\" \\ / \n") != NULL);
+    CHECK(safetensors_metadata(&f, "k\tey") && strcmp(safetensors_metadata(&f, "k\tey"), "v\xe2\x82\xac" "l") == 0);
+    float one;
+    CHECK(safetensors_get_float(&f.tensors[0], &one) == 0 && one == 1.0f);
+    safetensors_close(&f);
+
+    check_case("safetensors: tensors sorted by name are found by name; the data tiles in any order");
+    float values[3] = {1, 2, 3};
+    const char *path = write_file("order.safetensors",
+                                  "{\"c\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4]},"
+                                  "\"a\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[8,12]},"
+                                  "\"b\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[4,8]}}", values, sizeof values);
+    CHECK(safetensors_open(path, &f, err, sizeof err) == 0);
+    float got[3];
+    const char *names[3] = {"c", "b", "a"};
+    for (int i = 0; i < 3; i++) CHECK(safetensors_get_float(safetensors_find(&f, names[i]), &got[i]) == 0 && got[i] == values[i]);
+    CHECK(safetensors_find(&f, "d") == NULL);
+    safetensors_close(&f);
+
+    check_case("safetensors: NaN or infinite values are reported by the conversion");
+    float bad[2] = {1, INFINITY};
+    path = write_file("inf.safetensors", "{\"x\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,8]}}", bad, sizeof bad);
+    CHECK(safetensors_open(path, &f, err, sizeof err) == 0 && safetensors_get_float(&f.tensors[0], got) == -2);
+    safetensors_close(&f);
+
+    check_case("safetensors: at most 4096 metadata entries; more is refused, not read");
+    size_t cap = 64 * 5000;
+    char *big = (char *)malloc(cap);
+    for (int keys = 4096; keys <= 4097; keys++) {
+        size_t len = (size_t)snprintf(big, cap, "{\"__metadata__\":{");
+        for (int k = 0; k < keys; k++) len += (size_t)snprintf(big + len, cap - len, "%s\"key%d\":\"%d\"", k ? "," : "", k, k);
+        snprintf(big + len, cap - len, "}}");
+        path = write_file("metadata.safetensors", big, NULL, 0);
+        int r = safetensors_open(path, &f, err, sizeof err);
+        CHECK(keys == 4096 ? r == 0 && f.meta_count == 4096 && strcmp(safetensors_metadata(&f, "key4095"), "4095") == 0
+                           : r != 0 && strstr(err, "4096") != NULL);
+        if (r == 0) safetensors_close(&f);
+    }
+    free(big);
+
+    check_case("safetensors: a FIFO, a folder or a missing file is refused at once");
+    snprintf(header, sizeof header, "%s/fifo.safetensors", tmp_dir);
+    CHECK(mkfifo(header, 0600) == 0);
+    pid_t child = fork();
+    if (child == 0) {  // if the open blocked, the alarm would end the child and fail the case
+        alarm(20);
+        _exit(safetensors_open(header, &f, err, sizeof err) != 0 && strstr(err, "not a regular file") ? 0 : 1);
+    }
+    int status = -1;
+    waitpid(child, &status, 0);
+    CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+    CHECK(safetensors_open(tmp_dir, &f, err, sizeof err) != 0 && strstr(err, "not a regular file"));
+    CHECK(safetensors_open("/nonexistent/x.safetensors", &f, err, sizeof err) != 0 && strstr(err, "cannot open"));
+
+    check_case("state: a valid state's header and moments are read back");
+    MappedFile m;
+    StateHeader h;
+    CHECK(map_regular_file("dev/test/corpus/state/good_state.bin", "training state", &m, err, sizeof err) == 0);
+    CHECK(state_check(m.bytes, m.size, &h, err, sizeof err) == 0 && h.step == 5 && h.storage == 3 && h.loader_next == 2 &&
+          strcmp(h.noise_schedule, "linear") == 0);
+    unmap_file(&m);
+
+    snprintf(header, sizeof header, "rm -rf %s", tmp_dir);
+    CHECK(system(header) == 0);
+    return check_summary();
+}
