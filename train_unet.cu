@@ -1617,6 +1617,26 @@ static int is_emb_layer(const char *name, const char *leaf) {
 
 // Builds the model for batches of `batch` images: parameters (uninitialised), layers, activations
 // and scratch, all from two allocations sized by a measuring walk.
+// Lays the parameters out in one array: the emb_layers weights first, then their biases, then the
+// rest in order, each of those 256-byte aligned for the matrix products. Sets every offset and the
+// biases' start; returns the array's length, alignment gaps (kept at zero) included.
+static int64_t param_offsets(ParamList *params, int64_t *emb_bias_offset) {
+    int64_t at = 0;
+    for (int pass = 0; pass < 3; pass++) {
+        if (pass == 1) *emb_bias_offset = at = (at + 63) / 64 * 64;  // the weights start at 0
+        for (int i = 0; i < params->count; i++) {
+            ParamSpec *p = &params->specs[i];
+            int weight = is_emb_layer(p->name, "weight"), bias = is_emb_layer(p->name, "bias");
+            if ((pass == 0 && weight) || (pass == 1 && bias) || (pass == 2 && !weight && !bias)) {
+                if (pass == 2) at = (at + 63) / 64 * 64;
+                p->offset = at;
+                at += p->numel;
+            }
+        }
+    }
+    return at;
+}
+
 static void unet_create(UNet *m, const ModelConfig *c, int batch, int training) {
     memset(m, 0, sizeof *m);
     m->config = *c;
@@ -1625,21 +1645,7 @@ static void unet_create(UNet *m, const ModelConfig *c, int batch, int training) 
     m->capacity = max_layers(c);
     m->layers = (Layer *)calloc(m->capacity, sizeof(Layer));
     m->params = model_parameters(c);
-    // Parameter offsets: the emb_layers weights first, then their biases, then the rest in order.
-    int64_t at = 0;
-    for (int pass = 0; pass < 3; pass++) {
-        if (pass == 1) m->emb_bias_offset = at = (at + 63) / 64 * 64;  // the weights start at 0
-        for (int i = 0; i < m->params.count; i++) {
-            ParamSpec *p = &m->params.specs[i];
-            int weight = is_emb_layer(p->name, "weight"), bias = is_emb_layer(p->name, "bias");
-            if ((pass == 0 && weight) || (pass == 1 && bias) || (pass == 2 && !weight && !bias)) {
-                if (pass == 2) at = (at + 63) / 64 * 64;  // 256-byte aligned for the matrix products
-                p->offset = at;
-                at += p->numel;
-            }
-        }
-    }
-    int64_t n = m->storage = at;  // with the alignment gaps (kept at zero)
+    int64_t n = m->storage = param_offsets(&m->params, &m->emb_bias_offset);
     int arrays = training ? 4 : 1;  // master, then gradients and AdamW's moments
     m->master = (float *)gpu_malloc(arrays * n * sizeof(float));
     if (training) m->grad = m->master + n, m->adam_m = m->master + 2 * n, m->adam_v = m->master + 3 * n;
@@ -2064,7 +2070,7 @@ static const OptionSpec option_specs[] = {
     OPT(steps, OPT_LONG, "training steps (the length of the learning-rate schedule)"),
     OPT(stop_step, OPT_LONG, "save and stop after this step, to continue later with --resume_checkpoint (0: at --steps)"),
     OPT(seed, OPT_LONG, "random seed (initialisation, data order, noise)"),
-    OPT(dry_run, OPT_SWITCH, "check the configuration and dataset, print them and the parameter count, exit"),
+    OPT(dry_run, OPT_SWITCH, "check the configuration, dataset, run folder and resume checkpoint, print them and the parameter count, exit"),
     OPT(bench, OPT_INT, "time N training steps on random data (after warm-up) and exit; needs no --data"),
 };
 #define NUM_OPTIONS ((int)(sizeof option_specs / sizeof option_specs[0]))
@@ -3442,8 +3448,9 @@ static int check_resume(const Options *o, const ModelConfig *c, const ParamList 
     StateHeader h;
     char why[512];
     if (map_regular_file(path, "training state", &state, err, err_len) != 0) return -1;
-    int64_t storage = 0;
-    for (int i = 0; i < params->count; i++) storage += params->specs[i].numel;
+    ParamList layout = model_parameters(c);  // the GPU layout's length, as unet_create makes it
+    int64_t emb_bias_offset, storage = param_offsets(&layout, &emb_bias_offset);
+    free(layout.specs);
     if (state_check(state.bytes, state.size, &h, why, sizeof why) != 0)
         r = dataset_fail(err, err_len, "%s: %s", path, why);
     else if (h.storage != storage || (int)h.num_params != params->count)

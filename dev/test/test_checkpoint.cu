@@ -29,16 +29,17 @@ static float pattern_offset = 0.0f;
 static float pattern(int64_t s, int i, int64_t j) { return (float)(s * 1000003 + i * 7919 + j) * 1e-3f + pattern_offset; }
 
 static void write_step(const char *run_dir, const ParamList *params, int64_t step, int keep) {
+    Options o = small_options(32);
+    ModelConfig c = small_config(&o);
     float **model = (float **)malloc_or_die(params->count * sizeof(float *)), **ema = (float **)malloc_or_die(params->count * sizeof(float *));
-    int64_t storage = 0;
     for (int i = 0; i < params->count; i++) {
         model[i] = (float *)malloc_or_die(params->specs[i].numel * sizeof(float));
         ema[i] = (float *)malloc_or_die(params->specs[i].numel * sizeof(float));
         for (int64_t j = 0; j < params->specs[i].numel; j++) model[i][j] = pattern(step, i, j), ema[i][j] = -pattern(step, i, j);
-        storage += params->specs[i].numel;
     }
-    Options o = small_options(32);
-    ModelConfig c = small_config(&o);
+    ParamList layout = model_parameters(&c);  // the GPU layout's length, as the trainer saves it
+    int64_t emb_bias_offset, storage = param_offsets(&layout, &emb_bias_offset);
+    free(layout.specs);
     Metadata meta = checkpoint_metadata(&o, &c, step);
     StateHeader h;
     memset(&h, 0, sizeof h);
@@ -81,6 +82,7 @@ static int verify_checkpoint(const char *dir, const ParamList *params, int64_t s
     snprintf(path, sizeof path, "%s/state.bin", dir);
     MappedFile m;
     StateHeader h;
+    memset(&h, 0, sizeof h);
     int ok = map_regular_file(path, "training state", &m, err, sizeof err) == 0 && state_check(m.bytes, m.size, &h, err, sizeof err) == 0 &&
              h.step == step;
     unmap_file(&m);

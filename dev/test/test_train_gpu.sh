@@ -66,7 +66,19 @@ truncate -s 100 "$TEST_TMP/damaged/state.bin"
 expect_fail train --steps 40 --run_dir "$TEST_TMP/e" --resume_checkpoint "$TEST_TMP/damaged"
 expect_grep "state.bin" "$LAST_ERR"
 expect_fail train --steps 40 --run_dir "$TEST_TMP/e" --resume_checkpoint "$TEST_TMP/a/checkpoints/step_000000030" --num_channels 64
-expect_grep "does not match the model" "$LAST_ERR"
+expect_grep "another configuration: --num_channels 64 \(checkpoint: 32\)" "$LAST_ERR"
 expect_fail train --steps 40 --run_dir "$TEST_TMP/e" --resume_checkpoint "$TEST_TMP/a/checkpoints/step_000000030" --batch_size 4
-expect_grep "resume with the same values" "$LAST_ERR"
+expect_grep "another configuration: --batch_size 4 \(checkpoint: 8\)" "$LAST_ERR"
+
+case_begin "run folders: a second run is refused, --overwrite starts over, a resume from an older step replaces the later ones"
+expect_fail train --steps 30 --run_dir "$TEST_TMP/b"
+expect_grep "already holds a run" "$LAST_ERR"
+expect_ok train --steps 30 --run_dir "$TEST_TMP/b" --resume_checkpoint "$TEST_TMP/b/checkpoints/step_000000013" --lr 2e-3
+expect_grep "resume: changed since the checkpoint: --lr 0.002 \(checkpoint: 0.001\)" "$LAST_OUT"
+expect_grep "^done at step 30: checkpoint .*step_000000030" "$LAST_OUT"
+[ "$(grep -c '^30,' "$TEST_TMP/b/log.csv")" = 1 ] || case_fail "log.csv holds step 30 $(grep -c '^30,' "$TEST_TMP/b/log.csv") times"
+cmp -s "$TEST_TMP/a/checkpoints/step_000000030/model.safetensors" "$TEST_TMP/b/checkpoints/step_000000030/model.safetensors" &&
+    case_fail "step 30 was not replaced by the run at the higher learning rate"
+expect_ok train --steps 5 --run_dir "$TEST_TMP/b" --overwrite
+[ "$(ls "$TEST_TMP/b/checkpoints")" = step_000000005 ] || case_fail "after --overwrite: $(ls "$TEST_TMP/b/checkpoints")"
 case_summary
