@@ -11,46 +11,7 @@
 #include <math.h>
 #include <stdlib.h>
 
-#include "dataset.h"  // dataset_fail, and the open/mmap headers
-
-// Opens a file that must be a regular file, without blocking on a FIFO or a device (O_NONBLOCK
-// makes open() return at once; it changes nothing for a regular file). Returns the descriptor and
-// its size, or -1 with a message.
-static inline int open_regular_file(const char *path, const char *what, uint64_t *bytes, char *err, size_t err_len) {
-    int fd = open(path, O_RDONLY | O_NONBLOCK | O_CLOEXEC);
-    if (fd < 0) return dataset_fail(err, err_len, "cannot open %s %s: %s", what, path, strerror(errno));
-    struct stat st;
-    if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
-        close(fd);
-        return dataset_fail(err, err_len, "%s %s is not a regular file", what, path);
-    }
-    *bytes = (uint64_t)st.st_size;
-    return fd;
-}
-
-// A regular file mapped read-only; an empty file is NULL and 0 bytes.
-typedef struct {
-    const uint8_t *bytes;
-    uint64_t size;
-} MappedFile;
-
-static inline int map_regular_file(const char *path, const char *what, MappedFile *m, char *err, size_t err_len) {
-    memset(m, 0, sizeof *m);
-    uint64_t size = 0;
-    int fd = open_regular_file(path, what, &size, err, err_len);
-    if (fd < 0) return -1;
-    void *map = size ? mmap(NULL, size, PROT_READ, MAP_PRIVATE, fd, 0) : NULL;
-    int map_errno = errno;
-    close(fd);
-    if (map == MAP_FAILED) return dataset_fail(err, err_len, "cannot map %s %s: %s", what, path, strerror(map_errno));
-    m->bytes = (const uint8_t *)map, m->size = size;
-    return 0;
-}
-
-static inline void unmap_file(MappedFile *m) {
-    if (m->bytes) munmap((void *)m->bytes, m->size);
-    memset(m, 0, sizeof *m);
-}
+#include "dataset.h"  // dataset_fail, map_regular_file
 
 // ----------------------------------------------------------------------------------------------
 // safetensors: an 8-byte little-endian header length, a JSON header

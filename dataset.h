@@ -71,6 +71,38 @@ static inline int dataset_fail(char *err, size_t err_len, const char *fmt, ...) 
     return -1;
 }
 
+// A regular file mapped read-only; an empty file is NULL and 0 bytes.
+typedef struct {
+    const uint8_t *bytes;
+    uint64_t size;
+} MappedFile;
+
+// Maps a file that must be a regular file (`what` names it in messages). O_NONBLOCK: opening a
+// FIFO or a device returns at once, to be refused, instead of waiting for a writer; it changes
+// nothing for a regular file. Returns 0, or -1 with a message.
+static inline int map_regular_file(const char *path, const char *what, MappedFile *m, char *err, size_t err_len) {
+    memset(m, 0, sizeof *m);
+    int fd = open(path, O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+    if (fd < 0) return dataset_fail(err, err_len, "cannot open %s %s: %s", what, path, strerror(errno));
+    struct stat st;
+    if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+        close(fd);
+        return dataset_fail(err, err_len, "%s %s is not a regular file", what, path);
+    }
+    uint64_t size = (uint64_t)st.st_size;
+    void *map = size ? mmap(NULL, size, PROT_READ, MAP_PRIVATE, fd, 0) : NULL;
+    int map_errno = errno;
+    close(fd);
+    if (map == MAP_FAILED) return dataset_fail(err, err_len, "cannot map %s %s: %s", what, path, strerror(map_errno));
+    m->bytes = (const uint8_t *)map, m->size = size;
+    return 0;
+}
+
+static inline void unmap_file(MappedFile *m) {
+    if (m->bytes) munmap((void *)m->bytes, m->size);
+    memset(m, 0, sizeof *m);
+}
+
 static inline uint64_t dataset_align(uint64_t x, uint64_t a) { return (x + a - 1) / a * a; }
 
 // Checks the header's own fields and derives the layout. Every product is bounded before it is
@@ -205,35 +237,18 @@ static inline int dataset_from_memory(const uint8_t *file, uint64_t file_bytes, 
 }
 
 // Maps a dataset file read-only and checks it. Returns 0, or -1 with a message naming the file.
-// O_NONBLOCK: opening a FIFO returns at once (to be refused as not a regular file) instead of
-// waiting for a writer; it changes nothing for a regular file.
 static inline int dataset_open(const char *path, Dataset *ds, char *err, size_t err_len) {
     memset(ds, 0, sizeof *ds);
-    int fd = open(path, O_RDONLY | O_NONBLOCK | O_CLOEXEC);
-    if (fd < 0) return dataset_fail(err, err_len, "cannot open dataset %s: %s", path, strerror(errno));
-    struct stat st;
-    if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
-        close(fd);
-        return dataset_fail(err, err_len, "dataset %s is not a regular file", path);
-    }
-    uint64_t file_bytes = (uint64_t)st.st_size;
-    if (file_bytes < DATASET_HEADER_BYTES) {
-        close(fd);
-        return dataset_fail(err, err_len, "dataset %s: file is %llu bytes, shorter than the %u-byte header", path,
-                            (unsigned long long)file_bytes, DATASET_HEADER_BYTES);
-    }
-    void *map = mmap(NULL, file_bytes, PROT_READ, MAP_PRIVATE, fd, 0);
-    close(fd);
-    if (map == MAP_FAILED) return dataset_fail(err, err_len, "cannot map dataset %s: %s", path, strerror(errno));
+    MappedFile m;
+    if (map_regular_file(path, "dataset", &m, err, err_len) != 0) return -1;
     char why[256];
-    if (dataset_from_memory((const uint8_t *)map, file_bytes, ds, why, sizeof why) != 0) {
-        munmap(map, file_bytes);
+    if (dataset_from_memory(m.bytes, m.size, ds, why, sizeof why) != 0) {
+        unmap_file(&m);
         return dataset_fail(err, err_len, "dataset %s: %s", path, why);
     }
     return 0;
 }
 
-// Unmaps a dataset that dataset_open mapped.
 static inline void dataset_close(Dataset *ds) {
     if (ds->map) munmap((void *)ds->map, ds->layout.file_bytes);
     memset(ds, 0, sizeof *ds);

@@ -1,8 +1,8 @@
 // train_unet.cu: trains guided-diffusion's UNet on NVIDIA GPUs, in one file.
 //
-// Reading order: precision and error checks; the model's configuration; safetensors reading; the
-// data loader; the GPU context and matrix products; the layers, each forward and backward side by
-// side (channel sums, convolution, GroupNorm, attention, resampling, concat, elementwise,
+// Reading order: precision and error checks; the model's configuration; the data loader (the
+// dataset file is read by dataset.h, the checkpoint files by checkpoint.h); the GPU context and
+// matrix products; the layers, each forward and backward side by side (channel sums, convolution, GroupNorm, attention, resampling, concat, elementwise,
 // embeddings, loss, AdamW); the model (guided-diffusion's architecture, state_dict names, layers,
 // forward, backward); initialisation; the command line; diffusion training and checkpoints; sample
 // grids; the trainer and the training run; the C API for generate.c (unet_api.h); main. Built with
@@ -3083,8 +3083,7 @@ static void trainer_step(Trainer *tr) {
 
 // ----------------------------------------------------------------------------------------------
 // Checkpoints: DIR/checkpoints/step_NNNNNNNNN/{model.safetensors, ema.safetensors,
-// ema_<rate>.safetensors..., state.bin}. state.bin: the magic "UNETSTAT", version, then the
-// StateHeader, then AdamW's m and v as [storage] fp32 each in the GPU layout.
+// ema_<rate>.safetensors..., state.bin}; checkpoint.h defines state.bin and reads both formats.
 
 // A parameter array in the GPU layout ([storage] fp32 on the GPU) as host tensors in PyTorch
 // layouts, one malloc'd array per parameter (freed by free_tensors).

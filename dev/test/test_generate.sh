@@ -93,8 +93,12 @@ print("  %s: relative error %.2e" % (sys.argv[1], err)); sys.exit(0 if len(out) 
 PY
     done
 else
-    case_begin "without a GPU: one clear error line"
+    case_begin "without a GPU: one clear error line, and no output folder or file left"
     expect_fail ./generate --checkpoint "$UNCOND" --num 2 --out "$TEST_TMP/out"
     expect_grep "no usable CUDA GPU" "$LAST_ERR"
+    expect_absent "$TEST_TMP/out"
+    expect_fail ./generate --checkpoint "$UNCOND" --eval "$UNCOND" --output "$TEST_TMP/eval.safetensors"
+    expect_absent "$TEST_TMP/eval.safetensors"
+    ls "$TEST_TMP" | grep -q '\.tmp\.' && case_fail "a temporary file was left: $(ls "$TEST_TMP")"
 fi
 case_summary
