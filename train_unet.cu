@@ -94,13 +94,36 @@ static inline uint64_t random_below(uint64_t seed, uint64_t stream, uint64_t *co
     }
 }
 
-// The random streams, one per purpose, so that adding a draw in one never shifts another.
-enum { STREAM_SHUFFLE = 1, STREAM_FLIP = 2 };
+// The random streams, all of them: random_u64(seed, stream, index) with stream = purpose << 48 |
+// sub-stream (an epoch, a parameter tensor, a layer, a sampling step, each below 2^48), so that
+// adding a draw to one purpose never shifts another and no two purposes can ever meet.
+typedef enum {
+    RNG_SHUFFLE = 1,   // the data order; sub-stream: the epoch
+    RNG_FLIP,          // the flips; index: epoch * count + position
+    RNG_INIT,          // initialisation; sub-stream: the parameter tensor
+    RNG_STEP_SEED,     // index: the step; the step's own seed, from which the next four draw
+    RNG_NOISE,         // the training noise eps
+    RNG_TIMESTEP,      // the training timesteps
+    RNG_LABEL_DROP,    // classifier-free guidance's label dropout
+    RNG_DROPOUT,       // dropout; sub-stream: the layer
+    RNG_GRID_SEED,     // the seed of the sample grids during training
+    RNG_SAMPLE_START,  // a sampler's starting noise
+    RNG_SAMPLE_NOISE,  // a sampler's noise; sub-stream: the step of the plan
+    RNG_BENCH_BATCH,   // --bench's fixed random batch: pixels, then labels
+} RandomPurpose;
+
+__host__ __device__ inline uint64_t rng_stream(RandomPurpose purpose, uint64_t sub_stream) {
+    return (uint64_t)purpose << 48 | sub_stream;
+}
 
 // ----------------------------------------------------------------------------------------------
 // The model's configuration: guided-diffusion's UNetModel arguments, resolved and validated.
 
 #define MAX_LEVELS 8
+#define MAX_RES_BLOCKS 8
+// The encoder's outputs kept for the decoder's skip connections: the input convolution's, one per
+// residual block, one per downsampling.
+#define MAX_SKIPS (1 + MAX_LEVELS * (MAX_RES_BLOCKS + 1))
 
 typedef struct {
     int image_size;
@@ -148,7 +171,7 @@ static void loader_shuffle(DataLoader *loader, uint64_t epoch) {
     uint64_t n = loader->data.header.count, counter = 0;
     for (uint64_t i = 0; i < n; i++) loader->order[i] = (uint32_t)i;
     for (uint64_t i = n - 1; i > 0; i--) {
-        uint64_t j = random_below(loader->seed, STREAM_SHUFFLE + 16 * epoch, &counter, i + 1);
+        uint64_t j = random_below(loader->seed, rng_stream(RNG_SHUFFLE, epoch), &counter, i + 1);
         uint32_t t = loader->order[i];
         loader->order[i] = loader->order[j];
         loader->order[j] = t;
@@ -216,7 +239,7 @@ static void loader_next_batch(DataLoader *loader) {
         uint32_t image = loader->order[loader->position.next++];
         const uint8_t *src = loader->data.pixels + image * image_bytes;
         uint8_t *dst = loader->batch_pixels + b * image_bytes;
-        int flip = loader->random_flip && (random_u64(loader->seed, STREAM_FLIP, slot) & 1);
+        int flip = loader->random_flip && (random_u64(loader->seed, rng_stream(RNG_FLIP, 0), slot) & 1);
         if (!flip) {
             memcpy(dst, src, image_bytes);
         } else {
@@ -912,7 +935,7 @@ typedef struct {
     floatX *probs;    // [N*heads][T][T] P, kept for the backward
     floatX *d_scores; // [N*heads][T][T] scratch: dS
     // pointer arrays, one entry per (n, h)
-    const floatX **q, **k, **v, **p, **ds, **o_read;
+    const floatX **q, **k, **v, **p, **ds;
     floatX **o, **dq, **dk, **dv;
     void **s, **dp_out;
     const floatX **d_o;
@@ -951,7 +974,7 @@ __global__ void attention_pointers_kernel(Attention a, const floatX *qkv, floatX
     int64_t tt = (int64_t)b * a.T * a.T, o_off = (int64_t)n * a.T * a.C + h * ch;
     a.q[b] = qkv + base + q_off, a.k[b] = qkv + base + k_off, a.v[b] = qkv + base + v_off;
     a.s[b] = a.scores + tt, a.p[b] = a.probs + tt;
-    a.o[b] = out + o_off, a.o_read[b] = out + o_off;
+    a.o[b] = out + o_off;
     if (!d_qkv) return;
     a.dq[b] = d_qkv + base + q_off, a.dk[b] = d_qkv + base + k_off, a.dv[b] = d_qkv + base + v_off;
     a.dp_out[b] = a.scores + tt, a.ds[b] = a.d_scores + tt, a.d_o[b] = d_out + o_off;
@@ -1194,6 +1217,7 @@ __global__ void adamw_kernel(float *params, floatX *params_x, float *m, float *v
     }
 }
 
+// out = in rounded to the activation type: the weights' compute copy, an fp32 gradient as floatX.
 __global__ void float_to_floatx_kernel(floatX *out, const float *in, int64_t n) {
     for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
         out[i] = (floatX)in[i];
@@ -1466,10 +1490,9 @@ static void walk_attention(Walk *w, const char *prefix, int channels, int heads)
     int64_t batch = (int64_t)N * heads, tt = batch * T * T;
     a->probs = (floatX *)arena_take(&m->acts, tt * sizeof(floatX));
     note_scratch(&m->attention_scratch_numel, tt);
-    void **arrays[13] = {(void **)&a->q, (void **)&a->k, (void **)&a->v, (void **)&a->p, (void **)&a->ds, (void **)&a->o_read,
-                         (void **)&a->o, (void **)&a->dq, (void **)&a->dk, (void **)&a->dv, (void **)&a->s, (void **)&a->dp_out,
-                         (void **)&a->d_o};
-    for (int i = 0; i < 13; i++) *arrays[i] = arena_take(&m->acts, batch * sizeof(void *));
+    void **arrays[] = {(void **)&a->q, (void **)&a->k, (void **)&a->v, (void **)&a->p, (void **)&a->ds, (void **)&a->o,
+                       (void **)&a->dq, (void **)&a->dk, (void **)&a->dv, (void **)&a->s, (void **)&a->dp_out, (void **)&a->d_o};
+    for (size_t i = 0; i < sizeof arrays / sizeof arrays[0]; i++) *arrays[i] = arena_take(&m->acts, batch * sizeof(void *));
     walk_norm_scratch(w, channels);
     walk_conv_scratch(w, &qkv, size), walk_conv_scratch(w, &proj, size);
     walk_advance(w, l, size);
@@ -1509,7 +1532,7 @@ static void unet_walk(const ModelConfig *c, ParamList *params, UNet *m) {
         if (m->compute && label >= 0) m->label_table = param_master(m, label), m->d_label_table = param_grad(m, label);
     }
     char name[128];
-    int ch = c->level_channels[0], skip_channels[64], skip_layers[64], num_skips = 0, block = 1;
+    int ch = c->level_channels[0], skip_channels[MAX_SKIPS], skip_layers[MAX_SKIPS], num_skips = 0, block = 1;
     Conv conv_in = walk_conv(&w, "input_blocks.0.0.", c->in_channels, ch, 3, 1, 2);
     if (m) {
         Layer *l = walk_layer(&w, LAYER_CONV, ch, w.size);
@@ -1732,7 +1755,7 @@ static NormOptions res_norm2_options(const UNet *m, const Layer *l, int training
     if (m->config.use_scale_shift_norm) o.scale_shift = m->emb_out + l->emb_offset, o.scale_shift_ld = (int)m->emb_total;
     else o.add = m->emb_out + l->emb_offset, o.add_ld = (int)m->emb_total;
     if (training && m->config.dropout > 0.0f)
-        o.dropout = m->config.dropout, o.dropout_seed = m->dropout_seed, o.dropout_stream = 100 + (uint64_t)(l - m->layers);
+        o.dropout = m->config.dropout, o.dropout_seed = m->dropout_seed, o.dropout_stream = rng_stream(RNG_DROPOUT, (uint64_t)(l - m->layers));
     return o;
 }
 
@@ -1849,10 +1872,6 @@ __global__ void add_rows_kernel(float *y, const floatX *bias, int N, int E) {
     if (i < N * E) y[i] += (float)bias[i % E];
 }
 
-__global__ void floatx_from_float_kernel(floatX *y, const float *x, int64_t n) {
-    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) y[i] = (floatX)x[i];
-}
-
 // The forward pass on m->input (NHWC), m->timesteps and m->labels; the result is m->output.
 static void unet_forward(UNet *m, int training) {
     const ModelConfig *c = &m->config;
@@ -1891,7 +1910,7 @@ static void unet_backward(UNet *m, int training) {
     cuda_check(cudaMemsetAsync(m->d_emb_out, 0, (size_t)N * E * sizeof(float), gpu.stream));
     for (int i = m->num_layers - 1; i >= 0; i--) layer_backward(m, &m->layers[i], training);
     // The timestep projections of all ResBlocks at once, then the embedding MLP.
-    floatx_from_float_kernel<<<blocks_for((int64_t)N * E, 256), 256, 0, gpu.stream>>>(m->d_emb_out_x, m->d_emb_out, (int64_t)N * E);
+    float_to_floatx_kernel<<<blocks_for((int64_t)N * E, 256), 256, 0, gpu.stream>>>(m->d_emb_out_x, m->d_emb_out, (int64_t)N * E);
     cuda_check_launch();
     conv_backward(&m->emb_all, m->emb_silu.dx, m->d_emb_out_x, m->emb_silu.x, N, 1, 1, NULL, 0);
     silu_backward_kernel<<<blocks_for(N * D, 256), 256, 0, gpu.stream>>>(m->emb.dx, m->emb_silu.dx, m->emb.x, N * D);
@@ -1946,7 +1965,6 @@ static double uniform01(uint64_t seed, uint64_t stream, uint64_t index) {
 }
 
 static void init_parameter(const ParamSpec *p, int index, uint64_t seed, float *out) {
-    enum { STREAM_INIT = 1000 };
     int is_norm = strstr(p->name, "in_layers.0.") || strstr(p->name, "out_layers.0.") || strstr(p->name, ".norm.") ||
                   strncmp(p->name, "out.0.", 6) == 0;
     int is_zero = strstr(p->name, "out_layers.3.") || strstr(p->name, "proj_out.") || strncmp(p->name, "out.2.", 6) == 0;
@@ -1957,7 +1975,7 @@ static void init_parameter(const ParamSpec *p, int index, uint64_t seed, float *
         for (int64_t j = 0; j < p->numel; j++) out[j] = 1.0f;
     } else if (strncmp(p->name, "label_emb.", 10) == 0) {  // Box-Muller
         for (int64_t j = 0; j < p->numel; j++) {
-            double u1 = uniform01(seed, STREAM_INIT + index, 2 * j), u2 = uniform01(seed, STREAM_INIT + index, 2 * j + 1);
+            double u1 = uniform01(seed, rng_stream(RNG_INIT, index), 2 * j), u2 = uniform01(seed, rng_stream(RNG_INIT, index), 2 * j + 1);
             out[j] = (float)(sqrt(-2.0 * log(u1)) * cos(2.0 * M_PI * u2));
         }
     } else {
@@ -1965,7 +1983,7 @@ static void init_parameter(const ParamSpec *p, int index, uint64_t seed, float *
         const ParamSpec *w = is_bias ? p - 1 : p;
         int64_t fan_in = w->numel / w->shape[0];
         double bound = 1.0 / sqrt((double)fan_in);
-        for (int64_t j = 0; j < p->numel; j++) out[j] = (float)((2.0 * uniform01(seed, STREAM_INIT + index, j) - 1.0) * bound);
+        for (int64_t j = 0; j < p->numel; j++) out[j] = (float)((2.0 * uniform01(seed, rng_stream(RNG_INIT, index), j) - 1.0) * bound);
     }
 }
 
@@ -2272,7 +2290,8 @@ static int model_config_from_options(Options *o, int label_rows, ModelConfig *ou
     if (o->image_size < 8 || o->image_size > 4096) return dataset_fail(err, err_len, "--image_size %d is out of range (8..4096)", o->image_size);
     if (o->num_channels < 32 || o->num_channels > 8192 || o->num_channels % 32)
         return dataset_fail(err, err_len, "--num_channels %d must be a multiple of 32 (GroupNorm uses 32 groups) from 32 to 8192", o->num_channels);
-    if (o->num_res_blocks < 0 || o->num_res_blocks > 8) return dataset_fail(err, err_len, "--num_res_blocks %d is out of range (0..8)", o->num_res_blocks);
+    if (o->num_res_blocks < 0 || o->num_res_blocks > MAX_RES_BLOCKS)
+        return dataset_fail(err, err_len, "--num_res_blocks %d is out of range (0..%d)", o->num_res_blocks, MAX_RES_BLOCKS);
     if (!o->channel_mult[0]) {
         o->channel_mult = default_channel_mult(o->image_size);
         if (!o->channel_mult) return dataset_fail(err, err_len, "no default --channel_mult for image size %d; give one", o->image_size);
@@ -2498,7 +2517,6 @@ static void diffusion_create(Diffusion *d, int steps, const char *schedule) {
     free(host);
 }
 
-enum { STREAM_NOISE = 4, STREAM_TIMESTEP = 5, STREAM_LABEL_DROP = 6 };
 
 // Timesteps t ~ U[0, T) and, for classifier-free guidance, labels replaced by the null class
 // with probability cfg_dropout.
@@ -2506,8 +2524,8 @@ __global__ void diffusion_conditions_kernel(int64_t *t, int *labels, int N, int 
                                             const StepState *s) {
     int n = blockIdx.x * blockDim.x + threadIdx.x;
     if (n >= N) return;
-    t[n] = (int64_t)(random_u64(s->noise_seed, STREAM_TIMESTEP, n) % (uint64_t)T);
-    if (cfg_dropout > 0.0f && (random_u64(s->noise_seed, STREAM_LABEL_DROP, n) >> 40) * (1.0f / 16777216.0f) < cfg_dropout)
+    t[n] = (int64_t)(random_u64(s->noise_seed, rng_stream(RNG_TIMESTEP, 0), n) % (uint64_t)T);
+    if (cfg_dropout > 0.0f && (random_u64(s->noise_seed, rng_stream(RNG_LABEL_DROP, 0), n) >> 40) * (1.0f / 16777216.0f) < cfg_dropout)
         labels[n] = null_label;
 }
 
@@ -2517,7 +2535,7 @@ __global__ void diffusion_inputs_kernel(floatX *x_t, floatX *target, const float
                                         const StepState *s) {
     for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
         int64_t step = t[i / per_sample];
-        float a = sqrt_abar[step], b = sqrt_one_minus_abar[step], eps = normal_sample(s->noise_seed, STREAM_NOISE, i);
+        float a = sqrt_abar[step], b = sqrt_one_minus_abar[step], eps = normal_sample(s->noise_seed, rng_stream(RNG_NOISE, 0), i);
         float x = (float)x0[i];
         x_t[i] = (floatX)(a * x + b * eps);
         target[i] = (floatX)(predict_v ? a * eps - b * x : eps);
@@ -2841,7 +2859,6 @@ static int compare_int64(const void *a, const void *b) {
 // then the same images with the null class. Image i's starting noise and every draw it needs
 // depend only on (seed, i): the same seed and batch size give the same images.
 
-enum { STREAM_SAMPLE_START = 20, STREAM_SAMPLE_NOISE = 21 };  // step j of the plan draws from 21 + j
 
 typedef struct {
     int step;        // the plan's next step
@@ -2865,7 +2882,7 @@ typedef struct {
 // The starting noise: x, and the model's input (both halves when guided).
 __global__ void sample_start_kernel(float *x, floatX *input, int64_t n, int guided, uint64_t seed, const SampleCursor *c) {
     for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
-        x[i] = normal_sample(seed, STREAM_SAMPLE_START, c->offset + i);
+        x[i] = normal_sample(seed, rng_stream(RNG_SAMPLE_START, 0), c->offset + i);
         input[i] = (floatX)x[i];
         if (guided) input[n + i] = input[i];
     }
@@ -2883,7 +2900,7 @@ __global__ void sample_step_kernel(float *x, float *x0_last, floatX *input, cons
     const SampleStep st = steps[c->step];
     for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
         float o = guided ? guided_output((float)out[i], (float)out[n + i], guidance) : (float)out[i];
-        float z = st.noisy ? normal_sample(seed, STREAM_SAMPLE_NOISE + (uint64_t)c->step, c->offset + i) : 0.0f;
+        float z = st.noisy ? normal_sample(seed, rng_stream(RNG_SAMPLE_NOISE, (uint64_t)c->step), c->offset + i) : 0.0f;
         x[i] = sample_step_value(&plan, &st, x[i], o, z, &x0_last[i]);
         input[i] = (floatX)x[i];
         if (guided) input[n + i] = input[i];
@@ -3067,7 +3084,7 @@ static void trainer_step(Trainer *tr) {
     h->bias1 = 1.0f - powf(o->beta1, (float)step);
     h->bias2 = 1.0f - powf(o->beta2, (float)step);
     h->grad_clip = o->grad_clip;
-    h->noise_seed = random_u64((uint64_t)o->seed, 10, (uint64_t)step);
+    h->noise_seed = random_u64((uint64_t)o->seed, rng_stream(RNG_STEP_SEED, 0), (uint64_t)step);
     if (!tr->graph) {
         cudaGraph_t graph;
         cuda_check(cudaStreamBeginCapture(gpu.stream, cudaStreamCaptureModeGlobal));
@@ -3509,7 +3526,7 @@ static void write_samples(Trainer *tr, GpuSampler *sampler, const char *run_dir)
         SamplePlan plan;
         if (sample_plan_make(&plan, &tr->diffusion.schedule, SAMPLER_DDIM, o->sample_steps, 0.0f, strcmp(o->predict, "v") == 0, 1) != 0)
             fatal("out of memory");
-        gpu_sampler_create(sampler, &tr->config, count < 64 ? count : 64, &plan, 1.0f, random_u64((uint64_t)o->seed, 30, 0));
+        gpu_sampler_create(sampler, &tr->config, count < 64 ? count : 64, &plan, 1.0f, random_u64((uint64_t)o->seed, rng_stream(RNG_GRID_SEED, 0), 0));
         sample_plan_free(&plan);
     }
     cuda_check(cudaMemcpy(sampler->m.master, tr->ema[0], tr->m.storage * sizeof(float), cudaMemcpyDeviceToDevice));
@@ -3755,8 +3772,8 @@ static void run_bench(const Options *o, const ModelConfig *config, const ParamLi
     size_t n = (size_t)o->batch_size * config->image_size * config->image_size * 3;
     cuda_check(cudaMallocHost((void **)&pixels, n));
     cuda_check(cudaMallocHost((void **)&labels, o->batch_size * sizeof(int32_t)));
-    for (size_t i = 0; i < n; i++) pixels[i] = (uint8_t)(random_u64(1, 11, i) >> 56);
-    for (int i = 0; i < o->batch_size; i++) labels[i] = config->num_classes ? (int32_t)(random_u64(1, 12, i) % (config->num_classes - 1)) : 0;
+    for (size_t i = 0; i < n; i++) pixels[i] = (uint8_t)(random_u64(1, rng_stream(RNG_BENCH_BATCH, 0), i) >> 56);
+    for (int i = 0; i < o->batch_size; i++) labels[i] = config->num_classes ? (int32_t)(random_u64(1, rng_stream(RNG_BENCH_BATCH, 1), i) % (config->num_classes - 1)) : 0;
     Trainer tr;
     trainer_create(&tr, o, config, pixels, labels);
     unet_init_parameters(&tr.m, (uint64_t)o->seed);

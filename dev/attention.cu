@@ -115,17 +115,16 @@ static void attention_setup(AttentionRun *r, int N, int T, int C, int heads, int
     a->scores = (float *)dev_gpu_poisoned(tt * sizeof(float));
     a->probs = (floatX *)dev_gpu_poisoned(tt * sizeof(floatX));
     a->d_scores = (floatX *)dev_gpu_poisoned(tt * sizeof(floatX));
-    void **arrays[13] = {(void **)&a->q, (void **)&a->k, (void **)&a->v, (void **)&a->p, (void **)&a->ds, (void **)&a->o_read,
-                         (void **)&a->o, (void **)&a->dq, (void **)&a->dk, (void **)&a->dv, (void **)&a->s, (void **)&a->dp_out,
-                         (void **)&a->d_o};
-    for (int i = 0; i < 13; i++) *arrays[i] = dev_gpu_poisoned(batch * sizeof(void *));
+    void **arrays[] = {(void **)&a->q, (void **)&a->k, (void **)&a->v, (void **)&a->p, (void **)&a->ds, (void **)&a->o,
+                       (void **)&a->dq, (void **)&a->dk, (void **)&a->dv, (void **)&a->s, (void **)&a->dp_out, (void **)&a->d_o};
+    for (size_t i = 0; i < sizeof arrays / sizeof arrays[0]; i++) *arrays[i] = dev_gpu_poisoned(batch * sizeof(void *));
     attention_pointers_kernel<<<(int)((batch + 63) / 64), 64, 0, gpu.stream>>>(*a, r->qkv, r->out, r->d_qkv, r->d_out);
     cuda_check_launch();
 }
 
 static void attention_teardown(AttentionRun *r) {
     Attention *a = &r->a;
-    dev_gpu_free(a->scores, a->probs, a->d_scores, a->q, a->k, a->v, a->p, a->ds, a->o_read, a->o, a->dq, a->dk, a->dv,
+    dev_gpu_free(a->scores, a->probs, a->d_scores, a->q, a->k, a->v, a->p, a->ds, a->o, a->dq, a->dk, a->dv,
                  a->s, a->dp_out, a->d_o, r->qkv, r->out, r->d_qkv, r->d_out, NULL);
 }
 

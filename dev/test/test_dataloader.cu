@@ -187,7 +187,23 @@ static void test_damaged(const char *path) {
     CHECK(strstr(err, "No such file") != NULL);
 }
 
+// Every random draw of the trainer comes from rng_stream(purpose, sub-stream): the purpose stands in
+// the stream's top bits whatever the sub-stream (an epoch, a parameter, a layer, a step), so two
+// purposes never share a stream. (The data order's stream 1 + 16 * epoch once met the
+// initialisation's 1000 + parameter at epoch 63.)
+static void test_random_streams(void) {
+    check_case("random streams: no two purposes share a stream, at any epoch, parameter, layer or step");
+    const uint64_t subs[] = {0, 1, 9, 63, 1000, 123456789, ((uint64_t)1 << 48) - 1};
+    for (int p = RNG_SHUFFLE; p <= RNG_BENCH_BATCH; p++)
+        for (size_t i = 0; i < sizeof subs / sizeof subs[0]; i++) {
+            uint64_t stream = rng_stream((RandomPurpose)p, subs[i]);
+            CHECK(stream >> 48 == (uint64_t)p && (stream & (((uint64_t)1 << 48) - 1)) == subs[i]);
+        }
+    CHECK(rng_stream(RNG_SHUFFLE, 63) != rng_stream(RNG_INIT, 9));
+}
+
 int main(void) {
+    test_random_streams();
     char path[] = "/tmp/test_dataloader_XXXXXX";
     int fd = mkstemp(path);
     close(fd);

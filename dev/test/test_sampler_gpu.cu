@@ -11,6 +11,8 @@
 #include "../../train_unet.cu"
 #include "check.h"
 
+// Unguided; a guided output (1 - w) eps_u + w eps_c carries the rounding of both halves, weighted
+// |1 - w| + |w|, so the tolerance grows by that factor (5 at guidance 3).
 static const double TOLERANCE = sizeof(floatX) == 4 ? 1e-4 : 2e-2;
 enum { IMAGES = 3, CLASSES = 3, FIRST = 5 };  // the batch samples images FIRST .. FIRST + IMAGES - 1
 
@@ -37,7 +39,7 @@ static void host_model(void *ctx, const float *x, int t, float *out) {
 
 static float host_noise(void *ctx, int j, size_t i) {
     Host *h = (Host *)ctx;
-    return normal_sample(h->seed, STREAM_SAMPLE_NOISE + (uint64_t)j, h->offset + i);
+    return normal_sample(h->seed, rng_stream(RNG_SAMPLE_NOISE, (uint64_t)j), h->offset + i);
 }
 
 // Random parameters of roughly PyTorch's scale, the zero-initialised layers too.
@@ -88,7 +90,7 @@ static void test_plan(const char *name, const ModelConfig *c, UNet *weights, Sam
     for (int b = 0; b < IMAGES; b++) h.labels[b] = labels[b], h.null_labels[b] = CLASSES;
     h.uncond = (float *)malloc_or_die(n * sizeof(float));
     float *x = (float *)malloc_or_die(n * sizeof(float));
-    for (int64_t i = 0; i < n; i++) x[i] = normal_sample(seed, STREAM_SAMPLE_START, h.offset + i);
+    for (int64_t i = 0; i < n; i++) x[i] = normal_sample(seed, rng_stream(RNG_SAMPLE_START, 0), h.offset + i);
     CHECK(sample_loop(&plan, host_model, host_noise, &h, x, n) == 0);
 
     double diff = 0, norm = 0;
@@ -100,7 +102,7 @@ static void test_plan(const char *name, const ModelConfig *c, UNet *weights, Sam
     }
     double err = sqrt(diff / norm);
     printf("  %d steps, GPU against the host loop %.2e, x's RMS %.3f, %.2f ms\n", plan.count, err, sqrt(norm / n), ms);
-    CHECK(err <= TOLERANCE);
+    CHECK(err <= TOLERANCE * (fabs(1.0 - guidance) + fabs(guidance)));
     CHECK(pixel_gap <= 1);  // the pixels are the samples, rounded (the host's lrintf may round a tie otherwise)
     CHECK(sqrt(norm / n) > 0.05);  // the samples are not all zero
     gpu_sampler_destroy(&s);

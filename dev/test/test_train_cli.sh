@@ -95,6 +95,12 @@ for bad in magic truncated extended height absurd count label header_only; do
 done
 expect_fail "$TRAIN" --dry_run --data "$TEST_TMP/missing.bin"
 
+case_begin "the deepest model the limits allow: 8 levels of 8 residual blocks, clean under AddressSanitizer"
+expect_ok "$TRAIN_ASAN" --dry_run --image_size 128 --channel_mult 1,1,1,1,1,1,1,1 --num_res_blocks 8
+grep -q "AddressSanitizer\|runtime error" "$LAST_ERR" && case_fail "sanitizer report: $(head -3 "$LAST_ERR")"
+expect_fail "$TRAIN" --dry_run --num_res_blocks 9
+expect_fail "$TRAIN" --dry_run --image_size 256 --channel_mult 1,1,1,1,1,1,1,1,1
+
 case_begin "dataset and flags must agree"
 expect_fail "$TRAIN" --dry_run --data "$TEST_TMP/good.bin"
 expect_grep 'image_size is 64' "$LAST_ERR"
