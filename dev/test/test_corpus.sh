@@ -50,6 +50,7 @@ for edit in 'diffusion_steps="0"' 'diffusion_steps="-5"' 'diffusion_steps="99999
     edit_fixture bad "h['__metadata__']['$key'] = $value"
     expect_fail ./generate --checkpoint "$TEST_TMP/bad.safetensors" --sampler dpm++
     grep -q "bad.safetensors.*$key" "$LAST_ERR" || case_fail "$edit: $(cat "$LAST_ERR")"
+    grep -q "see --help" "$LAST_ERR" && case_fail "$edit: reported as a command-line error: $(cat "$LAST_ERR")"
 done
 edit_fixture nan 'at = h["time_embed.0.weight"]["data_offsets"][0]; d[at:at + 4] = struct.pack("<f", float("nan"))'
 expect_fail ./generate --checkpoint "$TEST_TMP/nan.safetensors"
