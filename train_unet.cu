@@ -1,12 +1,15 @@
 // train_unet.cu: trains guided-diffusion's UNet on NVIDIA GPUs, in one file.
 //
-// Reading order: precision and error checks; the model's configuration; the data loader (the
-// dataset file is read by dataset.h, the checkpoint files by checkpoint.h); the GPU context and
-// matrix products; the layers, each forward and backward side by side (channel sums, convolution, GroupNorm, attention, resampling, concat, elementwise,
-// embeddings, loss, AdamW); the model (guided-diffusion's architecture, state_dict names, layers,
-// forward, backward); initialisation; the command line; diffusion training and checkpoints; sample
-// grids; the trainer and the training run; the C API for generate.c (unet_api.h); main. Built with
-// -DTRAIN_UNET_LIBRARY it has no main: tests include it, and generate links it.
+// Reading order, in data-flow order: precision and error checks; random streams; the GPU context
+// and matrix products; the kernels, each layer's forward and backward side by side with its math
+// (channel sums, convolution, GroupNorm, attention, resampling, concat, elementwise, embeddings,
+// the loss, AdamW); the configuration (model and options, from the command line or a checkpoint);
+// the model (guided-diffusion's architecture and state_dict names, forward, backward),
+// initialisation and profiling; diffusion training and the trainer (one step as a CUDA graph);
+// sampling on the GPU; the data loader; checkpoints (safetensors writing, saving, resuming; the
+// readers are in checkpoint.h, the dataset's in dataset.h); the command line; the training run;
+// the C API for generate.c (unet_api.h); main. Built with -DTRAIN_UNET_LIBRARY it has no main:
+// tests include it, and generate links it.
 //
 // Activations are NHWC (channels last). PRECISION_BF16 (the default) keeps activations in bf16
 // with fp32 master weights and fp32 accumulation; PRECISION_FP32 is fp32 throughout.
@@ -117,160 +120,6 @@ __host__ __device__ inline uint64_t rng_stream(RandomPurpose purpose, uint64_t s
 }
 
 // ----------------------------------------------------------------------------------------------
-// The model's configuration: guided-diffusion's UNetModel arguments, resolved and validated.
-
-#define MAX_LEVELS 8
-#define MAX_RES_BLOCKS 8
-// The encoder's outputs kept for the decoder's skip connections: the input convolution's, one per
-// residual block, one per downsampling.
-#define MAX_SKIPS (1 + MAX_LEVELS * (MAX_RES_BLOCKS + 1))
-
-typedef struct {
-    int image_size;
-    int in_channels, out_channels;
-    int model_channels;
-    int num_levels;                       // len(channel_mult)
-    int level_channels[MAX_LEVELS];       // int(channel_mult[level] * model_channels)
-    int level_attention[MAX_LEVELS];      // attention blocks at this level (downsample rate 2^level)
-    int num_res_blocks;
-    int num_heads, num_heads_upsample;    // used when num_head_channels == -1
-    int num_head_channels;                // -1: fixed head count instead
-    int use_scale_shift_norm, resblock_updown, conv_resample, use_new_attention_order;
-    float dropout;
-    int num_classes;                      // rows of label_emb (dataset classes + the null class), 0: unconditional
-} ModelConfig;
-
-// ----------------------------------------------------------------------------------------------
-// The data loader: maps a dataset file, serves shuffled batches of uint8 NHWC images and int32
-// labels in host buffers (pinned for fast copies when a GPU is used), and converts them on the GPU.
-//
-// Order: epoch e visits the images in a Fisher-Yates permutation drawn from (seed, e); image i of
-// that order is flipped horizontally when bit 0 of random(seed, flip stream, e*count + i) is set.
-// Both are pure functions of the position (epoch, next), so saving those two numbers and seeking
-// back to them reproduces every later batch exactly. Batches run on across epoch boundaries.
-
-typedef struct {
-    uint64_t epoch;  // epochs completed
-    uint64_t next;   // index into the epoch's order of the next image to serve
-} LoaderPosition;
-
-typedef struct {
-    Dataset data;
-    int batch_size;
-    int random_flip;
-    uint64_t seed;
-    LoaderPosition position;
-    uint32_t *order;         // the current epoch's permutation of 0..count-1
-    uint8_t *batch_pixels;   // [batch_size][height][width][3]
-    int32_t *batch_labels;   // [batch_size], -1 when the dataset is unlabelled
-    int pinned;              // batch buffers are page-locked (cudaMallocHost)
-} DataLoader;
-
-// Draws epoch `epoch`'s order: a uniform random permutation (Fisher-Yates).
-static void loader_shuffle(DataLoader *loader, uint64_t epoch) {
-    uint64_t n = loader->data.header.count, counter = 0;
-    for (uint64_t i = 0; i < n; i++) loader->order[i] = (uint32_t)i;
-    for (uint64_t i = n - 1; i > 0; i--) {
-        uint64_t j = random_below(loader->seed, rng_stream(RNG_SHUFFLE, epoch), &counter, i + 1);
-        uint32_t t = loader->order[i];
-        loader->order[i] = loader->order[j];
-        loader->order[j] = t;
-    }
-}
-
-// Moves to a saved position (epoch, next); next must be at most the image count.
-static int loader_seek(DataLoader *loader, LoaderPosition position, char *err, size_t err_len) {
-    if (position.next > loader->data.header.count)
-        return dataset_fail(err, err_len, "data position %" PRIu64 " is past the dataset's %" PRIu64 " images",
-                            position.next, loader->data.header.count);
-    loader->position = position;
-    loader_shuffle(loader, position.epoch);
-    return 0;
-}
-
-// Opens and checks a dataset and allocates the batch buffers. Returns 0, or -1 with a message.
-static int loader_open(DataLoader *loader, const char *path, int batch_size, int random_flip, uint64_t seed,
-                       int pinned, char *err, size_t err_len) {
-    memset(loader, 0, sizeof *loader);
-    if (dataset_open(path, &loader->data, err, err_len) != 0) return -1;
-    const DatasetHeader *h = &loader->data.header;  // count <= DATASET_MAX_COUNT: the order's 32-bit indices hold it
-    loader->batch_size = batch_size;
-    loader->random_flip = random_flip;
-    loader->seed = seed;
-    loader->pinned = pinned;
-    loader->order = (uint32_t *)malloc_or_die(h->count * sizeof(uint32_t));
-    size_t pixel_bytes = (size_t)batch_size * loader->data.layout.image_bytes;
-    size_t label_bytes = (size_t)batch_size * sizeof(int32_t);
-    if (pinned) {
-        cuda_check(cudaMallocHost((void **)&loader->batch_pixels, pixel_bytes));
-        cuda_check(cudaMallocHost((void **)&loader->batch_labels, label_bytes));
-    } else {
-        loader->batch_pixels = (uint8_t *)malloc_or_die(pixel_bytes);
-        loader->batch_labels = (int32_t *)malloc_or_die(label_bytes);
-    }
-    LoaderPosition start = {0, 0};
-    return loader_seek(loader, start, err, err_len);
-}
-
-static void loader_close(DataLoader *loader) {
-    if (loader->pinned) {
-        cudaFreeHost(loader->batch_pixels);
-        cudaFreeHost(loader->batch_labels);
-    } else {
-        free(loader->batch_pixels);
-        free(loader->batch_labels);
-    }
-    free(loader->order);
-    dataset_close(&loader->data);
-    memset(loader, 0, sizeof *loader);
-}
-
-// Fills the batch buffers with the next batch_size images (and labels) and advances the position.
-static void loader_next_batch(DataLoader *loader) {
-    const DatasetHeader *h = &loader->data.header;
-    size_t image_bytes = loader->data.layout.image_bytes, row_bytes = (size_t)h->width * h->channels;
-    for (int b = 0; b < loader->batch_size; b++) {
-        if (loader->position.next == h->count) {
-            loader->position.epoch++;
-            loader->position.next = 0;
-            loader_shuffle(loader, loader->position.epoch);
-        }
-        uint64_t slot = loader->position.epoch * h->count + loader->position.next;
-        uint32_t image = loader->order[loader->position.next++];
-        const uint8_t *src = loader->data.pixels + image * image_bytes;
-        uint8_t *dst = loader->batch_pixels + b * image_bytes;
-        int flip = loader->random_flip && (random_u64(loader->seed, rng_stream(RNG_FLIP, 0), slot) & 1);
-        if (!flip) {
-            memcpy(dst, src, image_bytes);
-        } else {
-            for (uint32_t y = 0; y < h->height; y++)
-                for (uint32_t x = 0; x < h->width; x++)
-                    memcpy(dst + y * row_bytes + x * h->channels, src + y * row_bytes + (h->width - 1 - x) * h->channels,
-                           h->channels);
-        }
-        loader->batch_labels[b] = loader->data.labels ? loader->data.labels[image] : -1;
-    }
-}
-
-// Model input from a pixel: x = pixel / 127.5 - 1, uint8 [0, 255] -> [-1, 1], in one rounding (fma)
-// so that the host and the device agree to the bit.
-__host__ __device__ inline floatX pixel_to_model_input(uint8_t pixel) {
-    return (floatX)fmaf((float)pixel, 1.0f / 127.5f, -1.0f);
-}
-
-__global__ void images_to_model_input_kernel(floatX *out, const uint8_t *pixels, size_t n) {
-    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
-        out[i] = pixel_to_model_input(pixels[i]);
-}
-
-static void images_to_model_input(floatX *out, const uint8_t *pixels, size_t n, cudaStream_t stream) {
-    int threads = 256, blocks = (int)((n + threads - 1) / threads);
-    if (blocks > 65535) blocks = 65535;
-    images_to_model_input_kernel<<<blocks, threads, 0, stream>>>(out, pixels, n);
-    cuda_check_launch();
-}
-
-// ----------------------------------------------------------------------------------------------
 // The GPU context: one stream, cuBLAS and cuBLASLt handles, a workspace and a scratch buffer.
 
 typedef struct {
@@ -327,7 +176,6 @@ static int blocks_for(size_t n, int threads) {
         else kernel<Scalar><<<blocks_for(elements, 256), 256, 0, gpu.stream>>>(__VA_ARGS__);                   \
         cuda_check_launch();                                                                                   \
     } while (0)
-
 
 // ----------------------------------------------------------------------------------------------
 // Matrix products on the tensor cores (bf16 operands, fp32 accumulation; fp32 throughout in the
@@ -1114,6 +962,12 @@ __global__ void silu_backward_kernel(floatX *dx, const floatX *dy, const floatX 
     }
 }
 
+// out = in rounded to the activation type: the weights' compute copy, an fp32 gradient as floatX.
+__global__ void float_to_floatx_kernel(floatX *out, const float *in, int64_t n) {
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
+        out[i] = (floatX)in[i];
+}
+
 // ----------------------------------------------------------------------------------------------
 // The timestep and class embeddings. guided-diffusion's sinusoid of dim D, half = D/2:
 //   e[n][i] = cos(t_n f_i), e[n][half + i] = sin(t_n f_i), f_i = exp(-ln(10000) i / half)
@@ -1217,10 +1071,359 @@ __global__ void adamw_kernel(float *params, floatX *params_x, float *m, float *v
     }
 }
 
-// out = in rounded to the activation type: the weights' compute copy, an fp32 gradient as floatX.
-__global__ void float_to_floatx_kernel(floatX *out, const float *in, int64_t n) {
-    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
-        out[i] = (floatX)in[i];
+// ----------------------------------------------------------------------------------------------
+// The configuration: guided-diffusion's UNetModel arguments (ModelConfig), a run's options, and
+// both resolved and validated from the command line's values or a checkpoint's metadata.
+
+#define MAX_LEVELS 8
+#define MAX_RES_BLOCKS 8
+// The encoder's outputs kept for the decoder's skip connections: the input convolution's, one per
+// residual block, one per downsampling.
+#define MAX_SKIPS (1 + MAX_LEVELS * (MAX_RES_BLOCKS + 1))
+
+typedef struct {
+    int image_size;
+    int in_channels, out_channels;
+    int model_channels;
+    int num_levels;                       // len(channel_mult)
+    int level_channels[MAX_LEVELS];       // int(channel_mult[level] * model_channels)
+    int level_attention[MAX_LEVELS];      // attention blocks at this level (downsample rate 2^level)
+    int num_res_blocks;
+    int num_heads, num_heads_upsample;    // used when num_head_channels == -1
+    int num_head_channels;                // -1: fixed head count instead
+    int use_scale_shift_norm, resblock_updown, conv_resample, use_new_attention_order;
+    float dropout;
+    int num_classes;                      // rows of label_emb (dataset classes + the null class), 0: unconditional
+} ModelConfig;
+
+// A run's options under guided-diffusion's flag names (the command line's, a checkpoint's metadata):
+// the table of them, the presets, and each value read and checked. A preset sets a group of them
+// first, and every flag given explicitly overrides it whatever its position.
+
+typedef struct {
+    // guided-diffusion's model flags
+    int image_size, num_channels, num_res_blocks;
+    const char *channel_mult, *attention_resolutions;
+    int num_heads, num_head_channels, num_heads_upsample;
+    int use_new_attention_order, use_scale_shift_norm, resblock_updown, conv_resample;
+    float dropout;
+    int class_cond, num_classes, learn_sigma;
+    // diffusion
+    int diffusion_steps;
+    const char *noise_schedule, *predict;
+    // training
+    float lr, weight_decay, beta1, beta2, adam_eps, min_lr, grad_clip, cfg_dropout;
+    const char *lr_decay;
+    int warmup_steps;
+    int batch_size;
+    const char *ema_rate;
+    int log_interval, save_interval, keep, max_bad_steps, sample_interval, sample_count, sample_steps;
+    const char *resume_checkpoint, *run_dir;
+    // data and run
+    const char *data, *preset;
+    int random_flip;
+    long long steps, stop_step;
+    long long seed;
+    int dry_run, bench, overwrite;
+} Options;
+
+typedef enum { OPT_INT, OPT_LONG, OPT_FLOAT, OPT_BOOL, OPT_STRING, OPT_SWITCH } OptionType;
+
+typedef struct {
+    const char *name;
+    OptionType type;
+    size_t offset;  // of the value in Options
+    const char *help;
+} OptionSpec;
+
+#define OPT(name, type, help) {#name, type, offsetof(Options, name), help}
+static const OptionSpec option_specs[] = {
+    OPT(data, OPT_STRING, "dataset .bin written by prepare_data (required to train)"),
+    OPT(preset, OPT_STRING, "seed | adm64: a model and training configuration to start from (default seed)"),
+    OPT(image_size, OPT_INT, "image side in pixels; must equal the dataset's"),
+    OPT(num_channels, OPT_INT, "model channels (multiple of 32)"),
+    OPT(channel_mult, OPT_STRING, "channel multiplier per level, e.g. 1,2,3,4 (\"\": guided-diffusion's default for the image size)"),
+    OPT(num_res_blocks, OPT_INT, "residual blocks per level"),
+    OPT(attention_resolutions, OPT_STRING, "resolutions with attention, e.g. 16,8 (\"\": none besides the middle block)"),
+    OPT(num_heads, OPT_INT, "attention heads (when num_head_channels is -1)"),
+    OPT(num_head_channels, OPT_INT, "channels per attention head, -1 to use num_heads"),
+    OPT(num_heads_upsample, OPT_INT, "heads in the decoder's attention, -1: num_heads"),
+    OPT(use_new_attention_order, OPT_BOOL, "split qkv before heads (QKVAttention) instead of the legacy order"),
+    OPT(use_scale_shift_norm, OPT_BOOL, "timestep embedding as scale and shift of the norm (FiLM)"),
+    OPT(resblock_updown, OPT_BOOL, "resample with residual blocks"),
+    OPT(conv_resample, OPT_BOOL, "convolution in up/downsampling (guided-diffusion always uses it)"),
+    OPT(dropout, OPT_FLOAT, "dropout in residual blocks"),
+    OPT(class_cond, OPT_BOOL, "condition on the dataset's labels"),
+    OPT(num_classes, OPT_INT, "classes, when there is no --data to read them from"),
+    OPT(learn_sigma, OPT_BOOL, "6 output channels (guided-diffusion's learned variance): evaluation only, not trained"),
+    OPT(diffusion_steps, OPT_INT, "diffusion timesteps"),
+    OPT(noise_schedule, OPT_STRING, "linear | cosine"),
+    OPT(predict, OPT_STRING, "eps | v: what the model is trained to predict"),
+    OPT(lr, OPT_FLOAT, "AdamW learning rate"),
+    OPT(beta1, OPT_FLOAT, "AdamW beta1"),
+    OPT(beta2, OPT_FLOAT, "AdamW beta2"),
+    OPT(adam_eps, OPT_FLOAT, "AdamW epsilon"),
+    OPT(weight_decay, OPT_FLOAT, "AdamW decoupled weight decay"),
+    OPT(warmup_steps, OPT_INT, "linear learning-rate warm-up steps"),
+    OPT(lr_decay, OPT_STRING, "none | cosine: after warm-up, constant or a half cosine down to min_lr at the last step"),
+    OPT(min_lr, OPT_FLOAT, "the learning rate at the end of a cosine decay"),
+    OPT(grad_clip, OPT_FLOAT, "clip the global gradient norm to this (0: off); the norm is logged either way"),
+    OPT(cfg_dropout, OPT_FLOAT, "probability of replacing a label by the null class (classifier-free guidance)"),
+    OPT(batch_size, OPT_INT, "images per step"),
+    OPT(ema_rate, OPT_STRING, "EMA decay rates, comma-separated"),
+    OPT(log_interval, OPT_INT, "steps between progress lines"),
+    OPT(save_interval, OPT_INT, "steps between checkpoints"),
+    OPT(keep, OPT_INT, "checkpoints to keep, the newest (0: all)"),
+    OPT(sample_interval, OPT_INT, "steps between sample grids from the EMA weights (0: only at the end)"),
+    OPT(sample_count, OPT_INT, "images in a sample grid, e.g. 64 (0: no grids)"),
+    OPT(sample_steps, OPT_INT, "DDIM steps of a sample grid"),
+    OPT(max_bad_steps, OPT_INT, "stop after this many steps in a row with a non-finite loss or gradient"),
+    OPT(run_dir, OPT_STRING, "run folder: config.txt, log.csv, checkpoints/"),
+    OPT(resume_checkpoint, OPT_STRING, "checkpoint folder to resume from, or latest (the newest in run_dir)"),
+    OPT(overwrite, OPT_SWITCH, "start a new run in a run folder that holds one, removing its checkpoints, samples, log and config"),
+    OPT(random_flip, OPT_BOOL, "random horizontal flips of the training images"),
+    OPT(steps, OPT_LONG, "training steps (the length of the learning-rate schedule)"),
+    OPT(stop_step, OPT_LONG, "save and stop after this step, to continue later with --resume_checkpoint (0: at --steps)"),
+    OPT(seed, OPT_LONG, "random seed (initialisation, data order, noise)"),
+    OPT(dry_run, OPT_SWITCH, "check the configuration, dataset, run folder and resume checkpoint, print them and the parameter count, exit"),
+    OPT(bench, OPT_INT, "time N training steps on random data (after warm-up) and exit; needs no --data"),
+};
+#define NUM_OPTIONS ((int)(sizeof option_specs / sizeof option_specs[0]))
+
+// The defaults: the seed project's model (clu0/unet.cu) with guided-diffusion's training defaults.
+static Options preset_seed(void) {
+    Options o;
+    memset(&o, 0, sizeof o);
+    o.image_size = 64, o.num_channels = 64, o.num_res_blocks = 2;
+    o.channel_mult = "1,2,3,4", o.attention_resolutions = "16,8";
+    o.num_heads = 4, o.num_head_channels = 32, o.num_heads_upsample = -1;
+    o.use_new_attention_order = 0, o.use_scale_shift_norm = 0, o.resblock_updown = 0, o.conv_resample = 0;
+    o.dropout = 0.0f, o.class_cond = 0, o.num_classes = 0, o.learn_sigma = 0;
+    o.diffusion_steps = 1000, o.noise_schedule = "linear", o.predict = "eps";
+    o.lr = 1e-4f, o.weight_decay = 0.0f, o.beta1 = 0.9f, o.beta2 = 0.999f, o.adam_eps = 1e-8f;
+    o.warmup_steps = 0, o.lr_decay = "none", o.min_lr = 0.0f, o.grad_clip = 0.0f, o.cfg_dropout = 0.0f;
+    o.batch_size = 32, o.ema_rate = "0.9999";
+    o.log_interval = 10, o.save_interval = 10000, o.keep = 0, o.max_bad_steps = 10;
+    o.sample_interval = 5000, o.sample_count = 64, o.sample_steps = 50;
+    o.resume_checkpoint = "", o.run_dir = "run";
+    o.data = "", o.preset = "seed", o.random_flip = 1, o.steps = 100000, o.stop_step = 0, o.seed = 0, o.dry_run = 0;
+    return o;
+}
+
+// ADM ImageNet-64 (guided-diffusion's README), without learned sigma; add --class_cond True.
+static Options preset_adm64(void) {
+    Options o = preset_seed();
+    o.num_channels = 192, o.num_res_blocks = 3, o.attention_resolutions = "32,16,8";
+    o.num_head_channels = 64, o.use_new_attention_order = 1, o.use_scale_shift_norm = 1;
+    o.resblock_updown = 1, o.conv_resample = 1, o.dropout = 0.1f, o.noise_schedule = "cosine";
+    o.preset = "adm64";
+    return o;
+}
+
+// Parses a boolean as guided-diffusion's str2bool does (yes/true/t/y/1, no/false/f/n/0).
+static int parse_bool(const char *s, int *out) {
+    static const char *const yes[] = {"yes", "true", "t", "y", "1"}, *const no[] = {"no", "false", "f", "n", "0"};
+    for (int i = 0; i < 5; i++) {
+        if (strcasecmp(s, yes[i]) == 0) return *out = 1, 0;
+        if (strcasecmp(s, no[i]) == 0) return *out = 0, 0;
+    }
+    return -1;
+}
+
+// Stores one option's value, checking that a number is a whole number (or a real) and nothing else.
+// Returns 0, or -1 with a message.
+static int option_from_string(Options *o, const OptionSpec *s, const char *value, char *err, size_t err_len) {
+    char *p = (char *)o + s->offset, *end = NULL;
+    errno = 0;
+    switch (s->type) {
+    case OPT_INT: {
+        long v = strtol(value, &end, 10);
+        if (end == value || *end || errno || v < INT32_MIN || v > INT32_MAX)
+            return dataset_fail(err, err_len, "--%s needs a whole number, not '%s'", s->name, value);
+        *(int *)p = (int)v;
+        break;
+    }
+    case OPT_LONG: {
+        long long v = strtoll(value, &end, 10);
+        if (end == value || *end || errno) return dataset_fail(err, err_len, "--%s needs a whole number, not '%s'", s->name, value);
+        *(long long *)p = v;
+        break;
+    }
+    case OPT_FLOAT: {
+        double v = strtod(value, &end);
+        if (end == value || *end || errno || !isfinite(v)) return dataset_fail(err, err_len, "--%s needs a number, not '%s'", s->name, value);
+        *(float *)p = (float)v;
+        break;
+    }
+    case OPT_BOOL:
+        if (parse_bool(value, (int *)p) != 0) return dataset_fail(err, err_len, "--%s needs True or False, not '%s'", s->name, value);
+        break;
+    case OPT_STRING: *(const char **)p = value; break;
+    case OPT_SWITCH: *(int *)p = 1; break;
+    }
+    return 0;
+}
+
+static const OptionSpec *find_option(const char *name, size_t len) {
+    for (int i = 0; i < NUM_OPTIONS; i++)
+        if (strlen(option_specs[i].name) == len && strncmp(option_specs[i].name, name, len) == 0)
+            return &option_specs[i];
+    return NULL;
+}
+
+// Parses a comma-separated list of positive numbers; returns the count, or -1 on a bad entry.
+static int parse_number_list(const char *s, double *out, int max) {
+    int n = 0;
+    while (*s) {
+        char *end;
+        errno = 0;
+        double v = strtod(s, &end);
+        if (end == s || errno || !isfinite(v) || v <= 0 || n == max) return -1;
+        out[n++] = v;
+        s = end;
+        if (*s == ',') s++;
+        else if (*s) return -1;
+    }
+    return n;
+}
+
+// guided-diffusion's channel_mult when none is given (script_util.create_model).
+static const char *default_channel_mult(int image_size) {
+    switch (image_size) {
+    case 512: return "0.5,1,1,2,2,4,4";
+    case 256: return "1,1,2,2,4,4";
+    case 128: return "1,1,2,3,4";
+    case 64: return "1,2,3,4";
+    default: return NULL;
+    }
+}
+
+// Checks every value and resolves the model configuration into c. label_rows: rows of the class
+// embedding (0: unconditional). Returns 0, or -1 with the first bad value (the command line's
+// or a checkpoint's metadata's: the caller says which).
+static int model_config_from_options(Options *o, int label_rows, ModelConfig *out, char *err, size_t err_len) {
+    ModelConfig c;
+    memset(&c, 0, sizeof c);
+    if (o->image_size < 8 || o->image_size > 4096) return dataset_fail(err, err_len, "--image_size %d is out of range (8..4096)", o->image_size);
+    if (o->num_channels < 32 || o->num_channels > 8192 || o->num_channels % 32)
+        return dataset_fail(err, err_len, "--num_channels %d must be a multiple of 32 (GroupNorm uses 32 groups) from 32 to 8192", o->num_channels);
+    if (o->num_res_blocks < 0 || o->num_res_blocks > MAX_RES_BLOCKS)
+        return dataset_fail(err, err_len, "--num_res_blocks %d is out of range (0..%d)", o->num_res_blocks, MAX_RES_BLOCKS);
+    if (!o->channel_mult[0]) {
+        o->channel_mult = default_channel_mult(o->image_size);
+        if (!o->channel_mult) return dataset_fail(err, err_len, "no default --channel_mult for image size %d; give one", o->image_size);
+    }
+    double mult[MAX_LEVELS];
+    int levels = parse_number_list(o->channel_mult, mult, MAX_LEVELS);
+    if (levels < 1) return dataset_fail(err, err_len, "--channel_mult '%s' must be 1 to %d positive numbers separated by commas", o->channel_mult, MAX_LEVELS);
+    if (o->image_size % (1 << (levels - 1)))
+        return dataset_fail(err, err_len, "--image_size %d must be divisible by 2^%d = %d for %d levels", o->image_size, levels - 1,
+                    1 << (levels - 1), levels);
+    c.image_size = o->image_size;
+    c.in_channels = 3;
+    c.out_channels = o->learn_sigma ? 6 : 3;
+    c.model_channels = o->num_channels;
+    c.num_levels = levels;
+    for (int l = 0; l < levels; l++) {
+        double channels = mult[l] * o->num_channels;
+        c.level_channels[l] = channels <= 32768 ? (int)channels : 0;
+        if (c.level_channels[l] < 32 || c.level_channels[l] % 32)
+            return dataset_fail(err, err_len, "channel_mult %g x num_channels %d = %g channels at level %d; must be a multiple of 32 from 32 to 32768",
+                        mult[l], o->num_channels, channels, l);
+    }
+    double res[MAX_LEVELS];
+    int num_res = o->attention_resolutions[0] ? parse_number_list(o->attention_resolutions, res, MAX_LEVELS) : 0;
+    if (num_res < 0) return dataset_fail(err, err_len, "--attention_resolutions '%s' must be resolutions separated by commas", o->attention_resolutions);
+    for (int i = 0; i < num_res; i++) {
+        int level = -1;
+        for (int l = 0; l < levels; l++)
+            if (res[i] == (double)(o->image_size >> l)) level = l;
+        if (level < 0)
+            return dataset_fail(err, err_len, "attention resolution %g is none of the model's resolutions (%d down to %d)", res[i],
+                        o->image_size, o->image_size >> (levels - 1));
+        c.level_attention[level] = 1;
+    }
+    if (o->num_head_channels != -1 && o->num_head_channels < 1)
+        return dataset_fail(err, err_len, "--num_head_channels %d must be positive or -1", o->num_head_channels);
+    if (o->num_heads < 1) return dataset_fail(err, err_len, "--num_heads %d must be positive", o->num_heads);
+    if (o->num_heads_upsample == -1) o->num_heads_upsample = o->num_heads;
+    if (o->num_heads_upsample < 1) return dataset_fail(err, err_len, "--num_heads_upsample %d must be positive or -1", o->num_heads_upsample);
+    for (int l = 0; l < levels; l++) {  // every attention block's channels split evenly into heads
+        int middle = l == levels - 1, ch = c.level_channels[l];
+        if (!c.level_attention[l] && !middle) continue;
+        if (o->num_head_channels != -1 && ch % o->num_head_channels)
+            return dataset_fail(err, err_len, "--num_head_channels %d does not divide the %d channels of the attention at resolution %d",
+                        o->num_head_channels, ch, o->image_size >> l);
+        if (o->num_head_channels == -1 && (ch % o->num_heads || ch % o->num_heads_upsample))
+            return dataset_fail(err, err_len, "--num_heads %d (or --num_heads_upsample %d) does not divide the %d channels at resolution %d",
+                        o->num_heads, o->num_heads_upsample, ch, o->image_size >> l);
+    }
+    if (!(o->dropout >= 0 && o->dropout < 1)) return dataset_fail(err, err_len, "--dropout %g must be in [0, 1)", o->dropout);
+    c.num_res_blocks = o->num_res_blocks;
+    c.num_heads = o->num_heads;
+    c.num_heads_upsample = o->num_heads_upsample;
+    c.num_head_channels = o->num_head_channels;
+    c.use_scale_shift_norm = o->use_scale_shift_norm;
+    c.resblock_updown = o->resblock_updown;
+    c.conv_resample = o->conv_resample;
+    c.use_new_attention_order = o->use_new_attention_order;
+    c.dropout = o->dropout;
+    if (o->class_cond && label_rows < 1)
+        return dataset_fail(err, err_len, "--class_cond needs a dataset with labels (--data) or --num_classes");
+    c.num_classes = o->class_cond ? label_rows : 0;
+    *out = c;
+    return 0;
+}
+
+// guided-diffusion's own defaults (script_util.model_and_diffusion_defaults), for reading a
+// checkpoint whose metadata leaves a flag out; conv_resample is always on there.
+static Options guided_diffusion_defaults(void) {
+    Options o = preset_seed();
+    o.num_channels = 128, o.channel_mult = "", o.num_head_channels = -1, o.use_scale_shift_norm = 1;
+    o.conv_resample = 1, o.num_classes = 1000;
+    return o;
+}
+
+// The model configuration a checkpoint's metadata gives under guided-diffusion's flag names.
+// There num_classes is the label embedding's row count, null class included. Returns 0, or -1
+// with a message naming the file.
+static const char *const model_flags[] = {"image_size", "num_channels", "num_res_blocks", "channel_mult",
+    "attention_resolutions", "num_heads", "num_head_channels", "num_heads_upsample", "use_new_attention_order",
+    "use_scale_shift_norm", "resblock_updown", "conv_resample", "dropout", "class_cond", "num_classes", "learn_sigma"};
+#define NUM_MODEL_FLAGS ((int)(sizeof model_flags / sizeof model_flags[0]))
+
+static int model_config_from_metadata(const SafeTensorsFile *f, const char *path, ModelConfig *c, char *err, size_t err_len) {
+    Options o = guided_diffusion_defaults();
+    char why[512];
+    int r = 0;
+    for (int i = 0; r == 0 && i < NUM_MODEL_FLAGS; i++) {
+        const char *value = safetensors_metadata(f, model_flags[i]);
+        if (value) r = option_from_string(&o, find_option(model_flags[i], strlen(model_flags[i])), value, why, sizeof why);
+    }
+    if (r == 0) r = model_config_from_options(&o, o.num_classes, c, why, sizeof why);
+    return r == 0 ? 0 : dataset_fail(err, err_len, "%s: its metadata gives no valid model: %s", path, why);
+}
+
+// The diffusion a checkpoint's metadata gives (guided-diffusion's defaults where it says nothing):
+// its number of steps, its noise schedule and what the model predicts, each checked. Returns 0, or
+// -1 with a message naming the file.
+static int diffusion_from_metadata(const SafeTensorsFile *f, const char *path, int *steps, const char **schedule,
+                                   const char **predict, char *err, size_t err_len) {
+    const char *value = safetensors_metadata(f, "diffusion_steps");
+    char *end = NULL;
+    long n = value ? (errno = 0, strtol(value, &end, 10)) : 1000;
+    if (value && (end == value || *end || errno || n < 1 || n > 100000))
+        return dataset_fail(err, err_len, "%s: metadata diffusion_steps '%s' is not a whole number from 1 to 100000", path, value);
+    *steps = (int)n;
+    *schedule = safetensors_metadata(f, "noise_schedule");
+    *predict = safetensors_metadata(f, "predict");
+    if (!*schedule) *schedule = "linear";
+    if (!*predict) *predict = "eps";
+    if (strcmp(*schedule, "linear") != 0 && strcmp(*schedule, "cosine") != 0)
+        return dataset_fail(err, err_len, "%s: metadata noise_schedule '%s' is neither linear nor cosine", path, *schedule);
+    if (strcmp(*predict, "eps") != 0 && strcmp(*predict, "v") != 0)
+        return dataset_fail(err, err_len, "%s: metadata predict '%s' is neither eps nor v", path, *predict);
+    return 0;
 }
 
 // ----------------------------------------------------------------------------------------------
@@ -1998,507 +2201,95 @@ static void unet_init_parameters(UNet *m, uint64_t seed) {
     free(values);
 }
 
-
 // ----------------------------------------------------------------------------------------------
-// The command line. Model and training flags carry guided-diffusion's names; a preset sets a
-// group of them first, and every flag given explicitly overrides it whatever its position.
+// Profiling the layers of a step.
 
-typedef struct {
-    // guided-diffusion's model flags
-    int image_size, num_channels, num_res_blocks;
-    const char *channel_mult, *attention_resolutions;
-    int num_heads, num_head_channels, num_heads_upsample;
-    int use_new_attention_order, use_scale_shift_norm, resblock_updown, conv_resample;
-    float dropout;
-    int class_cond, num_classes, learn_sigma;
-    // diffusion
-    int diffusion_steps;
-    const char *noise_schedule, *predict;
-    // training
-    float lr, weight_decay, beta1, beta2, adam_eps, min_lr, grad_clip, cfg_dropout;
-    const char *lr_decay;
-    int warmup_steps;
-    int batch_size;
-    const char *ema_rate;
-    int log_interval, save_interval, keep, max_bad_steps, sample_interval, sample_count, sample_steps;
-    const char *resume_checkpoint, *run_dir;
-    // data and run
-    const char *data, *preset;
-    int random_flip;
-    long long steps, stop_step;
-    long long seed;
-    int dry_run, bench, overwrite;
-} Options;
-
-typedef enum { OPT_INT, OPT_LONG, OPT_FLOAT, OPT_BOOL, OPT_STRING, OPT_SWITCH } OptionType;
-
-typedef struct {
-    const char *name;
-    OptionType type;
-    size_t offset;  // of the value in Options
-    const char *help;
-} OptionSpec;
-
-#define OPT(name, type, help) {#name, type, offsetof(Options, name), help}
-static const OptionSpec option_specs[] = {
-    OPT(data, OPT_STRING, "dataset .bin written by prepare_data (required to train)"),
-    OPT(preset, OPT_STRING, "seed | adm64: a model and training configuration to start from (default seed)"),
-    OPT(image_size, OPT_INT, "image side in pixels; must equal the dataset's"),
-    OPT(num_channels, OPT_INT, "model channels (multiple of 32)"),
-    OPT(channel_mult, OPT_STRING, "channel multiplier per level, e.g. 1,2,3,4 (\"\": guided-diffusion's default for the image size)"),
-    OPT(num_res_blocks, OPT_INT, "residual blocks per level"),
-    OPT(attention_resolutions, OPT_STRING, "resolutions with attention, e.g. 16,8 (\"\": none besides the middle block)"),
-    OPT(num_heads, OPT_INT, "attention heads (when num_head_channels is -1)"),
-    OPT(num_head_channels, OPT_INT, "channels per attention head, -1 to use num_heads"),
-    OPT(num_heads_upsample, OPT_INT, "heads in the decoder's attention, -1: num_heads"),
-    OPT(use_new_attention_order, OPT_BOOL, "split qkv before heads (QKVAttention) instead of the legacy order"),
-    OPT(use_scale_shift_norm, OPT_BOOL, "timestep embedding as scale and shift of the norm (FiLM)"),
-    OPT(resblock_updown, OPT_BOOL, "resample with residual blocks"),
-    OPT(conv_resample, OPT_BOOL, "convolution in up/downsampling (guided-diffusion always uses it)"),
-    OPT(dropout, OPT_FLOAT, "dropout in residual blocks"),
-    OPT(class_cond, OPT_BOOL, "condition on the dataset's labels"),
-    OPT(num_classes, OPT_INT, "classes, when there is no --data to read them from"),
-    OPT(learn_sigma, OPT_BOOL, "6 output channels (guided-diffusion's learned variance): evaluation only, not trained"),
-    OPT(diffusion_steps, OPT_INT, "diffusion timesteps"),
-    OPT(noise_schedule, OPT_STRING, "linear | cosine"),
-    OPT(predict, OPT_STRING, "eps | v: what the model is trained to predict"),
-    OPT(lr, OPT_FLOAT, "AdamW learning rate"),
-    OPT(beta1, OPT_FLOAT, "AdamW beta1"),
-    OPT(beta2, OPT_FLOAT, "AdamW beta2"),
-    OPT(adam_eps, OPT_FLOAT, "AdamW epsilon"),
-    OPT(weight_decay, OPT_FLOAT, "AdamW decoupled weight decay"),
-    OPT(warmup_steps, OPT_INT, "linear learning-rate warm-up steps"),
-    OPT(lr_decay, OPT_STRING, "none | cosine: after warm-up, constant or a half cosine down to min_lr at the last step"),
-    OPT(min_lr, OPT_FLOAT, "the learning rate at the end of a cosine decay"),
-    OPT(grad_clip, OPT_FLOAT, "clip the global gradient norm to this (0: off); the norm is logged either way"),
-    OPT(cfg_dropout, OPT_FLOAT, "probability of replacing a label by the null class (classifier-free guidance)"),
-    OPT(batch_size, OPT_INT, "images per step"),
-    OPT(ema_rate, OPT_STRING, "EMA decay rates, comma-separated"),
-    OPT(log_interval, OPT_INT, "steps between progress lines"),
-    OPT(save_interval, OPT_INT, "steps between checkpoints"),
-    OPT(keep, OPT_INT, "checkpoints to keep, the newest (0: all)"),
-    OPT(sample_interval, OPT_INT, "steps between sample grids from the EMA weights (0: only at the end)"),
-    OPT(sample_count, OPT_INT, "images in a sample grid, e.g. 64 (0: no grids)"),
-    OPT(sample_steps, OPT_INT, "DDIM steps of a sample grid"),
-    OPT(max_bad_steps, OPT_INT, "stop after this many steps in a row with a non-finite loss or gradient"),
-    OPT(run_dir, OPT_STRING, "run folder: config.txt, log.csv, checkpoints/"),
-    OPT(resume_checkpoint, OPT_STRING, "checkpoint folder to resume from, or latest (the newest in run_dir)"),
-    OPT(overwrite, OPT_SWITCH, "start a new run in a run folder that holds one, removing its checkpoints, samples, log and config"),
-    OPT(random_flip, OPT_BOOL, "random horizontal flips of the training images"),
-    OPT(steps, OPT_LONG, "training steps (the length of the learning-rate schedule)"),
-    OPT(stop_step, OPT_LONG, "save and stop after this step, to continue later with --resume_checkpoint (0: at --steps)"),
-    OPT(seed, OPT_LONG, "random seed (initialisation, data order, noise)"),
-    OPT(dry_run, OPT_SWITCH, "check the configuration, dataset, run folder and resume checkpoint, print them and the parameter count, exit"),
-    OPT(bench, OPT_INT, "time N training steps on random data (after warm-up) and exit; needs no --data"),
-};
-#define NUM_OPTIONS ((int)(sizeof option_specs / sizeof option_specs[0]))
-
-// The defaults: the seed project's model (clu0/unet.cu) with guided-diffusion's training defaults.
-static Options preset_seed(void) {
-    Options o;
-    memset(&o, 0, sizeof o);
-    o.image_size = 64, o.num_channels = 64, o.num_res_blocks = 2;
-    o.channel_mult = "1,2,3,4", o.attention_resolutions = "16,8";
-    o.num_heads = 4, o.num_head_channels = 32, o.num_heads_upsample = -1;
-    o.use_new_attention_order = 0, o.use_scale_shift_norm = 0, o.resblock_updown = 0, o.conv_resample = 0;
-    o.dropout = 0.0f, o.class_cond = 0, o.num_classes = 0, o.learn_sigma = 0;
-    o.diffusion_steps = 1000, o.noise_schedule = "linear", o.predict = "eps";
-    o.lr = 1e-4f, o.weight_decay = 0.0f, o.beta1 = 0.9f, o.beta2 = 0.999f, o.adam_eps = 1e-8f;
-    o.warmup_steps = 0, o.lr_decay = "none", o.min_lr = 0.0f, o.grad_clip = 0.0f, o.cfg_dropout = 0.0f;
-    o.batch_size = 32, o.ema_rate = "0.9999";
-    o.log_interval = 10, o.save_interval = 10000, o.keep = 0, o.max_bad_steps = 10;
-    o.sample_interval = 5000, o.sample_count = 64, o.sample_steps = 50;
-    o.resume_checkpoint = "", o.run_dir = "run";
-    o.data = "", o.preset = "seed", o.random_flip = 1, o.steps = 100000, o.stop_step = 0, o.seed = 0, o.dry_run = 0;
-    return o;
-}
-
-// ADM ImageNet-64 (guided-diffusion's README), without learned sigma; add --class_cond True.
-static Options preset_adm64(void) {
-    Options o = preset_seed();
-    o.num_channels = 192, o.num_res_blocks = 3, o.attention_resolutions = "32,16,8";
-    o.num_head_channels = 64, o.use_new_attention_order = 1, o.use_scale_shift_norm = 1;
-    o.resblock_updown = 1, o.conv_resample = 1, o.dropout = 0.1f, o.noise_schedule = "cosine";
-    o.preset = "adm64";
-    return o;
-}
-
-static void print_usage(FILE *f) {
-    fprintf(f,
-            "usage: train_unet --data FILE.bin [options]      train a UNet on a dataset\n"
-            "       train_unet --dry_run [options]             check and print a configuration\n"
-            "\n"
-            "Options take a value as --name VALUE or --name=VALUE; booleans accept True/False, 1/0,\n"
-            "yes/no (a boolean given alone means True). Defaults are the seed preset's.\n\n");
-    Options d = preset_seed();
-    for (int i = 0; i < NUM_OPTIONS; i++) {
-        const OptionSpec *s = &option_specs[i];
-        char value[64] = "";
-        const char *p = (const char *)&d + s->offset;
-        switch (s->type) {
-        case OPT_INT: snprintf(value, sizeof value, "%d", *(const int *)p); break;
-        case OPT_LONG: snprintf(value, sizeof value, "%lld", *(const long long *)p); break;
-        case OPT_FLOAT: snprintf(value, sizeof value, "%g", *(const float *)p); break;
-        case OPT_BOOL: snprintf(value, sizeof value, "%s", *(const int *)p ? "True" : "False"); break;
-        case OPT_STRING: snprintf(value, sizeof value, "\"%s\"", *(const char *const *)p); break;
-        case OPT_SWITCH: break;
+// Where a step's time goes: each layer's forward and backward timed with events (one eager step),
+// summed by kind of layer.
+static void print_profile(UNet *m) {
+    static const char *const kinds[] = {"conv", "concat", "resblock", "attention", "downsample", "upsample", "out"};
+    float forward[7] = {0}, backward[7] = {0}, ms;
+    int count[7] = {0};
+    cudaEvent_t a, b;
+    cuda_check(cudaEventCreate(&a));
+    cuda_check(cudaEventCreate(&b));
+    unet_forward(m, 1);  // the embedding and all layers, to get the activations; then per layer again
+    for (int pass = 0; pass < 2; pass++)
+        for (int j = 0; j < m->num_layers; j++) {
+            int i = pass == 0 ? j : m->num_layers - 1 - j;
+            Layer *l = &m->layers[i];
+            cuda_check(cudaEventRecord(a, gpu.stream));
+            if (pass == 0) layer_forward(m, l, 1);
+            else layer_backward(m, l, 1);
+            cuda_check(cudaEventRecord(b, gpu.stream));
+            cuda_check(cudaEventSynchronize(b));
+            cuda_check(cudaEventElapsedTime(&ms, a, b));
+            (pass == 0 ? forward : backward)[l->kind] += ms;
+            count[l->kind] += pass == 0;
         }
-        fprintf(f, "  --%-24s %s%s%s%s\n", s->name, s->help, value[0] ? " [" : "", value, value[0] ? "]" : "");
-    }
-    fprintf(f,
-            "\nPresets: seed = 64x64, 64 channels, mult 1,2,3,4, 2 blocks, attention at 16,8 with 32-channel\n"
-            "heads, no conv resampling; adm64 = guided-diffusion's ImageNet-64 model (192 channels, 3 blocks,\n"
-            "attention at 32,16,8 with 64-channel heads, scale-shift norm, resblock up/down, new attention\n"
-            "order, dropout 0.1, cosine schedule). Training a learned variance (learn_sigma) is not supported:\n"
-            "the model is trained to predict the noise.\n");
-}
-
-// Parses a boolean as guided-diffusion's str2bool does (yes/true/t/y/1, no/false/f/n/0).
-static int parse_bool(const char *s, int *out) {
-    static const char *const yes[] = {"yes", "true", "t", "y", "1"}, *const no[] = {"no", "false", "f", "n", "0"};
-    for (int i = 0; i < 5; i++) {
-        if (strcasecmp(s, yes[i]) == 0) return *out = 1, 0;
-        if (strcasecmp(s, no[i]) == 0) return *out = 0, 0;
-    }
-    return -1;
-}
-
-static void usage_error(const char *fmt, ...) {
-    va_list args;
-    va_start(args, fmt);
-    fprintf(stderr, "%s: error: ", program_name);
-    vfprintf(stderr, fmt, args);
-    fprintf(stderr, " (see --help)\n");
-    va_end(args);
-    exit(2);
-}
-
-// Stores one option's value, checking that a number is a whole number (or a real) and nothing else.
-// Returns 0, or -1 with a message.
-static int option_from_string(Options *o, const OptionSpec *s, const char *value, char *err, size_t err_len) {
-    char *p = (char *)o + s->offset, *end = NULL;
-    errno = 0;
-    switch (s->type) {
-    case OPT_INT: {
-        long v = strtol(value, &end, 10);
-        if (end == value || *end || errno || v < INT32_MIN || v > INT32_MAX)
-            return dataset_fail(err, err_len, "--%s needs a whole number, not '%s'", s->name, value);
-        *(int *)p = (int)v;
-        break;
-    }
-    case OPT_LONG: {
-        long long v = strtoll(value, &end, 10);
-        if (end == value || *end || errno) return dataset_fail(err, err_len, "--%s needs a whole number, not '%s'", s->name, value);
-        *(long long *)p = v;
-        break;
-    }
-    case OPT_FLOAT: {
-        double v = strtod(value, &end);
-        if (end == value || *end || errno || !isfinite(v)) return dataset_fail(err, err_len, "--%s needs a number, not '%s'", s->name, value);
-        *(float *)p = (float)v;
-        break;
-    }
-    case OPT_BOOL:
-        if (parse_bool(value, (int *)p) != 0) return dataset_fail(err, err_len, "--%s needs True or False, not '%s'", s->name, value);
-        break;
-    case OPT_STRING: *(const char **)p = value; break;
-    case OPT_SWITCH: *(int *)p = 1; break;
-    }
-    return 0;
-}
-
-static void set_option(Options *o, const OptionSpec *s, const char *value) {
-    char err[512];
-    if (option_from_string(o, s, value, err, sizeof err) != 0) usage_error("%s", err);
-}
-
-static const OptionSpec *find_option(const char *name, size_t len) {
-    for (int i = 0; i < NUM_OPTIONS; i++)
-        if (strlen(option_specs[i].name) == len && strncmp(option_specs[i].name, name, len) == 0)
-            return &option_specs[i];
-    return NULL;
-}
-
-// Parses the command line: the preset first, then every flag in order.
-static Options parse_options(int argc, char **argv) {
-    const char *preset = "seed";
-    for (int i = 1; i < argc; i++) {
-        if (strcmp(argv[i], "--help") == 0 || strcmp(argv[i], "-h") == 0) print_usage(stdout), exit(0);
-        if (strncmp(argv[i], "--preset=", 9) == 0) preset = argv[i] + 9;
-        else if (strcmp(argv[i], "--preset") == 0 && i + 1 < argc) preset = argv[i + 1];
-    }
-    Options o;
-    if (strcmp(preset, "seed") == 0) o = preset_seed();
-    else if (strcmp(preset, "adm64") == 0) o = preset_adm64();
-    else usage_error("unknown preset '%s' (seed or adm64)", preset);
-
-    for (int i = 1; i < argc; i++) {
-        const char *arg = argv[i];
-        if (strncmp(arg, "--", 2) != 0) usage_error("unexpected argument '%s'", arg);
-        const char *name = arg + 2, *eq = strchr(name, '=');
-        const OptionSpec *s = find_option(name, eq ? (size_t)(eq - name) : strlen(name));
-        if (!s) usage_error("unknown option '%s'", arg);
-        const char *value = eq ? eq + 1 : NULL;
-        if (s->type == OPT_SWITCH) {
-            if (value) usage_error("--%s takes no value", s->name);
-        } else if (!value && s->type == OPT_BOOL) {
-            int ignored;  // a boolean alone means True; one followed by a boolean word takes it
-            if (i + 1 < argc && parse_bool(argv[i + 1], &ignored) == 0) value = argv[++i];
-            else value = "True";
-        } else if (!value) {
-            if (i + 1 >= argc) usage_error("--%s needs a value", s->name);
-            value = argv[++i];
+    printf("profile (one eager step, GPU time by kind of layer):\n  %-11s %6s %10s %10s\n", "layer", "count", "fwd ms", "bwd ms");
+    for (int k = 0; k < 7; k++)
+        if (count[k]) printf("  %-11s %6d %10.3f %10.3f\n", kinds[k], count[k], forward[k], backward[k]);
+    // The parts of the first ResBlock's backward.
+    Layer *l = NULL;
+    for (int i = 0; i < m->num_layers && !l; i++)
+        if (m->layers[i].kind == LAYER_RES) l = &m->layers[i];
+    int N = m->batch, H = l->out.H, W = l->out.W, M = N * H * W, K = 9 * l->conv2.in;
+    NormOptions o = res_norm2_options(m, l, 1);
+    printf("  first ResBlock (%dx%d, %d -> %d channels), backward parts in ms:\n", H, W, l->conv1.in, l->conv1.out);
+    for (int part = 0; part < 8; part++) {
+        cuda_check(cudaEventRecord(a, gpu.stream));
+        switch (part) {
+        case 0: conv_backward(&l->conv2, l->h2.dx, l->out.dx, l->h2.x, N, H, W, NULL, 0); break;
+        case 1: conv_patches(&l->conv2, l->h2.x, N, H, W); break;
+        case 2: weight_gradient(l->conv2.dw, l->out.dx, conv_scratch, M, l->conv2.out, K); break;
+        case 3: channel_sums(NULL, 0, l->conv2.db, l->out.dx, N, H * W, l->conv2.out); break;
+        case 4: matmul(conv_scratch, CUDA_FLOATX, K, l->out.dx, 0, l->conv2.out, l->conv2.w, 0, K, M, K, l->conv2.out, NULL, 0, 0.0f, NULL); break;
+        case 5: col2im_kernel<Pack><<<blocks_for((int64_t)M * l->conv2.in / PACK, 256), 256, 0, gpu.stream>>>(l->h2.dx, conv_scratch, N, H, W, l->conv2.in, 3, 1, H, W); break;
+        case 6: group_norm_backward(&l->norm2, l->h1.dx, m->d_emb_out + l->emb_offset, l->h2.dx, l->h1.x, l->mean2, l->rstd2, N, H * W, o); break;
+        case 7: group_norm_forward(&l->norm2, l->h2.x, l->mean2, l->rstd2, l->h1.x, N, H * W, o); break;
         }
-        set_option(&o, s, value);
-    }
-    return o;
-}
-
-// Parses a comma-separated list of positive numbers; returns the count, or -1 on a bad entry.
-static int parse_number_list(const char *s, double *out, int max) {
-    int n = 0;
-    while (*s) {
-        char *end;
-        errno = 0;
-        double v = strtod(s, &end);
-        if (end == s || errno || !isfinite(v) || v <= 0 || n == max) return -1;
-        out[n++] = v;
-        s = end;
-        if (*s == ',') s++;
-        else if (*s) return -1;
-    }
-    return n;
-}
-
-// guided-diffusion's channel_mult when none is given (script_util.create_model).
-static const char *default_channel_mult(int image_size) {
-    switch (image_size) {
-    case 512: return "0.5,1,1,2,2,4,4";
-    case 256: return "1,1,2,2,4,4";
-    case 128: return "1,1,2,3,4";
-    case 64: return "1,2,3,4";
-    default: return NULL;
+        cuda_check(cudaEventRecord(b, gpu.stream));
+        cuda_check(cudaEventSynchronize(b));
+        cuda_check(cudaEventElapsedTime(&ms, a, b));
+        static const char *const parts[] = {"conv backward", "  patches", "  weight gradient", "  bias gradient", "  patch gradient",
+                                            "  col2im", "group norm backward", "group norm forward"};
+        printf("    %-20s %8.3f\n", parts[part], ms);
     }
 }
 
-// Checks every value and resolves the model configuration into c. label_rows: rows of the class
-// embedding (0: unconditional). Returns 0, or -1 with the first bad value (the command line's
-// or a checkpoint's metadata's: the caller says which).
-static int model_config_from_options(Options *o, int label_rows, ModelConfig *out, char *err, size_t err_len) {
-    ModelConfig c;
-    memset(&c, 0, sizeof c);
-    if (o->image_size < 8 || o->image_size > 4096) return dataset_fail(err, err_len, "--image_size %d is out of range (8..4096)", o->image_size);
-    if (o->num_channels < 32 || o->num_channels > 8192 || o->num_channels % 32)
-        return dataset_fail(err, err_len, "--num_channels %d must be a multiple of 32 (GroupNorm uses 32 groups) from 32 to 8192", o->num_channels);
-    if (o->num_res_blocks < 0 || o->num_res_blocks > MAX_RES_BLOCKS)
-        return dataset_fail(err, err_len, "--num_res_blocks %d is out of range (0..%d)", o->num_res_blocks, MAX_RES_BLOCKS);
-    if (!o->channel_mult[0]) {
-        o->channel_mult = default_channel_mult(o->image_size);
-        if (!o->channel_mult) return dataset_fail(err, err_len, "no default --channel_mult for image size %d; give one", o->image_size);
-    }
-    double mult[MAX_LEVELS];
-    int levels = parse_number_list(o->channel_mult, mult, MAX_LEVELS);
-    if (levels < 1) return dataset_fail(err, err_len, "--channel_mult '%s' must be 1 to %d positive numbers separated by commas", o->channel_mult, MAX_LEVELS);
-    if (o->image_size % (1 << (levels - 1)))
-        return dataset_fail(err, err_len, "--image_size %d must be divisible by 2^%d = %d for %d levels", o->image_size, levels - 1,
-                    1 << (levels - 1), levels);
-    c.image_size = o->image_size;
-    c.in_channels = 3;
-    c.out_channels = o->learn_sigma ? 6 : 3;
-    c.model_channels = o->num_channels;
-    c.num_levels = levels;
-    for (int l = 0; l < levels; l++) {
-        double channels = mult[l] * o->num_channels;
-        c.level_channels[l] = channels <= 32768 ? (int)channels : 0;
-        if (c.level_channels[l] < 32 || c.level_channels[l] % 32)
-            return dataset_fail(err, err_len, "channel_mult %g x num_channels %d = %g channels at level %d; must be a multiple of 32 from 32 to 32768",
-                        mult[l], o->num_channels, channels, l);
-    }
-    double res[MAX_LEVELS];
-    int num_res = o->attention_resolutions[0] ? parse_number_list(o->attention_resolutions, res, MAX_LEVELS) : 0;
-    if (num_res < 0) return dataset_fail(err, err_len, "--attention_resolutions '%s' must be resolutions separated by commas", o->attention_resolutions);
-    for (int i = 0; i < num_res; i++) {
-        int level = -1;
-        for (int l = 0; l < levels; l++)
-            if (res[i] == (double)(o->image_size >> l)) level = l;
-        if (level < 0)
-            return dataset_fail(err, err_len, "attention resolution %g is none of the model's resolutions (%d down to %d)", res[i],
-                        o->image_size, o->image_size >> (levels - 1));
-        c.level_attention[level] = 1;
-    }
-    if (o->num_head_channels != -1 && o->num_head_channels < 1)
-        return dataset_fail(err, err_len, "--num_head_channels %d must be positive or -1", o->num_head_channels);
-    if (o->num_heads < 1) return dataset_fail(err, err_len, "--num_heads %d must be positive", o->num_heads);
-    if (o->num_heads_upsample == -1) o->num_heads_upsample = o->num_heads;
-    if (o->num_heads_upsample < 1) return dataset_fail(err, err_len, "--num_heads_upsample %d must be positive or -1", o->num_heads_upsample);
-    for (int l = 0; l < levels; l++) {  // every attention block's channels split evenly into heads
-        int middle = l == levels - 1, ch = c.level_channels[l];
-        if (!c.level_attention[l] && !middle) continue;
-        if (o->num_head_channels != -1 && ch % o->num_head_channels)
-            return dataset_fail(err, err_len, "--num_head_channels %d does not divide the %d channels of the attention at resolution %d",
-                        o->num_head_channels, ch, o->image_size >> l);
-        if (o->num_head_channels == -1 && (ch % o->num_heads || ch % o->num_heads_upsample))
-            return dataset_fail(err, err_len, "--num_heads %d (or --num_heads_upsample %d) does not divide the %d channels at resolution %d",
-                        o->num_heads, o->num_heads_upsample, ch, o->image_size >> l);
-    }
-    if (!(o->dropout >= 0 && o->dropout < 1)) return dataset_fail(err, err_len, "--dropout %g must be in [0, 1)", o->dropout);
-    c.num_res_blocks = o->num_res_blocks;
-    c.num_heads = o->num_heads;
-    c.num_heads_upsample = o->num_heads_upsample;
-    c.num_head_channels = o->num_head_channels;
-    c.use_scale_shift_norm = o->use_scale_shift_norm;
-    c.resblock_updown = o->resblock_updown;
-    c.conv_resample = o->conv_resample;
-    c.use_new_attention_order = o->use_new_attention_order;
-    c.dropout = o->dropout;
-    if (o->class_cond && label_rows < 1)
-        return dataset_fail(err, err_len, "--class_cond needs a dataset with labels (--data) or --num_classes");
-    c.num_classes = o->class_cond ? label_rows : 0;
-    *out = c;
-    return 0;
+static int compare_floats(const void *a, const void *b) {
+    float x = *(const float *)a, y = *(const float *)b;
+    return (x > y) - (x < y);
 }
 
-// The same for the command line: a bad value ends the program with one usage error line.
-static ModelConfig resolve_model(Options *o, int label_rows) {
-    ModelConfig c;
-    char err[512];
-    if (model_config_from_options(o, label_rows, &c, err, sizeof err) != 0) usage_error("%s", err);
-    return c;
-}
-
-// guided-diffusion's own defaults (script_util.model_and_diffusion_defaults), for reading a
-// checkpoint whose metadata leaves a flag out; conv_resample is always on there.
-static Options guided_diffusion_defaults(void) {
-    Options o = preset_seed();
-    o.num_channels = 128, o.channel_mult = "", o.num_head_channels = -1, o.use_scale_shift_norm = 1;
-    o.conv_resample = 1, o.num_classes = 1000;
-    return o;
-}
-
-// The model configuration a checkpoint's metadata gives under guided-diffusion's flag names.
-// There num_classes is the label embedding's row count, null class included. Returns 0, or -1
-// with a message naming the file.
-static const char *const model_flags[] = {"image_size", "num_channels", "num_res_blocks", "channel_mult",
-    "attention_resolutions", "num_heads", "num_head_channels", "num_heads_upsample", "use_new_attention_order",
-    "use_scale_shift_norm", "resblock_updown", "conv_resample", "dropout", "class_cond", "num_classes", "learn_sigma"};
-#define NUM_MODEL_FLAGS ((int)(sizeof model_flags / sizeof model_flags[0]))
-
-static int model_config_from_metadata(const SafeTensorsFile *f, const char *path, ModelConfig *c, char *err, size_t err_len) {
-    Options o = guided_diffusion_defaults();
-    char why[512];
-    int r = 0;
-    for (int i = 0; r == 0 && i < NUM_MODEL_FLAGS; i++) {
-        const char *value = safetensors_metadata(f, model_flags[i]);
-        if (value) r = option_from_string(&o, find_option(model_flags[i], strlen(model_flags[i])), value, why, sizeof why);
-    }
-    if (r == 0) r = model_config_from_options(&o, o.num_classes, c, why, sizeof why);
-    return r == 0 ? 0 : dataset_fail(err, err_len, "%s: its metadata gives no valid model: %s", path, why);
-}
-
-// The diffusion a checkpoint's metadata gives (guided-diffusion's defaults where it says nothing):
-// its number of steps, its noise schedule and what the model predicts, each checked. Returns 0, or
-// -1 with a message naming the file.
-static int diffusion_from_metadata(const SafeTensorsFile *f, const char *path, int *steps, const char **schedule,
-                                   const char **predict, char *err, size_t err_len) {
-    const char *value = safetensors_metadata(f, "diffusion_steps");
-    char *end = NULL;
-    long n = value ? (errno = 0, strtol(value, &end, 10)) : 1000;
-    if (value && (end == value || *end || errno || n < 1 || n > 100000))
-        return dataset_fail(err, err_len, "%s: metadata diffusion_steps '%s' is not a whole number from 1 to 100000", path, value);
-    *steps = (int)n;
-    *schedule = safetensors_metadata(f, "noise_schedule");
-    *predict = safetensors_metadata(f, "predict");
-    if (!*schedule) *schedule = "linear";
-    if (!*predict) *predict = "eps";
-    if (strcmp(*schedule, "linear") != 0 && strcmp(*schedule, "cosine") != 0)
-        return dataset_fail(err, err_len, "%s: metadata noise_schedule '%s' is neither linear nor cosine", path, *schedule);
-    if (strcmp(*predict, "eps") != 0 && strcmp(*predict, "v") != 0)
-        return dataset_fail(err, err_len, "%s: metadata predict '%s' is neither eps nor v", path, *predict);
-    return 0;
-}
-
-// Checks the training values that are not part of the model.
-static void validate_training(const Options *o) {
-    if (o->diffusion_steps < 1 || o->diffusion_steps > 100000) usage_error("--diffusion_steps %d is out of range (1..100000)", o->diffusion_steps);
-    if (strcmp(o->noise_schedule, "linear") != 0 && strcmp(o->noise_schedule, "cosine") != 0)
-        usage_error("--noise_schedule '%s' must be linear or cosine", o->noise_schedule);
-    if (o->learn_sigma) usage_error("--learn_sigma: training a learned variance is not supported (the model predicts noise)");
-    if (!(o->lr > 0)) usage_error("--lr %g must be positive", o->lr);
-    if (!(o->weight_decay >= 0)) usage_error("--weight_decay %g must not be negative", o->weight_decay);
-    if (strcmp(o->predict, "eps") != 0 && strcmp(o->predict, "v") != 0) usage_error("--predict '%s' must be eps or v", o->predict);
-    if (!(o->beta1 >= 0 && o->beta1 < 1) || !(o->beta2 >= 0 && o->beta2 < 1)) usage_error("--beta1 and --beta2 must be in [0, 1)");
-    if (!(o->adam_eps > 0)) usage_error("--adam_eps %g must be positive", o->adam_eps);
-    if (o->warmup_steps < 0) usage_error("--warmup_steps %d must not be negative", o->warmup_steps);
-    if (strcmp(o->lr_decay, "none") != 0 && strcmp(o->lr_decay, "cosine") != 0) usage_error("--lr_decay '%s' must be none or cosine", o->lr_decay);
-    if (!(o->min_lr >= 0 && o->min_lr <= o->lr)) usage_error("--min_lr %g must be in [0, lr]", o->min_lr);
-    if (!(o->grad_clip >= 0)) usage_error("--grad_clip %g must not be negative", o->grad_clip);
-    if (!(o->cfg_dropout >= 0 && o->cfg_dropout < 1)) usage_error("--cfg_dropout %g must be in [0, 1)", o->cfg_dropout);
-    if (o->cfg_dropout > 0 && !o->class_cond) usage_error("--cfg_dropout needs --class_cond");
-    if (o->keep < 0) usage_error("--keep %d must not be negative", o->keep);
-    if (o->max_bad_steps < 1) usage_error("--max_bad_steps %d must be positive", o->max_bad_steps);
-    if (!o->run_dir[0] || strlen(o->run_dir) > 3000) usage_error("--run_dir must be 1 to 3000 characters");
-    if (strlen(o->resume_checkpoint) > 3000) usage_error("--resume_checkpoint must be at most 3000 characters");
-    if (o->overwrite && o->resume_checkpoint[0]) usage_error("--overwrite starts a new run: it does not go with --resume_checkpoint");
-    if (o->sample_interval < 0) usage_error("--sample_interval %d must not be negative", o->sample_interval);
-    if (o->sample_count < 0 || o->sample_count > 10000) usage_error("--sample_count %d is out of range (0..10000)", o->sample_count);
-    if (o->sample_steps < 1 || o->sample_steps > o->diffusion_steps || !respacing_stride(o->diffusion_steps, o->sample_steps))
-        usage_error("--sample_steps %d: no even spacing of the %d diffusion steps (--diffusion_steps) gives that many",
-                    o->sample_steps, o->diffusion_steps);
-    if (o->batch_size < 1 || o->batch_size > 65536) usage_error("--batch_size %d is out of range (1..65536)", o->batch_size);
-    double rates[8];
-    int n = parse_number_list(o->ema_rate, rates, 8);
-    if (n < 1) usage_error("--ema_rate '%s' must be 1 to 8 rates separated by commas", o->ema_rate);
-    for (int i = 0; i < n; i++)
-        if (rates[i] >= 1) usage_error("EMA rate %g must be below 1", rates[i]);
-    if (o->log_interval < 1) usage_error("--log_interval %d must be positive", o->log_interval);
-    if (o->save_interval < 1) usage_error("--save_interval %d must be positive", o->save_interval);
-    if (o->steps < 1) usage_error("--steps %lld must be positive", o->steps);
-    if (o->stop_step < 0) usage_error("--stop_step %lld must not be negative", o->stop_step);
-    if (o->seed < 0) usage_error("--seed %lld must not be negative", o->seed);
-}
-
-// Prints the resolved configuration under guided-diffusion's flag names, one "name value" a line.
-static void print_config(FILE *f, const Options *o) {
-    for (int i = 0; i < NUM_OPTIONS; i++) {
-        const OptionSpec *s = &option_specs[i];
-        const char *p = (const char *)o + s->offset;
-        fprintf(f, "%-24s ", s->name);
-        switch (s->type) {
-        case OPT_INT: fprintf(f, "%d\n", *(const int *)p); break;
-        case OPT_LONG: fprintf(f, "%lld\n", *(const long long *)p); break;
-        case OPT_FLOAT: fprintf(f, "%g\n", *(const float *)p); break;
-        case OPT_BOOL: fprintf(f, "%s\n", *(const int *)p ? "True" : "False"); break;
-        case OPT_STRING: fprintf(f, "%s\n", *(const char *const *)p); break;
-        case OPT_SWITCH: fprintf(f, "%s\n", *(const int *)p ? "True" : "False"); break;
-        }
-    }
-}
-
-// Formats n with thousands separators (20494211 -> "20,494,211").
-static const char *with_commas(int64_t n, char *buf, size_t len) {
-    char digits[32];
-    int d = snprintf(digits, sizeof digits, "%" PRId64, n), j = 0;
-    for (int i = 0; i < d && j + 2 < (int)len; i++) {
-        if (i > 0 && (d - i) % 3 == 0) buf[j++] = ',';
-        buf[j++] = digits[i];
-    }
-    buf[j] = '\0';
-    return buf;
-}
-
-static void print_model_summary(FILE *f, const ModelConfig *c, const ParamList *params) {
-    char buf[32];
-    fprintf(f, "model: %dx%d, %d levels:", c->image_size, c->image_size, c->num_levels);
-    for (int l = 0; l < c->num_levels; l++)
-        fprintf(f, " %d@%d%s", c->level_channels[l], c->image_size >> l, c->level_attention[l] ? "+attn" : "");
-    fprintf(f, ", %d parameter tensors\n", params->count);
-    fprintf(f, "parameters: %s\n", with_commas(params->numel, buf, sizeof buf));
+static int compare_int64(const void *a, const void *b) {
+    int64_t x = *(const int64_t *)a, y = *(const int64_t *)b;
+    return (x > y) - (x < y);
 }
 
 // ----------------------------------------------------------------------------------------------
 // Diffusion training, on guided-diffusion's schedules (sampler.h): t drawn uniformly in [0, T),
 // noise eps ~ N(0, I), x_t = sqrt(abar_t) x0 + sqrt(1 - abar_t) eps, and the model's output
 // regressed on eps (--predict eps) or on v = sqrt(abar_t) eps - sqrt(1 - abar_t) x0 (--predict v).
+
+// Model input from a pixel: x = pixel / 127.5 - 1, uint8 [0, 255] -> [-1, 1], in one rounding (fma)
+// so that the host and the device agree to the bit.
+__host__ __device__ inline floatX pixel_to_model_input(uint8_t pixel) {
+    return (floatX)fmaf((float)pixel, 1.0f / 127.5f, -1.0f);
+}
+
+__global__ void images_to_model_input_kernel(floatX *out, const uint8_t *pixels, size_t n) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
+        out[i] = pixel_to_model_input(pixels[i]);
+}
+
+static void images_to_model_input(floatX *out, const uint8_t *pixels, size_t n, cudaStream_t stream) {
+    int threads = 256, blocks = (int)((n + threads - 1) / threads);
+    if (blocks > 65535) blocks = 65535;
+    images_to_model_input_kernel<<<blocks, threads, 0, stream>>>(out, pixels, n);
+    cuda_check_launch();
+}
 
 typedef struct {
     NoiseSchedule schedule;
@@ -2576,6 +2367,366 @@ __global__ void ema_kernel(float *ema, const float *params, int64_t n, float rat
     if (!s->finite) return;
     for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
         ema[i] = rate * ema[i] + (1.0f - rate) * params[i];
+}
+
+// ----------------------------------------------------------------------------------------------
+// The trainer: one training step as a CUDA graph (batch copied in, noised, forward, loss,
+// backward, gradient norm, AdamW, EMA, results copied out), the schedule around it, checkpoints.
+
+typedef struct {
+    const Options *o;
+    ModelConfig config;
+    UNet m;
+    Diffusion diffusion;
+    uint8_t *pixels;       // the pinned host batch the step copies in ([batch][H][W][3])
+    int32_t *labels;       // [batch], with pixels
+    uint8_t *d_pixels;
+    floatX *x0;
+    int num_ema;
+    float ema_rates[8];
+    float *ema[8];         // [storage] fp32 each, GPU layout like master
+    StepState *host_state, *state;  // pinned, GPU
+    double *norm_partial;
+    cudaGraphExec_t graph;
+    int64_t step;          // steps completed
+} Trainer;
+
+static void trainer_create(Trainer *tr, const Options *o, const ModelConfig *c, uint8_t *pixels, int32_t *labels) {
+    memset(tr, 0, sizeof *tr);
+    tr->o = o;
+    tr->config = *c;
+    tr->pixels = pixels, tr->labels = labels;
+    unet_create(&tr->m, c, o->batch_size, 1);
+    diffusion_create(&tr->diffusion, o->diffusion_steps, o->noise_schedule);
+    double rates[8];
+    tr->num_ema = parse_number_list(o->ema_rate, rates, 8);
+    for (int i = 0; i < tr->num_ema; i++) {
+        tr->ema_rates[i] = (float)rates[i];
+        tr->ema[i] = (float *)gpu_malloc(tr->m.storage * sizeof(float));
+    }
+    cuda_check(cudaMallocHost((void **)&tr->host_state, sizeof(StepState)));
+    memset(tr->host_state, 0, sizeof(StepState));
+    tr->state = (StepState *)gpu_malloc(sizeof(StepState));
+    tr->m.dropout_seed = &tr->state->noise_seed;  // dropout draws from the step's seed too
+    tr->norm_partial = (double *)gpu_malloc(NORM_BLOCKS * sizeof(double));
+    int64_t n = act_numel(&tr->m.input);
+    tr->d_pixels = (uint8_t *)gpu_malloc(n);
+    tr->x0 = (floatX *)gpu_malloc(n * sizeof(floatX));
+}
+
+// Every EMA starts from the current weights.
+static void trainer_reset_ema(Trainer *tr) {
+    for (int i = 0; i < tr->num_ema; i++)
+        cuda_check(cudaMemcpy(tr->ema[i], tr->m.master, tr->m.storage * sizeof(float), cudaMemcpyDeviceToDevice));
+}
+
+// The kernels of one step, in stream order (captured once as the step's graph).
+static void trainer_enqueue_step(Trainer *tr) {
+    UNet *m = &tr->m;
+    const Options *o = tr->o;
+    int N = m->batch;
+    int64_t n = act_numel(&m->input);
+    cuda_check(cudaMemcpyAsync(tr->state, tr->host_state, sizeof(StepState), cudaMemcpyHostToDevice, gpu.stream));
+    cuda_check(cudaMemcpyAsync(tr->d_pixels, tr->pixels, n, cudaMemcpyHostToDevice, gpu.stream));
+    if (tr->config.num_classes)
+        cuda_check(cudaMemcpyAsync(m->labels, tr->labels, N * sizeof(int), cudaMemcpyHostToDevice, gpu.stream));
+    images_to_model_input(tr->x0, tr->d_pixels, n, gpu.stream);
+    diffusion_conditions_kernel<<<(N + 127) / 128, 128, 0, gpu.stream>>>(m->timesteps, m->labels, N, tr->diffusion.schedule.steps,
+                                                                        o->cfg_dropout, tr->config.num_classes - 1, tr->state);
+    diffusion_inputs_kernel<<<blocks_for(n, 256), 256, 0, gpu.stream>>>(m->input.x, m->target.x, tr->x0, m->timesteps,
+        tr->diffusion.sqrt_abar, tr->diffusion.sqrt_one_minus_abar, strcmp(o->predict, "v") == 0, n / N, n, tr->state);
+    cuda_check_launch();
+    unet_forward(m, 1);
+    mse_loss(m->loss, m->loss_partial, m->output->dx, m->output->x, m->target.x, act_numel(m->output));
+    unet_backward(m, 1);
+    grad_norm_partial_kernel<<<NORM_BLOCKS, 256, 0, gpu.stream>>>(tr->norm_partial, m->grad, m->storage);
+    step_decide_kernel<<<1, 1024, 0, gpu.stream>>>(tr->state, tr->norm_partial, m->loss);
+    floatX *copy = (void *)m->compute == (void *)m->master ? NULL : m->compute;
+    adamw_kernel<<<blocks_for(m->storage, 256), 256, 0, gpu.stream>>>(m->master, copy, m->adam_m, m->adam_v, m->grad,
+        m->storage, tr->state, o->beta1, o->beta2, o->adam_eps, o->weight_decay);
+    for (int i = 0; i < tr->num_ema; i++)
+        ema_kernel<<<blocks_for(m->storage, 256), 256, 0, gpu.stream>>>(tr->ema[i], m->master, m->storage, tr->ema_rates[i], tr->state);
+    cuda_check_launch();
+    cuda_check(cudaMemcpyAsync(tr->host_state, tr->state, sizeof(StepState), cudaMemcpyDeviceToHost, gpu.stream));
+}
+
+// The learning rate at a step (from 1): linear warm-up over warmup_steps, then constant, or with
+// --lr_decay cosine a half cosine from lr down to min_lr at the last step.
+static float learning_rate(const Options *o, int64_t step) {
+    if (o->warmup_steps > 0 && step <= o->warmup_steps) return o->lr * (float)step / (float)o->warmup_steps;
+    if (strcmp(o->lr_decay, "cosine") != 0 || o->steps <= o->warmup_steps) return o->lr;
+    double progress = (double)(step - o->warmup_steps) / (double)(o->steps - o->warmup_steps);
+    return (float)(o->min_lr + (o->lr - o->min_lr) * 0.5 * (1.0 + cos(M_PI * fmin(progress, 1.0))));
+}
+
+// Runs step tr->step + 1 (its batch already in tr->pixels) and waits for it; the results are in
+// tr->host_state. The first call captures the step as a graph; every call replays it.
+static void trainer_step(Trainer *tr) {
+    const Options *o = tr->o;
+    int64_t step = tr->step + 1;
+    StepState *h = tr->host_state;
+    h->step = step;
+    h->lr = learning_rate(o, step);
+    h->bias1 = 1.0f - powf(o->beta1, (float)step);
+    h->bias2 = 1.0f - powf(o->beta2, (float)step);
+    h->grad_clip = o->grad_clip;
+    h->noise_seed = random_u64((uint64_t)o->seed, rng_stream(RNG_STEP_SEED, 0), (uint64_t)step);
+    if (!tr->graph) {
+        cudaGraph_t graph;
+        cuda_check(cudaStreamBeginCapture(gpu.stream, cudaStreamCaptureModeGlobal));
+        trainer_enqueue_step(tr);
+        cuda_check(cudaStreamEndCapture(gpu.stream, &graph));
+        cuda_check(cudaGraphInstantiate(&tr->graph, graph, 0));
+        cuda_check(cudaGraphDestroy(graph));
+    }
+    cuda_check(cudaGraphLaunch(tr->graph, gpu.stream));
+    cuda_check(cudaStreamSynchronize(gpu.stream));
+    tr->step = step;
+}
+
+// ----------------------------------------------------------------------------------------------
+// Sampling on the GPU (the trainer's sample grids, generate): sampler.h's plan, with one step
+// captured as a CUDA graph and replayed once per step, no host work in between. The plan's step
+// index lives on the GPU, so each replay reads its own timestep and coefficients. With
+// classifier-free guidance the model runs on twice the batch: the images with their labels,
+// then the same images with the null class. Image i's starting noise and every draw it needs
+// depend only on (seed, i): the same seed and batch size give the same images.
+
+
+typedef struct {
+    int step;        // the plan's next step
+    int64_t offset;  // the batch's first value: first image * values per image
+} SampleCursor;
+
+typedef struct {
+    UNet m;                 // forward only; batch: images, twice that when guided
+    int images, guided, null_label;
+    float guidance;
+    uint64_t seed;
+    SamplePlan plan;        // its steps also on the GPU:
+    SampleStep *steps;
+    SampleCursor *cursor;   // GPU
+    float *x, *x0_last;     // GPU, [images][H][W][C]
+    uint8_t *pixels;        // GPU
+    cudaEvent_t start, stop;
+    cudaGraphExec_t graph;  // one step of the plan
+} GpuSampler;
+
+// The starting noise: x, and the model's input (both halves when guided).
+__global__ void sample_start_kernel(float *x, floatX *input, int64_t n, int guided, uint64_t seed, const SampleCursor *c) {
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
+        x[i] = normal_sample(seed, rng_stream(RNG_SAMPLE_START, 0), c->offset + i);
+        input[i] = (floatX)x[i];
+        if (guided) input[n + i] = input[i];
+    }
+}
+
+__global__ void sample_timesteps_kernel(int64_t *t, int N, const SampleStep *steps, const SampleCursor *c) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < N) t[i] = steps[c->step].timestep;
+}
+
+// One step of the plan for every value, from the model's output (guided: uncond + w (cond -
+// uncond), the second half being the unconditional); x and the next input are written.
+__global__ void sample_step_kernel(float *x, float *x0_last, floatX *input, const floatX *out, int64_t n, int guided, float guidance,
+                                   SamplePlan plan, const SampleStep *steps, const SampleCursor *c, uint64_t seed) {
+    const SampleStep st = steps[c->step];
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
+        float o = guided ? guided_output((float)out[i], (float)out[n + i], guidance) : (float)out[i];
+        float z = st.noisy ? normal_sample(seed, rng_stream(RNG_SAMPLE_NOISE, (uint64_t)c->step), c->offset + i) : 0.0f;
+        x[i] = sample_step_value(&plan, &st, x[i], o, z, &x0_last[i]);
+        input[i] = (floatX)x[i];
+        if (guided) input[n + i] = input[i];
+    }
+}
+
+__global__ void sample_advance_kernel(SampleCursor *c) { c->step++; }
+
+__global__ void to_pixels_kernel(uint8_t *pixels, const float *x, int64_t n) {
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
+        pixels[i] = (uint8_t)lrintf(fminf(fmaxf((x[i] + 1.0f) * 127.5f, 0.0f), 255.0f));
+}
+
+// A sampler for batches of `images` images of the model c (its weights go into s->m.master, then
+// unet_sync_compute). guidance != 1 needs the model's null class (its last label row).
+static void gpu_sampler_create(GpuSampler *s, const ModelConfig *c, int images, const SamplePlan *plan, float guidance, uint64_t seed) {
+    memset(s, 0, sizeof *s);
+    s->images = images, s->guided = guidance != 1.0f, s->guidance = guidance, s->null_label = c->num_classes - 1, s->seed = seed;
+    unet_create(&s->m, c, s->guided ? 2 * images : images, 0);
+    s->plan = *plan;
+    s->plan.steps = NULL;  // the host's copy stays with the caller
+    s->steps = (SampleStep *)gpu_malloc(plan->count * sizeof(SampleStep));
+    cuda_check(cudaMemcpy(s->steps, plan->steps, plan->count * sizeof(SampleStep), cudaMemcpyHostToDevice));
+    int64_t n = (int64_t)images * c->image_size * c->image_size * c->in_channels;
+    s->cursor = (SampleCursor *)gpu_malloc(sizeof(SampleCursor));
+    s->x = (float *)gpu_malloc(2 * n * sizeof(float));
+    s->x0_last = s->x + n;
+    cuda_check(cudaMemset(s->x, 0, 2 * n * sizeof(float)));
+    s->pixels = (uint8_t *)gpu_malloc(n);
+    cuda_check(cudaEventCreate(&s->start));
+    cuda_check(cudaEventCreate(&s->stop));
+}
+
+static void gpu_sampler_destroy(GpuSampler *s) {
+    if (s->graph) cudaGraphExecDestroy(s->graph);
+    cudaEventDestroy(s->start), cudaEventDestroy(s->stop);
+    cudaFree(s->steps), cudaFree(s->cursor), cudaFree(s->x), cudaFree(s->pixels);
+    unet_destroy(&s->m);
+    memset(s, 0, sizeof *s);
+}
+
+// Samples images first .. first + count - 1 (count <= s->images; the batch's other slots sample
+// copies of labels[0]) into pixels (host, [count][H][W][C]); labels: [count], NULL when the model
+// is unconditional. Returns the GPU time of the batch in ms (events around the whole loop).
+static float gpu_sampler_run(GpuSampler *s, int64_t first, int count, const int *labels, uint8_t *pixels) {
+    UNet *m = &s->m;
+    int B = s->images;
+    int64_t per_image = act_numel(&m->input) / m->batch, n = B * per_image;
+    SampleCursor cursor = {0, first * per_image};
+    cuda_check(cudaMemcpy(s->cursor, &cursor, sizeof cursor, cudaMemcpyHostToDevice));
+    if (m->config.num_classes) {
+        int *batch_labels = (int *)malloc_or_die(m->batch * sizeof(int));
+        for (int b = 0; b < B; b++) batch_labels[b] = labels ? labels[b < count ? b : 0] : 0;
+        for (int b = B; b < m->batch; b++) batch_labels[b] = s->null_label;
+        cuda_check(cudaMemcpy(m->labels, batch_labels, m->batch * sizeof(int), cudaMemcpyHostToDevice));
+        free(batch_labels);
+    }
+    if (!s->graph) {
+        cudaGraph_t graph;
+        cuda_check(cudaStreamBeginCapture(gpu.stream, cudaStreamCaptureModeGlobal));
+        sample_timesteps_kernel<<<(m->batch + 127) / 128, 128, 0, gpu.stream>>>(m->timesteps, m->batch, s->steps, s->cursor);
+        unet_forward(m, 0);
+        sample_step_kernel<<<blocks_for(n, 256), 256, 0, gpu.stream>>>(s->x, s->x0_last, m->input.x, m->output->x, n, s->guided,
+                                                                        s->guidance, s->plan, s->steps, s->cursor, s->seed);
+        sample_advance_kernel<<<1, 1, 0, gpu.stream>>>(s->cursor);
+        cuda_check(cudaStreamEndCapture(gpu.stream, &graph));
+        cuda_check(cudaGraphInstantiate(&s->graph, graph, 0));
+        cuda_check(cudaGraphDestroy(graph));
+    }
+    cuda_check(cudaEventRecord(s->start, gpu.stream));
+    sample_start_kernel<<<blocks_for(n, 256), 256, 0, gpu.stream>>>(s->x, m->input.x, n, s->guided, s->seed, s->cursor);
+    cuda_check_launch();
+    for (int j = 0; j < s->plan.count; j++) cuda_check(cudaGraphLaunch(s->graph, gpu.stream));
+    to_pixels_kernel<<<blocks_for(n, 256), 256, 0, gpu.stream>>>(s->pixels, s->x, n);
+    cuda_check_launch();
+    cuda_check(cudaEventRecord(s->stop, gpu.stream));
+    cuda_check(cudaMemcpy(pixels, s->pixels, count * per_image, cudaMemcpyDeviceToHost));
+    float ms;
+    cuda_check(cudaEventElapsedTime(&ms, s->start, s->stop));
+    return ms;
+}
+
+// ----------------------------------------------------------------------------------------------
+// The data loader: maps a dataset file, serves shuffled batches of uint8 NHWC images and int32
+// labels in host buffers (pinned for fast copies when a GPU is used); the trainer converts them to
+// the model's input on the GPU (images_to_model_input).
+//
+// Order: epoch e visits the images in a Fisher-Yates permutation drawn from (seed, e); image i of
+// that order is flipped horizontally when bit 0 of random(seed, flip stream, e*count + i) is set.
+// Both are pure functions of the position (epoch, next), so saving those two numbers and seeking
+// back to them reproduces every later batch exactly. Batches run on across epoch boundaries.
+
+typedef struct {
+    uint64_t epoch;  // epochs completed
+    uint64_t next;   // index into the epoch's order of the next image to serve
+} LoaderPosition;
+
+typedef struct {
+    Dataset data;
+    int batch_size;
+    int random_flip;
+    uint64_t seed;
+    LoaderPosition position;
+    uint32_t *order;         // the current epoch's permutation of 0..count-1
+    uint8_t *batch_pixels;   // [batch_size][height][width][3]
+    int32_t *batch_labels;   // [batch_size], -1 when the dataset is unlabelled
+    int pinned;              // batch buffers are page-locked (cudaMallocHost)
+} DataLoader;
+
+// Draws epoch `epoch`'s order: a uniform random permutation (Fisher-Yates).
+static void loader_shuffle(DataLoader *loader, uint64_t epoch) {
+    uint64_t n = loader->data.header.count, counter = 0;
+    for (uint64_t i = 0; i < n; i++) loader->order[i] = (uint32_t)i;
+    for (uint64_t i = n - 1; i > 0; i--) {
+        uint64_t j = random_below(loader->seed, rng_stream(RNG_SHUFFLE, epoch), &counter, i + 1);
+        uint32_t t = loader->order[i];
+        loader->order[i] = loader->order[j];
+        loader->order[j] = t;
+    }
+}
+
+// Moves to a saved position (epoch, next); next must be at most the image count.
+static int loader_seek(DataLoader *loader, LoaderPosition position, char *err, size_t err_len) {
+    if (position.next > loader->data.header.count)
+        return dataset_fail(err, err_len, "data position %" PRIu64 " is past the dataset's %" PRIu64 " images",
+                            position.next, loader->data.header.count);
+    loader->position = position;
+    loader_shuffle(loader, position.epoch);
+    return 0;
+}
+
+// Opens and checks a dataset and allocates the batch buffers. Returns 0, or -1 with a message.
+static int loader_open(DataLoader *loader, const char *path, int batch_size, int random_flip, uint64_t seed,
+                       int pinned, char *err, size_t err_len) {
+    memset(loader, 0, sizeof *loader);
+    if (dataset_open(path, &loader->data, err, err_len) != 0) return -1;
+    const DatasetHeader *h = &loader->data.header;  // count <= DATASET_MAX_COUNT: the order's 32-bit indices hold it
+    loader->batch_size = batch_size;
+    loader->random_flip = random_flip;
+    loader->seed = seed;
+    loader->pinned = pinned;
+    loader->order = (uint32_t *)malloc_or_die(h->count * sizeof(uint32_t));
+    size_t pixel_bytes = (size_t)batch_size * loader->data.layout.image_bytes;
+    size_t label_bytes = (size_t)batch_size * sizeof(int32_t);
+    if (pinned) {
+        cuda_check(cudaMallocHost((void **)&loader->batch_pixels, pixel_bytes));
+        cuda_check(cudaMallocHost((void **)&loader->batch_labels, label_bytes));
+    } else {
+        loader->batch_pixels = (uint8_t *)malloc_or_die(pixel_bytes);
+        loader->batch_labels = (int32_t *)malloc_or_die(label_bytes);
+    }
+    LoaderPosition start = {0, 0};
+    return loader_seek(loader, start, err, err_len);
+}
+
+static void loader_close(DataLoader *loader) {
+    if (loader->pinned) {
+        cudaFreeHost(loader->batch_pixels);
+        cudaFreeHost(loader->batch_labels);
+    } else {
+        free(loader->batch_pixels);
+        free(loader->batch_labels);
+    }
+    free(loader->order);
+    dataset_close(&loader->data);
+    memset(loader, 0, sizeof *loader);
+}
+
+// Fills the batch buffers with the next batch_size images (and labels) and advances the position.
+static void loader_next_batch(DataLoader *loader) {
+    const DatasetHeader *h = &loader->data.header;
+    size_t image_bytes = loader->data.layout.image_bytes, row_bytes = (size_t)h->width * h->channels;
+    for (int b = 0; b < loader->batch_size; b++) {
+        if (loader->position.next == h->count) {
+            loader->position.epoch++;
+            loader->position.next = 0;
+            loader_shuffle(loader, loader->position.epoch);
+        }
+        uint64_t slot = loader->position.epoch * h->count + loader->position.next;
+        uint32_t image = loader->order[loader->position.next++];
+        const uint8_t *src = loader->data.pixels + image * image_bytes;
+        uint8_t *dst = loader->batch_pixels + b * image_bytes;
+        int flip = loader->random_flip && (random_u64(loader->seed, rng_stream(RNG_FLIP, 0), slot) & 1);
+        if (!flip) {
+            memcpy(dst, src, image_bytes);
+        } else {
+            for (uint32_t y = 0; y < h->height; y++)
+                for (uint32_t x = 0; x < h->width; x++)
+                    memcpy(dst + y * row_bytes + x * h->channels, src + y * row_bytes + (h->width - 1 - x) * h->channels,
+                           h->channels);
+        }
+        loader->batch_labels[b] = loader->data.labels ? loader->data.labels[image] : -1;
+    }
 }
 
 // ----------------------------------------------------------------------------------------------
@@ -2782,320 +2933,6 @@ static int compare_with_checkpoint(const SafeTensorsFile *f, const char *path, c
     if (refused[0])
         return dataset_fail(err, err_len, "%s was trained with another configuration: %s; resume with the checkpoint's values", path, refused);
     return 0;
-}
-
-// ----------------------------------------------------------------------------------------------
-// Profiling the layers of a step.
-
-// Where a step's time goes: each layer's forward and backward timed with events (one eager step),
-// summed by kind of layer.
-static void print_profile(UNet *m) {
-    static const char *const kinds[] = {"conv", "concat", "resblock", "attention", "downsample", "upsample", "out"};
-    float forward[7] = {0}, backward[7] = {0}, ms;
-    int count[7] = {0};
-    cudaEvent_t a, b;
-    cuda_check(cudaEventCreate(&a));
-    cuda_check(cudaEventCreate(&b));
-    unet_forward(m, 1);  // the embedding and all layers, to get the activations; then per layer again
-    for (int pass = 0; pass < 2; pass++)
-        for (int j = 0; j < m->num_layers; j++) {
-            int i = pass == 0 ? j : m->num_layers - 1 - j;
-            Layer *l = &m->layers[i];
-            cuda_check(cudaEventRecord(a, gpu.stream));
-            if (pass == 0) layer_forward(m, l, 1);
-            else layer_backward(m, l, 1);
-            cuda_check(cudaEventRecord(b, gpu.stream));
-            cuda_check(cudaEventSynchronize(b));
-            cuda_check(cudaEventElapsedTime(&ms, a, b));
-            (pass == 0 ? forward : backward)[l->kind] += ms;
-            count[l->kind] += pass == 0;
-        }
-    printf("profile (one eager step, GPU time by kind of layer):\n  %-11s %6s %10s %10s\n", "layer", "count", "fwd ms", "bwd ms");
-    for (int k = 0; k < 7; k++)
-        if (count[k]) printf("  %-11s %6d %10.3f %10.3f\n", kinds[k], count[k], forward[k], backward[k]);
-    // The parts of the first ResBlock's backward.
-    Layer *l = NULL;
-    for (int i = 0; i < m->num_layers && !l; i++)
-        if (m->layers[i].kind == LAYER_RES) l = &m->layers[i];
-    int N = m->batch, H = l->out.H, W = l->out.W, M = N * H * W, K = 9 * l->conv2.in;
-    NormOptions o = res_norm2_options(m, l, 1);
-    printf("  first ResBlock (%dx%d, %d -> %d channels), backward parts in ms:\n", H, W, l->conv1.in, l->conv1.out);
-    for (int part = 0; part < 8; part++) {
-        cuda_check(cudaEventRecord(a, gpu.stream));
-        switch (part) {
-        case 0: conv_backward(&l->conv2, l->h2.dx, l->out.dx, l->h2.x, N, H, W, NULL, 0); break;
-        case 1: conv_patches(&l->conv2, l->h2.x, N, H, W); break;
-        case 2: weight_gradient(l->conv2.dw, l->out.dx, conv_scratch, M, l->conv2.out, K); break;
-        case 3: channel_sums(NULL, 0, l->conv2.db, l->out.dx, N, H * W, l->conv2.out); break;
-        case 4: matmul(conv_scratch, CUDA_FLOATX, K, l->out.dx, 0, l->conv2.out, l->conv2.w, 0, K, M, K, l->conv2.out, NULL, 0, 0.0f, NULL); break;
-        case 5: col2im_kernel<Pack><<<blocks_for((int64_t)M * l->conv2.in / PACK, 256), 256, 0, gpu.stream>>>(l->h2.dx, conv_scratch, N, H, W, l->conv2.in, 3, 1, H, W); break;
-        case 6: group_norm_backward(&l->norm2, l->h1.dx, m->d_emb_out + l->emb_offset, l->h2.dx, l->h1.x, l->mean2, l->rstd2, N, H * W, o); break;
-        case 7: group_norm_forward(&l->norm2, l->h2.x, l->mean2, l->rstd2, l->h1.x, N, H * W, o); break;
-        }
-        cuda_check(cudaEventRecord(b, gpu.stream));
-        cuda_check(cudaEventSynchronize(b));
-        cuda_check(cudaEventElapsedTime(&ms, a, b));
-        static const char *const parts[] = {"conv backward", "  patches", "  weight gradient", "  bias gradient", "  patch gradient",
-                                            "  col2im", "group norm backward", "group norm forward"};
-        printf("    %-20s %8.3f\n", parts[part], ms);
-    }
-}
-
-static int compare_floats(const void *a, const void *b) {
-    float x = *(const float *)a, y = *(const float *)b;
-    return (x > y) - (x < y);
-}
-
-static int compare_int64(const void *a, const void *b) {
-    int64_t x = *(const int64_t *)a, y = *(const int64_t *)b;
-    return (x > y) - (x < y);
-}
-
-// ----------------------------------------------------------------------------------------------
-// Sampling on the GPU (the trainer's sample grids, generate): sampler.h's plan, with one step
-// captured as a CUDA graph and replayed once per step, no host work in between. The plan's step
-// index lives on the GPU, so each replay reads its own timestep and coefficients. With
-// classifier-free guidance the model runs on twice the batch: the images with their labels,
-// then the same images with the null class. Image i's starting noise and every draw it needs
-// depend only on (seed, i): the same seed and batch size give the same images.
-
-
-typedef struct {
-    int step;        // the plan's next step
-    int64_t offset;  // the batch's first value: first image * values per image
-} SampleCursor;
-
-typedef struct {
-    UNet m;                 // forward only; batch: images, twice that when guided
-    int images, guided, null_label;
-    float guidance;
-    uint64_t seed;
-    SamplePlan plan;        // its steps also on the GPU:
-    SampleStep *steps;
-    SampleCursor *cursor;   // GPU
-    float *x, *x0_last;     // GPU, [images][H][W][C]
-    uint8_t *pixels;        // GPU
-    cudaEvent_t start, stop;
-    cudaGraphExec_t graph;  // one step of the plan
-} GpuSampler;
-
-// The starting noise: x, and the model's input (both halves when guided).
-__global__ void sample_start_kernel(float *x, floatX *input, int64_t n, int guided, uint64_t seed, const SampleCursor *c) {
-    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
-        x[i] = normal_sample(seed, rng_stream(RNG_SAMPLE_START, 0), c->offset + i);
-        input[i] = (floatX)x[i];
-        if (guided) input[n + i] = input[i];
-    }
-}
-
-__global__ void sample_timesteps_kernel(int64_t *t, int N, const SampleStep *steps, const SampleCursor *c) {
-    int i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < N) t[i] = steps[c->step].timestep;
-}
-
-// One step of the plan for every value, from the model's output (guided: uncond + w (cond -
-// uncond), the second half being the unconditional); x and the next input are written.
-__global__ void sample_step_kernel(float *x, float *x0_last, floatX *input, const floatX *out, int64_t n, int guided, float guidance,
-                                   SamplePlan plan, const SampleStep *steps, const SampleCursor *c, uint64_t seed) {
-    const SampleStep st = steps[c->step];
-    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
-        float o = guided ? guided_output((float)out[i], (float)out[n + i], guidance) : (float)out[i];
-        float z = st.noisy ? normal_sample(seed, rng_stream(RNG_SAMPLE_NOISE, (uint64_t)c->step), c->offset + i) : 0.0f;
-        x[i] = sample_step_value(&plan, &st, x[i], o, z, &x0_last[i]);
-        input[i] = (floatX)x[i];
-        if (guided) input[n + i] = input[i];
-    }
-}
-
-__global__ void sample_advance_kernel(SampleCursor *c) { c->step++; }
-
-__global__ void to_pixels_kernel(uint8_t *pixels, const float *x, int64_t n) {
-    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
-        pixels[i] = (uint8_t)lrintf(fminf(fmaxf((x[i] + 1.0f) * 127.5f, 0.0f), 255.0f));
-}
-
-// A sampler for batches of `images` images of the model c (its weights go into s->m.master, then
-// unet_sync_compute). guidance != 1 needs the model's null class (its last label row).
-static void gpu_sampler_create(GpuSampler *s, const ModelConfig *c, int images, const SamplePlan *plan, float guidance, uint64_t seed) {
-    memset(s, 0, sizeof *s);
-    s->images = images, s->guided = guidance != 1.0f, s->guidance = guidance, s->null_label = c->num_classes - 1, s->seed = seed;
-    unet_create(&s->m, c, s->guided ? 2 * images : images, 0);
-    s->plan = *plan;
-    s->plan.steps = NULL;  // the host's copy stays with the caller
-    s->steps = (SampleStep *)gpu_malloc(plan->count * sizeof(SampleStep));
-    cuda_check(cudaMemcpy(s->steps, plan->steps, plan->count * sizeof(SampleStep), cudaMemcpyHostToDevice));
-    int64_t n = (int64_t)images * c->image_size * c->image_size * c->in_channels;
-    s->cursor = (SampleCursor *)gpu_malloc(sizeof(SampleCursor));
-    s->x = (float *)gpu_malloc(2 * n * sizeof(float));
-    s->x0_last = s->x + n;
-    cuda_check(cudaMemset(s->x, 0, 2 * n * sizeof(float)));
-    s->pixels = (uint8_t *)gpu_malloc(n);
-    cuda_check(cudaEventCreate(&s->start));
-    cuda_check(cudaEventCreate(&s->stop));
-}
-
-static void gpu_sampler_destroy(GpuSampler *s) {
-    if (s->graph) cudaGraphExecDestroy(s->graph);
-    cudaEventDestroy(s->start), cudaEventDestroy(s->stop);
-    cudaFree(s->steps), cudaFree(s->cursor), cudaFree(s->x), cudaFree(s->pixels);
-    unet_destroy(&s->m);
-    memset(s, 0, sizeof *s);
-}
-
-// Samples images first .. first + count - 1 (count <= s->images; the batch's other slots sample
-// copies of labels[0]) into pixels (host, [count][H][W][C]); labels: [count], NULL when the model
-// is unconditional. Returns the GPU time of the batch in ms (events around the whole loop).
-static float gpu_sampler_run(GpuSampler *s, int64_t first, int count, const int *labels, uint8_t *pixels) {
-    UNet *m = &s->m;
-    int B = s->images;
-    int64_t per_image = act_numel(&m->input) / m->batch, n = B * per_image;
-    SampleCursor cursor = {0, first * per_image};
-    cuda_check(cudaMemcpy(s->cursor, &cursor, sizeof cursor, cudaMemcpyHostToDevice));
-    if (m->config.num_classes) {
-        int *batch_labels = (int *)malloc_or_die(m->batch * sizeof(int));
-        for (int b = 0; b < B; b++) batch_labels[b] = labels ? labels[b < count ? b : 0] : 0;
-        for (int b = B; b < m->batch; b++) batch_labels[b] = s->null_label;
-        cuda_check(cudaMemcpy(m->labels, batch_labels, m->batch * sizeof(int), cudaMemcpyHostToDevice));
-        free(batch_labels);
-    }
-    if (!s->graph) {
-        cudaGraph_t graph;
-        cuda_check(cudaStreamBeginCapture(gpu.stream, cudaStreamCaptureModeGlobal));
-        sample_timesteps_kernel<<<(m->batch + 127) / 128, 128, 0, gpu.stream>>>(m->timesteps, m->batch, s->steps, s->cursor);
-        unet_forward(m, 0);
-        sample_step_kernel<<<blocks_for(n, 256), 256, 0, gpu.stream>>>(s->x, s->x0_last, m->input.x, m->output->x, n, s->guided,
-                                                                        s->guidance, s->plan, s->steps, s->cursor, s->seed);
-        sample_advance_kernel<<<1, 1, 0, gpu.stream>>>(s->cursor);
-        cuda_check(cudaStreamEndCapture(gpu.stream, &graph));
-        cuda_check(cudaGraphInstantiate(&s->graph, graph, 0));
-        cuda_check(cudaGraphDestroy(graph));
-    }
-    cuda_check(cudaEventRecord(s->start, gpu.stream));
-    sample_start_kernel<<<blocks_for(n, 256), 256, 0, gpu.stream>>>(s->x, m->input.x, n, s->guided, s->seed, s->cursor);
-    cuda_check_launch();
-    for (int j = 0; j < s->plan.count; j++) cuda_check(cudaGraphLaunch(s->graph, gpu.stream));
-    to_pixels_kernel<<<blocks_for(n, 256), 256, 0, gpu.stream>>>(s->pixels, s->x, n);
-    cuda_check_launch();
-    cuda_check(cudaEventRecord(s->stop, gpu.stream));
-    cuda_check(cudaMemcpy(pixels, s->pixels, count * per_image, cudaMemcpyDeviceToHost));
-    float ms;
-    cuda_check(cudaEventElapsedTime(&ms, s->start, s->stop));
-    return ms;
-}
-
-// ----------------------------------------------------------------------------------------------
-// The trainer: one training step as a CUDA graph (batch copied in, noised, forward, loss,
-// backward, gradient norm, AdamW, EMA, results copied out), the schedule around it, checkpoints.
-
-typedef struct {
-    const Options *o;
-    ModelConfig config;
-    UNet m;
-    Diffusion diffusion;
-    uint8_t *pixels;       // the pinned host batch the step copies in ([batch][H][W][3])
-    int32_t *labels;       // [batch], with pixels
-    uint8_t *d_pixels;
-    floatX *x0;
-    int num_ema;
-    float ema_rates[8];
-    float *ema[8];         // [storage] fp32 each, GPU layout like master
-    StepState *host_state, *state;  // pinned, GPU
-    double *norm_partial;
-    cudaGraphExec_t graph;
-    int64_t step;          // steps completed
-} Trainer;
-
-static void trainer_create(Trainer *tr, const Options *o, const ModelConfig *c, uint8_t *pixels, int32_t *labels) {
-    memset(tr, 0, sizeof *tr);
-    tr->o = o;
-    tr->config = *c;
-    tr->pixels = pixels, tr->labels = labels;
-    unet_create(&tr->m, c, o->batch_size, 1);
-    diffusion_create(&tr->diffusion, o->diffusion_steps, o->noise_schedule);
-    double rates[8];
-    tr->num_ema = parse_number_list(o->ema_rate, rates, 8);
-    for (int i = 0; i < tr->num_ema; i++) {
-        tr->ema_rates[i] = (float)rates[i];
-        tr->ema[i] = (float *)gpu_malloc(tr->m.storage * sizeof(float));
-    }
-    cuda_check(cudaMallocHost((void **)&tr->host_state, sizeof(StepState)));
-    memset(tr->host_state, 0, sizeof(StepState));
-    tr->state = (StepState *)gpu_malloc(sizeof(StepState));
-    tr->m.dropout_seed = &tr->state->noise_seed;  // dropout draws from the step's seed too
-    tr->norm_partial = (double *)gpu_malloc(NORM_BLOCKS * sizeof(double));
-    int64_t n = act_numel(&tr->m.input);
-    tr->d_pixels = (uint8_t *)gpu_malloc(n);
-    tr->x0 = (floatX *)gpu_malloc(n * sizeof(floatX));
-}
-
-// Every EMA starts from the current weights.
-static void trainer_reset_ema(Trainer *tr) {
-    for (int i = 0; i < tr->num_ema; i++)
-        cuda_check(cudaMemcpy(tr->ema[i], tr->m.master, tr->m.storage * sizeof(float), cudaMemcpyDeviceToDevice));
-}
-
-// The kernels of one step, in stream order (captured once as the step's graph).
-static void trainer_enqueue_step(Trainer *tr) {
-    UNet *m = &tr->m;
-    const Options *o = tr->o;
-    int N = m->batch;
-    int64_t n = act_numel(&m->input);
-    cuda_check(cudaMemcpyAsync(tr->state, tr->host_state, sizeof(StepState), cudaMemcpyHostToDevice, gpu.stream));
-    cuda_check(cudaMemcpyAsync(tr->d_pixels, tr->pixels, n, cudaMemcpyHostToDevice, gpu.stream));
-    if (tr->config.num_classes)
-        cuda_check(cudaMemcpyAsync(m->labels, tr->labels, N * sizeof(int), cudaMemcpyHostToDevice, gpu.stream));
-    images_to_model_input(tr->x0, tr->d_pixels, n, gpu.stream);
-    diffusion_conditions_kernel<<<(N + 127) / 128, 128, 0, gpu.stream>>>(m->timesteps, m->labels, N, tr->diffusion.schedule.steps,
-                                                                        o->cfg_dropout, tr->config.num_classes - 1, tr->state);
-    diffusion_inputs_kernel<<<blocks_for(n, 256), 256, 0, gpu.stream>>>(m->input.x, m->target.x, tr->x0, m->timesteps,
-        tr->diffusion.sqrt_abar, tr->diffusion.sqrt_one_minus_abar, strcmp(o->predict, "v") == 0, n / N, n, tr->state);
-    cuda_check_launch();
-    unet_forward(m, 1);
-    mse_loss(m->loss, m->loss_partial, m->output->dx, m->output->x, m->target.x, act_numel(m->output));
-    unet_backward(m, 1);
-    grad_norm_partial_kernel<<<NORM_BLOCKS, 256, 0, gpu.stream>>>(tr->norm_partial, m->grad, m->storage);
-    step_decide_kernel<<<1, 1024, 0, gpu.stream>>>(tr->state, tr->norm_partial, m->loss);
-    floatX *copy = (void *)m->compute == (void *)m->master ? NULL : m->compute;
-    adamw_kernel<<<blocks_for(m->storage, 256), 256, 0, gpu.stream>>>(m->master, copy, m->adam_m, m->adam_v, m->grad,
-        m->storage, tr->state, o->beta1, o->beta2, o->adam_eps, o->weight_decay);
-    for (int i = 0; i < tr->num_ema; i++)
-        ema_kernel<<<blocks_for(m->storage, 256), 256, 0, gpu.stream>>>(tr->ema[i], m->master, m->storage, tr->ema_rates[i], tr->state);
-    cuda_check_launch();
-    cuda_check(cudaMemcpyAsync(tr->host_state, tr->state, sizeof(StepState), cudaMemcpyDeviceToHost, gpu.stream));
-}
-
-// The learning rate at a step (from 1): linear warm-up over warmup_steps, then constant, or with
-// --lr_decay cosine a half cosine from lr down to min_lr at the last step.
-static float learning_rate(const Options *o, int64_t step) {
-    if (o->warmup_steps > 0 && step <= o->warmup_steps) return o->lr * (float)step / (float)o->warmup_steps;
-    if (strcmp(o->lr_decay, "cosine") != 0 || o->steps <= o->warmup_steps) return o->lr;
-    double progress = (double)(step - o->warmup_steps) / (double)(o->steps - o->warmup_steps);
-    return (float)(o->min_lr + (o->lr - o->min_lr) * 0.5 * (1.0 + cos(M_PI * fmin(progress, 1.0))));
-}
-
-// Runs step tr->step + 1 (its batch already in tr->pixels) and waits for it; the results are in
-// tr->host_state. The first call captures the step as a graph; every call replays it.
-static void trainer_step(Trainer *tr) {
-    const Options *o = tr->o;
-    int64_t step = tr->step + 1;
-    StepState *h = tr->host_state;
-    h->step = step;
-    h->lr = learning_rate(o, step);
-    h->bias1 = 1.0f - powf(o->beta1, (float)step);
-    h->bias2 = 1.0f - powf(o->beta2, (float)step);
-    h->grad_clip = o->grad_clip;
-    h->noise_seed = random_u64((uint64_t)o->seed, rng_stream(RNG_STEP_SEED, 0), (uint64_t)step);
-    if (!tr->graph) {
-        cudaGraph_t graph;
-        cuda_check(cudaStreamBeginCapture(gpu.stream, cudaStreamCaptureModeGlobal));
-        trainer_enqueue_step(tr);
-        cuda_check(cudaStreamEndCapture(gpu.stream, &graph));
-        cuda_check(cudaGraphInstantiate(&tr->graph, graph, 0));
-        cuda_check(cudaGraphDestroy(graph));
-    }
-    cuda_check(cudaGraphLaunch(tr->graph, gpu.stream));
-    cuda_check(cudaStreamSynchronize(gpu.stream));
-    tr->step = step;
 }
 
 // ----------------------------------------------------------------------------------------------
@@ -3509,6 +3346,175 @@ static int load_checkpoint(Trainer *tr, const ResumePoint *rp, char *err, size_t
     unet_sync_compute(m);
     tr->step = rp->step;
     return 0;
+}
+
+// ----------------------------------------------------------------------------------------------
+// The command line: usage, parsing in order, the values that are not the model's, the summaries.
+
+static void print_usage(FILE *f) {
+    fprintf(f,
+            "usage: train_unet --data FILE.bin [options]      train a UNet on a dataset\n"
+            "       train_unet --dry_run [options]             check and print a configuration\n"
+            "\n"
+            "Options take a value as --name VALUE or --name=VALUE; booleans accept True/False, 1/0,\n"
+            "yes/no (a boolean given alone means True). Defaults are the seed preset's.\n\n");
+    Options d = preset_seed();
+    for (int i = 0; i < NUM_OPTIONS; i++) {
+        const OptionSpec *s = &option_specs[i];
+        char value[64] = "";
+        const char *p = (const char *)&d + s->offset;
+        switch (s->type) {
+        case OPT_INT: snprintf(value, sizeof value, "%d", *(const int *)p); break;
+        case OPT_LONG: snprintf(value, sizeof value, "%lld", *(const long long *)p); break;
+        case OPT_FLOAT: snprintf(value, sizeof value, "%g", *(const float *)p); break;
+        case OPT_BOOL: snprintf(value, sizeof value, "%s", *(const int *)p ? "True" : "False"); break;
+        case OPT_STRING: snprintf(value, sizeof value, "\"%s\"", *(const char *const *)p); break;
+        case OPT_SWITCH: break;
+        }
+        fprintf(f, "  --%-24s %s%s%s%s\n", s->name, s->help, value[0] ? " [" : "", value, value[0] ? "]" : "");
+    }
+    fprintf(f,
+            "\nPresets: seed = 64x64, 64 channels, mult 1,2,3,4, 2 blocks, attention at 16,8 with 32-channel\n"
+            "heads, no conv resampling; adm64 = guided-diffusion's ImageNet-64 model (192 channels, 3 blocks,\n"
+            "attention at 32,16,8 with 64-channel heads, scale-shift norm, resblock up/down, new attention\n"
+            "order, dropout 0.1, cosine schedule). Training a learned variance (learn_sigma) is not supported:\n"
+            "the model is trained to predict the noise.\n");
+}
+
+static void usage_error(const char *fmt, ...) {
+    va_list args;
+    va_start(args, fmt);
+    fprintf(stderr, "%s: error: ", program_name);
+    vfprintf(stderr, fmt, args);
+    fprintf(stderr, " (see --help)\n");
+    va_end(args);
+    exit(2);
+}
+
+static void set_option(Options *o, const OptionSpec *s, const char *value) {
+    char err[512];
+    if (option_from_string(o, s, value, err, sizeof err) != 0) usage_error("%s", err);
+}
+
+// Parses the command line: the preset first, then every flag in order.
+static Options parse_options(int argc, char **argv) {
+    const char *preset = "seed";
+    for (int i = 1; i < argc; i++) {
+        if (strcmp(argv[i], "--help") == 0 || strcmp(argv[i], "-h") == 0) print_usage(stdout), exit(0);
+        if (strncmp(argv[i], "--preset=", 9) == 0) preset = argv[i] + 9;
+        else if (strcmp(argv[i], "--preset") == 0 && i + 1 < argc) preset = argv[i + 1];
+    }
+    Options o;
+    if (strcmp(preset, "seed") == 0) o = preset_seed();
+    else if (strcmp(preset, "adm64") == 0) o = preset_adm64();
+    else usage_error("unknown preset '%s' (seed or adm64)", preset);
+
+    for (int i = 1; i < argc; i++) {
+        const char *arg = argv[i];
+        if (strncmp(arg, "--", 2) != 0) usage_error("unexpected argument '%s'", arg);
+        const char *name = arg + 2, *eq = strchr(name, '=');
+        const OptionSpec *s = find_option(name, eq ? (size_t)(eq - name) : strlen(name));
+        if (!s) usage_error("unknown option '%s'", arg);
+        const char *value = eq ? eq + 1 : NULL;
+        if (s->type == OPT_SWITCH) {
+            if (value) usage_error("--%s takes no value", s->name);
+        } else if (!value && s->type == OPT_BOOL) {
+            int ignored;  // a boolean alone means True; one followed by a boolean word takes it
+            if (i + 1 < argc && parse_bool(argv[i + 1], &ignored) == 0) value = argv[++i];
+            else value = "True";
+        } else if (!value) {
+            if (i + 1 >= argc) usage_error("--%s needs a value", s->name);
+            value = argv[++i];
+        }
+        set_option(&o, s, value);
+    }
+    return o;
+}
+
+// The same for the command line: a bad value ends the program with one usage error line.
+static ModelConfig resolve_model(Options *o, int label_rows) {
+    ModelConfig c;
+    char err[512];
+    if (model_config_from_options(o, label_rows, &c, err, sizeof err) != 0) usage_error("%s", err);
+    return c;
+}
+
+// Checks the training values that are not part of the model.
+static void validate_training(const Options *o) {
+    if (o->diffusion_steps < 1 || o->diffusion_steps > 100000) usage_error("--diffusion_steps %d is out of range (1..100000)", o->diffusion_steps);
+    if (strcmp(o->noise_schedule, "linear") != 0 && strcmp(o->noise_schedule, "cosine") != 0)
+        usage_error("--noise_schedule '%s' must be linear or cosine", o->noise_schedule);
+    if (o->learn_sigma) usage_error("--learn_sigma: training a learned variance is not supported (the model predicts noise)");
+    if (!(o->lr > 0)) usage_error("--lr %g must be positive", o->lr);
+    if (!(o->weight_decay >= 0)) usage_error("--weight_decay %g must not be negative", o->weight_decay);
+    if (strcmp(o->predict, "eps") != 0 && strcmp(o->predict, "v") != 0) usage_error("--predict '%s' must be eps or v", o->predict);
+    if (!(o->beta1 >= 0 && o->beta1 < 1) || !(o->beta2 >= 0 && o->beta2 < 1)) usage_error("--beta1 and --beta2 must be in [0, 1)");
+    if (!(o->adam_eps > 0)) usage_error("--adam_eps %g must be positive", o->adam_eps);
+    if (o->warmup_steps < 0) usage_error("--warmup_steps %d must not be negative", o->warmup_steps);
+    if (strcmp(o->lr_decay, "none") != 0 && strcmp(o->lr_decay, "cosine") != 0) usage_error("--lr_decay '%s' must be none or cosine", o->lr_decay);
+    if (!(o->min_lr >= 0 && o->min_lr <= o->lr)) usage_error("--min_lr %g must be in [0, lr]", o->min_lr);
+    if (!(o->grad_clip >= 0)) usage_error("--grad_clip %g must not be negative", o->grad_clip);
+    if (!(o->cfg_dropout >= 0 && o->cfg_dropout < 1)) usage_error("--cfg_dropout %g must be in [0, 1)", o->cfg_dropout);
+    if (o->cfg_dropout > 0 && !o->class_cond) usage_error("--cfg_dropout needs --class_cond");
+    if (o->keep < 0) usage_error("--keep %d must not be negative", o->keep);
+    if (o->max_bad_steps < 1) usage_error("--max_bad_steps %d must be positive", o->max_bad_steps);
+    if (!o->run_dir[0] || strlen(o->run_dir) > 3000) usage_error("--run_dir must be 1 to 3000 characters");
+    if (strlen(o->resume_checkpoint) > 3000) usage_error("--resume_checkpoint must be at most 3000 characters");
+    if (o->overwrite && o->resume_checkpoint[0]) usage_error("--overwrite starts a new run: it does not go with --resume_checkpoint");
+    if (o->sample_interval < 0) usage_error("--sample_interval %d must not be negative", o->sample_interval);
+    if (o->sample_count < 0 || o->sample_count > 10000) usage_error("--sample_count %d is out of range (0..10000)", o->sample_count);
+    if (o->sample_steps < 1 || o->sample_steps > o->diffusion_steps || !respacing_stride(o->diffusion_steps, o->sample_steps))
+        usage_error("--sample_steps %d: no even spacing of the %d diffusion steps (--diffusion_steps) gives that many",
+                    o->sample_steps, o->diffusion_steps);
+    if (o->batch_size < 1 || o->batch_size > 65536) usage_error("--batch_size %d is out of range (1..65536)", o->batch_size);
+    double rates[8];
+    int n = parse_number_list(o->ema_rate, rates, 8);
+    if (n < 1) usage_error("--ema_rate '%s' must be 1 to 8 rates separated by commas", o->ema_rate);
+    for (int i = 0; i < n; i++)
+        if (rates[i] >= 1) usage_error("EMA rate %g must be below 1", rates[i]);
+    if (o->log_interval < 1) usage_error("--log_interval %d must be positive", o->log_interval);
+    if (o->save_interval < 1) usage_error("--save_interval %d must be positive", o->save_interval);
+    if (o->steps < 1) usage_error("--steps %lld must be positive", o->steps);
+    if (o->stop_step < 0) usage_error("--stop_step %lld must not be negative", o->stop_step);
+    if (o->seed < 0) usage_error("--seed %lld must not be negative", o->seed);
+}
+
+// Prints the resolved configuration under guided-diffusion's flag names, one "name value" a line.
+static void print_config(FILE *f, const Options *o) {
+    for (int i = 0; i < NUM_OPTIONS; i++) {
+        const OptionSpec *s = &option_specs[i];
+        const char *p = (const char *)o + s->offset;
+        fprintf(f, "%-24s ", s->name);
+        switch (s->type) {
+        case OPT_INT: fprintf(f, "%d\n", *(const int *)p); break;
+        case OPT_LONG: fprintf(f, "%lld\n", *(const long long *)p); break;
+        case OPT_FLOAT: fprintf(f, "%g\n", *(const float *)p); break;
+        case OPT_BOOL: fprintf(f, "%s\n", *(const int *)p ? "True" : "False"); break;
+        case OPT_STRING: fprintf(f, "%s\n", *(const char *const *)p); break;
+        case OPT_SWITCH: fprintf(f, "%s\n", *(const int *)p ? "True" : "False"); break;
+        }
+    }
+}
+
+// Formats n with thousands separators (20494211 -> "20,494,211").
+static const char *with_commas(int64_t n, char *buf, size_t len) {
+    char digits[32];
+    int d = snprintf(digits, sizeof digits, "%" PRId64, n), j = 0;
+    for (int i = 0; i < d && j + 2 < (int)len; i++) {
+        if (i > 0 && (d - i) % 3 == 0) buf[j++] = ',';
+        buf[j++] = digits[i];
+    }
+    buf[j] = '\0';
+    return buf;
+}
+
+static void print_model_summary(FILE *f, const ModelConfig *c, const ParamList *params) {
+    char buf[32];
+    fprintf(f, "model: %dx%d, %d levels:", c->image_size, c->image_size, c->num_levels);
+    for (int l = 0; l < c->num_levels; l++)
+        fprintf(f, " %d@%d%s", c->level_channels[l], c->image_size >> l, c->level_attention[l] ? "+attn" : "");
+    fprintf(f, ", %d parameter tensors\n", params->count);
+    fprintf(f, "parameters: %s\n", with_commas(params->numel, buf, sizeof buf));
 }
 
 // ----------------------------------------------------------------------------------------------
