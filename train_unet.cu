@@ -60,13 +60,19 @@ typedef struct {
 // The name error lines start with (generate sets its own through the C API).
 static const char *program_name = "train_unet";
 
-// Prints one error line and exits: every failure the user can cause ends here.
+// Prints one error line, "PROGRAM: error: MESSAGE" and a suffix.
+static void print_error(const char *suffix, const char *fmt, va_list args) {
+    fprintf(stderr, "%s: error: ", program_name);
+    vfprintf(stderr, fmt, args);
+    fprintf(stderr, "%s\n", suffix);
+}
+
+// Prints one error line and exits: every failure the user can cause ends here (or, for a bad
+// command line, in usage_error).
 static void fatal(const char *fmt, ...) {
     va_list args;
     va_start(args, fmt);
-    fprintf(stderr, "%s: error: ", program_name);
-    vfprintf(stderr, fmt, args);
-    fprintf(stderr, "\n");
+    print_error("", fmt, args);
     va_end(args);
     exit(1);
 }
@@ -3384,9 +3390,7 @@ static void print_usage(FILE *f) {
 static void usage_error(const char *fmt, ...) {
     va_list args;
     va_start(args, fmt);
-    fprintf(stderr, "%s: error: ", program_name);
-    vfprintf(stderr, fmt, args);
-    fprintf(stderr, " (see --help)\n");
+    print_error(" (see --help)", fmt, args);
     va_end(args);
     exit(2);
 }
