@@ -1432,11 +1432,212 @@ static int diffusion_from_metadata(const SafeTensorsFile *f, const char *path, i
     return 0;
 }
 
+// An activation and its gradient, NHWC.
+typedef struct {
+    floatX *x, *dx;
+    int N, H, W, C;
+} Act;
+
+static int64_t act_numel(const Act *a) { return (int64_t)a->N * a->H * a->W * a->C; }
+
 // ----------------------------------------------------------------------------------------------
-// The model: guided-diffusion's UNetModel as a list of layers in data-flow order.
+// Blocks: guided-diffusion's modules, each a struct with its parameters and the activations its
+// backward needs, and its forward and backward side by side. forward reads `in` and writes `out`;
+// backward reads out->dx and adds into in->dx (every activation gradient starts the step at zero).
+
+// What the ResBlocks read besides their input: every block's timestep projection side by side
+// (one matrix product computes them all, one their gradients), and dropout's seed for the step.
+typedef struct {
+    float *out, *d_out;  // [N][total] fp32: emb_layers(emb) of every ResBlock, and its gradient
+    int total;
+    int scale_shift;     // use_scale_shift_norm: each block's columns are (scale, shift), else one add
+    float dropout;
+    const uint64_t *dropout_seed;  // on the GPU (a training step is a replayed graph)
+} BlockEmbedding;
+
+// input_blocks.0: a 3x3 convolution of the image.
+typedef struct {
+    Conv conv;
+} ConvBlock;
+
+static void conv_block_forward(ConvBlock *b, const Act *in, Act *out) {
+    conv_forward(&b->conv, out->x, in->x, in->N, in->H, in->W, NULL);
+}
+
+static void conv_block_backward(ConvBlock *b, const Act *in, const Act *out) {
+    conv_backward(&b->conv, in->dx, out->dx, in->x, in->N, in->H, in->W, NULL, 0);
+}
+
+// The skip connection before each output block: out = [in | skip] along channels; backward
+// splits out->dx back into both.
+typedef struct {
+    Act *skip;  // an encoder block's output
+} ConcatBlock;
+
+static void concat_block_forward(ConcatBlock *b, const Act *in, Act *out) {
+    concat_kernel<<<blocks_for(act_numel(out), 256), 256, 0, gpu.stream>>>(out->x, in->x, b->skip->x, (int64_t)in->N * in->H * in->W,
+                                                                            in->C, b->skip->C);
+    cuda_check_launch();
+}
+
+static void concat_block_backward(ConcatBlock *b, const Act *in, const Act *out) {
+    split_add_kernel<<<blocks_for(act_numel(out), 256), 256, 0, gpu.stream>>>(in->dx, b->skip->dx, out->dx,
+                                                                               (int64_t)in->N * in->H * in->W, in->C, b->skip->C);
+    cuda_check_launch();
+}
+
+// guided-diffusion's ResBlock:
+//   h0 = SiLU(GroupNorm1(x)); [resampled: h0r, and x as xr]; h1 = conv1(h0)    (in_layers)
+//   h2 = dropout(SiLU(GroupNorm2(h1) + e)), or with scale-shift
+//        dropout(SiLU(GroupNorm2(h1) (1 + scale) + shift))                      (out_layers, emb_layers)
+//   out = conv2(h2) + skip(x), skip a 1x1 conv when the channel count changes (skip_connection)
+typedef struct {
+    Norm norm1, norm2;
+    Conv conv1, conv2, conv3;  // in_layers.2, out_layers.3, skip_connection
+    int has_skip_conv;
+    int resample;              // -1 down, +1 up, 0 none
+    int emb_offset;            // its columns in BlockEmbedding
+    uint64_t dropout_stream;
+    Act h0, h0r, xr, h1, h2;
+    float *mean1, *rstd1, *mean2, *rstd2;
+} ResBlock;
+
+// out_layers' GroupNorm options: the timestep embedding as an add or a scale-shift, SiLU, dropout.
+static NormOptions res_block_norm2(const ResBlock *r, const BlockEmbedding *e, int training) {
+    NormOptions o = {0};
+    o.silu = 1;
+    if (e->scale_shift) o.scale_shift = e->out + r->emb_offset, o.scale_shift_ld = e->total;
+    else o.add = e->out + r->emb_offset, o.add_ld = e->total;
+    if (training && e->dropout > 0.0f) o.dropout = e->dropout, o.dropout_seed = e->dropout_seed, o.dropout_stream = r->dropout_stream;
+    return o;
+}
+
+static const NormOptions NORM_SILU = {NULL, 0, NULL, 0, 1, 0.0f, NULL, 0};
+static const NormOptions NORM_PLAIN = {NULL, 0, NULL, 0, 0, 0.0f, NULL, 0};
+
+static void res_block_forward(ResBlock *r, const BlockEmbedding *e, const Act *in, Act *out, int training) {
+    int N = in->N, H = in->H, W = in->W, Ho = out->H, Wo = out->W;
+    group_norm_forward(&r->norm1, r->h0.x, r->mean1, r->rstd1, in->x, N, H * W, NORM_SILU);
+    const floatX *h = r->h0.x, *skip = in->x;
+    if (r->resample) {
+        resample_forward(r->resample > 0, r->h0r.x, r->h0.x, N, H, W, in->C);
+        resample_forward(r->resample > 0, r->xr.x, in->x, N, H, W, in->C);
+        h = r->h0r.x, skip = r->xr.x;
+    }
+    conv_forward(&r->conv1, r->h1.x, h, N, Ho, Wo, NULL);
+    group_norm_forward(&r->norm2, r->h2.x, r->mean2, r->rstd2, r->h1.x, N, Ho * Wo, res_block_norm2(r, e, training));
+    if (r->has_skip_conv) {
+        conv_forward(&r->conv3, out->x, skip, N, Ho, Wo, NULL);
+        skip = out->x;
+    }
+    conv_forward(&r->conv2, out->x, r->h2.x, N, Ho, Wo, skip);
+}
+
+static void res_block_backward(ResBlock *r, const BlockEmbedding *e, const Act *in, const Act *out, int training) {
+    int N = in->N, H = in->H, W = in->W, Ho = out->H, Wo = out->W;
+    const floatX *h = r->resample ? r->h0r.x : r->h0.x, *skip = r->resample ? r->xr.x : in->x;
+    floatX *dh = r->resample ? r->h0r.dx : r->h0.dx, *dskip = r->resample ? r->xr.dx : in->dx;
+    conv_backward(&r->conv2, r->h2.dx, out->dx, r->h2.x, N, Ho, Wo, NULL, 0);
+    if (r->has_skip_conv) conv_backward(&r->conv3, dskip, out->dx, skip, N, Ho, Wo, NULL, 0);
+    else add_kernel<<<blocks_for(act_numel(out), 256), 256, 0, gpu.stream>>>(dskip, out->dx, act_numel(out));
+    cuda_check_launch();
+    group_norm_backward(&r->norm2, r->h1.dx, e->d_out + r->emb_offset, r->h2.dx, r->h1.x, r->mean2, r->rstd2, N, Ho * Wo,
+                        res_block_norm2(r, e, training));
+    float *d_add = e->scale_shift ? NULL : e->d_out + r->emb_offset;
+    conv_backward(&r->conv1, dh, r->h1.dx, h, N, Ho, Wo, d_add, e->total);
+    if (r->resample) {
+        resample_backward(r->resample > 0, r->h0.dx, r->h0r.dx, N, H, W, in->C);
+        resample_backward(r->resample > 0, in->dx, r->xr.dx, N, H, W, in->C);
+    }
+    group_norm_backward(&r->norm1, in->dx, NULL, r->h0.dx, in->x, r->mean1, r->rstd1, N, H * W, NORM_SILU);
+}
+
+// guided-diffusion's AttentionBlock: h0 = GroupNorm(x), h1 = qkv(h0) (1x1 conv1d to 3C),
+// h2 = attention(h1), out = proj_out(h2) + x (proj_out zero-initialised).
+typedef struct {
+    Norm norm;
+    Conv qkv, proj;
+    Act h0, h1, h2;
+    float *mean, *rstd;
+    Attention attention;  // reads h1, writes h2
+} AttentionBlock;
+
+static void attention_block_forward(AttentionBlock *a, const Act *in, Act *out) {
+    int N = in->N, H = in->H, W = in->W;
+    group_norm_forward(&a->norm, a->h0.x, a->mean, a->rstd, in->x, N, H * W, NORM_PLAIN);
+    conv_forward(&a->qkv, a->h1.x, a->h0.x, N, H, W, NULL);
+    attention_forward(&a->attention);
+    conv_forward(&a->proj, out->x, a->h2.x, N, H, W, in->x);
+}
+
+static void attention_block_backward(AttentionBlock *a, const Act *in, const Act *out) {
+    int N = in->N, H = in->H, W = in->W;
+    conv_backward(&a->proj, a->h2.dx, out->dx, a->h2.x, N, H, W, NULL, 0);
+    add_kernel<<<blocks_for(act_numel(out), 256), 256, 0, gpu.stream>>>(in->dx, out->dx, act_numel(out));
+    cuda_check_launch();
+    attention_backward(&a->attention);
+    conv_backward(&a->qkv, a->h0.dx, a->h1.dx, a->h0.x, N, H, W, NULL, 0);
+    group_norm_backward(&a->norm, in->dx, NULL, a->h0.dx, in->x, a->mean, a->rstd, N, H * W, NORM_PLAIN);
+}
+
+// guided-diffusion's Downsample: a stride-2 3x3 conv (conv_resample), else 2x2 average pooling.
+typedef struct {
+    Conv conv;
+    int has_conv;
+} Downsample;
+
+static void downsample_forward(Downsample *d, const Act *in, Act *out) {
+    if (d->has_conv) conv_forward(&d->conv, out->x, in->x, in->N, in->H, in->W, NULL);
+    else resample_forward(0, out->x, in->x, in->N, in->H, in->W, in->C);
+}
+
+static void downsample_backward(Downsample *d, const Act *in, const Act *out) {
+    if (d->has_conv) conv_backward(&d->conv, in->dx, out->dx, in->x, in->N, in->H, in->W, NULL, 0);
+    else resample_backward(0, in->dx, out->dx, in->N, in->H, in->W, in->C);
+}
+
+// guided-diffusion's Upsample: nearest 2x (into `up`), then a 3x3 conv when conv_resample.
+typedef struct {
+    Conv conv;
+    int has_conv;
+    Act up;
+} Upsample;
+
+static void upsample_forward(Upsample *u, const Act *in, Act *out) {
+    resample_forward(1, u->has_conv ? u->up.x : out->x, in->x, in->N, in->H, in->W, in->C);
+    if (u->has_conv) conv_forward(&u->conv, out->x, u->up.x, in->N, 2 * in->H, 2 * in->W, NULL);
+}
+
+static void upsample_backward(Upsample *u, const Act *in, const Act *out) {
+    if (u->has_conv) conv_backward(&u->conv, u->up.dx, out->dx, u->up.x, in->N, 2 * in->H, 2 * in->W, NULL, 0);
+    resample_backward(1, in->dx, u->has_conv ? u->up.dx : out->dx, in->N, in->H, in->W, in->C);
+}
+
+// The output head (out): h0 = SiLU(GroupNorm(x)), out = conv(h0) (zero-initialised).
+typedef struct {
+    Norm norm;
+    Conv conv;
+    Act h0;
+    float *mean, *rstd;
+} OutputHead;
+
+static void output_head_forward(OutputHead *o, const Act *in, Act *out) {
+    int N = in->N, H = in->H, W = in->W;
+    group_norm_forward(&o->norm, o->h0.x, o->mean, o->rstd, in->x, N, H * W, NORM_SILU);
+    conv_forward(&o->conv, out->x, o->h0.x, N, H, W, NULL);
+}
+
+static void output_head_backward(OutputHead *o, const Act *in, const Act *out) {
+    int N = in->N, H = in->H, W = in->W;
+    conv_backward(&o->conv, o->h0.dx, out->dx, o->h0.x, N, H, W, NULL, 0);
+    group_norm_backward(&o->norm, in->dx, NULL, o->h0.dx, in->x, o->mean, o->rstd, N, H * W, NORM_SILU);
+}
+
+// ----------------------------------------------------------------------------------------------
+// The model: guided-diffusion's UNetModel assembled from the blocks, in data-flow order.
 //
 // One walk over the architecture, in the order of UNetModel.__init__, names every parameter as
-// guided-diffusion's state_dict does (PyTorch shapes) and, when building, creates the layers:
+// guided-diffusion's state_dict does (PyTorch shapes) and, when building, creates the blocks:
 //   time_embed, label_emb; input_blocks: conv, then per level ResBlocks (+ attention), then a
 //   Downsample or down-ResBlock, each block's output kept as a skip; middle_block: ResBlock,
 //   attention, ResBlock; output_blocks: concat [h, skip], ResBlock (+ attention) (+ Upsample or
@@ -1459,33 +1660,24 @@ typedef struct {
     int64_t numel;
 } ParamList;
 
-// An activation and its gradient, NHWC.
-typedef struct {
-    floatX *x, *dx;
-    int N, H, W, C;
-} Act;
-
-static int64_t act_numel(const Act *a) { return (int64_t)a->N * a->H * a->W * a->C; }
-
-typedef enum { LAYER_CONV, LAYER_CONCAT, LAYER_RES, LAYER_ATTENTION, LAYER_DOWN, LAYER_UP, LAYER_OUT } LayerKind;
+typedef enum { BLOCK_CONV, BLOCK_CONCAT, BLOCK_RES, BLOCK_ATTENTION, BLOCK_DOWN, BLOCK_UP, BLOCK_OUT, NUM_BLOCK_KINDS } BlockKind;
+static const char *const block_kind_names[NUM_BLOCK_KINDS] = {"conv", "concat", "resblock", "attention", "downsample",
+                                                               "upsample", "out"};
 
 typedef struct {
-    LayerKind kind;
-    Act *in, *skip;  // inputs: the previous layer's output, and for LAYER_CONCAT the skip
+    BlockKind kind;
+    Act *in;  // the previous block's output (the model's input for the first)
     Act out;
-    // parameters (ResBlock: norm1, conv1 = in_layers; norm2, conv2 = out_layers; conv3 = skip_connection.
-    // attention: norm1, conv1 = qkv, conv2 = proj_out. DOWN/UP with conv_resample and CONV: conv1.
-    // OUT: norm1, conv1)
-    Norm norm1, norm2;
-    Conv conv1, conv2, conv3;
-    int has_conv, has_skip_conv;
-    int resample;          // ResBlock: -1 down, +1 up, 0 none
-    int emb_offset;        // ResBlock: its columns in the timestep projection
-    // saved activations
-    Act h0, h0r, xr, h1, h2, up;     // ResBlock (h0r, xr: resampled; up: Upsample before its conv)
-    float *mean1, *rstd1, *mean2, *rstd2;
-    Attention attention;
-} Layer;
+    union {
+        ConvBlock conv;
+        ConcatBlock concat;
+        ResBlock res;
+        AttentionBlock attention;
+        Downsample down;
+        Upsample up;
+        OutputHead head;
+    };
+} Block;
 
 typedef struct {
     int64_t used;
@@ -1509,23 +1701,23 @@ typedef struct {
     // parameters (GPU): fp32 master, compute copy (the master itself in FP32), gradients, AdamW moments
     float *master, *grad, *adam_m, *adam_v;
     floatX *compute;
-    // layers and activations
-    Layer *layers;
-    int num_layers, capacity;
-    Arena acts;
+    // blocks and activations
+    Block *blocks;
+    int num_blocks, capacity;
+    Arena acts, grads;  // activations (and scratch); activation gradients, zeroed at once
     Act input, *output;
     int64_t *timesteps;         // [N]
     int *labels;                // [N]
     Conv time_embed0, time_embed2, emb_all;
     float *label_table, *d_label_table;
     Act t_sinusoid, t_hidden, t_hidden_silu, emb, emb_silu;
-    float *emb_out, *d_emb_out;  // [N][emb_total] fp32
+    BlockEmbedding embedding;  // every ResBlock's timestep projection, [N][emb_total] fp32, and dropout's seed
     floatX *d_emb_out_x;
     int64_t conv_scratch_numel, attention_scratch_numel, gn_scratch_numel, channel_scratch_numel;
     float *loss, *loss_partial;
     Act target;
-    uint64_t *dropout_seed;  // on the GPU: dropout's seed for this step (see NormOptions)
-    float *attention_scores;  // the attention layers' shared scratch (Attention.scores, d_scores)
+    uint64_t *zero_seed;     // on the GPU: dropout's seed until the trainer points the embedding at the step's
+    float *attention_scores;  // the attention blocks' shared scratch (Attention.scores, d_scores)
     floatX *attention_d_scores;
 } UNet;
 
@@ -1533,7 +1725,7 @@ typedef struct {
     const ModelConfig *c;
     ParamList *params;
     UNet *m;   // NULL: list the parameters only
-    Act *cur;  // the activation the next layer reads
+    Act *cur;  // the activation the next block reads
     int size;  // its side
     int emb_offset;
 } Walk;
@@ -1601,7 +1793,7 @@ static Act act_alloc(UNet *m, int N, int H, int W, int C) {
     Act a = {NULL, NULL, N, H, W, C};
     int64_t bytes = act_numel(&a) * (int64_t)sizeof(floatX);
     a.x = (floatX *)arena_take(&m->acts, bytes);
-    if (m->training) a.dx = (floatX *)arena_take(&m->acts, bytes);
+    if (m->training) a.dx = (floatX *)arena_take(&m->grads, bytes);
     return a;
 }
 
@@ -1609,16 +1801,16 @@ static float *stats_alloc(UNet *m) { return (float *)arena_take(&m->acts, (int64
 
 static void note_scratch(int64_t *have, int64_t need) { if (need > *have) *have = need; }
 
-// Appends a layer reading the walk's current activation; the new layer's output becomes current.
-static Layer *walk_layer(Walk *w, LayerKind kind, int out_channels, int out_size) {
+// Appends a block reading the walk's current activation; the new block's output becomes current.
+static Block *walk_block(Walk *w, BlockKind kind, int out_channels, int out_size) {
     UNet *m = w->m;
-    if (m->num_layers == m->capacity) fatal("internal error: more layers than planned (%d)", m->capacity);
-    Layer *l = &m->layers[m->num_layers++];
-    memset(l, 0, sizeof *l);
-    l->kind = kind;
-    l->in = w->cur;
-    l->out = act_alloc(m, m->batch, out_size, out_size, out_channels);
-    return l;
+    if (m->num_blocks == m->capacity) fatal("internal error: more blocks than planned (%d)", m->capacity);
+    Block *b = &m->blocks[m->num_blocks++];
+    memset(b, 0, sizeof *b);
+    b->kind = kind;
+    b->in = w->cur;
+    b->out = act_alloc(m, m->batch, out_size, out_size, out_channels);
+    return b;
 }
 
 // Notes the patch-matrix size a convolution on a size x size input needs.
@@ -1635,9 +1827,9 @@ static void walk_norm_scratch(Walk *w, int channels) {
     note_scratch(&w->m->gn_scratch_numel, n);
 }
 
-// The layer's output becomes the walk's current activation.
-static void walk_advance(Walk *w, Layer *l, int size) {
-    w->cur = &l->out;
+// The block's output becomes the walk's current activation.
+static void walk_advance(Walk *w, Block *b, int size) {
+    w->cur = &b->out;
     w->size = size;
 }
 
@@ -1664,18 +1856,20 @@ static void walk_res_block(Walk *w, const char *prefix, int in, int out, int res
     if (!w->m) return;
     UNet *m = w->m;
     int size = w->size, out_size = resample > 0 ? 2 * size : resample < 0 ? size / 2 : size, N = m->batch;
-    Layer *l = walk_layer(w, LAYER_RES, out, out_size);
-    l->norm1 = norm1, l->conv1 = conv1, l->norm2 = norm2, l->conv2 = conv2, l->conv3 = conv3;
-    l->has_skip_conv = out != in, l->resample = resample, l->emb_offset = emb_offset;
-    l->h0 = act_alloc(m, N, size, size, in);
-    if (resample) l->h0r = act_alloc(m, N, out_size, out_size, in), l->xr = act_alloc(m, N, out_size, out_size, in);
-    l->h1 = act_alloc(m, N, out_size, out_size, out);
-    l->h2 = act_alloc(m, N, out_size, out_size, out);
-    l->mean1 = stats_alloc(m), l->rstd1 = stats_alloc(m), l->mean2 = stats_alloc(m), l->rstd2 = stats_alloc(m);
+    Block *b = walk_block(w, BLOCK_RES, out, out_size);
+    ResBlock *r = &b->res;
+    r->norm1 = norm1, r->conv1 = conv1, r->norm2 = norm2, r->conv2 = conv2, r->conv3 = conv3;
+    r->has_skip_conv = out != in, r->resample = resample, r->emb_offset = emb_offset;
+    r->dropout_stream = rng_stream(RNG_DROPOUT, (uint64_t)(b - m->blocks));
+    r->h0 = act_alloc(m, N, size, size, in);
+    if (resample) r->h0r = act_alloc(m, N, out_size, out_size, in), r->xr = act_alloc(m, N, out_size, out_size, in);
+    r->h1 = act_alloc(m, N, out_size, out_size, out);
+    r->h2 = act_alloc(m, N, out_size, out_size, out);
+    r->mean1 = stats_alloc(m), r->rstd1 = stats_alloc(m), r->mean2 = stats_alloc(m), r->rstd2 = stats_alloc(m);
     walk_conv_scratch(w, &conv1, out_size), walk_conv_scratch(w, &conv2, out_size);
-    if (l->has_skip_conv) walk_conv_scratch(w, &conv3, out_size);
+    if (r->has_skip_conv) walk_conv_scratch(w, &conv3, out_size);
     walk_norm_scratch(w, in), walk_norm_scratch(w, out);
-    walk_advance(w, l, out_size);
+    walk_advance(w, b, out_size);
 }
 
 // guided-diffusion's AttentionBlock: GroupNorm, qkv (1x1 conv1d to 3C), attention, proj_out
@@ -1688,13 +1882,14 @@ static void walk_attention(Walk *w, const char *prefix, int channels, int heads)
     if (!w->m) return;
     UNet *m = w->m;
     int size = w->size, N = m->batch, T = size * size;
-    Layer *l = walk_layer(w, LAYER_ATTENTION, channels, size);
-    l->norm1 = norm, l->conv1 = qkv, l->conv2 = proj;
-    l->h0 = act_alloc(m, N, size, size, channels);       // normalised
-    l->h1 = act_alloc(m, N, size, size, 3 * channels);   // qkv
-    l->h2 = act_alloc(m, N, size, size, channels);       // attention output
-    l->mean1 = stats_alloc(m), l->rstd1 = stats_alloc(m);
-    Attention *a = &l->attention;
+    Block *b = walk_block(w, BLOCK_ATTENTION, channels, size);
+    AttentionBlock *ab = &b->attention;
+    ab->norm = norm, ab->qkv = qkv, ab->proj = proj;
+    ab->h0 = act_alloc(m, N, size, size, channels);       // normalised
+    ab->h1 = act_alloc(m, N, size, size, 3 * channels);   // qkv
+    ab->h2 = act_alloc(m, N, size, size, channels);       // attention output
+    ab->mean = stats_alloc(m), ab->rstd = stats_alloc(m);
+    Attention *a = &ab->attention;
     a->N = N, a->T = T, a->C = channels, a->heads = heads, a->legacy = !w->c->use_new_attention_order;
     int64_t batch = (int64_t)N * heads, tt = batch * T * T;
     a->probs = (floatX *)arena_take(&m->acts, tt * sizeof(floatX));
@@ -1704,7 +1899,7 @@ static void walk_attention(Walk *w, const char *prefix, int channels, int heads)
     for (size_t i = 0; i < sizeof arrays / sizeof arrays[0]; i++) *arrays[i] = arena_take(&m->acts, batch * sizeof(void *));
     walk_norm_scratch(w, channels);
     walk_conv_scratch(w, &qkv, size), walk_conv_scratch(w, &proj, size);
-    walk_advance(w, l, size);
+    walk_advance(w, b, size);
 }
 
 // guided-diffusion's Downsample (stride-2 conv, or 2x2 average pooling) and Upsample (nearest,
@@ -1713,12 +1908,16 @@ static void walk_resample(Walk *w, const char *prefix, int channels, int up) {
     Conv cv = {0};
     if (w->c->conv_resample) cv = walk_conv(w, prefix, channels, channels, 3, up ? 1 : 2, 2);
     if (!w->m) return;
-    int size = w->size, out_size = up ? 2 * size : size / 2;
-    Layer *l = walk_layer(w, up ? LAYER_UP : LAYER_DOWN, channels, out_size);
-    l->conv1 = cv, l->has_conv = w->c->conv_resample;
-    if (up && l->has_conv) l->up = act_alloc(w->m, w->m->batch, out_size, out_size, channels);
-    if (l->has_conv) walk_conv_scratch(w, &cv, up ? out_size : size);
-    walk_advance(w, l, out_size);
+    int size = w->size, out_size = up ? 2 * size : size / 2, has_conv = w->c->conv_resample;
+    Block *b = walk_block(w, up ? BLOCK_UP : BLOCK_DOWN, channels, out_size);
+    if (up) {
+        b->up.conv = cv, b->up.has_conv = has_conv;
+        if (has_conv) b->up.up = act_alloc(w->m, w->m->batch, out_size, out_size, channels);
+    } else {
+        b->down.conv = cv, b->down.has_conv = has_conv;
+    }
+    if (has_conv) walk_conv_scratch(w, &cv, up ? out_size : size);
+    walk_advance(w, b, out_size);
 }
 
 static int heads_for(const ModelConfig *c, int channels, int decoder) {
@@ -1741,15 +1940,15 @@ static void unet_walk(const ModelConfig *c, ParamList *params, UNet *m) {
         if (m->compute && label >= 0) m->label_table = param_master(m, label), m->d_label_table = param_grad(m, label);
     }
     char name[128];
-    int ch = c->level_channels[0], skip_channels[MAX_SKIPS], skip_layers[MAX_SKIPS], num_skips = 0, block = 1;
+    int ch = c->level_channels[0], skip_channels[MAX_SKIPS], skip_blocks[MAX_SKIPS], num_skips = 0, block = 1;
     Conv conv_in = walk_conv(&w, "input_blocks.0.0.", c->in_channels, ch, 3, 1, 2);
     if (m) {
-        Layer *l = walk_layer(&w, LAYER_CONV, ch, w.size);
-        l->conv1 = conv_in;
+        Block *b = walk_block(&w, BLOCK_CONV, ch, w.size);
+        b->conv.conv = conv_in;
         walk_conv_scratch(&w, &conv_in, w.size);
-        walk_advance(&w, l, w.size);
+        walk_advance(&w, b, w.size);
     }
-    skip_channels[num_skips] = ch, skip_layers[num_skips++] = m ? m->num_layers - 1 : 0;
+    skip_channels[num_skips] = ch, skip_blocks[num_skips++] = m ? m->num_blocks - 1 : 0;
     for (int level = 0; level < c->num_levels; level++) {
         for (int r = 0; r < c->num_res_blocks; r++, block++) {
             snprintf(name, sizeof name, "input_blocks.%d.0.", block);
@@ -1759,12 +1958,12 @@ static void unet_walk(const ModelConfig *c, ParamList *params, UNet *m) {
                 snprintf(name, sizeof name, "input_blocks.%d.1.", block);
                 walk_attention(&w, name, ch, heads_for(c, ch, 0));
             }
-            skip_channels[num_skips] = ch, skip_layers[num_skips++] = m ? m->num_layers - 1 : 0;
+            skip_channels[num_skips] = ch, skip_blocks[num_skips++] = m ? m->num_blocks - 1 : 0;
         }
         if (level != c->num_levels - 1) {
             if (c->resblock_updown) snprintf(name, sizeof name, "input_blocks.%d.0.", block), walk_res_block(&w, name, ch, ch, -1);
             else snprintf(name, sizeof name, "input_blocks.%d.0.op.", block), walk_resample(&w, name, ch, 0);
-            skip_channels[num_skips] = ch, skip_layers[num_skips++] = m ? m->num_layers - 1 : 0;
+            skip_channels[num_skips] = ch, skip_blocks[num_skips++] = m ? m->num_blocks - 1 : 0;
             block++;
         }
     }
@@ -1776,9 +1975,9 @@ static void unet_walk(const ModelConfig *c, ParamList *params, UNet *m) {
         for (int r = 0; r <= c->num_res_blocks; r++, block++) {
             int skip = skip_channels[--num_skips];
             if (m) {  // [h, skip] along channels
-                Layer *l = walk_layer(&w, LAYER_CONCAT, ch + skip, w.size);
-                l->skip = &m->layers[skip_layers[num_skips]].out;
-                walk_advance(&w, l, w.size);
+                Block *b = walk_block(&w, BLOCK_CONCAT, ch + skip, w.size);
+                b->concat.skip = &m->blocks[skip_blocks[num_skips]].out;
+                walk_advance(&w, b, w.size);
             }
             snprintf(name, sizeof name, "output_blocks.%d.0.", block);
             walk_res_block(&w, name, ch + skip, c->level_channels[level], 0);
@@ -1797,12 +1996,12 @@ static void unet_walk(const ModelConfig *c, ParamList *params, UNet *m) {
     Norm out_norm = walk_norm(&w, "out.0.", ch);
     Conv out_conv = walk_conv(&w, "out.2.", c->level_channels[0], c->out_channels, 3, 1, 2);
     if (m) {
-        Layer *l = walk_layer(&w, LAYER_OUT, c->out_channels, w.size);
-        l->norm1 = out_norm, l->conv1 = out_conv;
-        l->h0 = act_alloc(m, m->batch, w.size, w.size, ch);
-        l->mean1 = stats_alloc(m), l->rstd1 = stats_alloc(m);
+        Block *b = walk_block(&w, BLOCK_OUT, c->out_channels, w.size);
+        b->head.norm = out_norm, b->head.conv = out_conv;
+        b->head.h0 = act_alloc(m, m->batch, w.size, w.size, ch);
+        b->head.mean = stats_alloc(m), b->head.rstd = stats_alloc(m);
         walk_norm_scratch(&w, ch), walk_conv_scratch(&w, &out_conv, w.size);
-        walk_advance(&w, l, w.size);
+        walk_advance(&w, b, w.size);
         m->emb_total = w.emb_offset;
     }
 }
@@ -1824,9 +2023,9 @@ static void *scratch_reserve(void *current, int64_t *have, int64_t need, size_t 
     return gpu_malloc(need * element);
 }
 
-// An upper bound on the layer count: per level, input blocks make 2 layers each plus a
+// An upper bound on the block count: per level, input blocks make 2 blocks each plus a
 // downsample; output blocks at most 4 (concat, ResBlock, attention, upsample).
-static int max_layers(const ModelConfig *c) { return 8 + c->num_levels * (2 * c->num_res_blocks + 1 + 4 * (c->num_res_blocks + 1)); }
+static int max_blocks(const ModelConfig *c) { return 8 + c->num_levels * (2 * c->num_res_blocks + 1 + 4 * (c->num_res_blocks + 1)); }
 
 // GPU parameter layout: conv weights [out][k][k][in] (PyTorch: [out][in][k][k]); every other
 // tensor as PyTorch has it. `to_gpu` converts one tensor's values between the two.
@@ -1847,8 +2046,6 @@ static int is_emb_layer(const char *name, const char *leaf) {
     return at && strcmp(at + strlen("emb_layers.1."), leaf) == 0;
 }
 
-// Builds the model for batches of `batch` images: parameters (uninitialised), layers, activations
-// and scratch, all from two allocations sized by a measuring walk.
 // Lays the parameters out in one array: the emb_layers weights first, then their biases, then the
 // rest in order, each of those 256-byte aligned for the matrix products. Sets every offset and the
 // biases' start; returns the array's length, alignment gaps (kept at zero) included.
@@ -1869,13 +2066,15 @@ static int64_t param_offsets(ParamList *params, int64_t *emb_bias_offset) {
     return at;
 }
 
+// Builds the model for batches of `batch` images: parameters (uninitialised), blocks, activations
+// and their gradients, each group in one allocation sized by a measuring walk.
 static void unet_create(UNet *m, const ModelConfig *c, int batch, int training) {
     memset(m, 0, sizeof *m);
     m->config = *c;
     m->batch = batch;
     m->training = training;
-    m->capacity = max_layers(c);
-    m->layers = (Layer *)calloc(m->capacity, sizeof(Layer));
+    m->capacity = max_blocks(c);
+    m->blocks = (Block *)calloc(m->capacity, sizeof(Block));
     m->params = model_parameters(c);
     int64_t n = m->storage = param_offsets(&m->params, &m->emb_bias_offset);
     int arrays = training ? 4 : 1;  // master, then gradients and AdamW's moments
@@ -1887,8 +2086,8 @@ static void unet_create(UNet *m, const ModelConfig *c, int batch, int training) 
 
     // Activations: measure, allocate once, walk again for real.
     for (int pass = 0; pass < 2; pass++) {
-        m->num_layers = 0;
-        m->acts.used = 0;
+        m->num_blocks = 0;
+        m->acts.used = 0, m->grads.used = 0;
         int size = c->image_size, emb_dim = 4 * c->model_channels;
         m->input = act_alloc(m, batch, size, size, c->in_channels);
         m->target = act_alloc(m, batch, size, size, c->out_channels);
@@ -1900,26 +2099,31 @@ static void unet_create(UNet *m, const ModelConfig *c, int batch, int training) 
         ParamList again = {0};
         unet_walk(c, &again, m);
         free(again.specs);
-        m->output = &m->layers[m->num_layers - 1].out;
+        m->output = &m->blocks[m->num_blocks - 1].out;
         int64_t E = m->emb_total;
-        m->emb_out = (float *)arena_take(&m->acts, (int64_t)batch * E * sizeof(float));
+        m->embedding.out = (float *)arena_take(&m->acts, (int64_t)batch * E * sizeof(float));
         if (training) {
-            m->d_emb_out = (float *)arena_take(&m->acts, (int64_t)batch * E * sizeof(float));
+            m->embedding.d_out = (float *)arena_take(&m->acts, (int64_t)batch * E * sizeof(float));
             m->d_emb_out_x = (floatX *)arena_take(&m->acts, (int64_t)batch * E * sizeof(floatX));
         }
         m->timesteps = (int64_t *)arena_take(&m->acts, batch * sizeof(int64_t));
         m->labels = (int *)arena_take(&m->acts, batch * sizeof(int));
         m->loss = (float *)arena_take(&m->acts, (LOSS_BLOCKS + 1) * sizeof(float));
         m->loss_partial = m->loss ? m->loss + 1 : NULL;
-        m->dropout_seed = (uint64_t *)arena_take(&m->acts, sizeof(uint64_t));
+        m->zero_seed = (uint64_t *)arena_take(&m->acts, sizeof(uint64_t));
         note_scratch(&m->channel_scratch_numel, (int64_t)batch * CHANNEL_SUM_CHUNKS * (E > emb_dim ? E : emb_dim));
-        if (pass == 0) m->acts.base = (char *)gpu_malloc(m->acts.used);
+        if (pass == 0) {
+            m->acts.base = (char *)gpu_malloc(m->acts.used);
+            if (training) m->grads.base = (char *)gpu_malloc(m->grads.used);
+        }
     }
-    cuda_check(cudaMemset(m->dropout_seed, 0, sizeof(uint64_t)));
+    cuda_check(cudaMemset(m->zero_seed, 0, sizeof(uint64_t)));
+    m->embedding.total = (int)m->emb_total, m->embedding.scale_shift = c->use_scale_shift_norm;
+    m->embedding.dropout = c->dropout, m->embedding.dropout_seed = m->zero_seed;
     m->emb_all.in = 4 * c->model_channels, m->emb_all.out = (int)m->emb_total, m->emb_all.k = 1, m->emb_all.stride = 1;
     m->emb_all.w = m->compute, m->emb_all.b = m->compute + m->emb_bias_offset;
     if (training) m->emb_all.dw = m->grad, m->emb_all.db = m->grad + m->emb_bias_offset;
-    // Scratch shared by the layers (one at a time) and by every model of the process.
+    // Scratch shared by the blocks (one at a time) and by every model of the process.
     conv_scratch = (floatX *)scratch_reserve(conv_scratch, &conv_scratch_have, m->conv_scratch_numel, sizeof(floatX));
     gn_partial_scratch = (double *)scratch_reserve(gn_partial_scratch, &gn_scratch_have, m->gn_scratch_numel, sizeof(double));
     channel_sums_scratch = (float *)scratch_reserve(channel_sums_scratch, &channel_scratch_have, m->channel_scratch_numel, sizeof(float));
@@ -1929,12 +2133,12 @@ static void unet_create(UNet *m, const ModelConfig *c, int batch, int training) 
     }
     float *scores = m->attention_scores = (float *)gpu_malloc(m->attention_scratch_numel * sizeof(float));
     floatX *d_scores = m->attention_d_scores = training ? (floatX *)gpu_malloc(m->attention_scratch_numel * sizeof(floatX)) : NULL;
-    for (int i = 0; i < m->num_layers; i++) {
-        Layer *l = &m->layers[i];
-        if (l->kind != LAYER_ATTENTION) continue;
-        l->attention.scores = scores, l->attention.d_scores = d_scores;
-        attention_pointers_kernel<<<(l->attention.N * l->attention.heads + 63) / 64, 64, 0, gpu.stream>>>(
-            l->attention, l->h1.x, l->h2.x, l->h1.dx, l->h2.dx);
+    for (int i = 0; i < m->num_blocks; i++) {
+        if (m->blocks[i].kind != BLOCK_ATTENTION) continue;
+        AttentionBlock *ab = &m->blocks[i].attention;
+        ab->attention.scores = scores, ab->attention.d_scores = d_scores;
+        attention_pointers_kernel<<<(ab->attention.N * ab->attention.heads + 63) / 64, 64, 0, gpu.stream>>>(
+            ab->attention, ab->h1.x, ab->h2.x, ab->h1.dx, ab->h2.dx);
         cuda_check_launch();
     }
 }
@@ -1944,9 +2148,10 @@ static void unet_destroy(UNet *m) {
     if ((void *)m->compute != (void *)m->master) cudaFree(m->compute);
     cudaFree(m->master);
     cudaFree(m->acts.base);
+    cudaFree(m->grads.base);
     cudaFree(m->attention_scores);
     cudaFree(m->attention_d_scores);
-    free(m->layers);
+    free(m->blocks);
     free(m->params.specs);
     memset(m, 0, sizeof *m);
 }
@@ -1958,121 +2163,29 @@ static void unet_sync_compute(UNet *m) {
     cuda_check_launch();
 }
 
-static NormOptions res_norm2_options(const UNet *m, const Layer *l, int training) {
-    NormOptions o = {0};
-    o.silu = 1;
-    if (m->config.use_scale_shift_norm) o.scale_shift = m->emb_out + l->emb_offset, o.scale_shift_ld = (int)m->emb_total;
-    else o.add = m->emb_out + l->emb_offset, o.add_ld = (int)m->emb_total;
-    if (training && m->config.dropout > 0.0f)
-        o.dropout = m->config.dropout, o.dropout_seed = m->dropout_seed, o.dropout_stream = rng_stream(RNG_DROPOUT, (uint64_t)(l - m->layers));
-    return o;
-}
-
-static const NormOptions NORM_SILU = {NULL, 0, NULL, 0, 1, 0.0f, NULL, 0};
-static const NormOptions NORM_PLAIN = {NULL, 0, NULL, 0, 0, 0.0f, NULL, 0};
-
-static void layer_forward(UNet *m, Layer *l, int training) {
-    int N = m->batch, H = l->in->H, W = l->in->W;
-    const floatX *x = l->in->x;
-    switch (l->kind) {
-    case LAYER_CONV: conv_forward(&l->conv1, l->out.x, x, N, H, W, NULL); break;
-    case LAYER_CONCAT:
-        concat_kernel<<<blocks_for(act_numel(&l->out), 256), 256, 0, gpu.stream>>>(l->out.x, x, l->skip->x, (int64_t)N * H * W,
-                                                                                    l->in->C, l->skip->C);
-        cuda_check_launch();
-        break;
-    case LAYER_RES: {
-        group_norm_forward(&l->norm1, l->h0.x, l->mean1, l->rstd1, x, N, H * W, NORM_SILU);
-        const floatX *h = l->h0.x, *skip = x;
-        if (l->resample) {
-            resample_forward(l->resample > 0, l->h0r.x, l->h0.x, N, H, W, l->in->C);
-            resample_forward(l->resample > 0, l->xr.x, x, N, H, W, l->in->C);
-            h = l->h0r.x, skip = l->xr.x;
-        }
-        int Ho = l->out.H, Wo = l->out.W;
-        conv_forward(&l->conv1, l->h1.x, h, N, Ho, Wo, NULL);
-        NormOptions o = res_norm2_options(m, l, training);
-        group_norm_forward(&l->norm2, l->h2.x, l->mean2, l->rstd2, l->h1.x, N, Ho * Wo, o);
-        if (l->has_skip_conv) {
-            conv_forward(&l->conv3, l->out.x, skip, N, Ho, Wo, NULL);
-            skip = l->out.x;
-        }
-        conv_forward(&l->conv2, l->out.x, l->h2.x, N, Ho, Wo, skip);
-        break;
-    }
-    case LAYER_ATTENTION:
-        group_norm_forward(&l->norm1, l->h0.x, l->mean1, l->rstd1, x, N, H * W, NORM_PLAIN);
-        conv_forward(&l->conv1, l->h1.x, l->h0.x, N, H, W, NULL);
-        attention_forward(&l->attention);
-        conv_forward(&l->conv2, l->out.x, l->h2.x, N, H, W, x);
-        break;
-    case LAYER_DOWN:
-        if (l->has_conv) conv_forward(&l->conv1, l->out.x, x, N, H, W, NULL);
-        else resample_forward(0, l->out.x, x, N, H, W, l->in->C);
-        break;
-    case LAYER_UP:
-        resample_forward(1, l->has_conv ? l->up.x : l->out.x, x, N, H, W, l->in->C);
-        if (l->has_conv) conv_forward(&l->conv1, l->out.x, l->up.x, N, 2 * H, 2 * W, NULL);
-        break;
-    case LAYER_OUT:
-        group_norm_forward(&l->norm1, l->h0.x, l->mean1, l->rstd1, x, N, H * W, NORM_SILU);
-        conv_forward(&l->conv1, l->out.x, l->h0.x, N, H, W, NULL);
-        break;
+static void block_forward(UNet *m, Block *b, int training) {
+    switch (b->kind) {
+    case BLOCK_CONV: conv_block_forward(&b->conv, b->in, &b->out); break;
+    case BLOCK_CONCAT: concat_block_forward(&b->concat, b->in, &b->out); break;
+    case BLOCK_RES: res_block_forward(&b->res, &m->embedding, b->in, &b->out, training); break;
+    case BLOCK_ATTENTION: attention_block_forward(&b->attention, b->in, &b->out); break;
+    case BLOCK_DOWN: downsample_forward(&b->down, b->in, &b->out); break;
+    case BLOCK_UP: upsample_forward(&b->up, b->in, &b->out); break;
+    case BLOCK_OUT: output_head_forward(&b->head, b->in, &b->out); break;
+    case NUM_BLOCK_KINDS: break;
     }
 }
 
-// Accumulates into the inputs' gradients (every activation gradient starts at zero).
-static void layer_backward(UNet *m, Layer *l, int training) {
-    int N = m->batch, H = l->in->H, W = l->in->W;
-    const floatX *x = l->in->x;
-    floatX *dx = l->in->dx, *dy = l->out.dx;
-    switch (l->kind) {
-    case LAYER_CONV: conv_backward(&l->conv1, dx, dy, x, N, H, W, NULL, 0); break;
-    case LAYER_CONCAT:
-        split_add_kernel<<<blocks_for(act_numel(&l->out), 256), 256, 0, gpu.stream>>>(dx, l->skip->dx, dy, (int64_t)N * H * W,
-                                                                                       l->in->C, l->skip->C);
-        cuda_check_launch();
-        break;
-    case LAYER_RES: {
-        int Ho = l->out.H, Wo = l->out.W;
-        const floatX *h = l->resample ? l->h0r.x : l->h0.x, *skip = l->resample ? l->xr.x : x;
-        floatX *dh = l->resample ? l->h0r.dx : l->h0.dx, *dskip = l->resample ? l->xr.dx : dx;
-        conv_backward(&l->conv2, l->h2.dx, dy, l->h2.x, N, Ho, Wo, NULL, 0);
-        if (l->has_skip_conv) conv_backward(&l->conv3, dskip, dy, skip, N, Ho, Wo, NULL, 0);
-        else add_kernel<<<blocks_for(act_numel(&l->out), 256), 256, 0, gpu.stream>>>(dskip, dy, act_numel(&l->out));
-        cuda_check_launch();
-        NormOptions o = res_norm2_options(m, l, training);
-        group_norm_backward(&l->norm2, l->h1.dx, m->d_emb_out + l->emb_offset, l->h2.dx, l->h1.x, l->mean2, l->rstd2, N,
-                            Ho * Wo, o);
-        float *d_add = m->config.use_scale_shift_norm ? NULL : m->d_emb_out + l->emb_offset;
-        conv_backward(&l->conv1, dh, l->h1.dx, h, N, Ho, Wo, d_add, (int)m->emb_total);
-        if (l->resample) {
-            resample_backward(l->resample > 0, l->h0.dx, l->h0r.dx, N, H, W, l->in->C);
-            resample_backward(l->resample > 0, dx, l->xr.dx, N, H, W, l->in->C);
-        }
-        group_norm_backward(&l->norm1, dx, NULL, l->h0.dx, x, l->mean1, l->rstd1, N, H * W, NORM_SILU);
-        break;
-    }
-    case LAYER_ATTENTION:
-        conv_backward(&l->conv2, l->h2.dx, dy, l->h2.x, N, H, W, NULL, 0);
-        add_kernel<<<blocks_for(act_numel(&l->out), 256), 256, 0, gpu.stream>>>(dx, dy, act_numel(&l->out));
-        cuda_check_launch();
-        attention_backward(&l->attention);
-        conv_backward(&l->conv1, l->h0.dx, l->h1.dx, l->h0.x, N, H, W, NULL, 0);
-        group_norm_backward(&l->norm1, dx, NULL, l->h0.dx, x, l->mean1, l->rstd1, N, H * W, NORM_PLAIN);
-        break;
-    case LAYER_DOWN:
-        if (l->has_conv) conv_backward(&l->conv1, dx, dy, x, N, H, W, NULL, 0);
-        else resample_backward(0, dx, dy, N, H, W, l->in->C);
-        break;
-    case LAYER_UP:
-        if (l->has_conv) conv_backward(&l->conv1, l->up.dx, dy, l->up.x, N, 2 * H, 2 * W, NULL, 0);
-        resample_backward(1, dx, l->has_conv ? l->up.dx : dy, N, H, W, l->in->C);
-        break;
-    case LAYER_OUT:
-        conv_backward(&l->conv1, l->h0.dx, dy, l->h0.x, N, H, W, NULL, 0);
-        group_norm_backward(&l->norm1, dx, NULL, l->h0.dx, x, l->mean1, l->rstd1, N, H * W, NORM_SILU);
-        break;
+static void block_backward(UNet *m, Block *b, int training) {
+    switch (b->kind) {
+    case BLOCK_CONV: conv_block_backward(&b->conv, b->in, &b->out); break;
+    case BLOCK_CONCAT: concat_block_backward(&b->concat, b->in, &b->out); break;
+    case BLOCK_RES: res_block_backward(&b->res, &m->embedding, b->in, &b->out, training); break;
+    case BLOCK_ATTENTION: attention_block_backward(&b->attention, b->in, &b->out); break;
+    case BLOCK_DOWN: downsample_backward(&b->down, b->in, &b->out); break;
+    case BLOCK_UP: upsample_backward(&b->up, b->in, &b->out); break;
+    case BLOCK_OUT: output_head_backward(&b->head, b->in, &b->out); break;
+    case NUM_BLOCK_KINDS: break;
     }
 }
 
@@ -2097,29 +2210,25 @@ static void unet_forward(UNet *m, int training) {
     silu_forward_kernel<<<blocks_for(N * D, 256), 256, 0, gpu.stream>>>(m->emb_silu.x, m->emb.x, N * D);
     cuda_check_launch();
     int E = (int)m->emb_total;
-    matmul(m->emb_out, CUDA_R_32F, E, m->emb_silu.x, 0, D, m->emb_all.w, 1, D, N, E, D, NULL, 0, 0.0f, NULL);
-    add_rows_kernel<<<(N * E + 255) / 256, 256, 0, gpu.stream>>>(m->emb_out, m->emb_all.b, N, E);
+    matmul(m->embedding.out, CUDA_R_32F, E, m->emb_silu.x, 0, D, m->emb_all.w, 1, D, N, E, D, NULL, 0, 0.0f, NULL);
+    add_rows_kernel<<<(N * E + 255) / 256, 256, 0, gpu.stream>>>(m->embedding.out, m->emb_all.b, N, E);
     cuda_check_launch();
-    for (int i = 0; i < m->num_layers; i++) layer_forward(m, &m->layers[i], training);
+    for (int i = 0; i < m->num_blocks; i++) block_forward(m, &m->blocks[i], training);
 }
 
 // The backward pass from m->output->dx: every parameter gradient into m->grad, and m->input.dx.
 static void unet_backward(UNet *m, int training) {
     const ModelConfig *c = &m->config;
     int N = m->batch, D = 4 * c->model_channels, E = (int)m->emb_total;
-    // Zero every activation gradient but the output's (set by the loss).
-    for (int i = 0; i < m->num_layers; i++) {
-        Layer *l = &m->layers[i];
-        Act *acts[7] = {l->in, &l->h0, &l->h0r, &l->xr, &l->h1, &l->h2, &l->up};
-        for (int j = 0; j < 7; j++)
-            if (acts[j]->dx && acts[j] != m->output) cuda_check(cudaMemsetAsync(acts[j]->dx, 0, act_numel(acts[j]) * sizeof(floatX), gpu.stream));
-    }
-    Act *emb_acts[4] = {&m->t_hidden, &m->t_hidden_silu, &m->emb, &m->emb_silu};
-    for (int j = 0; j < 4; j++) cuda_check(cudaMemsetAsync(emb_acts[j]->dx, 0, act_numel(emb_acts[j]) * sizeof(floatX), gpu.stream));
-    cuda_check(cudaMemsetAsync(m->d_emb_out, 0, (size_t)N * E * sizeof(float), gpu.stream));
-    for (int i = m->num_layers - 1; i >= 0; i--) layer_backward(m, &m->layers[i], training);
+    // Zero every activation gradient but the output's (set by the loss): the gradient arena before
+    // and after it.
+    char *output_dx = (char *)m->output->dx, *after = output_dx + act_numel(m->output) * sizeof(floatX);
+    cuda_check(cudaMemsetAsync(m->grads.base, 0, output_dx - m->grads.base, gpu.stream));
+    cuda_check(cudaMemsetAsync(after, 0, m->grads.base + m->grads.used - after, gpu.stream));
+    cuda_check(cudaMemsetAsync(m->embedding.d_out, 0, (size_t)N * E * sizeof(float), gpu.stream));
+    for (int i = m->num_blocks - 1; i >= 0; i--) block_backward(m, &m->blocks[i], training);
     // The timestep projections of all ResBlocks at once, then the embedding MLP.
-    float_to_floatx_kernel<<<blocks_for((int64_t)N * E, 256), 256, 0, gpu.stream>>>(m->d_emb_out_x, m->d_emb_out, (int64_t)N * E);
+    float_to_floatx_kernel<<<blocks_for((int64_t)N * E, 256), 256, 0, gpu.stream>>>(m->d_emb_out_x, m->embedding.d_out, (int64_t)N * E);
     cuda_check_launch();
     conv_backward(&m->emb_all, m->emb_silu.dx, m->d_emb_out_x, m->emb_silu.x, N, 1, 1, NULL, 0);
     silu_backward_kernel<<<blocks_for(N * D, 256), 256, 0, gpu.stream>>>(m->emb.dx, m->emb_silu.dx, m->emb.x, N * D);
@@ -2210,49 +2319,50 @@ static void unet_init_parameters(UNet *m, uint64_t seed) {
 // ----------------------------------------------------------------------------------------------
 // Profiling the layers of a step.
 
-// Where a step's time goes: each layer's forward and backward timed with events (one eager step),
-// summed by kind of layer.
+// Where a step's time goes: each block's forward and backward timed with events (one eager step),
+// summed by kind of block.
 static void print_profile(UNet *m) {
-    static const char *const kinds[] = {"conv", "concat", "resblock", "attention", "downsample", "upsample", "out"};
-    float forward[7] = {0}, backward[7] = {0}, ms;
-    int count[7] = {0};
+    float forward[NUM_BLOCK_KINDS] = {0}, backward[NUM_BLOCK_KINDS] = {0}, ms;
+    int count[NUM_BLOCK_KINDS] = {0};
     cudaEvent_t a, b;
     cuda_check(cudaEventCreate(&a));
     cuda_check(cudaEventCreate(&b));
-    unet_forward(m, 1);  // the embedding and all layers, to get the activations; then per layer again
+    unet_forward(m, 1);  // the embedding and all blocks, to get the activations; then per block again
     for (int pass = 0; pass < 2; pass++)
-        for (int j = 0; j < m->num_layers; j++) {
-            int i = pass == 0 ? j : m->num_layers - 1 - j;
-            Layer *l = &m->layers[i];
+        for (int j = 0; j < m->num_blocks; j++) {
+            int i = pass == 0 ? j : m->num_blocks - 1 - j;
+            Block *l = &m->blocks[i];
             cuda_check(cudaEventRecord(a, gpu.stream));
-            if (pass == 0) layer_forward(m, l, 1);
-            else layer_backward(m, l, 1);
+            if (pass == 0) block_forward(m, l, 1);
+            else block_backward(m, l, 1);
             cuda_check(cudaEventRecord(b, gpu.stream));
             cuda_check(cudaEventSynchronize(b));
             cuda_check(cudaEventElapsedTime(&ms, a, b));
             (pass == 0 ? forward : backward)[l->kind] += ms;
             count[l->kind] += pass == 0;
         }
-    printf("profile (one eager step, GPU time by kind of layer):\n  %-11s %6s %10s %10s\n", "layer", "count", "fwd ms", "bwd ms");
-    for (int k = 0; k < 7; k++)
-        if (count[k]) printf("  %-11s %6d %10.3f %10.3f\n", kinds[k], count[k], forward[k], backward[k]);
+    printf("profile (one eager step, GPU time by kind of block):\n  %-11s %6s %10s %10s\n", "block", "count", "fwd ms", "bwd ms");
+    for (int k = 0; k < NUM_BLOCK_KINDS; k++)
+        if (count[k]) printf("  %-11s %6d %10.3f %10.3f\n", block_kind_names[k], count[k], forward[k], backward[k]);
     // The parts of the first ResBlock's backward.
-    Layer *l = NULL;
-    for (int i = 0; i < m->num_layers && !l; i++)
-        if (m->layers[i].kind == LAYER_RES) l = &m->layers[i];
-    int N = m->batch, H = l->out.H, W = l->out.W, M = N * H * W, K = 9 * l->conv2.in;
-    NormOptions o = res_norm2_options(m, l, 1);
+    Block *first = NULL;
+    for (int i = 0; i < m->num_blocks && !first; i++)
+        if (m->blocks[i].kind == BLOCK_RES) first = &m->blocks[i];
+    ResBlock *l = &first->res;
+    const Act *out = &first->out;
+    int N = m->batch, H = out->H, W = out->W, M = N * H * W, K = 9 * l->conv2.in;
+    NormOptions o = res_block_norm2(l, &m->embedding, 1);
     printf("  first ResBlock (%dx%d, %d -> %d channels), backward parts in ms:\n", H, W, l->conv1.in, l->conv1.out);
     for (int part = 0; part < 8; part++) {
         cuda_check(cudaEventRecord(a, gpu.stream));
         switch (part) {
-        case 0: conv_backward(&l->conv2, l->h2.dx, l->out.dx, l->h2.x, N, H, W, NULL, 0); break;
+        case 0: conv_backward(&l->conv2, l->h2.dx, out->dx, l->h2.x, N, H, W, NULL, 0); break;
         case 1: conv_patches(&l->conv2, l->h2.x, N, H, W); break;
-        case 2: weight_gradient(l->conv2.dw, l->out.dx, conv_scratch, M, l->conv2.out, K); break;
-        case 3: channel_sums(NULL, 0, l->conv2.db, l->out.dx, N, H * W, l->conv2.out); break;
-        case 4: matmul(conv_scratch, CUDA_FLOATX, K, l->out.dx, 0, l->conv2.out, l->conv2.w, 0, K, M, K, l->conv2.out, NULL, 0, 0.0f, NULL); break;
+        case 2: weight_gradient(l->conv2.dw, out->dx, conv_scratch, M, l->conv2.out, K); break;
+        case 3: channel_sums(NULL, 0, l->conv2.db, out->dx, N, H * W, l->conv2.out); break;
+        case 4: matmul(conv_scratch, CUDA_FLOATX, K, out->dx, 0, l->conv2.out, l->conv2.w, 0, K, M, K, l->conv2.out, NULL, 0, 0.0f, NULL); break;
         case 5: col2im_kernel<Pack><<<blocks_for((int64_t)M * l->conv2.in / PACK, 256), 256, 0, gpu.stream>>>(l->h2.dx, conv_scratch, N, H, W, l->conv2.in, 3, 1, H, W); break;
-        case 6: group_norm_backward(&l->norm2, l->h1.dx, m->d_emb_out + l->emb_offset, l->h2.dx, l->h1.x, l->mean2, l->rstd2, N, H * W, o); break;
+        case 6: group_norm_backward(&l->norm2, l->h1.dx, m->embedding.d_out + l->emb_offset, l->h2.dx, l->h1.x, l->mean2, l->rstd2, N, H * W, o); break;
         case 7: group_norm_forward(&l->norm2, l->h2.x, l->mean2, l->rstd2, l->h1.x, N, H * W, o); break;
         }
         cuda_check(cudaEventRecord(b, gpu.stream));
@@ -2413,7 +2523,7 @@ static void trainer_create(Trainer *tr, const Options *o, const ModelConfig *c, 
     cuda_check(cudaMallocHost((void **)&tr->host_state, sizeof(StepState)));
     memset(tr->host_state, 0, sizeof(StepState));
     tr->state = (StepState *)gpu_malloc(sizeof(StepState));
-    tr->m.dropout_seed = &tr->state->noise_seed;  // dropout draws from the step's seed too
+    tr->m.embedding.dropout_seed = &tr->state->noise_seed;  // dropout draws from the step's seed too
     tr->norm_partial = (double *)gpu_malloc(NORM_BLOCKS * sizeof(double));
     int64_t n = act_numel(&tr->m.input);
     tr->d_pixels = (uint8_t *)gpu_malloc(n);
@@ -3532,7 +3642,7 @@ static void print_model_summary(FILE *f, const ModelConfig *c, const ParamList *
 static void write_samples(Trainer *tr, GpuSampler *sampler, const char *run_dir) {
     const Options *o = tr->o;
     int count = o->sample_count, size = tr->config.image_size;
-    if (!sampler->m.layers) {
+    if (!sampler->m.blocks) {
         SamplePlan plan;
         if (sample_plan_make(&plan, &tr->diffusion.schedule, SAMPLER_DDIM, o->sample_steps, 0.0f, strcmp(o->predict, "v") == 0, 1) != 0)
             fatal("out of memory");
