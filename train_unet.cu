@@ -4,7 +4,8 @@
 // and matrix products; the kernels, each layer's forward and backward side by side with its math
 // (channel sums, convolution, GroupNorm, attention, resampling, concat, elementwise, embeddings,
 // the loss, AdamW); the configuration (model and options, from the command line or a checkpoint);
-// the model (guided-diffusion's architecture and state_dict names, forward, backward),
+// the blocks (ResBlock, AttentionBlock, ...: each a struct with its forward and backward); the
+// model assembly (guided-diffusion's architecture and state_dict names, forward, backward),
 // initialisation and profiling; diffusion training and the trainer (one step as a CUDA graph);
 // sampling on the GPU; the data loader; checkpoints (safetensors writing, saving, resuming; the
 // readers are in checkpoint.h, the dataset's in dataset.h); the command line; the training run;
@@ -1432,6 +1433,11 @@ static int diffusion_from_metadata(const SafeTensorsFile *f, const char *path, i
     return 0;
 }
 
+// ----------------------------------------------------------------------------------------------
+// Blocks: guided-diffusion's modules, each a struct with its parameters and the activations its
+// backward needs, and its forward and backward side by side. forward reads `in` and writes `out`;
+// backward reads out->dx and adds into in->dx (every activation gradient starts the step at zero).
+
 // An activation and its gradient, NHWC.
 typedef struct {
     floatX *x, *dx;
@@ -1439,11 +1445,6 @@ typedef struct {
 } Act;
 
 static int64_t act_numel(const Act *a) { return (int64_t)a->N * a->H * a->W * a->C; }
-
-// ----------------------------------------------------------------------------------------------
-// Blocks: guided-diffusion's modules, each a struct with its parameters and the activations its
-// backward needs, and its forward and backward side by side. forward reads `in` and writes `out`;
-// backward reads out->dx and adds into in->dx (every activation gradient starts the step at zero).
 
 // What the ResBlocks read besides their input: every block's timestep projection side by side
 // (one matrix product computes them all, one their gradients), and dropout's seed for the step.
@@ -2317,7 +2318,7 @@ static void unet_init_parameters(UNet *m, uint64_t seed) {
 }
 
 // ----------------------------------------------------------------------------------------------
-// Profiling the layers of a step.
+// Profiling a step, block by block.
 
 // Where a step's time goes: each block's forward and backward timed with events (one eager step),
 // summed by kind of block.
