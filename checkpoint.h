@@ -39,10 +39,14 @@ typedef struct {
 } SafeTensor;
 
 typedef struct {
+    char *key, *value;
+} MetaPair;
+
+typedef struct {
     MappedFile file;  // the mapped file (safetensors_open), or none (safetensors_parse)
     SafeTensor *tensors;  // sorted by name
     int count;
-    char **meta_keys, **meta_values;  // sorted by key
+    MetaPair *meta;  // sorted by key
     int meta_count;
 } SafeTensorsFile;
 
@@ -218,23 +222,20 @@ static inline int safetensors_metadata_object(JsonCursor *j, SafeTensorsFile *f,
         if (f->meta_count == SAFETENSORS_MAX_METADATA) return free(key), free(value), json_fail(j, "at most 4096 metadata entries"), -1;
         if (f->meta_count == *capacity) {
             *capacity = *capacity ? 2 * *capacity : 32;
-            char **keys = (char **)realloc(f->meta_keys, *capacity * sizeof(char *));
-            if (keys) f->meta_keys = keys;
-            char **values = (char **)realloc(f->meta_values, *capacity * sizeof(char *));
-            if (values) f->meta_values = values;
-            if (!keys || !values) return free(key), free(value), json_fail(j, "metadata that fits in memory"), -1;
+            MetaPair *grown = (MetaPair *)realloc(f->meta, *capacity * sizeof(MetaPair));
+            if (!grown) return free(key), free(value), json_fail(j, "metadata that fits in memory"), -1;
+            f->meta = grown;
         }
-        f->meta_keys[f->meta_count] = key, f->meta_values[f->meta_count++] = value;
+        f->meta[f->meta_count].key = key, f->meta[f->meta_count++].value = value;
     } while (json_take(j, ','));
     return json_expect(j, '}', "',' or '}' in __metadata__") ? 0 : -1;
 }
 
 static inline void safetensors_close(SafeTensorsFile *f) {
     for (int i = 0; i < f->count; i++) free(f->tensors[i].name);
-    for (int i = 0; i < f->meta_count; i++) free(f->meta_keys[i]), free(f->meta_values[i]);
+    for (int i = 0; i < f->meta_count; i++) free(f->meta[i].key), free(f->meta[i].value);
     free(f->tensors);
-    free(f->meta_keys);
-    free(f->meta_values);
+    free(f->meta);
     unmap_file(&f->file);
     memset(f, 0, sizeof *f);
 }
@@ -247,29 +248,16 @@ static inline int safetensors_by_offset(const void *a, const void *b) {
     return x->begin != y->begin ? (x->begin > y->begin) - (x->begin < y->begin) : (x->end > y->end) - (x->end < y->end);
 }
 static inline int safetensors_by_key(const void *a, const void *b) {
-    return strcmp(**(char *const *const *)a, **(char *const *const *)b);
+    return strcmp(((const MetaPair *)a)->key, ((const MetaPair *)b)->key);
 }
 
-// Sorts the metadata by key (values follow their keys) and refuses a key given twice.
+// Sorts the metadata by key and refuses a key given twice.
 static inline int safetensors_sort_metadata(SafeTensorsFile *f, char *err, size_t err_len) {
-    char ***order = (char ***)malloc((f->meta_count + 1) * sizeof(char **));
-    char **keys = (char **)malloc((f->meta_count + 1) * sizeof(char *)), **values = (char **)malloc((f->meta_count + 1) * sizeof(char *));
-    int r = order && keys && values ? 0 : dataset_fail(err, err_len, "out of memory reading the metadata");
-    for (int i = 0; r == 0 && i < f->meta_count; i++) order[i] = &f->meta_keys[i];
-    if (r == 0) qsort(order, f->meta_count, sizeof *order, safetensors_by_key);
-    for (int i = 0; r == 0 && i < f->meta_count; i++) {
-        int from = (int)(order[i] - f->meta_keys);
-        keys[i] = f->meta_keys[from], values[i] = f->meta_values[from];
-    }
-    if (r == 0) {
-        free(f->meta_keys), free(f->meta_values);
-        f->meta_keys = keys, f->meta_values = values, keys = values = NULL;
-        for (int i = 1; r == 0 && i < f->meta_count; i++)
-            if (strcmp(f->meta_keys[i - 1], f->meta_keys[i]) == 0)
-                r = dataset_fail(err, err_len, "metadata key \"%s\" appears twice", f->meta_keys[i]);
-    }
-    free(order), free(keys), free(values);
-    return r;
+    if (f->meta_count) qsort(f->meta, f->meta_count, sizeof(MetaPair), safetensors_by_key);
+    for (int i = 1; i < f->meta_count; i++)
+        if (strcmp(f->meta[i - 1].key, f->meta[i].key) == 0)
+            return dataset_fail(err, err_len, "metadata key \"%s\" appears twice", f->meta[i].key);
+    return 0;
 }
 
 // Checks that the tensors tile the data section: sorted by offset, each begins where the one
@@ -375,14 +363,11 @@ static inline const SafeTensor *safetensors_find(const SafeTensorsFile *f, const
 }
 
 static inline const char *safetensors_metadata(const SafeTensorsFile *f, const char *key) {
-    int lo = 0, hi = f->meta_count;
-    while (lo < hi) {
-        int mid = (lo + hi) / 2, c = strcmp(f->meta_keys[mid], key);
-        if (c == 0) return f->meta_values[mid];
-        if (c < 0) lo = mid + 1;
-        else hi = mid;
-    }
-    return NULL;
+    MetaPair wanted;
+    wanted.key = (char *)key;
+    const MetaPair *found =
+        f->meta_count ? (const MetaPair *)bsearch(&wanted, f->meta, f->meta_count, sizeof(MetaPair), safetensors_by_key) : NULL;
+    return found ? found->value : NULL;
 }
 
 static inline float bf16_bits_to_float(uint16_t b) {

@@ -3090,10 +3090,14 @@ static int fsync_path(const char *path) {
 static int make_dir_synced(const char *path) {
     if (mkdir(path, 0777) != 0) {
         struct stat st;
-        return errno == EEXIST && stat(path, &st) == 0 && S_ISDIR(st.st_mode) ? 0 : (errno = errno == EEXIST ? ENOTDIR : errno, -1);
+        if (errno != EEXIST) return -1;
+        if (stat(path, &st) == 0 && S_ISDIR(st.st_mode)) return 0;
+        errno = ENOTDIR;
+        return -1;
     }
     char parent[4096];
     snprintf(parent, sizeof parent, "%s", path);
+    for (size_t n = strlen(parent); n > 1 && parent[n - 1] == '/'; n--) parent[n - 1] = '\0';  // "run/" is "run"
     char *slash = strrchr(parent, '/');
     if (slash == parent) slash[1] = '\0';
     else if (slash) *slash = '\0';
@@ -3806,7 +3810,7 @@ static double now_seconds(void) {
 // Trains from a checked resume point, or from a fresh initialisation when resume is NULL.
 static void run_training(const Options *o, const ModelConfig *config, const ParamList *params, const ResumePoint *resume) {
     char err[1024], saved[4400] = "";
-    if (o->overwrite && !resume) clear_run_folder(o->run_dir);
+    if (o->overwrite) clear_run_folder(o->run_dir);  // never with a resume (validate_training)
     if (make_dir_synced(o->run_dir) != 0) fatal("cannot create run folder %s: %s", o->run_dir, strerror(errno));
     DataLoader loader;
     if (loader_open(&loader, o->data, o->batch_size, o->random_flip, (uint64_t)o->seed, 1, err, sizeof err) != 0) fatal("%s", err);

@@ -23,7 +23,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
         free(values), free(integers);
     }
     for (int i = 0; i < f.meta_count; i++)
-        if (safetensors_metadata(&f, f.meta_keys[i]) != f.meta_values[i]) abort();
+        if (safetensors_metadata(&f, f.meta[i].key) != f.meta[i].value) abort();
     safetensors_close(&f);
     return 0;
 }
