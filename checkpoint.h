@@ -39,7 +39,7 @@ typedef struct {
 } SafeTensor;
 
 typedef struct {
-    char *key, *value;
+    const char *key, *value;  // heap strings in a file read here; the writer takes any
 } MetaPair;
 
 typedef struct {
@@ -233,7 +233,7 @@ static inline int safetensors_metadata_object(JsonCursor *j, SafeTensorsFile *f,
 
 static inline void safetensors_close(SafeTensorsFile *f) {
     for (int i = 0; i < f->count; i++) free(f->tensors[i].name);
-    for (int i = 0; i < f->meta_count; i++) free(f->meta[i].key), free(f->meta[i].value);
+    for (int i = 0; i < f->meta_count; i++) free((void *)f->meta[i].key), free((void *)f->meta[i].value);
     free(f->tensors);
     free(f->meta);
     unmap_file(&f->file);
@@ -364,7 +364,7 @@ static inline const SafeTensor *safetensors_find(const SafeTensorsFile *f, const
 
 static inline const char *safetensors_metadata(const SafeTensorsFile *f, const char *key) {
     MetaPair wanted;
-    wanted.key = (char *)key;
+    wanted.key = key;
     const MetaPair *found =
         f->meta_count ? (const MetaPair *)bsearch(&wanted, f->meta, f->meta_count, sizeof(MetaPair), safetensors_by_key) : NULL;
     return found ? found->value : NULL;
@@ -411,6 +411,100 @@ static inline int safetensors_get_int64(const SafeTensor *t, int64_t *out) {
         else { int32_t v; memcpy(&v, t->data + 4 * i, 4); out[i] = v; }
     }
     return 0;
+}
+
+// ----------------------------------------------------------------------------------------------
+// Writing safetensors: fp32 tensors in the order given, the metadata first in the header, the
+// data 8-byte aligned. What this writes, the reader above reads back unchanged.
+
+typedef struct {
+    const char *name;
+    int ndim;
+    const int *shape;
+    int64_t numel;
+    const float *values;
+} SafeTensorOut;
+
+// The header as it grows; a failed allocation marks it failed and stops it growing.
+typedef struct {
+    char *text;
+    size_t len, cap;
+    int failed;
+} HeaderText;
+
+static inline int header_reserve(HeaderText *h, size_t more) {
+    if (h->failed) return -1;
+    if (h->len + more < h->cap) return 0;
+    size_t cap = 2 * (h->len + more) + 256;
+    char *grown = (char *)realloc(h->text, cap);
+    if (!grown) return h->failed = 1, -1;
+    h->text = grown, h->cap = cap;
+    return 0;
+}
+
+static inline void header_put(HeaderText *h, const char *fmt, ...) {
+    va_list args;
+    va_start(args, fmt);
+    int n = vsnprintf(NULL, 0, fmt, args);
+    va_end(args);
+    if (n < 0 || header_reserve(h, (size_t)n + 1) != 0) return;
+    va_start(args, fmt);
+    vsnprintf(h->text + h->len, h->cap - h->len, fmt, args);
+    va_end(args);
+    h->len += (size_t)n;
+}
+
+// A JSON string: quoted, with quotes, backslashes and control characters escaped.
+static inline void header_put_string(HeaderText *h, const char *s) {
+    if (header_reserve(h, 6 * strlen(s) + 3) != 0) return;
+    char *o = h->text + h->len;
+    *o++ = '"';
+    for (; *s; s++) {
+        if ((unsigned char)*s < 0x20) { o += sprintf(o, "\\u%04x", (unsigned char)*s); continue; }
+        if (*s == '"' || *s == '\\') *o++ = '\\';
+        *o++ = *s;
+    }
+    *o++ = '"';
+    *o = '\0';
+    h->len = (size_t)(o - h->text);
+}
+
+// Writes the tensors and metadata to path and syncs the file. Returns 0, or -1 with errno set
+// (the caller writes to a temporary name and renames, so a failure leaves nothing half-written
+// under the final name).
+static inline int safetensors_write(const char *path, const SafeTensorOut *tensors, int count, const MetaPair *meta,
+                                    int meta_count) {
+    HeaderText h = {NULL, 0, 0, 0};
+    header_put(&h, "{\"__metadata__\":{");
+    for (int i = 0; i < meta_count; i++) {
+        if (i) header_put(&h, ",");
+        header_put_string(&h, meta[i].key);
+        header_put(&h, ":");
+        header_put_string(&h, meta[i].value);
+    }
+    header_put(&h, "}");
+    uint64_t offset = 0;
+    for (int i = 0; i < count; i++) {
+        const SafeTensorOut *t = &tensors[i];
+        header_put(&h, ",");
+        header_put_string(&h, t->name);
+        header_put(&h, ":{\"dtype\":\"F32\",\"shape\":[");
+        for (int d = 0; d < t->ndim; d++) header_put(&h, d ? ",%d" : "%d", t->shape[d]);
+        header_put(&h, "],\"data_offsets\":[%llu,%llu]}", (unsigned long long)offset, (unsigned long long)(offset + 4 * t->numel));
+        offset += 4 * (uint64_t)t->numel;
+    }
+    header_put(&h, "}");
+    while (h.len % 8) header_put(&h, " ");  // data starts 8-byte aligned
+    if (h.failed) return free(h.text), errno = ENOMEM, -1;
+    FILE *f = fopen(path, "wb");
+    if (!f) return free(h.text), -1;
+    uint64_t header_bytes = h.len;
+    int ok = fwrite(&header_bytes, 8, 1, f) == 1 && fwrite(h.text, 1, h.len, f) == h.len;
+    for (int i = 0; ok && i < count; i++) ok = fwrite(tensors[i].values, 4, (size_t)tensors[i].numel, f) == (size_t)tensors[i].numel;
+    ok = ok && fflush(f) == 0 && fsync(fileno(f)) == 0;
+    ok = (fclose(f) == 0) && ok;
+    free(h.text);
+    return ok ? 0 : -1;
 }
 
 // ----------------------------------------------------------------------------------------------

@@ -7,8 +7,8 @@
 // the blocks (ResBlock, AttentionBlock, ...: each a struct with its forward and backward); the
 // model assembly (guided-diffusion's architecture and state_dict names, forward, backward),
 // initialisation and profiling; diffusion training and the trainer (one step as a CUDA graph);
-// sampling on the GPU; the data loader; checkpoints (safetensors writing, saving, resuming; the
-// readers are in checkpoint.h, the dataset's in dataset.h); the command line; the training run;
+// sampling on the GPU; the data loader; checkpoints (metadata, saving, resuming; checkpoint.h
+// reads and writes their files, dataset.h reads the dataset); the command line; the training run;
 // the C API for generate.c (unet_api.h); main. Built with -DTRAIN_UNET_LIBRARY it has no main:
 // tests include it, and generate links it.
 //
@@ -127,7 +127,7 @@ __host__ __device__ inline uint64_t rng_stream(RandomPurpose purpose, uint64_t s
 }
 
 // ----------------------------------------------------------------------------------------------
-// The GPU context: one stream, cuBLAS and cuBLASLt handles, a workspace and a scratch buffer.
+// The GPU context: one stream, cuBLAS and cuBLASLt handles and their workspace.
 
 typedef struct {
     cudaStream_t stream;
@@ -184,58 +184,129 @@ static int blocks_for(size_t n, int threads) {
         cuda_check_launch();                                                                                   \
     } while (0)
 
+// Scratch: memory a layer borrows for the length of one call. The model's memory plan sizes it for
+// its largest layer and owns it (unet_create); layers reach it through their Conv or Norm.
+typedef struct {
+    floatX *patches;           // a convolution's patch matrix
+    float *weight_grad;        // weight-gradient row slices, [slices][out][K]
+    int64_t weight_grad_numel; // (0: one product, no slices)
+    float *channel_sums;       // per-channel partial sums, [N][CHANNEL_SUM_CHUNKS][C]
+    double *gn_partials;       // GroupNorm partial sums, [N][GN_CHUNKS][4C + 2 groups]
+    float *scores;             // attention, [N*heads][T][T]: S, then dP
+    floatX *d_scores;          // attention, [N*heads][T][T]: dS
+} Scratch;
+
 // ----------------------------------------------------------------------------------------------
 // Matrix products on the tensor cores (bf16 operands, fp32 accumulation; fp32 throughout in the
 // FP32 build). Row-major: D[M][N] = op(A)[M][K] op(B)[K][N] (+ bias[N]) + beta C.
 // A is stored [M][K] with row stride lda, or [K][M] when trans_a; B is [K][N], or [N][K] when
 // trans_b. cuBLAS is column-major, so the call computes D^T = op(B)^T op(A)^T.
 
-static void matmul(void *d, cudaDataType d_type, int ldd, const floatX *a, int trans_a, int lda, const floatX *b,
-                   int trans_b, int ldb, int M, int N, int K, const void *c, int ldc, float beta, const floatX *bias) {
+typedef struct {
+    int M, N, K;
+    const floatX *a; int lda, trans_a;
+    const floatX *b; int ldb, trans_b;
+    void *d; int ldd, d_fp32;         // D in fp32 (else floatX)
+    const void *c; int ldc; float beta;  // C shaped and typed like D (it may be D); NULL: no C
+    const floatX *bias;               // [N] added to every row, or NULL
+} Matmul;
+
+// What cuBLASLt plans a product by: the shape, strides, types and operand alignments. Its
+// descriptors and chosen algorithm are made once per distinct key and kept (MATMUL_PLANS of them,
+// the oldest replaced when full).
+typedef struct {
+    int M, N, K, lda, trans_a, ldb, trans_b, ldd, d_fp32, ldc, has_c, has_bias;
+    uint32_t alignment[4];  // of B, A, C, D: the largest power of two up to 256 dividing the address
+} MatmulKey;
+
+typedef struct {
+    MatmulKey key;
     cublasLtMatmulDesc_t desc;
     cublasLtMatrixLayout_t layout_b, layout_a, layout_c, layout_d;
-    cublasOperation_t op_b = trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, op_a = trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
-    cublas_check(cublasLtMatmulDescCreate(&desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
-    cublas_check(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSA, &op_b, sizeof op_b));
-    cublas_check(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSB, &op_a, sizeof op_a));
-    if (bias) {
+    cublasLtMatmulAlgo_t algo;
+} MatmulPlan;
+
+#define MATMUL_PLANS 512
+static MatmulPlan matmul_plans[MATMUL_PLANS];
+static int matmul_plan_count, matmul_plan_oldest;
+
+static uint32_t address_alignment(const void *p) {
+    uint32_t bytes = 256;
+    while ((uintptr_t)p % bytes) bytes /= 2;
+    return bytes;
+}
+
+static void matmul_plan_destroy(MatmulPlan *p) {
+    cublasLtMatrixLayoutDestroy(p->layout_d);
+    cublasLtMatrixLayoutDestroy(p->layout_c);
+    cublasLtMatrixLayoutDestroy(p->layout_a);
+    cublasLtMatrixLayoutDestroy(p->layout_b);
+    cublasLtMatmulDescDestroy(p->desc);
+}
+
+static void matmul_plan_create(MatmulPlan *p, const MatmulKey *k) {
+    p->key = *k;
+    cublasOperation_t op_b = k->trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, op_a = k->trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
+    cudaDataType d_type = k->d_fp32 ? CUDA_R_32F : CUDA_FLOATX;
+    cublas_check(cublasLtMatmulDescCreate(&p->desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+    cublas_check(cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_TRANSA, &op_b, sizeof op_b));
+    cublas_check(cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_TRANSB, &op_a, sizeof op_a));
+    if (k->has_bias) {
         cublasLtEpilogue_t epilogue = CUBLASLT_EPILOGUE_BIAS;
         cudaDataType bias_type = CUDA_FLOATX;
-        cublas_check(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue, sizeof epilogue));
-        cublas_check(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof bias));
-        cublas_check(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bias_type, sizeof bias_type));
+        cublas_check(cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue, sizeof epilogue));
+        cublas_check(cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bias_type, sizeof bias_type));
     }
-    cublas_check(cublasLtMatrixLayoutCreate(&layout_b, CUDA_FLOATX, trans_b ? K : N, trans_b ? N : K, ldb));
-    cublas_check(cublasLtMatrixLayoutCreate(&layout_a, CUDA_FLOATX, trans_a ? M : K, trans_a ? K : M, lda));
-    cublas_check(cublasLtMatrixLayoutCreate(&layout_c, d_type, N, M, c ? ldc : ldd));
-    cublas_check(cublasLtMatrixLayoutCreate(&layout_d, d_type, N, M, ldd));
+    cublas_check(cublasLtMatrixLayoutCreate(&p->layout_b, CUDA_FLOATX, k->trans_b ? k->K : k->N, k->trans_b ? k->N : k->K, k->ldb));
+    cublas_check(cublasLtMatrixLayoutCreate(&p->layout_a, CUDA_FLOATX, k->trans_a ? k->M : k->K, k->trans_a ? k->K : k->M, k->lda));
+    cublas_check(cublasLtMatrixLayoutCreate(&p->layout_c, d_type, k->N, k->M, k->has_c ? k->ldc : k->ldd));
+    cublas_check(cublasLtMatrixLayoutCreate(&p->layout_d, d_type, k->N, k->M, k->ldd));
     cublasLtMatmulPreference_t preference;
     cublas_check(cublasLtMatmulPreferenceCreate(&preference));
     cublas_check(cublasLtMatmulPreferenceSetAttribute(preference, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
                                                       &gpu.workspace_bytes, sizeof gpu.workspace_bytes));
-    const void *pointers[4] = {b, a, c ? c : d, d};
     cublasLtMatmulPreferenceAttributes_t alignment[4] = {
         CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
         CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES};
-    for (int i = 0; i < 4; i++) {  // the largest power of two (up to 256) that divides each address
-        uint32_t bytes = 256;
-        while ((uintptr_t)pointers[i] % bytes) bytes /= 2;
-        cublas_check(cublasLtMatmulPreferenceSetAttribute(preference, alignment[i], &bytes, sizeof bytes));
-    }
+    for (int i = 0; i < 4; i++)
+        cublas_check(cublasLtMatmulPreferenceSetAttribute(preference, alignment[i], &k->alignment[i], sizeof k->alignment[i]));
     cublasLtMatmulHeuristicResult_t heuristic;
     int found = 0;
-    cublas_check(cublasLtMatmulAlgoGetHeuristic(gpu.lt, desc, layout_b, layout_a, layout_c, layout_d, preference, 1,
-                                                &heuristic, &found));
-    if (!found) fatal("cuBLASLt has no algorithm for a %dx%dx%d product", M, N, K);
-    float alpha = 1.0f;
-    cublas_check(cublasLtMatmul(gpu.lt, desc, &alpha, b, layout_b, a, layout_a, &beta, c ? c : d, layout_c, d, layout_d,
-                                &heuristic.algo, gpu.workspace, gpu.workspace_bytes, gpu.stream));
+    cublas_check(cublasLtMatmulAlgoGetHeuristic(gpu.lt, p->desc, p->layout_b, p->layout_a, p->layout_c, p->layout_d,
+                                                preference, 1, &heuristic, &found));
+    if (!found) fatal("cuBLASLt has no algorithm for a %dx%dx%d product", k->M, k->N, k->K);
+    p->algo = heuristic.algo;
     cublasLtMatmulPreferenceDestroy(preference);
-    cublasLtMatrixLayoutDestroy(layout_d);
-    cublasLtMatrixLayoutDestroy(layout_c);
-    cublasLtMatrixLayoutDestroy(layout_a);
-    cublasLtMatrixLayoutDestroy(layout_b);
-    cublasLtMatmulDescDestroy(desc);
+}
+
+static const MatmulPlan *matmul_plan(const Matmul *mm) {
+    MatmulKey k;
+    memset(&k, 0, sizeof k);  // compared with memcmp
+    k.M = mm->M, k.N = mm->N, k.K = mm->K, k.lda = mm->lda, k.trans_a = mm->trans_a, k.ldb = mm->ldb, k.trans_b = mm->trans_b;
+    k.ldd = mm->ldd, k.d_fp32 = mm->d_fp32, k.ldc = mm->ldc, k.has_c = mm->c != NULL, k.has_bias = mm->bias != NULL;
+    const void *operands[4] = {mm->b, mm->a, mm->c ? mm->c : mm->d, mm->d};
+    for (int i = 0; i < 4; i++) k.alignment[i] = address_alignment(operands[i]);
+    for (int i = 0; i < matmul_plan_count; i++)
+        if (memcmp(&matmul_plans[i].key, &k, sizeof k) == 0) return &matmul_plans[i];
+    MatmulPlan *p;
+    if (matmul_plan_count < MATMUL_PLANS) {
+        p = &matmul_plans[matmul_plan_count++];
+    } else {
+        p = &matmul_plans[matmul_plan_oldest];
+        matmul_plan_oldest = (matmul_plan_oldest + 1) % MATMUL_PLANS;
+        matmul_plan_destroy(p);
+    }
+    matmul_plan_create(p, &k);
+    return p;
+}
+
+static void matmul(Matmul mm) {
+    const MatmulPlan *p = matmul_plan(&mm);
+    if (mm.bias)
+        cublas_check(cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &mm.bias, sizeof mm.bias));
+    float alpha = 1.0f, beta = mm.c ? mm.beta : 0.0f;
+    cublas_check(cublasLtMatmul(gpu.lt, p->desc, &alpha, mm.b, p->layout_b, mm.a, p->layout_a, &beta, mm.c ? mm.c : mm.d,
+                                p->layout_c, mm.d, p->layout_d, &p->algo, gpu.workspace, gpu.workspace_bytes, gpu.stream));
 }
 
 // The same product for a batch of matrices given by device arrays of pointers (attention heads).
@@ -256,11 +327,8 @@ static void matmul_batched(void *const *d, cudaDataType d_type, int ldd, const f
 #define WEIGHT_GRAD_SLICE_ROWS 4096
 #define WEIGHT_GRAD_MAX_SLICES 64
 
-static float *weight_grad_scratch;  // [slices][out][K], set up with the model
-static int64_t weight_grad_scratch_numel;
-
-static int weight_grad_slices(int M, int out, int K) {
-    int64_t slices = M / WEIGHT_GRAD_SLICE_ROWS, cap = weight_grad_scratch_numel / ((int64_t)out * K);
+static int weight_grad_slices(int64_t scratch_numel, int M, int out, int K) {
+    int64_t slices = M / WEIGHT_GRAD_SLICE_ROWS, cap = scratch_numel / ((int64_t)out * K);
     if (slices > WEIGHT_GRAD_MAX_SLICES) slices = WEIGHT_GRAD_MAX_SLICES;
     return (int)(slices < cap ? slices : cap);
 }
@@ -273,24 +341,25 @@ __global__ void sum_slices_kernel(float *out, const float *slices, int count, in
     }
 }
 
-static void weight_gradient(float *dw, const floatX *dy, const floatX *x, int M, int out, int K) {
-    int slices = weight_grad_slices(M, out, K);
+static void weight_gradient(const Scratch *s, float *dw, const floatX *dy, const floatX *x, int M, int out, int K) {
+    int slices = weight_grad_slices(s->weight_grad_numel, M, out, K);
     if (slices < 2) {
-        matmul(dw, CUDA_R_32F, K, dy, 1, out, x, 0, K, out, K, M, NULL, 0, 0.0f, NULL);
+        matmul({.M = out, .N = K, .K = M, .a = dy, .lda = out, .trans_a = 1, .b = x, .ldb = K, .d = dw, .ldd = K, .d_fp32 = 1});
         return;
     }
     int rows = M / slices;
     float alpha = 1.0f, beta = 0.0f;
     cublas_check(cublasGemmStridedBatchedEx(gpu.blas, CUBLAS_OP_N, CUBLAS_OP_T, K, out, rows, &alpha, x, CUDA_FLOATX, K,
                                             (int64_t)rows * K, dy, CUDA_FLOATX, out, (int64_t)rows * out, &beta,
-                                            weight_grad_scratch, CUDA_R_32F, K, (int64_t)out * K, slices,
+                                            s->weight_grad, CUDA_R_32F, K, (int64_t)out * K, slices,
                                             CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
     int64_t n = (int64_t)out * K;
-    sum_slices_kernel<<<blocks_for(n, 256), 256, 0, gpu.stream>>>(dw, weight_grad_scratch, slices, n);
+    sum_slices_kernel<<<blocks_for(n, 256), 256, 0, gpu.stream>>>(dw, s->weight_grad, slices, n);
     cuda_check_launch();
     int done = rows * slices;
     if (done < M)
-        matmul(dw, CUDA_R_32F, K, dy + (int64_t)done * out, 1, out, x + (int64_t)done * K, 0, K, out, K, M - done, dw, K, 1.0f, NULL);
+        matmul({.M = out, .N = K, .K = M - done, .a = dy + (int64_t)done * out, .lda = out, .trans_a = 1,
+                .b = x + (int64_t)done * K, .ldb = K, .d = dw, .ldd = K, .d_fp32 = 1, .c = dw, .ldc = K, .beta = 1.0f});
 }
 
 // ----------------------------------------------------------------------------------------------
@@ -361,17 +430,15 @@ __global__ void channel_sums_final_kernel(float *per_sample, int per_sample_ld, 
     }
 }
 
-static float *channel_sums_scratch;  // [N][CHANNEL_SUM_CHUNKS][C_max], set up with the model
-
-static void channel_sums(float *per_sample, int per_sample_ld, float *total, const floatX *x, int N, int rows_per_sample, int C) {
+static void channel_sums(const Scratch *s, float *per_sample, int per_sample_ld, float *total, const floatX *x, int N, int rows_per_sample, int C) {
     int chunks = rows_per_sample < CHANNEL_SUM_CHUNKS ? rows_per_sample : CHANNEL_SUM_CHUNKS;
     if (C % PACK == 0)
-        channel_sums_partial_kernel<Pack><<<dim3(chunks, N), 256, 0, gpu.stream>>>(channel_sums_scratch, x, rows_per_sample, C);
+        channel_sums_partial_kernel<Pack><<<dim3(chunks, N), 256, 0, gpu.stream>>>(s->channel_sums, x, rows_per_sample, C);
     else
-        channel_sums_partial_kernel<Scalar><<<dim3(chunks, N), 256, 0, gpu.stream>>>(channel_sums_scratch, x, rows_per_sample, C);
+        channel_sums_partial_kernel<Scalar><<<dim3(chunks, N), 256, 0, gpu.stream>>>(s->channel_sums, x, rows_per_sample, C);
     cuda_check_launch();
     channel_sums_final_kernel<<<(C + 31) / 32, dim3(32, REDUCE_SLICES), 0, gpu.stream>>>(per_sample, per_sample_ld, total,
-                                                                                         channel_sums_scratch, N, chunks, C);
+                                                                                         s->channel_sums, N, chunks, C);
     cuda_check_launch();
 }
 
@@ -386,9 +453,8 @@ typedef struct {
     int in, out, k, stride;
     floatX *w, *b;     // [out][k][k][in], [out] (compute copies)
     float *dw, *db;    // fp32 gradients
+    const Scratch *scratch;
 } Conv;
-
-static floatX *conv_scratch;  // the largest patch matrix of the model, set up with the model
 
 static int conv_out_size(int size, int k, int stride) { return (size + 2 * (k / 2) - k) / stride + 1; }
 
@@ -440,8 +506,8 @@ static const floatX *conv_patches(const Conv *cv, const floatX *x, int N, int H,
     int Ho = conv_out_size(H, cv->k, cv->stride), Wo = conv_out_size(W, cv->k, cv->stride);
     int64_t total = (int64_t)N * Ho * Wo * cv->k * cv->k * cv->in;
     if (total >= INT32_MAX) fatal("a %dx%d convolution's patch matrix at batch %d is too large (%lld values)", cv->k, cv->k, N, (long long)total);
-    LAUNCH_VECTORISED(im2col_kernel, total, cv->in, conv_scratch, x, N, H, W, cv->in, cv->k, cv->stride, Ho, Wo);
-    return conv_scratch;
+    LAUNCH_VECTORISED(im2col_kernel, total, cv->in, cv->scratch->patches, x, N, H, W, cv->in, cv->k, cv->stride, Ho, Wo);
+    return cv->scratch->patches;
 }
 
 // y = conv(x) + b (+ residual, a tensor shaped like y, when given).
@@ -464,8 +530,9 @@ static void conv_forward(const Conv *cv, floatX *y, const floatX *x, int N, int 
         int n = N - first < slice ? N - first : slice;
         int64_t out_at = (int64_t)first * Ho * Wo * cv->out;
         const floatX *col = conv_patches(cv, x + (int64_t)first * H * W * cv->in, n, H, W);
-        matmul(y + out_at, CUDA_FLOATX, cv->out, col, 0, K, cv->w, 1, K, n * Ho * Wo, cv->out, K, residual ? residual + out_at : NULL,
-               cv->out, residual ? 1.0f : 0.0f, cv->b);
+        matmul({.M = n * Ho * Wo, .N = cv->out, .K = K, .a = col, .lda = K, .b = cv->w, .ldb = K, .trans_b = 1,
+                .d = y + out_at, .ldd = cv->out, .c = residual ? residual + out_at : NULL, .ldc = cv->out, .beta = 1.0f,
+                .bias = cv->b});
     }
 }
 
@@ -476,16 +543,18 @@ static void conv_backward(const Conv *cv, floatX *dx, const floatX *dy, const fl
     int Ho = conv_out_size(H, cv->k, cv->stride), Wo = conv_out_size(W, cv->k, cv->stride);
     int M = N * Ho * Wo, K = cv->k * cv->k * cv->in;
     const floatX *col = conv_patches(cv, x, N, H, W);
-    weight_gradient(cv->dw, dy, col, M, cv->out, K);
-    channel_sums(d_bias_per_sample, per_sample_ld, cv->db, dy, N, Ho * Wo, cv->out);
+    weight_gradient(cv->scratch, cv->dw, dy, col, M, cv->out, K);
+    channel_sums(cv->scratch, d_bias_per_sample, per_sample_ld, cv->db, dy, N, Ho * Wo, cv->out);
     if (!dx) return;
     if (cv->k == 1 && cv->stride == 1) {
-        matmul(dx, CUDA_FLOATX, K, dy, 0, cv->out, cv->w, 0, K, M, K, cv->out, dx, K, 1.0f, NULL);
+        matmul({.M = M, .N = K, .K = cv->out, .a = dy, .lda = cv->out, .b = cv->w, .ldb = K, .d = dx, .ldd = K, .c = dx,
+                .ldc = K, .beta = 1.0f});
         return;
     }
-    matmul(conv_scratch, CUDA_FLOATX, K, dy, 0, cv->out, cv->w, 0, K, M, K, cv->out, NULL, 0, 0.0f, NULL);
+    floatX *dcol = cv->scratch->patches;
+    matmul({.M = M, .N = K, .K = cv->out, .a = dy, .lda = cv->out, .b = cv->w, .ldb = K, .d = dcol, .ldd = K});
     int64_t total = (int64_t)N * H * W * cv->in;
-    LAUNCH_VECTORISED(col2im_kernel, total, cv->in, dx, conv_scratch, N, H, W, cv->in, cv->k, cv->stride, Ho, Wo);
+    LAUNCH_VECTORISED(col2im_kernel, total, cv->in, dx, dcol, N, H, W, cv->in, cv->k, cv->stride, Ho, Wo);
 }
 
 // ----------------------------------------------------------------------------------------------
@@ -515,6 +584,7 @@ typedef struct {
     int channels;
     float *gamma, *beta;     // fp32 master parameters
     float *dgamma, *dbeta;
+    const Scratch *scratch;
 } Norm;
 
 typedef struct {
@@ -525,8 +595,6 @@ typedef struct {
     const uint64_t *dropout_seed;   // on the GPU: the step's seed (a training step can be a replayed graph)
     uint64_t dropout_stream;        // the layer's own random stream
 } NormOptions;
-
-static double *gn_partial_scratch;  // [N][GN_CHUNKS][C_max][4] doubles, set up with the model
 
 __device__ inline float sigmoidf_(float x) { return 1.0f / (1.0f + expf(-x)); }
 
@@ -613,9 +681,10 @@ static int gn_chunks(int HW) { return HW < GN_CHUNKS ? HW : GN_CHUNKS; }
 static void group_norm_forward(const Norm *norm, floatX *y, float *mean, float *rstd, const floatX *x, int N, int HW,
                                NormOptions o) {
     int C = norm->channels, chunks = gn_chunks(HW);
-    group_norm_stats_kernel<<<dim3(chunks, N), GN_THREADS, 0, gpu.stream>>>(gn_partial_scratch, x, o, HW, C);
+    double *partials = norm->scratch->gn_partials;
+    group_norm_stats_kernel<<<dim3(chunks, N), GN_THREADS, 0, gpu.stream>>>(partials, x, o, HW, C);
     cuda_check_launch();
-    group_norm_apply_kernel<<<dim3(chunks, N), GN_THREADS, 0, gpu.stream>>>(y, mean, rstd, x, gn_partial_scratch,
+    group_norm_apply_kernel<<<dim3(chunks, N), GN_THREADS, 0, gpu.stream>>>(y, mean, rstd, x, partials,
                                                                             norm->gamma, norm->beta, o, HW, C);
     cuda_check_launch();
 }
@@ -763,14 +832,15 @@ __global__ void group_norm_backward_params_kernel(float *dgamma, float *dbeta, f
 static void group_norm_backward(const Norm *norm, floatX *dx, float *d_scale_shift, const floatX *dy, const floatX *x,
                                 const float *mean, const float *rstd, int N, int HW, NormOptions o) {
     int C = norm->channels, chunks = gn_chunks(HW);
+    double *partials = norm->scratch->gn_partials;
     group_norm_backward_sums_kernel<<<dim3(chunks, N), GN_THREADS, 0, gpu.stream>>>(
-        gn_partial_scratch, dy, x, mean, rstd, norm->gamma, norm->beta, o, HW, C);
+        partials, dy, x, mean, rstd, norm->gamma, norm->beta, o, HW, C);
     cuda_check_launch();
     group_norm_backward_input_kernel<<<dim3(chunks, N), GN_THREADS, 0, gpu.stream>>>(
-        dx, dy, x, gn_partial_scratch, mean, rstd, norm->gamma, norm->beta, o, HW, C);
+        dx, dy, x, partials, mean, rstd, norm->gamma, norm->beta, o, HW, C);
     cuda_check_launch();
     group_norm_backward_params_kernel<<<(C + 31) / 32, dim3(32, REDUCE_SLICES), 0, gpu.stream>>>(
-        norm->dgamma, norm->dbeta, o.scale_shift ? d_scale_shift : NULL, o.scale_shift_ld, gn_partial_scratch, N, chunks, C);
+        norm->dgamma, norm->dbeta, o.scale_shift ? d_scale_shift : NULL, o.scale_shift_ld, partials, N, chunks, C);
     cuda_check_launch();
 }
 
@@ -1192,7 +1262,7 @@ static const OptionSpec option_specs[] = {
     OPT(steps, OPT_LONG, "training steps (the length of the learning-rate schedule)"),
     OPT(stop_step, OPT_LONG, "save and stop after this step, to continue later with --resume_checkpoint (0: at --steps)"),
     OPT(seed, OPT_LONG, "random seed (initialisation, data order, noise)"),
-    OPT(dry_run, OPT_SWITCH, "check the configuration, dataset, run folder and resume checkpoint, print them and the parameter count, exit"),
+    OPT(dry_run, OPT_SWITCH, "check the configuration, dataset, run folder and resume checkpoint, print them, the parameter count and the memory plan, exit"),
     OPT(bench, OPT_INT, "time N training steps on random data (after warm-up) and exit; needs no --data"),
 };
 #define NUM_OPTIONS ((int)(sizeof option_specs / sizeof option_specs[0]))
@@ -1699,13 +1769,15 @@ typedef struct {
     ParamList params;
     int64_t storage;  // floats per parameter array: the parameters and 256-byte alignment gaps
     int64_t emb_bias_offset, emb_total;  // the ResBlocks' emb_layers, side by side: weights at 0, then biases
-    // parameters (GPU): fp32 master, compute copy (the master itself in FP32), gradients, AdamW moments
+    // The memory plan (see unet_plan): one GPU allocation in four regions.
+    char *memory;
+    Arena parameters, acts, grads, scratch_region;
+    // parameters: fp32 master, compute copy (the master itself in FP32), gradients, AdamW moments
     float *master, *grad, *adam_m, *adam_v;
     floatX *compute;
     // blocks and activations
     Block *blocks;
     int num_blocks, capacity;
-    Arena acts, grads;  // activations (and scratch); activation gradients, zeroed at once
     Act input, *output;
     int64_t *timesteps;         // [N]
     int *labels;                // [N]
@@ -1714,12 +1786,12 @@ typedef struct {
     Act t_sinusoid, t_hidden, t_hidden_silu, emb, emb_silu;
     BlockEmbedding embedding;  // every ResBlock's timestep projection, [N][emb_total] fp32, and dropout's seed
     floatX *d_emb_out_x;
-    int64_t conv_scratch_numel, attention_scratch_numel, gn_scratch_numel, channel_scratch_numel;
     float *loss, *loss_partial;
     Act target;
     uint64_t *zero_seed;     // on the GPU: dropout's seed until the trainer points the embedding at the step's
-    float *attention_scores;  // the attention blocks' shared scratch (Attention.scores, d_scores)
-    floatX *attention_d_scores;
+    Scratch scratch;
+    // the largest scratch any layer needs, in elements (noted by the walk)
+    int64_t patches_numel, weight_grad_numel, channel_sums_numel, gn_partials_numel, scores_numel;
 } UNet;
 
 typedef struct {
@@ -1757,7 +1829,7 @@ static Conv walk_conv(Walk *w, const char *prefix, int in, int out, int k, int s
     int weight_shape[4] = {out, in, k, k}, bias_shape[1] = {out};
     int weight = param_add(w->params, prefix, "weight", 2 + dims, weight_shape);
     param_add(w->params, prefix, "bias", 1, bias_shape);
-    Conv cv = {in, out, k, stride, NULL, NULL, NULL, NULL};
+    Conv cv = {in, out, k, stride, NULL, NULL, NULL, NULL, w->m ? &w->m->scratch : NULL};
     if (w->m && w->m->compute) {
         cv.w = param_compute(w->m, weight), cv.b = param_compute(w->m, weight + 1);
         cv.dw = param_grad(w->m, weight), cv.db = param_grad(w->m, weight + 1);
@@ -1769,7 +1841,7 @@ static Conv walk_linear(Walk *w, const char *prefix, int in, int out) {
     int weight_shape[2] = {out, in}, bias_shape[1] = {out};
     int weight = param_add(w->params, prefix, "weight", 2, weight_shape);
     param_add(w->params, prefix, "bias", 1, bias_shape);
-    Conv cv = {in, out, 1, 1, NULL, NULL, NULL, NULL};
+    Conv cv = {in, out, 1, 1, NULL, NULL, NULL, NULL, w->m ? &w->m->scratch : NULL};
     if (w->m && w->m->compute) {
         cv.w = param_compute(w->m, weight), cv.b = param_compute(w->m, weight + 1);
         cv.dw = param_grad(w->m, weight), cv.db = param_grad(w->m, weight + 1);
@@ -1781,7 +1853,7 @@ static Norm walk_norm(Walk *w, const char *prefix, int channels) {
     int shape[1] = {channels};
     int weight = param_add(w->params, prefix, "weight", 1, shape);
     param_add(w->params, prefix, "bias", 1, shape);
-    Norm n = {channels, NULL, NULL, NULL, NULL};
+    Norm n = {channels, NULL, NULL, NULL, NULL, w->m ? &w->m->scratch : NULL};
     if (w->m && w->m->compute) {
         n.gamma = param_master(w->m, weight), n.beta = param_master(w->m, weight + 1);
         n.dgamma = param_grad(w->m, weight), n.dbeta = param_grad(w->m, weight + 1);
@@ -1814,18 +1886,22 @@ static Block *walk_block(Walk *w, BlockKind kind, int out_channels, int out_size
     return b;
 }
 
-// Notes the patch-matrix size a convolution on a size x size input needs.
-// The patch matrix: of the whole batch for the backward pass, of a slice in a forward-only model.
+// Notes the scratch a convolution on a size x size input needs: its patch matrix (of the whole
+// batch for the backward pass, of a slice in a forward-only model), and when training its weight
+// gradient's slices and its bias gradient's partial sums.
 static void walk_conv_scratch(Walk *w, const Conv *cv, int size) {
-    int o = conv_out_size(size, cv->k, cv->stride);
-    int images = w->m->training ? w->m->batch : conv_slice_images(cv, w->m->batch, size, size);
-    if (!(cv->k == 1 && cv->stride == 1)) note_scratch(&w->m->conv_scratch_numel, (int64_t)images * o * o * cv->k * cv->k * cv->in);
-    note_scratch(&w->m->channel_scratch_numel, (int64_t)w->m->batch * CHANNEL_SUM_CHUNKS * cv->out);
+    UNet *m = w->m;
+    int o = conv_out_size(size, cv->k, cv->stride), K = cv->k * cv->k * cv->in;
+    int images = m->training ? m->batch : conv_slice_images(cv, m->batch, size, size);
+    if (!(cv->k == 1 && cv->stride == 1)) note_scratch(&m->patches_numel, (int64_t)images * o * o * K);
+    if (!m->training) return;
+    int slices = weight_grad_slices(INT64_MAX, m->batch * o * o, cv->out, K);
+    if (slices >= 2) note_scratch(&m->weight_grad_numel, (int64_t)slices * cv->out * K);
+    note_scratch(&m->channel_sums_numel, (int64_t)m->batch * CHANNEL_SUM_CHUNKS * cv->out);
 }
 
 static void walk_norm_scratch(Walk *w, int channels) {
-    int64_t n = (int64_t)w->m->batch * GN_CHUNKS * (channels * 4 + GN_GROUPS * 2);
-    note_scratch(&w->m->gn_scratch_numel, n);
+    note_scratch(&w->m->gn_partials_numel, (int64_t)w->m->batch * GN_CHUNKS * (channels * 4 + GN_GROUPS * 2));
 }
 
 // The block's output becomes the walk's current activation.
@@ -1894,7 +1970,7 @@ static void walk_attention(Walk *w, const char *prefix, int channels, int heads)
     a->N = N, a->T = T, a->C = channels, a->heads = heads, a->legacy = !w->c->use_new_attention_order;
     int64_t batch = (int64_t)N * heads, tt = batch * T * T;
     a->probs = (floatX *)arena_take(&m->acts, tt * sizeof(floatX));
-    note_scratch(&m->attention_scratch_numel, tt);
+    note_scratch(&m->scores_numel, tt);
     void **arrays[] = {(void **)&a->q, (void **)&a->k, (void **)&a->v, (void **)&a->p, (void **)&a->ds, (void **)&a->o,
                        (void **)&a->dq, (void **)&a->dk, (void **)&a->dv, (void **)&a->s, (void **)&a->dp_out, (void **)&a->d_o};
     for (size_t i = 0; i < sizeof arrays / sizeof arrays[0]; i++) *arrays[i] = arena_take(&m->acts, batch * sizeof(void *));
@@ -2014,16 +2090,6 @@ static ParamList model_parameters(const ModelConfig *c) {
     return list;
 }
 
-// Grows a shared scratch buffer to at least `need` elements. The old one is kept (not freed), so
-// a CUDA graph captured with it stays valid.
-static int64_t conv_scratch_have, gn_scratch_have, channel_scratch_have;
-
-static void *scratch_reserve(void *current, int64_t *have, int64_t need, size_t element) {
-    if (current && need <= *have) return current;
-    *have = need;
-    return gpu_malloc(need * element);
-}
-
 // An upper bound on the block count: per level, input blocks make 2 blocks each plus a
 // downsample; output blocks at most 4 (concat, ResBlock, attention, upsample).
 static int max_blocks(const ModelConfig *c) { return 8 + c->num_levels * (2 * c->num_res_blocks + 1 + 4 * (c->num_res_blocks + 1)); }
@@ -2067,91 +2133,126 @@ static int64_t param_offsets(ParamList *params, int64_t *emb_bias_offset) {
     return at;
 }
 
-// Builds the model for batches of `batch` images: parameters (uninitialised), blocks, activations
-// and their gradients, each group in one allocation sized by a measuring walk.
-static void unet_create(UNet *m, const ModelConfig *c, int batch, int training) {
+// The model's memory, planned once from the config and batch: one GPU allocation in four regions,
+// each with its lifetime.
+//   parameters   fp32 master and compute copy; when training, their gradients and AdamW's two
+//                moments: the whole run.
+//   activations  the input, every block's output and what its backward reads: from the forward
+//                pass to the end of the backward.
+//   gradients    the activations' gradients (when training): one backward pass, zeroed at its start.
+//   scratch      the largest patch matrix, weight-gradient slices, partial sums and attention
+//                scores of any layer: borrowed by one layer call at a time.
+// unet_lay_out takes every buffer from its region, in one fixed order; with no memory behind the
+// regions (unet_plan) it only measures them, so the plan needs no GPU.
+static void unet_lay_out(UNet *m) {
+    const ModelConfig *c = &m->config;
+    int batch = m->batch, training = m->training, size = c->image_size, emb_dim = 4 * c->model_channels;
+    m->parameters.used = m->acts.used = m->grads.used = m->scratch_region.used = 0;
+    m->patches_numel = m->weight_grad_numel = m->channel_sums_numel = m->gn_partials_numel = m->scores_numel = 0;
+    m->num_blocks = 0;
+
+    int64_t n = m->storage;
+    m->master = (float *)arena_take(&m->parameters, n * sizeof(float));
+    if (training) {
+        m->grad = (float *)arena_take(&m->parameters, n * sizeof(float));
+        m->adam_m = (float *)arena_take(&m->parameters, n * sizeof(float));
+        m->adam_v = (float *)arena_take(&m->parameters, n * sizeof(float));
+    }
+    if (sizeof(floatX) == sizeof(float)) m->compute = (floatX *)m->master;
+    else m->compute = (floatX *)arena_take(&m->parameters, n * sizeof(floatX));
+
+    m->input = act_alloc(m, batch, size, size, c->in_channels);
+    m->target = act_alloc(m, batch, size, size, c->out_channels);
+    m->t_sinusoid = act_alloc(m, batch, 1, 1, c->model_channels);
+    m->t_hidden = act_alloc(m, batch, 1, 1, emb_dim);
+    m->t_hidden_silu = act_alloc(m, batch, 1, 1, emb_dim);
+    m->emb = act_alloc(m, batch, 1, 1, emb_dim);
+    m->emb_silu = act_alloc(m, batch, 1, 1, emb_dim);
+    ParamList again = {0};
+    unet_walk(c, &again, m);
+    free(again.specs);
+    m->output = &m->blocks[m->num_blocks - 1].out;
+    int64_t E = m->emb_total;
+    m->embedding.out = (float *)arena_take(&m->acts, (int64_t)batch * E * sizeof(float));
+    if (training) {
+        m->embedding.d_out = (float *)arena_take(&m->acts, (int64_t)batch * E * sizeof(float));
+        m->d_emb_out_x = (floatX *)arena_take(&m->acts, (int64_t)batch * E * sizeof(floatX));
+        note_scratch(&m->channel_sums_numel, (int64_t)batch * CHANNEL_SUM_CHUNKS * (E > emb_dim ? E : emb_dim));
+    }
+    m->timesteps = (int64_t *)arena_take(&m->acts, batch * sizeof(int64_t));
+    m->labels = (int *)arena_take(&m->acts, batch * sizeof(int));
+    m->loss = (float *)arena_take(&m->acts, (LOSS_BLOCKS + 1) * sizeof(float));
+    m->loss_partial = m->loss ? m->loss + 1 : NULL;
+    m->zero_seed = (uint64_t *)arena_take(&m->acts, sizeof(uint64_t));
+
+    Scratch *s = &m->scratch;
+    s->patches = (floatX *)arena_take(&m->scratch_region, m->patches_numel * sizeof(floatX));
+    s->weight_grad = (float *)arena_take(&m->scratch_region, m->weight_grad_numel * sizeof(float));
+    s->weight_grad_numel = m->weight_grad_numel;
+    s->channel_sums = (float *)arena_take(&m->scratch_region, m->channel_sums_numel * sizeof(float));
+    s->gn_partials = (double *)arena_take(&m->scratch_region, m->gn_partials_numel * sizeof(double));
+    s->scores = (float *)arena_take(&m->scratch_region, m->scores_numel * sizeof(float));
+    if (training) s->d_scores = (floatX *)arena_take(&m->scratch_region, m->scores_numel * sizeof(floatX));
+}
+
+// The plan of a model for batches of `batch` images, on the host: its parameter list, its blocks
+// and the size of each memory region (nothing on the GPU).
+static void unet_plan(UNet *m, const ModelConfig *c, int batch, int training) {
     memset(m, 0, sizeof *m);
     m->config = *c;
     m->batch = batch;
     m->training = training;
     m->capacity = max_blocks(c);
     m->blocks = (Block *)calloc(m->capacity, sizeof(Block));
+    if (!m->blocks) fatal("out of host memory");
     m->params = model_parameters(c);
-    int64_t n = m->storage = param_offsets(&m->params, &m->emb_bias_offset);
-    int arrays = training ? 4 : 1;  // master, then gradients and AdamW's moments
-    m->master = (float *)gpu_malloc(arrays * n * sizeof(float));
-    if (training) m->grad = m->master + n, m->adam_m = m->master + 2 * n, m->adam_v = m->master + 3 * n;
-    cuda_check(cudaMemset(m->master, 0, arrays * n * sizeof(float)));
-    if (sizeof(floatX) == sizeof(float)) m->compute = (floatX *)m->master;
-    else m->compute = (floatX *)gpu_malloc(n * sizeof(floatX));
+    m->storage = param_offsets(&m->params, &m->emb_bias_offset);
+    unet_lay_out(m);
+}
 
-    // Activations: measure, allocate once, walk again for real.
-    for (int pass = 0; pass < 2; pass++) {
-        m->num_blocks = 0;
-        m->acts.used = 0, m->grads.used = 0;
-        int size = c->image_size, emb_dim = 4 * c->model_channels;
-        m->input = act_alloc(m, batch, size, size, c->in_channels);
-        m->target = act_alloc(m, batch, size, size, c->out_channels);
-        m->t_sinusoid = act_alloc(m, batch, 1, 1, c->model_channels);
-        m->t_hidden = act_alloc(m, batch, 1, 1, emb_dim);
-        m->t_hidden_silu = act_alloc(m, batch, 1, 1, emb_dim);
-        m->emb = act_alloc(m, batch, 1, 1, emb_dim);
-        m->emb_silu = act_alloc(m, batch, 1, 1, emb_dim);
-        ParamList again = {0};
-        unet_walk(c, &again, m);
-        free(again.specs);
-        m->output = &m->blocks[m->num_blocks - 1].out;
-        int64_t E = m->emb_total;
-        m->embedding.out = (float *)arena_take(&m->acts, (int64_t)batch * E * sizeof(float));
-        if (training) {
-            m->embedding.d_out = (float *)arena_take(&m->acts, (int64_t)batch * E * sizeof(float));
-            m->d_emb_out_x = (floatX *)arena_take(&m->acts, (int64_t)batch * E * sizeof(floatX));
-        }
-        m->timesteps = (int64_t *)arena_take(&m->acts, batch * sizeof(int64_t));
-        m->labels = (int *)arena_take(&m->acts, batch * sizeof(int));
-        m->loss = (float *)arena_take(&m->acts, (LOSS_BLOCKS + 1) * sizeof(float));
-        m->loss_partial = m->loss ? m->loss + 1 : NULL;
-        m->zero_seed = (uint64_t *)arena_take(&m->acts, sizeof(uint64_t));
-        note_scratch(&m->channel_scratch_numel, (int64_t)batch * CHANNEL_SUM_CHUNKS * (E > emb_dim ? E : emb_dim));
-        if (pass == 0) {
-            m->acts.base = (char *)gpu_malloc(m->acts.used);
-            if (training) m->grads.base = (char *)gpu_malloc(m->grads.used);
-        }
-    }
+static int64_t unet_memory_bytes(const UNet *m) {
+    return m->parameters.used + m->acts.used + m->grads.used + m->scratch_region.used;
+}
+
+// Prints the plan's regions and their total (--dry_run, the bench).
+static void print_memory_plan(FILE *f, const UNet *m, const char *what) {
+    const double MiB = 1048576.0;
+    fprintf(f, "memory plan (%s, batch %d): parameters %.1f MiB, activations %.1f MiB, gradients %.1f MiB, "
+            "scratch %.1f MiB; total %.1f MiB\n", what, m->batch, m->parameters.used / MiB, m->acts.used / MiB,
+            m->grads.used / MiB, m->scratch_region.used / MiB, unet_memory_bytes(m) / MiB);
+}
+
+// Builds the model: its plan, then the one allocation, then every buffer in it. Parameters start
+// at zero (unet_init_parameters or a checkpoint sets them).
+static void unet_create(UNet *m, const ModelConfig *c, int batch, int training) {
+    unet_plan(m, c, batch, training);
+    m->memory = (char *)gpu_malloc(unet_memory_bytes(m));
+    m->parameters.base = m->memory;
+    m->acts.base = m->parameters.base + m->parameters.used;
+    m->grads.base = m->acts.base + m->acts.used;
+    m->scratch_region.base = m->grads.base + m->grads.used;
+    unet_lay_out(m);
+    cuda_check(cudaMemset(m->parameters.base, 0, m->parameters.used));
     cuda_check(cudaMemset(m->zero_seed, 0, sizeof(uint64_t)));
     m->embedding.total = (int)m->emb_total, m->embedding.scale_shift = c->use_scale_shift_norm;
     m->embedding.dropout = c->dropout, m->embedding.dropout_seed = m->zero_seed;
     m->emb_all.in = 4 * c->model_channels, m->emb_all.out = (int)m->emb_total, m->emb_all.k = 1, m->emb_all.stride = 1;
     m->emb_all.w = m->compute, m->emb_all.b = m->compute + m->emb_bias_offset;
     if (training) m->emb_all.dw = m->grad, m->emb_all.db = m->grad + m->emb_bias_offset;
-    // Scratch shared by the blocks (one at a time) and by every model of the process.
-    conv_scratch = (floatX *)scratch_reserve(conv_scratch, &conv_scratch_have, m->conv_scratch_numel, sizeof(floatX));
-    gn_partial_scratch = (double *)scratch_reserve(gn_partial_scratch, &gn_scratch_have, m->gn_scratch_numel, sizeof(double));
-    channel_sums_scratch = (float *)scratch_reserve(channel_sums_scratch, &channel_scratch_have, m->channel_scratch_numel, sizeof(float));
-    if (!weight_grad_scratch) {
-        weight_grad_scratch_numel = 32 << 20;  // 128 MiB: enough slices for every layer of the presets
-        weight_grad_scratch = (float *)gpu_malloc(weight_grad_scratch_numel * sizeof(float));
-    }
-    float *scores = m->attention_scores = (float *)gpu_malloc(m->attention_scratch_numel * sizeof(float));
-    floatX *d_scores = m->attention_d_scores = training ? (floatX *)gpu_malloc(m->attention_scratch_numel * sizeof(floatX)) : NULL;
+    m->emb_all.scratch = &m->scratch;
     for (int i = 0; i < m->num_blocks; i++) {
         if (m->blocks[i].kind != BLOCK_ATTENTION) continue;
         AttentionBlock *ab = &m->blocks[i].attention;
-        ab->attention.scores = scores, ab->attention.d_scores = d_scores;
+        ab->attention.scores = m->scratch.scores, ab->attention.d_scores = m->scratch.d_scores;
         attention_pointers_kernel<<<(ab->attention.N * ab->attention.heads + 63) / 64, 64, 0, gpu.stream>>>(
             ab->attention, ab->h1.x, ab->h2.x, ab->h1.dx, ab->h2.dx);
         cuda_check_launch();
     }
 }
 
-// Frees what unet_create allocated for this model (the shared scratch stays for the others).
+// Frees what unet_plan and unet_create allocated.
 static void unet_destroy(UNet *m) {
-    if ((void *)m->compute != (void *)m->master) cudaFree(m->compute);
-    cudaFree(m->master);
-    cudaFree(m->acts.base);
-    cudaFree(m->grads.base);
-    cudaFree(m->attention_scores);
-    cudaFree(m->attention_d_scores);
+    if (m->memory) cudaFree(m->memory);
     free(m->blocks);
     free(m->params.specs);
     memset(m, 0, sizeof *m);
@@ -2211,7 +2312,8 @@ static void unet_forward(UNet *m, int training) {
     silu_forward_kernel<<<blocks_for(N * D, 256), 256, 0, gpu.stream>>>(m->emb_silu.x, m->emb.x, N * D);
     cuda_check_launch();
     int E = (int)m->emb_total;
-    matmul(m->embedding.out, CUDA_R_32F, E, m->emb_silu.x, 0, D, m->emb_all.w, 1, D, N, E, D, NULL, 0, 0.0f, NULL);
+    matmul({.M = N, .N = E, .K = D, .a = m->emb_silu.x, .lda = D, .b = m->emb_all.w, .ldb = D, .trans_b = 1,
+            .d = m->embedding.out, .ldd = E, .d_fp32 = 1});
     add_rows_kernel<<<(N * E + 255) / 256, 256, 0, gpu.stream>>>(m->embedding.out, m->emb_all.b, N, E);
     cuda_check_launch();
     for (int i = 0; i < m->num_blocks; i++) block_forward(m, &m->blocks[i], training);
@@ -2353,16 +2455,17 @@ static void print_profile(UNet *m) {
     const Act *out = &first->out;
     int N = m->batch, H = out->H, W = out->W, M = N * H * W, K = 9 * l->conv2.in;
     NormOptions o = res_block_norm2(l, &m->embedding, 1);
+    const Scratch *s = &m->scratch;
     printf("  first ResBlock (%dx%d, %d -> %d channels), backward parts in ms:\n", H, W, l->conv1.in, l->conv1.out);
     for (int part = 0; part < 8; part++) {
         cuda_check(cudaEventRecord(a, gpu.stream));
         switch (part) {
         case 0: conv_backward(&l->conv2, l->h2.dx, out->dx, l->h2.x, N, H, W, NULL, 0); break;
         case 1: conv_patches(&l->conv2, l->h2.x, N, H, W); break;
-        case 2: weight_gradient(l->conv2.dw, out->dx, conv_scratch, M, l->conv2.out, K); break;
-        case 3: channel_sums(NULL, 0, l->conv2.db, out->dx, N, H * W, l->conv2.out); break;
-        case 4: matmul(conv_scratch, CUDA_FLOATX, K, out->dx, 0, l->conv2.out, l->conv2.w, 0, K, M, K, l->conv2.out, NULL, 0, 0.0f, NULL); break;
-        case 5: col2im_kernel<Pack><<<blocks_for((int64_t)M * l->conv2.in / PACK, 256), 256, 0, gpu.stream>>>(l->h2.dx, conv_scratch, N, H, W, l->conv2.in, 3, 1, H, W); break;
+        case 2: weight_gradient(s, l->conv2.dw, out->dx, s->patches, M, l->conv2.out, K); break;
+        case 3: channel_sums(s, NULL, 0, l->conv2.db, out->dx, N, H * W, l->conv2.out); break;
+        case 4: matmul({.M = M, .N = K, .K = l->conv2.out, .a = out->dx, .lda = l->conv2.out, .b = l->conv2.w, .ldb = K, .d = s->patches, .ldd = K}); break;
+        case 5: col2im_kernel<Pack><<<blocks_for((int64_t)M * l->conv2.in / PACK, 256), 256, 0, gpu.stream>>>(l->h2.dx, s->patches, N, H, W, l->conv2.in, 3, 1, H, W); break;
         case 6: group_norm_backward(&l->norm2, l->h1.dx, m->embedding.d_out + l->emb_offset, l->h2.dx, l->h1.x, l->mean2, l->rstd2, N, H * W, o); break;
         case 7: group_norm_forward(&l->norm2, l->h2.x, l->mean2, l->rstd2, l->h1.x, N, H * W, o); break;
         }
@@ -2847,86 +2950,26 @@ static void loader_next_batch(DataLoader *loader) {
 }
 
 // ----------------------------------------------------------------------------------------------
-// safetensors writing. A checkpoint is a folder holding model.safetensors (the fp32 weights under
+// Checkpoint files. A checkpoint is a folder holding model.safetensors (the fp32 weights under
 // guided-diffusion's state_dict names and shapes, the configuration in __metadata__ under its flag
 // names), ema.safetensors (the first EMA rate; ema_<rate>.safetensors for the others) and
-// state.bin (everything else an exact resume needs). The folder is written under a temporary
+// state.bin (everything else an exact resume needs); checkpoint.h writes and reads safetensors,
+// and reads state.bin. The folder is written under a temporary
 // name, every file and the folder synced, then renamed: a crash leaves the previous checkpoint
 // the latest complete one.
 
-typedef struct {
-    const char *key, *value;
-} MetaEntry;
-
-// Appends a JSON string (quoted; quotes, backslashes and control characters escaped) to buf.
-static void json_put_string(char **buf, size_t *len, size_t *cap, const char *s) {
-    size_t need = *len + 6 * strlen(s) + 8;
-    if (need > *cap) {
-        *cap = 2 * need;
-        *buf = (char *)realloc(*buf, *cap);
-        if (!*buf) fatal("out of host memory");
-    }
-    char *o = *buf + *len;
-    *o++ = '"';
-    for (; *s; s++) {
-        if ((unsigned char)*s < 0x20) { o += sprintf(o, "\\u%04x", (unsigned char)*s); continue; }
-        if (*s == '"' || *s == '\\') *o++ = '\\';
-        *o++ = *s;
-    }
-    *o++ = '"';
-    *len = o - *buf;
-}
-
-static void json_put(char **buf, size_t *len, size_t *cap, const char *fmt, ...) {
-    va_list args;
-    for (;;) {
-        va_start(args, fmt);
-        int n = vsnprintf(*buf + *len, *cap - *len, fmt, args);
-        va_end(args);
-        if ((size_t)n < *cap - *len) { *len += n; return; }
-        *cap = 2 * (*cap + n);
-        *buf = (char *)realloc(*buf, *cap);
-        if (!*buf) fatal("out of host memory");
-    }
-}
-
-// Writes fp32 tensors (PyTorch layouts) and metadata to path, then fsyncs it. Returns 0, or -1
-// with errno set.
-static int safetensors_write(const char *path, const ParamList *params, float *const *values, const MetaEntry *meta,
-                             int meta_count) {
-    size_t cap = 4096, len = 0;
-    char *h = (char *)malloc_or_die(cap);
-    json_put(&h, &len, &cap, "{\"__metadata__\":{");
-    for (int i = 0; i < meta_count; i++) {
-        if (i) json_put(&h, &len, &cap, ",");
-        json_put_string(&h, &len, &cap, meta[i].key);
-        json_put(&h, &len, &cap, ":");
-        json_put_string(&h, &len, &cap, meta[i].value);
-    }
-    json_put(&h, &len, &cap, "}");
-    uint64_t offset = 0;
+// A parameter array as the tensors of a safetensors file (values: host, PyTorch layouts).
+static int write_parameters(const char *path, const ParamList *params, float *const *values, const MetaPair *meta,
+                            int meta_count) {
+    SafeTensorOut *tensors = (SafeTensorOut *)malloc_or_die(params->count * sizeof(SafeTensorOut));
     for (int i = 0; i < params->count; i++) {
         const ParamSpec *p = &params->specs[i];
-        json_put(&h, &len, &cap, ",");
-        json_put_string(&h, &len, &cap, p->name);
-        json_put(&h, &len, &cap, ":{\"dtype\":\"F32\",\"shape\":[");
-        for (int d = 0; d < p->ndim; d++) json_put(&h, &len, &cap, d ? ",%d" : "%d", p->shape[d]);
-        json_put(&h, &len, &cap, "],\"data_offsets\":[%llu,%llu]}", (unsigned long long)offset,
-                 (unsigned long long)(offset + 4 * p->numel));
-        offset += 4 * p->numel;
+        SafeTensorOut t = {p->name, p->ndim, p->shape, p->numel, values[i]};
+        tensors[i] = t;
     }
-    json_put(&h, &len, &cap, "}");
-    while (len % 8) json_put(&h, &len, &cap, " ");  // data starts 8-byte aligned
-    FILE *f = fopen(path, "wb");
-    if (!f) return free(h), -1;
-    uint64_t header_bytes = len;
-    int ok = fwrite(&header_bytes, 8, 1, f) == 1 && fwrite(h, 1, len, f) == len;
-    for (int i = 0; ok && i < params->count; i++)
-        ok = fwrite(values[i], 4, params->specs[i].numel, f) == (size_t)params->specs[i].numel;
-    ok = ok && fflush(f) == 0 && fsync(fileno(f)) == 0;
-    ok = (fclose(f) == 0) && ok;
-    free(h);
-    return ok ? 0 : -1;
+    int r = safetensors_write(path, tensors, params->count, meta, meta_count);
+    free(tensors);
+    return r;
 }
 
 // The configuration under guided-diffusion's flag names, spelled as on its command line, each
@@ -2934,7 +2977,7 @@ static int safetensors_write(const char *path, const ParamList *params, float *c
 #define MAX_METADATA 48
 
 typedef struct {
-    MetaEntry entries[MAX_METADATA];
+    MetaPair entries[MAX_METADATA];
     int count;
 } Metadata;
 
@@ -3259,13 +3302,13 @@ static int write_checkpoint(const char *run_dir, const CheckpointData *d, int ke
     if (mkdir(tmp, 0777) != 0) return dataset_fail(err, err_len, "cannot create %s: %s", tmp, strerror(errno));
     checkpoint_stage("folder created");
     snprintf(path, sizeof path, "%s/model.safetensors", tmp);
-    int failed = safetensors_write(path, d->params, d->model, d->meta->entries, d->meta->count);
+    int failed = write_parameters(path, d->params, d->model, d->meta->entries, d->meta->count);
     for (int i = 0; i < d->num_ema && !failed; i++) {
         checkpoint_stage("file written");
         Metadata em = *d->meta;  // the same entries, and this file's own rate (freed below)
         meta_add(&em, "ema_rate", "%g", d->ema_rates[i]);
         ema_file_name(path, sizeof path, tmp, d->ema_rates, i);
-        failed = safetensors_write(path, d->params, d->ema[i], em.entries, em.count);
+        failed = write_parameters(path, d->params, d->ema[i], em.entries, em.count);
         free((char *)em.entries[em.count - 1].value);
     }
     if (!failed) {
@@ -3641,6 +3684,29 @@ static void print_model_summary(FILE *f, const ModelConfig *c, const ParamList *
 // log_interval steps; checkpoints every save_interval steps and at the end; SIGINT or SIGTERM
 // finish the step, save and exit 0 (a second SIGINT exits at once).
 
+// The batch of the sample grids' forward-only model.
+static int grid_batch(const Options *o) { return o->sample_count < 64 ? o->sample_count : 64; }
+
+// What a run will allocate on the GPU, from the plans (--dry_run): the training model, its EMA
+// copies and the forward-only model that draws the sample grids.
+static void print_run_memory(const Options *o, const ModelConfig *c) {
+    UNet plan;
+    unet_plan(&plan, c, o->batch_size, 1);
+    print_memory_plan(stdout, &plan, "training");
+    double rates[8];
+    int64_t ema = (int64_t)parse_number_list(o->ema_rate, rates, 8) * plan.storage * sizeof(float);
+    int64_t total = unet_memory_bytes(&plan) + ema;
+    unet_destroy(&plan);
+    printf("memory plan (EMA weights): %.1f MiB\n", ema / 1048576.0);
+    if (o->sample_count) {
+        unet_plan(&plan, c, grid_batch(o), 0);
+        print_memory_plan(stdout, &plan, "sample grids");
+        total += unet_memory_bytes(&plan);
+        unet_destroy(&plan);
+    }
+    printf("memory plan: %.1f MiB in all\n", total / 1048576.0);
+}
+
 // A grid of sample_count images from the first EMA's weights, DDIM with sample_steps steps and
 // the same starting noise every time (so grids compare over a run), into run_dir/samples/.
 // Class-conditional models get the classes in turn. The sampler is made at the first grid.
@@ -3651,7 +3717,7 @@ static void write_samples(Trainer *tr, GpuSampler *sampler, const char *run_dir)
         SamplePlan plan;
         if (sample_plan_make(&plan, &tr->diffusion.schedule, SAMPLER_DDIM, o->sample_steps, 0.0f, strcmp(o->predict, "v") == 0, 1) != 0)
             fatal("out of memory");
-        gpu_sampler_create(sampler, &tr->config, count < 64 ? count : 64, &plan, 1.0f, random_u64((uint64_t)o->seed, rng_stream(RNG_GRID_SEED, 0), 0));
+        gpu_sampler_create(sampler, &tr->config, grid_batch(o), &plan, 1.0f, random_u64((uint64_t)o->seed, rng_stream(RNG_GRID_SEED, 0), 0));
         sample_plan_free(&plan);
     }
     cuda_check(cudaMemcpy(sampler->m.master, tr->ema[0], tr->m.storage * sizeof(float), cudaMemcpyDeviceToDevice));
@@ -3901,6 +3967,7 @@ static void run_bench(const Options *o, const ModelConfig *config, const ParamLi
     for (int i = 0; i < o->batch_size; i++) labels[i] = config->num_classes ? (int32_t)(random_u64(1, rng_stream(RNG_BENCH_BATCH, 1), i) % (config->num_classes - 1)) : 0;
     Trainer tr;
     trainer_create(&tr, o, config, pixels, labels);
+    print_memory_plan(stdout, &tr.m, "training");
     unet_init_parameters(&tr.m, (uint64_t)o->seed);
     trainer_reset_ema(&tr);
     for (int i = 0; i < 10; i++) trainer_step(&tr);
@@ -4073,20 +4140,19 @@ extern "C" int unet_eval(const char *file, const char *in_path, const char *out_
         forward_nhwc(&m, x_nhwc, steps, labels, out);
         for (size_t i = 0; i < (size_t)N * Co * HW; i++)
             out_nchw[i] = out[(i / (Co * HW) * HW + i % HW) * Co + i / HW % Co];
-        ParamList one = {0};  // the output as a one-tensor list, for the writer
         int shape[4] = {N, Co, S, S};
-        param_add(&one, "", "out", 4, shape);
+        SafeTensorOut tensor = {"out", 4, shape, (int64_t)N * Co * HW, out_nchw};
         Metadata meta;
         memset(&meta, 0, sizeof meta);
         meta_add(&meta, "checkpoint", "%s", used);
         char tmp[4200];  // written whole under a temporary name, then renamed: never a partial file
         snprintf(tmp, sizeof tmp, "%.4000s.tmp.%d", out_path, (int)getpid());
-        if (safetensors_write(tmp, &one, &out_nchw, meta.entries, meta.count) != 0 || rename(tmp, out_path) != 0) {
+        if (safetensors_write(tmp, &tensor, 1, meta.entries, meta.count) != 0 || rename(tmp, out_path) != 0) {
             r = dataset_fail(err, err_len, "cannot write %s: %s", out_path, strerror(errno));
             unlink(tmp);
         }
         metadata_free(&meta);
-        free(one.specs), free(x_nhwc), free(out), free(out_nchw), free(labels);
+        free(x_nhwc), free(out), free(out_nchw), free(labels);
         unet_destroy(&m);
     }
     free(steps), free(labels64), free(x_nchw);
@@ -4135,6 +4201,7 @@ int main(int argc, char **argv) {
         print_config(stdout, &o);
         printf("precision: %s\n", PRECISION_NAME);
         print_model_summary(stdout, &model, &params);
+        print_run_memory(&o, &model);
         if (data.map)
             printf("dataset: %s, %" PRIu64 " images of %ux%u, %u classes\n", o.data, data.header.count,
                    data.header.width, data.header.height, data.header.num_classes);

@@ -286,13 +286,23 @@ static int dev_all_finite(double *downloaded, size_t n) {
 static int dev_finite_x(const floatX *d, size_t n) { return dev_all_finite(dev_download_x(d, n), n); }
 static int dev_finite_f(const float *d, size_t n) { return dev_all_finite(dev_download_f(d, n), n); }
 
-// The trainer's shared scratch buffers (set up by unet_create in the trainer), grown to at least
-// the given sizes in elements: conv_scratch (patch matrices), gn_partial_scratch (GroupNorm
-// partial sums), channel_sums_scratch (bias gradients). Their sizes: conv_scratch_have etc.
-static void dev_scratch(int64_t conv_numel, int64_t gn_numel, int64_t channel_numel) {
-    conv_scratch = (floatX *)scratch_reserve(conv_scratch, &conv_scratch_have, conv_numel, sizeof(floatX));
-    gn_partial_scratch = (double *)scratch_reserve(gn_partial_scratch, &gn_scratch_have, gn_numel, sizeof(double));
-    channel_sums_scratch = (float *)scratch_reserve(channel_sums_scratch, &channel_scratch_have, channel_numel, sizeof(float));
+// The scratch of the layer under test (a model's memory plan sizes its own), in elements:
+// patches (floatX), weight-gradient slices (floats; 0: one product), channel sums (floats),
+// GroupNorm partial sums (doubles). Poisoned, so that a read before a write shows; the previous
+// one is freed.
+static Scratch dev_scratch_buffers;
+
+static const Scratch *dev_scratch(int64_t patches, int64_t weight_grad, int64_t channel_sums, int64_t gn_partials) {
+    Scratch *s = &dev_scratch_buffers;
+    cuda_check(cudaStreamSynchronize(gpu.stream));
+    cudaFree(s->patches), cudaFree(s->weight_grad), cudaFree(s->channel_sums), cudaFree(s->gn_partials);
+    memset(s, 0, sizeof *s);
+    s->patches = (floatX *)dev_gpu_poisoned(patches * sizeof(floatX));
+    s->weight_grad = (float *)dev_gpu_poisoned(weight_grad * sizeof(float));
+    s->weight_grad_numel = weight_grad;
+    s->channel_sums = (float *)dev_gpu_poisoned(channel_sums * sizeof(float));
+    s->gn_partials = (double *)dev_gpu_poisoned(gn_partials * sizeof(double));
+    return s;
 }
 
 // Frees device buffers given as a NULL-terminated list.

@@ -105,11 +105,13 @@ static void conv_weight_layout(double *dst, const double *src, int out, int in, 
     free(a), free(b);
 }
 
-// The patch matrix (forward) and dcol (backward) share conv_scratch; the bias gradient's partial sums.
-static void conv_scratch_for(int N, int H, int W, int Cin, int Cout, int k, int stride) {
-    int64_t Ho = ref_conv2d_out_size(H, k, stride), Wo = ref_conv2d_out_size(W, k, stride);
-    dev_scratch((int64_t)N * Ho * Wo * k * k * Cin, 0, (int64_t)N * CHANNEL_SUM_CHUNKS * Cout);
-    dev_poison(conv_scratch, conv_scratch_have * sizeof(floatX));
+// The scratch a model's plan gives this convolution: the patch matrix (forward) and dcol
+// (backward), the weight gradient's slices, the bias gradient's partial sums.
+static const Scratch *conv_scratch_for(int N, int H, int W, int Cin, int Cout, int k, int stride) {
+    int Ho = ref_conv2d_out_size(H, k, stride), Wo = ref_conv2d_out_size(W, k, stride), K = k * k * Cin;
+    int slices = weight_grad_slices(INT64_MAX, N * Ho * Wo, Cout, K);
+    return dev_scratch((int64_t)N * Ho * Wo * K, slices >= 2 ? (int64_t)slices * Cout * K : 0,
+                       (int64_t)N * CHANNEL_SUM_CHUNKS * Cout, 0);
 }
 
 enum { RESIDUAL_NONE, RESIDUAL_SEPARATE, RESIDUAL_IN_PLACE };
@@ -154,7 +156,7 @@ static void check_conv(int N, int H, int W, int Cin, int Cout, int k, int stride
     if (residual == RESIDUAL_SEPARATE) r.residual = res_gpu = dev_upload_x(res, ny);
     r.dx = with_dx ? dev_upload_x(dx_before, nx) : NULL;
     r.d_per_sample = per_sample ? dev_upload_f(dps_before, nps) : NULL;
-    conv_scratch_for(N, H, W, Cin, Cout, k, stride);
+    r.cv.scratch = conv_scratch_for(N, H, W, Cin, Cout, k, stride);
     conv_run_forward(&r);
     conv_run_backward(&r);
 
@@ -194,7 +196,7 @@ static void time_conv(const char *what, int N, int H, int W, int Cin, int Cout, 
     r.y = (floatX *)gpu_malloc(ny * sizeof(floatX)), r.dx = (floatX *)gpu_malloc(nx * sizeof(floatX));
     cuda_check(cudaMemsetAsync(r.dx, 0, nx * sizeof(floatX), gpu.stream));
     r.N = N, r.H = H, r.W = W;
-    conv_scratch_for(N, H, W, Cin, Cout, k, stride);
+    r.cv.scratch = conv_scratch_for(N, H, W, Cin, Cout, k, stride);
     double fwd = dev_time_ms(conv_run_forward, &r), bwd = dev_time_ms(conv_run_backward, &r);
     int finite = dev_finite_x(r.y, ny) && dev_finite_x(r.dx, nx) && dev_finite_f(r.cv.dw, nw) && dev_finite_f(r.cv.db, Cout);
     char shape[96];

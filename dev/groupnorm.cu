@@ -117,9 +117,9 @@ static void norm_run_backward(void *p) {
     group_norm_backward(&r->norm, r->dx, r->d_scale_shift, r->dy, r->x, r->mean, r->rstd, r->N, r->HW, r->o);
 }
 
-static void norm_scratch_for(int N, int C) {
-    dev_scratch(0, (int64_t)N * GN_CHUNKS * (C * 4 + GN_GROUPS * 2), (int64_t)N * CHANNEL_SUM_CHUNKS * C);
-    dev_poison(gn_partial_scratch, gn_scratch_have * sizeof(double));
+// The scratch a model's plan gives this GroupNorm (and the channel sums of the GN_ADD check).
+static const Scratch *norm_scratch_for(int N, int C) {
+    return dev_scratch(0, 0, (int64_t)N * CHANNEL_SUM_CHUNKS * C, (int64_t)N * GN_CHUNKS * (C * 4 + GN_GROUPS * 2));
 }
 
 static void check_norm(int N, int H, int W, int C, int silu, int mode, float dropout) {
@@ -177,10 +177,10 @@ static void check_norm(int N, int H, int W, int C, int silu, int mode, float dro
     r.rstd = (float *)dev_gpu_poisoned((size_t)N * GN_GROUPS * sizeof(float));
     r.d_scale_shift = dev_upload_f(dss_before, nss);
     r.N = N, r.HW = HW;
-    norm_scratch_for(N, C);
+    r.norm.scratch = norm_scratch_for(N, C);
     norm_run_forward(&r);
     norm_run_backward(&r);
-    if (mode & GN_ADD) channel_sums(dadd_gpu, add_ld, NULL, r.dx, N, HW, C);
+    if (mode & GN_ADD) channel_sums(r.norm.scratch, dadd_gpu, add_ld, NULL, r.dx, N, HW, C);
 
     double tol = DEV_TOLERANCE, fwd = dev_check_x(r.y, NULL, y, n);
     DevErrors e;
@@ -221,7 +221,7 @@ static void time_norm(const char *what, int N, int H, int W, int C, int silu, in
     r.d_scale_shift = (float *)gpu_malloc((size_t)N * 2 * C * sizeof(float));
     cuda_check(cudaMemsetAsync(r.d_scale_shift, 0, (size_t)N * 2 * C * sizeof(float), gpu.stream));
     r.N = N, r.HW = H * W;
-    norm_scratch_for(N, C);
+    r.norm.scratch = norm_scratch_for(N, C);
     double fwd = dev_time_ms(norm_run_forward, &r), bwd = dev_time_ms(norm_run_backward, &r);
     int finite = dev_finite_x(r.y, n) && dev_finite_x(r.dx, n) && dev_finite_f(r.norm.dgamma, C) && dev_finite_f(r.norm.dbeta, C);
     char shape[96];

@@ -63,7 +63,8 @@ typedef struct {
 
 static void projection_run(void *p) {
     ProjectionRun *r = (ProjectionRun *)p;
-    matmul(r->out, CUDA_R_32F, r->E, r->x, 0, r->D, r->w, 1, r->D, r->N, r->E, r->D, NULL, 0, 0.0f, NULL);
+    matmul({.M = r->N, .N = r->E, .K = r->D, .a = r->x, .lda = r->D, .b = r->w, .ldb = r->D, .trans_b = 1, .d = r->out,
+            .ldd = r->E, .d_fp32 = 1});
     add_rows_kernel<<<(r->N * r->E + 255) / 256, 256, 0, gpu.stream>>>(r->out, r->b, r->N, r->E);
     cuda_check_launch();
 }
@@ -88,7 +89,7 @@ static void check_linear(int N, int in, int out, int with_dx) {
     r.x = dev_upload_x(x, nx), r.dy = dev_upload_x(dy, ny), r.y = (floatX *)dev_gpu_poisoned(ny * sizeof(floatX));
     r.dx = with_dx ? dev_upload_x(dx_before, nx) : NULL;
     r.N = N;
-    dev_scratch(0, 0, (int64_t)N * CHANNEL_SUM_CHUNKS * out);
+    r.cv.scratch = dev_scratch(0, 0, (int64_t)N * CHANNEL_SUM_CHUNKS * out, 0);
     linear_run_forward(&r);
     linear_run_backward(&r);
 
@@ -137,7 +138,7 @@ static void time_linear(const char *what, int N, int in, int out) {
     r.dx = (floatX *)gpu_malloc(nx * sizeof(floatX));
     cuda_check(cudaMemsetAsync(r.dx, 0, nx * sizeof(floatX), gpu.stream));
     r.N = N;
-    dev_scratch(0, 0, (int64_t)N * CHANNEL_SUM_CHUNKS * out);
+    r.cv.scratch = dev_scratch(0, 0, (int64_t)N * CHANNEL_SUM_CHUNKS * out, 0);
     double fwd = dev_time_ms(linear_run_forward, &r), bwd = dev_time_ms(linear_run_backward, &r);
     int finite = dev_finite_x(r.y, ny) && dev_finite_x(r.dx, nx) && dev_finite_f(r.cv.dw, nw) && dev_finite_f(r.cv.db, out);
     char shape[96];

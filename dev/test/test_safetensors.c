@@ -86,6 +86,26 @@ int main(void) {
     CHECK(safetensors_find(&f, "d") == NULL);
     safetensors_close(&f);
 
+    check_case("safetensors: what the writer writes reads back unchanged (names, shapes, values, escaped metadata)");
+    float weights[6] = {0.5f, -1.25f, 3e-8f, 7, -0.0f, 1e30f}, bias[2] = {1, -2};
+    int weight_shape[4] = {2, 1, 1, 3}, bias_shape[1] = {2};
+    SafeTensorOut out[2] = {{"conv.weight", 4, weight_shape, 6, weights}, {"conv.bias", 1, bias_shape, 2, bias}};
+    MetaPair written_meta[2] = {{"note", "\"quoted\" \\ tab\t caf\xc3\xa9"}, {"image_size", "64"}};
+    snprintf(header, sizeof header, "%s/written.safetensors", tmp_dir);
+    CHECK(safetensors_write(header, out, 2, written_meta, 2) == 0);
+    CHECK(safetensors_open(header, &f, err, sizeof err) == 0);
+    const SafeTensor *w = safetensors_find(&f, "conv.weight"), *b = safetensors_find(&f, "conv.bias");
+    float read_w[6], read_b[2];
+    CHECK(f.count == 2 && w && b && w->ndim == 4 && w->shape[0] == 2 && w->shape[3] == 3 && b->ndim == 1 && b->shape[0] == 2);
+    CHECK(w && b && safetensors_get_float(w, read_w) == 0 && safetensors_get_float(b, read_b) == 0);
+    CHECK(memcmp(read_w, weights, sizeof weights) == 0 && memcmp(read_b, bias, sizeof bias) == 0);
+    CHECK(safetensors_metadata(&f, "note") && strcmp(safetensors_metadata(&f, "note"), written_meta[0].value) == 0);
+    CHECK(safetensors_metadata(&f, "image_size") && strcmp(safetensors_metadata(&f, "image_size"), "64") == 0);
+    CHECK(f.file.size % 8 == 0);  // 8 + header + 32 data bytes: the header pads the data to 8-byte alignment
+    safetensors_close(&f);
+    snprintf(header, sizeof header, "%s/no such folder/x.safetensors", tmp_dir);
+    CHECK(safetensors_write(header, out, 2, written_meta, 2) == -1 && errno == ENOENT);
+
     check_case("safetensors: NaN or infinite values are reported by the conversion");
     float bad[2] = {1, INFINITY};
     path = write_file("inf.safetensors", "{\"x\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,8]}}", bad, sizeof bad);

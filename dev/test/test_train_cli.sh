@@ -95,6 +95,23 @@ for bad in magic truncated extended height absurd count label header_only; do
 done
 expect_fail "$TRAIN" --dry_run --data "$TEST_TMP/missing.bin"
 
+# region MiB of a "memory plan (what, batch N): ..." line; plan_total: the "in all" line.
+plan_region() { sed -n "s/^memory plan ($2, batch [0-9]*): .*$3 \([0-9.]*\) MiB.*/\1/p" "$1"; }
+case_begin "dry_run: the memory plan scales with the batch, and its parts add up to the total"
+"$TRAIN" --dry_run --batch_size 32 > "$TEST_TMP/plan32.txt" && "$TRAIN" --dry_run --batch_size 64 > "$TEST_TMP/plan64.txt" ||
+    case_fail "dry_run failed"
+a32=$(plan_region "$TEST_TMP/plan32.txt" training activations) a64=$(plan_region "$TEST_TMP/plan64.txt" training activations)
+p32=$(plan_region "$TEST_TMP/plan32.txt" training parameters) p64=$(plan_region "$TEST_TMP/plan64.txt" training parameters)
+g=$(plan_region "$TEST_TMP/plan32.txt" "sample grids" gradients)
+awk -v a=$a32 -v b=$a64 -v p=$p32 -v q=$p64 -v g=$g \
+    'BEGIN { exit !(a > 100 && b > 1.9 * a && b < 2.1 * a && p == q && p > 300 && g == 0) }' ||
+    case_fail "activations $a32 -> $a64 MiB, parameters $p32 -> $p64 MiB, sample-grid gradients $g MiB"
+awk '/^memory plan \(training|^memory plan \(sample grids/ { sub(/.*total /, ""); sum += $1 }
+     /^memory plan \(EMA/ { sub(/.*: /, ""); sum += $1 }
+     /^memory plan: .* in all/ { total = $3 }
+     END { exit !(total > 0 && sum - total < 0.3 && total - sum < 0.3) }' "$TEST_TMP/plan32.txt" ||
+    case_fail "the parts do not add up: $(grep '^memory plan' "$TEST_TMP/plan32.txt")"
+
 case_begin "the deepest model the limits allow: 8 levels of 8 residual blocks, clean under AddressSanitizer"
 expect_ok "$TRAIN_ASAN" --dry_run --image_size 128 --channel_mult 1,1,1,1,1,1,1,1 --num_res_blocks 8
 grep -q "AddressSanitizer\|runtime error" "$LAST_ERR" && case_fail "sanitizer report: $(head -3 "$LAST_ERR")"
