@@ -2155,8 +2155,8 @@ static void unet_lay_out(UNet *m) {
     m->master = (float *)arena_take(&m->parameters, n * sizeof(float));
     if (training) {
         m->grad = (float *)arena_take(&m->parameters, n * sizeof(float));
-        m->adam_m = (float *)arena_take(&m->parameters, n * sizeof(float));
-        m->adam_v = (float *)arena_take(&m->parameters, n * sizeof(float));
+        m->adam_m = (float *)arena_take(&m->parameters, 2 * n * sizeof(float));
+        m->adam_v = m->adam_m ? m->adam_m + n : NULL;  // side by side, as state.bin stores them
     }
     if (sizeof(floatX) == sizeof(float)) m->compute = (floatX *)m->master;
     else m->compute = (floatX *)arena_take(&m->parameters, n * sizeof(floatX));
