@@ -7,6 +7,7 @@
 #   make tests                the test programs, built and not run
 #   make dev                  every kernel against its CPU reference on the GPU, one table
 #   make bench                our training step and DDIM sampling against PyTorch (BENCH="seed:32 adm64:32")
+#   make bench-conv           the 3x3 convolution kernels: checks, then each preset shape's timings against cuDNN
 #   make fuzz                 the file readers under libFuzzer (clang), FUZZ_SECONDS each (default 60)
 #   make clean
 
@@ -137,17 +138,16 @@ build/test/test_unet_gpu_fp32 build/test/test_unet_gpu_bf16: build/test/test_une
 build/test/test_unet_gpu_reference_%: dev/test/test_unet_gpu_reference.cu train_unet.cu checkpoint.h $(DEV_REFERENCES) dev/test/check.h
 	@mkdir -p build/test
 	$(NVCC) $(NVCC_COMMON) -DPRECISION_$(shell echo $* | tr a-z A-Z) -o $@ $< $(CUDA_LIBS)
-# The GPU sampling loop against sampler.h's host loop, in both precisions; with products of at most
-# 100,000 patch values, so that forward passes run in slices of 1 or 2 images.
+# The GPU sampling loop against sampler.h's host loop, in both precisions.
 build/test/test_sampler_gpu_%: dev/test/test_sampler_gpu.cu train_unet.cu checkpoint.h sampler.h dataset.h dev/test/check.h
 	@mkdir -p build/test
-	$(NVCC) $(NVCC_COMMON) -DPRECISION_$(shell echo $* | tr a-z A-Z) -DCONV_SLICE_VALUES=100000 -o $@ $< $(CUDA_LIBS)
+	$(NVCC) $(NVCC_COMMON) -DPRECISION_$(shell echo $* | tr a-z A-Z) -o $@ $< $(CUDA_LIBS)
 
 # Per-layer GPU checks: each dev/<layer>.cu has a main (the trainer's own kernels against the CPU
 # reference on random shapes, and timings at the seed model's shapes). `make dev` builds them into
 # build/dev and runs dev/run_dev.sh (one table, "N passed, N failed"); `make dev-memcheck` runs each
 # under compute-sanitizer (DEV_QUICK=1: one timed run each). Neither needs stb or the dataset.
-DEV_LAYERS := conv2d linear groupnorm attention resample concat embedding loss adamw
+DEV_LAYERS := conv2d bench_conv linear groupnorm attention resample concat embedding loss adamw
 DEV_BINARIES := $(addprefix build/dev/,$(DEV_LAYERS))
 
 $(DEV_BINARIES): build/dev/%: dev/%.cu dev/common.h train_unet.cu checkpoint.h dataset.h build/precision
@@ -179,6 +179,16 @@ BENCH ?= seed:32 seed:128
 bench: train_unet generate data/shapes.bin
 	scripts/bench.sh $(BENCH)
 
+# The implicit-GEMM 3x3 convolutions alone (dev/bench_conv.cu): checked against the CPU reference,
+# then timed on every 3x3 convolution shape of the seed and adm64 presets at batch 32 and 128 and
+# joined with cuDNN's times on the same shapes in the same run (scripts/bench_conv_torch.py:
+# PyTorch, channels-last bf16). Our rows are kept in build/bench_conv.txt, cuDNN's in
+# build/bench_conv_cudnn.txt. (`make dev` runs its checks too.)
+bench-conv: build/dev/bench_conv
+	build/dev/bench_conv
+	build/dev/bench_conv --bench | tee build/bench_conv.txt
+	python3 scripts/bench_conv_torch.py build/bench_conv.txt --save build/bench_conv_cudnn.txt
+
 test-gpu: all $(TESTS_GPU)
 	dev/test/run_tests.sh gpu
 
@@ -206,4 +216,4 @@ clean:
 	rm -rf build $(BINARIES) data/shapes.bin
 
 FORCE:
-.PHONY: all test tests test-gpu bench clean FORCE
+.PHONY: all test tests test-gpu bench bench-conv clean FORCE

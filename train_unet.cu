@@ -187,9 +187,8 @@ static int blocks_for(size_t n, int threads) {
 // Scratch: memory a layer borrows for the length of one call. The model's memory plan sizes it for
 // its largest layer and owns it (unet_create); layers reach it through their Conv or Norm.
 typedef struct {
-    floatX *patches;           // a convolution's patch matrix
-    float *weight_grad;        // weight-gradient row slices, [slices][out][K]
-    int64_t weight_grad_numel; // (0: one product, no slices)
+    float *weight_grad;        // a weight gradient's partial sums over slices of the pixels
+    int64_t weight_grad_numel; // (0: a 1x1 layer's gradient is one product)
     float *channel_sums;       // per-channel partial sums, [N][CHANNEL_SUM_CHUNKS][C]
     double *gn_partials;       // GroupNorm partial sums, [N][GN_CHUNKS][4C + 2 groups]
     float *scores;             // attention, [N*heads][T][T]: S, then dP
@@ -443,11 +442,22 @@ static void channel_sums(const Scratch *s, float *per_sample, int per_sample_ld,
 }
 
 // ----------------------------------------------------------------------------------------------
-// Convolution, k x k (k = 1 or 3), stride 1 or 2, zero padding k/2, NHWC, weights [out][k][k][in].
-// As a matrix product over the patch matrix col[m][(kh*k + kw)*C_in + c] = x[n][ho*s + kh - p]
-// [wo*s + kw - p][c] (m = (n*Ho + ho)*Wo + wo):   y = col W^T + b
-// Backward:  dW = dy^T col,  db = sum_m dy,  dcol = dy W,  dx = the scatter of dcol back (col2im).
-// A 1x1 stride-1 convolution is the plain product on x itself.
+// Convolution: k = 3 (stride 1 or 2) or k = 1 (stride 1), zero padding k/2, NHWC, weights
+// [out][k][k][in], bias [out]. With m an output pixel (n, ho, wo), tap t = 3 kh + kw and
+// patch(m, t) = x[n][ho s + kh - 1][wo s + kw - 1] (zero outside the image), Ho = (H - 1)/s + 1:
+//   forward       y[m][co]       = sum_{t,ci} patch(m, t)[ci] w[co][t][ci] + b[co] (+ residual[m][co])
+//   input grad    dx[p][ci]     += sum_{t,co} dy[m][co] w[co][t][ci] over the (m, t) whose patch reads p
+//   weight grad   dW[co][t][ci]  = sum_m dy[m][co] patch(m, t)[ci],   db[co] = sum_m dy[m][co]
+// A 3x3 convolution is an implicit GEMM, out[M][Ng] = sum_k A[M][k] B[k][Ng], its operands gathered
+// tile by tile straight from the NHWC tensors (no patch matrix in memory):
+//   forward       M = output pixels, Ng = C_out,    k = (t, ci)   A = patches of x, B = w
+//   input grad    M = input pixels,  Ng = C_in,     k = (t, co)   A = gathered dy,  B = w
+//   weight grad   M = C_out,         Ng = 9 C_in,   k = pixel     A = dy^T,         B = patches of x
+// Each tensor has its own pixel stride (ld: elements from one pixel to the next), so a kernel reads
+// or writes a channel slice of a wider tensor. The BF16 build runs the products on tensor cores
+// (mma.sync m16n8k16 fed by ldmatrix from a cp.async pipeline); the FP32 build on CUDA cores, one
+// thread per output value. The weight gradient's sum over pixels is split into slices written to
+// scratch, then added in a fixed order: deterministic. A 1x1 convolution is a plain product on x.
 
 typedef struct {
     int in, out, k, stride;
@@ -458,82 +468,536 @@ typedef struct {
 
 static int conv_out_size(int size, int k, int stride) { return (size + 2 * (k / 2) - k) / stride + 1; }
 
-// One thread per (patch row m, tap, vector of channels); V is Pack, or Scalar when C % PACK != 0.
-template <typename V>
-__global__ void im2col_kernel(floatX *col, const floatX *x, int N, int H, int W, int C, int k, int stride, int Ho, int Wo) {
-    const int per = sizeof(V) / sizeof(floatX), vecs = C / per, pad = k / 2, taps = k * k;
-    const int total = N * Ho * Wo * taps * vecs;  // < 2^31: checked by the caller
-    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < total; i += gridDim.x * blockDim.x) {
-        int v = i % vecs, rest = i / vecs, tap = rest % taps, m = rest / taps;
-        int wo = m % Wo, ho = (m / Wo) % Ho, n = m / (Wo * Ho);
-        int h = ho * stride + tap / k - pad, w = wo * stride + tap % k - pad;
-        V value;
-        if (h >= 0 && h < H && w >= 0 && w < W) value = ((const V *)x)[((int64_t)(n * H + h) * W + w) * vecs + v];
-        else for (int j = 0; j < per; j++) value.v[j] = (floatX)0.0f;
-        ((V *)col)[i] = value;
-    }
+// The weight gradient's tile, BM x BN over (C_out, 9 C_in), and its slices of the pixel sum: enough
+// blocks for CONV_WEIGHT_GRAD_BLOCKS (two on each of an H100's 132 multiprocessors; a constant, so
+// that the plan needs no GPU and the sums come out the same on every GPU), each slice at least 4
+// CONV_SLICE_STEPs of pixels.
+#define CONV_SLICE_STEP 64  // pixels: a multiple of every tile's k step
+#define CONV_WEIGHT_GRAD_BLOCKS 264
+
+static void conv_weight_grad_tile(int C_in, int C_out, int *BM, int *BN) {
+    if (C_out <= 32) *BM = 32, *BN = 128;
+    else if (9 * C_in <= 32) *BM = 128, *BN = 32;
+    else if (C_out > 64) *BM = 128, *BN = 128;  // the fastest tile, even with a partial last row of tiles
+    else *BM = 64, *BN = 256;
 }
 
-// dx[n][h][w][c] += sum over the (kh, kw) whose patch reads (h, w): dcol[m(ho, wo)][(kh*k + kw)*C + c].
-template <typename V>
-__global__ void col2im_kernel(floatX *dx, const floatX *dcol, int N, int H, int W, int C, int k, int stride, int Ho, int Wo) {
-    const int per = sizeof(V) / sizeof(floatX), vecs = C / per, pad = k / 2, taps = k * k;
-    const int total = N * H * W * vecs;
-    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < total; i += gridDim.x * blockDim.x) {
-        int v = i % vecs, p = i / vecs, w = p % W, h = (p / W) % H, n = p / (W * H);
-        V acc = ((V *)dx)[i];
-        float sum[sizeof(V) / sizeof(floatX)];
-        for (int j = 0; j < per; j++) sum[j] = (float)acc.v[j];
-        for (int kh = 0; kh < k; kh++) {
-            int hs = h + pad - kh;
-            if (hs < 0 || hs % stride || hs / stride >= Ho) continue;
-            for (int kw = 0; kw < k; kw++) {
-                int ws = w + pad - kw;
-                if (ws < 0 || ws % stride || ws / stride >= Wo) continue;
-                int64_t m = ((int64_t)n * Ho + hs / stride) * Wo + ws / stride;
-                V d = ((const V *)dcol)[(m * taps + kh * k + kw) * vecs + v];
-                for (int j = 0; j < per; j++) sum[j] += (float)d.v[j];
-            }
+static int conv3x3_weight_grad_slices(int N, int H, int W, int C_in, int C_out, int stride, int *pixels_per_slice) {
+    int BM, BN;
+    conv_weight_grad_tile(C_in, C_out, &BM, &BN);
+    int64_t pixels = (int64_t)N * conv_out_size(H, 3, stride) * conv_out_size(W, 3, stride);
+    int steps = (int)((pixels + CONV_SLICE_STEP - 1) / CONV_SLICE_STEP);
+    int tiles = ((C_out + BM - 1) / BM) * ((9 * C_in + BN - 1) / BN);
+    int slices = (CONV_WEIGHT_GRAD_BLOCKS + tiles - 1) / tiles, most = steps / 4;
+    if (slices > most) slices = most;
+    if (slices < 1) slices = 1;
+    int per = (steps + slices - 1) / slices;
+    if (pixels_per_slice) *pixels_per_slice = per * CONV_SLICE_STEP;
+    return (steps + per - 1) / per;
+}
+
+// The scratch floats conv3x3_backward_weight needs for this shape (0: none).
+static int64_t conv3x3_weight_grad_scratch_floats(int N, int H, int W, int C_in, int C_out, int stride) {
+    int slices = conv3x3_weight_grad_slices(N, H, W, C_in, C_out, stride, NULL);
+    return slices > 1 ? (int64_t)slices * C_out * 9 * C_in : 0;
+}
+
+// dw[i] = sum over slices s, in order, of slices[s][i].
+__global__ void conv_sum_slices_kernel(float *dw, const float *slices, int total, int count) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= total) return;
+    float sum = 0.0f;
+    for (int s = 0; s < count; s++) sum += slices[(int64_t)s * total + i];
+    dw[i] = sum;
+}
+
+static void conv_sum_slices(float *dw, const float *slices, int total, int count) {
+    conv_sum_slices_kernel<<<(total + 255) / 256, 256, 0, gpu.stream>>>(dw, slices, total, count);
+    cuda_check_launch();
+}
+
+#if defined(PRECISION_FP32)
+// FP32: one thread per output value, on CUDA cores.
+
+// y[m][co] = b[co] + sum_{t,ci} patch(m, t)[ci] w[co][t][ci] (+ residual[m][co]).
+__global__ void conv3x3_forward_kernel(float *y, int ldy, const float *x, int ldx, const float *w, const float *bias,
+                                       const float *residual, int ldr, int N, int H, int W, int C_in, int C_out, int stride,
+                                       int Ho, int Wo) {
+    int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (int64_t)N * Ho * Wo * C_out) return;
+    int co = (int)(i % C_out), m = (int)(i / C_out), wo = m % Wo, ho = (m / Wo) % Ho, n = m / (Wo * Ho);
+    float sum = 0.0f;
+    for (int kh = 0; kh < 3; kh++) {
+        int h = ho * stride + kh - 1;
+        if (h < 0 || h >= H) continue;
+        for (int kw = 0; kw < 3; kw++) {
+            int ww = wo * stride + kw - 1;
+            if (ww < 0 || ww >= W) continue;
+            const float *xp = x + ((int64_t)(n * H + h) * W + ww) * ldx, *wp = w + ((int64_t)co * 9 + kh * 3 + kw) * C_in;
+            for (int ci = 0; ci < C_in; ci++) sum += xp[ci] * wp[ci];
         }
-        for (int j = 0; j < per; j++) acc.v[j] = (floatX)sum[j];
-        ((V *)dx)[i] = acc;
+    }
+    sum += bias[co];
+    if (residual) sum += residual[(int64_t)m * ldr + co];
+    y[(int64_t)m * ldy + co] = sum;
+}
+
+// dx[n][h][w][ci] += sum over the taps (kh, kw) with (h + 1 - kh, w + 1 - kw) = s (ho, wo) inside dy
+// of sum_co dy[n][ho][wo][co] w[co][kh][kw][ci].
+__global__ void conv3x3_backward_input_kernel(float *dx, int lddx, const float *dy, int lddy, const float *w, int N, int H,
+                                              int W, int C_in, int C_out, int stride, int Ho, int Wo) {
+    int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (int64_t)N * H * W * C_in) return;
+    int ci = (int)(i % C_in), p = (int)(i / C_in), ww = p % W, h = (p / W) % H, n = p / (W * H);
+    float sum = 0.0f;
+    for (int kh = 0; kh < 3; kh++) {
+        int hs = h + 1 - kh;
+        if (hs < 0 || hs % stride || hs / stride >= Ho) continue;
+        for (int kw = 0; kw < 3; kw++) {
+            int ws = ww + 1 - kw;
+            if (ws < 0 || ws % stride || ws / stride >= Wo) continue;
+            const float *g = dy + ((int64_t)(n * Ho + hs / stride) * Wo + ws / stride) * lddy;
+            const float *wp = w + (kh * 3 + kw) * C_in + ci;
+            for (int co = 0; co < C_out; co++) sum += g[co] * wp[(int64_t)co * 9 * C_in];
+        }
+    }
+    dx[(int64_t)p * lddx + ci] += sum;
+}
+
+// out[slice][co][t][ci] = sum over the slice's output pixels m of dy[m][co] patch(m, t)[ci].
+__global__ void conv3x3_backward_weight_kernel(float *out, const float *dy, int lddy, const float *x, int ldx, int N, int H,
+                                               int W, int C_in, int C_out, int stride, int Ho, int Wo, int pixels_per_slice) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x, taps_in = 9 * C_in;
+    if (i >= C_out * taps_in) return;
+    int co = i / taps_in, tap = (i / C_in) % 9, ci = i % C_in, kh = tap / 3, kw = tap % 3, pixels = N * Ho * Wo;
+    int first = blockIdx.y * pixels_per_slice, last = min(pixels, first + pixels_per_slice);
+    float sum = 0.0f;
+    for (int m = first; m < last; m++) {
+        int wo = m % Wo, ho = (m / Wo) % Ho, n = m / (Wo * Ho), h = ho * stride + kh - 1, ww = wo * stride + kw - 1;
+        if (h < 0 || h >= H || ww < 0 || ww >= W) continue;
+        sum += dy[(int64_t)m * lddy + co] * x[((int64_t)(n * H + h) * W + ww) * ldx + ci];
+    }
+    out[(int64_t)blockIdx.y * C_out * taps_in + i] = sum;
+}
+
+static void conv3x3_forward(floatX *y, int ldy, const floatX *x, int ldx, const floatX *w, const floatX *bias,
+                            const floatX *residual, int ldr, int N, int H, int W, int C_in, int C_out, int stride) {
+    int Ho = conv_out_size(H, 3, stride), Wo = conv_out_size(W, 3, stride);
+    int64_t total = (int64_t)N * Ho * Wo * C_out;
+    conv3x3_forward_kernel<<<(unsigned)((total + 255) / 256), 256, 0, gpu.stream>>>(y, ldy, x, ldx, w, bias, residual, ldr, N,
+                                                                                  H, W, C_in, C_out, stride, Ho, Wo);
+    cuda_check_launch();
+}
+
+static void conv3x3_backward_input(floatX *dx, int lddx, const floatX *dy, int lddy, const floatX *w, int N, int H, int W,
+                                   int C_in, int C_out, int stride) {
+    int Ho = conv_out_size(H, 3, stride), Wo = conv_out_size(W, 3, stride);
+    int64_t total = (int64_t)N * H * W * C_in;
+    conv3x3_backward_input_kernel<<<(unsigned)((total + 255) / 256), 256, 0, gpu.stream>>>(dx, lddx, dy, lddy, w, N, H, W,
+                                                                                         C_in, C_out, stride, Ho, Wo);
+    cuda_check_launch();
+}
+
+static void conv3x3_backward_weight(float *dw, float *scratch, const floatX *dy, int lddy, const floatX *x, int ldx, int N,
+                                    int H, int W, int C_in, int C_out, int stride) {
+    int Ho = conv_out_size(H, 3, stride), Wo = conv_out_size(W, 3, stride), pixels_per_slice;
+    int slices = conv3x3_weight_grad_slices(N, H, W, C_in, C_out, stride, &pixels_per_slice), total = C_out * 9 * C_in;
+    dim3 grid((total + 255) / 256, slices);
+    conv3x3_backward_weight_kernel<<<grid, 256, 0, gpu.stream>>>(slices > 1 ? scratch : dw, dy, lddy, x, ldx, N, H, W, C_in,
+                                                                 C_out, stride, Ho, Wo, pixels_per_slice);
+    cuda_check_launch();
+    if (slices > 1) conv_sum_slices(dw, scratch, total, slices);
+}
+
+#else
+// BF16: the implicit GEMMs on tensor cores.
+
+enum { CONV_FORWARD, CONV_INPUT_GRAD, CONV_WEIGHT_GRAD };
+
+#define CONV_PAD 8        // elements added to each shared-memory line: ldmatrix reads 8 lines without bank conflicts
+#define CONV_THREADS 256  // 8 warps
+
+// n / d for 0 <= n < 2^31 as a multiply-high and a shift (d >= 1).
+typedef struct {
+    uint32_t mul, shift;
+} ConvDivisor;
+
+static ConvDivisor conv_divisor(int d) {
+    ConvDivisor f;
+    f.shift = 0;
+    while ((1u << f.shift) < (uint32_t)d) f.shift++;
+    f.mul = (uint32_t)(((1ull << 32) * ((1ull << f.shift) - (uint64_t)d)) / (uint64_t)d + 1);
+    return f;
+}
+
+__device__ __forceinline__ int conv_div(int n, ConvDivisor f) {
+    return (int)((__umulhi((uint32_t)n, f.mul) + (uint32_t)n) >> f.shift);
+}
+
+// One convolution as the product out[M][Ng] = A B over K (see the top of the section). Pixel counts
+// (N H W) stay below 2^31; element offsets are 64-bit.
+typedef struct {
+    int N, H, W, C_in, C_out, stride, Ho, Wo;
+    int M, Ng, K, k_per_slice;  // k_per_slice: a multiple of the tile's BK
+    ConvDivisor div_out_pixels, div_Wo, div_in_pixels, div_W, div_C_in, div_C_out;  // Ho*Wo, Wo, H*W, W, C_in, C_out
+    const floatX *x, *dy, *w, *bias, *residual;
+    int ldx, lddy, ldr, ldo;
+    floatX *out;     // y (forward) or dx (input gradient)
+    float *out_f;    // weight gradient: [slice][C_out][9 C_in]
+    int pair_store;  // two adjacent output values may be written as one aligned pair
+} ConvGemm;
+
+__device__ __forceinline__ uint32_t conv_smem_address(const void *p) { return (uint32_t)__cvta_generic_to_shared(p); }
+
+// 16 bytes global -> shared, bypassing L1; zero-fills when !valid (src then only needs to be a valid address).
+__device__ __forceinline__ void conv_cp_async16(void *dst, const void *src, bool valid) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(conv_smem_address(dst)), "l"(src), "r"(valid ? 16 : 0)
+                 : "memory");
+}
+__device__ __forceinline__ void conv_cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int pending>
+__device__ __forceinline__ void conv_cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(pending) : "memory"); }
+
+template <bool transpose>
+__device__ __forceinline__ void conv_ldmatrix_x4(uint32_t r[4], const floatX *p) {
+    if (transpose)
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(conv_smem_address(p)));
+    else
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(conv_smem_address(p)));
+}
+
+// c += a b for a 16x16 bf16 tile of A (row-major) and a 16x8 tile of B (column-major), fp32 c.
+__device__ __forceinline__ void conv_mma_bf16(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Operand load: element (row, k) of A or B (rows count M for A, Ng for B) lives at an offset from its
+// tensor, or is zero (padding, or past the product's edge: offset -1). A thread's rows stay the same
+// through the k loop, so what depends on the row alone is worked out once (ConvRow), and each k step
+// adds only what depends on k. (This is where a normalisation of x can be applied as it loads.)
+
+typedef struct {
+    int a, b, c;
+} ConvRow;
+
+#define CONV_NO_ROW (-(1 << 29))  // a row past the edge: every bounds check on it fails
+
+// Offset of x[n][h][w][c] for output pixel `pixel` = (n, ho, wo) and (h, w) = (ho s - 1 + kh, wo s - 1 + kw),
+// or -1 in the padding.
+__device__ __forceinline__ int64_t conv_patch_offset(const ConvGemm &p, int pixel, int kh, int kw, int c) {
+    int n = conv_div(pixel, p.div_out_pixels), rest = pixel - n * (p.Ho * p.Wo);
+    int ho = conv_div(rest, p.div_Wo), wo = rest - ho * p.Wo;
+    int h = ho * p.stride + kh - 1, w = wo * p.stride + kw - 1;
+    if (h < 0 || h >= p.H || w < 0 || w >= p.W) return -1;
+    return ((int64_t)(n * p.H + h) * p.W + w) * p.ldx + c;
+}
+
+template <int OP, bool IS_A>
+__device__ __forceinline__ ConvRow conv_row(const ConvGemm &p, int row) {
+    ConvRow r = {-1, CONV_NO_ROW, CONV_NO_ROW};
+    if (row >= (IS_A ? p.M : p.Ng)) return r;
+    if (IS_A && OP == CONV_FORWARD) {  // output pixel (n, ho, wo): a = pixel index of x at (ho s - 1, wo s - 1), b, c = those
+        int n = conv_div(row, p.div_out_pixels), rest = row - n * (p.Ho * p.Wo);
+        int ho = conv_div(rest, p.div_Wo), wo = rest - ho * p.Wo;
+        r.b = ho * p.stride - 1, r.c = wo * p.stride - 1, r.a = (n * p.H + r.b) * p.W + r.c;
+    } else if (IS_A && OP == CONV_INPUT_GRAD) {  // input pixel (n, h, w): a = n Ho, b = h + 1, c = w + 1
+        int n = conv_div(row, p.div_in_pixels), rest = row - n * (p.H * p.W);
+        int h = conv_div(rest, p.div_W);
+        r.a = n * p.Ho, r.b = h + 1, r.c = rest - h * p.W + 1;
+    } else if (!IS_A && OP == CONV_WEIGHT_GRAD) {  // column t C_in + ci: a = kh, b = kw, c = ci
+        int tap = conv_div(row, p.div_C_in);
+        r.a = tap / 3, r.b = tap % 3, r.c = row - tap * p.C_in;
+    } else {
+        r.a = row;  // a channel
+    }
+    return r;
+}
+
+template <int OP, bool IS_A>
+__device__ __forceinline__ int64_t conv_offset(const ConvGemm &p, ConvRow r, int k) {
+    if (k >= p.K || (r.a < 0 && !(IS_A && OP == CONV_FORWARD))) return -1;
+    if (IS_A && OP == CONV_FORWARD) {  // patch(m, t)[ci], k = t C_in + ci
+        int tap = conv_div(k, p.div_C_in), kh = tap / 3, kw = tap - 3 * kh;
+        int h = r.b + kh, w = r.c + kw;
+        if ((unsigned)h >= (unsigned)p.H || (unsigned)w >= (unsigned)p.W) return -1;
+        return (int64_t)(r.a + kh * p.W + kw) * p.ldx + (k - tap * p.C_in);
+    }
+    if (IS_A && OP == CONV_INPUT_GRAD) {  // dy[n][ho][wo][co] with (h, w) = (ho s + kh - 1, wo s + kw - 1), k = t C_out + co
+        int tap = conv_div(k, p.div_C_out), kh = tap / 3, kw = tap - 3 * kh;
+        int hs = r.b - kh, ws = r.c - kw;
+        if (hs < 0 || ws < 0 || ((hs | ws) & (p.stride - 1))) return -1;
+        int ho = p.stride == 1 ? hs : hs >> 1, wo = p.stride == 1 ? ws : ws >> 1;
+        if (ho >= p.Ho || wo >= p.Wo) return -1;
+        return ((int64_t)(r.a + ho) * p.Wo + wo) * p.lddy + (k - tap * p.C_out);
+    }
+    if (IS_A) return (int64_t)k * p.lddy + r.a;                   // weight grad: dy[pixel k][co]
+    if (OP == CONV_FORWARD) return (int64_t)r.a * p.K + k;        // w[co][k]
+    if (OP == CONV_INPUT_GRAD) {                                  // w[co][t][ci], k = t C_out + co
+        int tap = conv_div(k, p.div_C_out);
+        return ((int64_t)(k - tap * p.C_out) * 9 + tap) * p.C_in + r.a;
+    }
+    return conv_patch_offset(p, k, r.a, r.b, r.c);  // weight grad: patch(pixel k, t)[ci]
+}
+
+// A shared tile of rows [row0, row0 + R) x k [k0, k0 + BK) of an operand, laid out [R][BK + PAD] when
+// K_MAJOR (k contiguous in memory), else [BK][R + PAD] (rows contiguous). VEC: 16-byte cp.async chunks
+// of 8 elements along the contiguous side (channel counts and strides multiples of 8, so a chunk is all
+// inside or all outside); otherwise one element at a time through registers. Each thread copies the
+// same UNITS (row, k - k0) places at every k step; it keeps their ConvRows when they are few (KEEP).
+template <int OP, bool IS_A, int R, int BK, bool K_MAJOR, bool VEC>
+struct ConvOperand {
+    static constexpr int E = VEC ? 8 : 1, LD = K_MAJOR ? BK + CONV_PAD : R + CONV_PAD;
+    static constexpr int PER_LINE = (K_MAJOR ? BK : R) / E, LINES = K_MAJOR ? R : BK;
+    static constexpr int UNITS = (LINES * PER_LINE + CONV_THREADS - 1) / CONV_THREADS;
+    static constexpr bool KEEP = UNITS <= 4;
+    static_assert(CONV_THREADS % PER_LINE == 0, "a thread's place along a line is fixed");
+    ConvRow rows[KEEP ? UNITS : 1];
+    int along, line0, row0;
+
+    __device__ __forceinline__ int row_of(int i) const {
+        return row0 + (K_MAJOR ? line0 + i * (CONV_THREADS / PER_LINE) : along);
+    }
+
+    __device__ __forceinline__ void init(const ConvGemm &p, int first_row) {
+        along = (threadIdx.x % PER_LINE) * E, line0 = threadIdx.x / PER_LINE, row0 = first_row;
+#pragma unroll
+        for (int i = 0; i < (KEEP ? UNITS : 0); i++) rows[i] = conv_row<OP, IS_A>(p, row_of(i));
+    }
+
+    __device__ __forceinline__ void load(floatX *tile, const floatX *src, const ConvGemm &p, int k0) const {
+#pragma unroll
+        for (int i = 0; i < UNITS; i++) {
+            int line = line0 + i * (CONV_THREADS / PER_LINE);
+            if ((LINES * PER_LINE) % CONV_THREADS != 0 && line >= LINES) break;
+            ConvRow r = KEEP ? rows[KEEP ? i : 0] : conv_row<OP, IS_A>(p, row_of(i));
+            int64_t off = conv_offset<OP, IS_A>(p, r, k0 + (K_MAJOR ? along : line));
+            floatX *dst = tile + line * LD + along;
+            if (VEC) conv_cp_async16(dst, off >= 0 ? src + off : src, off >= 0);
+            else *dst = off >= 0 ? src[off] : __float2bfloat16(0.0f);
+        }
+    }
+};
+
+// Store: the block's accumulators, two adjacent columns at a time. (This is where bias, embedding
+// and residual adds happen as the output is written.)
+//   forward       y[m][n] = acc + bias[n] (+ residual[m][n])
+//   input grad    dx[m][n] += acc
+//   weight grad   out_f[slice][m][n] = acc
+template <int OP>
+__device__ __forceinline__ void conv_store_pair(const ConvGemm &p, int m, int n, float v0, float v1) {
+    if (m >= p.M || n >= p.Ng) return;
+    bool both = n + 1 < p.Ng, pair = both && p.pair_store;
+    if (OP == CONV_WEIGHT_GRAD) {
+        float *o = p.out_f + ((int64_t)blockIdx.z * p.M + m) * p.Ng + n;
+        if (pair) *(float2 *)o = make_float2(v0, v1);
+        else {
+            o[0] = v0;
+            if (both) o[1] = v1;
+        }
+        return;
+    }
+    floatX *o = p.out + (int64_t)m * p.ldo + n;
+    if (OP == CONV_FORWARD) {
+        v0 += __bfloat162float(p.bias[n]);
+        if (both) v1 += __bfloat162float(p.bias[n + 1]);
+        if (p.residual) {
+            const floatX *r = p.residual + (int64_t)m * p.ldr + n;
+            v0 += __bfloat162float(r[0]);
+            if (both) v1 += __bfloat162float(r[1]);
+        }
+    } else {
+        v0 += __bfloat162float(o[0]);
+        if (both) v1 += __bfloat162float(o[1]);
+    }
+    if (pair) *(__nv_bfloat162 *)o = __floats2bfloat162_rn(v0, v1);
+    else {
+        o[0] = __float2bfloat16(v0);
+        if (both) o[1] = __float2bfloat16(v1);
     }
 }
 
-// The patch matrix of x, or x itself for a 1x1 stride-1 convolution.
-static const floatX *conv_patches(const Conv *cv, const floatX *x, int N, int H, int W) {
-    if (cv->k == 1 && cv->stride == 1) return x;
-    int Ho = conv_out_size(H, cv->k, cv->stride), Wo = conv_out_size(W, cv->k, cv->stride);
-    int64_t total = (int64_t)N * Ho * Wo * cv->k * cv->k * cv->in;
-    if (total >= INT32_MAX) fatal("a %dx%d convolution's patch matrix at batch %d is too large (%lld values)", cv->k, cv->k, N, (long long)total);
-    LAUNCH_VECTORISED(im2col_kernel, total, cv->in, cv->scratch->patches, x, N, H, W, cv->in, cv->k, cv->stride, Ho, Wo);
-    return cv->scratch->patches;
+// The tile shape of a kernel: a BM x BN tile of out per block, WARPS_M x WARPS_N warps of
+// (BM/WARPS_M) x (BN/WARPS_N), k in steps of BK through a STAGES-deep cp.async ring.
+template <int OP, int BM, int BN, int BK, int WARPS_M, int WARPS_N, bool VEC_A, bool VEC_B>
+struct ConvTile {
+    static constexpr bool A_K_MAJOR = OP != CONV_WEIGHT_GRAD, B_K_MAJOR = OP == CONV_FORWARD;
+    static constexpr int STAGES = BK >= 64 ? 3 : 4;  // two blocks per multiprocessor
+    static constexpr int LDA = A_K_MAJOR ? BK + CONV_PAD : BM + CONV_PAD;
+    static constexpr int LDB = B_K_MAJOR ? BK + CONV_PAD : BN + CONV_PAD;
+    static constexpr int A_TILE = A_K_MAJOR ? BM * LDA : BK * LDA, B_TILE = B_K_MAJOR ? BN * LDB : BK * LDB;
+    static constexpr int WM = BM / WARPS_M, WN = BN / WARPS_N, MI = WM / 16, NI = WN / 8;
+    static constexpr size_t SMEM = (size_t)STAGES * (A_TILE + B_TILE) * sizeof(floatX);
+    static_assert(WARPS_M * WARPS_N * 32 == CONV_THREADS && MI >= 1 && NI % 2 == 0, "tile shape");
+};
+
+// The tensor-core kernel; blockIdx.z is the slice of k (the weight gradient's pixels) the block sums.
+template <int OP, int BM, int BN, int BK, int WARPS_M, int WARPS_N, bool VEC_A, bool VEC_B>
+__global__ void __launch_bounds__(CONV_THREADS, 2) conv3x3_igemm_kernel(const ConvGemm p) {
+    typedef ConvTile<OP, BM, BN, BK, WARPS_M, WARPS_N, VEC_A, VEC_B> Tile;
+    constexpr int STAGES = Tile::STAGES;
+    extern __shared__ __align__(16) unsigned char conv_smem[];
+    floatX *As = (floatX *)conv_smem, *Bs = As + STAGES * Tile::A_TILE;
+    const int m0 = blockIdx.x * BM, n0 = blockIdx.y * BN;
+    const int k_tiles = (p.K + BK - 1) / BK, kt0 = blockIdx.z * (p.k_per_slice / BK);
+    const int kt1 = min(k_tiles, kt0 + p.k_per_slice / BK);
+    const floatX *a_src = OP == CONV_FORWARD ? p.x : p.dy, *b_src = OP == CONV_WEIGHT_GRAD ? p.x : p.w;
+    ConvOperand<OP, true, BM, BK, Tile::A_K_MAJOR, VEC_A> a_operand;
+    ConvOperand<OP, false, BN, BK, Tile::B_K_MAJOR, VEC_B> b_operand;
+    a_operand.init(p, m0), b_operand.init(p, n0);
+    auto load_stage = [&](int kt) {
+        if (kt < kt1) {
+            int stage = (kt - kt0) % STAGES;
+            a_operand.load(As + stage * Tile::A_TILE, a_src, p, kt * BK);
+            b_operand.load(Bs + stage * Tile::B_TILE, b_src, p, kt * BK);
+        }
+        conv_cp_async_commit();
+    };
+
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const int wm0 = (warp / WARPS_N) * Tile::WM, wn0 = (warp % WARPS_N) * Tile::WN;
+    const int quad = lane >> 3, r8 = lane & 7;  // ldmatrix: which 8x8 matrix this lane addresses, and its line
+    float acc[Tile::MI][Tile::NI][4] = {};
+
+    for (int s = 0; s < STAGES - 1; s++) load_stage(kt0 + s);
+    for (int kt = kt0; kt < kt1; kt++) {
+        conv_cp_async_wait<STAGES - 2>();
+        __syncthreads();
+        load_stage(kt + STAGES - 1);
+        const floatX *a_tile = As + ((kt - kt0) % STAGES) * Tile::A_TILE;
+        const floatX *b_tile = Bs + ((kt - kt0) % STAGES) * Tile::B_TILE;
+#pragma unroll
+        for (int kk = 0; kk < BK; kk += 16) {
+            uint32_t a[Tile::MI][4], b[Tile::NI][2];
+#pragma unroll
+            for (int mi = 0; mi < Tile::MI; mi++) {  // matrices (rows 0-7, k 0-7), (8-15, 0-7), (0-7, 8-15), (8-15, 8-15)
+                int row = wm0 + mi * 16 + (quad & 1) * 8, k = kk + (quad >> 1) * 8;
+                if (Tile::A_K_MAJOR) conv_ldmatrix_x4<false>(a[mi], a_tile + (row + r8) * Tile::LDA + k);
+                else conv_ldmatrix_x4<true>(a[mi], a_tile + (k + r8) * Tile::LDA + row);
+            }
+#pragma unroll
+            for (int ni = 0; ni < Tile::NI; ni += 2) {  // matrices (cols 0-7, k 0-7), (0-7, 8-15), (8-15, 0-7), (8-15, 8-15)
+                int col = wn0 + ni * 8 + (quad >> 1) * 8, k = kk + (quad & 1) * 8;
+                uint32_t r[4];
+                if (Tile::B_K_MAJOR) conv_ldmatrix_x4<false>(r, b_tile + (col + r8) * Tile::LDB + k);
+                else conv_ldmatrix_x4<true>(r, b_tile + (k + r8) * Tile::LDB + col);
+                b[ni][0] = r[0], b[ni][1] = r[1], b[ni + 1][0] = r[2], b[ni + 1][1] = r[3];
+            }
+#pragma unroll
+            for (int mi = 0; mi < Tile::MI; mi++)
+#pragma unroll
+                for (int ni = 0; ni < Tile::NI; ni++) conv_mma_bf16(acc[mi][ni], a[mi], b[ni][0], b[ni][1]);
+        }
+    }
+    conv_cp_async_wait<0>();
+
+#pragma unroll
+    for (int mi = 0; mi < Tile::MI; mi++)
+#pragma unroll
+        for (int ni = 0; ni < Tile::NI; ni++) {
+            int m = m0 + wm0 + mi * 16 + lane / 4, n = n0 + wn0 + ni * 8 + (lane % 4) * 2;
+            conv_store_pair<OP>(p, m, n, acc[mi][ni][0], acc[mi][ni][1]);
+            conv_store_pair<OP>(p, m + 8, n, acc[mi][ni][2], acc[mi][ni][3]);
+        }
 }
 
-// y = conv(x) + b (+ residual, a tensor shaped like y, when given).
-// The images of one product in the forward pass: a patch matrix under CONV_SLICE_VALUES values
-// (512 MiB in bf16), so a large batch runs as a few products on a small scratch.
-#ifndef CONV_SLICE_VALUES  // (a test makes it small)
-#define CONV_SLICE_VALUES (1 << 28)
+static bool conv_aligned16(const void *p) { return ((uintptr_t)p & 15) == 0; }
+
+static ConvGemm conv_gemm(int op, int N, int H, int W, int C_in, int C_out, int stride) {
+    ConvGemm p;
+    memset(&p, 0, sizeof p);
+    p.N = N, p.H = H, p.W = W, p.C_in = C_in, p.C_out = C_out, p.stride = stride;
+    p.Ho = conv_out_size(H, 3, stride), p.Wo = conv_out_size(W, 3, stride);
+    p.div_out_pixels = conv_divisor(p.Ho * p.Wo), p.div_Wo = conv_divisor(p.Wo);
+    p.div_in_pixels = conv_divisor(H * W), p.div_W = conv_divisor(W);
+    p.div_C_in = conv_divisor(C_in), p.div_C_out = conv_divisor(C_out);
+    int out_pixels = N * p.Ho * p.Wo;
+    if (op == CONV_FORWARD) p.M = out_pixels, p.Ng = C_out, p.K = 9 * C_in;
+    else if (op == CONV_INPUT_GRAD) p.M = N * H * W, p.Ng = C_in, p.K = 9 * C_out;
+    else p.M = C_out, p.Ng = 9 * C_in, p.K = out_pixels;
+    p.k_per_slice = (p.K + CONV_SLICE_STEP - 1) / CONV_SLICE_STEP * CONV_SLICE_STEP;
+    return p;
+}
+
+template <int OP, int BM, int BN, int BK, int WARPS_M, int WARPS_N, bool VEC_A, bool VEC_B>
+static void conv_launch_tile(const ConvGemm &p, int slices) {
+    typedef ConvTile<OP, BM, BN, BK, WARPS_M, WARPS_N, VEC_A, VEC_B> Tile;
+    auto kernel = conv3x3_igemm_kernel<OP, BM, BN, BK, WARPS_M, WARPS_N, VEC_A, VEC_B>;
+    static bool configured = false;  // the shared-memory limit, raised once per kernel
+    if (!configured) {
+        cuda_check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)Tile::SMEM));
+        configured = true;
+    }
+    dim3 grid((p.M + BM - 1) / BM, (p.Ng + BN - 1) / BN, slices);
+    kernel<<<grid, CONV_THREADS, Tile::SMEM, gpu.stream>>>(p);
+    cuda_check_launch();
+}
+
+// The kernel for the operands' alignment: 16-byte loads where both allow them.
+template <int OP, int BM, int BN, int BK, int WARPS_M, int WARPS_N>
+static void conv_launch(const ConvGemm &p, bool vec_a, bool vec_b, int slices) {
+    if (vec_a && vec_b) conv_launch_tile<OP, BM, BN, BK, WARPS_M, WARPS_N, true, true>(p, slices);
+    else if (vec_a) conv_launch_tile<OP, BM, BN, BK, WARPS_M, WARPS_N, true, false>(p, slices);
+    else if (vec_b) conv_launch_tile<OP, BM, BN, BK, WARPS_M, WARPS_N, false, true>(p, slices);
+    else conv_launch_tile<OP, BM, BN, BK, WARPS_M, WARPS_N, false, false>(p, slices);
+}
+
+// Forward and input gradient: tiles by the width Ng of the product; 128 x 128 is the fastest, also
+// where its last column of tiles is partly empty (Ng = 192: 25% empty), except at Ng = 64.
+template <int OP>
+static void conv_launch_by_width(const ConvGemm &p, bool vec_a, bool vec_b) {
+    if (p.Ng <= 32) conv_launch<OP, 128, 32, 32, 4, 2>(p, vec_a, vec_b, 1);
+    else if (p.Ng > 64) conv_launch<OP, 128, 128, 64, 2, 4>(p, vec_a, vec_b, 1);
+    else conv_launch<OP, 256, 64, 32, 4, 2>(p, vec_a, vec_b, 1);
+}
+
+static void conv3x3_forward(floatX *y, int ldy, const floatX *x, int ldx, const floatX *w, const floatX *bias,
+                            const floatX *residual, int ldr, int N, int H, int W, int C_in, int C_out, int stride) {
+    ConvGemm p = conv_gemm(CONV_FORWARD, N, H, W, C_in, C_out, stride);
+    p.x = x, p.ldx = ldx, p.w = w, p.bias = bias, p.residual = residual, p.ldr = ldr, p.out = y, p.ldo = ldy;
+    p.pair_store = ldy % 2 == 0 && ((uintptr_t)y & 3) == 0 && (!residual || (ldr % 2 == 0 && ((uintptr_t)residual & 3) == 0));
+    bool vec = C_in % 8 == 0 && ldx % 8 == 0 && conv_aligned16(x) && conv_aligned16(w);
+    conv_launch_by_width<CONV_FORWARD>(p, vec, vec);
+}
+
+static void conv3x3_backward_input(floatX *dx, int lddx, const floatX *dy, int lddy, const floatX *w, int N, int H, int W,
+                                   int C_in, int C_out, int stride) {
+    ConvGemm p = conv_gemm(CONV_INPUT_GRAD, N, H, W, C_in, C_out, stride);
+    p.dy = dy, p.lddy = lddy, p.w = w, p.out = dx, p.ldo = lddx;
+    p.pair_store = lddx % 2 == 0 && ((uintptr_t)dx & 3) == 0;
+    bool vec_a = C_out % 8 == 0 && lddy % 8 == 0 && conv_aligned16(dy), vec_b = C_in % 8 == 0 && conv_aligned16(w);
+    conv_launch_by_width<CONV_INPUT_GRAD>(p, vec_a, vec_b);
+}
+
+static void conv3x3_backward_weight(float *dw, float *scratch, const floatX *dy, int lddy, const floatX *x, int ldx, int N,
+                                    int H, int W, int C_in, int C_out, int stride) {
+    ConvGemm p = conv_gemm(CONV_WEIGHT_GRAD, N, H, W, C_in, C_out, stride);
+    int slices = conv3x3_weight_grad_slices(N, H, W, C_in, C_out, stride, &p.k_per_slice);
+    p.dy = dy, p.lddy = lddy, p.x = x, p.ldx = ldx, p.out_f = slices > 1 ? scratch : dw;
+    p.pair_store = p.Ng % 2 == 0 && ((uintptr_t)p.out_f & 7) == 0;
+    bool vec_a = C_out % 8 == 0 && lddy % 8 == 0 && conv_aligned16(dy);
+    bool vec_b = C_in % 8 == 0 && ldx % 8 == 0 && conv_aligned16(x);
+    int BM, BN;
+    conv_weight_grad_tile(C_in, C_out, &BM, &BN);
+    if (BM == 32) conv_launch<CONV_WEIGHT_GRAD, 32, 128, 32, 1, 8>(p, vec_a, vec_b, slices);
+    else if (BN == 32) conv_launch<CONV_WEIGHT_GRAD, 128, 32, 32, 4, 2>(p, vec_a, vec_b, slices);
+    else if (BM == 128) conv_launch<CONV_WEIGHT_GRAD, 128, 128, 64, 2, 4>(p, vec_a, vec_b, slices);
+    else conv_launch<CONV_WEIGHT_GRAD, 64, 256, 32, 2, 4>(p, vec_a, vec_b, slices);
+    if (slices > 1) conv_sum_slices(dw, scratch, C_out * 9 * C_in, slices);
+}
 #endif
-static int conv_slice_images(const Conv *cv, int N, int H, int W) {
-    if (cv->k == 1 && cv->stride == 1) return N;  // no patch matrix
-    int64_t per_image = (int64_t)conv_out_size(H, cv->k, cv->stride) * conv_out_size(W, cv->k, cv->stride) * cv->k * cv->k * cv->in;
-    int64_t images = CONV_SLICE_VALUES / per_image;
-    return images < 1 ? 1 : images < N ? (int)images : N;
-}
 
+// y = conv(x) + b (+ residual, a tensor shaped like y, when given; it may be y itself).
 static void conv_forward(const Conv *cv, floatX *y, const floatX *x, int N, int H, int W, const floatX *residual) {
-    int Ho = conv_out_size(H, cv->k, cv->stride), Wo = conv_out_size(W, cv->k, cv->stride), K = cv->k * cv->k * cv->in;
-    int slice = conv_slice_images(cv, N, H, W);
-    for (int first = 0; first < N; first += slice) {
-        int n = N - first < slice ? N - first : slice;
-        int64_t out_at = (int64_t)first * Ho * Wo * cv->out;
-        const floatX *col = conv_patches(cv, x + (int64_t)first * H * W * cv->in, n, H, W);
-        matmul({.M = n * Ho * Wo, .N = cv->out, .K = K, .a = col, .lda = K, .b = cv->w, .ldb = K, .trans_b = 1,
-                .d = y + out_at, .ldd = cv->out, .c = residual ? residual + out_at : NULL, .ldc = cv->out, .beta = 1.0f,
-                .bias = cv->b});
+    if (cv->k == 3) {
+        conv3x3_forward(y, cv->out, x, cv->in, cv->w, cv->b, residual, cv->out, N, H, W, cv->in, cv->out, cv->stride);
+        return;
     }
+    matmul({.M = N * H * W, .N = cv->out, .K = cv->in, .a = x, .lda = cv->in, .b = cv->w, .ldb = cv->in, .trans_b = 1,
+            .d = y, .ldd = cv->out, .c = residual, .ldc = cv->out, .beta = 1.0f, .bias = cv->b});
 }
 
 // dW, db and dx += (when dx is given) from dy. d_bias_per_sample (nullable, [N][ld]) receives the
@@ -541,20 +1005,17 @@ static void conv_forward(const Conv *cv, floatX *y, const floatX *x, int N, int 
 static void conv_backward(const Conv *cv, floatX *dx, const floatX *dy, const floatX *x, int N, int H, int W,
                           float *d_bias_per_sample, int per_sample_ld) {
     int Ho = conv_out_size(H, cv->k, cv->stride), Wo = conv_out_size(W, cv->k, cv->stride);
-    int M = N * Ho * Wo, K = cv->k * cv->k * cv->in;
-    const floatX *col = conv_patches(cv, x, N, H, W);
-    weight_gradient(cv->scratch, cv->dw, dy, col, M, cv->out, K);
+    if (cv->k == 3)
+        conv3x3_backward_weight(cv->dw, cv->scratch->weight_grad, dy, cv->out, x, cv->in, N, H, W, cv->in, cv->out, cv->stride);
+    else
+        weight_gradient(cv->scratch, cv->dw, dy, x, N * H * W, cv->out, cv->in);
     channel_sums(cv->scratch, d_bias_per_sample, per_sample_ld, cv->db, dy, N, Ho * Wo, cv->out);
     if (!dx) return;
-    if (cv->k == 1 && cv->stride == 1) {
-        matmul({.M = M, .N = K, .K = cv->out, .a = dy, .lda = cv->out, .b = cv->w, .ldb = K, .d = dx, .ldd = K, .c = dx,
-                .ldc = K, .beta = 1.0f});
-        return;
-    }
-    floatX *dcol = cv->scratch->patches;
-    matmul({.M = M, .N = K, .K = cv->out, .a = dy, .lda = cv->out, .b = cv->w, .ldb = K, .d = dcol, .ldd = K});
-    int64_t total = (int64_t)N * H * W * cv->in;
-    LAUNCH_VECTORISED(col2im_kernel, total, cv->in, dx, dcol, N, H, W, cv->in, cv->k, cv->stride, Ho, Wo);
+    if (cv->k == 3)
+        conv3x3_backward_input(dx, cv->in, dy, cv->out, cv->w, N, H, W, cv->in, cv->out, cv->stride);
+    else
+        matmul({.M = N * H * W, .N = cv->in, .K = cv->out, .a = dy, .lda = cv->out, .b = cv->w, .ldb = cv->in, .d = dx,
+                .ldd = cv->in, .c = dx, .ldc = cv->in, .beta = 1.0f});
 }
 
 // ----------------------------------------------------------------------------------------------
@@ -1791,7 +2252,7 @@ typedef struct {
     uint64_t *zero_seed;     // on the GPU: dropout's seed until the trainer points the embedding at the step's
     Scratch scratch;
     // the largest scratch any layer needs, in elements (noted by the walk)
-    int64_t patches_numel, weight_grad_numel, channel_sums_numel, gn_partials_numel, scores_numel;
+    int64_t weight_grad_numel, channel_sums_numel, gn_partials_numel, scores_numel;
 } UNet;
 
 typedef struct {
@@ -1886,18 +2347,19 @@ static Block *walk_block(Walk *w, BlockKind kind, int out_channels, int out_size
     return b;
 }
 
-// Notes the scratch a convolution on a size x size input needs: its patch matrix (of the whole
-// batch for the backward pass, of a slice in a forward-only model), and when training its weight
-// gradient's slices and its bias gradient's partial sums.
+// Notes the scratch the backward pass of a convolution on a size x size input needs (a forward
+// pass needs none): its weight gradient's slices and its bias gradient's partial sums.
 static void walk_conv_scratch(Walk *w, const Conv *cv, int size) {
     UNet *m = w->m;
-    int o = conv_out_size(size, cv->k, cv->stride), K = cv->k * cv->k * cv->in;
-    int images = m->training ? m->batch : conv_slice_images(cv, m->batch, size, size);
-    if (!(cv->k == 1 && cv->stride == 1)) note_scratch(&m->patches_numel, (int64_t)images * o * o * K);
     if (!m->training) return;
-    int slices = weight_grad_slices(INT64_MAX, m->batch * o * o, cv->out, K);
-    if (slices >= 2) note_scratch(&m->weight_grad_numel, (int64_t)slices * cv->out * K);
-    note_scratch(&m->channel_sums_numel, (int64_t)m->batch * CHANNEL_SUM_CHUNKS * cv->out);
+    int N = m->batch, o = conv_out_size(size, cv->k, cv->stride);
+    if (cv->k == 3) {
+        note_scratch(&m->weight_grad_numel, conv3x3_weight_grad_scratch_floats(N, size, size, cv->in, cv->out, cv->stride));
+    } else {
+        int slices = weight_grad_slices(INT64_MAX, N * o * o, cv->out, cv->in);
+        if (slices >= 2) note_scratch(&m->weight_grad_numel, (int64_t)slices * cv->out * cv->in);
+    }
+    note_scratch(&m->channel_sums_numel, (int64_t)N * CHANNEL_SUM_CHUNKS * cv->out);
 }
 
 static void walk_norm_scratch(Walk *w, int channels) {
@@ -2140,15 +2602,15 @@ static int64_t param_offsets(ParamList *params, int64_t *emb_bias_offset) {
 //   activations  the input, every block's output and what its backward reads: from the forward
 //                pass to the end of the backward.
 //   gradients    the activations' gradients (when training): one backward pass, zeroed at its start.
-//   scratch      the largest patch matrix, weight-gradient slices, partial sums and attention
-//                scores of any layer: borrowed by one layer call at a time.
+//   scratch      the largest weight-gradient slices, partial sums and attention scores of any
+//                layer: borrowed by one layer call at a time.
 // unet_lay_out takes every buffer from its region, in one fixed order; with no memory behind the
 // regions (unet_plan) it only measures them, so the plan needs no GPU.
 static void unet_lay_out(UNet *m) {
     const ModelConfig *c = &m->config;
     int batch = m->batch, training = m->training, size = c->image_size, emb_dim = 4 * c->model_channels;
     m->parameters.used = m->acts.used = m->grads.used = m->scratch_region.used = 0;
-    m->patches_numel = m->weight_grad_numel = m->channel_sums_numel = m->gn_partials_numel = m->scores_numel = 0;
+    m->weight_grad_numel = m->channel_sums_numel = m->gn_partials_numel = m->scores_numel = 0;
     m->num_blocks = 0;
 
     int64_t n = m->storage;
@@ -2186,7 +2648,6 @@ static void unet_lay_out(UNet *m) {
     m->zero_seed = (uint64_t *)arena_take(&m->acts, sizeof(uint64_t));
 
     Scratch *s = &m->scratch;
-    s->patches = (floatX *)arena_take(&m->scratch_region, m->patches_numel * sizeof(floatX));
     s->weight_grad = (float *)arena_take(&m->scratch_region, m->weight_grad_numel * sizeof(float));
     s->weight_grad_numel = m->weight_grad_numel;
     s->channel_sums = (float *)arena_take(&m->scratch_region, m->channel_sums_numel * sizeof(float));
@@ -2453,27 +2914,26 @@ static void print_profile(UNet *m) {
         if (m->blocks[i].kind == BLOCK_RES) first = &m->blocks[i];
     ResBlock *l = &first->res;
     const Act *out = &first->out;
-    int N = m->batch, H = out->H, W = out->W, M = N * H * W, K = 9 * l->conv2.in;
+    int N = m->batch, H = out->H, W = out->W, C = l->conv2.in;
     NormOptions o = res_block_norm2(l, &m->embedding, 1);
     const Scratch *s = &m->scratch;
-    printf("  first ResBlock (%dx%d, %d -> %d channels), backward parts in ms:\n", H, W, l->conv1.in, l->conv1.out);
-    for (int part = 0; part < 8; part++) {
+    printf("  first ResBlock (%dx%d, %d -> %d channels), parts in ms:\n", H, W, l->conv1.in, l->conv1.out);
+    static const char *const parts[] = {"conv forward", "conv backward", "  weight gradient", "  bias gradient",
+                                        "  input gradient", "group norm forward", "group norm backward"};
+    for (int part = 0; part < 7; part++) {
         cuda_check(cudaEventRecord(a, gpu.stream));
         switch (part) {
-        case 0: conv_backward(&l->conv2, l->h2.dx, out->dx, l->h2.x, N, H, W, NULL, 0); break;
-        case 1: conv_patches(&l->conv2, l->h2.x, N, H, W); break;
-        case 2: weight_gradient(s, l->conv2.dw, out->dx, s->patches, M, l->conv2.out, K); break;
+        case 0: conv_forward(&l->conv2, out->x, l->h2.x, N, H, W, NULL); break;
+        case 1: conv_backward(&l->conv2, l->h2.dx, out->dx, l->h2.x, N, H, W, NULL, 0); break;
+        case 2: conv3x3_backward_weight(l->conv2.dw, s->weight_grad, out->dx, C, l->h2.x, C, N, H, W, C, C, 1); break;
         case 3: channel_sums(s, NULL, 0, l->conv2.db, out->dx, N, H * W, l->conv2.out); break;
-        case 4: matmul({.M = M, .N = K, .K = l->conv2.out, .a = out->dx, .lda = l->conv2.out, .b = l->conv2.w, .ldb = K, .d = s->patches, .ldd = K}); break;
-        case 5: col2im_kernel<Pack><<<blocks_for((int64_t)M * l->conv2.in / PACK, 256), 256, 0, gpu.stream>>>(l->h2.dx, s->patches, N, H, W, l->conv2.in, 3, 1, H, W); break;
+        case 4: conv3x3_backward_input(l->h2.dx, C, out->dx, C, l->conv2.w, N, H, W, C, C, 1); break;
+        case 5: group_norm_forward(&l->norm2, l->h2.x, l->mean2, l->rstd2, l->h1.x, N, H * W, o); break;
         case 6: group_norm_backward(&l->norm2, l->h1.dx, m->embedding.d_out + l->emb_offset, l->h2.dx, l->h1.x, l->mean2, l->rstd2, N, H * W, o); break;
-        case 7: group_norm_forward(&l->norm2, l->h2.x, l->mean2, l->rstd2, l->h1.x, N, H * W, o); break;
         }
         cuda_check(cudaEventRecord(b, gpu.stream));
         cuda_check(cudaEventSynchronize(b));
         cuda_check(cudaEventElapsedTime(&ms, a, b));
-        static const char *const parts[] = {"conv backward", "  patches", "  weight gradient", "  bias gradient", "  patch gradient",
-                                            "  col2im", "group norm backward", "group norm forward"};
         printf("    %-20s %8.3f\n", parts[part], ms);
     }
 }

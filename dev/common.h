@@ -287,17 +287,16 @@ static int dev_finite_x(const floatX *d, size_t n) { return dev_all_finite(dev_d
 static int dev_finite_f(const float *d, size_t n) { return dev_all_finite(dev_download_f(d, n), n); }
 
 // The scratch of the layer under test (a model's memory plan sizes its own), in elements:
-// patches (floatX), weight-gradient slices (floats; 0: one product), channel sums (floats),
-// GroupNorm partial sums (doubles). Poisoned, so that a read before a write shows; the previous
-// one is freed.
+// weight-gradient slices (floats; 0: a 1x1 layer's gradient is one product), channel sums
+// (floats), GroupNorm partial sums (doubles). Poisoned, so that a read before a write shows; the
+// previous one is freed.
 static Scratch dev_scratch_buffers;
 
-static const Scratch *dev_scratch(int64_t patches, int64_t weight_grad, int64_t channel_sums, int64_t gn_partials) {
+static const Scratch *dev_scratch(int64_t weight_grad, int64_t channel_sums, int64_t gn_partials) {
     Scratch *s = &dev_scratch_buffers;
     cuda_check(cudaStreamSynchronize(gpu.stream));
-    cudaFree(s->patches), cudaFree(s->weight_grad), cudaFree(s->channel_sums), cudaFree(s->gn_partials);
+    cudaFree(s->weight_grad), cudaFree(s->channel_sums), cudaFree(s->gn_partials);
     memset(s, 0, sizeof *s);
-    s->patches = (floatX *)dev_gpu_poisoned(patches * sizeof(floatX));
     s->weight_grad = (float *)dev_gpu_poisoned(weight_grad * sizeof(float));
     s->weight_grad_numel = weight_grad;
     s->channel_sums = (float *)dev_gpu_poisoned(channel_sums * sizeof(float));

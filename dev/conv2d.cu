@@ -69,8 +69,9 @@ static void ref_conv2d_backward(double *d_in, double *d_weight, double *d_bias, 
 
 #ifndef DEV_NO_MAIN
 // ----------------------------------------------------------------------------------------------
-// GPU check: the trainer's conv_forward / conv_backward (im2col + cuBLASLt, col2im, channel sums)
-// against the reference, then timed at the seed model's largest convolutions.
+// GPU check: the trainer's conv_forward / conv_backward (3x3: the implicit GEMMs; 1x1: cuBLASLt;
+// the bias gradient's channel sums) against the reference, then timed at the seed model's largest
+// convolutions. (dev/bench_conv.cu checks the 3x3 kernels on channel slices of wider tensors.)
 //   conv_forward:  y = conv(x) + b (+ residual, also in place: residual == y)    y written whole
 //   conv_backward: dw, db written whole; dx += (when given); d_bias_per_sample += ([N][ld])
 
@@ -105,13 +106,18 @@ static void conv_weight_layout(double *dst, const double *src, int out, int in, 
     free(a), free(b);
 }
 
-// The scratch a model's plan gives this convolution: the patch matrix (forward) and dcol
-// (backward), the weight gradient's slices, the bias gradient's partial sums.
+// The scratch a model's plan gives this convolution: the weight gradient's slices, the bias
+// gradient's partial sums.
 static const Scratch *conv_scratch_for(int N, int H, int W, int Cin, int Cout, int k, int stride) {
-    int Ho = ref_conv2d_out_size(H, k, stride), Wo = ref_conv2d_out_size(W, k, stride), K = k * k * Cin;
-    int slices = weight_grad_slices(INT64_MAX, N * Ho * Wo, Cout, K);
-    return dev_scratch((int64_t)N * Ho * Wo * K, slices >= 2 ? (int64_t)slices * Cout * K : 0,
-                       (int64_t)N * CHANNEL_SUM_CHUNKS * Cout, 0);
+    int Ho = ref_conv2d_out_size(H, k, stride), Wo = ref_conv2d_out_size(W, k, stride);
+    int64_t weight_grad = 0;
+    if (k == 3) {
+        weight_grad = conv3x3_weight_grad_scratch_floats(N, H, W, Cin, Cout, stride);
+    } else {
+        int slices = weight_grad_slices(INT64_MAX, N * Ho * Wo, Cout, Cin);
+        weight_grad = slices >= 2 ? (int64_t)slices * Cout * Cin : 0;
+    }
+    return dev_scratch(weight_grad, (int64_t)N * CHANNEL_SUM_CHUNKS * Cout, 0);
 }
 
 enum { RESIDUAL_NONE, RESIDUAL_SEPARATE, RESIDUAL_IN_PLACE };
@@ -216,6 +222,10 @@ int main(void) {
     check_conv(3, 7, 7, 160, 96, 1, 1, RESIDUAL_SEPARATE, 0, 1);  // skip connection + residual
     check_conv(3, 9, 9, 96, 160, 3, 1, RESIDUAL_IN_PLACE, 1, 1);  // ResBlock out conv onto its skip
     check_conv(2, 4, 4, 192, 576, 1, 1, RESIDUAL_NONE, 0, 1);     // attention qkv
+    check_conv(2, 11, 9, 64, 6, 3, 1, RESIDUAL_NONE, 0, 1);       // learn_sigma's 6 output channels
+    check_conv(8, 32, 32, 64, 64, 3, 1, RESIDUAL_NONE, 1, 1);     // weight gradient in 32 slices of pixels
+    check_conv(4, 17, 17, 96, 96, 3, 2, RESIDUAL_NONE, 0, 1);     // stride 2, sliced weight gradient
+    check_conv(4, 32, 32, 64, 128, 1, 1, RESIDUAL_NONE, 0, 1);    // 1x1 weight gradient in row slices
     time_conv("ResBlock conv", 32, 64, 64, 64, 64, 3, 1);
     time_conv("attention qkv", 32, 16, 16, 192, 576, 1, 1);
     return dev_end();

@@ -119,7 +119,7 @@ static void norm_run_backward(void *p) {
 
 // The scratch a model's plan gives this GroupNorm (and the channel sums of the GN_ADD check).
 static const Scratch *norm_scratch_for(int N, int C) {
-    return dev_scratch(0, 0, (int64_t)N * CHANNEL_SUM_CHUNKS * C, (int64_t)N * GN_CHUNKS * (C * 4 + GN_GROUPS * 2));
+    return dev_scratch(0, (int64_t)N * CHANNEL_SUM_CHUNKS * C, (int64_t)N * GN_CHUNKS * (C * 4 + GN_GROUPS * 2));
 }
 
 static void check_norm(int N, int H, int W, int C, int silu, int mode, float dropout) {

@@ -1,0 +1,417 @@
+// dev/bench_conv.cu: the trainer's implicit-GEMM 3x3 convolutions (train_unet.cu, section
+// "Convolution") against a double-precision CPU reference, in the build's precision: forward, input
+// gradient (accumulated) and weight gradient (deterministic), on channel slices of wider tensors,
+// odd sizes, 3 and 6 channels, stride 2, residuals, wide layers and random shapes. With --bench,
+// their timings on every distinct 3x3 convolution of the seed and adm64 presets at batch 32 and
+// 128, for scripts/bench_conv_torch.py (`make bench-conv` runs both and joins them with cuDNN's).
+//   build/dev/bench_conv                               the checks
+//   build/dev/bench_conv --bench [--check]             the timings (after the checks with --check)
+//   build/dev/bench_conv --bench N H Cin Cout stride   the timings of one shape (W = H)
+// Check lines: "PASS|FAIL <case> <fp32|bf16> <fwd|dgrad|wgrad> err=... (tol ...)"; the last line is
+// "N passed, N failed". Bench lines: "conv impl=ours op=fwd|dgrad|wgrad N= H= W= Cin= Cout= stride=
+// ms= tflops= precision= presets=". DEV_SEED=<n> repeats a run's random inputs.
+#include "common.h"
+
+static const char *type_name(void) { return sizeof(floatX) == 4 ? "fp32" : "bf16"; }
+
+// ----------------------------------------------------------------------------------------------
+// Checks
+
+typedef struct {
+    const char *name;
+    int N, H, W, C_in, C_out, stride;
+    int x_ld_extra, x_off, y_ld_extra, y_off;  // channel slices: ld = C + extra, the slice at channel off
+    int dy_ld_extra, dy_off, dx_ld_extra, dx_off;
+    int residual, r_ld_extra;
+} CheckCase;
+
+// One tensor of `pixels` x ld channels with the slice [off, off + C) in use.
+typedef struct {
+    int64_t pixels;
+    int C, ld, off;
+} Slab;
+
+static Slab slab(int64_t pixels, int C, int extra, int off) {
+    Slab s = {pixels, C, C + extra, off};
+    return s;
+}
+static size_t slab_size(Slab s) { return (size_t)s.pixels * s.ld; }
+static int in_slice(Slab s, size_t i) {
+    int c = (int)(i % s.ld);
+    return c >= s.off && c < s.off + s.C;
+}
+
+// A case's inputs as the device holds them (floatX values, in double) and its references.
+typedef struct {
+    int Ho, Wo;
+    Slab xs, ys, dys, dxs, rs;
+    double *x, *w, *bias, *residual, *dy;  // residual NULL without one
+    double *y_init;                        // y before the forward: NaN in the slice, sentinels outside
+    double *dx_init;                       // dx before the input gradient (which adds to it)
+    double *y_ref, *dx_ref, *dw_ref;       // dense: [pixel][C], [C_out][9][C_in]
+} CheckProblem;
+
+static double *random_x(size_t n, double scale) {
+    double *v = dev_alloc(n);
+    dev_fill_x(v, n, -scale, scale);
+    return v;
+}
+
+static CheckProblem make_problem(const CheckCase *c) {
+    CheckProblem p;
+    p.Ho = conv_out_size(c->H, 3, c->stride), p.Wo = conv_out_size(c->W, 3, c->stride);
+    int64_t in_pixels = (int64_t)c->N * c->H * c->W, out_pixels = (int64_t)c->N * p.Ho * p.Wo;
+    p.xs = slab(in_pixels, c->C_in, c->x_ld_extra, c->x_off), p.dxs = slab(in_pixels, c->C_in, c->dx_ld_extra, c->dx_off);
+    p.ys = slab(out_pixels, c->C_out, c->y_ld_extra, c->y_off), p.dys = slab(out_pixels, c->C_out, c->dy_ld_extra, c->dy_off);
+    p.rs = slab(out_pixels, c->C_out, c->r_ld_extra, 0);
+    size_t nw = (size_t)c->C_out * 9 * c->C_in;
+    p.x = random_x(slab_size(p.xs), 1), p.dy = random_x(slab_size(p.dys), 1);
+    p.w = random_x(nw, 1 / sqrt(9.0 * c->C_in)), p.bias = random_x(c->C_out, 0.5);
+    p.residual = c->residual ? random_x(slab_size(p.rs), 1) : NULL;
+    p.dx_init = random_x(slab_size(p.dxs), 1), p.y_init = random_x(slab_size(p.ys), 1);
+    for (size_t i = 0; i < slab_size(p.ys); i++)
+        if (in_slice(p.ys, i)) p.y_init[i] = NAN;  // what the forward must write
+    p.y_ref = dev_alloc((size_t)out_pixels * c->C_out), p.dx_ref = dev_alloc((size_t)in_pixels * c->C_in), p.dw_ref = dev_alloc(nw);
+    double *g = dev_alloc(c->C_out);
+    for (int n = 0; n < c->N; n++)
+        for (int ho = 0; ho < p.Ho; ho++)
+            for (int wo = 0; wo < p.Wo; wo++) {
+                int64_t m = ((int64_t)n * p.Ho + ho) * p.Wo + wo;
+                double *y = &p.y_ref[m * c->C_out];
+                for (int co = 0; co < c->C_out; co++) {
+                    y[co] = p.bias[co] + (p.residual ? p.residual[m * p.rs.ld + co] : 0.0);
+                    g[co] = p.dy[m * p.dys.ld + p.dys.off + co];
+                }
+                for (int kh = 0; kh < 3; kh++)
+                    for (int kw = 0; kw < 3; kw++) {
+                        int h = ho * c->stride + kh - 1, w = wo * c->stride + kw - 1;
+                        if (h < 0 || h >= c->H || w < 0 || w >= c->W) continue;
+                        int64_t pix = ((int64_t)n * c->H + h) * c->W + w;
+                        const double *xp = &p.x[pix * p.xs.ld + p.xs.off];
+                        double *dx = &p.dx_ref[pix * c->C_in];
+                        for (int co = 0; co < c->C_out; co++) {
+                            const double *wp = &p.w[((size_t)co * 9 + kh * 3 + kw) * c->C_in];
+                            double *dw = &p.dw_ref[((size_t)co * 9 + kh * 3 + kw) * c->C_in];
+                            double sum = 0;
+                            for (int ci = 0; ci < c->C_in; ci++) {
+                                sum += wp[ci] * xp[ci];
+                                dx[ci] += wp[ci] * g[co];
+                                dw[ci] += g[co] * xp[ci];
+                            }
+                            y[co] += sum;
+                        }
+                    }
+            }
+    free(g);
+    return p;
+}
+
+static void free_problem(CheckProblem *p) {
+    double *all[] = {p->x, p->w, p->bias, p->residual, p->dy, p->y_init, p->dx_init, p->y_ref, p->dx_ref, p->dw_ref};
+    for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) free(all[i]);
+}
+
+// The error of the slice of `got` (a whole downloaded slab) against ref (dense [pixel][C]) plus, when
+// accumulate, what the slab held before (init): dev_error's measure. NaN when anything outside the
+// slice differs from init.
+static double slice_error(const double *got, const double *init, const double *ref, Slab s, int accumulate) {
+    size_t n = (size_t)s.pixels * s.C;
+    double *g = dev_alloc(n), *before = accumulate ? dev_alloc(n) : NULL;
+    for (size_t i = 0; i < slab_size(s); i++) {
+        if (!in_slice(s, i)) {
+            if (!(got[i] == init[i])) {
+                free(g), free(before);
+                return NAN;
+            }
+            continue;
+        }
+        size_t j = i / s.ld * s.C + i % s.ld - s.off;
+        g[j] = got[i];
+        if (before) before[j] = init[i];
+    }
+    double err = dev_error(g, before, ref, n);
+    free(g), free(before);
+    return err;
+}
+
+// One check line; err <= DEV_TOLERANCE passes (NaN never does).
+static void report(const char *name, const char *op, double err, const char *extra) {
+    int ok = err <= DEV_TOLERANCE;
+    if (ok) dev_checks_passed++;
+    else dev_checks_failed++;
+    printf("%s %-28s %-4s %-5s err=%.3g (tol %.0e)%s\n", ok ? "PASS" : "FAIL", name, type_name(), op, err, DEV_TOLERANCE, extra);
+    fflush(stdout);
+}
+
+static void check_case(const CheckCase *c) {
+    CheckProblem p = make_problem(c);
+    size_t nw = (size_t)c->C_out * 9 * c->C_in;
+    floatX *x = dev_upload_x(p.x, slab_size(p.xs)), *w = dev_upload_x(p.w, nw), *bias = dev_upload_x(p.bias, c->C_out);
+    floatX *dy = dev_upload_x(p.dy, slab_size(p.dys)), *res = p.residual ? dev_upload_x(p.residual, slab_size(p.rs)) : NULL;
+    floatX *y = dev_upload_x(p.y_init, slab_size(p.ys)), *dx = dev_upload_x(p.dx_init, slab_size(p.dxs));
+
+    conv3x3_forward(y + c->y_off, p.ys.ld, x + c->x_off, p.xs.ld, w, bias, res, p.rs.ld, c->N, c->H, c->W, c->C_in, c->C_out,
+                    c->stride);
+    double *got = dev_download_x(y, slab_size(p.ys));
+    report(c->name, "fwd", slice_error(got, p.y_init, p.y_ref, p.ys, 0), "");
+    free(got);
+
+    conv3x3_backward_input(dx + c->dx_off, p.dxs.ld, dy + c->dy_off, p.dys.ld, w, c->N, c->H, c->W, c->C_in, c->C_out, c->stride);
+    got = dev_download_x(dx, slab_size(p.dxs));
+    report(c->name, "dgrad", slice_error(got, p.dx_init, p.dx_ref, p.dxs, 1), "");
+    free(got);
+
+    // The weight gradient overwrites dw: twice from poisoned dw and scratch, bit for bit the same.
+    size_t scratch_n = conv3x3_weight_grad_scratch_floats(c->N, c->H, c->W, c->C_in, c->C_out, c->stride);
+    float *dw = (float *)dev_gpu_poisoned(nw * sizeof(float)), *scratch = (float *)dev_gpu_poisoned(scratch_n * sizeof(float));
+    double *runs[2];
+    for (int run = 0; run < 2; run++) {
+        conv3x3_backward_weight(dw, scratch, dy + c->dy_off, p.dys.ld, x + c->x_off, p.xs.ld, c->N, c->H, c->W, c->C_in, c->C_out,
+                                c->stride);
+        runs[run] = dev_download_f(dw, nw);
+        dev_poison(dw, nw * sizeof(float));
+    }
+    int same = memcmp(runs[0], runs[1], nw * sizeof(double)) == 0;
+    char extra[64];
+    snprintf(extra, sizeof extra, " slices=%zu%s", scratch_n ? scratch_n / nw : 1, same ? "" : " NOT DETERMINISTIC");
+    report(c->name, "wgrad", same ? dev_error(runs[0], NULL, p.dw_ref, nw) : NAN, extra);
+    free(runs[0]), free(runs[1]);
+    dev_gpu_free(x, w, bias, dy, y, dx, dw, scratch, res, NULL);  // res last: NULL without a residual
+    free_problem(&p);
+}
+
+static const CheckCase check_cases[] = {
+    // name                     N   H   W  Cin  Cout s  x+ xoff y+ yoff dy+ dyoff dx+ dxoff res r+
+    {"basic 64->64",            2,  8,  8,   64,   64, 1,  0,  0,  0,  0,  0,  0,  0,  0, 0, 0},
+    {"odd 7x5 32->96",          3,  7,  5,   32,   96, 1,  0,  0,  0,  0,  0,  0,  0,  0, 1, 0},
+    {"stride2 9x11 64->128",    2,  9, 11,   64,  128, 2,  0,  0,  0,  0,  0,  0,  0,  0, 0, 0},
+    {"stride2 8x8 128->128",    2,  8,  8,  128,  128, 2,  0,  0,  0,  0,  0,  0,  0,  0, 0, 0},
+    {"1x1 images 64->64",       4,  1,  1,   64,   64, 1,  0,  0,  0,  0,  0,  0,  0,  0, 1, 0},
+    {"1x1 stride2 32->64",      3,  1,  1,   32,   64, 2,  0,  0,  0,  0,  0,  0,  0,  0, 0, 0},
+    {"2x3 stride2 64->32",      2,  2,  3,   64,   32, 2,  0,  0,  0,  0,  0,  0,  0,  0, 0, 0},
+    {"input conv 3->64",        2, 16, 16,    3,   64, 1,  0,  0,  0,  0,  0,  0,  0,  0, 0, 0},
+    {"input conv 3->192 odd",   2, 13,  9,    3,  192, 1,  0,  0,  0,  0,  0,  0,  0,  0, 0, 0},
+    {"output conv 64->3",       2, 16, 16,   64,    3, 1,  0,  0,  0,  0,  0,  0,  0,  0, 0, 0},
+    {"output conv 192->3 odd",  2, 11,  7,  192,    3, 1,  0,  0,  0,  0,  0,  0,  0,  0, 1, 0},
+    {"6->40 stride2",           2, 12, 10,    6,   40, 2,  0,  0,  0,  0,  0,  0,  0,  0, 0, 0},
+    {"3->3",                    2,  5,  6,    3,    3, 1,  0,  0,  0,  0,  0,  0,  0,  0, 1, 0},
+    {"slices 64->96",           2, 10,  9,   64,   96, 1, 128, 64, 64, 32, 32, 32, 64, 64, 1, 32},
+    {"slices stride2",          2,  9,  9,  128,   64, 2, 64, 64, 192, 128, 64, 0, 128, 8, 1, 64},
+    {"unaligned ld 32->32",     2,  7,  6,   32,   32, 1,  3,  1,  5,  3,  3,  2,  1,  1, 1, 1},
+    {"tiles 128->192 res",      4, 24, 24,  128,  192, 1,  0,  0,  0,  0,  0,  0,  0,  0, 1, 0},
+    {"tiles 320->192",          2, 15, 13,  320,  192, 1,  0,  0,  0,  0,  0,  0,  0,  0, 0, 0},
+    {"tiles 192->320",          2, 15, 13,  192,  320, 1,  0,  0,  0,  0,  0,  0,  0,  0, 0, 0},
+    {"many pixels 64->64",      8, 32, 32,   64,   64, 1,  0,  0,  0,  0,  0,  0,  0,  0, 0, 0},
+    {"many pixels 256->128",    6, 31, 33,  256,  128, 1,  0,  0,  0,  0,  0,  0,  0,  0, 0, 0},
+    {"wide 1536->768",          1,  4,  5, 1536,  768, 1,  0,  0,  0,  0,  0,  0,  0,  0, 1, 0},
+    {"wide 576->1344 stride2",  1,  5,  4,  576, 1344, 2,  0,  0,  0,  0,  0,  0,  0,  0, 0, 0},
+};
+
+// The fixed cases, then 8 random ones (small images, channel counts of the presets and odd ones,
+// slices at the end of wider x, dy and dx).
+static void run_checks(void) {
+    for (size_t i = 0; i < sizeof check_cases / sizeof check_cases[0]; i++) check_case(&check_cases[i]);
+    static const int channels[] = {3, 6, 8, 16, 32, 64, 96, 128, 192, 256};
+    for (int i = 0; i < 8; i++) {
+        CheckCase c;
+        memset(&c, 0, sizeof c);
+        c.N = 1 + (int)dev_random_int(3), c.H = 1 + (int)dev_random_int(13), c.W = 1 + (int)dev_random_int(13);
+        c.C_in = channels[dev_random_int(10)], c.C_out = channels[dev_random_int(10)];
+        c.stride = 1 + (int)dev_random_int(2), c.residual = (int)dev_random_int(2);
+        c.x_ld_extra = 8 * (int)dev_random_int(4), c.x_off = c.x_ld_extra;
+        c.dy_ld_extra = 8 * (int)dev_random_int(4), c.dx_ld_extra = c.dy_ld_extra;
+        c.name = dev_name("random %dx%dx%d %d->%d s%d%s", c.N, c.H, c.W, c.C_in, c.C_out, c.stride, c.residual ? " res" : "");
+        check_case(&c);
+    }
+}
+
+// ----------------------------------------------------------------------------------------------
+// Benchmark: the 3x3 convolutions of the seed and adm64 presets (the walk of train_unet.cu's
+// unet_walk), each distinct shape once, with the presets it occurs in.
+
+enum { MAX_SHAPES = 128 };
+
+typedef struct {
+    int H, C_in, C_out, stride;
+    char presets[64];
+} BenchShape;
+
+typedef struct {
+    BenchShape s[MAX_SHAPES];
+    int count;
+} BenchShapes;
+
+static void add_shape(BenchShapes *list, const char *preset, int H, int C_in, int C_out, int stride) {
+    for (int i = 0; i < list->count; i++) {
+        BenchShape *s = &list->s[i];
+        if (s->H != H || s->C_in != C_in || s->C_out != C_out || s->stride != stride) continue;
+        if (!strstr(s->presets, preset)) {
+            size_t at = strlen(s->presets);
+            snprintf(s->presets + at, sizeof s->presets - at, ",%s", preset);
+        }
+        return;
+    }
+    if (list->count == MAX_SHAPES) fatal("more than %d convolution shapes", MAX_SHAPES);
+    BenchShape *s = &list->s[list->count++];
+    s->H = H, s->C_in = C_in, s->C_out = C_out, s->stride = stride;
+    snprintf(s->presets, sizeof s->presets, "%s", preset);
+}
+
+// The walk: input conv, ResBlocks (conv1 in->out and conv2 out->out at the block's output size), the
+// resampling ResBlocks or convs between levels, the decoder's concatenated inputs, the output conv.
+static void preset_shapes(BenchShapes *list, const char *preset, int ch0, const int *mult, int levels, int res_blocks,
+                          int updown, int conv_resample) {
+    int size = 64, ch = ch0, skips[64], num_skips = 0;
+    add_shape(list, preset, size, 3, ch, 1);
+    skips[num_skips++] = ch;
+    for (int level = 0; level < levels; level++) {
+        for (int r = 0; r < res_blocks; r++) {
+            int out = ch0 * mult[level];
+            add_shape(list, preset, size, ch, out, 1), add_shape(list, preset, size, out, out, 1);
+            ch = out, skips[num_skips++] = ch;
+        }
+        if (level != levels - 1) {
+            if (updown) add_shape(list, preset, size / 2, ch, ch, 1), add_shape(list, preset, size / 2, ch, ch, 1);
+            else if (conv_resample) add_shape(list, preset, size, ch, ch, 2);
+            size /= 2, skips[num_skips++] = ch;
+        }
+    }
+    for (int i = 0; i < 2; i++) add_shape(list, preset, size, ch, ch, 1), add_shape(list, preset, size, ch, ch, 1);
+    for (int level = levels - 1; level >= 0; level--)
+        for (int r = 0; r <= res_blocks; r++) {
+            int in = ch + skips[--num_skips], out = ch0 * mult[level];
+            add_shape(list, preset, size, in, out, 1), add_shape(list, preset, size, out, out, 1);
+            ch = out;
+            if (level > 0 && r == res_blocks) {
+                if (updown) add_shape(list, preset, 2 * size, ch, ch, 1), add_shape(list, preset, 2 * size, ch, ch, 1);
+                else if (conv_resample) add_shape(list, preset, 2 * size, ch, ch, 1);
+                size *= 2;
+            }
+        }
+    add_shape(list, preset, size, ch, 3, 1);
+}
+
+// Uniform values in [-scale, scale), drawn on the GPU (the largest inputs hold 200M values; the
+// host fills of common.h would take minutes).
+__global__ void bench_fill_kernel(floatX *x, int64_t n, uint64_t seed, uint64_t stream, float scale) {
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
+        x[i] = (floatX)(scale * ((float)(random_u64(seed, stream, (uint64_t)i) >> 40) * (2.0f / 16777216.0f) - 1.0f));
+}
+
+static floatX *bench_random(int64_t n, float scale) {
+    static uint64_t stream;
+    floatX *d = (floatX *)gpu_malloc(n * sizeof(floatX));
+    bench_fill_kernel<<<blocks_for(n, 256), 256, 0, gpu.stream>>>(d, n, dev_seed, stream++, scale);
+    cuda_check_launch();
+    return d;
+}
+
+enum { OP_FORWARD, OP_INPUT_GRAD, OP_WEIGHT_GRAD, OPS };
+static const char *const op_names[OPS] = {"fwd", "dgrad", "wgrad"};
+
+// One timed launch: dense tensors (ld = channels), no residual.
+typedef struct {
+    int op, N, H, W, C_in, C_out, stride;
+    floatX *x, *y, *dy, *dx, *w, *bias;
+    float *dw, *scratch;
+} BenchRun;
+
+static void bench_launch(void *ctx) {
+    const BenchRun *r = (const BenchRun *)ctx;
+    if (r->op == OP_FORWARD)
+        conv3x3_forward(r->y, r->C_out, r->x, r->C_in, r->w, r->bias, NULL, 0, r->N, r->H, r->W, r->C_in, r->C_out, r->stride);
+    else if (r->op == OP_INPUT_GRAD)
+        conv3x3_backward_input(r->dx, r->C_in, r->dy, r->C_out, r->w, r->N, r->H, r->W, r->C_in, r->C_out, r->stride);
+    else
+        conv3x3_backward_weight(r->dw, r->scratch, r->dy, r->C_out, r->x, r->C_in, r->N, r->H, r->W, r->C_in, r->C_out, r->stride);
+}
+
+// The median of 20 runs after 3 warm-ups (DEV_QUICK: one run), between CUDA events recorded back to
+// back on the trainer's stream, as scripts/bench_conv_torch.py times cuDNN. (dev_time_ms waits after
+// each run, so each of its times includes a launch latency: microseconds that matter here.)
+static double bench_time_ms(DevFn fn, void *ctx) {
+    enum { WARMUP = 3, RUNS = 20 };
+    int warmup = dev_quick() ? 0 : WARMUP, runs = dev_quick() ? 1 : RUNS;
+    cudaEvent_t start[RUNS], stop[RUNS];
+    double times[RUNS];
+    for (int i = 0; i < runs; i++) cuda_check(cudaEventCreate(&start[i])), cuda_check(cudaEventCreate(&stop[i]));
+    for (int i = 0; i < warmup; i++) fn(ctx);
+    for (int i = 0; i < runs; i++) {
+        cuda_check(cudaEventRecord(start[i], gpu.stream));
+        fn(ctx);
+        cuda_check(cudaEventRecord(stop[i], gpu.stream));
+    }
+    cuda_check(cudaStreamSynchronize(gpu.stream));
+    cuda_check(cudaGetLastError());
+    for (int i = 0; i < runs; i++) {
+        float ms;
+        cuda_check(cudaEventElapsedTime(&ms, start[i], stop[i]));
+        times[i] = ms;
+        cuda_check(cudaEventDestroy(start[i])), cuda_check(cudaEventDestroy(stop[i]));
+    }
+    qsort(times, runs, sizeof(double), dev_compare_doubles);
+    return times[runs / 2];
+}
+
+static void bench_shape(const BenchShape *s, int N) {
+    BenchRun r;
+    r.N = N, r.H = s->H, r.W = s->H, r.C_in = s->C_in, r.C_out = s->C_out, r.stride = s->stride;
+    int Ho = conv_out_size(r.H, 3, r.stride), Wo = conv_out_size(r.W, 3, r.stride);
+    int64_t nx = (int64_t)N * r.H * r.W * r.C_in, ny = (int64_t)N * Ho * Wo * r.C_out, nw = (int64_t)r.C_out * 9 * r.C_in;
+    size_t nscratch = conv3x3_weight_grad_scratch_floats(N, r.H, r.W, r.C_in, r.C_out, r.stride);
+    r.x = bench_random(nx, 1), r.dy = bench_random(ny, 1), r.w = bench_random(nw, 1 / sqrtf(9.0f * r.C_in));
+    r.bias = bench_random(r.C_out, 0.5f);
+    r.y = (floatX *)gpu_malloc(ny * sizeof(floatX)), r.dx = (floatX *)gpu_malloc(nx * sizeof(floatX));
+    cuda_check(cudaMemsetAsync(r.dx, 0, nx * sizeof(floatX), gpu.stream));
+    r.dw = (float *)gpu_malloc(nw * sizeof(float)), r.scratch = (float *)gpu_malloc(nscratch * sizeof(float));
+    double flops = 2.0 * N * Ho * Wo * r.C_out * 9.0 * r.C_in;
+    for (int op = 0; op < OPS; op++) {
+        r.op = op;
+        double ms = bench_time_ms(bench_launch, &r);
+        printf("conv impl=ours op=%s N=%d H=%d W=%d Cin=%d Cout=%d stride=%d ms=%.4f tflops=%.1f precision=%s presets=%s\n",
+               op_names[op], N, r.H, r.W, r.C_in, r.C_out, r.stride, ms, flops / (ms * 1e-3) / 1e12, PRECISION_NAME, s->presets);
+        fflush(stdout);
+    }
+    dev_gpu_free(r.x, r.y, r.dy, r.dx, r.w, r.bias, r.dw, r.scratch, NULL);
+}
+
+// The presets' shapes at batch 32 and 128, or the one shape `only` (N H Cin Cout stride).
+static void run_bench(const int *only) {
+    static BenchShapes list;
+    static const int mult[] = {1, 2, 3, 4};
+    int batches[2] = {32, 128}, num_batches = 2;
+    if (only) {
+        add_shape(&list, "one", only[1], only[2], only[3], only[4]);
+        batches[0] = only[0], num_batches = 1;
+    } else {
+        preset_shapes(&list, "seed", 64, mult, 4, 2, 0, 0);
+        preset_shapes(&list, "adm64", 192, mult, 4, 3, 1, 1);
+        // Neither preset has a stride-2 conv (adm64 resamples in ResBlocks): adm64's Downsample
+        // convs as they are with resblock_updown off.
+        for (int level = 0; level < 3; level++) add_shape(&list, "adm64-s2", 64 >> level, 192 * mult[level], 192 * mult[level], 2);
+    }
+    for (int b = 0; b < num_batches; b++)
+        for (int i = 0; i < list.count; i++) bench_shape(&list.s[i], batches[b]);
+}
+
+static void usage(void) {
+    fprintf(stderr, "usage: bench_conv                               the checks\n"
+                    "       bench_conv --bench [--check]             the timings (after the checks with --check)\n"
+                    "       bench_conv --bench N H Cin Cout stride   the timings of one shape\n");
+    exit(2);
+}
+
+int main(int argc, char **argv) {
+    int bench = argc > 1 && strcmp(argv[1], "--bench") == 0, check = !bench, one = bench && argc == 7, only[5];
+    if (argc > 1 && !bench) usage();
+    if (bench && argc == 3 && strcmp(argv[2], "--check") == 0) check = 1;
+    else if (bench && argc != 2 && !one) usage();
+    for (int i = 0; one && i < 5; i++) {
+        only[i] = atoi(argv[2 + i]);
+        if (only[i] < 1 || (i == 4 && only[i] > 2)) usage();
+    }
+    dev_begin("bench_conv");
+    if (check) run_checks();
+    if (bench) run_bench(one ? only : NULL);
+    return dev_end();
+}
