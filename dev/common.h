@@ -141,7 +141,7 @@ static inline double dev_silu_grad(double x) {
 // parameters), so the reference computes on exactly what the GPU sees. Each check prints one
 // table row (dev/run_dev.sh collects them) and the program ends with "N passed, N failed".
 
-// Relative tolerance per tensor (DESIGN.md, Numerics): FP32 build 1e-5, BF16 build 1e-2.
+// Relative tolerance per tensor (dev/DESIGN.md, Tests): FP32 build 1e-5, BF16 build 1e-2.
 #define DEV_TOLERANCE (sizeof(floatX) == 4 ? 1e-5 : 1e-2)
 
 static int dev_checks_passed, dev_checks_failed;
