@@ -150,7 +150,7 @@ build/test/test_sampler_gpu_%: dev/test/test_sampler_gpu.cu train_unet.cu checkp
 DEV_LAYERS := conv2d bench_conv linear groupnorm attention resample concat embedding loss adamw
 DEV_BINARIES := $(addprefix build/dev/,$(DEV_LAYERS))
 
-$(DEV_BINARIES): build/dev/%: dev/%.cu dev/common.h train_unet.cu checkpoint.h dataset.h build/precision
+$(DEV_BINARIES): build/dev/%: dev/%.cu $(DEV_REFERENCES) train_unet.cu checkpoint.h dataset.h build/precision
 	@mkdir -p build/dev
 	$(NVCC) $(NVCCFLAGS) -o $@ $< $(CUDA_LIBS)
 

@@ -10,7 +10,8 @@
 // Check lines: "PASS|FAIL <case> <fp32|bf16> <fwd|dgrad|wgrad> err=... (tol ...)"; the last line is
 // "N passed, N failed". Bench lines: "conv impl=ours op=fwd|dgrad|wgrad N= H= W= Cin= Cout= stride=
 // ms= tflops= precision= presets=". DEV_SEED=<n> repeats a run's random inputs.
-#include "common.h"
+#define DEV_NO_MAIN
+#include "conv2d.cu"  // the reference: ref_conv2d_forward, ref_conv2d_backward, conv_weight_layout
 
 static const char *type_name(void) { return sizeof(floatX) == 4 ? "fp32" : "bf16"; }
 
@@ -71,38 +72,22 @@ static CheckProblem make_problem(const CheckCase *c) {
     p.dx_init = random_x(slab_size(p.dxs), 1), p.y_init = random_x(slab_size(p.ys), 1);
     for (size_t i = 0; i < slab_size(p.ys); i++)
         if (in_slice(p.ys, i)) p.y_init[i] = NAN;  // what the forward must write
+    // The reference on dense copies of the slices, weights in PyTorch's layout.
+    double *x = dev_alloc((size_t)in_pixels * c->C_in), *dy = dev_alloc((size_t)out_pixels * c->C_out);
+    for (int64_t i = 0; i < in_pixels; i++)
+        for (int ci = 0; ci < c->C_in; ci++) x[i * c->C_in + ci] = p.x[i * p.xs.ld + p.xs.off + ci];
+    for (int64_t i = 0; i < out_pixels; i++)
+        for (int co = 0; co < c->C_out; co++) dy[i * c->C_out + co] = p.dy[i * p.dys.ld + p.dys.off + co];
+    double *w_torch = dev_alloc(nw), *dw_torch = dev_alloc(nw);
+    conv_weight_layout(w_torch, p.w, c->C_out, c->C_in, 3, 0);
     p.y_ref = dev_alloc((size_t)out_pixels * c->C_out), p.dx_ref = dev_alloc((size_t)in_pixels * c->C_in), p.dw_ref = dev_alloc(nw);
-    double *g = dev_alloc(c->C_out);
-    for (int n = 0; n < c->N; n++)
-        for (int ho = 0; ho < p.Ho; ho++)
-            for (int wo = 0; wo < p.Wo; wo++) {
-                int64_t m = ((int64_t)n * p.Ho + ho) * p.Wo + wo;
-                double *y = &p.y_ref[m * c->C_out];
-                for (int co = 0; co < c->C_out; co++) {
-                    y[co] = p.bias[co] + (p.residual ? p.residual[m * p.rs.ld + co] : 0.0);
-                    g[co] = p.dy[m * p.dys.ld + p.dys.off + co];
-                }
-                for (int kh = 0; kh < 3; kh++)
-                    for (int kw = 0; kw < 3; kw++) {
-                        int h = ho * c->stride + kh - 1, w = wo * c->stride + kw - 1;
-                        if (h < 0 || h >= c->H || w < 0 || w >= c->W) continue;
-                        int64_t pix = ((int64_t)n * c->H + h) * c->W + w;
-                        const double *xp = &p.x[pix * p.xs.ld + p.xs.off];
-                        double *dx = &p.dx_ref[pix * c->C_in];
-                        for (int co = 0; co < c->C_out; co++) {
-                            const double *wp = &p.w[((size_t)co * 9 + kh * 3 + kw) * c->C_in];
-                            double *dw = &p.dw_ref[((size_t)co * 9 + kh * 3 + kw) * c->C_in];
-                            double sum = 0;
-                            for (int ci = 0; ci < c->C_in; ci++) {
-                                sum += wp[ci] * xp[ci];
-                                dx[ci] += wp[ci] * g[co];
-                                dw[ci] += g[co] * xp[ci];
-                            }
-                            y[co] += sum;
-                        }
-                    }
-            }
-    free(g);
+    ref_conv2d_forward(p.y_ref, x, w_torch, p.bias, c->N, c->H, c->W, c->C_in, c->C_out, 3, c->stride);
+    if (p.residual)
+        for (int64_t i = 0; i < out_pixels; i++)
+            for (int co = 0; co < c->C_out; co++) p.y_ref[i * c->C_out + co] += p.residual[i * p.rs.ld + co];
+    ref_conv2d_backward(p.dx_ref, dw_torch, NULL, dy, x, w_torch, c->N, c->H, c->W, c->C_in, c->C_out, 3, c->stride);
+    conv_weight_layout(p.dw_ref, dw_torch, c->C_out, c->C_in, 3, 1);
+    free(x), free(dy), free(w_torch), free(dw_torch);
     return p;
 }
 

@@ -67,6 +67,19 @@ static void ref_conv2d_backward(double *d_in, double *d_weight, double *d_bias, 
             }
 }
 
+// PyTorch's weight layout [out][in][k][k] <-> the GPU's [out][k][k][in], by the trainer's param_layout.
+static void conv_weight_layout(double *dst, const double *src, int out, int in, int k, int to_gpu) {
+    ParamSpec p;
+    memset(&p, 0, sizeof p);
+    p.ndim = 4, p.shape[0] = out, p.shape[1] = in, p.shape[2] = k, p.shape[3] = k;
+    p.numel = (int64_t)out * in * k * k;
+    float *a = (float *)malloc_or_die(p.numel * sizeof(float)), *b = (float *)malloc_or_die(p.numel * sizeof(float));
+    for (int64_t i = 0; i < p.numel; i++) a[i] = (float)src[i];
+    param_layout(&p, a, b, to_gpu);
+    for (int64_t i = 0; i < p.numel; i++) dst[i] = b[i];
+    free(a), free(b);
+}
+
 #ifndef DEV_NO_MAIN
 // ----------------------------------------------------------------------------------------------
 // GPU check: the trainer's conv_forward / conv_backward (3x3: the implicit GEMMs; 1x1: cuBLASLt;
@@ -91,19 +104,6 @@ static void conv_run_forward(void *p) {
 static void conv_run_backward(void *p) {
     ConvRun *r = (ConvRun *)p;
     conv_backward(&r->cv, r->dx, r->dy, r->x, r->N, r->H, r->W, r->d_per_sample, r->ld);
-}
-
-// PyTorch's weight layout [out][in][k][k] <-> the GPU's [out][k][k][in], by the trainer's param_layout.
-static void conv_weight_layout(double *dst, const double *src, int out, int in, int k, int to_gpu) {
-    ParamSpec p;
-    memset(&p, 0, sizeof p);
-    p.ndim = 4, p.shape[0] = out, p.shape[1] = in, p.shape[2] = k, p.shape[3] = k;
-    p.numel = (int64_t)out * in * k * k;
-    float *a = (float *)malloc_or_die(p.numel * sizeof(float)), *b = (float *)malloc_or_die(p.numel * sizeof(float));
-    for (int64_t i = 0; i < p.numel; i++) a[i] = (float)src[i];
-    param_layout(&p, a, b, to_gpu);
-    for (int64_t i = 0; i < p.numel; i++) dst[i] = b[i];
-    free(a), free(b);
 }
 
 // The scratch a model's plan gives this convolution: the weight gradient's slices, the bias
