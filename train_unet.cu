@@ -2659,6 +2659,10 @@ static void unet_lay_out(UNet *m) {
 // The plan of a model for batches of `batch` images, on the host: its parameter list, its blocks
 // and the size of each memory region (nothing on the GPU).
 static void unet_plan(UNet *m, const ModelConfig *c, int batch, int training) {
+    int64_t pixels = (int64_t)batch * c->image_size * c->image_size;
+    if (pixels > INT32_MAX)
+        fatal("a batch of %d images of %dx%d is %lld pixels; the kernels count pixels in 32 bits (at most %d): use a smaller batch",
+              batch, c->image_size, c->image_size, (long long)pixels, INT32_MAX);
     memset(m, 0, sizeof *m);
     m->config = *c;
     m->batch = batch;
