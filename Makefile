@@ -20,12 +20,14 @@ CC ?= cc
 NVCC := $(or $(shell command -v nvcc 2>/dev/null),$(wildcard /usr/local/cuda/bin/nvcc),nvcc)
 
 # Build for the GPU in this machine when nvidia-smi finds one, else for A100, L40/RTX 40 and H100/H200.
+# Either way the PTX of the newest architecture built is embedded too (code=compute_XX), so that on a
+# GPU newer than any of these the driver compiles it at the first start instead of refusing to run.
 GPU_CC := $(shell nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -n 1 | tr -d ' .')
 ifneq ($(GPU_CC),)
-GPU_ARCH := -gencode arch=compute_$(GPU_CC),code=sm_$(GPU_CC)
+GPU_ARCH := -gencode arch=compute_$(GPU_CC),code=sm_$(GPU_CC) -gencode arch=compute_$(GPU_CC),code=compute_$(GPU_CC)
 else
 GPU_ARCH := -gencode arch=compute_80,code=sm_80 -gencode arch=compute_89,code=sm_89 \
-            -gencode arch=compute_90,code=sm_90
+            -gencode arch=compute_90,code=sm_90 -gencode arch=compute_90,code=compute_90
 endif
 
 STB_CFLAGS := $(shell pkg-config --cflags stb 2>/dev/null || echo -I/usr/include/stb)
@@ -49,11 +51,11 @@ build/precision: FORCE
 	@mkdir -p build
 	@[ "$$(cat $@ 2>/dev/null)" = "$(PRECISION)" ] || echo $(PRECISION) > $@
 
-train_unet: train_unet.cu checkpoint.h dataset.h sampler.h unet_api.h build/precision
+train_unet: train_unet.cu loss_plot.h checkpoint.h dataset.h sampler.h unet_api.h build/precision
 	$(NVCC) $(NVCCFLAGS) -o $@ $< $(CUDA_LIBS)
 
 # generate: C, calling the model through train_unet.cu's library build (unet_api.h).
-build/unet_api.o: train_unet.cu checkpoint.h dataset.h sampler.h unet_api.h build/precision
+build/unet_api.o: train_unet.cu loss_plot.h checkpoint.h dataset.h sampler.h unet_api.h build/precision
 	@mkdir -p build
 	$(NVCC) $(NVCCFLAGS) -DTRAIN_UNET_LIBRARY -c -o $@ $<
 
@@ -80,7 +82,7 @@ ASAN := -fsanitize=address,undefined -fno-omit-frame-pointer
 NVCC_ASAN := -Xcompiler -fsanitize=address,-fsanitize=undefined,-fno-omit-frame-pointer -lasan -lubsan
 TESTS_CPU := build/test/test_dataset build/test/test_safetensors build/test/test_shapes build/test/test_dataloader build/test/train_unet_asan \
              build/test/test_reference build/test/test_unet_fixtures build/test/test_checkpoint \
-             build/test/test_sampler build/test/test_sampler_fixture
+             build/test/test_sampler build/test/test_sampler_fixture build/test/test_loss_plot
 TESTS_GPU := build/test/test_dataloader_gpu build/test/test_unet_gpu_fp32 build/test/test_unet_gpu_bf16 \
              build/test/test_unet_gpu_reference_fp32 build/test/test_unet_gpu_reference_bf16 \
              build/test/test_sampler_gpu_fp32 build/test/test_sampler_gpu_bf16
@@ -94,12 +96,17 @@ build/test/test_safetensors: dev/test/test_safetensors.c checkpoint.h dataset.h 
 	@mkdir -p build/test
 	$(CC) $(CFLAGS) $(ASAN) -fno-sanitize-recover=undefined -o $@ $< -lm
 
+# The loss chart (loss_plot.h, run/loss.svg); `build/test/test_loss_plot --chart LOG.csv OUT.svg` draws one.
+build/test/test_loss_plot: dev/test/test_loss_plot.c loss_plot.h dev/test/check.h
+	@mkdir -p build/test
+	$(CC) $(CFLAGS) $(ASAN) -fno-sanitize-recover=undefined -o $@ $< -lm
+
 build/test/test_shapes: dev/test/test_shapes.c data/shapes.c data/shapes.h dev/test/check.h
 	@mkdir -p build/test
 	$(CC) $(CFLAGS) $(ASAN) $(STB_CFLAGS) -o $@ dev/test/test_shapes.c data/shapes.c $(STB_LIBS)
 
 # The loader tests compile train_unet.cu itself (library mode, no main): one source of truth.
-build/test/test_dataloader: dev/test/test_dataloader.cu train_unet.cu checkpoint.h dataset.h dev/test/check.h build/precision
+build/test/test_dataloader: dev/test/test_dataloader.cu train_unet.cu loss_plot.h checkpoint.h dataset.h dev/test/check.h build/precision
 	@mkdir -p build/test
 	$(NVCC) $(NVCCFLAGS) $(NVCC_ASAN) -o $@ $< $(CUDA_LIBS)
 
@@ -107,17 +114,17 @@ build/test/test_sampler: dev/test/test_sampler.c sampler.h dev/test/check.h
 	@mkdir -p build/test
 	$(CC) $(CFLAGS) $(ASAN) $(STB_CFLAGS) -o $@ $< $(STB_LIBS)
 
-build/test/test_checkpoint build/test/test_sampler_fixture: build/test/%: dev/test/%.cu train_unet.cu checkpoint.h sampler.h dataset.h \
+build/test/test_checkpoint build/test/test_sampler_fixture: build/test/%: dev/test/%.cu train_unet.cu loss_plot.h checkpoint.h sampler.h dataset.h \
         dev/test/check.h build/precision
 	@mkdir -p build/test
 	$(NVCC) $(NVCCFLAGS) -o $@ $< $(CUDA_LIBS)
 
 # The trainer's host code under AddressSanitizer, for the command-line tests on damaged input.
-build/test/train_unet_asan: train_unet.cu checkpoint.h dataset.h build/precision
+build/test/train_unet_asan: train_unet.cu loss_plot.h checkpoint.h dataset.h build/precision
 	@mkdir -p build/test
 	$(NVCC) $(NVCCFLAGS) $(NVCC_ASAN) -o $@ $< $(CUDA_LIBS)
 
-build/test/test_dataloader_gpu: dev/test/test_dataloader_gpu.cu train_unet.cu checkpoint.h dataset.h dev/test/check.h build/precision
+build/test/test_dataloader_gpu: dev/test/test_dataloader_gpu.cu train_unet.cu loss_plot.h checkpoint.h dataset.h dev/test/check.h build/precision
 	@mkdir -p build/test
 	$(NVCC) $(NVCCFLAGS) -o $@ $< $(CUDA_LIBS)
 
@@ -125,21 +132,21 @@ build/test/test_dataloader_gpu: dev/test/test_dataloader_gpu.cu train_unet.cu ch
 # model against the PyTorch fixtures. Host code only, so built for one GPU target.
 DEV_REFERENCES := dev/common.h dev/conv2d.cu dev/linear.cu dev/groupnorm.cu dev/attention.cu dev/resample.cu \
                   dev/embedding.cu dev/loss.cu dev/unet.cu
-build/test/test_reference build/test/test_unet_fixtures: build/test/%: dev/test/%.cu $(DEV_REFERENCES) train_unet.cu checkpoint.h dev/test/check.h
+build/test/test_reference build/test/test_unet_fixtures: build/test/%: dev/test/%.cu $(DEV_REFERENCES) train_unet.cu loss_plot.h checkpoint.h dev/test/check.h
 	@mkdir -p build/test
 	$(NVCC) $(NVCCFLAGS) -o $@ $< $(CUDA_LIBS)
 
 # The whole model against the PyTorch fixtures, in both precisions whatever PRECISION is.
 # The same against the CPU reference on configurations the fixtures do not cover.
-build/test/test_unet_gpu_fp32 build/test/test_unet_gpu_bf16: build/test/test_unet_gpu_%: dev/test/test_unet_gpu.cu train_unet.cu checkpoint.h \
+build/test/test_unet_gpu_fp32 build/test/test_unet_gpu_bf16: build/test/test_unet_gpu_%: dev/test/test_unet_gpu.cu train_unet.cu loss_plot.h checkpoint.h \
         dataset.h dev/test/check.h
 	@mkdir -p build/test
 	$(NVCC) $(NVCC_COMMON) -DPRECISION_$(shell echo $* | tr a-z A-Z) -o $@ $< $(CUDA_LIBS)
-build/test/test_unet_gpu_reference_%: dev/test/test_unet_gpu_reference.cu train_unet.cu checkpoint.h $(DEV_REFERENCES) dev/test/check.h
+build/test/test_unet_gpu_reference_%: dev/test/test_unet_gpu_reference.cu train_unet.cu loss_plot.h checkpoint.h $(DEV_REFERENCES) dev/test/check.h
 	@mkdir -p build/test
 	$(NVCC) $(NVCC_COMMON) -DPRECISION_$(shell echo $* | tr a-z A-Z) -o $@ $< $(CUDA_LIBS)
 # The GPU sampling loop against sampler.h's host loop, in both precisions.
-build/test/test_sampler_gpu_%: dev/test/test_sampler_gpu.cu train_unet.cu checkpoint.h sampler.h dataset.h dev/test/check.h
+build/test/test_sampler_gpu_%: dev/test/test_sampler_gpu.cu train_unet.cu loss_plot.h checkpoint.h sampler.h dataset.h dev/test/check.h
 	@mkdir -p build/test
 	$(NVCC) $(NVCC_COMMON) -DPRECISION_$(shell echo $* | tr a-z A-Z) -o $@ $< $(CUDA_LIBS)
 
@@ -150,7 +157,7 @@ build/test/test_sampler_gpu_%: dev/test/test_sampler_gpu.cu train_unet.cu checkp
 DEV_LAYERS := conv2d bench_conv linear groupnorm attention resample concat embedding loss adamw
 DEV_BINARIES := $(addprefix build/dev/,$(DEV_LAYERS))
 
-$(DEV_BINARIES): build/dev/%: dev/%.cu $(DEV_REFERENCES) train_unet.cu checkpoint.h dataset.h build/precision
+$(DEV_BINARIES): build/dev/%: dev/%.cu $(DEV_REFERENCES) train_unet.cu loss_plot.h checkpoint.h dataset.h build/precision
 	@mkdir -p build/dev
 	$(NVCC) $(NVCCFLAGS) -o $@ $< $(CUDA_LIBS)
 

@@ -42,6 +42,7 @@ static const char usage[] =
     "runs the model once on IN's x [N,C,H,W] (float, NCHW), t [N] and, class-conditional, y [N], and\n"
     "writes its raw output out [N,C_out,H,W] (F32, NCHW): for comparing with PyTorch.\n";
 
+// A runtime error (a file, the checkpoint, the GPU): one error line, exit status 1.
 static void die(const char *fmt, ...) __attribute__((format(printf, 1, 2), noreturn));
 static void die(const char *fmt, ...) {
     va_list args;
@@ -53,6 +54,18 @@ static void die(const char *fmt, ...) {
     exit(1);
 }
 
+// A bad command line: one error line ending in "(see --help)", exit status 2 (as train_unet).
+static void usage_error(const char *fmt, ...) __attribute__((format(printf, 1, 2), noreturn));
+static void usage_error(const char *fmt, ...) {
+    va_list args;
+    va_start(args, fmt);
+    fputs("generate: error: ", stderr);
+    vfprintf(stderr, fmt, args);
+    fputs(" (see --help)\n", stderr);
+    va_end(args);
+    exit(2);
+}
+
 typedef struct {
     const char *checkpoint, *weights, *sampler, *class_name, *out, *eval, *output;
     int steps, num, batch, bench;
@@ -60,51 +73,69 @@ typedef struct {
     long long seed;
 } Options;
 
-static long long parse_int(const char *name, const char *s, long long lo, long long hi) {
+// A whole number in lo..hi into *v: 0, or -1.
+static int read_int(const char *s, long long lo, long long hi, long long *v) {
     char *end;
     errno = 0;
-    long long v = strtoll(s, &end, 10);
-    if (end == s || *end || errno || v < lo || v > hi) die("%s takes a whole number in %lld..%lld, not '%s'", name, lo, hi, s);
+    *v = strtoll(s, &end, 10);
+    return end == s || *end || errno || *v < lo || *v > hi ? -1 : 0;
+}
+
+static long long int_option(const char *name, const char *s, long long lo, long long hi) {
+    long long v;
+    if (read_int(s, lo, hi, &v) != 0) usage_error("%s takes a whole number in %lld..%lld, not '%s'", name, lo, hi, s);
     return v;
 }
 
-static double parse_real(const char *name, const char *s, double lo, double hi) {
+static double real_option(const char *name, const char *s, double lo, double hi) {
     char *end;
     errno = 0;
     double v = strtod(s, &end);
-    if (end == s || *end || errno || !(v >= lo && v <= hi)) die("%s takes a number in %g..%g, not '%s'", name, lo, hi, s);
+    if (end == s || *end || errno || !(v >= lo && v <= hi)) usage_error("%s takes a number in %g..%g, not '%s'", name, lo, hi, s);
     return v;
 }
 
+// Parses the command line (--name VALUE or --name=VALUE); no arguments, -h or --help print the usage.
 static Options parse_options(int argc, char **argv) {
+    static const char *const names[] = {"checkpoint", "weights", "sampler", "class", "out", "eval", "output",
+                                        "steps", "num", "batch", "bench", "seed", "eta", "guidance"};
     Options o = {NULL, "ema", "ddim", "all", "samples", NULL, NULL, 0, 64, 64, 0, 0.0, 1.0, 0};
+    if (argc < 2) fputs(usage, stdout), exit(0);
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         if (strcmp(a, "--help") == 0 || strcmp(a, "-h") == 0) fputs(usage, stdout), exit(0);
-        if (strncmp(a, "--", 2) != 0) die("unexpected argument '%s' (see --help)", a);
-        if (i + 1 >= argc) die("%s needs a value (see --help)", a);
-        const char *v = argv[++i];
-        if (strcmp(a, "--checkpoint") == 0) o.checkpoint = v;
-        else if (strcmp(a, "--weights") == 0) o.weights = v;
-        else if (strcmp(a, "--sampler") == 0) o.sampler = v;
-        else if (strcmp(a, "--class") == 0) o.class_name = v;
-        else if (strcmp(a, "--out") == 0) o.out = v;
-        else if (strcmp(a, "--eval") == 0) o.eval = v;
-        else if (strcmp(a, "--output") == 0) o.output = v;
-        else if (strcmp(a, "--steps") == 0) o.steps = (int)parse_int(a, v, 1, 100000);
-        else if (strcmp(a, "--num") == 0) o.num = (int)parse_int(a, v, 1, 1000000);
-        else if (strcmp(a, "--batch") == 0) o.batch = (int)parse_int(a, v, 1, 4096);
-        else if (strcmp(a, "--bench") == 0) o.bench = (int)parse_int(a, v, 1, 1000);
-        else if (strcmp(a, "--seed") == 0) o.seed = parse_int(a, v, 0, (1ll << 62));
-        else if (strcmp(a, "--eta") == 0) o.eta = parse_real(a, v, 0, 1);
-        else if (strcmp(a, "--guidance") == 0) o.guidance = parse_real(a, v, 0, 100);
-        else die("unknown option '%s' (see --help)", a);
+        if (a[0] == '-' && a[1] != '-') usage_error("unknown option %s", a);
+        if (strncmp(a, "--", 2) != 0) usage_error("unexpected argument '%s'", a);
+        const char *eq = strchr(a, '=');
+        size_t len = eq ? (size_t)(eq - a) : strlen(a);  // "--name"
+        const char *name = NULL;
+        for (size_t k = 0; k < sizeof names / sizeof *names; k++)
+            if (strlen(names[k]) == len - 2 && strncmp(a + 2, names[k], len - 2) == 0) name = names[k];
+        if (!name) usage_error("unknown option %.*s", (int)len, a);
+        if (!eq && i + 1 >= argc) usage_error("--%s needs a value", name);
+        const char *v = eq ? eq + 1 : argv[++i];
+        char flag[16];
+        snprintf(flag, sizeof flag, "--%s", name);
+        if (strcmp(name, "checkpoint") == 0) o.checkpoint = v;
+        else if (strcmp(name, "weights") == 0) o.weights = v;
+        else if (strcmp(name, "sampler") == 0) o.sampler = v;
+        else if (strcmp(name, "class") == 0) o.class_name = v;
+        else if (strcmp(name, "out") == 0) o.out = v;
+        else if (strcmp(name, "eval") == 0) o.eval = v;
+        else if (strcmp(name, "output") == 0) o.output = v;
+        else if (strcmp(name, "steps") == 0) o.steps = (int)int_option(flag, v, 1, 100000);
+        else if (strcmp(name, "num") == 0) o.num = (int)int_option(flag, v, 1, 1000000);
+        else if (strcmp(name, "batch") == 0) o.batch = (int)int_option(flag, v, 1, 4096);
+        else if (strcmp(name, "bench") == 0) o.bench = (int)int_option(flag, v, 1, 1000);
+        else if (strcmp(name, "seed") == 0) o.seed = int_option(flag, v, 0, (1ll << 62));
+        else if (strcmp(name, "eta") == 0) o.eta = real_option(flag, v, 0, 1);
+        else o.guidance = real_option(flag, v, 0, 100);  // the last of names
     }
-    if (!o.checkpoint) die("--checkpoint is required (see --help)");
-    if (strcmp(o.weights, "ema") != 0 && strcmp(o.weights, "model") != 0) die("--weights must be ema or model, not '%s'", o.weights);
+    if (!o.checkpoint) usage_error("--checkpoint is required");
+    if (strcmp(o.weights, "ema") != 0 && strcmp(o.weights, "model") != 0) usage_error("--weights must be ema or model, not '%s'", o.weights);
     if (strcmp(o.sampler, "ddim") != 0 && strcmp(o.sampler, "ddpm") != 0 && strcmp(o.sampler, "dpm++") != 0)
-        die("--sampler must be ddim, ddpm or dpm++, not '%s'", o.sampler);
-    if ((o.eval != NULL) != (o.output != NULL)) die("--eval IN.safetensors and --output OUT.safetensors go together");
+        usage_error("--sampler must be ddim, ddpm or dpm++, not '%s'", o.sampler);
+    if ((o.eval != NULL) != (o.output != NULL)) usage_error("--eval IN.safetensors and --output OUT.safetensors go together");
     if (o.batch > o.num) o.batch = o.num;
     return o;
 }
@@ -130,7 +161,12 @@ int main(int argc, char **argv) {
         die("%s is unconditional: --class and --guidance need a class-conditional model", file);
     if (o.guidance != 1.0 && !info.null_class)
         die("%s has no null class (trained without --cfg_dropout's label): classifier-free guidance needs one", file);
-    if (classes && strcmp(o.class_name, "all") != 0) fixed_class = (int)parse_int("--class", o.class_name, 0, classes - 1);
+    long long k;
+    if (classes && strcmp(o.class_name, "all") != 0) {
+        if (read_int(o.class_name, 0, classes - 1, &k) != 0)
+            die("--class takes all or a class in 0..%d of %s, not '%s'", classes - 1, file, o.class_name);
+        fixed_class = (int)k;
+    }
     if (info.out_channels != info.in_channels) die("%s predicts a learned variance (learn_sigma): not supported for sampling", file);
 
     NoiseSchedule schedule;

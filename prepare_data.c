@@ -1,14 +1,20 @@
 // prepare_data.c: turns a folder of images, or the bundled synthetic dataset, into a dataset .bin
 // (the format is defined in dataset.h) for train_unet.
 //
-//   ./prepare_data --input DIR --output FILE.bin [--size 64] [--labels] [--quiet]
+//   ./prepare_data --input DIR --output FILE.bin [--size 64] [--labels] [--keep_duplicates] [--quiet]
 //   ./prepare_data --synthetic shapes --output FILE.bin [--count 10000] [--size 64] [--seed 1]
 //
 // Folder mode decodes every regular file under DIR with stb_image (JPEG, PNG, BMP, GIF's first
 // frame, TGA, PSD, HDR, PNM); a file it cannot read, or an image of more than MAX_PIXELS pixels, is
-// skipped with one warning. A file or folder reached again through links is used once. Each image
-// is centre-cropped to a square, composited over white where it has alpha, and resized to
+// skipped with one warning. A file or folder (by device and inode) reached again through a link or
+// a hard link is used once and counted as a duplicate, unless --keep_duplicates. Each image is
+// centre-cropped to a square, composited over white where it has alpha, and resized to
 // size x size RGB in linear light. With --labels, an image's class is its first-level folder.
+//
+// Exit status (the convention of the project's three programs): 0 when done, and for the usage
+// (no arguments, -h, --help) on stdout; 2 for a usage error (an unknown option, a bad or missing
+// value, options that do not go together); 1 for any other error (an unreadable input, no usable
+// image, an output that cannot be written). Errors are one line on stderr.
 //
 // The dataset is written to FILE.bin.tmp.PID next to FILE.bin and renamed over it only once it is
 // complete and synced, so an error or an interrupt never leaves a partial dataset behind. An
@@ -32,15 +38,18 @@
 #define MAX_PIXELS (1ull << 26)  // larger input images (more than 8192x8192) are skipped undecoded
 
 static const char usage[] =
-    "usage: prepare_data --input DIR --output FILE.bin [--size N] [--labels] [--quiet]\n"
+    "usage: prepare_data --input DIR --output FILE.bin [--size N] [--labels] [--keep_duplicates] [--quiet]\n"
     "       prepare_data --synthetic shapes --output FILE.bin [--count N] [--size N] [--seed K]\n"
     "\n"
     "Writes a dataset file for train_unet.\n"
-    "  --input DIR        folder of images, searched recursively (hidden files and folders are\n"
-    "                     skipped); every file stb_image can read is used: JPEG, PNG, BMP, GIF\n"
-    "                     (first frame), TGA, PSD, HDR, PNM. Unreadable files, and images of more\n"
-    "                     than 2^26 pixels (8192x8192), are skipped with a warning; a file or folder\n"
-    "                     reached again through links is used once\n"
+    "  --input DIR        folder of images, searched recursively in sorted order (hidden files and\n"
+    "                     folders are skipped); every file stb_image can read is used: JPEG, PNG,\n"
+    "                     BMP, GIF (first frame), TGA, PSD, HDR, PNM. Unreadable files, and images\n"
+    "                     of more than 2^26 pixels (8192x8192), are skipped with a warning. Links\n"
+    "                     are followed; each distinct file and folder is used once: a second path\n"
+    "                     to one (a symbolic or a hard link) is skipped and counted as a duplicate\n"
+    "  --keep_duplicates  use a file once for every path to it, walking linked folders again (a\n"
+    "                     link back to a folder that contains it is still skipped)\n"
     "  --labels           the class of an image is the name of its first-level folder under DIR\n"
     "  --synthetic shapes the bundled synthetic dataset (circles, squares, triangles; labelled)\n"
     "  --count N          synthetic images to write (default 10000)\n"
@@ -48,7 +57,10 @@ static const char usage[] =
     "  --size N           side of the square output images, 8..8192 (default 64): images are\n"
     "                     centre-cropped to a square and resized\n"
     "  --output FILE.bin  the dataset file, replaced atomically (a regular file, not an input)\n"
-    "  --quiet            no progress line\n";
+    "  --quiet            no progress line\n"
+    "\n"
+    "Exit status: 0 done (or this help), 1 an error (unreadable input, no usable image, unwritable\n"
+    "output), 2 a usage error (unknown option, bad value).\n";
 
 // The temporary output file: die() and the signal handler remove it while it exists.
 static char tmp_path[PATH_MAX];
@@ -74,6 +86,18 @@ static void die(const char *fmt, ...) {
     fputc('\n', stderr);
     va_end(args);
     exit(1);
+}
+
+// Prints one usage error line, with a pointer to --help, and exits with status 2. Only the option
+// parser calls it: nothing has been written yet.
+static void usage_error(const char *fmt, ...) {
+    va_list args;
+    va_start(args, fmt);
+    fputs("prepare_data: error: ", stderr);
+    vfprintf(stderr, fmt, args);
+    fputs(" (see --help)\n", stderr);
+    va_end(args);
+    exit(2);
 }
 
 // Prints one warning line.
@@ -135,17 +159,17 @@ typedef struct {
     const char *input, *output, *synthetic;
     uint64_t count, seed;
     int size;
-    bool labels, quiet, count_given, seed_given;
+    bool labels, quiet, keep_duplicates, count_given, seed_given;
 } Options;
 
-// Parses a decimal integer in lo..hi given to option `name`, or dies.
+// Parses a decimal integer in lo..hi given to option `name`, or exits with a usage error.
 static uint64_t parse_uint(const char *name, const char *s, uint64_t lo, uint64_t hi) {
     char *end;
     errno = 0;
     unsigned long long v = strtoull(s, &end, 10);
     if (s[0] < '0' || s[0] > '9' || *end != '\0' || errno != 0 || v < lo || v > hi)
-        die("%s must be an integer in %llu..%llu, not '%s'", name, (unsigned long long)lo, (unsigned long long)hi,
-            s);
+        usage_error("%s must be an integer in %llu..%llu, not '%s'", name, (unsigned long long)lo,
+                    (unsigned long long)hi, s);
     return v;
 }
 
@@ -156,23 +180,36 @@ static const char *option_value(int argc, char **argv, int *i, const char *name)
     if (strncmp(argv[*i], name, n) != 0) return NULL;
     if (argv[*i][n] == '=') return argv[*i] + n + 1;
     if (argv[*i][n] != '\0') return NULL;
-    if (*i + 1 >= argc) die("%s needs a value (see --help)", name);
+    if (*i + 1 >= argc) usage_error("%s needs a value", name);
     return argv[++*i];
 }
 
-// Reads the options and checks that they make one consistent request, or dies.
+// Whether arg is the switch `name` (an option without a value); "--name=..." is a usage error.
+static bool is_switch(const char *arg, const char *name) {
+    size_t n = strlen(name);
+    if (strncmp(arg, name, n) != 0) return false;
+    if (arg[n] == '=') usage_error("%s takes no value", name);
+    return arg[n] == '\0';
+}
+
+// Reads the options and checks that they make one consistent request. No arguments, -h or --help
+// (anywhere) print the usage on stdout and exit 0; a usage error exits 2 (usage_error).
 static Options parse_options(int argc, char **argv) {
     Options o = {.count = 10000, .seed = 1, .size = 64};
+    bool help = argc < 2;
+    for (int i = 1; i < argc; i++) help |= !strcmp(argv[i], "--help") || !strcmp(argv[i], "-h");
+    if (help) {
+        fputs(usage, stdout);
+        exit(0);
+    }
     for (int i = 1; i < argc; i++) {
-        if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) {
-            fputs(usage, stdout);
-            exit(0);
-        }
         const char *v;
-        if (!strcmp(argv[i], "--labels")) {
+        if (is_switch(argv[i], "--labels")) {
             o.labels = true;
-        } else if (!strcmp(argv[i], "--quiet")) {
+        } else if (is_switch(argv[i], "--quiet")) {
             o.quiet = true;
+        } else if (is_switch(argv[i], "--keep_duplicates")) {
+            o.keep_duplicates = true;
         } else if ((v = option_value(argc, argv, &i, "--input"))) {
             o.input = v;
         } else if ((v = option_value(argc, argv, &i, "--output"))) {
@@ -187,17 +224,23 @@ static Options parse_options(int argc, char **argv) {
         } else if ((v = option_value(argc, argv, &i, "--seed"))) {
             o.seed = parse_uint("--seed", v, 0, UINT64_MAX);
             o.seed_given = true;
+        } else if (argv[i][0] == '-') {
+            const char *eq = strchr(argv[i], '=');  // --name=value: the name alone
+            usage_error("unknown option %.*s", eq ? (int)(eq - argv[i]) : (int)strlen(argv[i]), argv[i]);
         } else {
-            die("unknown option '%s' (see --help)", argv[i]);
+            usage_error("unexpected argument '%s'", argv[i]);
         }
     }
-    if (o.input && o.synthetic) die("give either --input or --synthetic, not both");
-    if (!o.input && !o.synthetic) die("give --input DIR (a folder of images) or --synthetic shapes (see --help)");
+    if (o.input && o.synthetic) usage_error("give either --input or --synthetic, not both");
+    if (!o.input && !o.synthetic) usage_error("give --input DIR (a folder of images) or --synthetic shapes");
+    if (o.input && !o.input[0]) usage_error("--input needs a folder");
     if (o.synthetic && strcmp(o.synthetic, "shapes") != 0)
-        die("unknown synthetic dataset '%s' (available: shapes)", o.synthetic);
-    if (o.synthetic && o.labels) die("--labels applies to --input (the synthetic dataset is always labelled)");
-    if (o.input && (o.count_given || o.seed_given)) die("--count and --seed apply only to --synthetic");
-    if (!o.output || !o.output[0]) die("--output FILE.bin is required");
+        usage_error("unknown synthetic dataset '%s' (available: shapes)", o.synthetic);
+    if (o.synthetic && o.labels)
+        usage_error("--labels applies to --input (the synthetic dataset is always labelled)");
+    if (o.synthetic && o.keep_duplicates) usage_error("--keep_duplicates applies only to --input");
+    if (o.input && (o.count_given || o.seed_given)) usage_error("--count and --seed apply only to --synthetic");
+    if (!o.output || !o.output[0]) usage_error("--output FILE.bin is required");
     return o;
 }
 
@@ -247,13 +290,16 @@ static bool inode_set_add(InodeSet *set, const struct stat *st) {
 typedef struct {
     char **paths;
     int32_t *classes;  // index into class_names, or -1 without --labels
+    bool *repeats;     // with --keep_duplicates: the file was taken before, through another path
     uint64_t count, capacity;
     char **class_names;  // with --labels: the first-level folders, in strcmp order
     uint32_t num_classes;
-    uint64_t skipped;     // entries skipped with a warning
-    uint64_t duplicates;  // files and folders reached again through links, skipped silently
-    InodeSet seen;        // the folders scanned and the files taken
-    const char *output;   // --output, and its identity when it exists already (else NULL)
+    uint64_t skipped;            // entries skipped with a warning
+    uint64_t duplicate_files;    // files reached again (a link, a hard link): skipped silently,
+    uint64_t duplicate_folders;  // folders reached again through a link: not walked again
+    bool keep_duplicates;        // --keep_duplicates: take every path to a file, walk every folder link
+    InodeSet seen;               // the folders walked and the files taken
+    const char *output;          // --output, and its identity when it exists already (else NULL)
     const struct stat *output_st;
 } FileList;
 
@@ -278,8 +324,11 @@ static char *join_path(const char *dir, const char *name) {
 
 // Adds the regular files under dir to the list, entries in strcmp order, depth first. Symlinks are
 // followed; a folder being scanned already (a loop) is skipped with a warning, and a folder or file
-// reached a second time (a link to one seen before, a hard link) silently: the first path in this
-// order is the one used. Dies if a file is the existing output: writing it would destroy an input.
+// reached a second time (a link to one seen before, a hard link: the same device and inode) is
+// skipped silently and counted: the first path in this order is the one used. With
+// --keep_duplicates every path is taken (folders reached again are walked again, files reached
+// again are marked as repeats), loops still excepted. Dies if a file is the existing output:
+// writing it would destroy an input.
 // With --labels, each folder directly under the input (depth 0) is a class and files directly in
 // the input are skipped.
 static void scan_folder(FileList *list, const char *dir, const Ancestor *up, int depth, int32_t cls, bool labels) {
@@ -304,8 +353,8 @@ static void scan_folder(FileList *list, const char *dir, const Ancestor *up, int
             if (loop) {
                 warn("skipping %s: a link back to a folder that contains it", path);
                 list->skipped++;
-            } else if (!inode_set_add(&list->seen, &st)) {
-                list->duplicates++;
+            } else if (!inode_set_add(&list->seen, &st) && !list->keep_duplicates) {
+                list->duplicate_folders++;
             } else {
                 int32_t sub_cls = cls;
                 if (labels && depth == 0) {
@@ -326,17 +375,22 @@ static void scan_folder(FileList *list, const char *dir, const Ancestor *up, int
             warn("skipping %s: not in a class folder (with --labels, an image's class is its first-level folder)",
                  path);
             list->skipped++;
-        } else if (!inode_set_add(&list->seen, &st)) {
-            list->duplicates++;
         } else {
-            if (list->count == list->capacity) {
-                list->capacity = list->capacity ? 2 * list->capacity : 1024;
-                list->paths = xrealloc(list->paths, list->capacity * sizeof(char *));
-                list->classes = xrealloc(list->classes, list->capacity * sizeof(int32_t));
+            bool repeat = !inode_set_add(&list->seen, &st);
+            if (repeat && !list->keep_duplicates) {
+                list->duplicate_files++;
+            } else {
+                if (list->count == list->capacity) {
+                    list->capacity = list->capacity ? 2 * list->capacity : 1024;
+                    list->paths = xrealloc(list->paths, list->capacity * sizeof(char *));
+                    list->classes = xrealloc(list->classes, list->capacity * sizeof(int32_t));
+                    list->repeats = xrealloc(list->repeats, list->capacity * sizeof(bool));
+                }
+                list->paths[list->count] = path;
+                list->repeats[list->count] = repeat;
+                list->classes[list->count++] = cls;
+                keep = true;
             }
-            list->paths[list->count] = path;
-            list->classes[list->count++] = cls;
-            keep = true;
         }
         if (!keep) free(path);
         free(entries[i]);
@@ -626,18 +680,29 @@ static uint64_t output_finish(Output *out, const DatasetHeader *h, const char *n
     return layout.file_bytes;
 }
 
+// How many duplicates were skipped or kept, for the summary: "" when there are none, else e.g.
+// ", 3 duplicate files and 1 duplicate folder skipped" or ", 3 duplicate files kept".
+typedef struct {
+    uint64_t files_skipped, folders_skipped, files_kept;
+} Duplicates;
+
 // The one line on stdout that says what was written.
 static void print_summary(const DatasetHeader *h, const char *path, uint64_t bytes, uint64_t skipped,
-                          uint64_t duplicates) {
+                          Duplicates d) {
     char classes[32];
     if (h->num_classes)
         snprintf(classes, sizeof classes, "%u class%s", h->num_classes, h->num_classes == 1 ? "" : "es");
     else
         snprintf(classes, sizeof classes, "unlabelled");
-    char repeats[64] = "";  // said only when there are any
-    if (duplicates)
-        snprintf(repeats, sizeof repeats, ", %llu duplicate%s skipped", (unsigned long long)duplicates,
-                 duplicates == 1 ? "" : "s");
+    char files[48] = "", folders[48] = "", repeats[128] = "";  // said only when there are any
+    uint64_t nf = d.files_skipped + d.files_kept;
+    if (nf) snprintf(files, sizeof files, "%llu duplicate file%s", (unsigned long long)nf, nf == 1 ? "" : "s");
+    if (d.folders_skipped)
+        snprintf(folders, sizeof folders, "%llu duplicate folder%s", (unsigned long long)d.folders_skipped,
+                 d.folders_skipped == 1 ? "" : "s");
+    if (nf || d.folders_skipped)
+        snprintf(repeats, sizeof repeats, ", %s%s%s %s", files, nf && d.folders_skipped ? " and " : "", folders,
+                 d.files_kept ? "kept" : "skipped");
     printf("prepare_data: wrote %llu image%s (%ux%u RGB, %s) to %s, %llu bytes, %llu file%s skipped%s\n",
            (unsigned long long)h->count, h->count == 1 ? "" : "s", h->width, h->height, classes, path,
            (unsigned long long)bytes, (unsigned long long)skipped, skipped == 1 ? "" : "s", repeats);
@@ -674,7 +739,7 @@ static void prepare_folder(const Options *o, const struct stat *output_st) {
     struct stat st;
     if (stat(o->input, &st) != 0) die("cannot read input folder %s: %s", o->input, strerror(errno));
     if (!S_ISDIR(st.st_mode)) die("input %s is not a folder", o->input);
-    FileList list = {.output = o->output, .output_st = output_st};
+    FileList list = {.output = o->output, .output_st = output_st, .keep_duplicates = o->keep_duplicates};
     inode_set_add(&list.seen, &st);
     Ancestor root = {st.st_dev, st.st_ino, NULL};
     scan_folder(&list, o->input, &root, 0, -1, o->labels);
@@ -690,11 +755,13 @@ static void prepare_folder(const Options *o, const struct stat *output_st) {
     uint8_t *image = xmalloc(largest.image_bytes);
     int32_t *labels = xmalloc(list.count * sizeof(int32_t));
     uint64_t written = 0;
+    Duplicates dup = {list.duplicate_files, list.duplicate_folders, 0};
     for (uint64_t i = 0; i < list.count; i++) {
         char why[512];
         if (load_square(list.paths[i], o->size, image, why, sizeof why) == 0) {
             output_image(&out, written, image);
             labels[written++] = list.classes[i];
+            dup.files_kept += list.repeats[i];  // a repeat that cannot be decoded is counted as skipped
         } else {
             warn("skipping %s: %s", list.paths[i], why);
             list.skipped++;
@@ -710,12 +777,12 @@ static void prepare_folder(const Options *o, const struct stat *output_st) {
     char *names = names_table(kept, num_classes);
     h = make_header(written, o->size, num_classes, names_size(kept, num_classes));
     uint64_t bytes = output_finish(&out, &h, names, labels);
-    print_summary(&h, o->output, bytes, list.skipped, list.duplicates);
+    print_summary(&h, o->output, bytes, list.skipped, dup);
 
     free(names), free(kept), free(labels), free(image);
     for (uint64_t i = 0; i < list.count; i++) free(list.paths[i]);
     for (uint32_t c = 0; c < list.num_classes; c++) free(list.class_names[c]);
-    free(list.paths), free(list.classes), free(list.class_names), free(list.seen.slots);
+    free(list.paths), free(list.classes), free(list.repeats), free(list.class_names), free(list.seen.slots);
 }
 
 // The bundled synthetic dataset: image i and its label come from shapes_render(seed, i, size).
@@ -735,7 +802,7 @@ static void prepare_shapes(const Options *o) {
     }
     end_progress_line();
     uint64_t bytes = output_finish(&out, &h, names, labels);
-    print_summary(&h, o->output, bytes, 0, 0);
+    print_summary(&h, o->output, bytes, 0, (Duplicates){0, 0, 0});
     free(labels), free(image), free(names);
 }
 

@@ -54,8 +54,10 @@ static inline double cosine_alpha_bar(double s) {
 }
 
 // Returns 0, or -1 for an unknown schedule name, a step count outside 1..100000, or no memory.
+// Either way *d can be freed.
 static inline int noise_schedule_make(NoiseSchedule *d, int steps, const char *name) {
     int linear = strcmp(name, "linear") == 0;
+    memset(d, 0, sizeof *d);
     if ((!linear && strcmp(name, "cosine") != 0) || steps < 1 || steps > 100000) return -1;  // trainer's range
     d->steps = steps;
     d->betas = (double *)malloc(steps * sizeof(double));
@@ -95,9 +97,10 @@ static inline int respacing_stride(int T, int steps) {
     return 0;
 }
 
-// Returns 0, or -1 when no stride gives `steps` steps.
+// Returns 0, or -1 when no stride gives `steps` steps. Either way *s can be freed.
 static inline int sample_schedule_make(const NoiseSchedule *d, int steps, SampleSchedule *s) {
     int stride = respacing_stride(d->steps, steps);
+    memset(s, 0, sizeof *s);
     if (!stride) return -1;
     s->count = steps;
     s->timesteps = (int *)malloc(steps * sizeof(int));
@@ -110,8 +113,9 @@ static inline int sample_schedule_make(const NoiseSchedule *d, int steps, Sample
 // DPM-Solver++'s timesteps: `steps` values of t whose lambda = log(alpha/sigma) are nearest to
 // evenly spaced points from lambda(T-1) to lambda(0) (repeats dropped). With guided-diffusion's
 // even spacing in t instead, the linear schedule's first steps span most of lambda's range and the
-// second-order extrapolation overshoots. Returns 0, or -1 without memory.
+// second-order extrapolation overshoots. Returns 0, or -1 without memory. Either way *s can be freed.
 static inline int sample_schedule_log_snr(const NoiseSchedule *d, int steps, SampleSchedule *s) {
+    s->count = 0;
     s->timesteps = (int *)malloc(steps * sizeof(int));
     s->abar = (double *)malloc(steps * sizeof(double));
     if (!s->timesteps || !s->abar || steps < 1) return -1;

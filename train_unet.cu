@@ -9,8 +9,8 @@
 // initialisation and profiling; diffusion training and the trainer (one step as a CUDA graph);
 // sampling on the GPU; the data loader; checkpoints (metadata, saving, resuming; checkpoint.h
 // reads and writes their files, dataset.h reads the dataset); the command line; the training run;
-// the C API for generate.c (unet_api.h); main. Built with -DTRAIN_UNET_LIBRARY it has no main:
-// tests include it, and generate links it.
+// the C API for generate.c (unet_api.h); main. Built with -DTRAIN_UNET_LIBRARY it has no main,
+// command line or training run: tests and dev/ include it, and generate links it.
 //
 // Activations are NHWC (channels last). PRECISION_BF16 (the default) keeps activations in bf16
 // with fp32 master weights and fp32 accumulation; PRECISION_FP32 is fp32 throughout.
@@ -34,8 +34,18 @@
 
 #include "checkpoint.h"
 #include "dataset.h"
+#include "loss_plot.h"
 #include "sampler.h"
 #include "unet_api.h"
+
+// Built with TRAIN_UNET_LIBRARY this file is a library of static functions for the program that
+// includes it (a test, a dev/ check, generate's C API in build/unet_api.o), each of which uses a
+// different part of it: there a function that program never calls is expected, so nvcc's "declared
+// but never referenced" (#177) is off for this file's definitions, and back on at its end for the
+// includer's own. The trainer's build keeps it (and library builds leave out main's code).
+#ifdef TRAIN_UNET_LIBRARY
+#pragma nv_diag_suppress 177
+#endif
 
 // ----------------------------------------------------------------------------------------------
 // Precision and error checks
@@ -68,8 +78,8 @@ static void print_error(const char *suffix, const char *fmt, va_list args) {
     fprintf(stderr, "%s\n", suffix);
 }
 
-// Prints one error line and exits: every failure the user can cause ends here (or, for a bad
-// command line, in usage_error).
+// Prints one error line and exits with status 1: every failure the user can cause ends here (or,
+// for a bad command line, in usage_error, with status 2).
 static void fatal(const char *fmt, ...) {
     va_list args;
     va_start(args, fmt);
@@ -2825,7 +2835,9 @@ static void unet_set_parameters(UNet *m, const float *const *values) {
     unet_sync_compute(m);
 }
 
-// Copies one parameter's gradient (or value, with `values`) to the host in PyTorch layout.
+#ifdef TRAIN_UNET_LIBRARY
+// Copies one parameter's gradient (or value, with `values`) to the host in PyTorch layout: for the
+// GPU tests (the trainer itself never reads a parameter back).
 static void unet_get_parameter(const UNet *m, int index, int gradient, float *out) {
     const ParamSpec *p = &m->params.specs[index];
     float *staged = (float *)malloc_or_die(p->numel * sizeof(float));
@@ -2833,6 +2845,7 @@ static void unet_get_parameter(const UNet *m, int index, int gradient, float *ou
     param_layout(p, staged, out, 0);
     free(staged);
 }
+#endif
 
 // ----------------------------------------------------------------------------------------------
 // Initialisation as PyTorch initialises guided-diffusion's UNetModel, from a seed: Conv and Linear
@@ -3978,6 +3991,28 @@ static int load_checkpoint(Trainer *tr, const ResumePoint *rp, char *err, size_t
 
 // ----------------------------------------------------------------------------------------------
 // The command line: usage, parsing in order, the values that are not the model's, the summaries.
+// Only main uses this part and the training run below, so a library build (TRAIN_UNET_LIBRARY)
+// leaves them out, all but usage_error and resolve_model.
+
+// A bad command line: one error line ending in "(see --help)", exit status 2.
+static void usage_error(const char *fmt, ...) {
+    va_list args;
+    va_start(args, fmt);
+    print_error(" (see --help)", fmt, args);
+    va_end(args);
+    exit(2);
+}
+
+// The model configuration of the options, for the command line: a bad value ends the program with
+// one usage error line. The tests and dev/ make their models with it too.
+static ModelConfig resolve_model(Options *o, int label_rows) {
+    ModelConfig c;
+    char err[512];
+    if (model_config_from_options(o, label_rows, &c, err, sizeof err) != 0) usage_error("%s", err);
+    return c;
+}
+
+#ifndef TRAIN_UNET_LIBRARY
 
 static void print_usage(FILE *f) {
     fprintf(f,
@@ -4009,14 +4044,6 @@ static void print_usage(FILE *f) {
             "the model is trained to predict the noise.\n");
 }
 
-static void usage_error(const char *fmt, ...) {
-    va_list args;
-    va_start(args, fmt);
-    print_error(" (see --help)", fmt, args);
-    va_end(args);
-    exit(2);
-}
-
 static void set_option(Options *o, const OptionSpec *s, const char *value) {
     char err[512];
     if (option_from_string(o, s, value, err, sizeof err) != 0) usage_error("%s", err);
@@ -4025,6 +4052,7 @@ static void set_option(Options *o, const OptionSpec *s, const char *value) {
 // Parses the command line: the preset first, then every flag in order.
 static Options parse_options(int argc, char **argv) {
     const char *preset = "seed";
+    if (argc < 2) print_usage(stdout), exit(0);  // no arguments: the usage, as --help
     for (int i = 1; i < argc; i++) {
         if (strcmp(argv[i], "--help") == 0 || strcmp(argv[i], "-h") == 0) print_usage(stdout), exit(0);
         if (strncmp(argv[i], "--preset=", 9) == 0) preset = argv[i] + 9;
@@ -4037,10 +4065,11 @@ static Options parse_options(int argc, char **argv) {
 
     for (int i = 1; i < argc; i++) {
         const char *arg = argv[i];
+        if (arg[0] == '-' && arg[1] != '-') usage_error("unknown option %s", arg);
         if (strncmp(arg, "--", 2) != 0) usage_error("unexpected argument '%s'", arg);
         const char *name = arg + 2, *eq = strchr(name, '=');
         const OptionSpec *s = find_option(name, eq ? (size_t)(eq - name) : strlen(name));
-        if (!s) usage_error("unknown option '%s'", arg);
+        if (!s) usage_error("unknown option %.*s", (int)(eq ? eq - arg : (ptrdiff_t)strlen(arg)), arg);
         const char *value = eq ? eq + 1 : NULL;
         if (s->type == OPT_SWITCH) {
             if (value) usage_error("--%s takes no value", s->name);
@@ -4055,14 +4084,6 @@ static Options parse_options(int argc, char **argv) {
         set_option(&o, s, value);
     }
     return o;
-}
-
-// The same for the command line: a bad value ends the program with one usage error line.
-static ModelConfig resolve_model(Options *o, int label_rows) {
-    ModelConfig c;
-    char err[512];
-    if (model_config_from_options(o, label_rows, &c, err, sizeof err) != 0) usage_error("%s", err);
-    return c;
 }
 
 // Checks the training values that are not part of the model.
@@ -4312,8 +4333,8 @@ static void clear_run_folder(const char *run_dir) {
     while (d && (e = readdir(d)))
         if (strncmp(e->d_name, "step_", 5) == 0 && strstr(e->d_name, ".png")) snprintf(path, sizeof path, "%s/%.255s", dir, e->d_name), unlink(path);
     if (d) closedir(d);
-    const char *files[] = {"log.csv", "config.txt"};
-    for (int i = 0; i < 2; i++) snprintf(path, sizeof path, "%s/%s", run_dir, files[i]), unlink(path);
+    const char *files[] = {"log.csv", "config.txt", "loss.svg"};
+    for (int i = 0; i < 3; i++) snprintf(path, sizeof path, "%s/%s", run_dir, files[i]), unlink(path);
     fsync_path(run_dir);
 }
 
@@ -4337,6 +4358,37 @@ static double now_seconds(void) {
     return t.tv_sec + 1e-9 * t.tv_nsec;
 }
 
+// run_dir/loss.svg: the loss curve, drawn again at each log interval from every point logged so far
+// (a resumed run starts from the rows log.csv kept). A chart that cannot be written is one warning,
+// not the end of the run.
+typedef struct {
+    LossLog log;
+    char path[4400];
+    const char *title;
+    int warned;
+} LossChart;
+
+static void loss_chart_draw(LossChart *c) {
+    char err[4600];
+    if (loss_plot_write(c->path, c->title, c->log.points, c->log.count, err, sizeof err) != 0 && !c->warned++)
+        fprintf(stderr, "train_unet: warning: %s (tried again at each log interval)\n", err);
+}
+
+static void loss_chart_open(LossChart *c, const char *run_dir) {
+    char log_path[4400], err[4600];
+    memset(c, 0, sizeof *c);
+    c->title = run_dir;
+    snprintf(c->path, sizeof c->path, "%s/loss.svg", run_dir);
+    snprintf(log_path, sizeof log_path, "%s/log.csv", run_dir);
+    if (loss_log_read_csv(&c->log, log_path, err, sizeof err) != 0) fatal("%s", err);
+    loss_chart_draw(c);
+}
+
+static void loss_chart_add(LossChart *c, int64_t step, double loss, double lr) {
+    if (loss_log_add(&c->log, step, loss, lr) != 0) fatal("out of host memory");
+    loss_chart_draw(c);
+}
+
 // Trains from a checked resume point, or from a fresh initialisation when resume is NULL.
 static void run_training(const Options *o, const ModelConfig *config, const ParamList *params, const ResumePoint *resume) {
     char err[1024], saved[4400] = "";
@@ -4357,6 +4409,8 @@ static void run_training(const Options *o, const ModelConfig *config, const Para
     prune_checkpoints(o->run_dir, 0);  // what a crashed save or removal left
     write_config(o->run_dir, o);
     FILE *log = open_log(o->run_dir, tr.step);
+    LossChart chart;
+    loss_chart_open(&chart, o->run_dir);
     struct sigaction sa;
     memset(&sa, 0, sizeof sa);
     sa.sa_handler = on_stop_signal;
@@ -4400,6 +4454,7 @@ static void run_training(const Options *o, const ModelConfig *config, const Para
                     s->grad_norm, img_s, ms, mem);
             fflush(log);
             fflush(stdout);
+            loss_chart_add(&chart, tr.step, interval_loss / interval_steps, s->lr);
             interval_loss = 0, interval_steps = 0, interval_start = t;
         }
         if (o->sample_count && o->sample_interval && tr.step % o->sample_interval == 0 && tr.step < last)
@@ -4416,6 +4471,7 @@ static void run_training(const Options *o, const ModelConfig *config, const Para
     printf("%s at step %lld: checkpoint %s (%.0f s; %lld non-finite steps skipped)\n",
            tr.step < o->steps ? "stopped" : "done", (long long)tr.step, saved, now_seconds() - started, (long long)bad_total);
     fclose(log);
+    loss_log_free(&chart.log);
     loader_close(&loader);
 }
 
@@ -4462,6 +4518,8 @@ static void run_bench(const Options *o, const ModelConfig *config, const ParamLi
     if (getenv("UNET_PROFILE")) print_profile(&tr.m);
 }
 
+#endif  // TRAIN_UNET_LIBRARY: the command line and the training run
+
 // ----------------------------------------------------------------------------------------------
 // The C API (unet_api.h) for generate.c: a checkpoint's configuration, and its model forward.
 
@@ -4498,13 +4556,26 @@ extern "C" int unet_inspect(const char *path, const char *weights, UnetInfo *inf
     return r;
 }
 
+// Whether there is a GPU to run on: 0, or -1 with a message. Without a driver the CUDA runtime
+// says "driver version is insufficient", which misleads: cudaDriverGetVersion gives 0 then.
+static int gpu_available(char *err, size_t err_len) {
+    int driver = 0, devices = 0;
+    if (cudaDriverGetVersion(&driver) != cudaSuccess || driver == 0)
+        return dataset_fail(err, err_len, "no NVIDIA GPU or driver found (no NVIDIA driver is installed)");
+    cudaError_t e = cudaGetDeviceCount(&devices);
+    if (e == cudaErrorInsufficientDriver)
+        return dataset_fail(err, err_len, "the NVIDIA driver supports CUDA %d.%d, older than the CUDA %d.%d this program was built "
+                            "with: update the driver", driver / 1000, driver % 1000 / 10, CUDART_VERSION / 1000, CUDART_VERSION % 1000 / 10);
+    if (e != cudaSuccess || devices == 0)
+        return dataset_fail(err, err_len, "no NVIDIA GPU or driver found (the CUDA runtime says: %s)",
+                            e != cudaSuccess ? cudaGetErrorString(e) : "no devices");
+    return 0;
+}
+
 // The model configuration of a safetensors file (from unet_inspect), with the GPU made ready.
 // Returns 0, or -1 with a message (no GPU).
 static int model_config_for_gpu(const char *file, ModelConfig *c, char *err, size_t err_len) {
-    int devices = 0;
-    cudaError_t e = cudaGetDeviceCount(&devices);
-    if (e != cudaSuccess || devices == 0)
-        return dataset_fail(err, err_len, "no usable CUDA GPU (the CUDA runtime says: %s)", e != cudaSuccess ? cudaGetErrorString(e) : "no devices");
+    if (gpu_available(err, err_len) != 0) return -1;
     SafeTensorsFile f;
     if (safetensors_open(file, &f, err, err_len) != 0) return -1;
     int r = model_config_from_metadata(&f, file, c, err, err_len);
@@ -4648,6 +4719,8 @@ int main(int argc, char **argv) {
     }
     ModelConfig model = resolve_model(&o, o.num_classes ? o.num_classes + 1 : 0);  // + the null class (guidance)
     validate_training(&o);
+    if (o.bench < 0) usage_error("--bench %d must be positive", o.bench);
+    if (!o.dry_run && !o.bench && !o.data[0]) usage_error("training needs --data FILE.bin (or --dry_run, or --bench N)");
     ParamList params = model_parameters(&model);
 
     // Everything a run will read or write is checked here, before the GPU, and by --dry_run too.
@@ -4675,17 +4748,11 @@ int main(int argc, char **argv) {
         return 0;
     }
 
-    if (o.bench < 0) usage_error("--bench %d must be positive", o.bench);
-    int devices = 0;
-    cudaError_t cerr = cudaGetDeviceCount(&devices);
-    if (cerr != cudaSuccess || devices == 0)
-        fatal("no usable CUDA GPU (the CUDA runtime says: %s); --dry_run checks a configuration without one",
-              cerr != cudaSuccess ? cudaGetErrorString(cerr) : "no devices");
+    if (gpu_available(err, sizeof err) != 0) fatal("%s; --dry_run checks a configuration without one", err);
     gpu_init();
     if (o.bench) {
         run_bench(&o, &model, &params);
     } else {
-        if (!o.data[0]) usage_error("training needs --data FILE.bin");
         dataset_close(&data);
         run_training(&o, &model, &params, o.resume_checkpoint[0] ? &resume : NULL);
     }
@@ -4693,4 +4760,6 @@ int main(int argc, char **argv) {
     return 0;
 }
 
+#else
+#pragma nv_diag_default 177  // the includer's own unreferenced functions are reported (see the top)
 #endif  // TRAIN_UNET_LIBRARY

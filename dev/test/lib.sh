@@ -2,6 +2,7 @@
 #   case_begin NAME          start a case
 #   expect_fail CMD...       CMD must exit non-zero and print exactly one line on stderr
 #   expect_ok CMD...         CMD must exit 0
+#   expect_exit N CMD...     CMD must exit with status N, and print exactly one line on stderr when N is not 0
 #   expect_grep PATTERN FILE FILE must contain PATTERN (extended regex)
 #   expect_absent PATH       PATH must not exist
 #   case_summary             prints "N passed, N failed" and returns non-zero on failures
@@ -29,6 +30,13 @@ expect_fail() {
 expect_ok() {
     "$@" >"$LAST_OUT" 2>"$LAST_ERR"; local rc=$?
     if [ $rc != 0 ]; then case_fail "expected exit 0, got $rc: $*"; sed 's/^/    /' "$LAST_ERR" | head -5; fi
+}
+expect_exit() {
+    local want=$1; shift
+    "$@" >"$LAST_OUT" 2>"$LAST_ERR"; local rc=$?
+    local lines; lines=$(grep -c '' "$LAST_ERR")
+    if [ $rc != "$want" ]; then case_fail "expected exit $want, got $rc: $*"; sed 's/^/    /' "$LAST_ERR" | head -5
+    elif [ "$want" != 0 ] && [ "$lines" != 1 ]; then case_fail "expected one error line, got $lines: $*"; sed 's/^/    /' "$LAST_ERR"; fi
 }
 expect_grep() { grep -qE -- "$1" "$2" || { case_fail "'$1' not in $(basename "$2"):"; sed 's/^/    /' "$2" | head -5; }; }
 expect_absent() { [ ! -e "$1" ] || case_fail "$1 exists but should not"; }

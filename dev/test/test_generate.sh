@@ -6,20 +6,49 @@ cd "$(dirname "$0")/../.." || exit 1
 UNCOND=dev/fixtures/unet_conv_resample.safetensors  # unconditional, eps
 SIGMA=dev/fixtures/unet_adm.safetensors             # 10 classes (no null class), learned variance
 
-case_begin "--help"
-expect_ok ./generate --help
-expect_grep "^usage: generate --checkpoint" "$LAST_OUT"
+case_begin "the command-line convention: usage on stdout and exit 0 for no arguments, -h and --help"
+for args in "" -h --help "--num 3 --help"; do
+    # shellcheck disable=SC2086
+    expect_exit 0 ./generate $args
+    expect_grep "^usage: generate --checkpoint" "$LAST_OUT"
+    [ -s "$LAST_ERR" ] && case_fail "stderr not empty for '$args': $(cat "$LAST_ERR")"
+done
+./generate --help >"$TEST_TMP/help.txt"
 
-case_begin "bad input: one error line each"
-expect_fail ./generate
-expect_fail ./generate --checkpoint "$TEST_TMP/none"
-expect_fail ./generate --checkpoint "$UNCOND" --sampler euler
-expect_fail ./generate --checkpoint "$UNCOND" --steps 0
-expect_fail ./generate --checkpoint "$UNCOND" --eta 2
-expect_fail ./generate --checkpoint "$UNCOND" --weights best
-expect_fail ./generate --checkpoint "$UNCOND" --num
-expect_fail ./generate --checkpoint "$UNCOND" --frobnicate 1
-expect_fail ./generate --checkpoint "$UNCOND" --guidance 3
+case_begin "README.md's copy of --help is the program's output"
+awk '/^### `generate`/ { on = 1; next } on && /^```/ { if (inside) exit; inside = 1; next } inside' README.md >"$TEST_TMP/readme_help.txt"
+diff "$TEST_TMP/readme_help.txt" "$TEST_TMP/help.txt" >"$TEST_TMP/help.diff" ||
+    case_fail "README.md differs from ./generate --help: $(head -8 "$TEST_TMP/help.diff")"
+
+case_begin "usage errors: one line ending in (see --help), exit 2; an unknown option is named as such"
+expect_exit 2 ./generate --bogus
+[ "$(cat "$LAST_ERR")" = "generate: error: unknown option --bogus (see --help)" ] || case_fail "unknown option: $(cat "$LAST_ERR")"
+expect_exit 2 ./generate --checkpoint "$UNCOND" --bogus=1
+[ "$(cat "$LAST_ERR")" = "generate: error: unknown option --bogus (see --help)" ] || case_fail "unknown option=value: $(cat "$LAST_ERR")"
+expect_exit 2 ./generate -x
+[ "$(cat "$LAST_ERR")" = "generate: error: unknown option -x (see --help)" ] || case_fail "unknown short option: $(cat "$LAST_ERR")"
+while IFS= read -r args; do
+    # shellcheck disable=SC2086
+    expect_exit 2 ./generate $args
+    grep -q "^generate: error: .* (see --help)$" "$LAST_ERR" || case_fail "no usage error line for: $args"
+done <<LIST
+--num 4
+--checkpoint $UNCOND --sampler euler
+--checkpoint $UNCOND --steps 0
+--checkpoint $UNCOND --eta 2
+--checkpoint $UNCOND --weights best
+--checkpoint $UNCOND --num
+--checkpoint $UNCOND --frobnicate 1
+--checkpoint $UNCOND --bench 0
+--checkpoint $UNCOND --eval x.safetensors
+--checkpoint $UNCOND stray
+LIST
+expect_exit 2 ./generate --checkpoint "$UNCOND" --num
+expect_grep "needs a value" "$LAST_ERR"
+
+case_begin "runtime errors (files, the checkpoint, the GPU): one error line each, exit 1"
+expect_exit 1 ./generate --checkpoint "$TEST_TMP/none"
+expect_exit 1 ./generate --checkpoint "$UNCOND" --guidance 3
 expect_grep "unconditional" "$LAST_ERR"
 expect_fail ./generate --checkpoint "$UNCOND" --class 1
 expect_fail ./generate --checkpoint "$SIGMA" --class 10
@@ -29,7 +58,7 @@ expect_grep "no null class" "$LAST_ERR"
 expect_fail ./generate --checkpoint "$SIGMA"
 expect_grep "learn_sigma" "$LAST_ERR"
 expect_fail ./generate --checkpoint "$UNCOND" --steps 999
-expect_fail ./generate --checkpoint "$UNCOND" --bench 0
+grep -q 'see --help' "$LAST_ERR" && case_fail "a checkpoint's error reads as a usage error: $(cat "$LAST_ERR")"
 head -c 5000 "$UNCOND" >"$TEST_TMP/cut.safetensors"
 expect_fail ./generate --checkpoint "$TEST_TMP/cut.safetensors"
 expect_grep "truncated" "$LAST_ERR"
@@ -93,9 +122,9 @@ print("  %s: relative error %.2e" % (sys.argv[1], err)); sys.exit(0 if len(out) 
 PY
     done
 else
-    case_begin "without a GPU: one clear error line, and no output folder or file left"
-    expect_fail ./generate --checkpoint "$UNCOND" --num 2 --out "$TEST_TMP/out"
-    expect_grep "no usable CUDA GPU" "$LAST_ERR"
+    case_begin "without a GPU: one clear error line, exit 1, and no output folder or file left"
+    expect_exit 1 ./generate --checkpoint "$UNCOND" --num 2 --out "$TEST_TMP/out"
+    expect_grep "^generate: error: no NVIDIA GPU or driver found" "$LAST_ERR"
     expect_absent "$TEST_TMP/out"
     expect_fail ./generate --checkpoint "$UNCOND" --eval "$UNCOND" --output "$TEST_TMP/eval.safetensors"
     expect_absent "$TEST_TMP/eval.safetensors"

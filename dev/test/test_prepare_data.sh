@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # test_prepare_data.sh: prepare_data end to end: image formats, cropping, alpha, labels, bad inputs,
-# the atomic writer and the synthetic dataset. Run from the repository root after `make`;
+# each distinct file once (links, hard links, --keep_duplicates), the command-line convention (usage,
+# exit status 0/1/2), the atomic writer and the synthetic dataset. Run from the repository root after `make`;
 # PREPARE_DATA=path runs another build (a sanitizer build, say). Test images are written by Python's
 # standard library (zlib for PNG), the dataset files are read back by Python too.
 cd "$(dirname "$0")/../.." || exit 1
@@ -171,7 +172,7 @@ ln -s .. "$T/links/a/up"
 ln -s a "$T/links/b"
 expect_ok "$PD" --input "$T/links/" --output "$T/links.bin" --size 8
 expect_grep "skipping $T/links/a/up: a link back" "$LAST_ERR"
-expect_grep "wrote 1 image .*, 1 duplicate skipped" "$LAST_OUT"  # b is a second way to a
+expect_grep "wrote 1 image .*, 1 duplicate folder skipped$" "$LAST_OUT"  # b is a second way to a
 
 # Class folders: cats (2 images), dogs (1 image in a sub-folder), empty (no readable image).
 mkdir -p "$T/classes/cats" "$T/classes/dogs/puppies" "$T/classes/empty"
@@ -210,7 +211,7 @@ check_py "d = read('$T/unlabelled.bin'); assert d['count'] == 3 and d['names'] =
 case_begin "an empty folder is an error and leaves no file"
 mkdir -p "$T/empty" "$T/out1"
 printf 'x' >"$T/empty/.hidden.png"
-expect_fail "$PD" --input "$T/empty" --output "$T/out1/x.bin"
+expect_exit 1 "$PD" --input "$T/empty" --output "$T/out1/x.bin"
 expect_grep "^prepare_data: error: no files found in $T/empty" "$LAST_ERR"
 expect_absent "$T/out1/x.bin"
 expect_no_temp "$T/out1"
@@ -218,41 +219,71 @@ expect_no_temp "$T/out1"
 case_begin "a folder without one readable image is an error and leaves no file"
 mkdir -p "$T/junk"
 printf 'x' >"$T/junk/a.png"
-"$PD" --input "$T/junk" --output "$T/out1/x.bin" >"$LAST_OUT" 2>"$LAST_ERR" && case_fail "expected failure"
+"$PD" --input "$T/junk" --output "$T/out1/x.bin" >"$LAST_OUT" 2>"$LAST_ERR"
+rc=$?; [ $rc = 1 ] || case_fail "expected exit 1, got $rc"
 expect_grep "^prepare_data: error: none of the 1 files" "$LAST_ERR"
 expect_absent "$T/out1/x.bin"
 expect_no_temp "$T/out1"
 
 case_begin "a missing input, or a file as input, is an error"
-expect_fail "$PD" --input "$T/no_such_dir" --output "$T/out1/x.bin"
+expect_exit 1 "$PD" --input "$T/no_such_dir" --output "$T/out1/x.bin"
 expect_grep "error: cannot read input folder .*No such file" "$LAST_ERR"
-expect_fail "$PD" --input "$T/formats/a_rgb.png" --output "$T/out1/x.bin"
+expect_exit 1 "$PD" --input "$T/formats/a_rgb.png" --output "$T/out1/x.bin"
 expect_grep "error: input .* is not a folder" "$LAST_ERR"
 expect_absent "$T/out1/x.bin"
 
 case_begin "an unwritable output is an error and leaves no file"
-expect_fail "$PD" --input "$T/formats" --output "$T/no_such_dir/x.bin"
+expect_exit 1 "$PD" --input "$T/formats" --output "$T/no_such_dir/x.bin"
 expect_grep "error: cannot write $T/no_such_dir/x.bin" "$LAST_ERR"
-expect_fail "$PD" --input "$T/formats" --output "$T/formats/a_rgb.png/x.bin"
+expect_exit 1 "$PD" --input "$T/formats" --output "$T/formats/a_rgb.png/x.bin"
 expect_grep "Not a directory" "$LAST_ERR"
-expect_fail "$PD" --input "$T/formats" --output "$T/out1"
+expect_exit 1 "$PD" --input "$T/formats" --output "$T/out1"
 expect_grep "is a folder" "$LAST_ERR"
 expect_no_temp "$T/formats"
 
-case_begin "bad options are one error line each"
-for bad in "--size 0" "--size 7" "--size 8193" "--size abc" "--size -8" "--size" "--bogus" "--count 5" \
-           "--synthetic circles" "--synthetic shapes --labels" "--synthetic shapes --count 0"; do
+case_begin "a usage error is one error line pointing to --help, exit status 2"
+for bad in "--size 0" "--size 7" "--size 8193" "--size abc" "--size -8" "--size" "--count 5" "--seed 1" \
+           "--synthetic circles" "--synthetic shapes --labels" "--synthetic shapes --count 0" \
+           "--synthetic shapes --keep_duplicates" "--labels=1" "--quiet=yes" "--keep_duplicates=1" "stray" \
+           "--output"; do
     # shellcheck disable=SC2086
-    expect_fail "$PD" --input "$T/formats" $bad --output "$T/out1/x.bin"
+    expect_exit 2 "$PD" --input "$T/formats" --output "$T/out1/x.bin" $bad
+    expect_grep "^prepare_data: error: .* \(see --help\)$" "$LAST_ERR"
 done
-expect_fail "$PD" --output "$T/out1/x.bin"
-expect_fail "$PD" --input "$T/formats"
-expect_fail "$PD"
+expect_exit 2 "$PD" --output "$T/out1/x.bin"
+expect_exit 2 "$PD" --input "$T/formats"
+expect_exit 2 "$PD" --input "$T/formats" --output ""
+expect_exit 2 "$PD" --input "$T/formats" --synthetic shapes --output "$T/out1/x.bin"
+expect_absent "$T/out1/x.bin"
+[ -s "$LAST_OUT" ] && case_fail "a usage error printed on stdout: $(head -1 "$LAST_OUT")"
+
+case_begin "an unknown option: 'unknown option --x (see --help)', exit status 2"
+for bad in --bogus --bogus=1 -x --Size; do
+    expect_exit 2 "$PD" --input "$T/formats" --output "$T/out1/x.bin" "$bad"
+    [ "$(cat "$LAST_ERR")" = "prepare_data: error: unknown option ${bad%%=*} (see --help)" ] ||
+        case_fail "for $bad: $(cat "$LAST_ERR")"
+done
 expect_absent "$T/out1/x.bin"
 
-case_begin "--help prints the usage"
-expect_ok "$PD" --help
-expect_grep "^usage: prepare_data --input DIR" "$LAST_OUT"
+case_begin "no arguments, -h and --help print the usage on stdout, exit status 0"
+"$PD" --help >"$T/help.txt" 2>"$LAST_ERR" || case_fail "--help: exit $?"
+[ -s "$LAST_ERR" ] && case_fail "--help wrote on stderr: $(head -1 "$LAST_ERR")"
+grep -q "^usage: prepare_data --input DIR" "$T/help.txt" || case_fail "--help: no usage line"
+for args in "" "-h" "--input $T/formats --bogus --help" "--synthetic shapes -h --output $T/out1/x.bin"; do
+    # shellcheck disable=SC2086
+    "$PD" $args >"$LAST_OUT" 2>"$LAST_ERR"; rc=$?
+    [ $rc = 0 ] || case_fail "'$args': expected exit 0, got $rc"
+    [ -s "$LAST_ERR" ] && case_fail "'$args' wrote on stderr: $(head -1 "$LAST_ERR")"
+    cmp -s "$LAST_OUT" "$T/help.txt" || case_fail "'$args' did not print the usage"
+done
+expect_absent "$T/out1/x.bin"
+
+case_begin "README's copy of the usage is what --help prints"
+# The first fenced block after the heading ### `prepare_data`.
+awk '/^### `prepare_data`/ { h = 1; next } h && /^```/ { if (b) exit; b = 1; next } b' README.md >"$T/readme_usage.txt"
+[ -s "$T/readme_usage.txt" ] || case_fail "no usage block under ### \`prepare_data\` in README.md"
+diff "$T/readme_usage.txt" "$T/help.txt" >"$T/usage.diff" ||
+    { case_fail "README.md's usage differs from --help:"; head -10 "$T/usage.diff" | sed 's/^/    /'; }
 
 case_begin "an existing output is replaced, --size=N form accepted"
 cp "$T/formats/a_rgb.png" "$T/out1/x.bin"
@@ -317,7 +348,7 @@ cp "$T/same/b.bmp" "$T/b.orig"
 ln -s "$T/same/a.png" "$T/link_to_a.png"
 ln "$T/same/b.bmp" "$T/hard_link_to_b.bmp"
 for out in "$T/same/a.png" "$T/same/../same/a.png" "$T/link_to_a.png" "$T/hard_link_to_b.bmp"; do
-    expect_fail "$PD" --input "$T/same" --output "$out" --size 8
+    expect_exit 1 "$PD" --input "$T/same" --output "$out" --size 8
     expect_grep "^prepare_data: error: output $out is the input file $T/same/(a.png|b.bmp)" "$LAST_ERR"
 done
 cmp -s "$T/same/a.png" "$T/a.orig" && cmp -s "$T/same/b.bmp" "$T/b.orig" || case_fail "an input file was changed"
@@ -329,11 +360,11 @@ case_begin "a device or a pipe as --output is refused, not replaced"
 mkdir -p "$T/out4"
 # As root, a broken build would replace /dev/null itself: a device node of our own when we can make one.
 if mknod "$T/out4/null" c 1 3 2>/dev/null; then dev=$T/out4/null; else dev=/dev/null; fi
-expect_fail "$PD" --synthetic shapes --count 2 --size 8 --output "$dev"
+expect_exit 1 "$PD" --synthetic shapes --count 2 --size 8 --output "$dev"
 expect_grep "^prepare_data: error: output $dev is not a regular file" "$LAST_ERR"
 [ -c "$dev" ] || case_fail "$dev is no longer a device"
 mkfifo "$T/out4/fifo"
-expect_fail "$PD" --input "$T/formats" --size 8 --output "$T/out4/fifo"
+expect_exit 1 "$PD" --input "$T/formats" --size 8 --output "$T/out4/fifo"
 expect_grep "^prepare_data: error: output $T/out4/fifo is not a regular file" "$LAST_ERR"
 [ -p "$T/out4/fifo" ] || case_fail "the pipe was replaced"
 expect_no_temp "$T/out4"
@@ -375,7 +406,7 @@ for i in $(seq 0 17); do
     ln -s "../d$((i + 1))" "$T/dag/d$i/b"
 done
 expect_ok "$PD" --input "$T/dag/d0" --output "$T/dag.bin" --size 8
-expect_grep "wrote 1 image .*, 0 files skipped, 18 duplicates skipped" "$LAST_OUT"
+expect_grep "wrote 1 image .*, 0 files skipped, 18 duplicate folders skipped$" "$LAST_OUT"
 [ -s "$LAST_ERR" ] && case_fail "expected no warnings: $(head -2 "$LAST_ERR")"
 # Files reached through several links (as in an icon theme) and hard links, silently.
 mkdir -p "$T/icons"
@@ -385,7 +416,7 @@ ln -s a.png "$T/icons/b.png"
 ln -s "$T/icons/a.png" "$T/icons/c.png"
 ln "$T/icons/a.png" "$T/icons/d.png"
 expect_ok "$PD" --input "$T/icons" --output "$T/icons.bin" --size 8
-expect_grep "wrote 2 images .*, 0 files skipped, 3 duplicates skipped" "$LAST_OUT"
+expect_grep "wrote 2 images .*, 0 files skipped, 3 duplicate files skipped$" "$LAST_OUT"
 [ -s "$LAST_ERR" ] && case_fail "expected no warnings: $(head -2 "$LAST_ERR")"
 # The first path in sorted order wins: with --labels, an image linked from cats into dogs is a cat.
 mkdir -p "$T/linked/cats" "$T/linked/dogs"
@@ -398,10 +429,65 @@ d = read('$T/linked.bin')
 assert d['labels'] == [0, 1] and d['images'][1] == bytes([200, 100, 50] * 64), d['labels']
 "
 
+case_begin "each distinct file once: links and hard links skipped and counted, --keep_duplicates keeps them"
+# pics: a.png b.bmp c.png sub/d.png, plus a hard link to b, a symlink to a, and a symlink to sub (a
+# folder walked already, not a loop). In sorted order: a.png b.bmp c.png hard_b.bmp sub/ sym_a.png z_sub/
+mkdir -p "$T/pics/sub"
+check_py "
+d = '$T/pics/'
+png(d + 'a.png', 8, 8, 2, samples(11, 192))
+bmp(d + 'b.bmp', 8, 8, samples(12, 192))
+png(d + 'c.png', 8, 8, 2, samples(13, 192))
+png(d + 'sub/d.png', 8, 8, 2, samples(14, 192))
+"
+ln "$T/pics/b.bmp" "$T/pics/hard_b.bmp"
+ln -s a.png "$T/pics/sym_a.png"
+ln -s sub "$T/pics/z_sub"
+expect_ok "$PD" --input "$T/pics" --output "$T/pics.bin" --size 8
+expect_grep "^prepare_data: wrote 4 images \(8x8 RGB, unlabelled\) to $T/pics.bin, [0-9]+ bytes, 0 files skipped, \
+2 duplicate files and 1 duplicate folder skipped$" "$LAST_OUT"
+[ -s "$LAST_ERR" ] && case_fail "expected no warnings: $(head -2 "$LAST_ERR")"
+check_py "
+d = read('$T/pics.bin')
+want = [bytes(samples(k, 192)) for k in (11, 12, 13, 14)]  # a, b, c, sub/d: first paths in sorted order
+assert d['images'] == want, 'images or order differ'
+"
+expect_ok "$PD" --input "$T/pics" --output "$T/pics_again.bin" --size 8
+cmp -s "$T/pics.bin" "$T/pics_again.bin" || case_fail "two runs wrote different files"
+expect_ok "$PD" --input "$T/pics" --output "$T/pics_all.bin" --size 8 --keep_duplicates
+expect_grep "^prepare_data: wrote 7 images \(8x8 RGB, unlabelled\) to $T/pics_all.bin, [0-9]+ bytes, 0 files skipped, \
+3 duplicate files kept$" "$LAST_OUT"
+[ -s "$LAST_ERR" ] && case_fail "expected no warnings: $(head -2 "$LAST_ERR")"
+check_py "
+d = read('$T/pics_all.bin')
+a, b, c, dd = [bytes(samples(k, 192)) for k in (11, 12, 13, 14)]
+# every path in sorted order: a b c hard_b sub/d sym_a z_sub/d
+assert d['images'] == [a, b, c, b, dd, a, dd], 'images or order differ'
+"
+expect_exit 2 "$PD" --input "$T/pics" --output "$T/pics_all2.bin" --size 8 --keep_duplicates=
+expect_ok "$PD" --input "$T/pics" --output "$T/pics_all2.bin" --size 8 --keep_duplicates
+cmp -s "$T/pics_all.bin" "$T/pics_all2.bin" || case_fail "two --keep_duplicates runs wrote different files"
+# A loop stays a loop with --keep_duplicates: skipped with a warning, not followed.
+ln -s .. "$T/pics/sub/up"
+expect_ok "$PD" --input "$T/pics" --output "$T/pics_loop.bin" --size 8 --keep_duplicates
+expect_grep "skipping $T/pics/sub/up: a link back" "$LAST_ERR"
+expect_grep "wrote 7 images .*, 2 files skipped, 3 duplicate files kept$" "$LAST_OUT"  # sub/up, z_sub/up
+cmp -s "$T/pics_all.bin" "$T/pics_loop.bin" || case_fail "the loop changed the dataset"
+rm "$T/pics/sub/up"
+# With --labels, a class folder that is a link to another is a class of its own only with --keep_duplicates.
+mkdir -p "$T/cls/cats"
+cp "$T/pics/a.png" "$T/cls/cats/"
+ln -s cats "$T/cls/dogs"
+expect_ok "$PD" --input "$T/cls" --output "$T/cls.bin" --size 8 --labels
+expect_grep "wrote 1 image \(8x8 RGB, 1 class\) .*, 1 duplicate folder skipped$" "$LAST_OUT"
+expect_ok "$PD" --input "$T/cls" --output "$T/cls.bin" --size 8 --labels --keep_duplicates
+expect_grep "wrote 2 images \(8x8 RGB, 2 classes\) .*, 1 duplicate file kept$" "$LAST_OUT"
+check_py "d = read('$T/cls.bin'); assert d['names'] == ['cats', 'dogs'] and d['labels'] == [0, 1], d"
+
 case_begin "a file size limit (SIGXFSZ) is one error line, leaves no temporary file and the old output"
 mkdir -p "$T/out5"
 printf 'old' >"$T/out5/big.bin"
-expect_fail bash -c 'ulimit -f 64 && exec "$@"' - "$PD" --synthetic shapes --count 100 --size 32 \
+expect_exit 1 bash -c 'ulimit -f 64 && exec "$@"' - "$PD" --synthetic shapes --count 100 --size 32 \
     --output "$T/out5/big.bin"
 expect_grep "^prepare_data: error: cannot write $T/out5/big.bin.tmp.[0-9]+: File too large" "$LAST_ERR"
 [ "$(cat "$T/out5/big.bin")" = old ] || case_fail "the previous output was changed"

@@ -22,7 +22,7 @@ static double *tensor(const char *name, int64_t *numel) {
 // Runs every case of one kind (ddpm, ddim, dpm) and returns the worst relative error.
 static double run_cases(const char *kind, const NoiseSchedule *schedules) {
     char name[64];
-    int64_t rows_numel, values_numel;
+    int64_t rows_numel = 0, values_numel = 0;
     snprintf(name, sizeof name, "%s_cases", kind);
     double *cases = tensor(name, &rows_numel);
     snprintf(name, sizeof name, "%s_values", kind);
@@ -82,9 +82,9 @@ int main(void) {
     for (int k = 0; k < 3; k++) {
         char name[32];
         snprintf(name, sizeof name, "ddim%d", counts[k]);
-        int64_t numel;
+        int64_t numel = 0;
         double *want = tensor(name, &numel);
-        SampleSchedule s;
+        SampleSchedule s = {0, NULL, NULL};
         CHECK(sample_schedule_make(&linear, counts[k], &s) == 0 && s.count == numel);
         for (int i = 0; i < s.count && i < numel; i++) CHECK(s.timesteps[i] == (int)want[i]);
         free(want);

@@ -29,11 +29,11 @@ case_begin "dry_run: an empty channel_mult takes guided-diffusion's default for 
 expect_ok "$TRAIN" --dry_run --image_size 128 --channel_mult "" --attention_resolutions 16
 expect_grep '^channel_mult +1,1,2,3,4$' "$LAST_OUT"
 
-case_begin "bad values: one error line each, exit 2"
+case_begin "bad values: one error line each, ending in (see --help), exit 2"
 while IFS= read -r args; do
     # shellcheck disable=SC2086
-    expect_fail "$TRAIN" --dry_run $args
-    grep -q "^train_unet: error: " "$LAST_ERR" || case_fail "no error prefix for: $args"
+    expect_exit 2 "$TRAIN" --dry_run $args
+    grep -q "^train_unet: error: .* (see --help)$" "$LAST_ERR" || case_fail "no usage error line for: $args"
 done <<'LIST'
 --num_channels 48
 --num_channels 0
@@ -93,7 +93,7 @@ for bad in magic truncated extended height absurd count label header_only; do
     expect_fail "$TRAIN_ASAN" --dry_run --data "$TEST_TMP/$bad.bin" --image_size 8 --channel_mult 1,2 --attention_resolutions 4
     grep -q "AddressSanitizer\|runtime error" "$LAST_ERR" && case_fail "sanitizer report for $bad"
 done
-expect_fail "$TRAIN" --dry_run --data "$TEST_TMP/missing.bin"
+expect_exit 1 "$TRAIN" --dry_run --data "$TEST_TMP/missing.bin"
 
 # region MiB of a "memory plan (what, batch N): ..." line; plan_total: the "in all" line.
 plan_region() { sed -n "s/^memory plan ($2, batch [0-9]*): .*$3 \([0-9.]*\) MiB.*/\1/p" "$1"; }
@@ -118,6 +118,11 @@ grep -q "AddressSanitizer\|runtime error" "$LAST_ERR" && case_fail "sanitizer re
 expect_fail "$TRAIN" --dry_run --num_res_blocks 9
 expect_fail "$TRAIN" --dry_run --image_size 256 --channel_mult 1,1,1,1,1,1,1,1,1
 
+case_begin "a batch of more than 2^31 pixels is refused when planned, before the GPU"
+expect_exit 1 "$TRAIN" --dry_run --image_size 4096 --batch_size 128 --channel_mult 1,1,1,1,1,1,1,1 --attention_resolutions ""
+expect_grep "2147483648 pixels; the kernels count pixels in 32 bits" "$LAST_ERR"
+expect_ok "$TRAIN" --dry_run --image_size 4096 --batch_size 127 --channel_mult 1,1,1,1,1,1,1,1 --attention_resolutions ""
+
 case_begin "dataset and flags must agree"
 expect_fail "$TRAIN" --dry_run --data "$TEST_TMP/good.bin"
 expect_grep 'image_size is 64' "$LAST_ERR"
@@ -131,9 +136,11 @@ expect_grep '^dataset: data/shapes.bin, 10000 images of 64x64, 3 classes' "$LAST
 expect_grep '^parameters: 20,495,235$' "$LAST_OUT"
 
 if ! nvidia-smi -L >/dev/null 2>&1; then
-    case_begin "without a GPU a real run is one clear error line"
-    expect_fail "$TRAIN" --data data/shapes.bin --steps 1
-    expect_grep 'no usable CUDA GPU' "$LAST_ERR"
+    case_begin "without a GPU a real run is one clear error line, exit 1"
+    expect_exit 1 "$TRAIN" --data data/shapes.bin --steps 1
+    expect_grep '^train_unet: error: no NVIDIA GPU or driver found' "$LAST_ERR"
+    expect_exit 1 "$TRAIN" --bench 2
+    expect_grep 'no NVIDIA GPU or driver found' "$LAST_ERR"
 fi
 
 case_begin "run folder: a new run refuses a folder that holds a run, unless told to resume or to overwrite"
@@ -163,6 +170,34 @@ expect_grep 'no checkpoint' "$LAST_ERR"
 mkdir -p "$TEST_TMP/foreign"; cp dev/fixtures/unet_seed.safetensors "$TEST_TMP/foreign/model.safetensors"
 expect_fail "$TRAIN" --dry_run --resume_checkpoint "$TEST_TMP/foreign"
 expect_grep 'not a checkpoint of this trainer' "$LAST_ERR"
+
+case_begin "the command-line convention: usage on stdout and exit 0 for no arguments, -h and --help; usage errors exit 2"
+for args in "" -h --help "--data x.bin --help"; do
+    # shellcheck disable=SC2086
+    expect_exit 0 ./train_unet $args
+    expect_grep '^usage: train_unet --data FILE.bin' "$LAST_OUT"
+    [ -s "$LAST_ERR" ] && case_fail "stderr not empty for '$args': $(cat "$LAST_ERR")"
+done
+./train_unet --help >"$TEST_TMP/help.txt"
+./train_unet >"$TEST_TMP/noargs.txt"
+cmp -s "$TEST_TMP/help.txt" "$TEST_TMP/noargs.txt" || case_fail "no arguments and --help print different text"
+expect_exit 2 ./train_unet --bogus
+[ "$(cat "$LAST_ERR")" = "train_unet: error: unknown option --bogus (see --help)" ] || case_fail "unknown option: $(cat "$LAST_ERR")"
+expect_exit 2 ./train_unet --dry_run --bogus=3
+[ "$(cat "$LAST_ERR")" = "train_unet: error: unknown option --bogus (see --help)" ] || case_fail "unknown option=value: $(cat "$LAST_ERR")"
+expect_exit 2 ./train_unet -x
+[ "$(cat "$LAST_ERR")" = "train_unet: error: unknown option -x (see --help)" ] || case_fail "unknown short option: $(cat "$LAST_ERR")"
+expect_exit 2 "$TRAIN" --steps 10
+expect_grep 'needs --data' "$LAST_ERR"
+expect_exit 2 "$TRAIN" --dry_run --batch_size
+expect_grep 'needs a value' "$LAST_ERR"
+expect_exit 1 "$TRAIN" --dry_run --data "$TEST_TMP/missing.bin"
+grep -q 'see --help' "$LAST_ERR" && case_fail "a runtime error reads as a usage error: $(cat "$LAST_ERR")"
+
+case_begin "README.md's copy of --help is the program's output"
+awk '/^### `train_unet`/ { on = 1; next } on && /^```/ { if (inside) exit; inside = 1; next } inside' README.md >"$TEST_TMP/readme_help.txt"
+diff "$TEST_TMP/readme_help.txt" "$TEST_TMP/help.txt" >"$TEST_TMP/help.diff" ||
+    case_fail "README.md differs from ./train_unet --help: $(head -8 "$TEST_TMP/help.diff")"
 
 case_begin "--help lists every guided-diffusion flag"
 expect_ok "$TRAIN" --help

@@ -26,6 +26,10 @@ cmp -s "$TEST_TMP/a.rows" "$TEST_TMP/b.rows" || { case_fail "logged losses diffe
 for f in model.safetensors ema.safetensors ema_0.999.safetensors state.bin; do
     cmp -s "$TEST_TMP/a/checkpoints/step_000000030/$f" "$TEST_TMP/b/checkpoints/step_000000030/$f" || case_fail "$f differs"
 done
+for run in a b; do  # the loss chart, drawn at each log interval (the resumed one from log.csv's rows too)
+    grep -q 'id="loss-smoothed"' "$TEST_TMP/$run/loss.svg" && tail -c 16 "$TEST_TMP/$run/loss.svg" | grep -q '</svg>' ||
+        case_fail "$run/loss.svg is missing or not a whole chart"
+done
 
 case_begin "SIGINT finishes the step, saves a checkpoint, says where and exits 0"
 ./train_unet "${ARGS[@]}" --steps 1000000 --run_dir "$TEST_TMP/c" >"$TEST_TMP/c.out" 2>&1 &  # not through a function: $! is train_unet
