@@ -5,6 +5,7 @@
 #   expect_exit N CMD...     CMD must exit with status N, and print exactly one line on stderr when N is not 0
 #   expect_grep PATTERN FILE FILE must contain PATTERN (extended regex)
 #   expect_absent PATH       PATH must not exist
+#   expect_usage PROGRAM ARGS...  the help convention: see below
 #   case_summary             prints "N passed, N failed" and returns non-zero on failures
 # The last command's stdout and stderr are in $LAST_OUT and $LAST_ERR.
 CASE_NAME=""; CASE_FAILED=0; CASES_PASSED=0; CASES_FAILED=0
@@ -41,3 +42,25 @@ expect_exit() {
 expect_grep() { grep -qE -- "$1" "$2" || { case_fail "'$1' not in $(basename "$2"):"; sed 's/^/    /' "$2" | head -5; }; }
 expect_absent() { [ ! -e "$1" ] || case_fail "$1 exists but should not"; }
 case_summary() { case_end; echo "$CASES_PASSED passed, $CASES_FAILED failed"; [ "$CASES_FAILED" = 0 ]; }
+
+# The command-line convention's help, for PROGRAM (its README heading is "### `NAME`", NAME its
+# file name): no arguments, -h, --help, and -h or --help after the other ARGS each print exactly
+# what --help prints, on stdout, nothing on stderr, exit 0; README.md's copy of the usage (the first
+# code block under the heading) is that text too.
+expect_usage() {
+    local program=$1 name; name=$(basename "$1"); shift
+    local help=$TEST_TMP/$name.help readme=$TEST_TMP/$name.readme
+    "$program" --help >"$help" 2>"$LAST_ERR" || case_fail "$name --help: exit $?"
+    local args
+    for args in "" -h --help "$* -h" "$* --help"; do
+        # shellcheck disable=SC2086
+        expect_exit 0 "$program" $args
+        [ -s "$LAST_ERR" ] && case_fail "'$args' wrote on stderr: $(head -1 "$LAST_ERR")"
+        cmp -s "$LAST_OUT" "$help" || case_fail "'$args' did not print the usage"
+    done
+    awk -v heading="### \`$name\`" '$0 == heading { on = 1; next } on && /^```/ { if (inside) exit; inside = 1; next } inside' \
+        README.md >"$readme"
+    [ -s "$readme" ] || case_fail "no usage block under ### \`$name\` in README.md"
+    diff "$readme" "$help" >"$TEST_TMP/$name.diff" ||
+        { case_fail "README.md's usage of $name differs from its --help:"; head -8 "$TEST_TMP/$name.diff" | sed 's/^/    /'; }
+}
