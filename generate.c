@@ -42,26 +42,29 @@ static const char usage[] =
     "runs the model once on IN's x [N,C,H,W] (float, NCHW), t [N] and, class-conditional, y [N], and\n"
     "writes its raw output out [N,C_out,H,W] (F32, NCHW): for comparing with PyTorch.\n";
 
-// A runtime error (a file, the checkpoint, the GPU): one error line, exit status 1.
+// One error line: "generate: error: ", the message, suffix.
+static void print_error(const char *suffix, const char *fmt, va_list args) {
+    fputs("generate: error: ", stderr);
+    vfprintf(stderr, fmt, args);
+    fprintf(stderr, "%s\n", suffix);
+}
+
+// A runtime error (a file, the checkpoint, the GPU): exit status 1.
 static void die(const char *fmt, ...) __attribute__((format(printf, 1, 2), noreturn));
 static void die(const char *fmt, ...) {
     va_list args;
     va_start(args, fmt);
-    fputs("generate: error: ", stderr);
-    vfprintf(stderr, fmt, args);
-    fputc('\n', stderr);
+    print_error("", fmt, args);
     va_end(args);
     exit(1);
 }
 
-// A bad command line: one error line ending in "(see --help)", exit status 2 (as train_unet).
+// A bad command line: the line ends in "(see --help)", exit status 2 (as train_unet).
 static void usage_error(const char *fmt, ...) __attribute__((format(printf, 1, 2), noreturn));
 static void usage_error(const char *fmt, ...) {
     va_list args;
     va_start(args, fmt);
-    fputs("generate: error: ", stderr);
-    vfprintf(stderr, fmt, args);
-    fputs(" (see --help)\n", stderr);
+    print_error(" (see --help)", fmt, args);
     va_end(args);
     exit(2);
 }

@@ -75,15 +75,20 @@ static void end_progress_line(void) {
     progress_shown = false;
 }
 
+// One message line on stderr: "prepare_data: <kind>: ", the message, suffix.
+static void print_message(const char *kind, const char *suffix, const char *fmt, va_list args) {
+    end_progress_line();
+    fprintf(stderr, "prepare_data: %s: ", kind);
+    vfprintf(stderr, fmt, args);
+    fprintf(stderr, "%s\n", suffix);
+}
+
 // Prints one error line, removes the temporary output and exits.
 static void die(const char *fmt, ...) {
-    end_progress_line();
     if (tmp_live) unlink(tmp_path);
     va_list args;
     va_start(args, fmt);
-    fputs("prepare_data: error: ", stderr);
-    vfprintf(stderr, fmt, args);
-    fputc('\n', stderr);
+    print_message("error", "", fmt, args);
     va_end(args);
     exit(1);
 }
@@ -93,21 +98,16 @@ static void die(const char *fmt, ...) {
 static void usage_error(const char *fmt, ...) {
     va_list args;
     va_start(args, fmt);
-    fputs("prepare_data: error: ", stderr);
-    vfprintf(stderr, fmt, args);
-    fputs(" (see --help)\n", stderr);
+    print_message("error", " (see --help)", fmt, args);
     va_end(args);
     exit(2);
 }
 
 // Prints one warning line.
 static void warn(const char *fmt, ...) {
-    end_progress_line();
     va_list args;
     va_start(args, fmt);
-    fputs("prepare_data: warning: ", stderr);
-    vfprintf(stderr, fmt, args);
-    fputc('\n', stderr);
+    print_message("warning", "", fmt, args);
     va_end(args);
 }
 

@@ -342,12 +342,19 @@ static int weight_grad_slices(int64_t scratch_numel, int M, int out, int K) {
     return (int)(slices < cap ? slices : cap);
 }
 
+// out[i] = sum over slices k, in order, of slices[k][i] (the weight gradients' partial sums; also
+// the 3x3 convolutions').
 __global__ void sum_slices_kernel(float *out, const float *slices, int count, int64_t n) {
     for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
         float s = 0.0f;
         for (int k = 0; k < count; k++) s += slices[k * n + i];
         out[i] = s;
     }
+}
+
+static void sum_slices(float *out, const float *slices, int count, int64_t n) {
+    sum_slices_kernel<<<blocks_for(n, 256), 256, 0, gpu.stream>>>(out, slices, count, n);
+    cuda_check_launch();
 }
 
 static void weight_gradient(const Scratch *s, float *dw, const floatX *dy, const floatX *x, int M, int out, int K) {
@@ -362,9 +369,7 @@ static void weight_gradient(const Scratch *s, float *dw, const floatX *dy, const
                                             (int64_t)rows * K, dy, CUDA_FLOATX, out, (int64_t)rows * out, &beta,
                                             s->weight_grad, CUDA_R_32F, K, (int64_t)out * K, slices,
                                             CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
-    int64_t n = (int64_t)out * K;
-    sum_slices_kernel<<<blocks_for(n, 256), 256, 0, gpu.stream>>>(dw, s->weight_grad, slices, n);
-    cuda_check_launch();
+    sum_slices(dw, s->weight_grad, slices, (int64_t)out * K);
     int done = rows * slices;
     if (done < M)
         matmul({.M = out, .N = K, .K = M - done, .a = dy + (int64_t)done * out, .lda = out, .trans_a = 1,
@@ -512,20 +517,6 @@ static int64_t conv3x3_weight_grad_scratch_floats(int N, int H, int W, int C_in,
     return slices > 1 ? (int64_t)slices * C_out * 9 * C_in : 0;
 }
 
-// dw[i] = sum over slices s, in order, of slices[s][i].
-__global__ void conv_sum_slices_kernel(float *dw, const float *slices, int total, int count) {
-    int i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= total) return;
-    float sum = 0.0f;
-    for (int s = 0; s < count; s++) sum += slices[(int64_t)s * total + i];
-    dw[i] = sum;
-}
-
-static void conv_sum_slices(float *dw, const float *slices, int total, int count) {
-    conv_sum_slices_kernel<<<(total + 255) / 256, 256, 0, gpu.stream>>>(dw, slices, total, count);
-    cuda_check_launch();
-}
-
 #if defined(PRECISION_FP32)
 // FP32: one thread per output value, on CUDA cores.
 
@@ -616,7 +607,7 @@ static void conv3x3_backward_weight(float *dw, float *scratch, const floatX *dy,
     conv3x3_backward_weight_kernel<<<grid, 256, 0, gpu.stream>>>(slices > 1 ? scratch : dw, dy, lddy, x, ldx, N, H, W, C_in,
                                                                  C_out, stride, Ho, Wo, pixels_per_slice);
     cuda_check_launch();
-    if (slices > 1) conv_sum_slices(dw, scratch, total, slices);
+    if (slices > 1) sum_slices(dw, scratch, slices, total);
 }
 
 #else
@@ -996,7 +987,7 @@ static void conv3x3_backward_weight(float *dw, float *scratch, const floatX *dy,
     else if (BN == 32) conv_launch<CONV_WEIGHT_GRAD, 128, 32, 32, 4, 2>(p, vec_a, vec_b, slices);
     else if (BM == 128) conv_launch<CONV_WEIGHT_GRAD, 128, 128, 64, 2, 4>(p, vec_a, vec_b, slices);
     else conv_launch<CONV_WEIGHT_GRAD, 64, 256, 32, 2, 4>(p, vec_a, vec_b, slices);
-    if (slices > 1) conv_sum_slices(dw, scratch, C_out * 9 * C_in, slices);
+    if (slices > 1) sum_slices(dw, scratch, slices, (int64_t)C_out * 9 * C_in);
 }
 #endif
 
