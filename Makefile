@@ -22,12 +22,15 @@ NVCC := $(or $(shell command -v nvcc 2>/dev/null),$(wildcard /usr/local/cuda/bin
 # Build for the GPU in this machine when nvidia-smi finds one, else for A100, L40/RTX 40 and H100/H200.
 # Either way the PTX of the newest architecture built is embedded too (code=compute_XX), so that on a
 # GPU newer than any of these the driver compiles it at the first start instead of refusing to run.
+# H100/H200 code is built as sm_90a, whose wgmma instructions the convolutions use (that PTX, the
+# fallback for newer GPUs, is plain compute_90: sm_90a code runs on 9.0 GPUs only).
 GPU_CC := $(shell nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -n 1 | tr -d ' .')
 ifneq ($(GPU_CC),)
-GPU_ARCH := -gencode arch=compute_$(GPU_CC),code=sm_$(GPU_CC) -gencode arch=compute_$(GPU_CC),code=compute_$(GPU_CC)
+GPU_SASS := $(if $(filter 90,$(GPU_CC)),90a,$(GPU_CC))
+GPU_ARCH := -gencode arch=compute_$(GPU_SASS),code=sm_$(GPU_SASS) -gencode arch=compute_$(GPU_CC),code=compute_$(GPU_CC)
 else
 GPU_ARCH := -gencode arch=compute_80,code=sm_80 -gencode arch=compute_89,code=sm_89 \
-            -gencode arch=compute_90,code=sm_90 -gencode arch=compute_90,code=compute_90
+            -gencode arch=compute_90a,code=sm_90a -gencode arch=compute_90,code=compute_90
 endif
 
 STB_CFLAGS := $(shell pkg-config --cflags stb 2>/dev/null || echo -I/usr/include/stb)

@@ -146,8 +146,18 @@ typedef struct {
     void *workspace;
     size_t workspace_bytes;
     int num_sms;
+    int sm90a;  // the code this GPU runs has Hopper's sm_90a instructions (wgmma): the convolutions use them
 } Gpu;
 static Gpu gpu;
+
+// Writes 1 where the code run was built for sm_90a (an H100 or H200, and a build for it), else 0.
+__global__ void sm90a_probe_kernel(int *out) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    *out = 1;
+#else
+    *out = 0;
+#endif
+}
 
 static const cudaDataType CUDA_FLOATX = sizeof(floatX) == 4 ? CUDA_R_32F : CUDA_R_16BF;
 
@@ -178,6 +188,10 @@ static void gpu_init(void) {
     gpu.workspace_bytes = 64 << 20;
     gpu.workspace = gpu_malloc(gpu.workspace_bytes);
     cublas_check(cublasSetWorkspace(gpu.blas, gpu.workspace, gpu.workspace_bytes));
+    sm90a_probe_kernel<<<1, 1, 0, gpu.stream>>>((int *)gpu.workspace);
+    cuda_check_launch();
+    cuda_check(cudaMemcpyAsync(&gpu.sm90a, gpu.workspace, sizeof(int), cudaMemcpyDeviceToHost, gpu.stream));
+    cuda_check(cudaStreamSynchronize(gpu.stream));
 }
 
 static int blocks_for(size_t n, int threads) {
@@ -905,6 +919,320 @@ __global__ void __launch_bounds__(CONV_THREADS, 2) conv3x3_igemm_kernel(const Co
         }
 }
 
+// Hopper (sm_90a): the same implicit GEMMs on wgmma, the warpgroup-wide asynchronous tensor-core
+// product that reads both operands straight from shared memory. A block of two warpgroups computes a
+// 128 x BN tile of out, each warpgroup 64 rows, in k steps of 64 through a cp.async ring of STAGES
+// swizzled tiles (ConvWgmmaOperand); each k step is four m64nBNk16 products. The store and the slices
+// are those of conv3x3_igemm_kernel.
+
+// d[BN / 2] += A (64 x 16, from shared memory) B (16 x BN), one warpgroup; TRANS_A / TRANS_B: the
+// operand is stored M- or N-major (1) instead of K-major (0).
+template <int BN>
+struct ConvWgmma;
+template <>
+struct ConvWgmma<128> {
+    template <int TRANS_A, int TRANS_B>
+    __device__ static __forceinline__ void mma(float *d, uint64_t a, uint64_t b) {
+        asm volatile("wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
+                     "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+                     "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+                     "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+                     "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+                     "}, %64, %65, 1, 1, 1, %66, %67;\n"
+                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+                       "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+                       "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+                       "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+                       "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+                       "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+                       "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+                       "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+                     : "l"(a), "l"(b), "n"(TRANS_A), "n"(TRANS_B));
+    }
+};
+template <>
+struct ConvWgmma<192> {
+    template <int TRANS_A, int TRANS_B>
+    __device__ static __forceinline__ void mma(float *d, uint64_t a, uint64_t b) {
+        asm volatile("wgmma.mma_async.sync.aligned.m64n192k16.f32.bf16.bf16 {"
+                     "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+                     "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+                     "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+                     "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
+                     "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
+                     "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95"
+                     "}, %96, %97, 1, 1, 1, %98, %99;\n"
+                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+                       "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+                       "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+                       "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+                       "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+                       "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+                       "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+                       "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
+                       "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
+                       "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
+                       "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
+                       "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95])
+                     : "l"(a), "l"(b), "n"(TRANS_A), "n"(TRANS_B));
+    }
+};
+template <>
+struct ConvWgmma<256> {
+    template <int TRANS_A, int TRANS_B>
+    __device__ static __forceinline__ void mma(float *d, uint64_t a, uint64_t b) {
+        asm volatile("wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {"
+                     "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+                     "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+                     "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+                     "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
+                     "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
+                     "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
+                     "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "
+                     "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
+                     "}, %128, %129, 1, 1, 1, %130, %131;\n"
+                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+                       "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+                       "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+                       "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+                       "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+                       "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+                       "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+                       "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
+                       "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
+                       "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
+                       "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
+                       "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),
+                       "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),
+                       "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
+                       "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
+                       "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+                     : "l"(a), "l"(b), "n"(TRANS_A), "n"(TRANS_B));
+    }
+};
+
+// A wgmma shared-memory descriptor: the start address, the byte offsets between 64-element groups along
+// the leading dimension and between groups of 8 lines (each >> 4), and the 128-byte swizzle (mode 1).
+__device__ __forceinline__ uint64_t conv_wgmma_descriptor(const floatX *start, uint32_t leading_bytes) {
+    return (uint64_t)((conv_smem_address(start) & 0x3FFFF) >> 4) | (uint64_t)(leading_bytes >> 4) << 16 |
+           (uint64_t)(1024 >> 4) << 32 | 1ull << 62;
+}
+
+// The wgmma kernel's operand tiles: 16-byte chunks copied by cp.async into lines of 64 elements (128
+// bytes, no padding), a K-major tile as [R][64], an M- or N-major one as [R / 64][64 k][64]; chunk c of
+// line l is stored at chunk c ^ (l % 8), the 128-byte swizzle that the tensor cores undo as they read.
+// What depends on a thread's rows alone is worked out once, so that a k step costs a test and an add
+// per chunk. The forward and input gradient need their k channels (C_in, C_out) to be a multiple of
+// 64: a k step then lies in one tap t = (kh, kw), at channels [c0, c0 + 64), and a tap moves the
+// gathered pixel by the same offset for every row:
+//   forward       patch(m, t) = x at (ho s - 1, wo s - 1) + (kh, kw)
+//   input grad    dy at ((h + 1 - kh) / s, (w + 1 - kw) / s) = dy at ((h + 1) / s, (w + 1) / s) - (kh / s, kw / s)
+//                 (integer division; taps where h + 1 - kh or w + 1 - kw is not a multiple of s read nothing)
+typedef struct {
+    int k0, tap, c0;  // the k step [k0, k0 + 64); forward and input gradient: its tap and first channel
+} ConvStep;
+
+template <int OP, bool IS_A, int R>
+struct ConvWgmmaOperand {
+    static constexpr bool K_MAJOR = IS_A ? OP != CONV_WEIGHT_GRAD : OP == CONV_FORWARD;
+    static constexpr bool TAPS = IS_A && OP != CONV_WEIGHT_GRAD;      // rows gathered through the taps
+    static constexpr bool PATCHES = !IS_A && OP == CONV_WEIGHT_GRAD;  // k lines (pixels) gathered one by one
+    static constexpr int PER_LINE = K_MAJOR ? 8 : R / 8, LINES = K_MAJOR ? R : 64;
+    static constexpr int UNITS = LINES * PER_LINE / CONV_THREADS, LINE_STEP = CONV_THREADS / PER_LINE;
+    static_assert(LINES * PER_LINE % CONV_THREADS == 0 && CONV_THREADS % PER_LINE == 0 && LINE_STEP % 8 == 0,
+                  "a thread's chunks lie LINE_STEP lines apart, at the same place in the swizzle");
+    int64_t base[TAPS ? UNITS : 1];  // element offset of each unit's chunk at tap 0 (TAPS), or of unit 0
+    uint32_t ok[TAPS ? UNITS : 1];   // TAPS: bit t = tap t lies inside the image; else bit i = unit i's row exists
+    int64_t unit_stride;             // not TAPS: from one unit's chunk to the next
+    ConvRow column;                  // PATCHES: the thread's column (t, ci)
+    int line0, along, dst0;
+
+    __device__ __forceinline__ void init(const ConvGemm &p, int first_row) {
+        along = threadIdx.x % PER_LINE * 8, line0 = threadIdx.x / PER_LINE;
+        dst0 = (K_MAJOR ? 0 : along / 64 * 64 * 64) + line0 * 64 + ((K_MAJOR ? along : along % 64) / 8 ^ (line0 & 7)) * 8;
+        if constexpr (TAPS) {
+#pragma unroll
+            for (int i = 0; i < UNITS; i++) {
+                int row = first_row + line0 + i * LINE_STEP;
+                base[i] = 0, ok[i] = 0;
+                if (row >= p.M) continue;
+                int n, h, w, limit_h, limit_w;  // the tap-0 pixel (h, w), and the tensor's size
+                if (OP == CONV_FORWARD) {
+                    n = conv_div(row, p.div_out_pixels);
+                    int rest = row - n * (p.Ho * p.Wo), ho = conv_div(rest, p.div_Wo);
+                    h = ho * p.stride - 1, w = (rest - ho * p.Wo) * p.stride - 1, limit_h = p.H, limit_w = p.W;
+                    base[i] = ((int64_t)(n * p.H + h) * p.W + w) * p.ldx + along;
+                } else {
+                    n = conv_div(row, p.div_in_pixels);
+                    int rest = row - n * (p.H * p.W), hi = conv_div(rest, p.div_W);
+                    h = hi + 1, w = rest - hi * p.W + 1, limit_h = p.Ho, limit_w = p.Wo;
+                    base[i] = ((int64_t)(n * p.Ho + h / p.stride) * p.Wo + w / p.stride) * p.lddy + along;
+                }
+                for (int t = 0; t < 9; t++) {
+                    int kh = t / 3, kw = t % 3, hh = OP == CONV_FORWARD ? h + kh : h - kh, ww = OP == CONV_FORWARD ? w + kw : w - kw;
+                    bool inside = hh >= 0 && ww >= 0;
+                    if (OP == CONV_FORWARD) inside = inside && hh < limit_h && ww < limit_w;
+                    else inside = inside && hh % p.stride == 0 && ww % p.stride == 0 && hh / p.stride < limit_h && ww / p.stride < limit_w;
+                    ok[i] |= (uint32_t)inside << t;
+                }
+            }
+        } else if constexpr (PATCHES) {
+            column = conv_row<OP, false>(p, first_row + along);
+        } else {
+            ok[0] = 0;
+            if (OP == CONV_FORWARD) {  // w[co][k]: rows co
+                base[0] = (int64_t)(first_row + line0) * p.K + along, unit_stride = (int64_t)LINE_STEP * p.K;
+                for (int i = 0; i < UNITS; i++) ok[0] |= (uint32_t)(first_row + line0 + i * LINE_STEP < p.Ng) << i;
+            } else if (OP == CONV_INPUT_GRAD) {  // w[co][t][ci]: k lines co (of the step's tap), columns ci
+                base[0] = (int64_t)line0 * 9 * p.C_in + first_row + along, unit_stride = (int64_t)LINE_STEP * 9 * p.C_in;
+                ok[0] = first_row + along < p.Ng ? ~0u : 0u;
+            } else {  // dy[pixel][co]: k lines pixels, columns co
+                base[0] = (int64_t)line0 * p.lddy + first_row + along, unit_stride = (int64_t)LINE_STEP * p.lddy;
+                ok[0] = first_row + along < p.M ? ~0u : 0u;
+            }
+        }
+    }
+
+    __device__ __forceinline__ void load(floatX *tile, const floatX *src, const ConvGemm &p, ConvStep st) const {
+        int64_t step;  // what the k step adds to every unit's offset
+        if (OP == CONV_FORWARD && TAPS) step = ((int64_t)(st.tap / 3) * p.W + st.tap % 3) * p.ldx + st.c0;
+        else if (OP == CONV_INPUT_GRAD && TAPS) step = -((int64_t)(st.tap / 3 / p.stride) * p.Wo + st.tap % 3 / p.stride) * p.lddy + st.c0;
+        else if (OP == CONV_FORWARD) step = st.k0;
+        else if (OP == CONV_INPUT_GRAD) step = ((int64_t)st.c0 * 9 + st.tap) * p.C_in;
+        else step = (int64_t)st.k0 * p.lddy;
+#pragma unroll
+        for (int i = 0; i < UNITS; i++) {
+            int64_t off;
+            bool valid;
+            if constexpr (TAPS) {
+                off = base[i] + step, valid = ok[i] >> st.tap & 1;
+            } else if constexpr (PATCHES) {
+                off = conv_offset<OP, false>(p, column, st.k0 + line0 + i * LINE_STEP), valid = off >= 0;
+            } else {
+                off = base[0] + i * unit_stride + step, valid = ok[0] >> i & 1;
+                if (OP == CONV_WEIGHT_GRAD) valid = valid && st.k0 + line0 + i * LINE_STEP < p.K;
+            }
+            conv_cp_async16(tile + dst0 + i * LINE_STEP * 64, valid ? src + off : src, valid);
+        }
+    }
+};
+
+#define CONV_WGMMA_BM 128
+#define CONV_WGMMA_BK 64
+
+template <int BN>
+struct ConvWgmmaTile {
+    static constexpr int STAGES = BN <= 128 ? 3 : 4;  // BN 128: two blocks per multiprocessor
+    static constexpr int A_TILE = CONV_WGMMA_BM * CONV_WGMMA_BK, B_TILE = BN * CONV_WGMMA_BK;  // elements
+    static constexpr size_t SMEM = (size_t)STAGES * (A_TILE + B_TILE) * sizeof(floatX) + 1024;  // + alignment to 1024
+};
+
+template <int OP, int BN>
+__global__ void __launch_bounds__(CONV_THREADS, BN <= 128 ? 2 : 1) conv3x3_wgmma_kernel(const ConvGemm p) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    typedef ConvWgmmaTile<BN> Tile;
+    constexpr int BM = CONV_WGMMA_BM, BK = CONV_WGMMA_BK, STAGES = Tile::STAGES;
+    constexpr bool A_K_MAJOR = OP != CONV_WEIGHT_GRAD, B_K_MAJOR = OP == CONV_FORWARD;
+    extern __shared__ __align__(16) unsigned char conv_smem[];
+    floatX *As = (floatX *)(conv_smem + (1024 - conv_smem_address(conv_smem) % 1024) % 1024);  // swizzle atoms: 1024 bytes
+    floatX *Bs = As + STAGES * Tile::A_TILE;
+    const int m0 = blockIdx.x * BM, n0 = blockIdx.y * BN;
+    const int k_tiles = (p.K + BK - 1) / BK, kt0 = blockIdx.z * (p.k_per_slice / BK);
+    const int kt1 = min(k_tiles, kt0 + p.k_per_slice / BK);
+    const floatX *a_src = OP == CONV_FORWARD ? p.x : p.dy, *b_src = OP == CONV_WEIGHT_GRAD ? p.x : p.w;
+    ConvWgmmaOperand<OP, true, BM> a_operand;
+    ConvWgmmaOperand<OP, false, BN> b_operand;
+    a_operand.init(p, m0), b_operand.init(p, n0);
+    auto load_stage = [&](int kt) {
+        if (kt < kt1) {
+            int stage = (kt - kt0) % STAGES;
+            ConvStep st = {kt * BK, 0, 0};
+            if (OP != CONV_WEIGHT_GRAD) {
+                int C = OP == CONV_FORWARD ? p.C_in : p.C_out;
+                st.tap = conv_div(st.k0, OP == CONV_FORWARD ? p.div_C_in : p.div_C_out), st.c0 = st.k0 - st.tap * C;
+            }
+            a_operand.load(As + stage * Tile::A_TILE, a_src, p, st);
+            b_operand.load(Bs + stage * Tile::B_TILE, b_src, p, st);
+        }
+        conv_cp_async_commit();
+    };
+
+    // A k16 step moves 32 bytes along a K-major line, or 16 lines (2048 bytes) of an M/N-major tile,
+    // whose 64-element groups lie BK lines apart. The warpgroup's 64 rows of A start 64 x 64 elements in.
+    const int group = threadIdx.x / 128;
+    constexpr int A_STEP = A_K_MAJOR ? 16 : 16 * 64, B_STEP = B_K_MAJOR ? 16 : 16 * 64;
+    constexpr uint32_t A_LEADING = A_K_MAJOR ? 16 : BK * 128, B_LEADING = B_K_MAJOR ? 16 : BK * 128;
+    float acc[BN / 2] = {};
+
+    // The ring: tile kt + STAGES - 2 is loaded into the stage that tile kt - 2 used, which every
+    // warpgroup has finished reading (wgmma.wait_group 1 leaves only tile kt - 1's products running).
+    for (int s = 0; s < STAGES - 2; s++) load_stage(kt0 + s);
+    for (int kt = kt0; kt < kt1; kt++) {
+        conv_cp_async_wait<STAGES - 3>();
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // cp.async's writes, seen by wgmma
+        __syncthreads();
+        load_stage(kt + STAGES - 2);
+        const floatX *a_tile = As + ((kt - kt0) % STAGES) * Tile::A_TILE + group * 64 * 64;
+        const floatX *b_tile = Bs + ((kt - kt0) % STAGES) * Tile::B_TILE;
+        asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#pragma unroll
+        for (int s = 0; s < BK / 16; s++)
+            ConvWgmma<BN>::template mma<A_K_MAJOR ? 0 : 1, B_K_MAJOR ? 0 : 1>(
+                acc, conv_wgmma_descriptor(a_tile + s * A_STEP, A_LEADING), conv_wgmma_descriptor(b_tile + s * B_STEP, B_LEADING));
+        asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+        asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
+    }
+    asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+    conv_cp_async_wait<0>();
+
+    // Accumulator j of 4 (per 8 columns): rows lane / 4 and + 8 of the warp's 16, columns 2 (lane % 4) + 0, 1.
+    const int lane = threadIdx.x % 32, m = m0 + group * 64 + (threadIdx.x % 128) / 32 * 16 + lane / 4;
+#pragma unroll
+    for (int j = 0; j < BN / 8; j++) {
+        int n = n0 + j * 8 + (lane % 4) * 2;
+        conv_store_pair<OP>(p, m, n, acc[4 * j], acc[4 * j + 1]);
+        conv_store_pair<OP>(p, m + 8, n, acc[4 * j + 2], acc[4 * j + 3]);
+    }
+#else
+    __trap();  // launched only where gpu.sm90a says the sm_90a code runs
+#endif
+}
+
+template <int OP, int BN>
+static void conv_launch_wgmma(const ConvGemm &p, int slices) {
+    auto kernel = conv3x3_wgmma_kernel<OP, BN>;
+    static bool configured = false;  // the shared-memory limit, raised once per kernel
+    if (!configured) {
+        cuda_check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)ConvWgmmaTile<BN>::SMEM));
+        configured = true;
+    }
+    dim3 grid((p.M + CONV_WGMMA_BM - 1) / CONV_WGMMA_BM, (p.Ng + BN - 1) / BN, slices);
+    kernel<<<grid, CONV_THREADS, ConvWgmmaTile<BN>::SMEM, gpu.stream>>>(p);
+    cuda_check_launch();
+}
+
+// The wgmma kernel for a forward or input-gradient product when this GPU runs it, both operands load
+// in 16-byte chunks and the k channels are a multiple of 64: the tile width of 128, 192 (forward only: its B tile is K-major) or 256 that
+// pads the product's width Ng least (the wider on a tie), narrowed to 128 when the wider one leaves
+// multiprocessors idle. False (nothing launched) for products narrower than 128.
+template <int OP>
+static bool conv_try_wgmma(const ConvGemm &p, bool vec_a, bool vec_b) {
+    if (!gpu.sm90a || !vec_a || !vec_b || p.Ng < 128 || (OP == CONV_FORWARD ? p.C_in : p.C_out) % 64 != 0) return false;
+    int best = 128;
+    for (int bn = 192; bn <= 256; bn += 64) {
+        if (bn == 192 && OP != CONV_FORWARD) continue;
+        if ((p.Ng + bn - 1) / bn * bn <= (p.Ng + best - 1) / best * best) best = bn;
+    }
+    int64_t blocks = (int64_t)((p.M + CONV_WGMMA_BM - 1) / CONV_WGMMA_BM) * ((p.Ng + best - 1) / best);
+    if (blocks < gpu.num_sms) best = 128;
+    if (best == 256) conv_launch_wgmma<OP, 256>(p, 1);
+    else if constexpr (OP == CONV_FORWARD) {
+        if (best == 192) conv_launch_wgmma<OP, 192>(p, 1);
+        else conv_launch_wgmma<OP, 128>(p, 1);
+    } else conv_launch_wgmma<OP, 128>(p, 1);
+    return true;
+}
+
 static bool conv_aligned16(const void *p) { return ((uintptr_t)p & 15) == 0; }
 
 static ConvGemm conv_gemm(int op, int N, int H, int W, int C_in, int C_out, int stride) {
@@ -961,7 +1289,7 @@ static void conv3x3_forward(floatX *y, int ldy, const floatX *x, int ldx, const 
     p.x = x, p.ldx = ldx, p.w = w, p.bias = bias, p.residual = residual, p.ldr = ldr, p.out = y, p.ldo = ldy;
     p.pair_store = ldy % 2 == 0 && ((uintptr_t)y & 3) == 0 && (!residual || (ldr % 2 == 0 && ((uintptr_t)residual & 3) == 0));
     bool vec = C_in % 8 == 0 && ldx % 8 == 0 && conv_aligned16(x) && conv_aligned16(w);
-    conv_launch_by_width<CONV_FORWARD>(p, vec, vec);
+    if (!conv_try_wgmma<CONV_FORWARD>(p, vec, vec)) conv_launch_by_width<CONV_FORWARD>(p, vec, vec);
 }
 
 static void conv3x3_backward_input(floatX *dx, int lddx, const floatX *dy, int lddy, const floatX *w, int N, int H, int W,
@@ -970,7 +1298,7 @@ static void conv3x3_backward_input(floatX *dx, int lddx, const floatX *dy, int l
     p.dy = dy, p.lddy = lddy, p.w = w, p.out = dx, p.ldo = lddx;
     p.pair_store = lddx % 2 == 0 && ((uintptr_t)dx & 3) == 0;
     bool vec_a = C_out % 8 == 0 && lddy % 8 == 0 && conv_aligned16(dy), vec_b = C_in % 8 == 0 && conv_aligned16(w);
-    conv_launch_by_width<CONV_INPUT_GRAD>(p, vec_a, vec_b);
+    if (!conv_try_wgmma<CONV_INPUT_GRAD>(p, vec_a, vec_b)) conv_launch_by_width<CONV_INPUT_GRAD>(p, vec_a, vec_b);
 }
 
 static void conv3x3_backward_weight(float *dw, float *scratch, const floatX *dy, int lddy, const floatX *x, int ldx, int N,
@@ -985,6 +1313,7 @@ static void conv3x3_backward_weight(float *dw, float *scratch, const floatX *dy,
     conv_weight_grad_tile(C_in, C_out, &BM, &BN);
     if (BM == 32) conv_launch<CONV_WEIGHT_GRAD, 32, 128, 32, 1, 8>(p, vec_a, vec_b, slices);
     else if (BN == 32) conv_launch<CONV_WEIGHT_GRAD, 128, 32, 32, 4, 2>(p, vec_a, vec_b, slices);
+    else if (BM == 128 && gpu.sm90a && vec_a && vec_b) conv_launch_wgmma<CONV_WEIGHT_GRAD, 128>(p, slices);
     else if (BM == 128) conv_launch<CONV_WEIGHT_GRAD, 128, 128, 64, 2, 4>(p, vec_a, vec_b, slices);
     else conv_launch<CONV_WEIGHT_GRAD, 64, 256, 32, 2, 4>(p, vec_a, vec_b, slices);
     if (slices > 1) sum_slices(dw, scratch, slices, (int64_t)C_out * 9 * C_in);

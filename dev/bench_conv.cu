@@ -5,8 +5,9 @@
 // their timings on every distinct 3x3 convolution of the seed and adm64 presets at batch 32 and
 // 128, for scripts/bench_conv_torch.py (`make bench-conv` runs both and joins them with cuDNN's).
 //   build/dev/bench_conv                               the checks
-//   build/dev/bench_conv --bench [--check]             the timings (after the checks with --check)
-//   build/dev/bench_conv --bench N H Cin Cout stride   the timings of one shape (W = H)
+//   build/dev/bench_conv --bench [--mma] [--check]             the timings (after the checks with --check)
+//   build/dev/bench_conv --bench [--mma] N H Cin Cout stride   the timings of one shape (W = H)
+// --mma times the kernels of GPUs before Hopper where the sm_90a (wgmma) ones would run.
 // Check lines: "PASS|FAIL <case> <fp32|bf16> <fwd|dgrad|wgrad> err=... (tol ...)"; the last line is
 // "N passed, N failed". Bench lines: "conv impl=ours op=fwd|dgrad|wgrad N= H= W= Cin= Cout= stride=
 // ms= tflops= precision= presets=". DEV_SEED=<n> repeats a run's random inputs.
@@ -119,12 +120,15 @@ static double slice_error(const double *got, const double *init, const double *r
     return err;
 }
 
+static const char *kernels = "";  // which of the kernels the checks run: see run_checks
+
 // One check line; err <= DEV_TOLERANCE passes (NaN never does).
 static void report(const char *name, const char *op, double err, const char *extra) {
     int ok = err <= DEV_TOLERANCE;
     if (ok) dev_checks_passed++;
     else dev_checks_failed++;
-    printf("%s %-28s %-4s %-5s err=%.3g (tol %.0e)%s\n", ok ? "PASS" : "FAIL", name, type_name(), op, err, DEV_TOLERANCE, extra);
+    printf("%s %-28s %-4s %-5s err=%.3g (tol %.0e)%s%s\n", ok ? "PASS" : "FAIL", name, type_name(), op, err, DEV_TOLERANCE,
+           extra, kernels);
     fflush(stdout);
 }
 
@@ -190,11 +194,14 @@ static const CheckCase check_cases[] = {
     {"many pixels 256->128",    6, 31, 33,  256,  128, 1,  0,  0,  0,  0,  0,  0,  0,  0, 0, 0},
     {"wide 1536->768",          1,  4,  5, 1536,  768, 1,  0,  0,  0,  0,  0,  0,  0,  0, 1, 0},
     {"wide 576->1344 stride2",  1,  5,  4,  576, 1344, 2,  0,  0,  0,  0,  0,  0,  0,  0, 0, 0},
+    // enough 128-pixel rows of tiles for every multiprocessor: the wgmma kernels' 192 and 256 wide tiles
+    {"sm_90a tiles 64->192",    2, 12, 11,   64,  192, 1, 64, 64, 64,  8,  0,  0,  0,  0, 1, 0},
+    {"sm_90a tiles 256->64",    2, 12, 11,  256,   64, 1,  0,  0,  0,  0, 64, 64, 64, 64, 0, 0},
 };
 
 // The fixed cases, then 8 random ones (small images, channel counts of the presets and odd ones,
 // slices at the end of wider x, dy and dx).
-static void run_checks(void) {
+static void run_check_cases(void) {
     for (size_t i = 0; i < sizeof check_cases / sizeof check_cases[0]; i++) check_case(&check_cases[i]);
     static const int channels[] = {3, 6, 8, 16, 32, 64, 96, 128, 192, 256};
     for (int i = 0; i < 8; i++) {
@@ -208,6 +215,19 @@ static void run_checks(void) {
         c.name = dev_name("random %dx%dx%d %d->%d s%d%s", c.N, c.H, c.W, c.C_in, c.C_out, c.stride, c.residual ? " res" : "");
         check_case(&c);
     }
+}
+
+// On a GPU that runs the sm_90a (wgmma) kernels, every case three times: with their tiles as this GPU
+// picks them, as a GPU with one multiprocessor would (the widest tile everywhere), and with the kernels
+// of other GPUs.
+static void run_checks(void) {
+    int sm90a = gpu.sm90a, num_sms = gpu.num_sms;
+    for (int pass = 0; pass < (sm90a ? 3 : 1); pass++) {
+        gpu.sm90a = sm90a && pass < 2, gpu.num_sms = pass == 1 ? 1 : num_sms;
+        kernels = !sm90a ? "" : pass == 0 ? " (sm_90a)" : pass == 1 ? " (sm_90a, widest tiles)" : " (mma.sync)";
+        run_check_cases();
+    }
+    gpu.sm90a = sm90a, gpu.num_sms = num_sms;
 }
 
 // ----------------------------------------------------------------------------------------------
@@ -380,23 +400,27 @@ static void run_bench(const int *only) {
 }
 
 static void usage(void) {
-    fprintf(stderr, "usage: bench_conv                               the checks\n"
-                    "       bench_conv --bench [--check]             the timings (after the checks with --check)\n"
-                    "       bench_conv --bench N H Cin Cout stride   the timings of one shape\n");
+    fprintf(stderr, "usage: bench_conv                                     the checks\n"
+                    "       bench_conv --bench [--mma] [--check]           the timings (after the checks with --check)\n"
+                    "       bench_conv --bench [--mma] N H Cin Cout stride the timings of one shape\n"
+                    "--mma: time the kernels of GPUs before Hopper (mma.sync) where the sm_90a ones would run\n");
     exit(2);
 }
 
 int main(int argc, char **argv) {
-    int bench = argc > 1 && strcmp(argv[1], "--bench") == 0, check = !bench, one = bench && argc == 7, only[5];
+    int bench = argc > 1 && strcmp(argv[1], "--bench") == 0, mma = bench && argc > 2 && strcmp(argv[2], "--mma") == 0;
+    int rest = argc - 2 - mma, check = !bench, one = bench && rest == 5, only[5];
+    char **args = argv + 2 + mma;
     if (argc > 1 && !bench) usage();
-    if (bench && argc == 3 && strcmp(argv[2], "--check") == 0) check = 1;
-    else if (bench && argc != 2 && !one) usage();
+    if (bench && rest == 1 && strcmp(args[0], "--check") == 0) check = 1;
+    else if (bench && rest != 0 && !one) usage();
     for (int i = 0; one && i < 5; i++) {
-        only[i] = atoi(argv[2 + i]);
+        only[i] = atoi(args[i]);
         if (only[i] < 1 || (i == 4 && only[i] > 2)) usage();
     }
     dev_begin("bench_conv");
     if (check) run_checks();
+    if (mma) gpu.sm90a = 0;
     if (bench) run_bench(one ? only : NULL);
     return dev_end();
 }
