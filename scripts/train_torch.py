@@ -5,14 +5,22 @@ compared (scripts/compare_training.sh, scripts/plot_log.py).
     python3 scripts/train_torch.py --data data/shapes.bin --preset seed --steps 2000 --batch_size 32 \
         --lr 1e-4 --log_interval 10 --csv OUT.csv [--seed 0] [--class_cond False] [--cfg_dropout 0] \
         [--noise_schedule linear|cosine] [--diffusion_steps 1000] [--predict eps|v] [--device cuda] \
-        [--bf16 True] [--compile none|default|reduce-overhead]
+        [--bf16 True] [--compile none|default|reduce-overhead] [--warmup_steps 0] [--ema_rate 0.9999]
+        [--save FILE.safetensors]
 
 Flags carry train_unet's names; model flags (--num_channels, --dropout, ...) override the preset.
 The step: t ~ U{0..T-1}, x_t = sqrt(ab_t) x0 + sqrt(1 - ab_t) eps, loss = mean squared error of
 model(x_t, t[, y]) against eps (or v = sqrt(ab_t) eps - sqrt(1 - ab_t) x0), AdamW, EMA.
 Data: each epoch a fresh seeded permutation, batches run across epoch boundaries, random
 horizontal flips; the same semantics as train_unet's loader, not the same random draws.
+Learning rate: linear warm-up over --warmup_steps (lr * step / warmup_steps at step 1..warmup_steps),
+then constant, as train_unet's (without --lr_decay). EMA for every rate of --ema_rate, starting from
+the initial weights: ema = rate ema + (1 - rate) params after each step, as train_unet's.
 CSV columns: step,loss,lr,grad_norm,img_per_s,ms_per_step,gpu_mem_gib (see --help).
+--save FILE.safetensors writes, after the last step, the first --ema_rate's EMA weights (what
+./generate samples from a train_unet checkpoint folder by default: its ema.safetensors) as fp32
+under guided-diffusion's state_dict names, with the model's flags in the metadata as train_unet
+writes them, so `./generate --checkpoint FILE.safetensors` samples from it (unet_safetensors.py).
 """
 
 import argparse
@@ -27,7 +35,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_torch import PRESETS  # noqa: E402
-from unet_ref import create_model, str2bool  # noqa: E402
+from unet_ref import DEFAULTS, create_model, str2bool  # noqa: E402
+from unet_safetensors import model_metadata, write_safetensors  # noqa: E402
 
 PRESET_SCHEDULE = {"seed": "linear", "adm64": "cosine"}
 MODEL_FLAGS = ["image_size", "num_channels", "channel_mult", "num_res_blocks", "attention_resolutions",
@@ -160,8 +169,9 @@ def parse_args():
     p.add_argument("--steps", type=int, default=2000)
     p.add_argument("--batch_size", type=int, default=32)
     p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--warmup_steps", type=int, default=0, help="linear learning-rate warm-up steps")
     p.add_argument("--weight_decay", type=float, default=0.0)
-    p.add_argument("--ema_rate", type=float, default=0.9999)
+    p.add_argument("--ema_rate", default="0.9999", help="EMA decay rates, comma-separated (--save writes the first)")
     p.add_argument("--random_flip", type=str2bool, default=True)
     p.add_argument("--log_interval", type=int, default=10)
     p.add_argument("--csv", default="", help="CSV log to write (" + CSV_HEADER + ")")
@@ -169,10 +179,46 @@ def parse_args():
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--bf16", type=str2bool, default=True, help="bf16 autocast (fp32 master weights)")
     p.add_argument("--compile", default="none", choices=["none", "default", "reduce-overhead"])
+    p.add_argument("--save", default="", metavar="FILE.safetensors",
+                   help="after the last step, write the first --ema_rate's EMA weights there, for ./generate")
     a = p.parse_args()
     if a.steps < 1 or a.batch_size < 1 or a.log_interval < 1 or a.diffusion_steps < 1:
         p.error("--steps, --batch_size, --log_interval and --diffusion_steps must be positive")
+    if a.warmup_steps < 0:
+        p.error(f"--warmup_steps {a.warmup_steps} must not be negative")
+    try:
+        a.ema_rates = [float(r) for r in a.ema_rate.split(",")]
+    except ValueError:
+        a.ema_rates = []
+    if not 1 <= len(a.ema_rates) <= 8 or not all(0 < r < 1 for r in a.ema_rates):
+        p.error(f"--ema_rate '{a.ema_rate}' must be 1 to 8 rates in (0, 1) separated by commas")
+    if a.save:  # refuse an unwritable place now, not after the training
+        folder = os.path.dirname(os.path.abspath(a.save))
+        os.makedirs(folder, exist_ok=True)
+        if not os.access(folder, os.W_OK) or os.path.isdir(a.save):
+            p.error(f"--save {a.save}: cannot write a file there")
     return a
+
+
+def learning_rate(a, step):
+    """train_unet's learning_rate without --lr_decay: linear warm-up, then constant (step from 1)."""
+    if a.warmup_steps > 0 and step <= a.warmup_steps:
+        return a.lr * step / a.warmup_steps
+    return a.lr
+
+
+def save_weights(path, model, weights, metadata):
+    """Writes `weights` (tensors in the order of model.named_parameters(), e.g. an EMA) under the
+    model's parameter names as fp32, C order ([out][in][kh][kw] for convolutions, whatever the
+    memory format), atomically. The model has no buffers: its state_dict is its parameters."""
+    names = [n for n, _ in model.named_parameters()]
+    assert sorted(names) == sorted(model.state_dict()), "the model has buffers: save them too"
+    tensors = []
+    for name, (_, p), w in zip(names, model.named_parameters(), weights):
+        assert w.shape == p.shape, name
+        values = w.detach().to("cpu", torch.float32).contiguous()
+        tensors.append((name, list(values.shape), values.numpy().astype("<f4", copy=False)))
+    write_safetensors(path, tensors, metadata)
 
 
 def main():
@@ -195,13 +241,25 @@ def main():
     model = create_model(flags).to(device).to(memory_format=torch.channels_last)
     model.train()
     params = [p for p in model.parameters()]
-    ema = [p.detach().clone() for p in params]
+    emas = [[p.detach().clone() for p in params] for _ in a.ema_rates]
     fused = {"fused": True} if device.type == "cuda" else {}
     opt = torch.optim.AdamW(params, lr=a.lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=a.weight_decay, **fused)
     forward = model if a.compile == "none" else torch.compile(
         model, mode=None if a.compile == "default" else "reduce-overhead")
 
     T = a.diffusion_steps
+    if a.save:  # made now, so that a configuration it cannot describe stops before the training
+        # What train_unet writes in a checkpoint's metadata, so generate reads the same model:
+        # the model flags resolved over guided-diffusion's defaults, label_emb's rows (the
+        # dataset's classes + the null class), the diffusion; then the training, for the record.
+        save_metadata = model_metadata(
+            {**DEFAULTS, **flags}, num_classes=num_classes + 1, diffusion_steps=T, noise_schedule=schedule,
+            predict=a.predict, extra={
+                "format": "train_torch.py EMA weights", "step": str(a.steps), "ema_rate": f"{a.ema_rates[0]:g}",
+                "ema_rates": a.ema_rate, "batch_size": str(a.batch_size), "seed": str(a.seed), "lr": f"{a.lr:g}",
+                "warmup_steps": str(a.warmup_steps), "weight_decay": f"{a.weight_decay:g}",
+                "cfg_dropout": f"{a.cfg_dropout:g}", "random_flip": str(a.random_flip), "steps": str(a.steps),
+                "bf16": str(a.bf16), "compile": a.compile})
     alphas_cumprod = np.cumprod(1.0 - get_betas(schedule, T))
     # As guided-diffusion's _extract_into_tensor: float64 table, gathered, then float32.
     sqrt_ab = torch.from_numpy(np.sqrt(alphas_cumprod)).to(device)
@@ -213,7 +271,8 @@ def main():
     nparams = sum(p.numel() for p in params)
     print(f"train_torch: {a.preset} preset, {nparams:,} parameters, {count} images {width}x{height}"
           f"{f', {num_classes} classes (+ null, cfg_dropout {a.cfg_dropout})' if a.class_cond else ''}, "
-          f"{schedule} schedule T={T}, predict {a.predict}, batch {a.batch_size}, lr {a.lr:g}, "
+          f"{schedule} schedule T={T}, predict {a.predict}, batch {a.batch_size}, lr {a.lr:g}"
+          f"{f' (warm-up {a.warmup_steps} steps)' if a.warmup_steps else ''}, EMA {a.ema_rate}, "
           f"{device}, {'bf16' if a.bf16 else 'fp32'}, compile {a.compile}", flush=True)
     csv = None
     if a.csv:
@@ -228,6 +287,9 @@ def main():
     sync()
     interval_start, losses = time.perf_counter(), []
     for step in range(1, a.steps + 1):
+        lr = learning_rate(a, step)
+        for group in opt.param_groups:
+            group["lr"] = lr
         x_u8, y = loader.next()
         x0 = torch.from_numpy(x_u8).to(device, non_blocking=True).permute(0, 3, 1, 2)
         x0 = (x0.float() / 127.5 - 1.0).contiguous(memory_format=torch.channels_last)
@@ -254,7 +316,8 @@ def main():
         opt.step()
         opt.zero_grad(set_to_none=True)
         with torch.no_grad():
-            torch._foreach_lerp_(ema, [p.detach() for p in params], 1.0 - a.ema_rate)
+            for ema, rate in zip(emas, a.ema_rates):
+                torch._foreach_lerp_(ema, [p.detach() for p in params], 1.0 - rate)
         losses.append(loss.detach())
         if last:
             sync()
@@ -262,7 +325,7 @@ def main():
             elapsed, k = now - interval_start, len(losses)
             mean_loss = torch.stack(losses).mean().item()
             mem = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
-            row = (f"{step},{mean_loss:.6f},{a.lr:.6g},{grad_norm:.6f},{k * a.batch_size / elapsed:.2f},"
+            row = (f"{step},{mean_loss:.6f},{lr:.6g},{grad_norm:.6f},{k * a.batch_size / elapsed:.2f},"
                    f"{elapsed / k * 1000:.3f},{mem:.3f}")
             if csv:
                 csv.write(row + "\n")
@@ -275,6 +338,9 @@ def main():
             interval_start, losses = time.perf_counter(), []
     if csv:
         csv.close()
+    if a.save:
+        save_weights(a.save, model, emas[0], save_metadata)
+        print(f"train_torch: wrote the EMA {a.ema_rates[0]:g} weights to {a.save}", flush=True)
 
 
 if __name__ == "__main__":
