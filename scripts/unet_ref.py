@@ -20,6 +20,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from unet_safetensors import str2bool  # one definition, standard library only (scripts/ is on the path)
+
 
 def _compute_dtype(dtype):
     """float16/bfloat16 -> float32; float32 and float64 unchanged."""
@@ -368,15 +370,6 @@ DEFAULT_CHANNEL_MULT = {
 }
 
 
-def str2bool(v):
-    if isinstance(v, bool):
-        return v
-    s = str(v).strip().lower()
-    if s in ("true", "1", "yes", "t", "y"):
-        return True
-    if s in ("false", "0", "no", "f", "n"):
-        return False
-    raise ValueError(f"boolean value expected, got {v!r}")
 
 
 def model_kwargs(args):
