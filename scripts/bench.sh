@@ -6,14 +6,14 @@
 # BENCH_MODES="eager compile reduce-overhead" picks the PyTorch modes; BENCH_STEPS the steps timed.
 # Then sampling: DDIM with 50 steps, 256 images of the seed preset in one batch, `generate --bench`
 # against scripts/sample_torch.py in the same modes (images/s: above 1 means we are faster).
-# BENCH_SAMPLE=0 leaves it out.
+# BENCH_SAMPLE=0 leaves it out. Each program's output goes to stderr as it runs (what a run cut
+# short by a time limit has measured is not lost); the table comes last, on stdout.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 configs=("$@")
 [ ${#configs[@]} -gt 0 ] || configs=(seed:32 seed:128)
 modes=${BENCH_MODES:-eager compile reduce-overhead}
 steps=${BENCH_STEPS:-50}
-log=$(mktemp)
 # ratio_cells EXPR OURS MODE=THEIRS...: one table cell per mode, "theirs (ratio)", the ratio being
 # EXPR of a = theirs and b = ours (times: a / b; rates: b / a; above 1: we are faster).
 ratio_cells() {
@@ -29,11 +29,11 @@ ratio_cells() {
 rows=()
 for config in "${configs[@]}"; do
     preset=${config%%:*} batch=${config##*:}
-    ours=$(./train_unet --bench "$steps" --preset "$preset" --batch_size "$batch" | tee -a "$log" | sed -n 's/.*median \([0-9.]*\) ms.*/\1/p')
+    ours=$(./train_unet --bench "$steps" --preset "$preset" --batch_size "$batch" | tee -a /dev/stderr | sed -n 's/.*median \([0-9.]*\) ms.*/\1/p')
     row="$preset $batch $ours"
     for mode in $modes; do
         theirs=$(python3 scripts/bench_torch.py --preset "$preset" --batch_size "$batch" --mode "$mode" --steps "$steps" 2>&1 |
-                 tee -a "$log" | sed -n 's/.*median \([0-9.]*\) ms.*/\1/p')
+                 tee -a /dev/stderr | sed -n 's/.*median \([0-9.]*\) ms.*/\1/p')
         row="$row $mode=${theirs:-failed}"
     done
     rows+=("$row")
@@ -42,18 +42,16 @@ sample_row=""
 if [ "${BENCH_SAMPLE:-1}" != 0 ]; then
     run=build/bench_run  # one training step of the seed preset: a checkpoint to sample from
     rm -rf "$run"
-    ./train_unet --data data/shapes.bin --steps 1 --run_dir "$run" >>"$log"
+    ./train_unet --data data/shapes.bin --steps 1 --run_dir "$run" >&2
     ours=$(./generate --checkpoint "$run/checkpoints/step_000000001" --num 256 --batch 256 --steps 50 --bench 5 |
-           tee -a "$log" | sed -n 's/.*(\([0-9.]*\) images\/s.*/\1/p')
+           tee -a /dev/stderr | sed -n 's/.*(\([0-9.]*\) images\/s.*/\1/p')
     sample_row="$ours"
     for mode in $modes; do
-        theirs=$(python3 scripts/sample_torch.py --num 256 --steps 50 --mode "$mode" 2>&1 | tee -a "$log" |
+        theirs=$(python3 scripts/sample_torch.py --num 256 --steps 50 --mode "$mode" 2>&1 | tee -a /dev/stderr |
                  sed -n 's/.*(\([0-9.]*\) images\/s.*/\1/p')
         sample_row="$sample_row $mode=${theirs:-failed}"
     done
 fi
-cat "$log"
-rm -f "$log"
 echo
 printf '%-8s %6s %12s' preset batch "ours ms"
 for mode in $modes; do printf ' %26s' "$mode ms (ratio)"; done
