@@ -936,9 +936,11 @@ __global__ void __launch_bounds__(CONV_THREADS, 2) conv3x3_igemm_kernel(const Co
     ", %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31" \
     ", %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47" \
     ", %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
-#define CONV_WGMMA_P96 CONV_WGMMA_P64 ", %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79" \
+#define CONV_WGMMA_P96 CONV_WGMMA_P64 \
+    ", %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79" \
     ", %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95"
-#define CONV_WGMMA_P128 CONV_WGMMA_P96 ", %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111" \
+#define CONV_WGMMA_P128 CONV_WGMMA_P96 \
+    ", %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111" \
     ", %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
 #define CONV_WGMMA(N, OPERANDS, ...)                                                                \
     asm volatile("wgmma.mma_async.sync.aligned.m64n" #N "k16.f32.bf16.bf16 {" OPERANDS ";\n"           \
@@ -1016,10 +1018,13 @@ struct ConvWgmmaOperand {
                     base[i] = ((int64_t)(n * p.Ho + h / p.stride) * p.Wo + w / p.stride) * p.lddy + along;
                 }
                 for (int t = 0; t < 9; t++) {
-                    int kh = t / 3, kw = t % 3, hh = OP == CONV_FORWARD ? h + kh : h - kh, ww = OP == CONV_FORWARD ? w + kw : w - kw;
+                    int kh = t / 3, kw = t % 3;
+                    int hh = OP == CONV_FORWARD ? h + kh : h - kh, ww = OP == CONV_FORWARD ? w + kw : w - kw;
                     bool inside = hh >= 0 && ww >= 0;
                     if (OP == CONV_FORWARD) inside = inside && hh < limit_h && ww < limit_w;
-                    else inside = inside && hh % p.stride == 0 && ww % p.stride == 0 && hh / p.stride < limit_h && ww / p.stride < limit_w;
+                    else
+                        inside = inside && hh % p.stride == 0 && ww % p.stride == 0 && hh / p.stride < limit_h &&
+                                 ww / p.stride < limit_w;
                     ok[i] |= (uint32_t)inside << t;
                 }
             }
@@ -1043,7 +1048,8 @@ struct ConvWgmmaOperand {
     __device__ __forceinline__ void load(floatX *tile, const floatX *src, const ConvGemm &p, ConvStep st) const {
         int64_t step;  // what the k step adds to every unit's offset
         if (OP == CONV_FORWARD && TAPS) step = ((int64_t)(st.tap / 3) * p.W + st.tap % 3) * p.ldx + st.c0;
-        else if (OP == CONV_INPUT_GRAD && TAPS) step = -((int64_t)(st.tap / 3 / p.stride) * p.Wo + st.tap % 3 / p.stride) * p.lddy + st.c0;
+        else if (OP == CONV_INPUT_GRAD && TAPS)
+            step = -((int64_t)(st.tap / 3 / p.stride) * p.Wo + st.tap % 3 / p.stride) * p.lddy + st.c0;
         else if (OP == CONV_FORWARD) step = st.k0;
         else if (OP == CONV_INPUT_GRAD) step = ((int64_t)st.c0 * 9 + st.tap) * p.C_in;
         else step = (int64_t)st.k0 * p.lddy;
@@ -1124,8 +1130,8 @@ __global__ void __launch_bounds__(CONV_THREADS, BN <= 128 ? 2 : 1) conv3x3_wgmma
         asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
 #pragma unroll
         for (int s = 0; s < BK / 16; s++)
-            conv_wgmma<BN, A_K_MAJOR ? 0 : 1, B_K_MAJOR ? 0 : 1>(
-                acc, conv_wgmma_descriptor(a_tile + s * A_STEP, A_LEADING), conv_wgmma_descriptor(b_tile + s * B_STEP, B_LEADING));
+            conv_wgmma<BN, A_K_MAJOR ? 0 : 1, B_K_MAJOR ? 0 : 1>(acc, conv_wgmma_descriptor(a_tile + s * A_STEP, A_LEADING),
+                                                                 conv_wgmma_descriptor(b_tile + s * B_STEP, B_LEADING));
         asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
         asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
     }
@@ -1159,9 +1165,10 @@ static void conv_launch_wgmma(const ConvGemm &p, int slices) {
 }
 
 // The wgmma kernel for a forward or input-gradient product when this GPU runs it, both operands load
-// in 16-byte chunks and the k channels are a multiple of 64: the tile width of 128, 192 (forward only: its B tile is K-major) or 256 that
-// pads the product's width Ng least (the wider on a tie), narrowed to 128 when the wider one leaves
-// multiprocessors idle. False (nothing launched) for products narrower than 128.
+// in 16-byte chunks and the k channels are a multiple of 64: the tile width of 128, 192 (forward only:
+// its B tile is K-major) or 256 that pads the product's width Ng least (the wider on a tie), narrowed
+// to 128 when the wider one leaves multiprocessors idle. False (nothing launched) for products
+// narrower than 128.
 template <int OP>
 static bool conv_try_wgmma(const ConvGemm &p, bool vec_a, bool vec_b) {
     if (!gpu.sm90a || !vec_a || !vec_b || p.Ng < 128 || (OP == CONV_FORWARD ? p.C_in : p.C_out) % 64 != 0) return false;
