@@ -8,7 +8,6 @@
 // --batch give the same images (another --batch gives the same noise; the model's products may
 // then round differently in the last bits).
 #include <errno.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -42,33 +41,6 @@ static const char usage[] =
     "runs the model once on IN's x [N,C,H,W] (float, NCHW), t [N] and, class-conditional, y [N], and\n"
     "writes its raw output out [N,C_out,H,W] (F32, NCHW): for comparing with PyTorch.\n";
 
-// One error line: "generate: error: ", the message, suffix.
-static void print_error(const char *suffix, const char *fmt, va_list args) {
-    fputs("generate: error: ", stderr);
-    vfprintf(stderr, fmt, args);
-    fprintf(stderr, "%s\n", suffix);
-}
-
-// A runtime error (a file, the checkpoint, the GPU): exit status 1.
-static void die(const char *fmt, ...) __attribute__((format(printf, 1, 2), noreturn));
-static void die(const char *fmt, ...) {
-    va_list args;
-    va_start(args, fmt);
-    print_error("", fmt, args);
-    va_end(args);
-    exit(1);
-}
-
-// A bad command line: the line ends in "(see --help)", exit status 2 (as train_unet).
-static void usage_error(const char *fmt, ...) __attribute__((format(printf, 1, 2), noreturn));
-static void usage_error(const char *fmt, ...) {
-    va_list args;
-    va_start(args, fmt);
-    print_error(" (see --help)", fmt, args);
-    va_end(args);
-    exit(2);
-}
-
 typedef struct {
     const char *checkpoint, *weights, *sampler, *class_name, *out, *eval, *output;
     int steps, num, batch, bench;
@@ -86,7 +58,7 @@ static int read_int(const char *s, long long lo, long long hi, long long *v) {
 
 static long long int_option(const char *name, const char *s, long long lo, long long hi) {
     long long v;
-    if (read_int(s, lo, hi, &v) != 0) usage_error("%s takes a whole number in %lld..%lld, not '%s'", name, lo, hi, s);
+    if (read_int(s, lo, hi, &v) != 0) unet_usage_error("%s takes a whole number in %lld..%lld, not '%s'", name, lo, hi, s);
     return v;
 }
 
@@ -94,7 +66,8 @@ static double real_option(const char *name, const char *s, double lo, double hi)
     char *end;
     errno = 0;
     double v = strtod(s, &end);
-    if (end == s || *end || errno || !(v >= lo && v <= hi)) usage_error("%s takes a number in %g..%g, not '%s'", name, lo, hi, s);
+    if (end == s || *end || errno || !(v >= lo && v <= hi))
+        unet_usage_error("%s takes a number in %g..%g, not '%s'", name, lo, hi, s);
     return v;
 }
 
@@ -107,15 +80,15 @@ static Options parse_options(int argc, char **argv) {
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         if (strcmp(a, "--help") == 0 || strcmp(a, "-h") == 0) fputs(usage, stdout), exit(0);
-        if (a[0] == '-' && a[1] != '-') usage_error("unknown option %s", a);
-        if (strncmp(a, "--", 2) != 0) usage_error("unexpected argument '%s'", a);
+        if (a[0] == '-' && a[1] != '-') unet_usage_error("unknown option %s", a);
+        if (strncmp(a, "--", 2) != 0) unet_usage_error("unexpected argument '%s'", a);
         const char *eq = strchr(a, '=');
         size_t len = eq ? (size_t)(eq - a) : strlen(a);  // "--name"
         const char *name = NULL;
         for (size_t k = 0; k < sizeof names / sizeof *names; k++)
             if (strlen(names[k]) == len - 2 && strncmp(a + 2, names[k], len - 2) == 0) name = names[k];
-        if (!name) usage_error("unknown option %.*s", (int)len, a);
-        if (!eq && i + 1 >= argc) usage_error("--%s needs a value", name);
+        if (!name) unet_usage_error("unknown option %.*s", (int)len, a);
+        if (!eq && i + 1 >= argc) unet_usage_error("--%s needs a value", name);
         const char *v = eq ? eq + 1 : argv[++i];
         char flag[16];
         snprintf(flag, sizeof flag, "--%s", name);
@@ -134,11 +107,13 @@ static Options parse_options(int argc, char **argv) {
         else if (strcmp(name, "eta") == 0) o.eta = real_option(flag, v, 0, 1);
         else o.guidance = real_option(flag, v, 0, 100);  // the last of names
     }
-    if (!o.checkpoint) usage_error("--checkpoint is required");
-    if (strcmp(o.weights, "ema") != 0 && strcmp(o.weights, "model") != 0) usage_error("--weights must be ema or model, not '%s'", o.weights);
+    if (!o.checkpoint) unet_usage_error("--checkpoint is required");
+    if (strcmp(o.weights, "ema") != 0 && strcmp(o.weights, "model") != 0)
+        unet_usage_error("--weights must be ema or model, not '%s'", o.weights);
     if (strcmp(o.sampler, "ddim") != 0 && strcmp(o.sampler, "ddpm") != 0 && strcmp(o.sampler, "dpm++") != 0)
-        usage_error("--sampler must be ddim, ddpm or dpm++, not '%s'", o.sampler);
-    if ((o.eval != NULL) != (o.output != NULL)) usage_error("--eval IN.safetensors and --output OUT.safetensors go together");
+        unet_usage_error("--sampler must be ddim, ddpm or dpm++, not '%s'", o.sampler);
+    if ((o.eval != NULL) != (o.output != NULL))
+        unet_usage_error("--eval IN.safetensors and --output OUT.safetensors go together");
     if (o.batch > o.num) o.batch = o.num;
     return o;
 }
@@ -153,48 +128,49 @@ int main(int argc, char **argv) {
     Options o = parse_options(argc, argv);
     char file[4096], err[1024];
     UnetInfo info;
-    if (unet_inspect(o.checkpoint, o.weights, &info, file, sizeof file, err, sizeof err) != 0) die("%s", err);
+    if (unet_inspect(o.checkpoint, o.weights, &info, file, sizeof file, err, sizeof err) != 0) unet_die("%s", err);
     if (o.eval) {
-        if (unet_eval(file, o.eval, o.output, err, sizeof err) != 0) die("%s", err);
+        if (unet_eval(file, o.eval, o.output, err, sizeof err) != 0) unet_die("%s", err);
         printf("generate: wrote %s\n", o.output);
         return 0;
     }
     int classes = info.num_classes - info.null_class, fixed_class = -1;
     if (!classes && (strcmp(o.class_name, "all") != 0 || o.guidance != 1.0))
-        die("%s is unconditional: --class and --guidance need a class-conditional model", file);
+        unet_die("%s is unconditional: --class and --guidance need a class-conditional model", file);
     if (o.guidance != 1.0 && !info.null_class)
-        die("%s has no null class (trained without --cfg_dropout's label): classifier-free guidance needs one", file);
+        unet_die("%s has no null class (trained without --cfg_dropout's label): classifier-free guidance needs one", file);
     long long k;
     if (classes && strcmp(o.class_name, "all") != 0) {
         if (read_int(o.class_name, 0, classes - 1, &k) != 0)
-            die("--class takes all or a class in 0..%d of %s, not '%s'", classes - 1, file, o.class_name);
+            unet_die("--class takes all or a class in 0..%d of %s, not '%s'", classes - 1, file, o.class_name);
         fixed_class = (int)k;
     }
-    if (info.out_channels != info.in_channels) die("%s predicts a learned variance (learn_sigma): not supported for sampling", file);
+    if (info.out_channels != info.in_channels)
+        unet_die("%s predicts a learned variance (learn_sigma): not supported for sampling", file);
 
     NoiseSchedule schedule;
     SamplePlan plan;
     if (noise_schedule_make(&schedule, info.diffusion_steps, info.noise_schedule) != 0)
-        die("%s: unknown noise_schedule '%s' in its metadata", file, info.noise_schedule);
+        unet_die("%s: unknown noise_schedule '%s' in its metadata", file, info.noise_schedule);
     SamplerKind kind = strcmp(o.sampler, "ddpm") == 0 ? SAMPLER_DDPM : strcmp(o.sampler, "dpm++") == 0 ? SAMPLER_DPM_SOLVER_PP : SAMPLER_DDIM;
     int count = o.steps ? o.steps : kind == SAMPLER_DPM_SOLVER_PP ? 20 : 50;
     if (sample_plan_make(&plan, &schedule, kind, count, (float)o.eta, strcmp(info.predict, "v") == 0, 1) != 0)
-        die("--steps %d: no even spacing of the %d diffusion steps gives that many", count, info.diffusion_steps);
+        unet_die("--steps %d: no even spacing of the %d diffusion steps gives that many", count, info.diffusion_steps);
     UnetSampler *sampler = unet_sampler_create(file, o.batch, &plan, (float)o.guidance, (uint64_t)o.seed, err, sizeof err);
-    if (!sampler) die("%s", err);
+    if (!sampler) unet_die("%s", err);
     // The output folder only once the model is on the GPU: a run that cannot sample leaves none.
-    if (!o.bench && mkdir(o.out, 0777) != 0 && errno != EEXIST) die("cannot create %s: %s", o.out, strerror(errno));
+    if (!o.bench && mkdir(o.out, 0777) != 0 && errno != EEXIST) unet_die("cannot create %s: %s", o.out, strerror(errno));
     int S = info.image_size;
     size_t per_image = (size_t)S * S * info.in_channels;
     unsigned char *images = malloc((size_t)o.num * per_image);
     int *labels = malloc((size_t)o.num * sizeof(int));
-    if (!images || !labels) die("out of memory");
+    if (!images || !labels) unet_die("out of memory");
     for (int i = 0; i < o.num; i++) labels[i] = fixed_class >= 0 ? fixed_class : classes ? i % classes : 0;
     printf("generate: %d images of %dx%d from %s (%lld parameters), %s with %d steps%s\n", o.num, S, S, file,
            (long long)info.parameters, o.sampler, plan.count, o.guidance != 1.0 ? ", classifier-free guidance" : "");
     int runs = o.bench ? o.bench + 1 : 1;  // --bench: a warm-up, then the timed runs
     double *seconds = malloc(runs * sizeof(double));
-    if (!seconds) die("out of memory");
+    if (!seconds) unet_die("out of memory");
     for (int run = 0; run < runs; run++) {
         double ms = 0;
         for (int first = 0; first < o.num; first += o.batch) {
@@ -214,10 +190,11 @@ int main(int argc, char **argv) {
         char path[4400];
         for (int i = 0; i < o.num; i++) {
             snprintf(path, sizeof path, "%s/%06d.png", o.out, i);
-            if (write_png(path, S, S, images + (size_t)i * per_image) != 0) die("cannot write %s: %s", path, strerror(errno));
+            if (write_png(path, S, S, images + (size_t)i * per_image) != 0)
+                unet_die("cannot write %s: %s", path, strerror(errno));
         }
         snprintf(path, sizeof path, "%s/grid.png", o.out);
-        if (write_grid_png(path, images, o.num, S) != 0) die("cannot write %s: %s", path, strerror(errno));
+        if (write_grid_png(path, images, o.num, S) != 0) unet_die("cannot write %s: %s", path, strerror(errno));
         printf("generate: wrote %d images and %s; sampling took %.2f s on the GPU (%.1f images/s)\n", o.num, path, seconds[0],
                o.num / seconds[0]);
     }

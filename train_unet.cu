@@ -78,14 +78,26 @@ static void print_error(const char *suffix, const char *fmt, va_list args) {
     fprintf(stderr, "%s\n", suffix);
 }
 
+// Prints one error line, then exits with `status`.
+static void exit_with_error(int status, const char *suffix, const char *fmt, va_list args) __attribute__((noreturn));
+static void exit_with_error(int status, const char *suffix, const char *fmt, va_list args) {
+    print_error(suffix, fmt, args);
+    exit(status);
+}
+
 // Prints one error line and exits with status 1: every failure the user can cause ends here (or,
 // for a bad command line, in usage_error, with status 2).
 static void fatal(const char *fmt, ...) {
     va_list args;
     va_start(args, fmt);
-    print_error("", fmt, args);
-    va_end(args);
-    exit(1);
+    exit_with_error(1, "", fmt, args);
+}
+
+// A bad command line: one error line ending in "(see --help)", exit status 2.
+static void usage_error(const char *fmt, ...) {
+    va_list args;
+    va_start(args, fmt);
+    exit_with_error(2, " (see --help)", fmt, args);
 }
 
 static void cuda_check_(cudaError_t err, const char *what, const char *file, int line) {
@@ -4266,16 +4278,7 @@ static int load_checkpoint(Trainer *tr, const ResumePoint *rp, char *err, size_t
 // ----------------------------------------------------------------------------------------------
 // The command line: usage, parsing in order, the values that are not the model's, the summaries.
 // Only main uses this part and the training run below, so a library build (TRAIN_UNET_LIBRARY)
-// leaves them out, all but usage_error and resolve_model.
-
-// A bad command line: one error line ending in "(see --help)", exit status 2.
-static void usage_error(const char *fmt, ...) {
-    va_list args;
-    va_start(args, fmt);
-    print_error(" (see --help)", fmt, args);
-    va_end(args);
-    exit(2);
-}
+// leaves them out, all but resolve_model.
 
 // The model configuration of the options, for the command line: a bad value ends the program with
 // one usage error line. The tests and dev/ make their models with it too.
@@ -4802,6 +4805,18 @@ struct UnetSampler {
 };
 
 extern "C" void unet_set_program_name(const char *name) { program_name = name; }
+
+extern "C" void unet_die(const char *fmt, ...) {
+    va_list args;
+    va_start(args, fmt);
+    exit_with_error(1, "", fmt, args);
+}
+
+extern "C" void unet_usage_error(const char *fmt, ...) {
+    va_list args;
+    va_start(args, fmt);
+    exit_with_error(2, " (see --help)", fmt, args);
+}
 
 extern "C" int unet_inspect(const char *path, const char *weights, UnetInfo *info, char *file, size_t file_len, char *err,
                             size_t err_len) {

@@ -29,6 +29,11 @@ typedef struct {
 // Error messages start with this name ("train_unet" unless set).
 void unet_set_program_name(const char *name);
 
+// One error line, "NAME: error: MESSAGE", then exit status 1 (a runtime error: a file, the
+// checkpoint, the GPU), or for a bad command line the line ending in " (see --help)" and status 2.
+void unet_die(const char *fmt, ...) __attribute__((format(printf, 1, 2), noreturn));
+void unet_usage_error(const char *fmt, ...) __attribute__((format(printf, 1, 2), noreturn));
+
 // Reads the configuration of a checkpoint without a GPU. path: a checkpoint folder (its
 // ema.safetensors, or model.safetensors with weights "model") or a .safetensors file. Returns 0,
 // or -1 with a message; on success *file holds the safetensors path used (file_len bytes).
