@@ -672,6 +672,9 @@ typedef struct {
     floatX *out;     // y (forward) or dx (input gradient)
     float *out_f;    // weight gradient: [slice][C_out][9 C_in]
     int pair_store;  // two adjacent output values may be written as one aligned pair
+    // The wgmma kernel's stride-2 input gradient numbers its rows (input pixels) by parity class: class
+    // c = 2 (h % 2) + w % 2 holds rows [class_start[c], class_start[c + 1]), in (n, h / 2, w / 2) order.
+    int parity_rows, class_start[5];
 } ConvGemm;
 
 __device__ __forceinline__ uint32_t conv_smem_address(const void *p) { return (uint32_t)__cvta_generic_to_shared(p); }
@@ -810,16 +813,17 @@ struct ConvOperand {
 };
 
 // Store: the block's accumulators, two adjacent columns at a time. (This is where bias, embedding
-// and residual adds happen as the output is written.)
-//   forward       y[m][n] = acc + bias[n] (+ residual[m][n])
-//   input grad    dx[m][n] += acc
-//   weight grad   out_f[slice][m][n] = acc
+// and residual adds happen as the output is written.) Row m of the product is row `row` of the output
+// (the same but for parity-ordered rows):
+//   forward       y[row][n] = acc + bias[n] (+ residual[row][n])
+//   input grad    dx[row][n] += acc
+//   weight grad   out_f[slice][row][n] = acc
 template <int OP>
-__device__ __forceinline__ void conv_store_pair(const ConvGemm &p, int m, int n, float v0, float v1) {
+__device__ __forceinline__ void conv_store_pair(const ConvGemm &p, int m, int row, int n, float v0, float v1) {
     if (m >= p.M || n >= p.Ng) return;
     bool both = n + 1 < p.Ng, pair = both && p.pair_store;
     if (OP == CONV_WEIGHT_GRAD) {
-        float *o = p.out_f + ((int64_t)blockIdx.z * p.M + m) * p.Ng + n;
+        float *o = p.out_f + ((int64_t)blockIdx.z * p.M + row) * p.Ng + n;
         if (pair) *(float2 *)o = make_float2(v0, v1);
         else {
             o[0] = v0;
@@ -827,12 +831,12 @@ __device__ __forceinline__ void conv_store_pair(const ConvGemm &p, int m, int n,
         }
         return;
     }
-    floatX *o = p.out + (int64_t)m * p.ldo + n;
+    floatX *o = p.out + (int64_t)row * p.ldo + n;
     if (OP == CONV_FORWARD) {
         v0 += __bfloat162float(p.bias[n]);
         if (both) v1 += __bfloat162float(p.bias[n + 1]);
         if (p.residual) {
-            const floatX *r = p.residual + (int64_t)m * p.ldr + n;
+            const floatX *r = p.residual + (int64_t)row * p.ldr + n;
             v0 += __bfloat162float(r[0]);
             if (both) v1 += __bfloat162float(r[1]);
         }
@@ -926,8 +930,8 @@ __global__ void __launch_bounds__(CONV_THREADS, 2) conv3x3_igemm_kernel(const Co
 #pragma unroll
         for (int ni = 0; ni < Tile::NI; ni++) {
             int m = m0 + wm0 + mi * 16 + lane / 4, n = n0 + wn0 + ni * 8 + (lane % 4) * 2;
-            conv_store_pair<OP>(p, m, n, acc[mi][ni][0], acc[mi][ni][1]);
-            conv_store_pair<OP>(p, m + 8, n, acc[mi][ni][2], acc[mi][ni][3]);
+            conv_store_pair<OP>(p, m, m, n, acc[mi][ni][0], acc[mi][ni][1]);
+            conv_store_pair<OP>(p, m + 8, m + 8, n, acc[mi][ni][2], acc[mi][ni][3]);
         }
 }
 
@@ -991,9 +995,29 @@ __device__ __forceinline__ uint64_t conv_wgmma_descriptor(const floatX *start, u
 //                 (integer division; taps where h + 1 - kh or w + 1 - kw is not a multiple of s read nothing)
 typedef struct {
     int k0, tap, c0;  // the k step [k0, k0 + 64); forward and input gradient: its tap and first channel
+    const int2 *pixels;  // weight gradient: the step's 64 pixels (conv_pixel_entry)
 } ConvStep;
 
-template <int OP, bool IS_A, int R>
+// The input pixel (n H + h) W + w of parity-ordered row m (ConvGemm.class_start), m < M.
+__device__ __forceinline__ int conv_parity_pixel(const ConvGemm &p, int m) {
+    int c = 0;
+    while (m >= p.class_start[c + 1]) c++;
+    int ph = c >> 1, pw = c & 1, Hc = (p.H - ph + 1) / 2, Wc = (p.W - pw + 1) / 2, r = m - p.class_start[c];
+    int n = r / (Hc * Wc), rest = r - n * (Hc * Wc), hh = rest / Wc;
+    return (n * p.H + 2 * hh + ph) * p.W + 2 * (rest - hh * Wc) + pw;
+}
+
+// The weight gradient's table entry for output pixel `pixel` (one of a k step's 64): x's pixel index
+// at tap (0, 0), which is (h, w) = (ho s - 1, wo s - 1), and h, w in 16 bits each (both -32768 past
+// the last pixel: no tap lies inside). Images stay below 32768 pixels a side.
+__device__ __forceinline__ int2 conv_pixel_entry(const ConvGemm &p, int pixel) {
+    if (pixel >= p.K) return make_int2(0, (int)0x80008000u);
+    int n = conv_div(pixel, p.div_out_pixels), rest = pixel - n * (p.Ho * p.Wo), ho = conv_div(rest, p.div_Wo);
+    int h = ho * p.stride - 1, w = (rest - ho * p.Wo) * p.stride - 1;
+    return make_int2((n * p.H + h) * p.W + w, (int)((uint32_t)h << 16 | ((uint32_t)w & 0xffffu)));
+}
+
+template <int OP, bool IS_A, int R, bool PARITY>
 struct ConvWgmmaOperand {
     static constexpr bool K_MAJOR = IS_A ? OP != CONV_WEIGHT_GRAD : OP == CONV_FORWARD;
     static constexpr bool TAPS = IS_A && OP != CONV_WEIGHT_GRAD;      // rows gathered through the taps
@@ -1024,8 +1048,9 @@ struct ConvWgmmaOperand {
                     h = ho * p.stride - 1, w = (rest - ho * p.Wo) * p.stride - 1, limit_h = p.H, limit_w = p.W;
                     base[i] = ((int64_t)(n * p.H + h) * p.W + w) * p.ldx + along;
                 } else {
-                    n = conv_div(row, p.div_in_pixels);
-                    int rest = row - n * (p.H * p.W), hi = conv_div(rest, p.div_W);
+                    int pixel = PARITY ? conv_parity_pixel(p, row) : row;
+                    n = conv_div(pixel, p.div_in_pixels);
+                    int rest = pixel - n * (p.H * p.W), hi = conv_div(rest, p.div_W);
                     h = hi + 1, w = rest - hi * p.W + 1, limit_h = p.Ho, limit_w = p.Wo;
                     base[i] = ((int64_t)(n * p.Ho + h / p.stride) * p.Wo + w / p.stride) * p.lddy + along;
                 }
@@ -1071,8 +1096,11 @@ struct ConvWgmmaOperand {
             bool valid;
             if constexpr (TAPS) {
                 off = base[i] + step, valid = ok[i] >> st.tap & 1;
-            } else if constexpr (PATCHES) {
-                off = conv_offset<OP, false>(p, column, st.k0 + line0 + i * LINE_STEP), valid = off >= 0;
+            } else if constexpr (PATCHES) {  // column (kh, kw, ci) = (a, b, c)
+                int2 e = st.pixels[line0 + i * LINE_STEP];
+                int h = (e.y >> 16) + column.a, w = (int)(int16_t)(e.y & 0xffff) + column.b;
+                valid = column.a >= 0 && (unsigned)h < (unsigned)p.H && (unsigned)w < (unsigned)p.W;
+                off = (int64_t)(e.x + column.a * p.W + column.b) * p.ldx + column.c;
             } else {
                 off = base[0] + i * unit_stride + step, valid = ok[0] >> i & 1;
                 if (OP == CONV_WEIGHT_GRAD) valid = valid && st.k0 + line0 + i * LINE_STEP < p.K;
@@ -1092,7 +1120,8 @@ struct ConvWgmmaTile {
     static constexpr size_t SMEM = (size_t)STAGES * (A_TILE + B_TILE) * sizeof(floatX) + 1024;  // + alignment to 1024
 };
 
-template <int OP, int BN>
+// PARITY: the input gradient's rows are parity-ordered (ConvGemm.parity_rows).
+template <int OP, int BN, bool PARITY>
 __global__ void __launch_bounds__(CONV_THREADS, BN <= 128 ? 2 : 1) conv3x3_wgmma_kernel(const ConvGemm p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     typedef ConvWgmmaTile<BN> Tile;
@@ -1102,20 +1131,58 @@ __global__ void __launch_bounds__(CONV_THREADS, BN <= 128 ? 2 : 1) conv3x3_wgmma
     floatX *As = (floatX *)(conv_smem + (1024 - conv_smem_address(conv_smem) % 1024) % 1024);  // swizzle atoms: 1024 bytes
     floatX *Bs = As + STAGES * Tile::A_TILE;
     const int m0 = blockIdx.x * BM, n0 = blockIdx.y * BN;
-    const int k_tiles = (p.K + BK - 1) / BK, kt0 = blockIdx.z * (p.k_per_slice / BK);
-    const int kt1 = min(k_tiles, kt0 + p.k_per_slice / BK);
     const floatX *a_src = OP == CONV_FORWARD ? p.x : p.dy, *b_src = OP == CONV_WEIGHT_GRAD ? p.x : p.w;
-    ConvWgmmaOperand<OP, true, BM> a_operand;
-    ConvWgmmaOperand<OP, false, BN> b_operand;
+    ConvWgmmaOperand<OP, true, BM, PARITY> a_operand;
+    ConvWgmmaOperand<OP, false, BN, false> b_operand;
     a_operand.init(p, m0), b_operand.init(p, n0);
-    auto load_stage = [&](int kt) {
-        if (kt < kt1) {
-            int stage = (kt - kt0) % STAGES;
-            ConvStep st = {kt * BK, 0, 0};
-            if (OP != CONV_WEIGHT_GRAD) {
-                int C = OP == CONV_FORWARD ? p.C_in : p.C_out;
-                st.tap = conv_div(st.k0, OP == CONV_FORWARD ? p.div_C_in : p.div_C_out), st.c0 = st.k0 - st.tap * C;
+
+    // The k steps the block runs, j = 0 .. steps - 1. Weight gradient: its slice of the pixels. Input
+    // gradient with parity-ordered rows: only the taps that reach some row of the block (1, 2 or 4;
+    // fewer at the image's edges), each in C_out / 64 steps. Otherwise all of k.
+    __shared__ uint32_t block_taps;
+    int steps = p.K / BK, first_tile = 0;  // forward and input gradient: C is a multiple of 64
+    uint32_t taps = 0x1ff;
+    if (OP == CONV_WEIGHT_GRAD) {
+        first_tile = blockIdx.z * (p.k_per_slice / BK);
+        steps = min((p.K + BK - 1) / BK, first_tile + p.k_per_slice / BK) - first_tile;
+    } else if (PARITY) {
+        if (threadIdx.x == 0) block_taps = 0;
+        __syncthreads();
+        uint32_t mine = 0;
+        for (int i = 0; i < a_operand.UNITS; i++) mine |= a_operand.ok[i];
+        atomicOr(&block_taps, mine);  // an OR: the same in any order
+        __syncthreads();
+        taps = block_taps, steps = __popc(taps) * (p.C_out / BK);
+    }
+    // Step j's tap and first channel c0: the (j BK / C)-th tap of `taps` (tap j BK / C when all 9 run).
+    auto step_of = [&](int j) {
+        ConvStep st = {(first_tile + j) * BK, 0, 0, NULL};
+        if (OP != CONV_WEIGHT_GRAD) {
+            const int C = OP == CONV_FORWARD ? p.C_in : p.C_out;
+            int which = conv_div(st.k0, OP == CONV_FORWARD ? p.div_C_in : p.div_C_out);
+            st.c0 = st.k0 - which * C, st.tap = which;
+            if (PARITY) {
+                uint32_t rest = taps;
+                for (; which > 0; which--) rest &= rest - 1;
+                st.tap = __ffs(rest) - 1, st.k0 = st.tap * C + st.c0;
             }
+        }
+        return st;
+    };
+
+    // Weight gradient: a table of each k step's 64 pixels (x's pixel at tap 0 and its (h, w)), written
+    // by threads 0-63 in the iteration before the one that loads the step, so a __syncthreads lies
+    // between; slot j % 4 is rewritten 4 steps later, after every read of it.
+    __shared__ int2 pixel_table[OP == CONV_WEIGHT_GRAD ? 4 : 1][64];
+    auto fill_pixels = [&](int j) {
+        if (OP == CONV_WEIGHT_GRAD && threadIdx.x < 64 && j < steps)
+            pixel_table[j % 4][threadIdx.x] = conv_pixel_entry(p, (first_tile + j) * BK + threadIdx.x);
+    };
+    auto load_stage = [&](int j) {
+        if (j < steps) {
+            int stage = j % STAGES;
+            ConvStep st = step_of(j);
+            if (OP == CONV_WEIGHT_GRAD) st.pixels = pixel_table[j % 4];
             a_operand.load(As + stage * Tile::A_TILE, a_src, p, st);
             b_operand.load(Bs + stage * Tile::B_TILE, b_src, p, st);
         }
@@ -1129,16 +1196,19 @@ __global__ void __launch_bounds__(CONV_THREADS, BN <= 128 ? 2 : 1) conv3x3_wgmma
     constexpr uint32_t A_LEADING = A_K_MAJOR ? 16 : BK * 128, B_LEADING = B_K_MAJOR ? 16 : BK * 128;
     float acc[BN / 2] = {};
 
-    // The ring: tile kt + STAGES - 2 is loaded into the stage that tile kt - 2 used, which every
-    // warpgroup has finished reading (wgmma.wait_group 1 leaves only tile kt - 1's products running).
-    for (int s = 0; s < STAGES - 2; s++) load_stage(kt0 + s);
-    for (int kt = kt0; kt < kt1; kt++) {
+    // The ring: step j + STAGES - 2 is loaded into the stage that step j - 2 used, which every
+    // warpgroup has finished reading (wgmma.wait_group 1 leaves only step j - 1's products running).
+    for (int s = 0; s < STAGES - 1; s++) fill_pixels(s);
+    if (OP == CONV_WEIGHT_GRAD) __syncthreads();
+    for (int s = 0; s < STAGES - 2; s++) load_stage(s);
+    for (int j = 0; j < steps; j++) {
         conv_cp_async_wait<STAGES - 3>();
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // cp.async's writes, seen by wgmma
         __syncthreads();
-        load_stage(kt + STAGES - 2);
-        const floatX *a_tile = As + ((kt - kt0) % STAGES) * Tile::A_TILE + group * 64 * 64;
-        const floatX *b_tile = Bs + ((kt - kt0) % STAGES) * Tile::B_TILE;
+        load_stage(j + STAGES - 2);
+        fill_pixels(j + STAGES - 1);
+        const floatX *a_tile = As + (j % STAGES) * Tile::A_TILE + group * 64 * 64;
+        const floatX *b_tile = Bs + (j % STAGES) * Tile::B_TILE;
         asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
 #pragma unroll
         for (int s = 0; s < BK / 16; s++)
@@ -1152,20 +1222,22 @@ __global__ void __launch_bounds__(CONV_THREADS, BN <= 128 ? 2 : 1) conv3x3_wgmma
 
     // Accumulator j of 4 (per 8 columns): rows lane / 4 and + 8 of the warp's 16, columns 2 (lane % 4) + 0, 1.
     const int lane = threadIdx.x % 32, m = m0 + group * 64 + (threadIdx.x % 128) / 32 * 16 + lane / 4;
+    const int row0 = PARITY && m < p.M ? conv_parity_pixel(p, m) : m;
+    const int row8 = PARITY && m + 8 < p.M ? conv_parity_pixel(p, m + 8) : m + 8;
 #pragma unroll
     for (int j = 0; j < BN / 8; j++) {
         int n = n0 + j * 8 + (lane % 4) * 2;
-        conv_store_pair<OP>(p, m, n, acc[4 * j], acc[4 * j + 1]);
-        conv_store_pair<OP>(p, m + 8, n, acc[4 * j + 2], acc[4 * j + 3]);
+        conv_store_pair<OP>(p, m, row0, n, acc[4 * j], acc[4 * j + 1]);
+        conv_store_pair<OP>(p, m + 8, row8, n, acc[4 * j + 2], acc[4 * j + 3]);
     }
 #else
     __trap();  // launched only where gpu.sm90a says the sm_90a code runs
 #endif
 }
 
-template <int OP, int BN>
-static void conv_launch_wgmma(const ConvGemm &p, int slices) {
-    auto kernel = conv3x3_wgmma_kernel<OP, BN>;
+template <int OP, int BN, bool PARITY>
+static void conv_launch_wgmma_kernel(const ConvGemm &p, int slices) {
+    auto kernel = conv3x3_wgmma_kernel<OP, BN, PARITY>;
     static bool configured = false;  // the shared-memory limit, raised once per kernel
     if (!configured) {
         cuda_check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)ConvWgmmaTile<BN>::SMEM));
@@ -1174,6 +1246,13 @@ static void conv_launch_wgmma(const ConvGemm &p, int slices) {
     dim3 grid((p.M + CONV_WGMMA_BM - 1) / CONV_WGMMA_BM, (p.Ng + BN - 1) / BN, slices);
     kernel<<<grid, CONV_THREADS, ConvWgmmaTile<BN>::SMEM, gpu.stream>>>(p);
     cuda_check_launch();
+}
+
+template <int OP, int BN>
+static void conv_launch_wgmma(const ConvGemm &p, int slices) {
+    if constexpr (OP == CONV_INPUT_GRAD)
+        if (p.parity_rows) return conv_launch_wgmma_kernel<OP, BN, true>(p, slices);
+    conv_launch_wgmma_kernel<OP, BN, false>(p, slices);
 }
 
 // The wgmma kernel for a forward or input-gradient product when this GPU runs it, both operands load
@@ -1258,9 +1337,20 @@ static void conv3x3_forward(floatX *y, int ldy, const floatX *x, int ldx, const 
     if (!conv_try_wgmma<CONV_FORWARD>(p, vec, vec)) conv_launch_by_width<CONV_FORWARD>(p, vec, vec);
 }
 
+// The stride-2 input gradient's rows numbered by parity class (ConvGemm.class_start), for the wgmma
+// kernel: a block's rows then share their taps (1, 2 or 4 of the 9), and it runs only those.
+static void conv_parity_order(ConvGemm *p) {
+    p->parity_rows = 1, p->class_start[0] = 0;
+    for (int c = 0; c < 4; c++) {
+        int Hc = (p->H - (c >> 1) + 1) / 2, Wc = (p->W - (c & 1) + 1) / 2;
+        p->class_start[c + 1] = p->class_start[c] + p->N * Hc * Wc;
+    }
+}
+
 static void conv3x3_backward_input(floatX *dx, int lddx, const floatX *dy, int lddy, const floatX *w, int N, int H, int W,
                                    int C_in, int C_out, int stride) {
     ConvGemm p = conv_gemm(CONV_INPUT_GRAD, N, H, W, C_in, C_out, stride);
+    if (stride == 2) conv_parity_order(&p);  // read by the wgmma kernel only
     p.dy = dy, p.lddy = lddy, p.w = w, p.out = dx, p.ldo = lddx;
     p.pair_store = lddx % 2 == 0 && ((uintptr_t)dx & 3) == 0;
     bool vec_a = C_out % 8 == 0 && lddy % 8 == 0 && conv_aligned16(dy), vec_b = C_in % 8 == 0 && conv_aligned16(w);
@@ -1279,7 +1369,7 @@ static void conv3x3_backward_weight(float *dw, float *scratch, const floatX *dy,
     conv_weight_grad_tile(C_in, C_out, &BM, &BN);
     if (BM == 32) conv_launch<CONV_WEIGHT_GRAD, 32, 128, 32, 1, 8>(p, vec_a, vec_b, slices);
     else if (BN == 32) conv_launch<CONV_WEIGHT_GRAD, 128, 32, 32, 4, 2>(p, vec_a, vec_b, slices);
-    else if (BM == 128 && gpu.sm90a && vec_a && vec_b) conv_launch_wgmma<CONV_WEIGHT_GRAD, 128>(p, slices);
+    else if (BM == 128 && gpu.sm90a && vec_a && vec_b && H < 32768 && W < 32768) conv_launch_wgmma<CONV_WEIGHT_GRAD, 128>(p, slices);
     else if (BM == 128) conv_launch<CONV_WEIGHT_GRAD, 128, 128, 64, 2, 4>(p, vec_a, vec_b, slices);
     else conv_launch<CONV_WEIGHT_GRAD, 64, 256, 32, 2, 4>(p, vec_a, vec_b, slices);
     if (slices > 1) sum_slices(dw, scratch, slices, (int64_t)C_out * 9 * C_in);

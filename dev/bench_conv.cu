@@ -197,6 +197,7 @@ static const CheckCase check_cases[] = {
     // enough 128-pixel rows of tiles for every multiprocessor: the wgmma kernels' 192 and 256 wide tiles
     {"sm_90a tiles 64->192",    2, 12, 11,   64,  192, 1, 64, 64, 64,  8,  0,  0,  0,  0, 1, 0},
     {"sm_90a tiles 256->64",    2, 12, 11,  256,   64, 1,  0,  0,  0,  0, 64, 64, 64, 64, 0, 0},
+    {"stride2 odd 13x7 192->128", 3, 13, 7, 192,  128, 2,  0,  0,  0,  0, 64,  0, 64, 64, 0, 0},
 };
 
 // The fixed cases, then 8 random ones (small images, channel counts of the presets and odd ones,
