@@ -458,7 +458,9 @@ __global__ void channel_sums_final_kernel(float *per_sample, int per_sample_ld, 
     if (c < C)
         for (int n = slice; n < N; n += REDUCE_SLICES) {
             float s = 0.0f;
-            for (int k = 0; k < chunks; k++) s += partial[((int64_t)n * chunks + k) * C + c];
+#pragma unroll
+            for (int k = 0; k < CHANNEL_SUM_CHUNKS; k++)  // all the chunks' loads in flight at once
+                if (k < chunks) s += partial[((int64_t)n * chunks + k) * C + c];
             if (per_sample) per_sample[(int64_t)n * per_sample_ld + c] += s;
             all += s;
         }
@@ -1420,7 +1422,7 @@ static void conv_backward(const Conv *cv, floatX *dx, const floatX *dy, const fl
 //   d_shift = sum_hw du, d_scale = sum_hw du z, d_gamma = sum_{n,hw} dz xhat, d_beta = sum_{n,hw} dz
 //   dx' = rstd * (g - mean_g(g) - xhat * mean_g(g xhat))
 // Statistics are reduced in fixed-order passes: a partial sum per (sample, chunk of rows), then the
-// total; so results are deterministic. Each thread owns 16 bytes of channels at a time.
+// total; so results are deterministic.
 
 #define GN_GROUPS 32
 #define GN_EPS 1e-5f
@@ -1456,65 +1458,117 @@ __device__ inline void chunk_rows(int rows, int chunk, int chunks, int *begin, i
     *end = (int)((int64_t)rows * (chunk + 1) / chunks);
 }
 
+// The thread layout of the GroupNorm kernels: a block of GN_THREADS threads covers one chunk of one
+// sample's rows; thread t owns the PACK channels from c0 = (t % packs) PACK in rows begin + t / packs,
+// + rows_per_pass, ... (packs = C / PACK; the threads past packs * rows_per_pass idle). A thread's
+// channels are fixed, so their constants are loaded once, before its rows. The row loops are unrolled
+// twice, so that two rows' loads are in flight together (four measured slower: more registers).
+typedef struct {
+    int n, c0, first, rows_per_pass, end;  // rows first, first + rows_per_pass, ... < end of sample n
+} GnThread;
+
+__device__ inline GnThread gn_thread(int HW, int C) {
+    GnThread t;
+    int packs = C / PACK, begin;
+    t.n = blockIdx.y, t.c0 = threadIdx.x % packs * PACK, t.rows_per_pass = GN_THREADS / packs;
+    chunk_rows(HW, blockIdx.x, gridDim.x, &begin, &t.end);
+    t.first = (int)threadIdx.x / packs < t.rows_per_pass ? begin + threadIdx.x / packs : t.end;
+    return t;
+}
+
+// Block reductions in a fixed order (so that results are the same on every run): the threads' values
+// go to shared memory as sh[q][row C + c] (row = t / packs); thread c, c + GN_THREADS, ... then adds
+// channel c's values in row order.
+__device__ inline int gn_rows(int C) { return GN_THREADS / (C / PACK); }
+
 // Sums per group over one chunk: partial[n][chunk][g] = (sum x', sum x'^2).
-__global__ void group_norm_stats_kernel(double *partial, const floatX *x, NormOptions o, int HW, int C) {
-    __shared__ double sums[GN_THREADS][2 * PACK];
-    int n = blockIdx.y, chunk = blockIdx.x, packs = C / PACK, lane = threadIdx.x % packs, row0 = threadIdx.x / packs;
-    int rows_per_pass = GN_THREADS / packs, begin, end;
-    chunk_rows(HW, chunk, gridDim.x, &begin, &end);
+__global__ void group_norm_stats_kernel(double *__restrict__ partial, const floatX *__restrict__ x, NormOptions o, int HW, int C) {
+    __shared__ double sh[2][GN_THREADS * PACK];
+    GnThread t = gn_thread(HW, C);
+    float add[PACK];
+    for (int j = 0; j < PACK; j++) add[j] = o.add ? o.add[(int64_t)t.n * o.add_ld + t.c0 + j] : 0.0f;
     double s[PACK] = {0}, ss[PACK] = {0};
-    if (row0 < rows_per_pass) {
-        for (int r = begin + row0; r < end; r += rows_per_pass) {
-            Pack p = *(const Pack *)&x[((int64_t)n * HW + r) * C + lane * PACK];
-            for (int j = 0; j < PACK; j++) {
-                double v = (double)(float)p.v[j] + (o.add ? o.add[(int64_t)n * o.add_ld + lane * PACK + j] : 0.0f);
-                s[j] += v, ss[j] += v * v;
-            }
+#pragma unroll 2
+    for (int r = t.first; r < t.end; r += t.rows_per_pass) {
+        Pack p = *(const Pack *)&x[((int64_t)t.n * HW + r) * C + t.c0];
+        for (int j = 0; j < PACK; j++) {
+            double v = (double)(float)p.v[j] + add[j];
+            s[j] += v, ss[j] += v * v;
         }
     }
-    for (int j = 0; j < PACK; j++) sums[threadIdx.x][j] = s[j], sums[threadIdx.x][PACK + j] = ss[j];
+    for (int j = 0; j < PACK; j++) sh[0][threadIdx.x * PACK + j] = s[j], sh[1][threadIdx.x * PACK + j] = ss[j];
     __syncthreads();
-    int per_group = C / GN_GROUPS;
-    for (int g = threadIdx.x; g < GN_GROUPS; g += blockDim.x) {  // fixed order: channels, then rows
-        double a = 0, b = 0;
-        for (int c = g * per_group; c < (g + 1) * per_group; c++)
-            for (int r = 0; r < rows_per_pass; r++) a += sums[r * packs + c / PACK][c % PACK], b += sums[r * packs + c / PACK][PACK + c % PACK];
-        partial[(((int64_t)n * gridDim.x + chunk) * GN_GROUPS + g) * 2 + 0] = a;
-        partial[(((int64_t)n * gridDim.x + chunk) * GN_GROUPS + g) * 2 + 1] = b;
+    double total[2][PACK];  // channel threadIdx.x + k GN_THREADS
+    for (int k = 0; k < PACK; k++) {
+        int c = threadIdx.x + k * GN_THREADS;
+        total[0][k] = total[1][k] = 0.0;
+        if (c < C)
+            for (int r = 0; r < gn_rows(C); r++) total[0][k] += sh[0][r * C + c], total[1][k] += sh[1][r * C + c];
+    }
+    __syncthreads();
+    for (int k = 0; k < PACK; k++)
+        if (threadIdx.x + k * GN_THREADS < C) sh[0][threadIdx.x + k * GN_THREADS] = total[0][k], sh[1][threadIdx.x + k * GN_THREADS] = total[1][k];
+    __syncthreads();
+    if (threadIdx.x < GN_GROUPS) {
+        int per_group = C / GN_GROUPS;
+        double a = 0.0, b = 0.0;
+        for (int c = threadIdx.x * per_group; c < (threadIdx.x + 1) * per_group; c++) a += sh[0][c], b += sh[1][c];
+        double *out = partial + (((int64_t)t.n * gridDim.x + blockIdx.x) * GN_GROUPS + threadIdx.x) * 2;
+        out[0] = a, out[1] = b;
     }
 }
 
+// The per-channel constants of the element function for channels c0 .. c0+PACK-1 of sample n, whose
+// group statistics are sample_mean[g], sample_rstd[g].
+typedef struct {
+    float mean[PACK], rstd[PACK], gamma[PACK], beta[PACK], add[PACK], scale[PACK], shift[PACK];
+} GroupNormChannels;
+
+__device__ inline GroupNormChannels group_norm_channels(const float *sample_mean, const float *sample_rstd, const float *gamma,
+                                                        const float *beta, const NormOptions &o, int n, int c0, int C) {
+    GroupNormChannels k;
+    int per_group = C / GN_GROUPS;
+    for (int j = 0; j < PACK; j++) {
+        int c = c0 + j, g = c / per_group;
+        k.mean[j] = sample_mean[g], k.rstd[j] = sample_rstd[g];
+        k.gamma[j] = gamma[c], k.beta[j] = beta[c];
+        k.add[j] = o.add ? o.add[(int64_t)n * o.add_ld + c] : 0.0f;
+        k.scale[j] = o.scale_shift ? o.scale_shift[(int64_t)n * o.scale_shift_ld + c] : 0.0f;
+        k.shift[j] = o.scale_shift ? o.scale_shift[(int64_t)n * o.scale_shift_ld + C + c] : 0.0f;
+    }
+    return k;
+}
+
 // Normalises one chunk (statistics combined from the partial sums) and applies the fused options.
-__global__ void group_norm_apply_kernel(floatX *y, float *mean_out, float *rstd_out, const floatX *x, const double *partial,
-                                        const float *gamma, const float *beta, NormOptions o, int HW, int C) {
+// Its grid need not be the statistics' one: the statistics come in stat_chunks chunks.
+__global__ void group_norm_apply_kernel(floatX *__restrict__ y, float *mean_out, float *rstd_out, const floatX *__restrict__ x,
+                                        const double *partial, int stat_chunks, const float *gamma, const float *beta,
+                                        NormOptions o, int HW, int C) {
     __shared__ float mean[GN_GROUPS], rstd[GN_GROUPS];
-    int n = blockIdx.y, chunk = blockIdx.x, chunks = gridDim.x, packs = C / PACK;
+    int n = blockIdx.y, chunks = stat_chunks;
     if (threadIdx.x < GN_GROUPS) {
         double a = 0, b = 0, count = (double)HW * (C / GN_GROUPS);
-        for (int k = 0; k < chunks; k++) {
-            a += partial[(((int64_t)n * chunks + k) * GN_GROUPS + threadIdx.x) * 2 + 0];
-            b += partial[(((int64_t)n * chunks + k) * GN_GROUPS + threadIdx.x) * 2 + 1];
-        }
+#pragma unroll
+        for (int k = 0; k < GN_CHUNKS; k++)  // all the chunks' loads in flight at once
+            if (k < chunks) {
+                a += partial[(((int64_t)n * chunks + k) * GN_GROUPS + threadIdx.x) * 2 + 0];
+                b += partial[(((int64_t)n * chunks + k) * GN_GROUPS + threadIdx.x) * 2 + 1];
+            }
         double m = a / count, var = fmax(b / count - m * m, 0.0);
         mean[threadIdx.x] = (float)m;
         rstd[threadIdx.x] = (float)(1.0 / sqrt(var + GN_EPS));
-        if (chunk == 0) mean_out[n * GN_GROUPS + threadIdx.x] = mean[threadIdx.x], rstd_out[n * GN_GROUPS + threadIdx.x] = rstd[threadIdx.x];
+        if (blockIdx.x == 0) mean_out[n * GN_GROUPS + threadIdx.x] = mean[threadIdx.x], rstd_out[n * GN_GROUPS + threadIdx.x] = rstd[threadIdx.x];
     }
     __syncthreads();
-    int begin, end, per_group = C / GN_GROUPS;
-    chunk_rows(HW, chunk, chunks, &begin, &end);
-    for (int64_t i = (int64_t)begin * packs + threadIdx.x; i < (int64_t)end * packs; i += blockDim.x) {
-        int c0 = (int)(i % packs) * PACK;
-        int64_t at = ((int64_t)n * HW) * C + i * PACK;
+    GnThread t = gn_thread(HW, C);
+    GroupNormChannels k = group_norm_channels(mean, rstd, gamma, beta, o, n, t.c0, C);
+#pragma unroll 2
+    for (int r = t.first; r < t.end; r += t.rows_per_pass) {
+        int64_t at = ((int64_t)n * HW + r) * C + t.c0;
         Pack p = *(const Pack *)&x[at], q;
         for (int j = 0; j < PACK; j++) {
-            int c = c0 + j, g = c / per_group;
-            float v = (float)p.v[j] + (o.add ? o.add[(int64_t)n * o.add_ld + c] : 0.0f);
-            float u = (v - mean[g]) * rstd[g] * gamma[c] + beta[c];
-            if (o.scale_shift) {
-                const float *ss = o.scale_shift + (int64_t)n * o.scale_shift_ld;
-                u = u * (1.0f + ss[c]) + ss[C + c];
-            }
+            float u = ((float)p.v[j] + k.add[j] - k.mean[j]) * k.rstd[j] * k.gamma[j] + k.beta[j];
+            if (o.scale_shift) u = u * (1.0f + k.scale[j]) + k.shift[j];
             if (o.silu) u = u * sigmoidf_(u);
             if (o.dropout > 0.0f) u *= dropout_keep(*o.dropout_seed, o.dropout_stream, at + j, o.dropout);
             q.v[j] = (floatX)u;
@@ -1523,128 +1577,127 @@ __global__ void group_norm_apply_kernel(floatX *y, float *mean_out, float *rstd_
     }
 }
 
-static int gn_chunks(int HW) { return HW < GN_CHUNKS ? HW : GN_CHUNKS; }
+// The kernels that sum (statistics, backward sums) take chunks of at least 8 row passes of a block, at
+// most GN_CHUNKS of them: fewer partial sums for small images. The ones that only stream (normalise,
+// input gradient) take GN_CHUNKS chunks (fewer rows than that: a row each), for more blocks in flight.
+static int gn_sum_chunks(int HW, int C) {
+    int chunks = HW / (GN_THREADS / (C / PACK) * 8);
+    return chunks < 1 ? 1 : chunks > GN_CHUNKS ? GN_CHUNKS : chunks;
+}
+
+static int gn_stream_chunks(int HW) { return HW < GN_CHUNKS ? HW : GN_CHUNKS; }
 
 static void group_norm_forward(const Norm *norm, floatX *y, float *mean, float *rstd, const floatX *x, int N, int HW,
                                NormOptions o) {
-    int C = norm->channels, chunks = gn_chunks(HW);
+    int C = norm->channels, chunks = gn_sum_chunks(HW, C);
     double *partials = norm->scratch->gn_partials;
     group_norm_stats_kernel<<<dim3(chunks, N), GN_THREADS, 0, gpu.stream>>>(partials, x, o, HW, C);
     cuda_check_launch();
-    group_norm_apply_kernel<<<dim3(chunks, N), GN_THREADS, 0, gpu.stream>>>(y, mean, rstd, x, partials,
-                                                                            norm->gamma, norm->beta, o, HW, C);
+    group_norm_apply_kernel<<<dim3(gn_stream_chunks(HW), N), GN_THREADS, 0, gpu.stream>>>(
+        y, mean, rstd, x, partials, chunks, norm->gamma, norm->beta, o, HW, C);
     cuda_check_launch();
 }
 
-// The per-element part of the backward at one value v = x + add of channel c: xhat, z (before
+// The per-element part of the backward at one value v = x + add of channel j of k: xhat, z (before
 // scale-shift), du (dy through dropout and SiLU) and dz (du through scale-shift).
-__device__ inline void group_norm_backward_element(float v, float dy, float mean, float rstd, float gamma, float beta,
-                                                   float scale, float shift, const NormOptions &o, int64_t at, float *xhat,
-                                                   float *z, float *du, float *dz) {
-    *xhat = (v - mean) * rstd;
-    *z = *xhat * gamma + beta;
-    float u = o.scale_shift ? *z * (1.0f + scale) + shift : *z;
+__device__ inline void group_norm_backward_element(float v, float dy, const GroupNormChannels &k, int j,
+                                                   const NormOptions &o, int64_t at, float *xhat, float *z, float *du,
+                                                   float *dz) {
+    *xhat = (v - k.mean[j]) * k.rstd[j];
+    *z = *xhat * k.gamma[j] + k.beta[j];
+    float u = o.scale_shift ? *z * (1.0f + k.scale[j]) + k.shift[j] : *z;
     if (o.dropout > 0.0f) dy *= dropout_keep(*o.dropout_seed, o.dropout_stream, at, o.dropout);
     if (o.silu) {
         float s = sigmoidf_(u);
         dy *= s * (1.0f + u * (1.0f - s));
     }
     *du = dy;
-    *dz = o.scale_shift ? dy * (1.0f + scale) : dy;
-}
-
-// The per-channel constants of the element function for channels c0 .. c0+PACK-1 of sample n.
-typedef struct {
-    float mean[PACK], rstd[PACK], add[PACK], scale[PACK], shift[PACK];
-} GroupNormChannels;
-
-__device__ inline GroupNormChannels group_norm_channels(const float *mean, const float *rstd, const NormOptions &o, int n,
-                                                        int c0, int C) {
-    GroupNormChannels k;
-    int per_group = C / GN_GROUPS;
-    for (int j = 0; j < PACK; j++) {
-        int c = c0 + j, g = c / per_group;
-        k.mean[j] = mean[n * GN_GROUPS + g], k.rstd[j] = rstd[n * GN_GROUPS + g];
-        k.add[j] = o.add ? o.add[(int64_t)n * o.add_ld + c] : 0.0f;
-        k.scale[j] = o.scale_shift ? o.scale_shift[(int64_t)n * o.scale_shift_ld + c] : 0.0f;
-        k.shift[j] = o.scale_shift ? o.scale_shift[(int64_t)n * o.scale_shift_ld + C + c] : 0.0f;
-    }
-    return k;
+    *dz = o.scale_shift ? dy * (1.0f + k.scale[j]) : dy;
 }
 
 // Backward, pass 1: per (sample, chunk) the channel sums du, du z, dz, dz xhat and the group sums
 // g, g xhat (g = dz gamma). Layout: channels [n][chunk][c][4], then groups after N*chunks*C*4.
-// Threads as in the statistics: 16 bytes of channels each, rows strided; then one thread per channel.
-__global__ void group_norm_backward_sums_kernel(double *partial, const floatX *dy, const floatX *x, const float *mean,
-                                                const float *rstd, const float *gamma, const float *beta, NormOptions o,
-                                                int HW, int C) {
-    __shared__ float sums[GN_THREADS][4 * PACK];
-    int n = blockIdx.y, chunk = blockIdx.x, chunks = gridDim.x, packs = C / PACK, lane = threadIdx.x % packs;
-    int row0 = threadIdx.x / packs, rows_per_pass = GN_THREADS / packs, per_group = C / GN_GROUPS, begin, end;
-    chunk_rows(HW, chunk, chunks, &begin, &end);
-    float acc[4 * PACK] = {0};
-    if (row0 < rows_per_pass) {
-        GroupNormChannels k = group_norm_channels(mean, rstd, o, n, lane * PACK, C);
-        for (int row = begin + row0; row < end; row += rows_per_pass) {
-            int64_t at = ((int64_t)n * HW + row) * C + lane * PACK;
-            Pack xp = *(const Pack *)&x[at], dp = *(const Pack *)&dy[at];
-            for (int j = 0; j < PACK; j++) {
-                int c = lane * PACK + j;
-                float xhat, z, du, dz;
-                group_norm_backward_element((float)xp.v[j] + k.add[j], (float)dp.v[j], k.mean[j], k.rstd[j], gamma[c], beta[c],
-                                            k.scale[j], k.shift[j], o, at + j, &xhat, &z, &du, &dz);
-                acc[j] += du, acc[PACK + j] += du * z, acc[2 * PACK + j] += dz, acc[3 * PACK + j] += dz * xhat;
-            }
+// (At most 128 registers, for two blocks per multiprocessor: a few values spill.)
+__global__ void __launch_bounds__(GN_THREADS, 2)
+    group_norm_backward_sums_kernel(double *partial, const floatX *__restrict__ dy, const floatX *__restrict__ x, const float *mean, const float *rstd,
+                                    const float *gamma, const float *beta, NormOptions o, int HW, int C) {
+    __shared__ __align__(16) float shared[4 * GN_THREADS * PACK];  // 32 KB (FP32: 16 KB)
+    GnThread t = gn_thread(HW, C);
+    GroupNormChannels k = group_norm_channels(mean + t.n * GN_GROUPS, rstd + t.n * GN_GROUPS, gamma, beta, o, t.n, t.c0, C);
+    float acc[4][PACK] = {};
+#pragma unroll 2
+    for (int r = t.first; r < t.end; r += t.rows_per_pass) {
+        int64_t at = ((int64_t)t.n * HW + r) * C + t.c0;
+        Pack xp = *(const Pack *)&x[at], dp = *(const Pack *)&dy[at];
+        for (int j = 0; j < PACK; j++) {
+            float xhat, z, du, dz;
+            group_norm_backward_element((float)xp.v[j] + k.add[j], (float)dp.v[j], k, j, o, at + j, &xhat, &z, &du, &dz);
+            acc[0][j] += du, acc[1][j] += du * z, acc[2][j] += dz, acc[3][j] += dz * xhat;
         }
     }
-    for (int q = 0; q < 4 * PACK; q++) sums[threadIdx.x][q] = acc[q];
+    float(*sh)[GN_THREADS * PACK] = (float(*)[GN_THREADS * PACK])shared;
+    for (int q = 0; q < 4; q++)
+        for (int j = 0; j < PACK; j++) sh[q][threadIdx.x * PACK + j] = acc[q][j];
     __syncthreads();
-    double *channel_out = partial + ((int64_t)n * chunks + chunk) * C * 4;
-    for (int c = threadIdx.x; c < C; c += blockDim.x) {
-        double t[4] = {0, 0, 0, 0};
-        for (int r = 0; r < rows_per_pass; r++)
-            for (int q = 0; q < 4; q++) t[q] += sums[r * packs + c / PACK][q * PACK + c % PACK];
-        for (int q = 0; q < 4; q++) channel_out[c * 4 + q] = t[q];
+    int chunks = gridDim.x;
+    double *channel_out = partial + ((int64_t)t.n * chunks + blockIdx.x) * C * 4;
+    double weighted[2][PACK] = {};  // gamma_c sum dz, gamma_c sum dz xhat of channel threadIdx.x + k GN_THREADS
+    for (int k = 0; k < PACK; k++) {
+        int c = threadIdx.x + k * GN_THREADS;
+        if (c >= C) break;
+        double total[4] = {0, 0, 0, 0};
+        for (int r = 0; r < gn_rows(C); r++)
+            for (int q = 0; q < 4; q++) total[q] += sh[q][r * C + c];
+        for (int q = 0; q < 4; q++) channel_out[c * 4 + q] = total[q];
+        weighted[0][k] = gamma[c] * total[2], weighted[1][k] = gamma[c] * total[3];
     }
     __syncthreads();
-    // Group sums from the channel sums of this chunk: sum g = sum_c gamma_c sum dz, likewise g xhat.
+    // Group sums from the channel sums: sum g = sum_c gamma_c sum dz, likewise g xhat.
+    double(*group_sh)[GN_THREADS * PACK] = (double(*)[GN_THREADS * PACK])shared;  // [2][C]: the same 32 (FP32: 16) KB
+    for (int k = 0; k < PACK; k++)
+        if (threadIdx.x + k * GN_THREADS < C)
+            group_sh[0][threadIdx.x + k * GN_THREADS] = weighted[0][k], group_sh[1][threadIdx.x + k * GN_THREADS] = weighted[1][k];
+    __syncthreads();
     if (threadIdx.x < GN_GROUPS) {
-        double a = 0, b = 0;
-        for (int c = threadIdx.x * per_group; c < (threadIdx.x + 1) * per_group; c++)
-            a += gamma[c] * channel_out[c * 4 + 2], b += gamma[c] * channel_out[c * 4 + 3];
-        double *group_out = partial + (int64_t)gridDim.y * chunks * C * 4 + (((int64_t)n * chunks + chunk) * GN_GROUPS + threadIdx.x) * 2;
+        int per_group = C / GN_GROUPS;
+        double a = 0.0, b = 0.0;
+        for (int c = threadIdx.x * per_group; c < (threadIdx.x + 1) * per_group; c++) a += group_sh[0][c], b += group_sh[1][c];
+        double *group_out = partial + (int64_t)gridDim.y * chunks * C * 4 + (((int64_t)t.n * chunks + blockIdx.x) * GN_GROUPS + threadIdx.x) * 2;
         group_out[0] = a, group_out[1] = b;
     }
 }
 
-// Backward, pass 2: dx' += rstd (g - mean_g(g) - xhat mean_g(g xhat)) for one chunk, 16 bytes a thread.
-__global__ void group_norm_backward_input_kernel(floatX *dx, const floatX *dy, const floatX *x, const double *partial,
-                                                 const float *mean, const float *rstd, const float *gamma,
-                                                 const float *beta, NormOptions o, int HW, int C) {
+// Backward, pass 2: dx' += rstd (g - mean_g(g) - xhat mean_g(g xhat)) for one chunk.
+// Like the forward's normalisation, its grid need not be the sums' one (stat_chunks chunks).
+__global__ void group_norm_backward_input_kernel(floatX *__restrict__ dx, const floatX *__restrict__ dy, const floatX *__restrict__ x,
+                                                 const double *partial, int stat_chunks, const float *mean, const float *rstd,
+                                                 const float *gamma, const float *beta, NormOptions o, int HW, int C) {
     __shared__ float mean_g[GN_GROUPS], mean_gx[GN_GROUPS];
-    int n = blockIdx.y, chunk = blockIdx.x, chunks = gridDim.x, per_group = C / GN_GROUPS, packs = C / PACK, begin, end;
+    int n = blockIdx.y, chunks = stat_chunks, per_group = C / GN_GROUPS;
     if (threadIdx.x < GN_GROUPS) {
         const double *groups = partial + (int64_t)gridDim.y * chunks * C * 4;
         double a = 0, b = 0, count = (double)HW * per_group;
-        for (int k = 0; k < chunks; k++) {
-            a += groups[(((int64_t)n * chunks + k) * GN_GROUPS + threadIdx.x) * 2 + 0];
-            b += groups[(((int64_t)n * chunks + k) * GN_GROUPS + threadIdx.x) * 2 + 1];
-        }
+#pragma unroll
+        for (int k = 0; k < GN_CHUNKS; k++)
+            if (k < chunks) {
+                a += groups[(((int64_t)n * chunks + k) * GN_GROUPS + threadIdx.x) * 2 + 0];
+                b += groups[(((int64_t)n * chunks + k) * GN_GROUPS + threadIdx.x) * 2 + 1];
+            }
         mean_g[threadIdx.x] = (float)(a / count), mean_gx[threadIdx.x] = (float)(b / count);
     }
     __syncthreads();
-    chunk_rows(HW, chunk, chunks, &begin, &end);
-    for (int64_t i = (int64_t)begin * packs + threadIdx.x; i < (int64_t)end * packs; i += blockDim.x) {
-        int c0 = (int)(i % packs) * PACK;
-        int64_t at = (int64_t)n * HW * C + i * PACK;
-        GroupNormChannels k = group_norm_channels(mean, rstd, o, n, c0, C);
+    GnThread t = gn_thread(HW, C);
+    GroupNormChannels k = group_norm_channels(mean + n * GN_GROUPS, rstd + n * GN_GROUPS, gamma, beta, o, n, t.c0, C);
+    float group_g[PACK], group_gx[PACK];
+    for (int j = 0; j < PACK; j++) group_g[j] = mean_g[(t.c0 + j) / per_group], group_gx[j] = mean_gx[(t.c0 + j) / per_group];
+#pragma unroll 2
+    for (int r = t.first; r < t.end; r += t.rows_per_pass) {
+        int64_t at = ((int64_t)n * HW + r) * C + t.c0;
         Pack xp = *(const Pack *)&x[at], dp = *(const Pack *)&dy[at], out = *(const Pack *)&dx[at];
         for (int j = 0; j < PACK; j++) {
-            int c = c0 + j, g = c / per_group;
             float xhat, z, du, dz;
-            group_norm_backward_element((float)xp.v[j] + k.add[j], (float)dp.v[j], k.mean[j], k.rstd[j], gamma[c], beta[c],
-                                        k.scale[j], k.shift[j], o, at + j, &xhat, &z, &du, &dz);
-            out.v[j] = (floatX)((float)out.v[j] + k.rstd[j] * (dz * gamma[c] - mean_g[g] - xhat * mean_gx[g]));
+            group_norm_backward_element((float)xp.v[j] + k.add[j], (float)dp.v[j], k, j, o, at + j, &xhat, &z, &du, &dz);
+            out.v[j] = (floatX)((float)out.v[j] + k.rstd[j] * (dz * k.gamma[j] - group_g[j] - xhat * group_gx[j]));
         }
         *(Pack *)&dx[at] = out;
     }
@@ -1660,10 +1713,12 @@ __global__ void group_norm_backward_params_kernel(float *dgamma, float *dbeta, f
     if (c < C)
         for (int n = slice; n < N; n += REDUCE_SLICES) {
             double du = 0, duz = 0;
-            for (int k = 0; k < chunks; k++) {
-                const double *p = partial + (((int64_t)n * chunks + k) * C + c) * 4;
-                du += p[0], duz += p[1], db += p[2], dg += p[3];
-            }
+#pragma unroll
+            for (int k = 0; k < GN_CHUNKS; k++)  // all the chunks' loads in flight at once
+                if (k < chunks) {
+                    const double *p = partial + (((int64_t)n * chunks + k) * C + c) * 4;
+                    du += p[0], duz += p[1], db += p[2], dg += p[3];
+                }
             if (d_scale_shift) d_scale_shift[(int64_t)n * ld + c] += (float)duz, d_scale_shift[(int64_t)n * ld + C + c] += (float)du;
         }
     totals[slice][threadIdx.x][0] = dg, totals[slice][threadIdx.x][1] = db;
@@ -1678,13 +1733,13 @@ __global__ void group_norm_backward_params_kernel(float *dgamma, float *dbeta, f
 // dx += (the input gradient), d_scale_shift += (when scale-shift is on, [N][ld] like the input).
 static void group_norm_backward(const Norm *norm, floatX *dx, float *d_scale_shift, const floatX *dy, const floatX *x,
                                 const float *mean, const float *rstd, int N, int HW, NormOptions o) {
-    int C = norm->channels, chunks = gn_chunks(HW);
+    int C = norm->channels, chunks = gn_sum_chunks(HW, C);
     double *partials = norm->scratch->gn_partials;
     group_norm_backward_sums_kernel<<<dim3(chunks, N), GN_THREADS, 0, gpu.stream>>>(
         partials, dy, x, mean, rstd, norm->gamma, norm->beta, o, HW, C);
     cuda_check_launch();
-    group_norm_backward_input_kernel<<<dim3(chunks, N), GN_THREADS, 0, gpu.stream>>>(
-        dx, dy, x, partials, mean, rstd, norm->gamma, norm->beta, o, HW, C);
+    group_norm_backward_input_kernel<<<dim3(gn_stream_chunks(HW), N), GN_THREADS, 0, gpu.stream>>>(
+        dx, dy, x, partials, chunks, mean, rstd, norm->gamma, norm->beta, o, HW, C);
     cuda_check_launch();
     group_norm_backward_params_kernel<<<(C + 31) / 32, dim3(32, REDUCE_SLICES), 0, gpu.stream>>>(
         norm->dgamma, norm->dbeta, o.scale_shift ? d_scale_shift : NULL, o.scale_shift_ld, partials, N, chunks, C);

@@ -245,8 +245,10 @@ int main(void) {
     check_norm(2, 16, 16, 64, 1, GN_SCALE_SHIFT, 0.1f);     // + dropout
     check_norm(3, 7, 7, 96, 1, GN_ADD, 0.3f);
     check_norm(2, 4, 4, 512, 0, 0, 0);                      // wide
+    check_norm(2, 3, 5, 768, 1, GN_SCALE_SHIFT, 0);         // wider than a block's threads: idle threads
     time_norm("in_layers", 32, 64, 64, 64, 1, 0);
     time_norm("out_layers scale-shift", 32, 64, 64, 64, 1, 1);
+    time_norm("out_layers scale-shift", 32, 8, 8, 512, 1, 1);
     return dev_end();
 }
 #endif  // DEV_NO_MAIN
