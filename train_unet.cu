@@ -511,32 +511,44 @@ typedef struct {
 
 static int conv_out_size(int size, int k, int stride) { return (size + 2 * (k / 2) - k) / stride + 1; }
 
-// The weight gradient's tile, BM x BN over (C_out, 9 C_in), and its slices of the pixel sum: enough
-// blocks for CONV_WEIGHT_GRAD_BLOCKS (two on each of an H100's 132 multiprocessors; a constant, so
-// that the plan needs no GPU and the sums come out the same on every GPU), each slice at least 4
-// CONV_SLICE_STEPs of pixels.
-#define CONV_SLICE_STEP 64  // pixels: a multiple of every tile's k step
-#define CONV_WEIGHT_GRAD_BLOCKS 264
+// The weight gradient's tile, BM x BN over (C_out, 9 C_in), the blocks of it a multiprocessor runs at
+// once, and its slices of the pixel sum. The slices are planned for a GPU of CONV_PLAN_SMS
+// multiprocessors (an H100's or H200's 132; a constant, so that the plan needs no GPU and the sums
+// come out the same on every GPU): the count, of slices of at least 4 CONV_SLICE_STEPs of pixels, that
+// minimises a model of the time,
+//   waves x steps per slice x step time  +  the slices' round trip through scratch (written, then added),
+// waves = ceil(tiles x slices / blocks at once). A last wave that leaves most multiprocessors idle
+// costs as much as a full one, so the block count is fitted to whole waves. The two constants are an
+// H100's, measured (dev/NOTES.md, 2026-11-24).
+#define CONV_SLICE_STEP 64             // pixels: a multiple of every tile's k step
+#define CONV_PLAN_SMS 132
+#define CONV_PLAN_STEP_US 1.0          // one multiprocessor's k step over 128 x 256 outputs (two 128 x 128 blocks)
+#define CONV_PLAN_SCRATCH_BYTES_PER_US 2.5e6
 
-static void conv_weight_grad_tile(int C_in, int C_out, int *BM, int *BN) {
-    if (C_out <= 32) *BM = 32, *BN = 128;
-    else if (9 * C_in <= 32) *BM = 128, *BN = 32;
-    else if (C_out > 64) *BM = 128, *BN = 128;  // the fastest tile, even with a partial last row of tiles
-    else *BM = 64, *BN = 256;
+static void conv_weight_grad_tile(int C_in, int C_out, int *BM, int *BN, int *blocks_per_sm) {
+    if (C_out <= 32) *BM = 32, *BN = 128, *blocks_per_sm = 2;
+    else if (9 * C_in <= 32) *BM = 128, *BN = 32, *blocks_per_sm = 2;
+    else if (C_out > 64) *BM = 128, *BN = 128, *blocks_per_sm = 2;
+    else *BM = 64, *BN = 256, *blocks_per_sm = 1;
 }
 
 static int conv3x3_weight_grad_slices(int N, int H, int W, int C_in, int C_out, int stride, int *pixels_per_slice) {
-    int BM, BN;
-    conv_weight_grad_tile(C_in, C_out, &BM, &BN);
+    int BM, BN, blocks_per_sm;
+    conv_weight_grad_tile(C_in, C_out, &BM, &BN, &blocks_per_sm);
     int64_t pixels = (int64_t)N * conv_out_size(H, 3, stride) * conv_out_size(W, 3, stride);
     int steps = (int)((pixels + CONV_SLICE_STEP - 1) / CONV_SLICE_STEP);
-    int tiles = ((C_out + BM - 1) / BM) * ((9 * C_in + BN - 1) / BN);
-    int slices = (CONV_WEIGHT_GRAD_BLOCKS + tiles - 1) / tiles, most = steps / 4;
-    if (slices > most) slices = most;
-    if (slices < 1) slices = 1;
-    int per = (steps + slices - 1) / slices;
-    if (pixels_per_slice) *pixels_per_slice = per * CONV_SLICE_STEP;
-    return (steps + per - 1) / per;
+    int tiles = ((C_out + BM - 1) / BM) * ((9 * C_in + BN - 1) / BN), at_once = CONV_PLAN_SMS * blocks_per_sm;
+    double step_us = CONV_PLAN_STEP_US * BM * BN * blocks_per_sm / (128 * 256);
+    double slice_us = 8.0 * C_out * 9 * C_in / CONV_PLAN_SCRATCH_BYTES_PER_US;
+    int best_per = steps;
+    double best_us = INFINITY;
+    for (int want = 1; want <= steps / 4 || want == 1; want++) {
+        int per = (steps + want - 1) / want, slices = (steps + per - 1) / per;
+        double us = (double)((tiles * slices + at_once - 1) / at_once) * per * step_us + (slices > 1 ? slices * slice_us : 0);
+        if (us < best_us) best_us = us, best_per = per;
+    }
+    if (pixels_per_slice) *pixels_per_slice = best_per * CONV_SLICE_STEP;
+    return (steps + best_per - 1) / best_per;
 }
 
 // The scratch floats conv3x3_backward_weight needs for this shape (0: none).
@@ -943,15 +955,16 @@ __global__ void __launch_bounds__(CONV_THREADS, 2) conv3x3_igemm_kernel(const Co
 // swizzled tiles (ConvWgmmaOperand); each k step is four m64nBNk16 products. The store and the slices
 // are those of conv3x3_igemm_kernel.
 
-// d[BN / 2] += A (64 x 16, from shared memory) B (16 x BN) for one warpgroup, BN = 128, 192 or 256;
+// d[BN / 2] += A (64 x 16, from shared memory) B (16 x BN) for one warpgroup, BN = 64, 128, 192 or 256;
 // TRANS_A / TRANS_B: the operand is stored M- or N-major (1) instead of K-major (0). The accumulators
 // are the asm's operands %0 .. %(BN / 2 - 1), the descriptors and flags the four after them; the
 // three 1s: add to d, and neither operand negated.
 #define CONV_WGMMA_D8(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), \
                          "+f"(d[i + 6]), "+f"(d[i + 7])
 #define CONV_WGMMA_D32(i) CONV_WGMMA_D8(i), CONV_WGMMA_D8(i + 8), CONV_WGMMA_D8(i + 16), CONV_WGMMA_D8(i + 24)
-#define CONV_WGMMA_P64 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15" \
-    ", %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31" \
+#define CONV_WGMMA_P32 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15" \
+    ", %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+#define CONV_WGMMA_P64 CONV_WGMMA_P32 \
     ", %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47" \
     ", %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
 #define CONV_WGMMA_P96 CONV_WGMMA_P64 \
@@ -967,8 +980,10 @@ __global__ void __launch_bounds__(CONV_THREADS, 2) conv3x3_igemm_kernel(const Co
 
 template <int BN, int TRANS_A, int TRANS_B>
 __device__ __forceinline__ void conv_wgmma(float *d, uint64_t a, uint64_t b) {
-    static_assert(BN == 128 || BN == 192 || BN == 256, "the tile widths built");
-    if constexpr (BN == 128)
+    static_assert(BN == 64 || BN == 128 || BN == 192 || BN == 256, "the tile widths built");
+    if constexpr (BN == 64)
+        CONV_WGMMA(64, CONV_WGMMA_P32 "}, %32, %33, 1, 1, 1, %34, %35", CONV_WGMMA_D32(0));
+    else if constexpr (BN == 128)
         CONV_WGMMA(128, CONV_WGMMA_P64 "}, %64, %65, 1, 1, 1, %66, %67", CONV_WGMMA_D32(0), CONV_WGMMA_D32(32));
     else if constexpr (BN == 192)
         CONV_WGMMA(192, CONV_WGMMA_P96 "}, %96, %97, 1, 1, 1, %98, %99", CONV_WGMMA_D32(0), CONV_WGMMA_D32(32),
@@ -1112,22 +1127,27 @@ struct ConvWgmmaOperand {
     }
 };
 
-#define CONV_WGMMA_BM 128
 #define CONV_WGMMA_BK 64
 
-template <int BN>
+// A BM x BN tile: BM = 128, each warpgroup 64 rows by BN; or BM = 64 (a product only 64 rows high, the
+// weight gradient of 64 output channels), each warpgroup the 64 rows by half of BN. A 128 x 128 tile
+// takes a 3-stage ring, so that two blocks share a multiprocessor; the others 4 stages.
+template <int BM, int BN>
 struct ConvWgmmaTile {
-    static constexpr int STAGES = BN <= 128 ? 3 : 4;  // BN 128: two blocks per multiprocessor
-    static constexpr int A_TILE = CONV_WGMMA_BM * CONV_WGMMA_BK, B_TILE = BN * CONV_WGMMA_BK;  // elements
+    static_assert(BM == 128 || (BM == 64 && BN % 128 == 0), "a warpgroup's columns start at a 64-column group");
+    static constexpr int WN = BM == 128 ? BN : BN / 2;  // a warpgroup's width
+    static constexpr int STAGES = BM == 128 && BN == 128 ? 3 : 4;
+    static constexpr int A_TILE = BM * CONV_WGMMA_BK, B_TILE = BN * CONV_WGMMA_BK;  // elements
     static constexpr size_t SMEM = (size_t)STAGES * (A_TILE + B_TILE) * sizeof(floatX) + 1024;  // + alignment to 1024
+    static constexpr int BLOCKS_PER_SM = 2 * SMEM <= 227 * 1024 ? 2 : 1;
 };
 
 // PARITY: the input gradient's rows are parity-ordered (ConvGemm.parity_rows).
-template <int OP, int BN, bool PARITY>
-__global__ void __launch_bounds__(CONV_THREADS, BN <= 128 ? 2 : 1) conv3x3_wgmma_kernel(const ConvGemm p) {
+template <int OP, int BM, int BN, bool PARITY>
+__global__ void __launch_bounds__(CONV_THREADS, (ConvWgmmaTile<BM, BN>::BLOCKS_PER_SM)) conv3x3_wgmma_kernel(const ConvGemm p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    typedef ConvWgmmaTile<BN> Tile;
-    constexpr int BM = CONV_WGMMA_BM, BK = CONV_WGMMA_BK, STAGES = Tile::STAGES;
+    typedef ConvWgmmaTile<BM, BN> Tile;
+    constexpr int BK = CONV_WGMMA_BK, STAGES = Tile::STAGES, WN = Tile::WN;
     constexpr bool A_K_MAJOR = OP != CONV_WEIGHT_GRAD, B_K_MAJOR = OP == CONV_FORWARD;
     extern __shared__ __align__(16) unsigned char conv_smem[];
     floatX *As = (floatX *)(conv_smem + (1024 - conv_smem_address(conv_smem) % 1024) % 1024);  // swizzle atoms: 1024 bytes
@@ -1192,11 +1212,13 @@ __global__ void __launch_bounds__(CONV_THREADS, BN <= 128 ? 2 : 1) conv3x3_wgmma
     };
 
     // A k16 step moves 32 bytes along a K-major line, or 16 lines (2048 bytes) of an M/N-major tile,
-    // whose 64-element groups lie BK lines apart. The warpgroup's 64 rows of A start 64 x 64 elements in.
+    // whose 64-element groups lie BK lines apart. The warpgroup's 64 rows of A (BM = 128), or its WN
+    // columns of B (BM = 64), start group x 64 x 64 or group x WN x 64 elements in, in either layout.
     const int group = threadIdx.x / 128;
+    const int group_row = BM == 128 ? group * 64 : 0, group_col = BM == 128 ? 0 : group * WN;
     constexpr int A_STEP = A_K_MAJOR ? 16 : 16 * 64, B_STEP = B_K_MAJOR ? 16 : 16 * 64;
     constexpr uint32_t A_LEADING = A_K_MAJOR ? 16 : BK * 128, B_LEADING = B_K_MAJOR ? 16 : BK * 128;
-    float acc[BN / 2] = {};
+    float acc[WN / 2] = {};
 
     // The ring: step j + STAGES - 2 is loaded into the stage that step j - 2 used, which every
     // warpgroup has finished reading (wgmma.wait_group 1 leaves only step j - 1's products running).
@@ -1209,12 +1231,12 @@ __global__ void __launch_bounds__(CONV_THREADS, BN <= 128 ? 2 : 1) conv3x3_wgmma
         __syncthreads();
         load_stage(j + STAGES - 2);
         fill_pixels(j + STAGES - 1);
-        const floatX *a_tile = As + (j % STAGES) * Tile::A_TILE + group * 64 * 64;
-        const floatX *b_tile = Bs + (j % STAGES) * Tile::B_TILE;
+        const floatX *a_tile = As + (j % STAGES) * Tile::A_TILE + group_row * 64;
+        const floatX *b_tile = Bs + (j % STAGES) * Tile::B_TILE + group_col * 64;
         asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
 #pragma unroll
         for (int s = 0; s < BK / 16; s++)
-            conv_wgmma<BN, A_K_MAJOR ? 0 : 1, B_K_MAJOR ? 0 : 1>(acc, conv_wgmma_descriptor(a_tile + s * A_STEP, A_LEADING),
+            conv_wgmma<WN, A_K_MAJOR ? 0 : 1, B_K_MAJOR ? 0 : 1>(acc, conv_wgmma_descriptor(a_tile + s * A_STEP, A_LEADING),
                                                                  conv_wgmma_descriptor(b_tile + s * B_STEP, B_LEADING));
         asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
         asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
@@ -1223,12 +1245,12 @@ __global__ void __launch_bounds__(CONV_THREADS, BN <= 128 ? 2 : 1) conv3x3_wgmma
     conv_cp_async_wait<0>();
 
     // Accumulator j of 4 (per 8 columns): rows lane / 4 and + 8 of the warp's 16, columns 2 (lane % 4) + 0, 1.
-    const int lane = threadIdx.x % 32, m = m0 + group * 64 + (threadIdx.x % 128) / 32 * 16 + lane / 4;
+    const int lane = threadIdx.x % 32, m = m0 + group_row + (threadIdx.x % 128) / 32 * 16 + lane / 4;
     const int row0 = PARITY && m < p.M ? conv_parity_pixel(p, m) : m;
     const int row8 = PARITY && m + 8 < p.M ? conv_parity_pixel(p, m + 8) : m + 8;
 #pragma unroll
-    for (int j = 0; j < BN / 8; j++) {
-        int n = n0 + j * 8 + (lane % 4) * 2;
+    for (int j = 0; j < WN / 8; j++) {
+        int n = n0 + group_col + j * 8 + (lane % 4) * 2;
         conv_store_pair<OP>(p, m, row0, n, acc[4 * j], acc[4 * j + 1]);
         conv_store_pair<OP>(p, m + 8, row8, n, acc[4 * j + 2], acc[4 * j + 3]);
     }
@@ -1237,46 +1259,51 @@ __global__ void __launch_bounds__(CONV_THREADS, BN <= 128 ? 2 : 1) conv3x3_wgmma
 #endif
 }
 
-template <int OP, int BN, bool PARITY>
+template <int OP, int BM, int BN, bool PARITY>
 static void conv_launch_wgmma_kernel(const ConvGemm &p, int slices) {
-    auto kernel = conv3x3_wgmma_kernel<OP, BN, PARITY>;
+    typedef ConvWgmmaTile<BM, BN> Tile;
+    auto kernel = conv3x3_wgmma_kernel<OP, BM, BN, PARITY>;
     static bool configured = false;  // the shared-memory limit, raised once per kernel
     if (!configured) {
-        cuda_check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)ConvWgmmaTile<BN>::SMEM));
+        cuda_check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)Tile::SMEM));
         configured = true;
     }
-    dim3 grid((p.M + CONV_WGMMA_BM - 1) / CONV_WGMMA_BM, (p.Ng + BN - 1) / BN, slices);
-    kernel<<<grid, CONV_THREADS, ConvWgmmaTile<BN>::SMEM, gpu.stream>>>(p);
+    dim3 grid((p.M + BM - 1) / BM, (p.Ng + BN - 1) / BN, slices);
+    kernel<<<grid, CONV_THREADS, Tile::SMEM, gpu.stream>>>(p);
     cuda_check_launch();
 }
 
-template <int OP, int BN>
+template <int OP, int BM, int BN>
 static void conv_launch_wgmma(const ConvGemm &p, int slices) {
     if constexpr (OP == CONV_INPUT_GRAD)
-        if (p.parity_rows) return conv_launch_wgmma_kernel<OP, BN, true>(p, slices);
-    conv_launch_wgmma_kernel<OP, BN, false>(p, slices);
+        if (p.parity_rows) return conv_launch_wgmma_kernel<OP, BM, BN, true>(p, slices);
+    conv_launch_wgmma_kernel<OP, BM, BN, false>(p, slices);
 }
 
 // The wgmma kernel for a forward or input-gradient product when this GPU runs it, both operands load
-// in 16-byte chunks and the k channels are a multiple of 64: the tile width of 128, 192 (forward only:
-// its B tile is K-major) or 256 that pads the product's width Ng least (the wider on a tie), narrowed
-// to 128 when the wider one leaves multiprocessors idle. False (nothing launched) for products
-// narrower than 128.
+// in 16-byte chunks and the k channels are a multiple of 64: 128 x 64 tiles for a product 64 wide,
+// else the tile width of 128, 192 (forward only: its B tile is K-major) or 256 that pads the
+// product's width Ng least (the wider on a tie), narrowed to 128 when the wider one leaves
+// multiprocessors idle. False (nothing launched) for products narrower than 64.
 template <int OP>
 static bool conv_try_wgmma(const ConvGemm &p, bool vec_a, bool vec_b) {
-    if (!gpu.sm90a || !vec_a || !vec_b || p.Ng < 128 || (OP == CONV_FORWARD ? p.C_in : p.C_out) % 64 != 0) return false;
+    if (!gpu.sm90a || !vec_a || !vec_b || p.Ng < 64 || (OP == CONV_FORWARD ? p.C_in : p.C_out) % 64 != 0) return false;
+    if (p.Ng == 64) {
+        conv_launch_wgmma<OP, 128, 64>(p, 1);
+        return true;
+    }
     int best = 128;
     for (int bn = 192; bn <= 256; bn += 64) {
         if (bn == 192 && OP != CONV_FORWARD) continue;
         if ((p.Ng + bn - 1) / bn * bn <= (p.Ng + best - 1) / best * best) best = bn;
     }
-    int64_t blocks = (int64_t)((p.M + CONV_WGMMA_BM - 1) / CONV_WGMMA_BM) * ((p.Ng + best - 1) / best);
+    int64_t blocks = (int64_t)((p.M + 127) / 128) * ((p.Ng + best - 1) / best);
     if (blocks < gpu.num_sms) best = 128;
-    if (best == 256) conv_launch_wgmma<OP, 256>(p, 1);
+    if (best == 256) conv_launch_wgmma<OP, 128, 256>(p, 1);
     else if constexpr (OP == CONV_FORWARD) {
-        if (best == 192) conv_launch_wgmma<OP, 192>(p, 1);
-        else conv_launch_wgmma<OP, 128>(p, 1);
-    } else conv_launch_wgmma<OP, 128>(p, 1);
+        if (best == 192) conv_launch_wgmma<OP, 128, 192>(p, 1);
+        else conv_launch_wgmma<OP, 128, 128>(p, 1);
+    } else conv_launch_wgmma<OP, 128, 128>(p, 1);
     return true;
 }
 
@@ -1367,11 +1394,13 @@ static void conv3x3_backward_weight(float *dw, float *scratch, const floatX *dy,
     p.pair_store = p.Ng % 2 == 0 && ((uintptr_t)p.out_f & 7) == 0;
     bool vec_a = C_out % 8 == 0 && lddy % 8 == 0 && conv_aligned16(dy);
     bool vec_b = C_in % 8 == 0 && ldx % 8 == 0 && conv_aligned16(x);
-    int BM, BN;
-    conv_weight_grad_tile(C_in, C_out, &BM, &BN);
+    int BM, BN, blocks_per_sm;
+    conv_weight_grad_tile(C_in, C_out, &BM, &BN, &blocks_per_sm);
+    bool wgmma = gpu.sm90a && vec_a && vec_b && H < 32768 && W < 32768;
     if (BM == 32) conv_launch<CONV_WEIGHT_GRAD, 32, 128, 32, 1, 8>(p, vec_a, vec_b, slices);
     else if (BN == 32) conv_launch<CONV_WEIGHT_GRAD, 128, 32, 32, 4, 2>(p, vec_a, vec_b, slices);
-    else if (BM == 128 && gpu.sm90a && vec_a && vec_b && H < 32768 && W < 32768) conv_launch_wgmma<CONV_WEIGHT_GRAD, 128>(p, slices);
+    else if (wgmma && BM == 128) conv_launch_wgmma<CONV_WEIGHT_GRAD, 128, 128>(p, slices);
+    else if (wgmma) conv_launch_wgmma<CONV_WEIGHT_GRAD, 64, 256>(p, slices);
     else if (BM == 128) conv_launch<CONV_WEIGHT_GRAD, 128, 128, 64, 2, 4>(p, vec_a, vec_b, slices);
     else conv_launch<CONV_WEIGHT_GRAD, 64, 256, 32, 2, 4>(p, vec_a, vec_b, slices);
     if (slices > 1) sum_slices(dw, scratch, slices, (int64_t)C_out * 9 * C_in);
