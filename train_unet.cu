@@ -447,8 +447,9 @@ __global__ void channel_sums_partial_kernel(float *partial, const floatX *x, int
 }
 
 // The partial sums added up: a block per 32 channels, its threads (channel, slice of samples); each
-// thread sums its samples' chunks in order, then the slices are added in order. Deterministic.
-#define REDUCE_SLICES 8
+// thread sums its samples' chunks in order, then the slices are added in order. Deterministic. (The
+// samples of a slice are summed one after the other: 32 slices keep that chain short.)
+#define REDUCE_SLICES 32
 
 __global__ void channel_sums_final_kernel(float *per_sample, int per_sample_ld, float *total, const float *partial, int N,
                                           int chunks, int C) {
@@ -1547,34 +1548,37 @@ __global__ void group_norm_stats_kernel(double *__restrict__ partial, const floa
     }
 }
 
-// The per-channel constants of the element function for channels c0 .. c0+PACK-1 of sample n, whose
-// group statistics are sample_mean[g], sample_rstd[g].
+// The element function of channels c0 .. c0+PACK-1 of sample n (group statistics sample_mean[g],
+// sample_rstd[g]) as two affine maps of the input x, folded once per thread so that an element costs
+// two fused multiply-adds and a thread keeps 4 PACK constants (as PyTorch's GroupNorm folds them):
+//   xhat = x a + b,   a = rstd, b = (add - mean) rstd
+//   u    = x s + t,   s = a gamma (1 + scale), t = (b gamma + beta)(1 + scale) + shift
+// u is z = xhat gamma + beta after the scale-shift (scale = shift = 0 without it).
 typedef struct {
-    float mean[PACK], rstd[PACK], gamma[PACK], beta[PACK], add[PACK], scale[PACK], shift[PACK];
-} GroupNormChannels;
+    float a[PACK], b[PACK], s[PACK], t[PACK];
+} GroupNormAffine;
 
-__device__ inline GroupNormChannels group_norm_channels(const float *sample_mean, const float *sample_rstd, const float *gamma,
-                                                        const float *beta, const NormOptions &o, int n, int c0, int C) {
-    GroupNormChannels k;
+__device__ inline GroupNormAffine group_norm_affine(const float *sample_mean, const float *sample_rstd, const float *gamma,
+                                                    const float *beta, const NormOptions &o, int n, int c0, int C) {
+    GroupNormAffine k;
     int per_group = C / GN_GROUPS;
     for (int j = 0; j < PACK; j++) {
         int c = c0 + j, g = c / per_group;
-        k.mean[j] = sample_mean[g], k.rstd[j] = sample_rstd[g];
-        k.gamma[j] = gamma[c], k.beta[j] = beta[c];
-        k.add[j] = o.add ? o.add[(int64_t)n * o.add_ld + c] : 0.0f;
-        k.scale[j] = o.scale_shift ? o.scale_shift[(int64_t)n * o.scale_shift_ld + c] : 0.0f;
-        k.shift[j] = o.scale_shift ? o.scale_shift[(int64_t)n * o.scale_shift_ld + C + c] : 0.0f;
+        float add = o.add ? o.add[(int64_t)n * o.add_ld + c] : 0.0f;
+        float scale = o.scale_shift ? 1.0f + o.scale_shift[(int64_t)n * o.scale_shift_ld + c] : 1.0f;
+        float shift = o.scale_shift ? o.scale_shift[(int64_t)n * o.scale_shift_ld + C + c] : 0.0f;
+        k.a[j] = sample_rstd[g], k.b[j] = (add - sample_mean[g]) * sample_rstd[g];
+        k.s[j] = k.a[j] * gamma[c] * scale, k.t[j] = (k.b[j] * gamma[c] + beta[c]) * scale + shift;
     }
     return k;
 }
 
-// Normalises one chunk (statistics combined from the partial sums) and applies the fused options.
-// Its grid need not be the statistics' one: the statistics come in stat_chunks chunks.
+// Normalises one chunk (statistics combined from the partial sums of every chunk: the statistics'
+// grid is this one) and applies the fused options.
 __global__ void group_norm_apply_kernel(floatX *__restrict__ y, float *mean_out, float *rstd_out, const floatX *__restrict__ x,
-                                        const double *partial, int stat_chunks, const float *gamma, const float *beta,
-                                        NormOptions o, int HW, int C) {
+                                        const double *partial, const float *gamma, const float *beta, NormOptions o, int HW, int C) {
     __shared__ float mean[GN_GROUPS], rstd[GN_GROUPS];
-    int n = blockIdx.y, chunks = stat_chunks;
+    int n = blockIdx.y, chunks = gridDim.x;
     if (threadIdx.x < GN_GROUPS) {
         double a = 0, b = 0, count = (double)HW * (C / GN_GROUPS);
 #pragma unroll
@@ -1590,14 +1594,13 @@ __global__ void group_norm_apply_kernel(floatX *__restrict__ y, float *mean_out,
     }
     __syncthreads();
     GnThread t = gn_thread(HW, C);
-    GroupNormChannels k = group_norm_channels(mean, rstd, gamma, beta, o, n, t.c0, C);
+    GroupNormAffine k = group_norm_affine(mean, rstd, gamma, beta, o, n, t.c0, C);
 #pragma unroll 2
     for (int r = t.first; r < t.end; r += t.rows_per_pass) {
         int64_t at = ((int64_t)n * HW + r) * C + t.c0;
         Pack p = *(const Pack *)&x[at], q;
         for (int j = 0; j < PACK; j++) {
-            float u = ((float)p.v[j] + k.add[j] - k.mean[j]) * k.rstd[j] * k.gamma[j] + k.beta[j];
-            if (o.scale_shift) u = u * (1.0f + k.scale[j]) + k.shift[j];
+            float u = (float)p.v[j] * k.s[j] + k.t[j];
             if (o.silu) u = u * sigmoidf_(u);
             if (o.dropout > 0.0f) u *= dropout_keep(*o.dropout_seed, o.dropout_stream, at + j, o.dropout);
             q.v[j] = (floatX)u;
@@ -1606,66 +1609,57 @@ __global__ void group_norm_apply_kernel(floatX *__restrict__ y, float *mean_out,
     }
 }
 
-// The kernels that sum (statistics, backward sums) take chunks of at least 8 row passes of a block, at
-// most GN_CHUNKS of them: fewer partial sums for small images. The ones that only stream (normalise,
-// input gradient) take GN_CHUNKS chunks (fewer rows than that: a row each), for more blocks in flight.
-static int gn_sum_chunks(int HW, int C) {
+// A sample's rows come in chunks of at least 8 row passes of a block, at most GN_CHUNKS of them: few
+// partial sums, and on small images few blocks, each long enough to pay for its start (which waits
+// on the statistics and the channel constants: a block of a few rows took as long as 8).
+static int gn_chunks(int HW, int C) {
     int chunks = HW / (GN_THREADS / (C / PACK) * 8);
     return chunks < 1 ? 1 : chunks > GN_CHUNKS ? GN_CHUNKS : chunks;
 }
 
-static int gn_stream_chunks(int HW) { return HW < GN_CHUNKS ? HW : GN_CHUNKS; }
-
 static void group_norm_forward(const Norm *norm, floatX *y, float *mean, float *rstd, const floatX *x, int N, int HW,
                                NormOptions o) {
-    int C = norm->channels, chunks = gn_sum_chunks(HW, C);
+    int C = norm->channels, chunks = gn_chunks(HW, C);
     double *partials = norm->scratch->gn_partials;
     group_norm_stats_kernel<<<dim3(chunks, N), GN_THREADS, 0, gpu.stream>>>(partials, x, o, HW, C);
     cuda_check_launch();
-    group_norm_apply_kernel<<<dim3(gn_stream_chunks(HW), N), GN_THREADS, 0, gpu.stream>>>(
-        y, mean, rstd, x, partials, chunks, norm->gamma, norm->beta, o, HW, C);
+    group_norm_apply_kernel<<<dim3(chunks, N), GN_THREADS, 0, gpu.stream>>>(
+        y, mean, rstd, x, partials, norm->gamma, norm->beta, o, HW, C);
     cuda_check_launch();
 }
 
-// The per-element part of the backward at one value v = x + add of channel j of k: xhat, z (before
-// scale-shift), du (dy through dropout and SiLU) and dz (du through scale-shift).
-__device__ inline void group_norm_backward_element(float v, float dy, const GroupNormChannels &k, int j,
-                                                   const NormOptions &o, int64_t at, float *xhat, float *z, float *du,
-                                                   float *dz) {
-    *xhat = (v - k.mean[j]) * k.rstd[j];
-    *z = *xhat * k.gamma[j] + k.beta[j];
-    float u = o.scale_shift ? *z * (1.0f + k.scale[j]) + k.shift[j] : *z;
+// du: dy back through dropout and SiLU at u (element `at`).
+__device__ inline float group_norm_du(float dy, float u, const NormOptions &o, int64_t at) {
     if (o.dropout > 0.0f) dy *= dropout_keep(*o.dropout_seed, o.dropout_stream, at, o.dropout);
     if (o.silu) {
         float s = sigmoidf_(u);
         dy *= s * (1.0f + u * (1.0f - s));
     }
-    *du = dy;
-    *dz = o.scale_shift ? dy * (1.0f + k.scale[j]) : dy;
+    return dy;
 }
 
 // Backward, pass 1: per (sample, chunk) the channel sums du, du z, dz, dz xhat and the group sums
-// g, g xhat (g = dz gamma). Layout: channels [n][chunk][c][4], then groups after N*chunks*C*4.
-// (At most 128 registers, for two blocks per multiprocessor: a few values spill.)
-__global__ void __launch_bounds__(GN_THREADS, 2)
-    group_norm_backward_sums_kernel(double *partial, const floatX *__restrict__ dy, const floatX *__restrict__ x, const float *mean, const float *rstd,
-                                    const float *gamma, const float *beta, NormOptions o, int HW, int C) {
-    __shared__ __align__(16) float shared[4 * GN_THREADS * PACK];  // 32 KB (FP32: 16 KB)
+// g, g xhat (g = dz gamma). Layout: channels [n][chunk][c][4], then groups after N*chunks*C*4. The
+// elements add up two sums per channel, du and du xhat; the four follow from them, since
+// dz = du (1 + scale) and z = xhat gamma + beta: sum du z = gamma sum du xhat + beta sum du.
+__global__ void group_norm_backward_sums_kernel(double *partial, const floatX *__restrict__ dy, const floatX *__restrict__ x,
+                                                const float *mean, const float *rstd, const float *gamma, const float *beta,
+                                                NormOptions o, int HW, int C) {
+    __shared__ __align__(16) float shared[4 * GN_THREADS * PACK];  // 32 KB (FP32: 16 KB): [2][threads PACK] floats, then [2][C] doubles
     GnThread t = gn_thread(HW, C);
-    GroupNormChannels k = group_norm_channels(mean + t.n * GN_GROUPS, rstd + t.n * GN_GROUPS, gamma, beta, o, t.n, t.c0, C);
-    float acc[4][PACK] = {};
+    GroupNormAffine k = group_norm_affine(mean + t.n * GN_GROUPS, rstd + t.n * GN_GROUPS, gamma, beta, o, t.n, t.c0, C);
+    float acc[2][PACK] = {};
 #pragma unroll 2
     for (int r = t.first; r < t.end; r += t.rows_per_pass) {
         int64_t at = ((int64_t)t.n * HW + r) * C + t.c0;
         Pack xp = *(const Pack *)&x[at], dp = *(const Pack *)&dy[at];
         for (int j = 0; j < PACK; j++) {
-            float xhat, z, du, dz;
-            group_norm_backward_element((float)xp.v[j] + k.add[j], (float)dp.v[j], k, j, o, at + j, &xhat, &z, &du, &dz);
-            acc[0][j] += du, acc[1][j] += du * z, acc[2][j] += dz, acc[3][j] += dz * xhat;
+            float v = (float)xp.v[j], du = group_norm_du((float)dp.v[j], v * k.s[j] + k.t[j], o, at + j);
+            acc[0][j] += du, acc[1][j] += du * (v * k.a[j] + k.b[j]);
         }
     }
     float(*sh)[GN_THREADS * PACK] = (float(*)[GN_THREADS * PACK])shared;
-    for (int q = 0; q < 4; q++)
+    for (int q = 0; q < 2; q++)
         for (int j = 0; j < PACK; j++) sh[q][threadIdx.x * PACK + j] = acc[q][j];
     __syncthreads();
     int chunks = gridDim.x;
@@ -1674,11 +1668,11 @@ __global__ void __launch_bounds__(GN_THREADS, 2)
     for (int k = 0; k < PACK; k++) {
         int c = threadIdx.x + k * GN_THREADS;
         if (c >= C) break;
-        double total[4] = {0, 0, 0, 0};
-        for (int r = 0; r < gn_rows(C); r++)
-            for (int q = 0; q < 4; q++) total[q] += sh[q][r * C + c];
-        for (int q = 0; q < 4; q++) channel_out[c * 4 + q] = total[q];
-        weighted[0][k] = gamma[c] * total[2], weighted[1][k] = gamma[c] * total[3];
+        double du = 0, du_xhat = 0, scale = o.scale_shift ? 1.0 + o.scale_shift[(int64_t)t.n * o.scale_shift_ld + c] : 1.0;
+        for (int r = 0; r < gn_rows(C); r++) du += sh[0][r * C + c], du_xhat += sh[1][r * C + c];
+        channel_out[c * 4 + 0] = du, channel_out[c * 4 + 1] = gamma[c] * du_xhat + beta[c] * du;
+        channel_out[c * 4 + 2] = scale * du, channel_out[c * 4 + 3] = scale * du_xhat;
+        weighted[0][k] = gamma[c] * scale * du, weighted[1][k] = gamma[c] * scale * du_xhat;
     }
     __syncthreads();
     // Group sums from the channel sums: sum g = sum_c gamma_c sum dz, likewise g xhat.
@@ -1696,13 +1690,14 @@ __global__ void __launch_bounds__(GN_THREADS, 2)
     }
 }
 
-// Backward, pass 2: dx' += rstd (g - mean_g(g) - xhat mean_g(g xhat)) for one chunk.
-// Like the forward's normalisation, its grid need not be the sums' one (stat_chunks chunks).
+// Backward, pass 2: dx' += rstd (g - mean_g(g) - xhat mean_g(g xhat)) for one chunk. With g = dz gamma
+// = du (1 + scale) gamma and xhat = x a + b this is  dx' += du s + x e + f,  e = -rstd a mean_g(g xhat),
+// f = -rstd (mean_g(g) + b mean_g(g xhat)). Its grid is the sums' one.
 __global__ void group_norm_backward_input_kernel(floatX *__restrict__ dx, const floatX *__restrict__ dy, const floatX *__restrict__ x,
-                                                 const double *partial, int stat_chunks, const float *mean, const float *rstd,
-                                                 const float *gamma, const float *beta, NormOptions o, int HW, int C) {
+                                                 const double *partial, const float *mean, const float *rstd, const float *gamma,
+                                                 const float *beta, NormOptions o, int HW, int C) {
     __shared__ float mean_g[GN_GROUPS], mean_gx[GN_GROUPS];
-    int n = blockIdx.y, chunks = stat_chunks, per_group = C / GN_GROUPS;
+    int n = blockIdx.y, chunks = gridDim.x, per_group = C / GN_GROUPS;
     if (threadIdx.x < GN_GROUPS) {
         const double *groups = partial + (int64_t)gridDim.y * chunks * C * 4;
         double a = 0, b = 0, count = (double)HW * per_group;
@@ -1716,17 +1711,19 @@ __global__ void group_norm_backward_input_kernel(floatX *__restrict__ dx, const 
     }
     __syncthreads();
     GnThread t = gn_thread(HW, C);
-    GroupNormChannels k = group_norm_channels(mean + n * GN_GROUPS, rstd + n * GN_GROUPS, gamma, beta, o, n, t.c0, C);
-    float group_g[PACK], group_gx[PACK];
-    for (int j = 0; j < PACK; j++) group_g[j] = mean_g[(t.c0 + j) / per_group], group_gx[j] = mean_gx[(t.c0 + j) / per_group];
+    GroupNormAffine k = group_norm_affine(mean + n * GN_GROUPS, rstd + n * GN_GROUPS, gamma, beta, o, n, t.c0, C);
+    float e[PACK], f[PACK];
+    for (int j = 0; j < PACK; j++) {
+        int g = (t.c0 + j) / per_group;
+        e[j] = -k.a[j] * k.a[j] * mean_gx[g], f[j] = -k.a[j] * (mean_g[g] + k.b[j] * mean_gx[g]);
+    }
 #pragma unroll 2
     for (int r = t.first; r < t.end; r += t.rows_per_pass) {
         int64_t at = ((int64_t)n * HW + r) * C + t.c0;
         Pack xp = *(const Pack *)&x[at], dp = *(const Pack *)&dy[at], out = *(const Pack *)&dx[at];
         for (int j = 0; j < PACK; j++) {
-            float xhat, z, du, dz;
-            group_norm_backward_element((float)xp.v[j] + k.add[j], (float)dp.v[j], k, j, o, at + j, &xhat, &z, &du, &dz);
-            out.v[j] = (floatX)((float)out.v[j] + k.rstd[j] * (dz * k.gamma[j] - group_g[j] - xhat * group_gx[j]));
+            float v = (float)xp.v[j], du = group_norm_du((float)dp.v[j], v * k.s[j] + k.t[j], o, at + j);
+            out.v[j] = (floatX)((float)out.v[j] + du * k.s[j] + v * e[j] + f[j]);
         }
         *(Pack *)&dx[at] = out;
     }
@@ -1762,13 +1759,13 @@ __global__ void group_norm_backward_params_kernel(float *dgamma, float *dbeta, f
 // dx += (the input gradient), d_scale_shift += (when scale-shift is on, [N][ld] like the input).
 static void group_norm_backward(const Norm *norm, floatX *dx, float *d_scale_shift, const floatX *dy, const floatX *x,
                                 const float *mean, const float *rstd, int N, int HW, NormOptions o) {
-    int C = norm->channels, chunks = gn_sum_chunks(HW, C);
+    int C = norm->channels, chunks = gn_chunks(HW, C);
     double *partials = norm->scratch->gn_partials;
     group_norm_backward_sums_kernel<<<dim3(chunks, N), GN_THREADS, 0, gpu.stream>>>(
         partials, dy, x, mean, rstd, norm->gamma, norm->beta, o, HW, C);
     cuda_check_launch();
-    group_norm_backward_input_kernel<<<dim3(gn_stream_chunks(HW), N), GN_THREADS, 0, gpu.stream>>>(
-        dx, dy, x, partials, chunks, mean, rstd, norm->gamma, norm->beta, o, HW, C);
+    group_norm_backward_input_kernel<<<dim3(chunks, N), GN_THREADS, 0, gpu.stream>>>(
+        dx, dy, x, partials, mean, rstd, norm->gamma, norm->beta, o, HW, C);
     cuda_check_launch();
     group_norm_backward_params_kernel<<<(C + 31) / 32, dim3(32, REDUCE_SLICES), 0, gpu.stream>>>(
         norm->dgamma, norm->dbeta, o.scale_shift ? d_scale_shift : NULL, o.scale_shift_ld, partials, N, chunks, C);
@@ -1927,34 +1924,56 @@ static void resample_backward(int up, floatX *dx, const floatX *dy, int N, int H
 
 // ----------------------------------------------------------------------------------------------
 // Channel concatenation of the skip connections: y[p] = [a[p] (Ca channels) | b[p] (Cb)];
-// backward splits dy into da += and db +=.
+// backward splits dy into da += and db +=. A thread moves one V at a time: a Pack of 16 bytes when
+// both channel counts are multiples of PACK, else a Scalar.
 
+template <typename V>
 __global__ void concat_kernel(floatX *y, const floatX *a, const floatX *b, int64_t pixels, int Ca, int Cb) {
-    int C = Ca + Cb;
-    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < pixels * C; i += (int64_t)gridDim.x * blockDim.x) {
-        int64_t p = i / C;
-        int c = (int)(i % C);
-        y[i] = c < Ca ? a[p * Ca + c] : b[p * Cb + c - Ca];
+    const int per = sizeof(V) / sizeof(floatX), va = Ca / per, vb = Cb / per, vecs = va + vb;
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < pixels * vecs; i += (int64_t)gridDim.x * blockDim.x) {
+        int64_t p = i / vecs;
+        int c = (int)(i - p * vecs);
+        ((V *)y)[i] = c < va ? ((const V *)a)[p * va + c] : ((const V *)b)[p * vb + c - va];
     }
 }
 
+template <typename V>
 __global__ void split_add_kernel(floatX *da, floatX *db, const floatX *dy, int64_t pixels, int Ca, int Cb) {
-    int C = Ca + Cb;
-    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < pixels * C; i += (int64_t)gridDim.x * blockDim.x) {
-        int64_t p = i / C;
-        int c = (int)(i % C);
-        floatX *d = c < Ca ? &da[p * Ca + c] : &db[p * Cb + c - Ca];
-        *d = (floatX)((float)*d + (float)dy[i]);
+    const int per = sizeof(V) / sizeof(floatX), va = Ca / per, vb = Cb / per, vecs = va + vb;
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < pixels * vecs; i += (int64_t)gridDim.x * blockDim.x) {
+        int64_t p = i / vecs;
+        int c = (int)(i - p * vecs);
+        V *d = c < va ? &((V *)da)[p * va + c] : &((V *)db)[p * vb + c - va];
+        V sum = *d, g = ((const V *)dy)[i];
+        for (int j = 0; j < per; j++) sum.v[j] = (floatX)((float)sum.v[j] + (float)g.v[j]);
+        *d = sum;
     }
+}
+
+// (Ca | Cb is a multiple of PACK, a power of two, exactly when both are.)
+static void concat_channels(floatX *y, const floatX *a, const floatX *b, int64_t pixels, int Ca, int Cb) {
+    LAUNCH_VECTORISED(concat_kernel, pixels * (Ca + Cb), Ca | Cb, y, a, b, pixels, Ca, Cb);
+}
+
+static void split_add_channels(floatX *da, floatX *db, const floatX *dy, int64_t pixels, int Ca, int Cb) {
+    LAUNCH_VECTORISED(split_add_kernel, pixels * (Ca + Cb), Ca | Cb, da, db, dy, pixels, Ca, Cb);
 }
 
 // ----------------------------------------------------------------------------------------------
 // Elementwise: y (+)= x, SiLU and its backward dx (+)= dy * s (1 + x (1 - s)), s = sigmoid(x).
 
+template <typename V>
 __global__ void add_kernel(floatX *y, const floatX *x, int64_t n) {
-    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
-        y[i] = (floatX)((float)y[i] + (float)x[i]);
+    const int per = sizeof(V) / sizeof(floatX);
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n / per; i += (int64_t)gridDim.x * blockDim.x) {
+        V sum = ((V *)y)[i], v = ((const V *)x)[i];
+        for (int j = 0; j < per; j++) sum.v[j] = (floatX)((float)sum.v[j] + (float)v.v[j]);
+        ((V *)y)[i] = sum;
+    }
 }
+
+// y += x over n elements, 16 bytes at a time where n allows (activations are 256-byte aligned).
+static void add_into(floatX *y, const floatX *x, int64_t n) { LAUNCH_VECTORISED(add_kernel, n, n, y, x, n); }
 
 __global__ void silu_forward_kernel(floatX *y, const floatX *x, int64_t n) {
     for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
@@ -2477,15 +2496,11 @@ typedef struct {
 } ConcatBlock;
 
 static void concat_block_forward(ConcatBlock *b, const Act *in, Act *out) {
-    concat_kernel<<<blocks_for(act_numel(out), 256), 256, 0, gpu.stream>>>(out->x, in->x, b->skip->x, (int64_t)in->N * in->H * in->W,
-                                                                            in->C, b->skip->C);
-    cuda_check_launch();
+    concat_channels(out->x, in->x, b->skip->x, (int64_t)in->N * in->H * in->W, in->C, b->skip->C);
 }
 
 static void concat_block_backward(ConcatBlock *b, const Act *in, const Act *out) {
-    split_add_kernel<<<blocks_for(act_numel(out), 256), 256, 0, gpu.stream>>>(in->dx, b->skip->dx, out->dx,
-                                                                               (int64_t)in->N * in->H * in->W, in->C, b->skip->C);
-    cuda_check_launch();
+    split_add_channels(in->dx, b->skip->dx, out->dx, (int64_t)in->N * in->H * in->W, in->C, b->skip->C);
 }
 
 // guided-diffusion's ResBlock:
@@ -2541,8 +2556,7 @@ static void res_block_backward(ResBlock *r, const BlockEmbedding *e, const Act *
     floatX *dh = r->resample ? r->h0r.dx : r->h0.dx, *dskip = r->resample ? r->xr.dx : in->dx;
     conv_backward(&r->conv2, r->h2.dx, out->dx, r->h2.x, N, Ho, Wo, NULL, 0);
     if (r->has_skip_conv) conv_backward(&r->conv3, dskip, out->dx, skip, N, Ho, Wo, NULL, 0);
-    else add_kernel<<<blocks_for(act_numel(out), 256), 256, 0, gpu.stream>>>(dskip, out->dx, act_numel(out));
-    cuda_check_launch();
+    else add_into(dskip, out->dx, act_numel(out));
     group_norm_backward(&r->norm2, r->h1.dx, e->d_out + r->emb_offset, r->h2.dx, r->h1.x, r->mean2, r->rstd2, N, Ho * Wo,
                         res_block_norm2(r, e, training));
     float *d_add = e->scale_shift ? NULL : e->d_out + r->emb_offset;
@@ -2575,8 +2589,7 @@ static void attention_block_forward(AttentionBlock *a, const Act *in, Act *out) 
 static void attention_block_backward(AttentionBlock *a, const Act *in, const Act *out) {
     int N = in->N, H = in->H, W = in->W;
     conv_backward(&a->proj, a->h2.dx, out->dx, a->h2.x, N, H, W, NULL, 0);
-    add_kernel<<<blocks_for(act_numel(out), 256), 256, 0, gpu.stream>>>(in->dx, out->dx, act_numel(out));
-    cuda_check_launch();
+    add_into(in->dx, out->dx, act_numel(out));
     attention_backward(&a->attention);
     conv_backward(&a->qkv, a->h0.dx, a->h1.dx, a->h0.x, N, H, W, NULL, 0);
     group_norm_backward(&a->norm, in->dx, NULL, a->h0.dx, in->x, a->mean, a->rstd, N, H * W, NORM_PLAIN);

@@ -21,8 +21,8 @@ static void ref_concat_backward(double *da, double *db, const double *dy, size_t
 
 #ifndef DEV_NO_MAIN
 // ----------------------------------------------------------------------------------------------
-// GPU check: the trainer's concat_kernel (y written whole), split_add_kernel (da +=, db +=) and
-// add_kernel (y += x), launched as layer_forward / layer_backward launch them.
+// GPU check: the trainer's concat_channels (y written whole), split_add_channels (da +=, db +=) and
+// add_into (y += x), as the blocks' forward and backward call them.
 
 typedef struct {
     floatX *y, *a, *b, *dy, *da, *db;
@@ -32,16 +32,12 @@ typedef struct {
 
 static void concat_run_forward(void *p) {
     ConcatRun *r = (ConcatRun *)p;
-    int64_t n = r->P * (r->Ca + r->Cb);
-    concat_kernel<<<blocks_for(n, 256), 256, 0, gpu.stream>>>(r->y, r->a, r->b, r->P, r->Ca, r->Cb);
-    cuda_check_launch();
+    concat_channels(r->y, r->a, r->b, r->P, r->Ca, r->Cb);
 }
 
 static void concat_run_backward(void *p) {
     ConcatRun *r = (ConcatRun *)p;
-    int64_t n = r->P * (r->Ca + r->Cb);
-    split_add_kernel<<<blocks_for(n, 256), 256, 0, gpu.stream>>>(r->da, r->db, r->dy, r->P, r->Ca, r->Cb);
-    cuda_check_launch();
+    split_add_channels(r->da, r->db, r->dy, r->P, r->Ca, r->Cb);
 }
 
 typedef struct {
@@ -51,8 +47,7 @@ typedef struct {
 
 static void add_run(void *p) {
     AddRun *r = (AddRun *)p;
-    add_kernel<<<blocks_for(r->n, 256), 256, 0, gpu.stream>>>(r->y, r->x, r->n);
-    cuda_check_launch();
+    add_into(r->y, r->x, r->n);
 }
 
 static void check_concat(int N, int H, int W, int Ca, int Cb) {
@@ -116,8 +111,10 @@ int main(void) {
     check_concat(3, 13, 13, 96, 160);
     check_concat(2, 1, 1, 256, 192);
     check_concat(3, 5, 3, 3, 5);    // narrow, odd
+    check_concat(2, 3, 3, 8, 3);    // one count a multiple of PACK, the other not
     check_add(1);
     check_add(3 * 13 * 13 * 96);
+    check_add(3 * 13 * 13 * 96 + 5);
     time_concat(32, 64, 64, 64, 64);
     return dev_end();
 }
