@@ -2712,6 +2712,7 @@ typedef struct {
     BlockKind kind;
     Act *in;  // the previous block's output (the model's input for the first)
     Act out;
+    int64_t inner_grad_bytes;  // its inner activations' gradients, from the start of the shared region
     union {
         ConvBlock conv;
         ConcatBlock concat;
@@ -2745,6 +2746,10 @@ typedef struct {
     // The memory plan (see unet_plan): one GPU allocation in four regions.
     char *memory;
     Arena parameters, acts, grads, scratch_region;
+    // The gradients of the activations inside a block live only while its backward runs: every block
+    // takes them from the start of one shared region, inner_grads, the size of the largest block's.
+    Arena inner_grads;
+    int64_t inner_grads_size;
     // parameters: fp32 master, compute copy (the master itself in FP32), gradients, AdamW moments
     float *master, *grad, *adam_m, *adam_v;
     floatX *compute;
@@ -2843,6 +2848,20 @@ static Act act_alloc(UNet *m, int N, int H, int W, int C) {
     return a;
 }
 
+// An activation inside the block being planned (the last one walk_block began), its gradient in the
+// shared region of inner gradients.
+static Act act_alloc_inner(UNet *m, int N, int H, int W, int C) {
+    Act a = {NULL, NULL, N, H, W, C};
+    int64_t bytes = act_numel(&a) * (int64_t)sizeof(floatX);
+    a.x = (floatX *)arena_take(&m->acts, bytes);
+    if (m->training) {
+        a.dx = (floatX *)arena_take(&m->inner_grads, bytes);
+        m->blocks[m->num_blocks - 1].inner_grad_bytes = m->inner_grads.used;
+        if (m->inner_grads.used > m->inner_grads_size) m->inner_grads_size = m->inner_grads.used;
+    }
+    return a;
+}
+
 static float *stats_alloc(UNet *m) { return (float *)arena_take(&m->acts, (int64_t)m->batch * GN_GROUPS * sizeof(float)); }
 
 static void note_scratch(int64_t *have, int64_t need) { if (need > *have) *have = need; }
@@ -2856,6 +2875,7 @@ static Block *walk_block(Walk *w, BlockKind kind, int out_channels, int out_size
     b->kind = kind;
     b->in = w->cur;
     b->out = act_alloc(m, m->batch, out_size, out_size, out_channels);
+    m->inner_grads.used = 0;  // its inner gradients start the shared region
     return b;
 }
 
@@ -2912,10 +2932,10 @@ static void walk_res_block(Walk *w, const char *prefix, int in, int out, int res
     r->norm1 = norm1, r->conv1 = conv1, r->norm2 = norm2, r->conv2 = conv2, r->conv3 = conv3;
     r->has_skip_conv = out != in, r->resample = resample, r->emb_offset = emb_offset;
     r->dropout_stream = rng_stream(RNG_DROPOUT, (uint64_t)(b - m->blocks));
-    r->h0 = act_alloc(m, N, size, size, in);
-    if (resample) r->h0r = act_alloc(m, N, out_size, out_size, in), r->xr = act_alloc(m, N, out_size, out_size, in);
-    r->h1 = act_alloc(m, N, out_size, out_size, out);
-    r->h2 = act_alloc(m, N, out_size, out_size, out);
+    r->h0 = act_alloc_inner(m, N, size, size, in);
+    if (resample) r->h0r = act_alloc_inner(m, N, out_size, out_size, in), r->xr = act_alloc_inner(m, N, out_size, out_size, in);
+    r->h1 = act_alloc_inner(m, N, out_size, out_size, out);
+    r->h2 = act_alloc_inner(m, N, out_size, out_size, out);
     r->mean1 = stats_alloc(m), r->rstd1 = stats_alloc(m), r->mean2 = stats_alloc(m), r->rstd2 = stats_alloc(m);
     walk_conv_scratch(w, &conv1, out_size), walk_conv_scratch(w, &conv2, out_size);
     if (r->has_skip_conv) walk_conv_scratch(w, &conv3, out_size);
@@ -2936,9 +2956,9 @@ static void walk_attention(Walk *w, const char *prefix, int channels, int heads)
     Block *b = walk_block(w, BLOCK_ATTENTION, channels, size);
     AttentionBlock *ab = &b->attention;
     ab->norm = norm, ab->qkv = qkv, ab->proj = proj;
-    ab->h0 = act_alloc(m, N, size, size, channels);       // normalised
-    ab->h1 = act_alloc(m, N, size, size, 3 * channels);   // qkv
-    ab->h2 = act_alloc(m, N, size, size, channels);       // attention output
+    ab->h0 = act_alloc_inner(m, N, size, size, channels);       // normalised
+    ab->h1 = act_alloc_inner(m, N, size, size, 3 * channels);   // qkv
+    ab->h2 = act_alloc_inner(m, N, size, size, channels);       // attention output
     ab->mean = stats_alloc(m), ab->rstd = stats_alloc(m);
     Attention *a = &ab->attention;
     a->N = N, a->T = T, a->C = channels, a->heads = heads, a->legacy = !w->c->use_new_attention_order;
@@ -2963,7 +2983,7 @@ static void walk_resample(Walk *w, const char *prefix, int channels, int up) {
     Block *b = walk_block(w, up ? BLOCK_UP : BLOCK_DOWN, channels, out_size);
     if (up) {
         b->up.conv = cv, b->up.has_conv = has_conv;
-        if (has_conv) b->up.up = act_alloc(w->m, w->m->batch, out_size, out_size, channels);
+        if (has_conv) b->up.up = act_alloc_inner(w->m, w->m->batch, out_size, out_size, channels);
     } else {
         b->down.conv = cv, b->down.has_conv = has_conv;
     }
@@ -3049,7 +3069,7 @@ static void unet_walk(const ModelConfig *c, ParamList *params, UNet *m) {
     if (m) {
         Block *b = walk_block(&w, BLOCK_OUT, c->out_channels, w.size);
         b->head.norm = out_norm, b->head.conv = out_conv;
-        b->head.h0 = act_alloc(m, m->batch, w.size, w.size, ch);
+        b->head.h0 = act_alloc_inner(m, m->batch, w.size, w.size, ch);
         b->head.mean = stats_alloc(m), b->head.rstd = stats_alloc(m);
         walk_norm_scratch(&w, ch), walk_conv_scratch(&w, &out_conv, w.size);
         walk_advance(&w, b, w.size);
@@ -3121,7 +3141,8 @@ static int64_t param_offsets(ParamList *params, int64_t *emb_bias_offset) {
 static void unet_lay_out(UNet *m) {
     const ModelConfig *c = &m->config;
     int batch = m->batch, training = m->training, size = c->image_size, emb_dim = 4 * c->model_channels;
-    m->parameters.used = m->acts.used = m->grads.used = m->scratch_region.used = 0;
+    m->parameters.used = m->acts.used = m->grads.used = m->scratch_region.used = m->inner_grads.used = 0;
+    m->inner_grads_size = 0;
     m->weight_grad_numel = m->channel_sums_numel = m->gn_partials_numel = m->scores_numel = 0;
     m->num_blocks = 0;
 
@@ -3188,7 +3209,7 @@ static void unet_plan(UNet *m, const ModelConfig *c, int batch, int training) {
 }
 
 static int64_t unet_memory_bytes(const UNet *m) {
-    return m->parameters.used + m->acts.used + m->grads.used + m->scratch_region.used;
+    return m->parameters.used + m->acts.used + m->grads.used + m->inner_grads_size + m->scratch_region.used;
 }
 
 // Prints the plan's regions and their total (--dry_run, the bench).
@@ -3196,7 +3217,7 @@ static void print_memory_plan(FILE *f, const UNet *m, const char *what) {
     const double MiB = 1048576.0;
     fprintf(f, "memory plan (%s, batch %d): parameters %.1f MiB, activations %.1f MiB, gradients %.1f MiB, "
             "scratch %.1f MiB; total %.1f MiB\n", what, m->batch, m->parameters.used / MiB, m->acts.used / MiB,
-            m->grads.used / MiB, m->scratch_region.used / MiB, unet_memory_bytes(m) / MiB);
+            (m->grads.used + m->inner_grads_size) / MiB, m->scratch_region.used / MiB, unet_memory_bytes(m) / MiB);
 }
 
 // Builds the model: its plan, then the one allocation, then every buffer in it. Parameters start
@@ -3207,7 +3228,8 @@ static void unet_create(UNet *m, const ModelConfig *c, int batch, int training) 
     m->parameters.base = m->memory;
     m->acts.base = m->parameters.base + m->parameters.used;
     m->grads.base = m->acts.base + m->acts.used;
-    m->scratch_region.base = m->grads.base + m->grads.used;
+    m->inner_grads.base = m->grads.base + m->grads.used;
+    m->scratch_region.base = m->inner_grads.base + m->inner_grads_size;
     unet_lay_out(m);
     cuda_check(cudaMemset(m->parameters.base, 0, m->parameters.used));
     cuda_check(cudaMemset(m->zero_seed, 0, sizeof(uint64_t)));
@@ -3301,12 +3323,16 @@ static void unet_backward(UNet *m, int training) {
     const ModelConfig *c = &m->config;
     int N = m->batch, D = 4 * c->model_channels, E = (int)m->emb_total;
     // Zero every activation gradient but the output's (set by the loss): the gradient arena before
-    // and after it.
+    // and after it now, each block's inner gradients just before its backward.
     char *output_dx = (char *)m->output->dx, *after = output_dx + act_numel(m->output) * sizeof(floatX);
     cuda_check(cudaMemsetAsync(m->grads.base, 0, output_dx - m->grads.base, gpu.stream));
     cuda_check(cudaMemsetAsync(after, 0, m->grads.base + m->grads.used - after, gpu.stream));
     cuda_check(cudaMemsetAsync(m->embedding.d_out, 0, (size_t)N * E * sizeof(float), gpu.stream));
-    for (int i = m->num_blocks - 1; i >= 0; i--) block_backward(m, &m->blocks[i], training);
+    for (int i = m->num_blocks - 1; i >= 0; i--) {
+        Block *b = &m->blocks[i];
+        if (b->inner_grad_bytes) cuda_check(cudaMemsetAsync(m->inner_grads.base, 0, b->inner_grad_bytes, gpu.stream));
+        block_backward(m, b, training);
+    }
     // The timestep projections of all ResBlocks at once, then the embedding MLP.
     float_to_floatx_kernel<<<blocks_for((int64_t)N * E, 256), 256, 0, gpu.stream>>>(m->d_emb_out_x, m->embedding.d_out, (int64_t)N * E);
     cuda_check_launch();
