@@ -2839,26 +2839,23 @@ static Norm walk_norm(Walk *w, const char *prefix, int channels) {
     return n;
 }
 
-// An activation, and its gradient when the model trains.
-static Act act_alloc(UNet *m, int N, int H, int W, int C) {
+// An activation, and its gradient from `grads` when the model trains.
+static Act act_take(UNet *m, Arena *grads, int N, int H, int W, int C) {
     Act a = {NULL, NULL, N, H, W, C};
     int64_t bytes = act_numel(&a) * (int64_t)sizeof(floatX);
     a.x = (floatX *)arena_take(&m->acts, bytes);
-    if (m->training) a.dx = (floatX *)arena_take(&m->grads, bytes);
+    if (m->training) a.dx = (floatX *)arena_take(grads, bytes);
     return a;
 }
 
-// An activation inside the block being planned (the last one walk_block began), its gradient in the
+static Act act_alloc(UNet *m, int N, int H, int W, int C) { return act_take(m, &m->grads, N, H, W, C); }
+
+// An activation inside the block being planned (the last one walk_block began): its gradient in the
 // shared region of inner gradients.
 static Act act_alloc_inner(UNet *m, int N, int H, int W, int C) {
-    Act a = {NULL, NULL, N, H, W, C};
-    int64_t bytes = act_numel(&a) * (int64_t)sizeof(floatX);
-    a.x = (floatX *)arena_take(&m->acts, bytes);
-    if (m->training) {
-        a.dx = (floatX *)arena_take(&m->inner_grads, bytes);
-        m->blocks[m->num_blocks - 1].inner_grad_bytes = m->inner_grads.used;
-        if (m->inner_grads.used > m->inner_grads_size) m->inner_grads_size = m->inner_grads.used;
-    }
+    Act a = act_take(m, &m->inner_grads, N, H, W, C);
+    m->blocks[m->num_blocks - 1].inner_grad_bytes = m->inner_grads.used;
+    if (m->inner_grads.used > m->inner_grads_size) m->inner_grads_size = m->inner_grads.used;
     return a;
 }
 
