@@ -536,10 +536,10 @@ typedef struct {
 
 static int conv_out_size(int size, int k, int stride) { return (size + 2 * (k / 2) - k) / stride + 1; }
 
-// The weight gradient's tile, BM x BN over (C_out, 9 C_in), the blocks of it a multiprocessor runs at
-// once, and its slices of the pixel sum. The slices are planned for a GPU of CONV_PLAN_SMS
-// multiprocessors (an H100's or H200's 132; a constant, so that the plan needs no GPU and the sums
-// come out the same on every GPU): the count, of slices of at least 4 CONV_SLICE_STEPs of pixels, that
+// The weight gradient's tile, BM x BN over (C_out, 9 C_in), two blocks of it on each multiprocessor
+// at once (CONV_PLAN_BLOCKS_PER_SM), and its slices of the pixel sum. The slices are planned for a
+// GPU of CONV_PLAN_SMS multiprocessors (an H100's or H200's 132; a constant, so that the plan needs
+// no GPU and the sums come out the same on every GPU): the count, of slices of at least 4 CONV_SLICE_STEPs of pixels, that
 // minimises a model of the time,
 //   waves x steps per slice x step time  +  the slices' round trip through scratch (written, then added),
 // waves = ceil(tiles x slices / blocks at once). A last wave that leaves most multiprocessors idle
@@ -547,23 +547,24 @@ static int conv_out_size(int size, int k, int stride) { return (size + 2 * (k / 
 // H100's, measured (dev/NOTES.md, 2026-11-24).
 #define CONV_SLICE_STEP 64             // pixels: a multiple of every tile's k step
 #define CONV_PLAN_SMS 132
+#define CONV_PLAN_BLOCKS_PER_SM 2
 #define CONV_PLAN_STEP_US 1.0          // one multiprocessor's k step over 128 x 256 outputs (two 128 x 128 blocks)
 #define CONV_PLAN_SCRATCH_BYTES_PER_US 2.5e6
 
-static void conv_weight_grad_tile(int C_in, int C_out, int *BM, int *BN, int *blocks_per_sm) {
-    if (C_out <= 32) *BM = 32, *BN = 128, *blocks_per_sm = 2;
-    else if (9 * C_in <= 32) *BM = 128, *BN = 32, *blocks_per_sm = 2;
-    else if (C_out > 64) *BM = 128, *BN = 128, *blocks_per_sm = 2;
-    else *BM = 64, *BN = 128, *blocks_per_sm = 2;  // two blocks: 1.07-1.24x of one 64 x 256 (H100)
+static void conv_weight_grad_tile(int C_in, int C_out, int *BM, int *BN) {
+    if (C_out <= 32) *BM = 32, *BN = 128;
+    else if (9 * C_in <= 32) *BM = 128, *BN = 32;
+    else if (C_out > 64) *BM = 128, *BN = 128;
+    else *BM = 64, *BN = 128;  // two of them: 1.07-1.24x of one 64 x 256 block per multiprocessor (H100)
 }
 
 static int conv3x3_weight_grad_slices(int N, int H, int W, int C_in, int C_out, int stride, int *pixels_per_slice) {
-    int BM, BN, blocks_per_sm;
-    conv_weight_grad_tile(C_in, C_out, &BM, &BN, &blocks_per_sm);
+    int BM, BN;
+    conv_weight_grad_tile(C_in, C_out, &BM, &BN);
     int64_t pixels = (int64_t)N * conv_out_size(H, 3, stride) * conv_out_size(W, 3, stride);
     int steps = (int)((pixels + CONV_SLICE_STEP - 1) / CONV_SLICE_STEP);
-    int tiles = ((C_out + BM - 1) / BM) * ((9 * C_in + BN - 1) / BN), at_once = CONV_PLAN_SMS * blocks_per_sm;
-    double step_us = CONV_PLAN_STEP_US * BM * BN * blocks_per_sm / (128 * 256);
+    int tiles = ((C_out + BM - 1) / BM) * ((9 * C_in + BN - 1) / BN), at_once = CONV_PLAN_SMS * CONV_PLAN_BLOCKS_PER_SM;
+    double step_us = CONV_PLAN_STEP_US * BM * BN * CONV_PLAN_BLOCKS_PER_SM / (128 * 256);
     double slice_us = 8.0 * C_out * 9 * C_in / CONV_PLAN_SCRATCH_BYTES_PER_US;
     int best_per = steps;
     double best_us = INFINITY;
@@ -976,9 +977,9 @@ __global__ void __launch_bounds__(CONV_THREADS, 2) conv3x3_igemm_kernel(const Co
 
 // Hopper (sm_90a): the same implicit GEMMs on wgmma, the warpgroup-wide asynchronous tensor-core
 // product that reads both operands straight from shared memory. A block of two warpgroups computes a
-// 128 x BN tile of out, each warpgroup 64 rows, in k steps of 64 through a cp.async ring of STAGES
-// swizzled tiles (ConvWgmmaOperand); each k step is four m64nBNk16 products. The store and the slices
-// are those of conv3x3_igemm_kernel.
+// BM x BN tile of out (ConvWgmmaTile: each warpgroup 64 rows by WN columns), in k steps of 64 through
+// a cp.async ring of STAGES swizzled tiles (ConvWgmmaOperand); each k step is four m64nWNk16 products.
+// The store and the slices are those of conv3x3_igemm_kernel.
 
 // d[BN / 2] += A (64 x 16, from shared memory) B (16 x BN) for one warpgroup, BN = 64, 128, 192 or 256;
 // TRANS_A / TRANS_B: the operand is stored M- or N-major (1) instead of K-major (0). The accumulators
@@ -1419,8 +1420,8 @@ static void conv3x3_backward_weight(float *dw, float *scratch, const floatX *dy,
     p.pair_store = p.Ng % 2 == 0 && ((uintptr_t)p.out_f & 7) == 0;
     bool vec_a = C_out % 8 == 0 && lddy % 8 == 0 && conv_aligned16(dy);
     bool vec_b = C_in % 8 == 0 && ldx % 8 == 0 && conv_aligned16(x);
-    int BM, BN, blocks_per_sm;
-    conv_weight_grad_tile(C_in, C_out, &BM, &BN, &blocks_per_sm);
+    int BM, BN;
+    conv_weight_grad_tile(C_in, C_out, &BM, &BN);
     bool wgmma = gpu.sm90a && vec_a && vec_b && H < 32768 && W < 32768;
     if (BM == 32) conv_launch<CONV_WEIGHT_GRAD, 32, 128, 32, 1, 8>(p, vec_a, vec_b, slices);
     else if (BN == 32) conv_launch<CONV_WEIGHT_GRAD, 128, 32, 32, 4, 2>(p, vec_a, vec_b, slices);
