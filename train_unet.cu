@@ -2744,7 +2744,7 @@ typedef struct {
     ParamList params;
     int64_t storage;  // floats per parameter array: the parameters and 256-byte alignment gaps
     int64_t emb_bias_offset, emb_total;  // the ResBlocks' emb_layers, side by side: weights at 0, then biases
-    // The memory plan (see unet_plan): one GPU allocation in four regions.
+    // The memory plan (see unet_plan): one GPU allocation in five regions.
     char *memory;
     Arena parameters, acts, grads, scratch_region;
     // The gradients of the activations inside a block live only while its backward runs: every block
@@ -3125,13 +3125,16 @@ static int64_t param_offsets(ParamList *params, int64_t *emb_bias_offset) {
     return at;
 }
 
-// The model's memory, planned once from the config and batch: one GPU allocation in four regions,
+// The model's memory, planned once from the config and batch: one GPU allocation in five regions,
 // each with its lifetime.
 //   parameters   fp32 master and compute copy; when training, their gradients and AdamW's two
 //                moments: the whole run.
 //   activations  the input, every block's output and what its backward reads: from the forward
 //                pass to the end of the backward.
-//   gradients    the activations' gradients (when training): one backward pass, zeroed at its start.
+//   gradients    the gradients of the activations between blocks (when training): one backward
+//                pass, zeroed at its start.
+//   inner grads  the gradients of the activations inside a block: while that block's backward runs,
+//                zeroed just before it; every block's start at the same place (the largest block's size).
 //   scratch      the largest weight-gradient slices, partial sums and attention scores of any
 //                layer: borrowed by one layer call at a time.
 // unet_lay_out takes every buffer from its region, in one fixed order; with no memory behind the
