@@ -1810,10 +1810,28 @@ static void group_norm_backward(const Norm *norm, floatX *dx, float *d_scale_shi
 // h*3ch + {0, ch, 2ch}; the new order puts q at h*ch, k at C + h*ch, v at 2C + h*ch. O is written
 // head-major into [N][T][C]. Backward:
 //   dP = dO V^T,  dS = P * (dP - rowsum(dP * P)) / sqrt(ch),  dQ = dS K,  dK = dS^T Q,  dV = P^T dO
-// The products run as batched matrix products over (n, h), given by arrays of pointers.
+// with rowsum(dP * P) = rowsum(dO * O). Two ways to compute it:
+// - fused (BF16 build, ch = 32 or 64): flash attention. No T x T matrix reaches memory: a block
+//   holds 64 queries (or keys) and runs through the other side 64 at a time, the softmax done
+//   online (a running maximum and denominator per row). Forward keeps one number per row,
+//   lse = log2 of the softmax denominator (in the units of S log2(e) / sqrt(ch)), so that backward
+//   recomputes P = exp2(S log2(e) / sqrt(ch) - lse). Backward is two kernels, each writing its
+//   gradients whole (no atomics: deterministic): per block of queries dQ (and rowsum(dO * O)),
+//   then per block of keys dK and dV.
+// - batched products (the FP32 build, other ch): S in fp32 and P in memory, cuBLAS batched
+//   products over (n, h) given by arrays of pointers, softmax kernels between them.
 
 typedef struct {
     int N, T, C, heads, legacy;
+    int fused;
+    const floatX *qkv;      // [N][T][3C]
+    floatX *out;            // [N][T][C]
+    floatX *d_qkv;          // [N][T][3C] (NULL: forward only)
+    const floatX *d_out;    // [N][T][C]
+    // fused: [N*heads][T] fp32
+    float *lse;       // kept for the backward
+    float *delta;     // backward scratch: rowsum(dO * O)
+    // batched products:
     float *scores;    // [N*heads][T][T] fp32 scratch: S, then dP
     floatX *probs;    // [N*heads][T][T] P, kept for the backward
     floatX *d_scores; // [N*heads][T][T] scratch: dS
@@ -1823,6 +1841,303 @@ typedef struct {
     void **s, **dp_out;
     const floatX **d_o;
 } Attention;
+
+#if defined(PRECISION_FP32)
+static int attention_can_fuse(int ch) {  // no bf16 tensor-core products in the FP32 build
+    (void)ch;
+    return 0;
+}
+#else
+static int attention_can_fuse(int ch) { return ch == 32 || ch == 64; }
+#endif
+
+// Channel offsets of head h's q, k and v within a row of qkv.
+__host__ __device__ inline int3 attention_offsets(const Attention &a, int h) {
+    int ch = a.C / a.heads;
+    if (a.legacy) return make_int3(h * 3 * ch, h * 3 * ch + ch, h * 3 * ch + 2 * ch);
+    return make_int3(h * ch, a.C + h * ch, 2 * a.C + h * ch);
+}
+
+#if !defined(PRECISION_FP32)
+#define ATTN_TILE 64      // queries or keys per block, and per shared-memory tile
+#define ATTN_THREADS 128  // four warps of 16 rows each
+
+// Copies rows [first, first + 64) of a [T][ld] tensor's D channels at `base` into a tile of
+// 64 lines of D + CONV_PAD elements (zeros past T); cp.async, committed by the caller.
+template <int D>
+__device__ inline void attention_load_tile(floatX *tile, const floatX *base, int64_t ld, int first, int T) {
+    constexpr int CHUNKS = D / 8;  // 16-byte chunks per line
+    for (int i = threadIdx.x; i < ATTN_TILE * CHUNKS; i += ATTN_THREADS) {
+        int r = i / CHUNKS, c = i % CHUNKS, t = first + r;
+        conv_cp_async16(tile + r * (D + CONV_PAD) + c * 8, base + (int64_t)(t < T ? t : 0) * ld + c * 8, t < T);
+    }
+}
+
+// A-operand fragments of a warp's 16 lines (from line row0) of a tile, k = channel: a[kk] is k step kk.
+template <int D>
+__device__ inline void attention_fragments(uint32_t a[D / 16][4], const floatX *tile, int row0) {
+    int lane = threadIdx.x % 32, quad = lane >> 3, r8 = lane & 7;
+#pragma unroll
+    for (int kk = 0; kk < D / 16; kk++)
+        conv_ldmatrix_x4<false>(a[kk], tile + (row0 + (quad & 1) * 8 + r8) * (D + CONV_PAD) + kk * 16 + (quad >> 1) * 8);
+}
+
+// acc[16][64] += A B^T: the warp's 16 rows (fragments a, k = channel) against the tile's 64 lines.
+template <int D>
+__device__ inline void attention_mma_lines(float acc[8][4], const uint32_t a[D / 16][4], const floatX *tile) {
+    int lane = threadIdx.x % 32, quad = lane >> 3, r8 = lane & 7;
+#pragma unroll
+    for (int kk = 0; kk < D / 16; kk++)
+#pragma unroll
+        for (int ni = 0; ni < 8; ni += 2) {
+            uint32_t r[4];
+            conv_ldmatrix_x4<false>(r, tile + (ni * 8 + (quad >> 1) * 8 + r8) * (D + CONV_PAD) + kk * 16 + (quad & 1) * 8);
+            conv_mma_bf16(acc[ni], a[kk], r[0], r[1]);
+            conv_mma_bf16(acc[ni + 1], a[kk], r[2], r[3]);
+        }
+}
+
+__device__ inline uint32_t attention_pack(float lo, float hi) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *(uint32_t *)&v;
+}
+
+// acc[16][D] += W B: W [16][64] in the accumulator layout of attention_mma_lines (rounded to bf16:
+// the accumulators of two 8-column tiles are one A fragment), B the tile's 64 lines x D channels.
+template <int D>
+__device__ inline void attention_mma_weights(float acc[D / 8][4], const float w[8][4], const floatX *tile) {
+    int lane = threadIdx.x % 32, quad = lane >> 3, r8 = lane & 7;
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+        uint32_t a[4] = {attention_pack(w[2 * j][0], w[2 * j][1]), attention_pack(w[2 * j][2], w[2 * j][3]),
+                         attention_pack(w[2 * j + 1][0], w[2 * j + 1][1]), attention_pack(w[2 * j + 1][2], w[2 * j + 1][3])};
+#pragma unroll
+        for (int ni = 0; ni < D / 8; ni += 2) {
+            uint32_t r[4];
+            conv_ldmatrix_x4<true>(r, tile + (j * 16 + (quad & 1) * 8 + r8) * (D + CONV_PAD) + ni * 8 + (quad >> 1) * 8);
+            conv_mma_bf16(acc[ni], a, r[0], r[1]);
+            conv_mma_bf16(acc[ni + 1], a, r[2], r[3]);
+        }
+    }
+}
+
+// Writes a warp's [16][D] accumulators as bf16 to rows row0.. of a [T][ld] tensor at `base` (rows < T).
+template <int D>
+__device__ inline void attention_store_rows(floatX *base, int64_t ld, int row0, int T, const float acc[D / 8][4],
+                                            const float row_scale[2]) {
+    int lane = threadIdx.x % 32;
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        int t = row0 + lane / 4 + 8 * r;
+        if (t >= T) continue;
+#pragma unroll
+        for (int ni = 0; ni < D / 8; ni++)
+            *(uint32_t *)(base + t * ld + ni * 8 + 2 * (lane % 4)) =
+                attention_pack(acc[ni][2 * r] * row_scale[r], acc[ni][2 * r + 1] * row_scale[r]);
+    }
+}
+
+// Forward: one block per (n, h) and 64 queries; each warp 16 queries against all keys.
+//   m = running max of s = S log2(e)/sqrt(ch), l = running sum of exp2(s - m), O = running sum of exp2(s - m) V;
+//   a new max m' rescales l and O by exp2(m - m'). At the end O / l is written and lse = m + log2(l) kept.
+template <int D>
+__global__ void __launch_bounds__(ATTN_THREADS) attention_forward_kernel(Attention a, float scale_log2) {
+    constexpr int LD = D + CONV_PAD;
+    __shared__ __align__(16) floatX q_tile[ATTN_TILE * LD], kv_tiles[2][2][ATTN_TILE * LD];  // [stage][K, V]
+    int tiles = (a.T + ATTN_TILE - 1) / ATTN_TILE, b = blockIdx.x / tiles, q0 = blockIdx.x % tiles * ATTN_TILE;
+    int n = b / a.heads, h = b % a.heads, lane = threadIdx.x % 32, row0 = threadIdx.x / 32 * 16;
+    int3 off = attention_offsets(a, h);
+    const floatX *qkv = a.qkv + (int64_t)n * a.T * 3 * a.C;
+    int64_t ld = 3 * a.C;
+    attention_load_tile<D>(q_tile, qkv + off.x, ld, q0, a.T);
+    attention_load_tile<D>(kv_tiles[0][0], qkv + off.y, ld, 0, a.T);
+    attention_load_tile<D>(kv_tiles[0][1], qkv + off.z, ld, 0, a.T);
+    conv_cp_async_commit();
+
+    uint32_t q[D / 16][4];
+    float o[D / 8][4] = {}, m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
+    for (int j = 0; j < tiles; j++) {
+        if (j + 1 < tiles) {
+            attention_load_tile<D>(kv_tiles[(j + 1) % 2][0], qkv + off.y, ld, (j + 1) * ATTN_TILE, a.T);
+            attention_load_tile<D>(kv_tiles[(j + 1) % 2][1], qkv + off.z, ld, (j + 1) * ATTN_TILE, a.T);
+        }
+        conv_cp_async_commit();
+        conv_cp_async_wait<1>();
+        __syncthreads();
+        if (j == 0) attention_fragments<D>(q, q_tile, row0);
+        float s[8][4] = {};
+        attention_mma_lines<D>(s, q, kv_tiles[j % 2][0]);
+#pragma unroll
+        for (int r = 0; r < 2; r++) {  // this thread's two rows: lane / 4 and lane / 4 + 8
+            float tile_max = -INFINITY;
+#pragma unroll
+            for (int ni = 0; ni < 8; ni++)
+#pragma unroll
+                for (int e = 0; e < 2; e++) {
+                    int key = j * ATTN_TILE + ni * 8 + 2 * (lane % 4) + e;
+                    float v = key < a.T ? s[ni][2 * r + e] * scale_log2 : -INFINITY;
+                    s[ni][2 * r + e] = v, tile_max = fmaxf(tile_max, v);
+                }
+            tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffff, tile_max, 1));
+            tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffff, tile_max, 2));
+            float m_new = fmaxf(m[r], tile_max), rescale = exp2f(m[r] - m_new), sum = 0.0f;
+#pragma unroll
+            for (int ni = 0; ni < 8; ni++)
+#pragma unroll
+                for (int e = 0; e < 2; e++) sum += s[ni][2 * r + e] = exp2f(s[ni][2 * r + e] - m_new);
+            l[r] = l[r] * rescale + sum, m[r] = m_new;
+#pragma unroll
+            for (int ni = 0; ni < D / 8; ni++) o[ni][2 * r] *= rescale, o[ni][2 * r + 1] *= rescale;
+        }
+        attention_mma_weights<D>(o, s, kv_tiles[j % 2][1]);
+        __syncthreads();  // every warp is done with this stage before it is loaded again
+    }
+    float inv_l[2];
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        l[r] += __shfl_xor_sync(0xffffffff, l[r], 1);
+        l[r] += __shfl_xor_sync(0xffffffff, l[r], 2);
+        inv_l[r] = 1.0f / l[r];
+        int t = q0 + row0 + lane / 4 + 8 * r;
+        if (lane % 4 == 0 && t < a.T) a.lse[(int64_t)b * a.T + t] = m[r] + log2f(l[r]);
+    }
+    attention_store_rows<D>(a.out + (int64_t)n * a.T * a.C + h * D, a.C, q0 + row0, a.T, o, inv_l);
+}
+
+// Backward, per (n, h) and 64 queries: delta = rowsum(dO * O) for them (kept for the key blocks), then
+// over all keys: P recomputed, dP = dO V^T, dS = P (dP - delta) / sqrt(ch), dQ = sum dS K.
+template <int D>
+__global__ void __launch_bounds__(ATTN_THREADS) attention_backward_dq_kernel(Attention a, float scale_log2, float scale) {
+    constexpr int LD = D + CONV_PAD;
+    __shared__ __align__(16) floatX q_tile[ATTN_TILE * LD], do_tile[ATTN_TILE * LD], kv_tiles[2][2][ATTN_TILE * LD];
+    __shared__ float row_lse[ATTN_TILE], row_delta[ATTN_TILE];
+    int tiles = (a.T + ATTN_TILE - 1) / ATTN_TILE, b = blockIdx.x / tiles, q0 = blockIdx.x % tiles * ATTN_TILE;
+    int n = b / a.heads, h = b % a.heads, lane = threadIdx.x % 32, row0 = threadIdx.x / 32 * 16;
+    int3 off = attention_offsets(a, h);
+    const floatX *qkv = a.qkv + (int64_t)n * a.T * 3 * a.C;
+    const floatX *d_out = a.d_out + (int64_t)n * a.T * a.C + h * D, *out = a.out + (int64_t)n * a.T * a.C + h * D;
+    int64_t ld = 3 * a.C;
+    attention_load_tile<D>(q_tile, qkv + off.x, ld, q0, a.T);
+    attention_load_tile<D>(do_tile, d_out, a.C, q0, a.T);
+    attention_load_tile<D>(kv_tiles[0][0], qkv + off.y, ld, 0, a.T);
+    attention_load_tile<D>(kv_tiles[0][1], qkv + off.z, ld, 0, a.T);
+    conv_cp_async_commit();
+    {  // delta: two threads per row, each half of its channels, 8 at a time
+        int r = threadIdx.x / 2, t = q0 + r;
+        float sum = 0.0f;
+        if (t < a.T)
+            for (int c = threadIdx.x % 2 * 8; c < D; c += 16) {
+                Pack x = *(const Pack *)(d_out + (int64_t)t * a.C + c), y = *(const Pack *)(out + (int64_t)t * a.C + c);
+#pragma unroll
+                for (int i = 0; i < PACK; i++) sum += (float)x.v[i] * (float)y.v[i];
+            }
+        sum += __shfl_xor_sync(0xffffffff, sum, 1);
+        if (threadIdx.x % 2 == 0) {
+            row_delta[r] = sum, row_lse[r] = t < a.T ? a.lse[(int64_t)b * a.T + t] : 0.0f;
+            if (t < a.T) a.delta[(int64_t)b * a.T + t] = sum;
+        }
+    }
+
+    uint32_t q[D / 16][4], d_o[D / 16][4];
+    float dq[D / 8][4] = {}, lse[2], delta[2];
+    for (int j = 0; j < tiles; j++) {
+        if (j + 1 < tiles) {
+            attention_load_tile<D>(kv_tiles[(j + 1) % 2][0], qkv + off.y, ld, (j + 1) * ATTN_TILE, a.T);
+            attention_load_tile<D>(kv_tiles[(j + 1) % 2][1], qkv + off.z, ld, (j + 1) * ATTN_TILE, a.T);
+        }
+        conv_cp_async_commit();
+        conv_cp_async_wait<1>();
+        __syncthreads();
+        if (j == 0) {
+            attention_fragments<D>(q, q_tile, row0), attention_fragments<D>(d_o, do_tile, row0);
+            for (int r = 0; r < 2; r++) lse[r] = row_lse[row0 + lane / 4 + 8 * r], delta[r] = row_delta[row0 + lane / 4 + 8 * r];
+        }
+        float s[8][4] = {}, dp[8][4] = {};
+        attention_mma_lines<D>(s, q, kv_tiles[j % 2][0]);
+        attention_mma_lines<D>(dp, d_o, kv_tiles[j % 2][1]);
+#pragma unroll
+        for (int ni = 0; ni < 8; ni++)
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                int key = j * ATTN_TILE + ni * 8 + 2 * (lane % 4) + i % 2;
+                float p = key < a.T ? exp2f(s[ni][i] * scale_log2 - lse[i / 2]) : 0.0f;
+                s[ni][i] = p * (dp[ni][i] - delta[i / 2]) * scale;  // dS
+            }
+        attention_mma_weights<D>(dq, s, kv_tiles[j % 2][0]);
+        __syncthreads();
+    }
+    const float one[2] = {1.0f, 1.0f};
+    attention_store_rows<D>(a.d_qkv + (int64_t)n * a.T * 3 * a.C + off.x, ld, q0 + row0, a.T, dq, one);
+}
+
+// Backward, per (n, h) and 64 keys, over all queries (each warp 16 keys, so the products are
+// transposed: rows are keys): P^T recomputed, dV = sum P^T dO, dP^T = V dO^T,
+// dS^T = P^T (dP^T - delta) / sqrt(ch), dK = sum dS^T Q.
+template <int D>
+__global__ void __launch_bounds__(ATTN_THREADS) attention_backward_dkdv_kernel(Attention a, float scale_log2, float scale) {
+    constexpr int LD = D + CONV_PAD;
+    __shared__ __align__(16) floatX k_tile[ATTN_TILE * LD], v_tile[ATTN_TILE * LD], qdo_tiles[2][2][ATTN_TILE * LD];
+    __shared__ float row_lse[2][ATTN_TILE], row_delta[2][ATTN_TILE];
+    int tiles = (a.T + ATTN_TILE - 1) / ATTN_TILE, b = blockIdx.x / tiles, k0 = blockIdx.x % tiles * ATTN_TILE;
+    int n = b / a.heads, h = b % a.heads, lane = threadIdx.x % 32, row0 = threadIdx.x / 32 * 16;
+    int3 off = attention_offsets(a, h);
+    const floatX *qkv = a.qkv + (int64_t)n * a.T * 3 * a.C, *d_out = a.d_out + (int64_t)n * a.T * a.C + h * D;
+    int64_t ld = 3 * a.C;
+    // Query tile i into stage i % 2: Q, dO, and lse (+infinity past T: P = 0 there) and delta.
+    auto load_queries = [&](int i) {
+        int st = i % 2, t0 = i * ATTN_TILE;
+        attention_load_tile<D>(qdo_tiles[st][0], qkv + off.x, ld, t0, a.T);
+        attention_load_tile<D>(qdo_tiles[st][1], d_out, a.C, t0, a.T);
+        for (int r = threadIdx.x; r < ATTN_TILE; r += ATTN_THREADS) {
+            int t = t0 + r;
+            row_lse[st][r] = t < a.T ? a.lse[(int64_t)b * a.T + t] : INFINITY;
+            row_delta[st][r] = t < a.T ? a.delta[(int64_t)b * a.T + t] : 0.0f;
+        }
+    };
+    attention_load_tile<D>(k_tile, qkv + off.y, ld, k0, a.T);
+    attention_load_tile<D>(v_tile, qkv + off.z, ld, k0, a.T);
+    load_queries(0);
+    conv_cp_async_commit();
+
+    uint32_t k[D / 16][4], v[D / 16][4];
+    float dk[D / 8][4] = {}, dv[D / 8][4] = {};
+    for (int i = 0; i < tiles; i++) {
+        if (i + 1 < tiles) load_queries(i + 1);
+        conv_cp_async_commit();
+        conv_cp_async_wait<1>();
+        __syncthreads();
+        if (i == 0) attention_fragments<D>(k, k_tile, row0), attention_fragments<D>(v, v_tile, row0);
+        const floatX *q_tile = qdo_tiles[i % 2][0], *do_tile = qdo_tiles[i % 2][1];
+        float p[8][4] = {}, dp[8][4] = {};
+        attention_mma_lines<D>(p, k, q_tile);  // S^T
+        attention_mma_lines<D>(dp, v, do_tile);
+#pragma unroll
+        for (int ni = 0; ni < 8; ni++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                int col = ni * 8 + 2 * (lane % 4) + e % 2;  // the query within the tile
+                p[ni][e] = exp2f(p[ni][e] * scale_log2 - row_lse[i % 2][col]);
+                dp[ni][e] = p[ni][e] * (dp[ni][e] - row_delta[i % 2][col]) * scale;  // dS^T
+            }
+        attention_mma_weights<D>(dv, p, do_tile);
+        attention_mma_weights<D>(dk, dp, q_tile);
+        __syncthreads();
+    }
+    const float one[2] = {1.0f, 1.0f};
+    floatX *d_qkv = a.d_qkv + (int64_t)n * a.T * 3 * a.C;
+    attention_store_rows<D>(d_qkv + off.y, ld, k0 + row0, a.T, dk, one);
+    attention_store_rows<D>(d_qkv + off.z, ld, k0 + row0, a.T, dv, one);
+}
+
+// Launches kernel<ch>(a, ...) over every (n, h) and 64 rows.
+#define ATTENTION_LAUNCH(kernel, a, ...)                                                                   \
+    do {                                                                                                 \
+        int blocks_ = (a)->N * (a)->heads * (((a)->T + ATTN_TILE - 1) / ATTN_TILE);                      \
+        if ((a)->C / (a)->heads == 32) kernel<32><<<blocks_, ATTN_THREADS, 0, gpu.stream>>>(*(a), __VA_ARGS__); \
+        else kernel<64><<<blocks_, ATTN_THREADS, 0, gpu.stream>>>(*(a), __VA_ARGS__);                    \
+        cuda_check_launch();                                                                             \
+    } while (0)
+#endif
 
 __global__ void softmax_forward_kernel(floatX *probs, const float *scores, int rows, int T, float scale) {
     int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -1847,24 +2162,38 @@ __global__ void softmax_backward_kernel(floatX *d_scores, const float *d_probs, 
     for (int i = lane; i < T; i += 32) d_scores[(int64_t)row * T + i] = (floatX)((float)p[i] * (dp[i] - dot) * scale);
 }
 
-// Fills the pointer arrays for qkv / out / their gradients (NULL: forward only) of one attention layer.
-__global__ void attention_pointers_kernel(Attention a, const floatX *qkv, floatX *out, floatX *d_qkv, const floatX *d_out) {
+// Fills the batched products' pointer arrays for one attention layer.
+__global__ void attention_pointers_kernel(Attention a) {
     int b = blockIdx.x * blockDim.x + threadIdx.x;
     if (b >= a.N * a.heads) return;
     int n = b / a.heads, h = b % a.heads, ch = a.C / a.heads;
-    int64_t base = (int64_t)n * a.T * 3 * a.C;
-    int64_t q_off = a.legacy ? h * 3 * ch : h * ch, k_off = a.legacy ? q_off + ch : a.C + h * ch, v_off = a.legacy ? q_off + 2 * ch : 2 * a.C + h * ch;
-    int64_t tt = (int64_t)b * a.T * a.T, o_off = (int64_t)n * a.T * a.C + h * ch;
-    a.q[b] = qkv + base + q_off, a.k[b] = qkv + base + k_off, a.v[b] = qkv + base + v_off;
+    int3 off = attention_offsets(a, h);
+    int64_t base = (int64_t)n * a.T * 3 * a.C, tt = (int64_t)b * a.T * a.T, o_off = (int64_t)n * a.T * a.C + h * ch;
+    a.q[b] = a.qkv + base + off.x, a.k[b] = a.qkv + base + off.y, a.v[b] = a.qkv + base + off.z;
     a.s[b] = a.scores + tt, a.p[b] = a.probs + tt;
-    a.o[b] = out + o_off;
-    if (!d_qkv) return;
-    a.dq[b] = d_qkv + base + q_off, a.dk[b] = d_qkv + base + k_off, a.dv[b] = d_qkv + base + v_off;
-    a.dp_out[b] = a.scores + tt, a.ds[b] = a.d_scores + tt, a.d_o[b] = d_out + o_off;
+    a.o[b] = a.out + o_off;
+    if (!a.d_qkv) return;
+    a.dq[b] = a.d_qkv + base + off.x, a.dk[b] = a.d_qkv + base + off.y, a.dv[b] = a.d_qkv + base + off.z;
+    a.dp_out[b] = a.scores + tt, a.ds[b] = a.d_scores + tt, a.d_o[b] = a.d_out + o_off;
+}
+
+// Points an attention layer at its tensors: qkv and out, and their gradients (NULL: forward only).
+// The batched products' scratch, probs and pointer arrays must be in place.
+static void attention_bind(Attention *a, const floatX *qkv, floatX *out, floatX *d_qkv, const floatX *d_out) {
+    a->qkv = qkv, a->out = out, a->d_qkv = d_qkv, a->d_out = d_out;
+    if (a->fused) return;
+    attention_pointers_kernel<<<(a->N * a->heads + 63) / 64, 64, 0, gpu.stream>>>(*a);
+    cuda_check_launch();
 }
 
 static void attention_forward(const Attention *a) {
     int ch = a->C / a->heads, batch = a->N * a->heads, T = a->T;
+#if !defined(PRECISION_FP32)
+    if (a->fused) {
+        ATTENTION_LAUNCH(attention_forward_kernel, a, (float)M_LOG2E / sqrtf((float)ch));
+        return;
+    }
+#endif
     matmul_batched(a->s, CUDA_R_32F, T, a->q, 0, 3 * a->C, a->k, 1, 3 * a->C, T, T, ch, 0.0f, batch);
     softmax_forward_kernel<<<(batch * T + 7) / 8, 256, 0, gpu.stream>>>(a->probs, a->scores, batch * T, T, 1.0f / sqrtf((float)ch));
     cuda_check_launch();
@@ -1874,6 +2203,14 @@ static void attention_forward(const Attention *a) {
 // d_qkv = (the gradient of the core at dO), written whole.
 static void attention_backward(const Attention *a) {
     int ch = a->C / a->heads, batch = a->N * a->heads, T = a->T;
+#if !defined(PRECISION_FP32)
+    if (a->fused) {
+        float scale = 1.0f / sqrtf((float)ch);
+        ATTENTION_LAUNCH(attention_backward_dq_kernel, a, (float)M_LOG2E * scale, scale);
+        ATTENTION_LAUNCH(attention_backward_dkdv_kernel, a, (float)M_LOG2E * scale, scale);
+        return;
+    }
+#endif
     matmul_batched(a->dp_out, CUDA_R_32F, T, a->d_o, 0, a->C, a->v, 1, 3 * a->C, T, T, ch, 0.0f, batch);
     softmax_backward_kernel<<<(batch * T + 7) / 8, 256, 0, gpu.stream>>>(a->d_scores, a->scores, a->probs, batch * T, T,
                                                                          1.0f / sqrtf((float)ch));
@@ -2960,12 +3297,18 @@ static void walk_attention(Walk *w, const char *prefix, int channels, int heads)
     ab->mean = stats_alloc(m), ab->rstd = stats_alloc(m);
     Attention *a = &ab->attention;
     a->N = N, a->T = T, a->C = channels, a->heads = heads, a->legacy = !w->c->use_new_attention_order;
+    a->fused = attention_can_fuse(channels / heads);
     int64_t batch = (int64_t)N * heads, tt = batch * T * T;
-    a->probs = (floatX *)arena_take(&m->acts, tt * sizeof(floatX));
-    note_scratch(&m->scores_numel, tt);
-    void **arrays[] = {(void **)&a->q, (void **)&a->k, (void **)&a->v, (void **)&a->p, (void **)&a->ds, (void **)&a->o,
-                       (void **)&a->dq, (void **)&a->dk, (void **)&a->dv, (void **)&a->s, (void **)&a->dp_out, (void **)&a->d_o};
-    for (size_t i = 0; i < sizeof arrays / sizeof arrays[0]; i++) *arrays[i] = arena_take(&m->acts, batch * sizeof(void *));
+    if (a->fused) {
+        a->lse = (float *)arena_take(&m->acts, batch * T * sizeof(float));
+        if (m->training) a->delta = (float *)arena_take(&m->acts, batch * T * sizeof(float));
+    } else {
+        a->probs = (floatX *)arena_take(&m->acts, tt * sizeof(floatX));
+        note_scratch(&m->scores_numel, tt);
+        void **arrays[] = {(void **)&a->q, (void **)&a->k, (void **)&a->v, (void **)&a->p, (void **)&a->ds, (void **)&a->o,
+                           (void **)&a->dq, (void **)&a->dk, (void **)&a->dv, (void **)&a->s, (void **)&a->dp_out, (void **)&a->d_o};
+        for (size_t i = 0; i < sizeof arrays / sizeof arrays[0]; i++) *arrays[i] = arena_take(&m->acts, batch * sizeof(void *));
+    }
     walk_norm_scratch(w, channels);
     walk_conv_scratch(w, &qkv, size), walk_conv_scratch(w, &proj, size);
     walk_advance(w, b, size);
@@ -3244,9 +3587,7 @@ static void unet_create(UNet *m, const ModelConfig *c, int batch, int training) 
         if (m->blocks[i].kind != BLOCK_ATTENTION) continue;
         AttentionBlock *ab = &m->blocks[i].attention;
         ab->attention.scores = m->scratch.scores, ab->attention.d_scores = m->scratch.d_scores;
-        attention_pointers_kernel<<<(ab->attention.N * ab->attention.heads + 63) / 64, 64, 0, gpu.stream>>>(
-            ab->attention, ab->h1.x, ab->h2.x, ab->h1.dx, ab->h2.dx);
-        cuda_check_launch();
+        attention_bind(&ab->attention, ab->h1.x, ab->h2.x, ab->h1.dx, ab->h2.dx);
     }
 }
 
