@@ -1600,13 +1600,16 @@ __device__ inline GroupNormAffine group_norm_affine(const float *sample_mean, co
     return k;
 }
 
-// Normalises one chunk (statistics combined from the partial sums of every chunk: the statistics'
-// grid is this one) and applies the fused options.
-__global__ void group_norm_apply_kernel(floatX *__restrict__ y, float *mean_out, float *rstd_out, const floatX *__restrict__ x,
+// Normalises one chunk and applies the fused options. The statistics are combined from the partial
+// sums of every chunk (the statistics' grid is this one) and written to sample_mean, sample_rstd; or,
+// with no partial sums (backward recomputing y), read from them: y comes out the same bit for bit.
+__global__ void group_norm_apply_kernel(floatX *__restrict__ y, float *sample_mean, float *sample_rstd, const floatX *__restrict__ x,
                                         const double *partial, const float *gamma, const float *beta, NormOptions o, int HW, int C) {
     __shared__ float mean[GN_GROUPS], rstd[GN_GROUPS];
     int n = blockIdx.y, chunks = gridDim.x;
-    if (threadIdx.x < GN_GROUPS) {
+    if (threadIdx.x < GN_GROUPS && !partial) {
+        mean[threadIdx.x] = sample_mean[n * GN_GROUPS + threadIdx.x], rstd[threadIdx.x] = sample_rstd[n * GN_GROUPS + threadIdx.x];
+    } else if (threadIdx.x < GN_GROUPS) {
         double a = 0, b = 0, count = (double)HW * (C / GN_GROUPS);
 #pragma unroll
         for (int k = 0; k < GN_CHUNKS; k++)  // all the chunks' loads in flight at once
@@ -1617,7 +1620,7 @@ __global__ void group_norm_apply_kernel(floatX *__restrict__ y, float *mean_out,
         double m = a / count, var = fmax(b / count - m * m, 0.0);
         mean[threadIdx.x] = (float)m;
         rstd[threadIdx.x] = (float)(1.0 / sqrt(var + GN_EPS));
-        if (blockIdx.x == 0) mean_out[n * GN_GROUPS + threadIdx.x] = mean[threadIdx.x], rstd_out[n * GN_GROUPS + threadIdx.x] = rstd[threadIdx.x];
+        if (blockIdx.x == 0) sample_mean[n * GN_GROUPS + threadIdx.x] = mean[threadIdx.x], sample_rstd[n * GN_GROUPS + threadIdx.x] = rstd[threadIdx.x];
     }
     __syncthreads();
     GnThread t = gn_thread(HW, C);
@@ -1652,6 +1655,16 @@ static void group_norm_forward(const Norm *norm, floatX *y, float *mean, float *
     cuda_check_launch();
     group_norm_apply_kernel<<<dim3(chunks, N), GN_THREADS, 0, gpu.stream>>>(
         y, mean, rstd, x, partials, norm->gamma, norm->beta, o, HW, C);
+    cuda_check_launch();
+}
+
+// y again, as group_norm_forward wrote it, from x and the statistics it kept: for a backward that
+// did not keep y.
+static void group_norm_recompute(const Norm *norm, floatX *y, float *mean, float *rstd, const floatX *x, int N, int HW,
+                                 NormOptions o) {
+    int C = norm->channels;
+    group_norm_apply_kernel<<<dim3(gn_chunks(HW, C), N), GN_THREADS, 0, gpu.stream>>>(y, mean, rstd, x, NULL, norm->gamma,
+                                                                                      norm->beta, o, HW, C);
     cuda_check_launch();
 }
 
@@ -2875,6 +2888,8 @@ static void concat_block_backward(ConcatBlock *b, const Act *in, const Act *out)
 //   h2 = dropout(SiLU(GroupNorm2(h1) + e)), or with scale-shift
 //        dropout(SiLU(GroupNorm2(h1) (1 + scale) + shift))                      (out_layers, emb_layers)
 //   out = conv2(h2) + skip(x), skip a 1x1 conv when the channel count changes (skip_connection)
+// h0, h0r and h2 are not kept: backward recomputes them from x and h1 and the statistics (one
+// GroupNorm pass each, the same values bit for bit), so a block keeps about half what it would.
 typedef struct {
     Norm norm1, norm2;
     Conv conv1, conv2, conv3;  // in_layers.2, out_layers.3, skip_connection
@@ -2921,12 +2936,15 @@ static void res_block_backward(ResBlock *r, const BlockEmbedding *e, const Act *
     int N = in->N, H = in->H, W = in->W, Ho = out->H, Wo = out->W;
     const floatX *h = r->resample ? r->h0r.x : r->h0.x, *skip = r->resample ? r->xr.x : in->x;
     floatX *dh = r->resample ? r->h0r.dx : r->h0.dx, *dskip = r->resample ? r->xr.dx : in->dx;
+    group_norm_recompute(&r->norm2, r->h2.x, r->mean2, r->rstd2, r->h1.x, N, Ho * Wo, res_block_norm2(r, e, training));
     conv_backward(&r->conv2, r->h2.dx, out->dx, r->h2.x, N, Ho, Wo, NULL, 0);
     if (r->has_skip_conv) conv_backward(&r->conv3, dskip, out->dx, skip, N, Ho, Wo, NULL, 0);
     else add_into(dskip, out->dx, act_numel(out));
     group_norm_backward(&r->norm2, r->h1.dx, e->d_out + r->emb_offset, r->h2.dx, r->h1.x, r->mean2, r->rstd2, N, Ho * Wo,
                         res_block_norm2(r, e, training));
     float *d_add = e->scale_shift ? NULL : e->d_out + r->emb_offset;
+    group_norm_recompute(&r->norm1, r->h0.x, r->mean1, r->rstd1, in->x, N, H * W, NORM_SILU);
+    if (r->resample) resample_forward(r->resample > 0, r->h0r.x, r->h0.x, N, H, W, in->C);
     conv_backward(&r->conv1, dh, r->h1.dx, h, N, Ho, Wo, d_add, e->total);
     if (r->resample) {
         resample_backward(r->resample > 0, r->h0.dx, r->h0r.dx, N, H, W, in->C);
@@ -2936,7 +2954,7 @@ static void res_block_backward(ResBlock *r, const BlockEmbedding *e, const Act *
 }
 
 // guided-diffusion's AttentionBlock: h0 = GroupNorm(x), h1 = qkv(h0) (1x1 conv1d to 3C),
-// h2 = attention(h1), out = proj_out(h2) + x (proj_out zero-initialised).
+// h2 = attention(h1), out = proj_out(h2) + x (proj_out zero-initialised). Backward recomputes h0.
 typedef struct {
     Norm norm;
     Conv qkv, proj;
@@ -2958,6 +2976,7 @@ static void attention_block_backward(AttentionBlock *a, const Act *in, const Act
     conv_backward(&a->proj, a->h2.dx, out->dx, a->h2.x, N, H, W, NULL, 0);
     add_into(in->dx, out->dx, act_numel(out));
     attention_backward(&a->attention);
+    group_norm_recompute(&a->norm, a->h0.x, a->mean, a->rstd, in->x, N, H * W, NORM_PLAIN);
     conv_backward(&a->qkv, a->h0.dx, a->h1.dx, a->h0.x, N, H, W, NULL, 0);
     group_norm_backward(&a->norm, in->dx, NULL, a->h0.dx, in->x, a->mean, a->rstd, N, H * W, NORM_PLAIN);
 }
@@ -2978,7 +2997,8 @@ static void downsample_backward(Downsample *d, const Act *in, const Act *out) {
     else resample_backward(0, in->dx, out->dx, in->N, in->H, in->W, in->C);
 }
 
-// guided-diffusion's Upsample: nearest 2x (into `up`), then a 3x3 conv when conv_resample.
+// guided-diffusion's Upsample: nearest 2x (into `up`, which backward recomputes), then a 3x3 conv
+// when conv_resample.
 typedef struct {
     Conv conv;
     int has_conv;
@@ -2991,11 +3011,15 @@ static void upsample_forward(Upsample *u, const Act *in, Act *out) {
 }
 
 static void upsample_backward(Upsample *u, const Act *in, const Act *out) {
-    if (u->has_conv) conv_backward(&u->conv, u->up.dx, out->dx, u->up.x, in->N, 2 * in->H, 2 * in->W, NULL, 0);
+    if (u->has_conv) {
+        resample_forward(1, u->up.x, in->x, in->N, in->H, in->W, in->C);
+        conv_backward(&u->conv, u->up.dx, out->dx, u->up.x, in->N, 2 * in->H, 2 * in->W, NULL, 0);
+    }
     resample_backward(1, in->dx, u->has_conv ? u->up.dx : out->dx, in->N, in->H, in->W, in->C);
 }
 
-// The output head (out): h0 = SiLU(GroupNorm(x)), out = conv(h0) (zero-initialised).
+// The output head (out): h0 = SiLU(GroupNorm(x)), out = conv(h0) (zero-initialised); backward
+// recomputes h0.
 typedef struct {
     Norm norm;
     Conv conv;
@@ -3011,6 +3035,7 @@ static void output_head_forward(OutputHead *o, const Act *in, Act *out) {
 
 static void output_head_backward(OutputHead *o, const Act *in, const Act *out) {
     int N = in->N, H = in->H, W = in->W;
+    group_norm_recompute(&o->norm, o->h0.x, o->mean, o->rstd, in->x, N, H * W, NORM_SILU);
     conv_backward(&o->conv, o->h0.dx, out->dx, o->h0.x, N, H, W, NULL, 0);
     group_norm_backward(&o->norm, in->dx, NULL, o->h0.dx, in->x, o->mean, o->rstd, N, H * W, NORM_SILU);
 }
@@ -3081,13 +3106,15 @@ typedef struct {
     ParamList params;
     int64_t storage;  // floats per parameter array: the parameters and 256-byte alignment gaps
     int64_t emb_bias_offset, emb_total;  // the ResBlocks' emb_layers, side by side: weights at 0, then biases
-    // The memory plan (see unet_plan): one GPU allocation in five regions.
+    // The memory plan (see unet_plan): one GPU allocation in six regions.
     char *memory;
     Arena parameters, acts, grads, scratch_region;
-    // The gradients of the activations inside a block live only while its backward runs: every block
-    // takes them from the start of one shared region, inner_grads, the size of the largest block's.
-    Arena inner_grads;
-    int64_t inner_grads_size;
+    // The gradients of the activations inside a block live only while its backward runs, and so do
+    // the values that backward recomputes (forward only: every activation inside a block, while its
+    // forward runs). Every block takes them from the start of two shared regions, each the size of
+    // the largest block's.
+    Arena inner_grads, transient;
+    int64_t inner_grads_size, transient_size;
     // parameters: fp32 master, compute copy (the master itself in FP32), gradients, AdamW moments
     float *master, *grad, *adam_m, *adam_v;
     floatX *compute;
@@ -3177,29 +3204,41 @@ static Norm walk_norm(Walk *w, const char *prefix, int channels) {
     return n;
 }
 
-// An activation, and its gradient from `grads` when the model trains.
-static Act act_take(UNet *m, Arena *grads, int N, int H, int W, int C) {
+static void note_scratch(int64_t *have, int64_t need) { if (need > *have) *have = need; }
+
+// An activation from `values`, and its gradient from `grads` when the model trains.
+static Act act_take(UNet *m, Arena *values, Arena *grads, int N, int H, int W, int C) {
     Act a = {NULL, NULL, N, H, W, C};
     int64_t bytes = act_numel(&a) * (int64_t)sizeof(floatX);
-    a.x = (floatX *)arena_take(&m->acts, bytes);
+    a.x = (floatX *)arena_take(values, bytes);
     if (m->training) a.dx = (floatX *)arena_take(grads, bytes);
     return a;
 }
 
-static Act act_alloc(UNet *m, int N, int H, int W, int C) { return act_take(m, &m->grads, N, H, W, C); }
+static Act act_alloc(UNet *m, int N, int H, int W, int C) { return act_take(m, &m->acts, &m->grads, N, H, W, C); }
 
-// An activation inside the block being planned (the last one walk_block began): its gradient in the
-// shared region of inner gradients.
-static Act act_alloc_inner(UNet *m, int N, int H, int W, int C) {
-    Act a = act_take(m, &m->inner_grads, N, H, W, C);
+// An activation inside the block being planned (the last one walk_block began) whose values nobody
+// reads after the block's forward, or its backward recomputes: values in the shared transient
+// region, gradient in the shared region of inner gradients.
+static Act act_alloc_transient(UNet *m, int N, int H, int W, int C) {
+    Act a = act_take(m, &m->transient, &m->inner_grads, N, H, W, C);
     m->blocks[m->num_blocks - 1].inner_grad_bytes = m->inner_grads.used;
-    if (m->inner_grads.used > m->inner_grads_size) m->inner_grads_size = m->inner_grads.used;
+    note_scratch(&m->inner_grads_size, m->inner_grads.used);
+    note_scratch(&m->transient_size, m->transient.used);
+    return a;
+}
+
+// An activation inside the block being planned that its backward reads: values kept (forward only,
+// transient), gradient in the shared region of inner gradients.
+static Act act_alloc_inner(UNet *m, int N, int H, int W, int C) {
+    if (!m->training) return act_alloc_transient(m, N, H, W, C);
+    Act a = act_take(m, &m->acts, &m->inner_grads, N, H, W, C);
+    m->blocks[m->num_blocks - 1].inner_grad_bytes = m->inner_grads.used;
+    note_scratch(&m->inner_grads_size, m->inner_grads.used);
     return a;
 }
 
 static float *stats_alloc(UNet *m) { return (float *)arena_take(&m->acts, (int64_t)m->batch * GN_GROUPS * sizeof(float)); }
-
-static void note_scratch(int64_t *have, int64_t need) { if (need > *have) *have = need; }
 
 // Appends a block reading the walk's current activation; the new block's output becomes current.
 static Block *walk_block(Walk *w, BlockKind kind, int out_channels, int out_size) {
@@ -3210,7 +3249,7 @@ static Block *walk_block(Walk *w, BlockKind kind, int out_channels, int out_size
     b->kind = kind;
     b->in = w->cur;
     b->out = act_alloc(m, m->batch, out_size, out_size, out_channels);
-    m->inner_grads.used = 0;  // its inner gradients start the shared region
+    m->inner_grads.used = m->transient.used = 0;  // its inner activations start the shared regions
     return b;
 }
 
@@ -3267,10 +3306,13 @@ static void walk_res_block(Walk *w, const char *prefix, int in, int out, int res
     r->norm1 = norm1, r->conv1 = conv1, r->norm2 = norm2, r->conv2 = conv2, r->conv3 = conv3;
     r->has_skip_conv = out != in, r->resample = resample, r->emb_offset = emb_offset;
     r->dropout_stream = rng_stream(RNG_DROPOUT, (uint64_t)(b - m->blocks));
-    r->h0 = act_alloc_inner(m, N, size, size, in);
-    if (resample) r->h0r = act_alloc_inner(m, N, out_size, out_size, in), r->xr = act_alloc_inner(m, N, out_size, out_size, in);
+    if (resample) r->xr = act_alloc_inner(m, N, out_size, out_size, in);
     r->h1 = act_alloc_inner(m, N, out_size, out_size, out);
-    r->h2 = act_alloc_inner(m, N, out_size, out_size, out);
+    int64_t h2_start = m->transient.used;  // h2 takes the place of h0 and h0r, dead by the time it is written
+    r->h0 = act_alloc_transient(m, N, size, size, in);
+    if (resample) r->h0r = act_alloc_transient(m, N, out_size, out_size, in);
+    m->transient.used = h2_start;
+    r->h2 = act_alloc_transient(m, N, out_size, out_size, out);
     r->mean1 = stats_alloc(m), r->rstd1 = stats_alloc(m), r->mean2 = stats_alloc(m), r->rstd2 = stats_alloc(m);
     walk_conv_scratch(w, &conv1, out_size), walk_conv_scratch(w, &conv2, out_size);
     if (r->has_skip_conv) walk_conv_scratch(w, &conv3, out_size);
@@ -3291,7 +3333,7 @@ static void walk_attention(Walk *w, const char *prefix, int channels, int heads)
     Block *b = walk_block(w, BLOCK_ATTENTION, channels, size);
     AttentionBlock *ab = &b->attention;
     ab->norm = norm, ab->qkv = qkv, ab->proj = proj;
-    ab->h0 = act_alloc_inner(m, N, size, size, channels);       // normalised
+    ab->h0 = act_alloc_transient(m, N, size, size, channels);   // normalised
     ab->h1 = act_alloc_inner(m, N, size, size, 3 * channels);   // qkv
     ab->h2 = act_alloc_inner(m, N, size, size, channels);       // attention output
     ab->mean = stats_alloc(m), ab->rstd = stats_alloc(m);
@@ -3324,7 +3366,7 @@ static void walk_resample(Walk *w, const char *prefix, int channels, int up) {
     Block *b = walk_block(w, up ? BLOCK_UP : BLOCK_DOWN, channels, out_size);
     if (up) {
         b->up.conv = cv, b->up.has_conv = has_conv;
-        if (has_conv) b->up.up = act_alloc_inner(w->m, w->m->batch, out_size, out_size, channels);
+        if (has_conv) b->up.up = act_alloc_transient(w->m, w->m->batch, out_size, out_size, channels);
     } else {
         b->down.conv = cv, b->down.has_conv = has_conv;
     }
@@ -3410,7 +3452,7 @@ static void unet_walk(const ModelConfig *c, ParamList *params, UNet *m) {
     if (m) {
         Block *b = walk_block(&w, BLOCK_OUT, c->out_channels, w.size);
         b->head.norm = out_norm, b->head.conv = out_conv;
-        b->head.h0 = act_alloc_inner(m, m->batch, w.size, w.size, ch);
+        b->head.h0 = act_alloc_transient(m, m->batch, w.size, w.size, ch);
         b->head.mean = stats_alloc(m), b->head.rstd = stats_alloc(m);
         walk_norm_scratch(&w, ch), walk_conv_scratch(&w, &out_conv, w.size);
         walk_advance(&w, b, w.size);
@@ -3468,16 +3510,18 @@ static int64_t param_offsets(ParamList *params, int64_t *emb_bias_offset) {
     return at;
 }
 
-// The model's memory, planned once from the config and batch: one GPU allocation in five regions,
+// The model's memory, planned once from the config and batch: one GPU allocation in six regions,
 // each with its lifetime.
 //   parameters   fp32 master and compute copy; when training, their gradients and AdamW's two
 //                moments: the whole run.
-//   activations  the input, every block's output and what its backward reads: from the forward
-//                pass to the end of the backward.
+//   activations  the input, every block's output and what its backward reads and does not
+//                recompute: from the forward pass to the end of the backward.
 //   gradients    the gradients of the activations between blocks (when training): one backward
 //                pass, zeroed at its start.
 //   inner grads  the gradients of the activations inside a block: while that block's backward runs,
 //                zeroed just before it; every block's start at the same place (the largest block's size).
+//   transient    the activations inside a block that its backward recomputes (forward only: all of
+//                them): while that block's forward or backward runs; shared as the inner grads are.
 //   scratch      the largest weight-gradient slices, partial sums and attention scores of any
 //                layer: borrowed by one layer call at a time.
 // unet_lay_out takes every buffer from its region, in one fixed order; with no memory behind the
@@ -3485,8 +3529,8 @@ static int64_t param_offsets(ParamList *params, int64_t *emb_bias_offset) {
 static void unet_lay_out(UNet *m) {
     const ModelConfig *c = &m->config;
     int batch = m->batch, training = m->training, size = c->image_size, emb_dim = 4 * c->model_channels;
-    m->parameters.used = m->acts.used = m->grads.used = m->scratch_region.used = m->inner_grads.used = 0;
-    m->inner_grads_size = 0;
+    m->parameters.used = m->acts.used = m->grads.used = m->scratch_region.used = m->inner_grads.used = m->transient.used = 0;
+    m->inner_grads_size = m->transient_size = 0;
     m->weight_grad_numel = m->channel_sums_numel = m->gn_partials_numel = m->scores_numel = 0;
     m->num_blocks = 0;
 
@@ -3553,14 +3597,14 @@ static void unet_plan(UNet *m, const ModelConfig *c, int batch, int training) {
 }
 
 static int64_t unet_memory_bytes(const UNet *m) {
-    return m->parameters.used + m->acts.used + m->grads.used + m->inner_grads_size + m->scratch_region.used;
+    return m->parameters.used + m->acts.used + m->transient_size + m->grads.used + m->inner_grads_size + m->scratch_region.used;
 }
 
 // Prints the plan's regions and their total (--dry_run, the bench).
 static void print_memory_plan(FILE *f, const UNet *m, const char *what) {
     const double MiB = 1048576.0;
     fprintf(f, "memory plan (%s, batch %d): parameters %.1f MiB, activations %.1f MiB, gradients %.1f MiB, "
-            "scratch %.1f MiB; total %.1f MiB\n", what, m->batch, m->parameters.used / MiB, m->acts.used / MiB,
+            "scratch %.1f MiB; total %.1f MiB\n", what, m->batch, m->parameters.used / MiB, (m->acts.used + m->transient_size) / MiB,
             (m->grads.used + m->inner_grads_size) / MiB, m->scratch_region.used / MiB, unet_memory_bytes(m) / MiB);
 }
 
@@ -3571,7 +3615,8 @@ static void unet_create(UNet *m, const ModelConfig *c, int batch, int training) 
     m->memory = (char *)gpu_malloc(unet_memory_bytes(m));
     m->parameters.base = m->memory;
     m->acts.base = m->parameters.base + m->parameters.used;
-    m->grads.base = m->acts.base + m->acts.used;
+    m->transient.base = m->acts.base + m->acts.used;
+    m->grads.base = m->transient.base + m->transient_size;
     m->inner_grads.base = m->grads.base + m->grads.used;
     m->scratch_region.base = m->inner_grads.base + m->inner_grads_size;
     unet_lay_out(m);
