@@ -2,7 +2,9 @@
 # bench.sh [PRESET:BATCH ...]: our training step (./train_unet --bench) and the PyTorch reference
 # (scripts/bench_torch.py: eager bf16, torch.compile, torch.compile with CUDA graphs) on the same
 # configurations, one after the other in one run; prints a table of medians and the ratios
-# (PyTorch time / ours: above 1 means we are faster). Default: seed:32 seed:128.
+# (PyTorch time / ours: above 1 means we are faster), and the peak GPU memory of ours and of
+# PyTorch's last mode (torch.cuda.max_memory_allocated; ours counts every allocation, the EMA copy
+# of the weights included, which PyTorch's loop does not keep). Default: seed:32 seed:128.
 # BENCH_MODES="eager compile reduce-overhead" picks the PyTorch modes; BENCH_STEPS the steps timed.
 # Then sampling: DDIM with 50 steps, 256 images of the seed preset in one batch, `generate --bench`
 # against scripts/sample_torch.py in the same modes (images/s: above 1 means we are faster).
@@ -26,17 +28,22 @@ ratio_cells() {
     done
     echo
 }
-rows=()
+rows=() memory_cells=()
 for config in "${configs[@]}"; do
     preset=${config%%:*} batch=${config##*:}
-    ours=$(./train_unet --bench "$steps" --preset "$preset" --batch_size "$batch" | tee -a /dev/stderr | sed -n 's/.*median \([0-9.]*\) ms.*/\1/p')
+    out=$(./train_unet --bench "$steps" --preset "$preset" --batch_size "$batch" | tee -a /dev/stderr)
+    ours=$(sed -n 's/.*median \([0-9.]*\) ms.*/\1/p' <<< "$out")
+    memory=$(sed -n 's/.*GPU memory \([0-9.]*\) GiB.*/\1/p' <<< "$out")
     row="$preset $batch $ours"
     for mode in $modes; do
-        theirs=$(python3 scripts/bench_torch.py --preset "$preset" --batch_size "$batch" --mode "$mode" --steps "$steps" 2>&1 |
-                 tee -a /dev/stderr | sed -n 's/.*median \([0-9.]*\) ms.*/\1/p')
+        out=$(python3 scripts/bench_torch.py --preset "$preset" --batch_size "$batch" --mode "$mode" --steps "$steps" 2>&1 |
+              tee -a /dev/stderr) || true
+        theirs=$(sed -n 's/.*median \([0-9.]*\) ms.*/\1/p' <<< "$out")
         row="$row $mode=${theirs:-failed}"
+        torch_memory=$(sed -n 's/.*peak memory \([0-9.]*\) GiB.*/\1/p' <<< "$out")
     done
     rows+=("$row")
+    memory_cells+=("${memory:-?} / ${torch_memory:-?}")
 done
 sample_row=""
 if [ "${BENCH_SAMPLE:-1}" != 0 ]; then
@@ -55,12 +62,13 @@ fi
 echo
 printf '%-8s %6s %12s' preset batch "ours ms"
 for mode in $modes; do printf ' %26s' "$mode ms (ratio)"; done
-echo
-for row in "${rows[@]}"; do
-    set -- $row
+printf '   GiB ours / %s\n' "${modes##* }"
+for i in "${!rows[@]}"; do
+    set -- ${rows[$i]}
     printf '%-8s %6s %12s' "$1" "$2" "$3"
     ours=$3; shift 3
-    ratio_cells "a / b" "$ours" "$@"
+    ratio_cells "a / b" "$ours" "$@" | tr -d '\n'
+    printf '   %s\n' "${memory_cells[$i]}"
 done
 if [ -n "$sample_row" ]; then
     echo
