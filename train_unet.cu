@@ -244,6 +244,10 @@ static int blocks_for(size_t n, int threads) {
         cuda_check_launch();                                                                                   \
     } while (0)
 
+// How a backward pass delivers an input gradient: written over what the tensor holds (its only
+// producer: no zeroing first) or added to it (one of several).
+typedef enum { GRAD_WRITE, GRAD_ADD } GradMode;
+
 // Scratch: memory a layer borrows for the length of one call. The model's memory plan sizes it for
 // its largest layer and owns it (unet_create); layers reach it through their Conv or Norm.
 typedef struct {
@@ -514,7 +518,7 @@ static void channel_sums(const Scratch *s, float *per_sample, int per_sample_ld,
 // [out][k][k][in], bias [out]. With m an output pixel (n, ho, wo), tap t = 3 kh + kw and
 // patch(m, t) = x[n][ho s + kh - 1][wo s + kw - 1] (zero outside the image), Ho = (H - 1)/s + 1:
 //   forward       y[m][co]       = sum_{t,ci} patch(m, t)[ci] w[co][t][ci] + b[co] (+ residual[m][co])
-//   input grad    dx[p][ci]     += sum_{t,co} dy[m][co] w[co][t][ci] over the (m, t) whose patch reads p
+//   input grad    dx[p][ci]   (+)= sum_{t,co} dy[m][co] w[co][t][ci] over the (m, t) whose patch reads p
 //   weight grad   dW[co][t][ci]  = sum_m dy[m][co] patch(m, t)[ci],   db[co] = sum_m dy[m][co]
 // A 3x3 convolution is an implicit GEMM, out[M][Ng] = sum_k A[M][k] B[k][Ng], its operands gathered
 // tile by tile straight from the NHWC tensors (no patch matrix in memory):
@@ -609,10 +613,10 @@ __global__ void conv3x3_forward_kernel(float *y, int ldy, const float *x, int ld
     y[(int64_t)m * ldy + co] = sum;
 }
 
-// dx[n][h][w][ci] += sum over the taps (kh, kw) with (h + 1 - kh, w + 1 - kw) = s (ho, wo) inside dy
+// dx[n][h][w][ci] (+)= sum over the taps (kh, kw) with (h + 1 - kh, w + 1 - kw) = s (ho, wo) inside dy
 // of sum_co dy[n][ho][wo][co] w[co][kh][kw][ci].
-__global__ void conv3x3_backward_input_kernel(float *dx, int lddx, const float *dy, int lddy, const float *w, int N, int H,
-                                              int W, int C_in, int C_out, int stride, int Ho, int Wo) {
+__global__ void conv3x3_backward_input_kernel(float *dx, int lddx, GradMode mode, const float *dy, int lddy, const float *w,
+                                              int N, int H, int W, int C_in, int C_out, int stride, int Ho, int Wo) {
     int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (int64_t)N * H * W * C_in) return;
     int ci = (int)(i % C_in), p = (int)(i / C_in), ww = p % W, h = (p / W) % H, n = p / (W * H);
@@ -628,7 +632,7 @@ __global__ void conv3x3_backward_input_kernel(float *dx, int lddx, const float *
             for (int co = 0; co < C_out; co++) sum += g[co] * wp[(int64_t)co * 9 * C_in];
         }
     }
-    dx[(int64_t)p * lddx + ci] += sum;
+    dx[(int64_t)p * lddx + ci] = mode == GRAD_ADD ? dx[(int64_t)p * lddx + ci] + sum : sum;
 }
 
 // out[slice][co][t][ci] = sum over the slice's output pixels m of dy[m][co] patch(m, t)[ci].
@@ -656,12 +660,12 @@ static void conv3x3_forward(floatX *y, int ldy, const floatX *x, int ldx, const 
     cuda_check_launch();
 }
 
-static void conv3x3_backward_input(floatX *dx, int lddx, const floatX *dy, int lddy, const floatX *w, int N, int H, int W,
-                                   int C_in, int C_out, int stride) {
+static void conv3x3_backward_input(floatX *dx, int lddx, GradMode mode, const floatX *dy, int lddy, const floatX *w, int N,
+                                   int H, int W, int C_in, int C_out, int stride) {
     int Ho = conv_out_size(H, 3, stride), Wo = conv_out_size(W, 3, stride);
     int64_t total = (int64_t)N * H * W * C_in;
-    conv3x3_backward_input_kernel<<<(unsigned)((total + 255) / 256), 256, 0, gpu.stream>>>(dx, lddx, dy, lddy, w, N, H, W,
-                                                                                         C_in, C_out, stride, Ho, Wo);
+    conv3x3_backward_input_kernel<<<(unsigned)((total + 255) / 256), 256, 0, gpu.stream>>>(dx, lddx, mode, dy, lddy, w, N, H,
+                                                                                         W, C_in, C_out, stride, Ho, Wo);
     cuda_check_launch();
 }
 
@@ -712,6 +716,7 @@ typedef struct {
     floatX *out;     // y (forward) or dx (input gradient)
     float *out_f;    // weight gradient: [slice][C_out][9 C_in]
     int pair_store;  // two adjacent output values may be written as one aligned pair
+    int add_out;     // the input gradient is added to what out holds (GRAD_ADD), else written over it
     // The wgmma kernel's stride-2 input gradient numbers its rows (input pixels) by parity class: class
     // c = 2 (h % 2) + w % 2 holds rows [class_start[c], class_start[c + 1]), in (n, h / 2, w / 2) order.
     int parity_rows, class_start[5];
@@ -880,7 +885,7 @@ __device__ __forceinline__ void conv_store_pair(const ConvGemm &p, int m, int ro
             v0 += __bfloat162float(r[0]);
             if (both) v1 += __bfloat162float(r[1]);
         }
-    } else {
+    } else if (p.add_out) {
         v0 += __bfloat162float(o[0]);
         if (both) v1 += __bfloat162float(o[1]);
     }
@@ -1402,11 +1407,11 @@ static void conv_parity_order(ConvGemm *p) {
     }
 }
 
-static void conv3x3_backward_input(floatX *dx, int lddx, const floatX *dy, int lddy, const floatX *w, int N, int H, int W,
-                                   int C_in, int C_out, int stride) {
+static void conv3x3_backward_input(floatX *dx, int lddx, GradMode mode, const floatX *dy, int lddy, const floatX *w, int N,
+                                   int H, int W, int C_in, int C_out, int stride) {
     ConvGemm p = conv_gemm(CONV_INPUT_GRAD, N, H, W, C_in, C_out, stride);
     if (stride == 2) conv_parity_order(&p);  // read by the wgmma kernel only
-    p.dy = dy, p.lddy = lddy, p.w = w, p.out = dx, p.ldo = lddx;
+    p.dy = dy, p.lddy = lddy, p.w = w, p.out = dx, p.ldo = lddx, p.add_out = mode == GRAD_ADD;
     p.pair_store = lddx % 2 == 0 && ((uintptr_t)dx & 3) == 0;
     bool vec_a = C_out % 8 == 0 && lddy % 8 == 0 && conv_aligned16(dy), vec_b = C_in % 8 == 0 && conv_aligned16(w);
     if (!conv_try_wgmma<CONV_INPUT_GRAD>(p, vec_a, vec_b)) conv_launch_by_width<CONV_INPUT_GRAD>(p, vec_a, vec_b);
@@ -1443,11 +1448,11 @@ static void conv_forward(const Conv *cv, floatX *y, const floatX *x, int N, int 
             .d = y, .ldd = cv->out, .c = residual, .ldc = cv->out, .beta = 1.0f, .bias = cv->b});
 }
 
-// dW, db and dx += (when dx is given) from dy. d_bias_per_sample (nullable, [N][ld]) receives the
-// per-sample sums of dy too: the gradient of a per-sample channel offset added to y.
+// dW, db and dx (+)= (when dx is given; the mode says which) from dy. d_bias_per_sample (nullable,
+// [N][ld]) receives the per-sample sums of dy too: the gradient of a per-sample channel offset added to y.
 // The bias gradient and a 3x3 convolution's weight gradient run on the side stream, beside the input
 // gradient (a 1x1 convolution's weight gradient is cuBLAS's: on the main stream).
-static void conv_backward(const Conv *cv, floatX *dx, const floatX *dy, const floatX *x, int N, int H, int W,
+static void conv_backward(const Conv *cv, floatX *dx, GradMode mode, const floatX *dy, const floatX *x, int N, int H, int W,
                           float *d_bias_per_sample, int per_sample_ld) {
     int Ho = conv_out_size(H, cv->k, cv->stride), Wo = conv_out_size(W, cv->k, cv->stride);
     side_begin();
@@ -1456,10 +1461,10 @@ static void conv_backward(const Conv *cv, floatX *dx, const floatX *dy, const fl
     channel_sums(cv->scratch, d_bias_per_sample, per_sample_ld, cv->db, dy, N, Ho * Wo, cv->out);
     side_end();
     if (cv->k == 1) weight_gradient(cv->scratch, cv->dw, dy, x, N * H * W, cv->out, cv->in);
-    if (dx && cv->k == 3) conv3x3_backward_input(dx, cv->in, dy, cv->out, cv->w, N, H, W, cv->in, cv->out, cv->stride);
+    if (dx && cv->k == 3) conv3x3_backward_input(dx, cv->in, mode, dy, cv->out, cv->w, N, H, W, cv->in, cv->out, cv->stride);
     else if (dx)
         matmul({.M = N * H * W, .N = cv->in, .K = cv->out, .a = dy, .lda = cv->out, .b = cv->w, .ldb = cv->in, .d = dx,
-                .ldd = cv->in, .c = dx, .ldc = cv->in, .beta = 1.0f});
+                .ldd = cv->in, .c = mode == GRAD_ADD ? dx : NULL, .ldc = cv->in, .beta = 1.0f});
     side_join();
 }
 
@@ -1502,7 +1507,14 @@ typedef struct {
     uint64_t dropout_stream;        // the layer's own random stream
 } NormOptions;
 
+// sigmoid(x) = 1 / (1 + e^-x). The BF16 build takes the fast intrinsics: their relative error (about
+// 1e-6) is far below bf16's rounding, and GroupNorm's kernels run 10-20% faster (dev/NOTES.md,
+// 2026-11-24 b). The FP32 build keeps expf and IEEE division.
+#if defined(PRECISION_FP32)
 __device__ inline float sigmoidf_(float x) { return 1.0f / (1.0f + expf(-x)); }
+#else
+__device__ inline float sigmoidf_(float x) { return __fdividef(1.0f, 1.0f + __expf(-x)); }
+#endif
 
 // Dropout's multiplier for element i: 0 with probability p, else 1/(1 - p).
 __host__ __device__ inline float dropout_keep(uint64_t seed, uint64_t stream, int64_t i, float p) {
@@ -1603,7 +1615,9 @@ __device__ inline GroupNormAffine group_norm_affine(const float *sample_mean, co
 // Normalises one chunk and applies the fused options. The statistics are combined from the partial
 // sums of every chunk (the statistics' grid is this one) and written to sample_mean, sample_rstd; or,
 // with no partial sums (backward recomputing y), read from them: y comes out the same bit for bit.
-__global__ void group_norm_apply_kernel(floatX *__restrict__ y, float *sample_mean, float *sample_rstd, const floatX *__restrict__ x,
+// Five blocks per multiprocessor (54 registers would allow four): 10-15% faster on the large
+// shapes, measured (dev/NOTES.md, 2026-11-24 b).
+__global__ void __launch_bounds__(GN_THREADS, 5) group_norm_apply_kernel(floatX *__restrict__ y, float *sample_mean, float *sample_rstd, const floatX *__restrict__ x,
                                         const double *partial, const float *gamma, const float *beta, NormOptions o, int HW, int C) {
     __shared__ float mean[GN_GROUPS], rstd[GN_GROUPS];
     int n = blockIdx.y, chunks = gridDim.x;
@@ -1730,10 +1744,10 @@ __global__ void group_norm_backward_sums_kernel(double *partial, const floatX *_
     }
 }
 
-// Backward, pass 2: dx' += rstd (g - mean_g(g) - xhat mean_g(g xhat)) for one chunk. With g = dz gamma
-// = du (1 + scale) gamma and xhat = x a + b this is  dx' += du s + x e + f,  e = -rstd a mean_g(g xhat),
+// Backward, pass 2: dx' (+)= rstd (g - mean_g(g) - xhat mean_g(g xhat)) for one chunk. With g = dz gamma
+// = du (1 + scale) gamma and xhat = x a + b this is  dx' (+)= du s + x e + f,  e = -rstd a mean_g(g xhat),
 // f = -rstd (mean_g(g) + b mean_g(g xhat)). Its grid is the sums' one.
-__global__ void group_norm_backward_input_kernel(floatX *__restrict__ dx, const floatX *__restrict__ dy, const floatX *__restrict__ x,
+__global__ void group_norm_backward_input_kernel(floatX *__restrict__ dx, GradMode mode, const floatX *__restrict__ dy, const floatX *__restrict__ x,
                                                  const double *partial, const float *mean, const float *rstd, const float *gamma,
                                                  const float *beta, NormOptions o, int HW, int C) {
     __shared__ float mean_g[GN_GROUPS], mean_gx[GN_GROUPS];
@@ -1760,10 +1774,12 @@ __global__ void group_norm_backward_input_kernel(floatX *__restrict__ dx, const 
 #pragma unroll 2
     for (int r = t.first; r < t.end; r += t.rows_per_pass) {
         int64_t at = ((int64_t)n * HW + r) * C + t.c0;
-        Pack xp = *(const Pack *)&x[at], dp = *(const Pack *)&dy[at], out = *(const Pack *)&dx[at];
+        Pack xp = *(const Pack *)&x[at], dp = *(const Pack *)&dy[at], out;
+        if (mode == GRAD_ADD) out = *(const Pack *)&dx[at];
         for (int j = 0; j < PACK; j++) {
             float v = (float)xp.v[j], du = group_norm_du((float)dp.v[j], v * k.s[j] + k.t[j], o, at + j);
-            out.v[j] = (floatX)((float)out.v[j] + du * k.s[j] + v * e[j] + f[j]);
+            float d = du * k.s[j] + v * e[j] + f[j];
+            out.v[j] = (floatX)(mode == GRAD_ADD ? (float)out.v[j] + d : d);
         }
         *(Pack *)&dx[at] = out;
     }
@@ -1796,8 +1812,9 @@ __global__ void group_norm_backward_params_kernel(float *dgamma, float *dbeta, f
     }
 }
 
-// dx += (the input gradient), d_scale_shift += (when scale-shift is on, [N][ld] like the input).
-static void group_norm_backward(const Norm *norm, floatX *dx, float *d_scale_shift, const floatX *dy, const floatX *x,
+// dx (+)= (the input gradient; the mode says which), d_scale_shift += (when scale-shift is on, [N][ld]
+// like the input).
+static void group_norm_backward(const Norm *norm, floatX *dx, GradMode mode, float *d_scale_shift, const floatX *dy, const floatX *x,
                                 const float *mean, const float *rstd, int N, int HW, NormOptions o) {
     int C = norm->channels, chunks = gn_chunks(HW, C);
     double *partials = norm->scratch->gn_partials;
@@ -1810,7 +1827,7 @@ static void group_norm_backward(const Norm *norm, floatX *dx, float *d_scale_shi
     cuda_check_launch();
     side_end();
     group_norm_backward_input_kernel<<<dim3(chunks, N), GN_THREADS, 0, gpu.stream>>>(
-        dx, dy, x, partials, mean, rstd, norm->gamma, norm->beta, o, HW, C);
+        dx, mode, dy, x, partials, mean, rstd, norm->gamma, norm->beta, o, HW, C);
     cuda_check_launch();
     side_join();
 }
@@ -2255,13 +2272,18 @@ __global__ void avg_pool_forward_kernel(floatX *y, const floatX *x, int N, int H
 }
 
 template <typename V>
-__global__ void avg_pool_backward_kernel(floatX *dx, const floatX *dy, int N, int H, int W, int C) {
+__global__ void avg_pool_backward_kernel(floatX *dx, GradMode mode, const floatX *dy, int N, int H, int W, int C) {
     const int per = sizeof(V) / sizeof(floatX), vecs = C / per, Ho = H / 2, Wo = W / 2, total = N * H * W * vecs;
     for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < total; i += gridDim.x * blockDim.x) {
         int v = i % vecs, p = i / vecs, w = p % W, h = (p / W) % H, n = p / (W * H);
-        if (h / 2 >= Ho || w / 2 >= Wo) continue;  // a dropped row or column: no gradient
-        V g = ((const V *)dy)[((int64_t)(n * Ho + h / 2) * Wo + w / 2) * vecs + v], acc = ((V *)dx)[i];
-        for (int k = 0; k < per; k++) acc.v[k] = (floatX)((float)acc.v[k] + 0.25f * (float)g.v[k]);
+        bool dropped = h / 2 >= Ho || w / 2 >= Wo;  // a dropped row or column: no gradient
+        V g, acc;
+        if (!dropped) g = ((const V *)dy)[((int64_t)(n * Ho + h / 2) * Wo + w / 2) * vecs + v];
+        if (mode == GRAD_ADD) acc = ((V *)dx)[i];
+        for (int k = 0; k < per; k++) {
+            float d = dropped ? 0.0f : 0.25f * (float)g.v[k];
+            acc.v[k] = (floatX)(mode == GRAD_ADD ? (float)acc.v[k] + d : d);
+        }
         ((V *)dx)[i] = acc;
     }
 }
@@ -2276,15 +2298,18 @@ __global__ void upsample_forward_kernel(floatX *y, const floatX *x, int N, int H
 }
 
 template <typename V>
-__global__ void upsample_backward_kernel(floatX *dx, const floatX *dy, int N, int H, int W, int C) {
+__global__ void upsample_backward_kernel(floatX *dx, GradMode mode, const floatX *dy, int N, int H, int W, int C) {
     const int per = sizeof(V) / sizeof(floatX), vecs = C / per, total = N * H * W * vecs;
     for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < total; i += gridDim.x * blockDim.x) {
         int v = i % vecs, p = i / vecs, w = p % W, h = (p / W) % H, n = p / (W * H);
         const V *at = (const V *)dy + ((int64_t)(n * 2 * H + 2 * h) * 2 * W + 2 * w) * vecs + v;
         int64_t row = (int64_t)2 * W * vecs;
-        V a = at[0], b = at[vecs], c = at[row], d = at[row + vecs], acc = ((V *)dx)[i];
-        for (int k = 0; k < per; k++)
-            acc.v[k] = (floatX)((float)acc.v[k] + (float)a.v[k] + (float)b.v[k] + (float)c.v[k] + (float)d.v[k]);
+        V a = at[0], b = at[vecs], c = at[row], d = at[row + vecs], acc;
+        if (mode == GRAD_ADD) acc = ((V *)dx)[i];
+        for (int k = 0; k < per; k++) {
+            float sum = (float)a.v[k] + (float)b.v[k] + (float)c.v[k] + (float)d.v[k];
+            acc.v[k] = (floatX)(mode == GRAD_ADD ? (float)acc.v[k] + sum : sum);
+        }
         ((V *)dx)[i] = acc;
     }
 }
@@ -2295,11 +2320,11 @@ static void resample_forward(int up, floatX *y, const floatX *x, int N, int H, i
     else LAUNCH_VECTORISED(avg_pool_forward_kernel, out, C, y, x, N, H, W, C);
 }
 
-// dx += the gradient through the resampling of an H x W input.
-static void resample_backward(int up, floatX *dx, const floatX *dy, int N, int H, int W, int C) {
+// dx (+)= the gradient through the resampling of an H x W input.
+static void resample_backward(int up, floatX *dx, GradMode mode, const floatX *dy, int N, int H, int W, int C) {
     int64_t in = (int64_t)N * H * W * C;
-    if (up) LAUNCH_VECTORISED(upsample_backward_kernel, in, C, dx, dy, N, H, W, C);
-    else LAUNCH_VECTORISED(avg_pool_backward_kernel, in, C, dx, dy, N, H, W, C);
+    if (up) LAUNCH_VECTORISED(upsample_backward_kernel, in, C, dx, mode, dy, N, H, W, C);
+    else LAUNCH_VECTORISED(avg_pool_backward_kernel, in, C, dx, mode, dy, N, H, W, C);
 }
 
 // ----------------------------------------------------------------------------------------------
@@ -2354,6 +2379,12 @@ __global__ void add_kernel(floatX *y, const floatX *x, int64_t n) {
 
 // y += x over n elements, 16 bytes at a time where n allows (activations are 256-byte aligned).
 static void add_into(floatX *y, const floatX *x, int64_t n) { LAUNCH_VECTORISED(add_kernel, n, n, y, x, n); }
+
+// y (+)= x over n elements: a gradient passed on unchanged (copied where y has no other producer).
+static void pass_gradient(floatX *y, GradMode mode, const floatX *x, int64_t n) {
+    if (mode == GRAD_ADD) add_into(y, x, n);
+    else cuda_check(cudaMemcpyAsync(y, x, n * sizeof(floatX), cudaMemcpyDeviceToDevice, gpu.stream));
+}
 
 __global__ void silu_forward_kernel(floatX *y, const floatX *x, int64_t n) {
     for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
@@ -2836,7 +2867,8 @@ static int diffusion_from_metadata(const SafeTensorsFile *f, const char *path, i
 // ----------------------------------------------------------------------------------------------
 // Blocks: guided-diffusion's modules, each a struct with its parameters and the activations its
 // backward needs, and its forward and backward side by side. forward reads `in` and writes `out`;
-// backward reads out->dx and adds into in->dx (every activation gradient starts the step at zero).
+// backward reads out->dx and adds into in->dx (the gradients between blocks start the step at
+// zero). A gradient inside a block has one producer, which writes it (GRAD_WRITE): no zeroing.
 
 // An activation and its gradient, NHWC.
 typedef struct {
@@ -2866,7 +2898,7 @@ static void conv_block_forward(ConvBlock *b, const Act *in, Act *out) {
 }
 
 static void conv_block_backward(ConvBlock *b, const Act *in, const Act *out) {
-    conv_backward(&b->conv, in->dx, out->dx, in->x, in->N, in->H, in->W, NULL, 0);
+    conv_backward(&b->conv, in->dx, GRAD_ADD, out->dx, in->x, in->N, in->H, in->W, NULL, 0);
 }
 
 // The skip connection before each output block: out = [in | skip] along channels; backward
@@ -2936,21 +2968,22 @@ static void res_block_backward(ResBlock *r, const BlockEmbedding *e, const Act *
     int N = in->N, H = in->H, W = in->W, Ho = out->H, Wo = out->W;
     const floatX *h = r->resample ? r->h0r.x : r->h0.x, *skip = r->resample ? r->xr.x : in->x;
     floatX *dh = r->resample ? r->h0r.dx : r->h0.dx, *dskip = r->resample ? r->xr.dx : in->dx;
+    GradMode skip_mode = r->resample ? GRAD_WRITE : GRAD_ADD;  // xr is the block's own
     group_norm_recompute(&r->norm2, r->h2.x, r->mean2, r->rstd2, r->h1.x, N, Ho * Wo, res_block_norm2(r, e, training));
-    conv_backward(&r->conv2, r->h2.dx, out->dx, r->h2.x, N, Ho, Wo, NULL, 0);
-    if (r->has_skip_conv) conv_backward(&r->conv3, dskip, out->dx, skip, N, Ho, Wo, NULL, 0);
-    else add_into(dskip, out->dx, act_numel(out));
-    group_norm_backward(&r->norm2, r->h1.dx, e->d_out + r->emb_offset, r->h2.dx, r->h1.x, r->mean2, r->rstd2, N, Ho * Wo,
-                        res_block_norm2(r, e, training));
+    conv_backward(&r->conv2, r->h2.dx, GRAD_WRITE, out->dx, r->h2.x, N, Ho, Wo, NULL, 0);
+    if (r->has_skip_conv) conv_backward(&r->conv3, dskip, skip_mode, out->dx, skip, N, Ho, Wo, NULL, 0);
+    else pass_gradient(dskip, skip_mode, out->dx, act_numel(out));
+    group_norm_backward(&r->norm2, r->h1.dx, GRAD_WRITE, e->d_out + r->emb_offset, r->h2.dx, r->h1.x, r->mean2, r->rstd2,
+                        N, Ho * Wo, res_block_norm2(r, e, training));
     float *d_add = e->scale_shift ? NULL : e->d_out + r->emb_offset;
     group_norm_recompute(&r->norm1, r->h0.x, r->mean1, r->rstd1, in->x, N, H * W, NORM_SILU);
     if (r->resample) resample_forward(r->resample > 0, r->h0r.x, r->h0.x, N, H, W, in->C);
-    conv_backward(&r->conv1, dh, r->h1.dx, h, N, Ho, Wo, d_add, e->total);
+    conv_backward(&r->conv1, dh, GRAD_WRITE, r->h1.dx, h, N, Ho, Wo, d_add, e->total);
     if (r->resample) {
-        resample_backward(r->resample > 0, r->h0.dx, r->h0r.dx, N, H, W, in->C);
-        resample_backward(r->resample > 0, in->dx, r->xr.dx, N, H, W, in->C);
+        resample_backward(r->resample > 0, r->h0.dx, GRAD_WRITE, r->h0r.dx, N, H, W, in->C);
+        resample_backward(r->resample > 0, in->dx, GRAD_ADD, r->xr.dx, N, H, W, in->C);
     }
-    group_norm_backward(&r->norm1, in->dx, NULL, r->h0.dx, in->x, r->mean1, r->rstd1, N, H * W, NORM_SILU);
+    group_norm_backward(&r->norm1, in->dx, GRAD_ADD, NULL, r->h0.dx, in->x, r->mean1, r->rstd1, N, H * W, NORM_SILU);
 }
 
 // guided-diffusion's AttentionBlock: h0 = GroupNorm(x), h1 = qkv(h0) (1x1 conv1d to 3C),
@@ -2973,12 +3006,12 @@ static void attention_block_forward(AttentionBlock *a, const Act *in, Act *out) 
 
 static void attention_block_backward(AttentionBlock *a, const Act *in, const Act *out) {
     int N = in->N, H = in->H, W = in->W;
-    conv_backward(&a->proj, a->h2.dx, out->dx, a->h2.x, N, H, W, NULL, 0);
+    conv_backward(&a->proj, a->h2.dx, GRAD_WRITE, out->dx, a->h2.x, N, H, W, NULL, 0);
     add_into(in->dx, out->dx, act_numel(out));
     attention_backward(&a->attention);
     group_norm_recompute(&a->norm, a->h0.x, a->mean, a->rstd, in->x, N, H * W, NORM_PLAIN);
-    conv_backward(&a->qkv, a->h0.dx, a->h1.dx, a->h0.x, N, H, W, NULL, 0);
-    group_norm_backward(&a->norm, in->dx, NULL, a->h0.dx, in->x, a->mean, a->rstd, N, H * W, NORM_PLAIN);
+    conv_backward(&a->qkv, a->h0.dx, GRAD_WRITE, a->h1.dx, a->h0.x, N, H, W, NULL, 0);
+    group_norm_backward(&a->norm, in->dx, GRAD_ADD, NULL, a->h0.dx, in->x, a->mean, a->rstd, N, H * W, NORM_PLAIN);
 }
 
 // guided-diffusion's Downsample: a stride-2 3x3 conv (conv_resample), else 2x2 average pooling.
@@ -2993,8 +3026,8 @@ static void downsample_forward(Downsample *d, const Act *in, Act *out) {
 }
 
 static void downsample_backward(Downsample *d, const Act *in, const Act *out) {
-    if (d->has_conv) conv_backward(&d->conv, in->dx, out->dx, in->x, in->N, in->H, in->W, NULL, 0);
-    else resample_backward(0, in->dx, out->dx, in->N, in->H, in->W, in->C);
+    if (d->has_conv) conv_backward(&d->conv, in->dx, GRAD_ADD, out->dx, in->x, in->N, in->H, in->W, NULL, 0);
+    else resample_backward(0, in->dx, GRAD_ADD, out->dx, in->N, in->H, in->W, in->C);
 }
 
 // guided-diffusion's Upsample: nearest 2x (into `up`, which backward recomputes), then a 3x3 conv
@@ -3013,9 +3046,9 @@ static void upsample_forward(Upsample *u, const Act *in, Act *out) {
 static void upsample_backward(Upsample *u, const Act *in, const Act *out) {
     if (u->has_conv) {
         resample_forward(1, u->up.x, in->x, in->N, in->H, in->W, in->C);
-        conv_backward(&u->conv, u->up.dx, out->dx, u->up.x, in->N, 2 * in->H, 2 * in->W, NULL, 0);
+        conv_backward(&u->conv, u->up.dx, GRAD_WRITE, out->dx, u->up.x, in->N, 2 * in->H, 2 * in->W, NULL, 0);
     }
-    resample_backward(1, in->dx, u->has_conv ? u->up.dx : out->dx, in->N, in->H, in->W, in->C);
+    resample_backward(1, in->dx, GRAD_ADD, u->has_conv ? u->up.dx : out->dx, in->N, in->H, in->W, in->C);
 }
 
 // The output head (out): h0 = SiLU(GroupNorm(x)), out = conv(h0) (zero-initialised); backward
@@ -3036,8 +3069,8 @@ static void output_head_forward(OutputHead *o, const Act *in, Act *out) {
 static void output_head_backward(OutputHead *o, const Act *in, const Act *out) {
     int N = in->N, H = in->H, W = in->W;
     group_norm_recompute(&o->norm, o->h0.x, o->mean, o->rstd, in->x, N, H * W, NORM_SILU);
-    conv_backward(&o->conv, o->h0.dx, out->dx, o->h0.x, N, H, W, NULL, 0);
-    group_norm_backward(&o->norm, in->dx, NULL, o->h0.dx, in->x, o->mean, o->rstd, N, H * W, NORM_SILU);
+    conv_backward(&o->conv, o->h0.dx, GRAD_WRITE, out->dx, o->h0.x, N, H, W, NULL, 0);
+    group_norm_backward(&o->norm, in->dx, GRAD_ADD, NULL, o->h0.dx, in->x, o->mean, o->rstd, N, H * W, NORM_SILU);
 }
 
 // ----------------------------------------------------------------------------------------------
@@ -3075,7 +3108,6 @@ typedef struct {
     BlockKind kind;
     Act *in;  // the previous block's output (the model's input for the first)
     Act out;
-    int64_t inner_grad_bytes;  // its inner activations' gradients, from the start of the shared region
     union {
         ConvBlock conv;
         ConcatBlock concat;
@@ -3222,7 +3254,6 @@ static Act act_alloc(UNet *m, int N, int H, int W, int C) { return act_take(m, &
 // region, gradient in the shared region of inner gradients.
 static Act act_alloc_transient(UNet *m, int N, int H, int W, int C) {
     Act a = act_take(m, &m->transient, &m->inner_grads, N, H, W, C);
-    m->blocks[m->num_blocks - 1].inner_grad_bytes = m->inner_grads.used;
     note_scratch(&m->inner_grads_size, m->inner_grads.used);
     note_scratch(&m->transient_size, m->transient.used);
     return a;
@@ -3233,7 +3264,6 @@ static Act act_alloc_transient(UNet *m, int N, int H, int W, int C) {
 static Act act_alloc_inner(UNet *m, int N, int H, int W, int C) {
     if (!m->training) return act_alloc_transient(m, N, H, W, C);
     Act a = act_take(m, &m->acts, &m->inner_grads, N, H, W, C);
-    m->blocks[m->num_blocks - 1].inner_grad_bytes = m->inner_grads.used;
     note_scratch(&m->inner_grads_size, m->inner_grads.used);
     return a;
 }
@@ -3519,7 +3549,8 @@ static int64_t param_offsets(ParamList *params, int64_t *emb_bias_offset) {
 //   gradients    the gradients of the activations between blocks (when training): one backward
 //                pass, zeroed at its start.
 //   inner grads  the gradients of the activations inside a block: while that block's backward runs,
-//                zeroed just before it; every block's start at the same place (the largest block's size).
+//                each written by its one producer; every block's start at the same place (the largest
+//                block's size).
 //   transient    the activations inside a block that its backward recomputes (forward only: all of
 //                them): while that block's forward or backward runs; shared as the inner grads are.
 //   scratch      the largest weight-gradient slices, partial sums and attention scores of any
@@ -3709,31 +3740,30 @@ static void unet_forward(UNet *m, int training) {
 static void unet_backward(UNet *m, int training) {
     const ModelConfig *c = &m->config;
     int N = m->batch, D = 4 * c->model_channels, E = (int)m->emb_total;
-    // Zero every activation gradient but the output's (set by the loss): the gradient arena before
-    // and after it now, each block's inner gradients just before its backward.
+    // Zero every gradient between blocks but the output's (set by the loss): the gradient arena
+    // before and after it. (A gradient inside a block is written by its one producer.)
     char *output_dx = (char *)m->output->dx, *after = output_dx + act_numel(m->output) * sizeof(floatX);
     cuda_check(cudaMemsetAsync(m->grads.base, 0, output_dx - m->grads.base, gpu.stream));
     cuda_check(cudaMemsetAsync(after, 0, m->grads.base + m->grads.used - after, gpu.stream));
     cuda_check(cudaMemsetAsync(m->embedding.d_out, 0, (size_t)N * E * sizeof(float), gpu.stream));
     for (int i = m->num_blocks - 1; i >= 0; i--) {
         Block *b = &m->blocks[i];
-        if (b->inner_grad_bytes) cuda_check(cudaMemsetAsync(m->inner_grads.base, 0, b->inner_grad_bytes, gpu.stream));
         block_backward(m, b, training);
     }
     // The timestep projections of all ResBlocks at once, then the embedding MLP.
     float_to_floatx_kernel<<<blocks_for((int64_t)N * E, 256), 256, 0, gpu.stream>>>(m->d_emb_out_x, m->embedding.d_out, (int64_t)N * E);
     cuda_check_launch();
-    conv_backward(&m->emb_all, m->emb_silu.dx, m->d_emb_out_x, m->emb_silu.x, N, 1, 1, NULL, 0);
+    conv_backward(&m->emb_all, m->emb_silu.dx, GRAD_ADD, m->d_emb_out_x, m->emb_silu.x, N, 1, 1, NULL, 0);
     silu_backward_kernel<<<blocks_for(N * D, 256), 256, 0, gpu.stream>>>(m->emb.dx, m->emb_silu.dx, m->emb.x, N * D);
     cuda_check_launch();
     if (c->num_classes) {
         label_embedding_backward_kernel<<<(D + 127) / 128, 128, 0, gpu.stream>>>(m->d_label_table, m->emb.dx, m->labels, N, c->num_classes, D);
         cuda_check_launch();
     }
-    conv_backward(&m->time_embed2, m->t_hidden_silu.dx, m->emb.dx, m->t_hidden_silu.x, N, 1, 1, NULL, 0);
+    conv_backward(&m->time_embed2, m->t_hidden_silu.dx, GRAD_ADD, m->emb.dx, m->t_hidden_silu.x, N, 1, 1, NULL, 0);
     silu_backward_kernel<<<blocks_for(N * D, 256), 256, 0, gpu.stream>>>(m->t_hidden.dx, m->t_hidden_silu.dx, m->t_hidden.x, N * D);
     cuda_check_launch();
-    conv_backward(&m->time_embed0, NULL, m->t_hidden.dx, m->t_sinusoid.x, N, 1, 1, NULL, 0);
+    conv_backward(&m->time_embed0, NULL, GRAD_ADD, m->t_hidden.dx, m->t_sinusoid.x, N, 1, 1, NULL, 0);
 }
 
 // Copies parameters given in PyTorch layout (host, fp32, checkpoint order) to the GPU.
@@ -3856,12 +3886,12 @@ static void print_profile(UNet *m) {
         cuda_check(cudaEventRecord(a, gpu.stream));
         switch (part) {
         case 0: conv_forward(&l->conv2, out->x, l->h2.x, N, H, W, NULL); break;
-        case 1: conv_backward(&l->conv2, l->h2.dx, out->dx, l->h2.x, N, H, W, NULL, 0); break;
+        case 1: conv_backward(&l->conv2, l->h2.dx, GRAD_WRITE, out->dx, l->h2.x, N, H, W, NULL, 0); break;
         case 2: conv3x3_backward_weight(l->conv2.dw, s->weight_grad, out->dx, C, l->h2.x, C, N, H, W, C, C, 1); break;
         case 3: channel_sums(s, NULL, 0, l->conv2.db, out->dx, N, H * W, l->conv2.out); break;
-        case 4: conv3x3_backward_input(l->h2.dx, C, out->dx, C, l->conv2.w, N, H, W, C, C, 1); break;
+        case 4: conv3x3_backward_input(l->h2.dx, C, GRAD_WRITE, out->dx, C, l->conv2.w, N, H, W, C, C, 1); break;
         case 5: group_norm_forward(&l->norm2, l->h2.x, l->mean2, l->rstd2, l->h1.x, N, H * W, o); break;
-        case 6: group_norm_backward(&l->norm2, l->h1.dx, m->embedding.d_out + l->emb_offset, l->h2.dx, l->h1.x, l->mean2, l->rstd2, N, H * W, o); break;
+        case 6: group_norm_backward(&l->norm2, l->h1.dx, GRAD_WRITE, m->embedding.d_out + l->emb_offset, l->h2.dx, l->h1.x, l->mean2, l->rstd2, N, H * W, o); break;
         }
         cuda_check(cudaEventRecord(b, gpu.stream));
         cuda_check(cudaEventSynchronize(b));

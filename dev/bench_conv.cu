@@ -145,7 +145,8 @@ static void check_case(const CheckCase *c) {
     report(c->name, "fwd", slice_error(got, p.y_init, p.y_ref, p.ys, 0), "");
     free(got);
 
-    conv3x3_backward_input(dx + c->dx_off, p.dxs.ld, dy + c->dy_off, p.dys.ld, w, c->N, c->H, c->W, c->C_in, c->C_out, c->stride);
+    conv3x3_backward_input(dx + c->dx_off, p.dxs.ld, GRAD_ADD, dy + c->dy_off, p.dys.ld, w, c->N, c->H, c->W, c->C_in, c->C_out,
+                           c->stride);
     got = dev_download_x(dx, slab_size(p.dxs));
     report(c->name, "dgrad", slice_error(got, p.dx_init, p.dx_ref, p.dxs, 1), "");
     free(got);
@@ -327,7 +328,7 @@ static void bench_launch(void *ctx) {
     if (r->op == OP_FORWARD)
         conv3x3_forward(r->y, r->C_out, r->x, r->C_in, r->w, r->bias, NULL, 0, r->N, r->H, r->W, r->C_in, r->C_out, r->stride);
     else if (r->op == OP_INPUT_GRAD)
-        conv3x3_backward_input(r->dx, r->C_in, r->dy, r->C_out, r->w, r->N, r->H, r->W, r->C_in, r->C_out, r->stride);
+        conv3x3_backward_input(r->dx, r->C_in, GRAD_ADD, r->dy, r->C_out, r->w, r->N, r->H, r->W, r->C_in, r->C_out, r->stride);
     else
         conv3x3_backward_weight(r->dw, r->scratch, r->dy, r->C_out, r->x, r->C_in, r->N, r->H, r->W, r->C_in, r->C_out, r->stride);
 }

@@ -86,13 +86,15 @@ static void conv_weight_layout(double *dst, const double *src, int out, int in, 
 // the bias gradient's channel sums) against the reference, then timed at the seed model's largest
 // convolutions. (dev/bench_conv.cu checks the 3x3 kernels on channel slices of wider tensors.)
 //   conv_forward:  y = conv(x) + b (+ residual, also in place: residual == y)    y written whole
-//   conv_backward: dw, db written whole; dx += (when given); d_bias_per_sample += ([N][ld])
+//   conv_backward: dw, db written whole; dx += or (GRAD_WRITE) written, when given;
+//                  d_bias_per_sample += ([N][ld])
 
 typedef struct {
     Conv cv;
     floatX *y, *x, *dx, *dy;
     const floatX *residual;
     float *d_per_sample;
+    GradMode dx_mode;
     int ld, N, H, W;
 } ConvRun;
 
@@ -103,7 +105,7 @@ static void conv_run_forward(void *p) {
 
 static void conv_run_backward(void *p) {
     ConvRun *r = (ConvRun *)p;
-    conv_backward(&r->cv, r->dx, r->dy, r->x, r->N, r->H, r->W, r->d_per_sample, r->ld);
+    conv_backward(&r->cv, r->dx, r->dx_mode, r->dy, r->x, r->N, r->H, r->W, r->d_per_sample, r->ld);
 }
 
 // The scratch a model's plan gives this convolution: the weight gradient's slices, the bias
@@ -121,9 +123,11 @@ static const Scratch *conv_scratch_for(int N, int H, int W, int Cin, int Cout, i
 }
 
 enum { RESIDUAL_NONE, RESIDUAL_SEPARATE, RESIDUAL_IN_PLACE };
+enum { DX_NONE, DX_ADD, DX_WRITE };
 
 // One check. residual: none, a separate tensor, or y itself (a ResBlock's skip conv writes y, then
-// its last conv adds onto it). per_sample: d_bias_per_sample too ([N][Cout + 5]). with_dx 0: dx NULL.
+// its last conv adds onto it). per_sample: d_bias_per_sample too ([N][Cout + 5]). with_dx: dx NULL,
+// added to, or written.
 static void check_conv(int N, int H, int W, int Cin, int Cout, int k, int stride, int residual, int per_sample, int with_dx) {
     int Ho = ref_conv2d_out_size(H, k, stride), Wo = ref_conv2d_out_size(W, k, stride), ld = Cout + 5;
     size_t nx = (size_t)N * H * W * Cin, ny = (size_t)N * Ho * Wo * Cout, nw = (size_t)Cout * Cin * k * k, nps = (size_t)N * ld;
@@ -160,7 +164,8 @@ static void check_conv(int N, int H, int W, int Cin, int Cout, int k, int stride
     if (residual == RESIDUAL_IN_PLACE) r.y = dev_upload_x(res, ny), r.residual = r.y;
     else r.y = (floatX *)dev_gpu_poisoned(ny * sizeof(floatX));
     if (residual == RESIDUAL_SEPARATE) r.residual = res_gpu = dev_upload_x(res, ny);
-    r.dx = with_dx ? dev_upload_x(dx_before, nx) : NULL;
+    r.dx = with_dx == DX_ADD ? dev_upload_x(dx_before, nx) : with_dx == DX_WRITE ? (floatX *)dev_gpu_poisoned(nx * sizeof(floatX)) : NULL;
+    r.dx_mode = with_dx == DX_WRITE ? GRAD_WRITE : GRAD_ADD;
     r.d_per_sample = per_sample ? dev_upload_f(dps_before, nps) : NULL;
     r.cv.scratch = conv_scratch_for(N, H, W, Cin, Cout, k, stride);
     conv_run_forward(&r);
@@ -169,7 +174,7 @@ static void check_conv(int N, int H, int W, int Cin, int Cout, int k, int stride
     double tol = DEV_TOLERANCE, fwd = dev_check_x(r.y, NULL, y, ny);
     DevErrors e;
     dev_errors_init(&e);
-    if (with_dx) dev_errors_add(&e, "dx", dev_check_x(r.dx, dx_before, dx, nx), tol);
+    if (with_dx) dev_errors_add(&e, "dx", dev_check_x(r.dx, with_dx == DX_ADD ? dx_before : NULL, dx, nx), tol);
     double *dw_gpu = dev_download_f(r.cv.dw, nw), *dw_torch = dev_alloc(nw);
     conv_weight_layout(dw_torch, dw_gpu, Cout, Cin, k, 0);
     dev_errors_add(&e, "dw", dev_error(dw_torch, NULL, dw, nw), tol);
@@ -177,7 +182,7 @@ static void check_conv(int N, int H, int W, int Cin, int Cout, int k, int stride
     if (per_sample) dev_errors_add(&e, "dbias_n", dev_check_f(r.d_per_sample, dps_before, dps, nps), tol);
     char shape[96];
     snprintf(shape, sizeof shape, "N%d %dx%d %d->%d k%d s%d%s%s", N, H, W, Cin, Cout, k, stride,
-             residual == RESIDUAL_SEPARATE ? " +res" : residual == RESIDUAL_IN_PLACE ? " +res(y)" : "", with_dx ? "" : " dx=NULL");
+             residual == RESIDUAL_SEPARATE ? " +res" : residual == RESIDUAL_IN_PLACE ? " +res(y)" : "", with_dx == DX_ADD ? "" : with_dx == DX_WRITE ? " dx written" : " dx=NULL");
     dev_row("conv2d", shape, fwd, tol, &e, -1, -1);
 
     dev_gpu_free(r.cv.w, r.cv.b, r.cv.dw, r.cv.db, r.x, r.dy, r.y, NULL);
@@ -201,6 +206,7 @@ static void time_conv(const char *what, int N, int H, int W, int Cin, int Cout, 
     r.x = dev_random_x(nx, -1, 1), r.dy = dev_random_x(ny, -1, 1);
     r.y = (floatX *)gpu_malloc(ny * sizeof(floatX)), r.dx = (floatX *)gpu_malloc(nx * sizeof(floatX));
     cuda_check(cudaMemsetAsync(r.dx, 0, nx * sizeof(floatX), gpu.stream));
+    r.dx_mode = GRAD_ADD;
     r.N = N, r.H = H, r.W = W;
     r.cv.scratch = conv_scratch_for(N, H, W, Cin, Cout, k, stride);
     double fwd = dev_time_ms(conv_run_forward, &r), bwd = dev_time_ms(conv_run_backward, &r);
@@ -213,19 +219,19 @@ static void time_conv(const char *what, int N, int H, int W, int Cin, int Cout, 
 
 int main(void) {
     dev_begin("conv2d");
-    check_conv(1, 7, 7, 3, 64, 3, 1, RESIDUAL_NONE, 0, 1);        // the first conv: 3 input channels
-    check_conv(3, 13, 13, 96, 3, 3, 1, RESIDUAL_NONE, 0, 1);      // the last conv: 3 output channels
-    check_conv(2, 13, 13, 64, 64, 3, 2, RESIDUAL_NONE, 0, 1);     // stride 2, odd size
-    check_conv(2, 8, 8, 32, 32, 3, 2, RESIDUAL_NONE, 0, 1);       // stride 2, even size
-    check_conv(3, 7, 13, 3, 96, 3, 2, RESIDUAL_NONE, 1, 0);       // stride 2 on 3 channels, dx NULL
-    check_conv(1, 1, 1, 64, 160, 3, 1, RESIDUAL_NONE, 0, 1);      // 1x1 image
-    check_conv(3, 7, 7, 160, 96, 1, 1, RESIDUAL_SEPARATE, 0, 1);  // skip connection + residual
-    check_conv(3, 9, 9, 96, 160, 3, 1, RESIDUAL_IN_PLACE, 1, 1);  // ResBlock out conv onto its skip
-    check_conv(2, 4, 4, 192, 576, 1, 1, RESIDUAL_NONE, 0, 1);     // attention qkv
-    check_conv(2, 11, 9, 64, 6, 3, 1, RESIDUAL_NONE, 0, 1);       // learn_sigma's 6 output channels
-    check_conv(8, 32, 32, 64, 64, 3, 1, RESIDUAL_NONE, 1, 1);     // weight gradient in 32 slices of pixels
-    check_conv(4, 17, 17, 96, 96, 3, 2, RESIDUAL_NONE, 0, 1);     // stride 2, sliced weight gradient
-    check_conv(4, 32, 32, 64, 128, 1, 1, RESIDUAL_NONE, 0, 1);    // 1x1 weight gradient in row slices
+    check_conv(1, 7, 7, 3, 64, 3, 1, RESIDUAL_NONE, 0, DX_ADD);          // the first conv: 3 input channels
+    check_conv(3, 13, 13, 96, 3, 3, 1, RESIDUAL_NONE, 0, DX_WRITE);      // the last conv: 3 output channels
+    check_conv(2, 13, 13, 64, 64, 3, 2, RESIDUAL_NONE, 0, DX_WRITE);     // stride 2, odd size
+    check_conv(2, 8, 8, 32, 32, 3, 2, RESIDUAL_NONE, 0, DX_ADD);         // stride 2, even size
+    check_conv(3, 7, 13, 3, 96, 3, 2, RESIDUAL_NONE, 1, DX_NONE);        // stride 2 on 3 channels, dx NULL
+    check_conv(1, 1, 1, 64, 160, 3, 1, RESIDUAL_NONE, 0, DX_ADD);        // 1x1 image
+    check_conv(3, 7, 7, 160, 96, 1, 1, RESIDUAL_SEPARATE, 0, DX_ADD);    // skip connection + residual
+    check_conv(3, 9, 9, 96, 160, 3, 1, RESIDUAL_IN_PLACE, 1, DX_WRITE);  // ResBlock out conv onto its skip
+    check_conv(2, 4, 4, 192, 576, 1, 1, RESIDUAL_NONE, 0, DX_WRITE);     // attention qkv
+    check_conv(2, 11, 9, 64, 6, 3, 1, RESIDUAL_NONE, 0, DX_ADD);         // learn_sigma's 6 output channels
+    check_conv(8, 32, 32, 64, 64, 3, 1, RESIDUAL_NONE, 1, DX_ADD);       // weight gradient in 32 slices of pixels
+    check_conv(4, 17, 17, 96, 96, 3, 2, RESIDUAL_NONE, 0, DX_ADD);       // stride 2, sliced weight gradient
+    check_conv(4, 32, 32, 64, 128, 1, 1, RESIDUAL_NONE, 0, DX_ADD);      // 1x1 weight gradient in row slices
     time_conv("ResBlock conv", 32, 64, 64, 64, 64, 3, 1);
     time_conv("attention qkv", 32, 16, 16, 192, 576, 1, 1);
     return dev_end();

@@ -95,15 +95,17 @@ static void ref_group_norm_backward(double *d_in, double *d_gamma, double *d_bet
 // per-sample channel sums of dx, taken in the model by the conv before, here by channel_sums);
 // scale_shift (use_scale_shift_norm; rows of a wider [N][ld] array as in the model); dropout (the
 // trainer's keep mask, drawn from its counter-based generator, applied to the reference).
-//   forward: y, mean, rstd written whole.  backward: dx +=, d_scale_shift +=, dgamma, dbeta written.
+//   forward: y, mean, rstd written whole.  backward: dx += (GN_WRITE: written), d_scale_shift +=,
+//   dgamma, dbeta written.
 
-enum { GN_ADD = 1, GN_SCALE_SHIFT = 2 };
+enum { GN_ADD = 1, GN_SCALE_SHIFT = 2, GN_WRITE = 4 };
 
 typedef struct {
     Norm norm;
     NormOptions o;
     floatX *y, *x, *dx, *dy;
     float *mean, *rstd, *d_scale_shift;
+    GradMode dx_mode;
     int N, HW;
 } NormRun;
 
@@ -114,7 +116,7 @@ static void norm_run_forward(void *p) {
 
 static void norm_run_backward(void *p) {
     NormRun *r = (NormRun *)p;
-    group_norm_backward(&r->norm, r->dx, r->d_scale_shift, r->dy, r->x, r->mean, r->rstd, r->N, r->HW, r->o);
+    group_norm_backward(&r->norm, r->dx, r->dx_mode, r->d_scale_shift, r->dy, r->x, r->mean, r->rstd, r->N, r->HW, r->o);
 }
 
 // The scratch a model's plan gives this GroupNorm (and the channel sums of the GN_ADD check).
@@ -171,7 +173,9 @@ static void check_norm(int N, int H, int W, int C, int silu, int mode, float dro
     uint64_t *seed_gpu = (uint64_t *)dev_gpu_poisoned(sizeof(uint64_t));
     cuda_check(cudaMemcpy(seed_gpu, &seed, sizeof seed, cudaMemcpyHostToDevice));
     r.o.dropout_seed = seed_gpu;
-    r.x = dev_upload_x(x, n), r.dy = dev_upload_x(dy, n), r.dx = dev_upload_x(dx_before, n);
+    r.x = dev_upload_x(x, n), r.dy = dev_upload_x(dy, n);
+    r.dx = mode & GN_WRITE ? (floatX *)dev_gpu_poisoned(n * sizeof(floatX)) : dev_upload_x(dx_before, n);
+    r.dx_mode = mode & GN_WRITE ? GRAD_WRITE : GRAD_ADD;
     r.y = (floatX *)dev_gpu_poisoned(n * sizeof(floatX));
     r.mean = (float *)dev_gpu_poisoned((size_t)N * GN_GROUPS * sizeof(float));
     r.rstd = (float *)dev_gpu_poisoned((size_t)N * GN_GROUPS * sizeof(float));
@@ -185,7 +189,7 @@ static void check_norm(int N, int H, int W, int C, int silu, int mode, float dro
     double tol = DEV_TOLERANCE, fwd = dev_check_x(r.y, NULL, y, n);
     DevErrors e;
     dev_errors_init(&e);
-    dev_errors_add(&e, "dx", dev_check_x(r.dx, dx_before, dx, n), tol);
+    dev_errors_add(&e, "dx", dev_check_x(r.dx, mode & GN_WRITE ? NULL : dx_before, dx, n), tol);
     dev_errors_add(&e, "dgamma", dev_check_f(r.norm.dgamma, NULL, dgamma, C), tol);
     dev_errors_add(&e, "dbeta", dev_check_f(r.norm.dbeta, NULL, dbeta, C), tol);
     if (mode & GN_SCALE_SHIFT) dev_errors_add(&e, "dss", dev_check_f(r.d_scale_shift, dss_before, dss, nss), tol);
@@ -194,6 +198,7 @@ static void check_norm(int N, int H, int W, int C, int silu, int mode, float dro
     char shape[96];
     snprintf(shape, sizeof shape, "N%d %dx%d C%d%s%s%s", N, H, W, C, silu ? " silu" : "", mode & GN_ADD ? " add" : "",
              mode & GN_SCALE_SHIFT ? " scale-shift" : "");
+    if (mode & GN_WRITE) snprintf(shape + strlen(shape), sizeof shape - strlen(shape), " dx written");
     if (dropout > 0) snprintf(shape + strlen(shape), sizeof shape - strlen(shape), " drop%.2g", dropout);
     dev_row("groupnorm", shape, fwd, tol, &e, -1, -1);
 
@@ -217,6 +222,7 @@ static void time_norm(const char *what, int N, int H, int W, int C, int silu, in
     r.x = dev_random_x(n, -1, 2), r.dy = dev_random_x(n, -1, 1);
     r.y = (floatX *)gpu_malloc(n * sizeof(floatX)), r.dx = (floatX *)gpu_malloc(n * sizeof(floatX));
     cuda_check(cudaMemsetAsync(r.dx, 0, n * sizeof(floatX), gpu.stream));
+    r.dx_mode = GRAD_ADD;
     r.mean = (float *)gpu_malloc((size_t)N * GN_GROUPS * sizeof(float)), r.rstd = (float *)gpu_malloc((size_t)N * GN_GROUPS * sizeof(float));
     r.d_scale_shift = (float *)gpu_malloc((size_t)N * 2 * C * sizeof(float));
     cuda_check(cudaMemsetAsync(r.d_scale_shift, 0, (size_t)N * 2 * C * sizeof(float), gpu.stream));
@@ -239,16 +245,19 @@ int main(void) {
     // input gradient is ~eps/var of its terms and fp32 rounding alone is ~1e-4 of it.)
     check_norm(2, 1, 1, 96, 1, 0, 0);
     check_norm(3, 17, 17, 32, 1, 0, 0);                     // 289 rows over 16 chunks
-    check_norm(3, 8, 8, 128, 1, GN_ADD, 0);                 // out_layers without scale-shift
+    check_norm(3, 8, 8, 128, 1, GN_ADD | GN_WRITE, 0);      // out_layers without scale-shift
     check_norm(2, 13, 13, 96, 1, GN_SCALE_SHIFT, 0);        // out_layers with scale-shift
     check_norm(1, 1, 1, 160, 1, GN_SCALE_SHIFT, 0);
-    check_norm(2, 16, 16, 64, 1, GN_SCALE_SHIFT, 0.1f);     // + dropout
+    check_norm(2, 16, 16, 64, 1, GN_SCALE_SHIFT | GN_WRITE, 0.1f);  // + dropout
     check_norm(3, 7, 7, 96, 1, GN_ADD, 0.3f);
     check_norm(2, 4, 4, 512, 0, 0, 0);                      // wide
     check_norm(2, 3, 5, 768, 1, GN_SCALE_SHIFT, 0);         // wider than a block's threads: idle threads
     time_norm("in_layers", 32, 64, 64, 64, 1, 0);
     time_norm("out_layers scale-shift", 32, 64, 64, 64, 1, 1);
     time_norm("out_layers scale-shift", 32, 8, 8, 512, 1, 1);
+    time_norm("in_layers", 128, 64, 64, 64, 1, 0);    // seed:128's largest
+    time_norm("in_layers", 128, 64, 64, 128, 1, 0);
+    time_norm("in_layers", 128, 16, 16, 192, 1, 0);
     return dev_end();
 }
 #endif  // DEV_NO_MAIN
