@@ -2329,7 +2329,7 @@ static void resample_backward(int up, floatX *dx, GradMode mode, const floatX *d
 
 // ----------------------------------------------------------------------------------------------
 // Channel concatenation of the skip connections: y[p] = [a[p] (Ca channels) | b[p] (Cb)];
-// backward splits dy into da += and db +=. A thread moves one V at a time: a Pack of 16 bytes when
+// backward splits dy into da (+)= and db (+)= (each with its own GradMode). A thread moves one V at a time: a Pack of 16 bytes when
 // both channel counts are multiples of PACK, else a Scalar.
 
 template <typename V>
@@ -2343,15 +2343,19 @@ __global__ void concat_kernel(floatX *y, const floatX *a, const floatX *b, int64
 }
 
 template <typename V>
-__global__ void split_add_kernel(floatX *da, floatX *db, const floatX *dy, int64_t pixels, int Ca, int Cb) {
+__global__ void split_kernel(floatX *da, GradMode a_mode, floatX *db, GradMode b_mode, const floatX *dy, int64_t pixels, int Ca,
+                             int Cb) {
     const int per = sizeof(V) / sizeof(floatX), va = Ca / per, vb = Cb / per, vecs = va + vb;
     for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < pixels * vecs; i += (int64_t)gridDim.x * blockDim.x) {
         int64_t p = i / vecs;
         int c = (int)(i - p * vecs);
         V *d = c < va ? &((V *)da)[p * va + c] : &((V *)db)[p * vb + c - va];
-        V sum = *d, g = ((const V *)dy)[i];
-        for (int j = 0; j < per; j++) sum.v[j] = (floatX)((float)sum.v[j] + (float)g.v[j]);
-        *d = sum;
+        V g = ((const V *)dy)[i];
+        if ((c < va ? a_mode : b_mode) == GRAD_ADD) {
+            V sum = *d;
+            for (int j = 0; j < per; j++) g.v[j] = (floatX)((float)sum.v[j] + (float)g.v[j]);
+        }
+        *d = g;
     }
 }
 
@@ -2360,8 +2364,9 @@ static void concat_channels(floatX *y, const floatX *a, const floatX *b, int64_t
     LAUNCH_VECTORISED(concat_kernel, pixels * (Ca + Cb), Ca | Cb, y, a, b, pixels, Ca, Cb);
 }
 
-static void split_add_channels(floatX *da, floatX *db, const floatX *dy, int64_t pixels, int Ca, int Cb) {
-    LAUNCH_VECTORISED(split_add_kernel, pixels * (Ca + Cb), Ca | Cb, da, db, dy, pixels, Ca, Cb);
+static void split_channels(floatX *da, GradMode a_mode, floatX *db, GradMode b_mode, const floatX *dy, int64_t pixels, int Ca,
+                           int Cb) {
+    LAUNCH_VECTORISED(split_kernel, pixels * (Ca + Cb), Ca | Cb, da, a_mode, db, b_mode, dy, pixels, Ca, Cb);
 }
 
 // ----------------------------------------------------------------------------------------------
@@ -2867,8 +2872,10 @@ static int diffusion_from_metadata(const SafeTensorsFile *f, const char *path, i
 // ----------------------------------------------------------------------------------------------
 // Blocks: guided-diffusion's modules, each a struct with its parameters and the activations its
 // backward needs, and its forward and backward side by side. forward reads `in` and writes `out`;
-// backward reads out->dx and adds into in->dx (the gradients between blocks start the step at
-// zero). A gradient inside a block has one producer, which writes it (GRAD_WRITE): no zeroing.
+// backward reads out->dx and delivers in->dx: its first write to it in `in_grad` mode (written,
+// unless a block later in the model, earlier in backward, wrote it first: the concatenation that
+// reads a skip tensor), its later ones added. A gradient inside a block has one producer, which
+// writes it. No gradient is zeroed first.
 
 // An activation and its gradient, NHWC.
 typedef struct {
@@ -2897,22 +2904,23 @@ static void conv_block_forward(ConvBlock *b, const Act *in, Act *out) {
     conv_forward(&b->conv, out->x, in->x, in->N, in->H, in->W, NULL);
 }
 
-static void conv_block_backward(ConvBlock *b, const Act *in, const Act *out) {
-    conv_backward(&b->conv, in->dx, GRAD_ADD, out->dx, in->x, in->N, in->H, in->W, NULL, 0);
+static void conv_block_backward(ConvBlock *b, const Act *in, const Act *out, GradMode in_grad) {
+    conv_backward(&b->conv, in->dx, in_grad, out->dx, in->x, in->N, in->H, in->W, NULL, 0);
 }
 
 // The skip connection before each output block: out = [in | skip] along channels; backward
 // splits out->dx back into both.
 typedef struct {
-    Act *skip;  // an encoder block's output
+    Act *skip;          // an encoder block's output
+    GradMode skip_grad; // how backward delivers skip->dx (as Block.in_grad for in->dx)
 } ConcatBlock;
 
 static void concat_block_forward(ConcatBlock *b, const Act *in, Act *out) {
     concat_channels(out->x, in->x, b->skip->x, (int64_t)in->N * in->H * in->W, in->C, b->skip->C);
 }
 
-static void concat_block_backward(ConcatBlock *b, const Act *in, const Act *out) {
-    split_add_channels(in->dx, b->skip->dx, out->dx, (int64_t)in->N * in->H * in->W, in->C, b->skip->C);
+static void concat_block_backward(ConcatBlock *b, const Act *in, const Act *out, GradMode in_grad) {
+    split_channels(in->dx, in_grad, b->skip->dx, b->skip_grad, out->dx, (int64_t)in->N * in->H * in->W, in->C, b->skip->C);
 }
 
 // guided-diffusion's ResBlock:
@@ -2964,11 +2972,12 @@ static void res_block_forward(ResBlock *r, const BlockEmbedding *e, const Act *i
     conv_forward(&r->conv2, out->x, r->h2.x, N, Ho, Wo, skip);
 }
 
-static void res_block_backward(ResBlock *r, const BlockEmbedding *e, const Act *in, const Act *out, int training) {
+static void res_block_backward(ResBlock *r, const BlockEmbedding *e, const Act *in, const Act *out, GradMode in_grad,
+                               int training) {
     int N = in->N, H = in->H, W = in->W, Ho = out->H, Wo = out->W;
     const floatX *h = r->resample ? r->h0r.x : r->h0.x, *skip = r->resample ? r->xr.x : in->x;
     floatX *dh = r->resample ? r->h0r.dx : r->h0.dx, *dskip = r->resample ? r->xr.dx : in->dx;
-    GradMode skip_mode = r->resample ? GRAD_WRITE : GRAD_ADD;  // xr is the block's own
+    GradMode skip_mode = r->resample ? GRAD_WRITE : in_grad;  // xr is the block's own
     group_norm_recompute(&r->norm2, r->h2.x, r->mean2, r->rstd2, r->h1.x, N, Ho * Wo, res_block_norm2(r, e, training));
     conv_backward(&r->conv2, r->h2.dx, GRAD_WRITE, out->dx, r->h2.x, N, Ho, Wo, NULL, 0);
     if (r->has_skip_conv) conv_backward(&r->conv3, dskip, skip_mode, out->dx, skip, N, Ho, Wo, NULL, 0);
@@ -2981,7 +2990,7 @@ static void res_block_backward(ResBlock *r, const BlockEmbedding *e, const Act *
     conv_backward(&r->conv1, dh, GRAD_WRITE, r->h1.dx, h, N, Ho, Wo, d_add, e->total);
     if (r->resample) {
         resample_backward(r->resample > 0, r->h0.dx, GRAD_WRITE, r->h0r.dx, N, H, W, in->C);
-        resample_backward(r->resample > 0, in->dx, GRAD_ADD, r->xr.dx, N, H, W, in->C);
+        resample_backward(r->resample > 0, in->dx, in_grad, r->xr.dx, N, H, W, in->C);
     }
     group_norm_backward(&r->norm1, in->dx, GRAD_ADD, NULL, r->h0.dx, in->x, r->mean1, r->rstd1, N, H * W, NORM_SILU);
 }
@@ -3004,10 +3013,10 @@ static void attention_block_forward(AttentionBlock *a, const Act *in, Act *out) 
     conv_forward(&a->proj, out->x, a->h2.x, N, H, W, in->x);
 }
 
-static void attention_block_backward(AttentionBlock *a, const Act *in, const Act *out) {
+static void attention_block_backward(AttentionBlock *a, const Act *in, const Act *out, GradMode in_grad) {
     int N = in->N, H = in->H, W = in->W;
     conv_backward(&a->proj, a->h2.dx, GRAD_WRITE, out->dx, a->h2.x, N, H, W, NULL, 0);
-    add_into(in->dx, out->dx, act_numel(out));
+    pass_gradient(in->dx, in_grad, out->dx, act_numel(out));
     attention_backward(&a->attention);
     group_norm_recompute(&a->norm, a->h0.x, a->mean, a->rstd, in->x, N, H * W, NORM_PLAIN);
     conv_backward(&a->qkv, a->h0.dx, GRAD_WRITE, a->h1.dx, a->h0.x, N, H, W, NULL, 0);
@@ -3025,9 +3034,9 @@ static void downsample_forward(Downsample *d, const Act *in, Act *out) {
     else resample_forward(0, out->x, in->x, in->N, in->H, in->W, in->C);
 }
 
-static void downsample_backward(Downsample *d, const Act *in, const Act *out) {
-    if (d->has_conv) conv_backward(&d->conv, in->dx, GRAD_ADD, out->dx, in->x, in->N, in->H, in->W, NULL, 0);
-    else resample_backward(0, in->dx, GRAD_ADD, out->dx, in->N, in->H, in->W, in->C);
+static void downsample_backward(Downsample *d, const Act *in, const Act *out, GradMode in_grad) {
+    if (d->has_conv) conv_backward(&d->conv, in->dx, in_grad, out->dx, in->x, in->N, in->H, in->W, NULL, 0);
+    else resample_backward(0, in->dx, in_grad, out->dx, in->N, in->H, in->W, in->C);
 }
 
 // guided-diffusion's Upsample: nearest 2x (into `up`, which backward recomputes), then a 3x3 conv
@@ -3043,12 +3052,12 @@ static void upsample_forward(Upsample *u, const Act *in, Act *out) {
     if (u->has_conv) conv_forward(&u->conv, out->x, u->up.x, in->N, 2 * in->H, 2 * in->W, NULL);
 }
 
-static void upsample_backward(Upsample *u, const Act *in, const Act *out) {
+static void upsample_backward(Upsample *u, const Act *in, const Act *out, GradMode in_grad) {
     if (u->has_conv) {
         resample_forward(1, u->up.x, in->x, in->N, in->H, in->W, in->C);
         conv_backward(&u->conv, u->up.dx, GRAD_WRITE, out->dx, u->up.x, in->N, 2 * in->H, 2 * in->W, NULL, 0);
     }
-    resample_backward(1, in->dx, GRAD_ADD, u->has_conv ? u->up.dx : out->dx, in->N, in->H, in->W, in->C);
+    resample_backward(1, in->dx, in_grad, u->has_conv ? u->up.dx : out->dx, in->N, in->H, in->W, in->C);
 }
 
 // The output head (out): h0 = SiLU(GroupNorm(x)), out = conv(h0) (zero-initialised); backward
@@ -3066,11 +3075,11 @@ static void output_head_forward(OutputHead *o, const Act *in, Act *out) {
     conv_forward(&o->conv, out->x, o->h0.x, N, H, W, NULL);
 }
 
-static void output_head_backward(OutputHead *o, const Act *in, const Act *out) {
+static void output_head_backward(OutputHead *o, const Act *in, const Act *out, GradMode in_grad) {
     int N = in->N, H = in->H, W = in->W;
     group_norm_recompute(&o->norm, o->h0.x, o->mean, o->rstd, in->x, N, H * W, NORM_SILU);
     conv_backward(&o->conv, o->h0.dx, GRAD_WRITE, out->dx, o->h0.x, N, H, W, NULL, 0);
-    group_norm_backward(&o->norm, in->dx, GRAD_ADD, NULL, o->h0.dx, in->x, o->mean, o->rstd, N, H * W, NORM_SILU);
+    group_norm_backward(&o->norm, in->dx, in_grad, NULL, o->h0.dx, in->x, o->mean, o->rstd, N, H * W, NORM_SILU);
 }
 
 // ----------------------------------------------------------------------------------------------
@@ -3106,7 +3115,8 @@ static const char *const block_kind_names[NUM_BLOCK_KINDS] = {"conv", "concat", 
 
 typedef struct {
     BlockKind kind;
-    Act *in;  // the previous block's output (the model's input for the first)
+    Act *in;           // the previous block's output (the model's input for the first)
+    GradMode in_grad;  // how its backward's first write delivers in->dx (plan_gradient_modes)
     Act out;
     union {
         ConvBlock conv;
@@ -3540,6 +3550,25 @@ static int64_t param_offsets(ParamList *params, int64_t *emb_bias_offset) {
     return at;
 }
 
+// Whether a block after block i (in the model's order; before it in backward's) delivers a's gradient.
+static int gradient_delivered_after(const UNet *m, int i, const Act *a) {
+    for (int j = i + 1; j < m->num_blocks; j++) {
+        const Block *b = &m->blocks[j];
+        if (b->in == a || (b->kind == BLOCK_CONCAT && b->concat.skip == a)) return 1;
+    }
+    return 0;
+}
+
+// Each block's first delivery of an input gradient writes it, unless an earlier one in backward (a
+// skip tensor's concatenation) did: then it adds. So no gradient between blocks needs zeroing.
+static void plan_gradient_modes(UNet *m) {
+    for (int i = 0; i < m->num_blocks; i++) {
+        Block *b = &m->blocks[i];
+        b->in_grad = gradient_delivered_after(m, i, b->in) ? GRAD_ADD : GRAD_WRITE;
+        if (b->kind == BLOCK_CONCAT) b->concat.skip_grad = gradient_delivered_after(m, i, b->concat.skip) ? GRAD_ADD : GRAD_WRITE;
+    }
+}
+
 // The model's memory, planned once from the config and batch: one GPU allocation in six regions,
 // each with its lifetime.
 //   parameters   fp32 master and compute copy; when training, their gradients and AdamW's two
@@ -3547,7 +3576,7 @@ static int64_t param_offsets(ParamList *params, int64_t *emb_bias_offset) {
 //   activations  the input, every block's output and what its backward reads and does not
 //                recompute: from the forward pass to the end of the backward.
 //   gradients    the gradients of the activations between blocks (when training): one backward
-//                pass, zeroed at its start.
+//                pass, each written by the first block that delivers it (plan_gradient_modes).
 //   inner grads  the gradients of the activations inside a block: while that block's backward runs,
 //                each written by its one producer; every block's start at the same place (the largest
 //                block's size).
@@ -3586,6 +3615,7 @@ static void unet_lay_out(UNet *m) {
     unet_walk(c, &again, m);
     free(again.specs);
     m->output = &m->blocks[m->num_blocks - 1].out;
+    plan_gradient_modes(m);
     int64_t E = m->emb_total;
     m->embedding.out = (float *)arena_take(&m->acts, (int64_t)batch * E * sizeof(float));
     if (training) {
@@ -3697,13 +3727,13 @@ static void block_forward(UNet *m, Block *b, int training) {
 
 static void block_backward(UNet *m, Block *b, int training) {
     switch (b->kind) {
-    case BLOCK_CONV: conv_block_backward(&b->conv, b->in, &b->out); break;
-    case BLOCK_CONCAT: concat_block_backward(&b->concat, b->in, &b->out); break;
-    case BLOCK_RES: res_block_backward(&b->res, &m->embedding, b->in, &b->out, training); break;
-    case BLOCK_ATTENTION: attention_block_backward(&b->attention, b->in, &b->out); break;
-    case BLOCK_DOWN: downsample_backward(&b->down, b->in, &b->out); break;
-    case BLOCK_UP: upsample_backward(&b->up, b->in, &b->out); break;
-    case BLOCK_OUT: output_head_backward(&b->head, b->in, &b->out); break;
+    case BLOCK_CONV: conv_block_backward(&b->conv, b->in, &b->out, b->in_grad); break;
+    case BLOCK_CONCAT: concat_block_backward(&b->concat, b->in, &b->out, b->in_grad); break;
+    case BLOCK_RES: res_block_backward(&b->res, &m->embedding, b->in, &b->out, b->in_grad, training); break;
+    case BLOCK_ATTENTION: attention_block_backward(&b->attention, b->in, &b->out, b->in_grad); break;
+    case BLOCK_DOWN: downsample_backward(&b->down, b->in, &b->out, b->in_grad); break;
+    case BLOCK_UP: upsample_backward(&b->up, b->in, &b->out, b->in_grad); break;
+    case BLOCK_OUT: output_head_backward(&b->head, b->in, &b->out, b->in_grad); break;
     case NUM_BLOCK_KINDS: break;
     }
 }
@@ -3740,11 +3770,9 @@ static void unet_forward(UNet *m, int training) {
 static void unet_backward(UNet *m, int training) {
     const ModelConfig *c = &m->config;
     int N = m->batch, D = 4 * c->model_channels, E = (int)m->emb_total;
-    // Zero every gradient between blocks but the output's (set by the loss): the gradient arena
-    // before and after it. (A gradient inside a block is written by its one producer.)
-    char *output_dx = (char *)m->output->dx, *after = output_dx + act_numel(m->output) * sizeof(floatX);
-    cuda_check(cudaMemsetAsync(m->grads.base, 0, output_dx - m->grads.base, gpu.stream));
-    cuda_check(cudaMemsetAsync(after, 0, m->grads.base + m->grads.used - after, gpu.stream));
+    // The blocks write their gradients (see Block.in_grad); the embedding's are added to.
+    const Act *mlp[] = {&m->t_hidden, &m->t_hidden_silu, &m->emb, &m->emb_silu};
+    for (int i = 0; i < 4; i++) cuda_check(cudaMemsetAsync(mlp[i]->dx, 0, act_numel(mlp[i]) * sizeof(floatX), gpu.stream));
     cuda_check(cudaMemsetAsync(m->embedding.d_out, 0, (size_t)N * E * sizeof(float), gpu.stream));
     for (int i = m->num_blocks - 1; i >= 0; i--) {
         Block *b = &m->blocks[i];

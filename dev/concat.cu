@@ -21,13 +21,14 @@ static void ref_concat_backward(double *da, double *db, const double *dy, size_t
 
 #ifndef DEV_NO_MAIN
 // ----------------------------------------------------------------------------------------------
-// GPU check: the trainer's concat_channels (y written whole), split_add_channels (da +=, db +=) and
-// add_into (y += x), as the blocks' forward and backward call them.
+// GPU check: the trainer's concat_channels (y written whole), split_channels (da, db each added to
+// or written) and add_into (y += x), as the blocks' forward and backward call them.
 
 typedef struct {
     floatX *y, *a, *b, *dy, *da, *db;
     int64_t P;
     int Ca, Cb;
+    GradMode a_mode, b_mode;
 } ConcatRun;
 
 static void concat_run_forward(void *p) {
@@ -37,7 +38,7 @@ static void concat_run_forward(void *p) {
 
 static void concat_run_backward(void *p) {
     ConcatRun *r = (ConcatRun *)p;
-    split_add_channels(r->da, r->db, r->dy, r->P, r->Ca, r->Cb);
+    split_channels(r->da, r->a_mode, r->db, r->b_mode, r->dy, r->P, r->Ca, r->Cb);
 }
 
 typedef struct {
@@ -50,7 +51,7 @@ static void add_run(void *p) {
     add_into(r->y, r->x, r->n);
 }
 
-static void check_concat(int N, int H, int W, int Ca, int Cb) {
+static void check_concat(int N, int H, int W, int Ca, int Cb, GradMode a_mode, GradMode b_mode) {
     size_t P = (size_t)N * H * W, na = P * Ca, nb = P * Cb, ny = P * (Ca + Cb);
     double *a = dev_alloc(na), *b = dev_alloc(nb), *dy = dev_alloc(ny), *y = dev_alloc(ny);
     double *da = dev_alloc(na), *db = dev_alloc(nb), *da_before = dev_alloc(na), *db_before = dev_alloc(nb);
@@ -58,17 +59,20 @@ static void check_concat(int N, int H, int W, int Ca, int Cb) {
     dev_fill_x(da_before, na, -1, 1), dev_fill_x(db_before, nb, -1, 1);
     ref_concat_forward(y, a, b, P, Ca, Cb);
     ref_concat_backward(da, db, dy, P, Ca, Cb);
+    floatX *da_gpu = a_mode == GRAD_ADD ? dev_upload_x(da_before, na) : (floatX *)dev_gpu_poisoned(na * sizeof(floatX));
+    floatX *db_gpu = b_mode == GRAD_ADD ? dev_upload_x(db_before, nb) : (floatX *)dev_gpu_poisoned(nb * sizeof(floatX));
     ConcatRun r = {(floatX *)dev_gpu_poisoned(ny * sizeof(floatX)), dev_upload_x(a, na), dev_upload_x(b, nb), dev_upload_x(dy, ny),
-                   dev_upload_x(da_before, na), dev_upload_x(db_before, nb), (int64_t)P, Ca, Cb};
+                   da_gpu, db_gpu, (int64_t)P, Ca, Cb, a_mode, b_mode};
     concat_run_forward(&r);
     concat_run_backward(&r);
     double tol = DEV_TOLERANCE, fwd = dev_check_x(r.y, NULL, y, ny);
     DevErrors e;
     dev_errors_init(&e);
-    dev_errors_add(&e, "da", dev_check_x(r.da, da_before, da, na), tol);
-    dev_errors_add(&e, "db", dev_check_x(r.db, db_before, db, nb), tol);
+    dev_errors_add(&e, "da", dev_check_x(r.da, a_mode == GRAD_ADD ? da_before : NULL, da, na), tol);
+    dev_errors_add(&e, "db", dev_check_x(r.db, b_mode == GRAD_ADD ? db_before : NULL, db, nb), tol);
     char shape[96];
-    snprintf(shape, sizeof shape, "N%d %dx%d %d+%d", N, H, W, Ca, Cb);
+    snprintf(shape, sizeof shape, "N%d %dx%d %d+%d da %s db %s", N, H, W, Ca, Cb, a_mode == GRAD_ADD ? "+=" : "=",
+             b_mode == GRAD_ADD ? "+=" : "=");
     dev_row("concat", shape, fwd, tol, &e, -1, -1);
     dev_gpu_free(r.y, r.a, r.b, r.dy, r.da, r.db, NULL);
     free(a), free(b), free(dy), free(y), free(da), free(db), free(da_before), free(db_before);
@@ -91,7 +95,7 @@ static void time_concat(int N, int H, int W, int Ca, int Cb) {
     size_t P = (size_t)N * H * W, na = P * Ca, nb = P * Cb, ny = P * (Ca + Cb);
     ConcatRun r = {(floatX *)gpu_malloc(ny * sizeof(floatX)), dev_random_x(na, -1, 1), dev_random_x(nb, -1, 1),
                    dev_random_x(ny, -1, 1), (floatX *)gpu_malloc(na * sizeof(floatX)), (floatX *)gpu_malloc(nb * sizeof(floatX)),
-                   (int64_t)P, Ca, Cb};
+                   (int64_t)P, Ca, Cb, GRAD_ADD, GRAD_ADD};
     cuda_check(cudaMemsetAsync(r.da, 0, na * sizeof(floatX), gpu.stream));
     cuda_check(cudaMemsetAsync(r.db, 0, nb * sizeof(floatX), gpu.stream));
     double fwd = dev_time_ms(concat_run_forward, &r), bwd = dev_time_ms(concat_run_backward, &r);
@@ -107,11 +111,11 @@ static void time_concat(int N, int H, int W, int Ca, int Cb) {
 
 int main(void) {
     dev_begin("concat");
-    check_concat(1, 7, 7, 64, 64);
-    check_concat(3, 13, 13, 96, 160);
-    check_concat(2, 1, 1, 256, 192);
-    check_concat(3, 5, 3, 3, 5);    // narrow, odd
-    check_concat(2, 3, 3, 8, 3);    // one count a multiple of PACK, the other not
+    check_concat(1, 7, 7, 64, 64, GRAD_ADD, GRAD_ADD);
+    check_concat(3, 13, 13, 96, 160, GRAD_WRITE, GRAD_WRITE);  // as in the model: both written
+    check_concat(2, 1, 1, 256, 192, GRAD_WRITE, GRAD_ADD);
+    check_concat(3, 5, 3, 3, 5, GRAD_ADD, GRAD_WRITE);         // narrow, odd
+    check_concat(2, 3, 3, 8, 3, GRAD_WRITE, GRAD_WRITE);       // one count a multiple of PACK, the other not
     check_add(1);
     check_add(3 * 13 * 13 * 96);
     check_add(3 * 13 * 13 * 96 + 5);
