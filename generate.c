@@ -6,7 +6,8 @@
 //
 // Image i's starting noise and every draw it needs depend only on (--seed, i): the same seed and
 // --batch give the same images (another --batch gives the same noise; the model's products may
-// then round differently in the last bits).
+// then round differently in the last bits). Without --batch, the batch is the largest that fits
+// in the GPU's free memory (at most --num), and a terminal shows a progress bar.
 #include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -31,7 +32,8 @@ static const char usage[] =
     "  --class K|all       class-conditional models: one class, or all in turn (default all)\n"
     "  --guidance W        classifier-free guidance scale (1: plain conditional sampling, default)\n"
     "  --num N             images (default 64)\n"
-    "  --batch B           images per model call (default 64)\n"
+    "  --batch B           images per model call (default: the largest that fits in the GPU's free\n"
+    "                      memory, at most --num; give it to get the same bits on another GPU)\n"
     "  --seed S            (default 0)\n"
     "  --out DIR           output folder (default samples): 000000.png ... and grid.png\n"
     "  --bench R           time the sampling of --num images R times after a warm-up, print the median\n"
@@ -75,7 +77,7 @@ static double real_option(const char *name, const char *s, double lo, double hi)
 static Options parse_options(int argc, char **argv) {
     static const char *const names[] = {"checkpoint", "weights", "sampler", "class", "out", "eval", "output",
                                         "steps", "num", "batch", "bench", "seed", "eta", "guidance"};
-    Options o = {NULL, "ema", "ddim", "all", "samples", NULL, NULL, 0, 64, 64, 0, 0.0, 1.0, 0};
+    Options o = {NULL, "ema", "ddim", "all", "samples", NULL, NULL, 0, 64, 0, 0, 0.0, 1.0, 0};  // batch 0: the largest that fits
     if (argc < 2) fputs(usage, stdout), exit(0);
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
@@ -101,7 +103,7 @@ static Options parse_options(int argc, char **argv) {
         else if (strcmp(name, "output") == 0) o.output = v;
         else if (strcmp(name, "steps") == 0) o.steps = (int)int_option(flag, v, 1, 100000);
         else if (strcmp(name, "num") == 0) o.num = (int)int_option(flag, v, 1, 1000000);
-        else if (strcmp(name, "batch") == 0) o.batch = (int)int_option(flag, v, 1, 4096);
+        else if (strcmp(name, "batch") == 0) o.batch = (int)int_option(flag, v, 1, 65536);
         else if (strcmp(name, "bench") == 0) o.bench = (int)int_option(flag, v, 1, 1000);
         else if (strcmp(name, "seed") == 0) o.seed = int_option(flag, v, 0, (1ll << 62));
         else if (strcmp(name, "eta") == 0) o.eta = real_option(flag, v, 0, 1);
@@ -116,6 +118,30 @@ static Options parse_options(int argc, char **argv) {
         unet_usage_error("--eval IN.safetensors and --output OUT.safetensors go together");
     if (o.batch > o.num) o.batch = o.num;
     return o;
+}
+
+// The progress bar: on a terminal (stderr), once sampling has run 2 s, redrawn at most 10 times a
+// second: the share of all images' steps done, the images finished and the time so far.
+typedef struct {
+    int tty, shown, num, done, batch_images;  // done: images finished before this batch
+    double start, drawn;
+} Progress;
+
+static double now_seconds(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+static void show_progress(void *ctx, int step, int steps) {
+    Progress *p = (Progress *)ctx;
+    double now = now_seconds();
+    if (!p->tty || now - p->start < 2.0 || (now - p->drawn < 0.1 && step < steps)) return;
+    double share = (p->done + (double)p->batch_images * step / steps) / p->num;
+    int filled = (int)(share * 30), finished = p->done + (step == steps ? p->batch_images : 0);
+    fprintf(stderr, "\rgenerate: [%.*s%*s] %3.0f%%  %d/%d images  %.0f s", filled, "##############################", 30 - filled,
+            "", 100 * share, finished, p->num, now - p->start);
+    p->shown = 1, p->drawn = now;
 }
 
 static int compare_doubles(const void *a, const void *b) {
@@ -156,6 +182,10 @@ int main(int argc, char **argv) {
     int count = o.steps ? o.steps : kind == SAMPLER_DPM_SOLVER_PP ? 20 : 50;
     if (sample_plan_make(&plan, &schedule, kind, count, (float)o.eta, strcmp(info.predict, "v") == 0, 1) != 0)
         unet_die("--steps %d: no even spacing of the %d diffusion steps gives that many", count, info.diffusion_steps);
+    if (!o.batch) {
+        o.batch = unet_sampler_max_batch(file, &plan, (float)o.guidance, o.num, err, sizeof err);
+        if (!o.batch) unet_die("%s", err);
+    }
     UnetSampler *sampler = unet_sampler_create(file, o.batch, &plan, (float)o.guidance, (uint64_t)o.seed, err, sizeof err);
     if (!sampler) unet_die("%s", err);
     // The output folder only once the model is on the GPU: a run that cannot sample leaves none.
@@ -166,20 +196,24 @@ int main(int argc, char **argv) {
     int *labels = malloc((size_t)o.num * sizeof(int));
     if (!images || !labels) unet_die("out of memory");
     for (int i = 0; i < o.num; i++) labels[i] = fixed_class >= 0 ? fixed_class : classes ? i % classes : 0;
-    printf("generate: %d images of %dx%d from %s (%lld parameters), %s with %d steps%s\n", o.num, S, S, file,
-           (long long)info.parameters, o.sampler, plan.count, o.guidance != 1.0 ? ", classifier-free guidance" : "");
+    printf("generate: %d images of %dx%d from %s (%lld parameters), %s with %d steps%s, batches of %d\n", o.num, S, S, file,
+           (long long)info.parameters, o.sampler, plan.count, o.guidance != 1.0 ? ", classifier-free guidance" : "", o.batch);
     int runs = o.bench ? o.bench + 1 : 1;  // --bench: a warm-up, then the timed runs
     double *seconds = malloc(runs * sizeof(double));
     if (!seconds) unet_die("out of memory");
+    Progress progress = {!o.bench && isatty(STDERR_FILENO), 0, o.num, 0, 0, now_seconds(), 0.0};
     for (int run = 0; run < runs; run++) {
         double ms = 0;
         for (int first = 0; first < o.num; first += o.batch) {
             int n = o.num - first < o.batch ? o.num - first : o.batch;
-            ms += unet_sample(sampler, first, n, labels + first, images + (size_t)first * per_image);
-            if (!o.bench) printf("generate: %d/%d images\n", first + n, o.num), fflush(stdout);
+            progress.done = first, progress.batch_images = n;
+            ms += unet_sample(sampler, first, n, labels + first, images + (size_t)first * per_image,
+                              progress.tty ? show_progress : NULL, &progress);
+            if (!o.bench && !progress.shown) printf("generate: %d/%d images\n", first + n, o.num), fflush(stdout);
         }
         seconds[run] = ms / 1000.0;
     }
+    if (progress.shown) fputc('\n', stderr);
     unet_sampler_free(sampler);
     if (o.bench) {
         qsort(seconds + 1, o.bench, sizeof(double), compare_doubles);

@@ -4179,6 +4179,7 @@ typedef struct {
     float *x, *x0_last;     // GPU, [images][H][W][C]
     uint8_t *pixels;        // GPU
     cudaEvent_t start, stop;
+    cudaEvent_t *step_done; // [plan.count], made when progress is first asked for
     cudaGraphExec_t graph;  // one step of the plan
 } GpuSampler;
 
@@ -4217,6 +4218,17 @@ __global__ void to_pixels_kernel(uint8_t *pixels, const float *x, int64_t n) {
         pixels[i] = (uint8_t)lrintf(fminf(fmaxf((x[i] + 1.0f) * 127.5f, 0.0f), 255.0f));
 }
 
+// The GPU memory gpu_sampler_create takes for batches of `images`: the forward-only model's plan
+// (twice the batch when guided) and the sampler's own buffers.
+static int64_t gpu_sampler_bytes(const ModelConfig *c, int images, const SamplePlan *plan, int guided) {
+    UNet m;
+    unet_plan(&m, c, guided ? 2 * images : images, 0);
+    int64_t n = (int64_t)images * c->image_size * c->image_size * c->in_channels;
+    int64_t bytes = unet_memory_bytes(&m) + 2 * n * (int64_t)sizeof(float) + n + plan->count * (int64_t)sizeof(SampleStep);
+    unet_destroy(&m);
+    return bytes;
+}
+
 // A sampler for batches of `images` images of the model c (its weights go into s->m.master, then
 // unet_sync_compute). guidance != 1 needs the model's null class (its last label row).
 static void gpu_sampler_create(GpuSampler *s, const ModelConfig *c, int images, const SamplePlan *plan, float guidance, uint64_t seed) {
@@ -4239,6 +4251,8 @@ static void gpu_sampler_create(GpuSampler *s, const ModelConfig *c, int images, 
 
 static void gpu_sampler_destroy(GpuSampler *s) {
     if (s->graph) cudaGraphExecDestroy(s->graph);
+    for (int j = 0; s->step_done && j < s->plan.count; j++) cudaEventDestroy(s->step_done[j]);
+    free(s->step_done);
     cudaEventDestroy(s->start), cudaEventDestroy(s->stop);
     cudaFree(s->steps), cudaFree(s->cursor), cudaFree(s->x), cudaFree(s->pixels);
     unet_destroy(&s->m);
@@ -4247,8 +4261,11 @@ static void gpu_sampler_destroy(GpuSampler *s) {
 
 // Samples images first .. first + count - 1 (count <= s->images; the batch's other slots sample
 // copies of labels[0]) into pixels (host, [count][H][W][C]); labels: [count], NULL when the model
-// is unconditional. Returns the GPU time of the batch in ms (events around the whole loop).
-static float gpu_sampler_run(GpuSampler *s, int64_t first, int count, const int *labels, uint8_t *pixels) {
+// is unconditional. progress (nullable) is called as each step finishes on the GPU (an event
+// after every step, polled while the steps are queued). Returns the GPU time of the batch in ms
+// (events around the whole loop).
+static float gpu_sampler_run(GpuSampler *s, int64_t first, int count, const int *labels, uint8_t *pixels, UnetProgress progress,
+                             void *ctx) {
     UNet *m = &s->m;
     int B = s->images;
     int64_t per_image = act_numel(&m->input) / m->batch, n = B * per_image;
@@ -4276,7 +4293,21 @@ static float gpu_sampler_run(GpuSampler *s, int64_t first, int count, const int 
     cuda_check(cudaEventRecord(s->start, gpu.stream));
     sample_start_kernel<<<blocks_for(n, 256), 256, 0, gpu.stream>>>(s->x, m->input.x, n, s->guided, s->seed, s->cursor);
     cuda_check_launch();
-    for (int j = 0; j < s->plan.count; j++) cuda_check(cudaGraphLaunch(s->graph, gpu.stream));
+    if (progress && !s->step_done) {
+        s->step_done = (cudaEvent_t *)malloc_or_die(s->plan.count * sizeof(cudaEvent_t));
+        for (int j = 0; j < s->plan.count; j++) cuda_check(cudaEventCreateWithFlags(&s->step_done[j], cudaEventDisableTiming));
+    }
+    int reported = 0;
+    for (int j = 0; j < s->plan.count; j++) {
+        cuda_check(cudaGraphLaunch(s->graph, gpu.stream));
+        if (!progress) continue;
+        cuda_check(cudaEventRecord(s->step_done[j], gpu.stream));
+        while (reported < j && cudaEventQuery(s->step_done[reported]) == cudaSuccess) progress(ctx, ++reported, s->plan.count);
+    }
+    for (; progress && reported < s->plan.count; reported++) {
+        cuda_check(cudaEventSynchronize(s->step_done[reported]));
+        progress(ctx, reported + 1, s->plan.count);
+    }
     to_pixels_kernel<<<blocks_for(n, 256), 256, 0, gpu.stream>>>(s->pixels, s->x, n);
     cuda_check_launch();
     cuda_check(cudaEventRecord(s->stop, gpu.stream));
@@ -5180,7 +5211,7 @@ static void write_samples(Trainer *tr, GpuSampler *sampler, const char *run_dir)
     uint8_t *pixels = (uint8_t *)malloc_or_die(count * per_image);
     for (int first = 0; first < count; first += sampler->images) {
         int n = count - first < sampler->images ? count - first : sampler->images;
-        gpu_sampler_run(sampler, first, n, labels ? labels + first : NULL, pixels + first * per_image);
+        gpu_sampler_run(sampler, first, n, labels ? labels + first : NULL, pixels + first * per_image, NULL, NULL);
     }
     char path[4096];
     snprintf(path, sizeof path, "%s/samples", run_dir);
@@ -5601,8 +5632,32 @@ extern "C" UnetSampler *unet_sampler_create(const char *file, int batch, const S
     return u;
 }
 
-extern "C" float unet_sample(UnetSampler *u, int64_t first, int count, const int *labels, uint8_t *pixels) {
-    return gpu_sampler_run(&u->s, first, count, labels, pixels);
+extern "C" float unet_sample(UnetSampler *u, int64_t first, int count, const int *labels, uint8_t *pixels, UnetProgress progress,
+                             void *ctx) {
+    return gpu_sampler_run(&u->s, first, count, labels, pixels, progress, ctx);
+}
+
+extern "C" int unet_sampler_max_batch(const char *file, const SamplePlan *plan, float guidance, int limit, char *err,
+                                      size_t err_len) {
+    ModelConfig c;
+    if (model_config_for_gpu(file, &c, err, err_len) != 0) return 0;
+    size_t free_bytes, total_bytes;
+    cuda_check(cudaMemGetInfo(&free_bytes, &total_bytes));
+    int guided = guidance != 1.0f, pixels = c.image_size * c.image_size * (guided ? 2 : 1);
+    int64_t budget = (int64_t)(free_bytes * 0.9);
+    if (limit > INT32_MAX / pixels) limit = INT32_MAX / pixels;  // unet_plan counts pixels in 32 bits
+    if (gpu_sampler_bytes(&c, 1, plan, guided) > budget) {
+        dataset_fail(err, err_len, "%s: even one image needs %.2f GiB of GPU memory; %.2f GiB are free", file,
+                     gpu_sampler_bytes(&c, 1, plan, guided) / 1073741824.0, free_bytes / 1073741824.0);
+        return 0;
+    }
+    int lo = 1, hi = limit;  // lo fits; find the largest that does
+    while (lo < hi) {
+        int mid = lo + (hi - lo + 1) / 2;
+        if (gpu_sampler_bytes(&c, mid, plan, guided) <= budget) lo = mid;
+        else hi = mid - 1;
+    }
+    return lo;
 }
 
 extern "C" void unet_sampler_free(UnetSampler *u) {

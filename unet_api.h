@@ -46,10 +46,20 @@ int unet_inspect(const char *path, const char *weights, UnetInfo *info, char *fi
 UnetSampler *unet_sampler_create(const char *file, int batch, const SamplePlan *plan, float guidance, uint64_t seed, char *err,
                                  size_t err_len);
 
+// The largest batch, at most `limit`, whose sampler (as unet_sampler_create would make it; guided,
+// the model runs on twice the batch) fits in the GPU's free memory, with a tenth of it to spare.
+// Returns it, or 0 with a message (no GPU, a bad file, not even one image fits).
+int unet_sampler_max_batch(const char *file, const SamplePlan *plan, float guidance, int limit, char *err, size_t err_len);
+
+// Called by unet_sample as the GPU finishes each step of the plan: step 1 .. steps.
+typedef void (*UnetProgress)(void *ctx, int step, int steps);
+
 // Samples images first .. first + count - 1 (count <= batch) of the seed with their labels
 // ([count], ignored by an unconditional model) into pixels ([count][H][W][C], 0..255). Image i
-// depends only on (seed, i, its label) and the batch size. Returns the GPU time taken, in ms.
-float unet_sample(UnetSampler *sampler, int64_t first, int count, const int *labels, uint8_t *pixels);
+// depends only on (seed, i, its label) and the batch size. progress (nullable) hears of every
+// step. Returns the GPU time taken, in ms.
+float unet_sample(UnetSampler *sampler, int64_t first, int count, const int *labels, uint8_t *pixels, UnetProgress progress,
+                  void *ctx);
 
 void unet_sampler_free(UnetSampler *sampler);
 

@@ -61,6 +61,17 @@ static void random_parameters(UNet *m, uint64_t seed) {
     free(host);
 }
 
+// A progress callback's record: the steps it heard of, in order.
+typedef struct {
+    int calls, last, in_order, steps;
+} ProgressLog;
+
+static void log_progress(void *ctx, int step, int steps) {
+    ProgressLog *p = (ProgressLog *)ctx;
+    p->in_order = p->in_order && step == p->last + 1 && steps == p->steps;
+    p->calls++, p->last = step;
+}
+
 static void test_plan(const char *name, const ModelConfig *c, UNet *weights, SamplerKind kind, int steps, float eta,
                       int predict_v, float guidance) {
     check_case(name);
@@ -78,11 +89,13 @@ static void test_plan(const char *name, const ModelConfig *c, UNet *weights, Sam
     cuda_check(cudaMemcpy(s.m.master, weights->master, weights->storage * sizeof(float), cudaMemcpyDeviceToDevice));
     unet_sync_compute(&s.m);
     uint8_t *pixels = (uint8_t *)malloc_or_die(n), *again = (uint8_t *)malloc_or_die(n);
-    float ms = gpu_sampler_run(&s, FIRST, IMAGES, labels, pixels);
+    float ms = gpu_sampler_run(&s, FIRST, IMAGES, labels, pixels, NULL, NULL);
     float *gpu_x = (float *)malloc_or_die(n * sizeof(float));
     cuda_check(cudaMemcpy(gpu_x, s.x, n * sizeof(float), cudaMemcpyDeviceToHost));
-    gpu_sampler_run(&s, FIRST, IMAGES, labels, again);
+    ProgressLog log = {0, 0, 1, plan.count};  // the same images, with every step reported once, in order
+    gpu_sampler_run(&s, FIRST, IMAGES, labels, again, log_progress, &log);
     CHECK(memcmp(pixels, again, n) == 0);
+    CHECK(log.in_order && log.calls == plan.count);
 
     Host h;
     memset(&h, 0, sizeof h);
