@@ -1967,6 +1967,20 @@ __device__ inline void attention_store_rows(floatX *base, int64_t ld, int row0, 
     }
 }
 
+// The key pipeline of the forward and dQ kernels: tile j + 1's K and V into the other stage (when
+// there is one), then tile j's awaited by the whole block.
+template <int D>
+__device__ inline void attention_next_keys(floatX (*kv_tiles)[2][ATTN_TILE * (D + CONV_PAD)], const floatX *k, const floatX *v,
+                                           int64_t ld, int j, int tiles, int T) {
+    if (j + 1 < tiles) {
+        attention_load_tile<D>(kv_tiles[(j + 1) % 2][0], k, ld, (j + 1) * ATTN_TILE, T);
+        attention_load_tile<D>(kv_tiles[(j + 1) % 2][1], v, ld, (j + 1) * ATTN_TILE, T);
+    }
+    conv_cp_async_commit();
+    conv_cp_async_wait<1>();
+    __syncthreads();
+}
+
 // Forward: one block per (n, h) and 64 queries; each warp 16 queries against all keys.
 //   m = running max of s = S log2(e)/sqrt(ch), l = running sum of exp2(s - m), O = running sum of exp2(s - m) V;
 //   a new max m' rescales l and O by exp2(m - m'). At the end O / l is written and lse = m + log2(l) kept.
@@ -1987,13 +2001,7 @@ __global__ void __launch_bounds__(ATTN_THREADS) attention_forward_kernel(Attenti
     uint32_t q[D / 16][4];
     float o[D / 8][4] = {}, m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
     for (int j = 0; j < tiles; j++) {
-        if (j + 1 < tiles) {
-            attention_load_tile<D>(kv_tiles[(j + 1) % 2][0], qkv + off.y, ld, (j + 1) * ATTN_TILE, a.T);
-            attention_load_tile<D>(kv_tiles[(j + 1) % 2][1], qkv + off.z, ld, (j + 1) * ATTN_TILE, a.T);
-        }
-        conv_cp_async_commit();
-        conv_cp_async_wait<1>();
-        __syncthreads();
+        attention_next_keys<D>(kv_tiles, qkv + off.y, qkv + off.z, ld, j, tiles, a.T);
         if (j == 0) attention_fragments<D>(q, q_tile, row0);
         float s[8][4] = {};
         attention_mma_lines<D>(s, q, kv_tiles[j % 2][0]);
@@ -2071,13 +2079,7 @@ __global__ void __launch_bounds__(ATTN_THREADS) attention_backward_dq_kernel(Att
     uint32_t q[D / 16][4], d_o[D / 16][4];
     float dq[D / 8][4] = {}, lse[2], delta[2];
     for (int j = 0; j < tiles; j++) {
-        if (j + 1 < tiles) {
-            attention_load_tile<D>(kv_tiles[(j + 1) % 2][0], qkv + off.y, ld, (j + 1) * ATTN_TILE, a.T);
-            attention_load_tile<D>(kv_tiles[(j + 1) % 2][1], qkv + off.z, ld, (j + 1) * ATTN_TILE, a.T);
-        }
-        conv_cp_async_commit();
-        conv_cp_async_wait<1>();
-        __syncthreads();
+        attention_next_keys<D>(kv_tiles, qkv + off.y, qkv + off.z, ld, j, tiles, a.T);
         if (j == 0) {
             attention_fragments<D>(q, q_tile, row0), attention_fragments<D>(d_o, do_tile, row0);
             for (int r = 0; r < 2; r++) lse[r] = row_lse[row0 + lane / 4 + 8 * r], delta[r] = row_delta[row0 + lane / 4 + 8 * r];

@@ -4,8 +4,15 @@ the trainer's fused attention core. Per shape: forward, and forward + backward m
   sdpa    torch.nn.functional.scaled_dot_product_attention (flash attention where it applies)
   einsum  guided-diffusion's QKVAttention (scripts/unet_ref.py's form: einsum, fp32 softmax, einsum)
 Usage: python3 scripts/bench_attention_torch.py"""
+import os
+import statistics
+import sys
+
 import torch
 import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_torch import time_runs  # noqa: E402
 
 SHAPES = [(32, 16, 16, 192, 6), (32, 8, 8, 256, 8), (32, 32, 32, 384, 6), (32, 16, 16, 576, 9)]  # N, H, W, C, heads
 
@@ -13,15 +20,7 @@ SHAPES = [(32, 16, 16, 192, 6), (32, 8, 8, 256, 8), (32, 32, 32, 384, 6), (32, 1
 def median_ms(fn, runs=25):
     for _ in range(3):
         fn()
-    times = []
-    for _ in range(runs):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[runs // 2]
+    return statistics.median(time_runs(fn, runs))
 
 
 def sdpa(q, k, v):  # [N, heads, T, ch]
