@@ -1967,8 +1967,17 @@ __device__ inline void attention_store_rows(floatX *base, int64_t ld, int row0, 
     }
 }
 
-// The key pipeline of the forward and dQ kernels: tile j + 1's K and V into the other stage (when
-// there is one), then tile j's awaited by the whole block.
+// The pipeline of the three kernels: a ring of two stages, each two tiles (K and V, or Q and dO).
+// The block's own rows (read once, into registers) come in stage 1, beside tile 0 in stage 0. Each
+// step waits for the copies in flight and for every warp (attention_wait_copies), takes its own
+// rows at the first step, then starts the copy of the next tile into the other stage, which
+// overlaps the products of this one. 4 tiles: 36 KB of shared memory at 64 channels a head.
+__device__ inline void attention_wait_copies() {
+    conv_cp_async_wait<0>();
+    __syncthreads();
+}
+
+// Starts the copy of tile j + 1's K and V into stage (j + 1) % 2, when there is one.
 template <int D>
 __device__ inline void attention_next_keys(floatX (*kv_tiles)[2][ATTN_TILE * (D + CONV_PAD)], const floatX *k, const floatX *v,
                                            int64_t ld, int j, int tiles, int T) {
@@ -1977,8 +1986,6 @@ __device__ inline void attention_next_keys(floatX (*kv_tiles)[2][ATTN_TILE * (D 
         attention_load_tile<D>(kv_tiles[(j + 1) % 2][1], v, ld, (j + 1) * ATTN_TILE, T);
     }
     conv_cp_async_commit();
-    conv_cp_async_wait<1>();
-    __syncthreads();
 }
 
 // Forward: one block per (n, h) and 64 queries; each warp 16 queries against all keys.
@@ -1987,13 +1994,13 @@ __device__ inline void attention_next_keys(floatX (*kv_tiles)[2][ATTN_TILE * (D 
 template <int D>
 __global__ void __launch_bounds__(ATTN_THREADS) attention_forward_kernel(Attention a, float scale_log2) {
     constexpr int LD = D + CONV_PAD;
-    __shared__ __align__(16) floatX q_tile[ATTN_TILE * LD], kv_tiles[2][2][ATTN_TILE * LD];  // [stage][K, V]
+    __shared__ __align__(16) floatX kv_tiles[2][2][ATTN_TILE * LD];  // [stage][K, V]; stage 1 first holds Q
     int tiles = (a.T + ATTN_TILE - 1) / ATTN_TILE, b = blockIdx.x / tiles, q0 = blockIdx.x % tiles * ATTN_TILE;
     int n = b / a.heads, h = b % a.heads, lane = threadIdx.x % 32, row0 = threadIdx.x / 32 * 16;
     int3 off = attention_offsets(a, h);
     const floatX *qkv = a.qkv + (int64_t)n * a.T * 3 * a.C;
     int64_t ld = 3 * a.C;
-    attention_load_tile<D>(q_tile, qkv + off.x, ld, q0, a.T);
+    attention_load_tile<D>(kv_tiles[1][0], qkv + off.x, ld, q0, a.T);
     attention_load_tile<D>(kv_tiles[0][0], qkv + off.y, ld, 0, a.T);
     attention_load_tile<D>(kv_tiles[0][1], qkv + off.z, ld, 0, a.T);
     conv_cp_async_commit();
@@ -2001,8 +2008,12 @@ __global__ void __launch_bounds__(ATTN_THREADS) attention_forward_kernel(Attenti
     uint32_t q[D / 16][4];
     float o[D / 8][4] = {}, m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
     for (int j = 0; j < tiles; j++) {
+        attention_wait_copies();
+        if (j == 0) {
+            attention_fragments<D>(q, kv_tiles[1][0], row0);
+            __syncthreads();
+        }
         attention_next_keys<D>(kv_tiles, qkv + off.y, qkv + off.z, ld, j, tiles, a.T);
-        if (j == 0) attention_fragments<D>(q, q_tile, row0);
         float s[8][4] = {};
         attention_mma_lines<D>(s, q, kv_tiles[j % 2][0]);
 #pragma unroll
@@ -2028,7 +2039,6 @@ __global__ void __launch_bounds__(ATTN_THREADS) attention_forward_kernel(Attenti
             for (int ni = 0; ni < D / 8; ni++) o[ni][2 * r] *= rescale, o[ni][2 * r + 1] *= rescale;
         }
         attention_mma_weights<D>(o, s, kv_tiles[j % 2][1]);
-        __syncthreads();  // every warp is done with this stage before it is loaded again
     }
     float inv_l[2];
 #pragma unroll
@@ -2047,7 +2057,7 @@ __global__ void __launch_bounds__(ATTN_THREADS) attention_forward_kernel(Attenti
 template <int D>
 __global__ void __launch_bounds__(ATTN_THREADS) attention_backward_dq_kernel(Attention a, float scale_log2, float scale) {
     constexpr int LD = D + CONV_PAD;
-    __shared__ __align__(16) floatX q_tile[ATTN_TILE * LD], do_tile[ATTN_TILE * LD], kv_tiles[2][2][ATTN_TILE * LD];
+    __shared__ __align__(16) floatX kv_tiles[2][2][ATTN_TILE * LD];  // [stage][K, V]; stage 1 first holds Q, dO
     __shared__ float row_lse[ATTN_TILE], row_delta[ATTN_TILE];
     int tiles = (a.T + ATTN_TILE - 1) / ATTN_TILE, b = blockIdx.x / tiles, q0 = blockIdx.x % tiles * ATTN_TILE;
     int n = b / a.heads, h = b % a.heads, lane = threadIdx.x % 32, row0 = threadIdx.x / 32 * 16;
@@ -2055,8 +2065,8 @@ __global__ void __launch_bounds__(ATTN_THREADS) attention_backward_dq_kernel(Att
     const floatX *qkv = a.qkv + (int64_t)n * a.T * 3 * a.C;
     const floatX *d_out = a.d_out + (int64_t)n * a.T * a.C + h * D, *out = a.out + (int64_t)n * a.T * a.C + h * D;
     int64_t ld = 3 * a.C;
-    attention_load_tile<D>(q_tile, qkv + off.x, ld, q0, a.T);
-    attention_load_tile<D>(do_tile, d_out, a.C, q0, a.T);
+    attention_load_tile<D>(kv_tiles[1][0], qkv + off.x, ld, q0, a.T);
+    attention_load_tile<D>(kv_tiles[1][1], d_out, a.C, q0, a.T);
     attention_load_tile<D>(kv_tiles[0][0], qkv + off.y, ld, 0, a.T);
     attention_load_tile<D>(kv_tiles[0][1], qkv + off.z, ld, 0, a.T);
     conv_cp_async_commit();
@@ -2079,11 +2089,13 @@ __global__ void __launch_bounds__(ATTN_THREADS) attention_backward_dq_kernel(Att
     uint32_t q[D / 16][4], d_o[D / 16][4];
     float dq[D / 8][4] = {}, lse[2], delta[2];
     for (int j = 0; j < tiles; j++) {
-        attention_next_keys<D>(kv_tiles, qkv + off.y, qkv + off.z, ld, j, tiles, a.T);
+        attention_wait_copies();
         if (j == 0) {
-            attention_fragments<D>(q, q_tile, row0), attention_fragments<D>(d_o, do_tile, row0);
+            attention_fragments<D>(q, kv_tiles[1][0], row0), attention_fragments<D>(d_o, kv_tiles[1][1], row0);
             for (int r = 0; r < 2; r++) lse[r] = row_lse[row0 + lane / 4 + 8 * r], delta[r] = row_delta[row0 + lane / 4 + 8 * r];
+            __syncthreads();
         }
+        attention_next_keys<D>(kv_tiles, qkv + off.y, qkv + off.z, ld, j, tiles, a.T);
         float s[8][4] = {}, dp[8][4] = {};
         attention_mma_lines<D>(s, q, kv_tiles[j % 2][0]);
         attention_mma_lines<D>(dp, d_o, kv_tiles[j % 2][1]);
@@ -2096,7 +2108,6 @@ __global__ void __launch_bounds__(ATTN_THREADS) attention_backward_dq_kernel(Att
                 s[ni][i] = p * (dp[ni][i] - delta[i / 2]) * scale;  // dS
             }
         attention_mma_weights<D>(dq, s, kv_tiles[j % 2][0]);
-        __syncthreads();
     }
     const float one[2] = {1.0f, 1.0f};
     attention_store_rows<D>(a.d_qkv + (int64_t)n * a.T * 3 * a.C + off.x, ld, q0 + row0, a.T, dq, one);
@@ -2108,7 +2119,7 @@ __global__ void __launch_bounds__(ATTN_THREADS) attention_backward_dq_kernel(Att
 template <int D>
 __global__ void __launch_bounds__(ATTN_THREADS) attention_backward_dkdv_kernel(Attention a, float scale_log2, float scale) {
     constexpr int LD = D + CONV_PAD;
-    __shared__ __align__(16) floatX k_tile[ATTN_TILE * LD], v_tile[ATTN_TILE * LD], qdo_tiles[2][2][ATTN_TILE * LD];
+    __shared__ __align__(16) floatX qdo_tiles[2][2][ATTN_TILE * LD];  // [stage][Q, dO]; stage 1 first holds K, V
     __shared__ float row_lse[2][ATTN_TILE], row_delta[2][ATTN_TILE];
     int tiles = (a.T + ATTN_TILE - 1) / ATTN_TILE, b = blockIdx.x / tiles, k0 = blockIdx.x % tiles * ATTN_TILE;
     int n = b / a.heads, h = b % a.heads, lane = threadIdx.x % 32, row0 = threadIdx.x / 32 * 16;
@@ -2126,19 +2137,21 @@ __global__ void __launch_bounds__(ATTN_THREADS) attention_backward_dkdv_kernel(A
             row_delta[st][r] = t < a.T ? a.delta[(int64_t)b * a.T + t] : 0.0f;
         }
     };
-    attention_load_tile<D>(k_tile, qkv + off.y, ld, k0, a.T);
-    attention_load_tile<D>(v_tile, qkv + off.z, ld, k0, a.T);
+    attention_load_tile<D>(qdo_tiles[1][0], qkv + off.y, ld, k0, a.T);
+    attention_load_tile<D>(qdo_tiles[1][1], qkv + off.z, ld, k0, a.T);
     load_queries(0);
     conv_cp_async_commit();
 
     uint32_t k[D / 16][4], v[D / 16][4];
     float dk[D / 8][4] = {}, dv[D / 8][4] = {};
     for (int i = 0; i < tiles; i++) {
+        attention_wait_copies();
+        if (i == 0) {
+            attention_fragments<D>(k, qdo_tiles[1][0], row0), attention_fragments<D>(v, qdo_tiles[1][1], row0);
+            __syncthreads();
+        }
         if (i + 1 < tiles) load_queries(i + 1);
         conv_cp_async_commit();
-        conv_cp_async_wait<1>();
-        __syncthreads();
-        if (i == 0) attention_fragments<D>(k, k_tile, row0), attention_fragments<D>(v, v_tile, row0);
         const floatX *q_tile = qdo_tiles[i % 2][0], *do_tile = qdo_tiles[i % 2][1];
         float p[8][4] = {}, dp[8][4] = {};
         attention_mma_lines<D>(p, k, q_tile);  // S^T
@@ -2153,7 +2166,6 @@ __global__ void __launch_bounds__(ATTN_THREADS) attention_backward_dkdv_kernel(A
             }
         attention_mma_weights<D>(dv, p, do_tile);
         attention_mma_weights<D>(dk, dp, q_tile);
-        __syncthreads();
     }
     const float one[2] = {1.0f, 1.0f};
     floatX *d_qkv = a.d_qkv + (int64_t)n * a.T * 3 * a.C;
