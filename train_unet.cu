@@ -861,7 +861,7 @@ struct ConvOperand {
 // and residual adds happen as the output is written.) Row m of the product is row `row` of the output
 // (the same but for parity-ordered rows):
 //   forward       y[row][n] = acc + bias[n] (+ residual[row][n])
-//   input grad    dx[row][n] += acc
+//   input grad    dx[row][n] (+)= acc   (added when p.add_out: GRAD_ADD)
 //   weight grad   out_f[slice][row][n] = acc
 template <int OP>
 __device__ __forceinline__ void conv_store_pair(const ConvGemm &p, int m, int row, int n, float v0, float v1) {
@@ -2889,7 +2889,7 @@ static int diffusion_from_metadata(const SafeTensorsFile *f, const char *path, i
 // backward reads out->dx and delivers in->dx: its first write to it in `in_grad` mode (written,
 // unless a block later in the model, earlier in backward, wrote it first: the concatenation that
 // reads a skip tensor), its later ones added. A gradient inside a block has one producer, which
-// writes it. No gradient is zeroed first.
+// writes it. No block's gradient is zeroed first.
 
 // An activation and its gradient, NHWC.
 typedef struct {
@@ -3784,9 +3784,10 @@ static void unet_forward(UNet *m, int training) {
 static void unet_backward(UNet *m, int training) {
     const ModelConfig *c = &m->config;
     int N = m->batch, D = 4 * c->model_channels, E = (int)m->emb_total;
-    // The blocks write their gradients (see Block.in_grad); the embedding's are added to.
-    const Act *mlp[] = {&m->t_hidden, &m->t_hidden_silu, &m->emb, &m->emb_silu};
-    for (int i = 0; i < 4; i++) cuda_check(cudaMemsetAsync(mlp[i]->dx, 0, act_numel(mlp[i]) * sizeof(floatX), gpu.stream));
+    // The blocks write their gradients (see Block.in_grad); the embedding MLP's SiLU backward adds
+    // into its input's (silu_backward_kernel), and the ResBlocks add their projections' per sample.
+    cuda_check(cudaMemsetAsync(m->emb.dx, 0, act_numel(&m->emb) * sizeof(floatX), gpu.stream));
+    cuda_check(cudaMemsetAsync(m->t_hidden.dx, 0, act_numel(&m->t_hidden) * sizeof(floatX), gpu.stream));
     cuda_check(cudaMemsetAsync(m->embedding.d_out, 0, (size_t)N * E * sizeof(float), gpu.stream));
     for (int i = m->num_blocks - 1; i >= 0; i--) {
         Block *b = &m->blocks[i];
@@ -3795,14 +3796,14 @@ static void unet_backward(UNet *m, int training) {
     // The timestep projections of all ResBlocks at once, then the embedding MLP.
     float_to_floatx_kernel<<<blocks_for((int64_t)N * E, 256), 256, 0, gpu.stream>>>(m->d_emb_out_x, m->embedding.d_out, (int64_t)N * E);
     cuda_check_launch();
-    conv_backward(&m->emb_all, m->emb_silu.dx, GRAD_ADD, m->d_emb_out_x, m->emb_silu.x, N, 1, 1, NULL, 0);
+    conv_backward(&m->emb_all, m->emb_silu.dx, GRAD_WRITE, m->d_emb_out_x, m->emb_silu.x, N, 1, 1, NULL, 0);
     silu_backward_kernel<<<blocks_for(N * D, 256), 256, 0, gpu.stream>>>(m->emb.dx, m->emb_silu.dx, m->emb.x, N * D);
     cuda_check_launch();
     if (c->num_classes) {
         label_embedding_backward_kernel<<<(D + 127) / 128, 128, 0, gpu.stream>>>(m->d_label_table, m->emb.dx, m->labels, N, c->num_classes, D);
         cuda_check_launch();
     }
-    conv_backward(&m->time_embed2, m->t_hidden_silu.dx, GRAD_ADD, m->emb.dx, m->t_hidden_silu.x, N, 1, 1, NULL, 0);
+    conv_backward(&m->time_embed2, m->t_hidden_silu.dx, GRAD_WRITE, m->emb.dx, m->t_hidden_silu.x, N, 1, 1, NULL, 0);
     silu_backward_kernel<<<blocks_for(N * D, 256), 256, 0, gpu.stream>>>(m->t_hidden.dx, m->t_hidden_silu.dx, m->t_hidden.x, N * D);
     cuda_check_launch();
     conv_backward(&m->time_embed0, NULL, GRAD_ADD, m->t_hidden.dx, m->t_sinusoid.x, N, 1, 1, NULL, 0);

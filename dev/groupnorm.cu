@@ -95,10 +95,10 @@ static void ref_group_norm_backward(double *d_in, double *d_gamma, double *d_bet
 // per-sample channel sums of dx, taken in the model by the conv before, here by channel_sums);
 // scale_shift (use_scale_shift_norm; rows of a wider [N][ld] array as in the model); dropout (the
 // trainer's keep mask, drawn from its counter-based generator, applied to the reference).
-//   forward: y, mean, rstd written whole.  backward: dx += (GN_WRITE: written), d_scale_shift +=,
-//   dgamma, dbeta written.
+//   forward: y, mean, rstd written whole (and group_norm_recompute gives y again, bit for bit).
+//   backward: dx += (GN_WRITE: written), d_scale_shift +=, dgamma, dbeta written.
 
-enum { GN_ADD = 1, GN_SCALE_SHIFT = 2, GN_WRITE = 4 };
+enum { GN_EMB_ADD = 1, GN_SCALE_SHIFT = 2, GN_WRITE = 4 };
 
 typedef struct {
     Norm norm;
@@ -119,7 +119,7 @@ static void norm_run_backward(void *p) {
     group_norm_backward(&r->norm, r->dx, r->dx_mode, r->d_scale_shift, r->dy, r->x, r->mean, r->rstd, r->N, r->HW, r->o);
 }
 
-// The scratch a model's plan gives this GroupNorm (and the channel sums of the GN_ADD check).
+// The scratch a model's plan gives this GroupNorm (and the channel sums of the GN_EMB_ADD check).
 static const Scratch *norm_scratch_for(int N, int C) {
     return dev_scratch(0, (int64_t)N * CHANNEL_SUM_CHUNKS * C, (int64_t)N * GN_CHUNKS * (C * 4 + GN_GROUPS * 2));
 }
@@ -138,7 +138,7 @@ static void check_norm(int N, int H, int W, int C, int silu, int mode, float dro
     for (size_t i = 0; i < n; i++) {
         size_t nn = i / ((size_t)HW * C);
         int c = (int)(i % C);
-        xin[i] = x[i] + (mode & GN_ADD ? add[nn * add_ld + c] : 0);
+        xin[i] = x[i] + (mode & GN_EMB_ADD ? add[nn * add_ld + c] : 0);
         keep[i] = dropout > 0 ? dropout_keep(seed, 7, (int64_t)i, dropout) : 1;  // the trainer's rule, on the host
         dy_keep[i] = dy[i] * keep[i];
     }
@@ -156,7 +156,7 @@ static void check_norm(int N, int H, int W, int C, int silu, int mode, float dro
     // Accumulating outputs start random (dx starts at zero with `add`, as in the model, whose
     // per-sample sums of dx are the embedding's gradient).
     double *dx_before = dev_alloc(n), *dss_before = dev_alloc(nss), *dadd_before = dev_alloc(nadd), s;
-    if (!(mode & GN_ADD)) s = dev_rms(dx, n), dev_fill_x(dx_before, n, -s, s);
+    if (!(mode & GN_EMB_ADD)) s = dev_rms(dx, n), dev_fill_x(dx_before, n, -s, s);
     s = dev_rms(dss, nss), dev_fill_f(dss_before, nss, -s, s);
     s = dev_rms(dadd, nadd), dev_fill_f(dadd_before, nadd, -s, s);
 
@@ -167,7 +167,7 @@ static void check_norm(int N, int H, int W, int C, int silu, int mode, float dro
     r.norm.dgamma = (float *)dev_gpu_poisoned(C * sizeof(float)), r.norm.dbeta = (float *)dev_gpu_poisoned(C * sizeof(float));
     float *ss_gpu = dev_upload_f(ss, nss), *add_gpu = dev_upload_f(add, nadd), *dadd_gpu = dev_upload_f(dadd_before, nadd);
     r.o.silu = silu;
-    if (mode & GN_ADD) r.o.add = add_gpu, r.o.add_ld = add_ld;
+    if (mode & GN_EMB_ADD) r.o.add = add_gpu, r.o.add_ld = add_ld;
     if (mode & GN_SCALE_SHIFT) r.o.scale_shift = ss_gpu, r.o.scale_shift_ld = ld;
     r.o.dropout = dropout, r.o.dropout_stream = 7;
     uint64_t *seed_gpu = (uint64_t *)dev_gpu_poisoned(sizeof(uint64_t));
@@ -183,20 +183,31 @@ static void check_norm(int N, int H, int W, int C, int silu, int mode, float dro
     r.N = N, r.HW = HW;
     r.norm.scratch = norm_scratch_for(N, C);
     norm_run_forward(&r);
+    // Backward's recomputation of y (group_norm_recompute, from the kept statistics): the same bits.
+    floatX *y_again = (floatX *)dev_gpu_poisoned(n * sizeof(floatX));
+    group_norm_recompute(&r.norm, y_again, r.mean, r.rstd, r.x, N, HW, r.o);
+    unsigned char *y_bytes = (unsigned char *)malloc_or_die(n * sizeof(floatX));
+    unsigned char *again_bytes = (unsigned char *)malloc_or_die(n * sizeof(floatX));
+    cuda_check(cudaMemcpy(y_bytes, r.y, n * sizeof(floatX), cudaMemcpyDeviceToHost));
+    cuda_check(cudaMemcpy(again_bytes, y_again, n * sizeof(floatX), cudaMemcpyDeviceToHost));
+    double recompute_err = memcmp(y_bytes, again_bytes, n * sizeof(floatX)) == 0 ? 0.0 : INFINITY;
+    free(y_bytes), free(again_bytes);
+    dev_gpu_free(y_again, NULL);
     norm_run_backward(&r);
-    if (mode & GN_ADD) channel_sums(r.norm.scratch, dadd_gpu, add_ld, NULL, r.dx, N, HW, C);
+    if (mode & GN_EMB_ADD) channel_sums(r.norm.scratch, dadd_gpu, add_ld, NULL, r.dx, N, HW, C);
 
     double tol = DEV_TOLERANCE, fwd = dev_check_x(r.y, NULL, y, n);
     DevErrors e;
     dev_errors_init(&e);
     dev_errors_add(&e, "dx", dev_check_x(r.dx, mode & GN_WRITE ? NULL : dx_before, dx, n), tol);
+    dev_errors_add(&e, "recompute", recompute_err, 0);
     dev_errors_add(&e, "dgamma", dev_check_f(r.norm.dgamma, NULL, dgamma, C), tol);
     dev_errors_add(&e, "dbeta", dev_check_f(r.norm.dbeta, NULL, dbeta, C), tol);
     if (mode & GN_SCALE_SHIFT) dev_errors_add(&e, "dss", dev_check_f(r.d_scale_shift, dss_before, dss, nss), tol);
     else dev_errors_add(&e, "dss_untouched", dev_check_f(r.d_scale_shift, dss_before, dss, nss), 0);  // dss is zero
-    if (mode & GN_ADD) dev_errors_add(&e, "dadd", dev_check_f(dadd_gpu, dadd_before, dadd, nadd), tol);
+    if (mode & GN_EMB_ADD) dev_errors_add(&e, "dadd", dev_check_f(dadd_gpu, dadd_before, dadd, nadd), tol);
     char shape[96];
-    snprintf(shape, sizeof shape, "N%d %dx%d C%d%s%s%s", N, H, W, C, silu ? " silu" : "", mode & GN_ADD ? " add" : "",
+    snprintf(shape, sizeof shape, "N%d %dx%d C%d%s%s%s", N, H, W, C, silu ? " silu" : "", mode & GN_EMB_ADD ? " add" : "",
              mode & GN_SCALE_SHIFT ? " scale-shift" : "");
     if (mode & GN_WRITE) snprintf(shape + strlen(shape), sizeof shape - strlen(shape), " dx written");
     if (dropout > 0) snprintf(shape + strlen(shape), sizeof shape - strlen(shape), " drop%.2g", dropout);
@@ -245,11 +256,11 @@ int main(void) {
     // input gradient is ~eps/var of its terms and fp32 rounding alone is ~1e-4 of it.)
     check_norm(2, 1, 1, 96, 1, 0, 0);
     check_norm(3, 17, 17, 32, 1, 0, 0);                     // 289 rows over 16 chunks
-    check_norm(3, 8, 8, 128, 1, GN_ADD | GN_WRITE, 0);      // out_layers without scale-shift
+    check_norm(3, 8, 8, 128, 1, GN_EMB_ADD | GN_WRITE, 0);      // out_layers without scale-shift
     check_norm(2, 13, 13, 96, 1, GN_SCALE_SHIFT, 0);        // out_layers with scale-shift
     check_norm(1, 1, 1, 160, 1, GN_SCALE_SHIFT, 0);
     check_norm(2, 16, 16, 64, 1, GN_SCALE_SHIFT | GN_WRITE, 0.1f);  // + dropout
-    check_norm(3, 7, 7, 96, 1, GN_ADD, 0.3f);
+    check_norm(3, 7, 7, 96, 1, GN_EMB_ADD, 0.3f);
     check_norm(2, 4, 4, 512, 0, 0, 0);                      // wide
     check_norm(2, 3, 5, 768, 1, GN_SCALE_SHIFT, 0);         // wider than a block's threads: idle threads
     time_norm("in_layers", 32, 64, 64, 64, 1, 0);
