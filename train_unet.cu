@@ -1617,8 +1617,9 @@ __device__ inline GroupNormAffine group_norm_affine(const float *sample_mean, co
 // with no partial sums (backward recomputing y), read from them: y comes out the same bit for bit.
 // Five blocks per multiprocessor (54 registers would allow four): 10-15% faster on the large
 // shapes, measured (dev/NOTES.md, 2026-11-24 b).
-__global__ void __launch_bounds__(GN_THREADS, 5) group_norm_apply_kernel(floatX *__restrict__ y, float *sample_mean, float *sample_rstd, const floatX *__restrict__ x,
-                                        const double *partial, const float *gamma, const float *beta, NormOptions o, int HW, int C) {
+__global__ void __launch_bounds__(GN_THREADS, 5)
+    group_norm_apply_kernel(floatX *__restrict__ y, float *sample_mean, float *sample_rstd, const floatX *__restrict__ x,
+                            const double *partial, const float *gamma, const float *beta, NormOptions o, int HW, int C) {
     __shared__ float mean[GN_GROUPS], rstd[GN_GROUPS];
     int n = blockIdx.y, chunks = gridDim.x;
     if (threadIdx.x < GN_GROUPS && !partial) {
@@ -3273,23 +3274,25 @@ static Act act_take(UNet *m, Arena *values, Arena *grads, int N, int H, int W, i
 
 static Act act_alloc(UNet *m, int N, int H, int W, int C) { return act_take(m, &m->acts, &m->grads, N, H, W, C); }
 
-// An activation inside the block being planned (the last one walk_block began) whose values nobody
-// reads after the block's forward, or its backward recomputes: values in the shared transient
-// region, gradient in the shared region of inner gradients.
-static Act act_alloc_transient(UNet *m, int N, int H, int W, int C) {
-    Act a = act_take(m, &m->transient, &m->inner_grads, N, H, W, C);
+// An activation inside the block being planned (the last one walk_block began): values from
+// `values`, gradient in the shared region of inner gradients.
+static Act act_take_inner(UNet *m, Arena *values, int N, int H, int W, int C) {
+    Act a = act_take(m, values, &m->inner_grads, N, H, W, C);
     note_scratch(&m->inner_grads_size, m->inner_grads.used);
+    return a;
+}
+
+// One whose values nobody reads after the block's forward, or its backward recomputes: in the
+// shared transient region.
+static Act act_alloc_transient(UNet *m, int N, int H, int W, int C) {
+    Act a = act_take_inner(m, &m->transient, N, H, W, C);
     note_scratch(&m->transient_size, m->transient.used);
     return a;
 }
 
-// An activation inside the block being planned that its backward reads: values kept (forward only,
-// transient), gradient in the shared region of inner gradients.
+// One that its backward reads: values kept (forward only: transient).
 static Act act_alloc_inner(UNet *m, int N, int H, int W, int C) {
-    if (!m->training) return act_alloc_transient(m, N, H, W, C);
-    Act a = act_take(m, &m->acts, &m->inner_grads, N, H, W, C);
-    note_scratch(&m->inner_grads_size, m->inner_grads.used);
-    return a;
+    return m->training ? act_take_inner(m, &m->acts, N, H, W, C) : act_alloc_transient(m, N, H, W, C);
 }
 
 static float *stats_alloc(UNet *m) { return (float *)arena_take(&m->acts, (int64_t)m->batch * GN_GROUPS * sizeof(float)); }
@@ -3789,10 +3792,7 @@ static void unet_backward(UNet *m, int training) {
     cuda_check(cudaMemsetAsync(m->emb.dx, 0, act_numel(&m->emb) * sizeof(floatX), gpu.stream));
     cuda_check(cudaMemsetAsync(m->t_hidden.dx, 0, act_numel(&m->t_hidden) * sizeof(floatX), gpu.stream));
     cuda_check(cudaMemsetAsync(m->embedding.d_out, 0, (size_t)N * E * sizeof(float), gpu.stream));
-    for (int i = m->num_blocks - 1; i >= 0; i--) {
-        Block *b = &m->blocks[i];
-        block_backward(m, b, training);
-    }
+    for (int i = m->num_blocks - 1; i >= 0; i--) block_backward(m, &m->blocks[i], training);
     // The timestep projections of all ResBlocks at once, then the embedding MLP.
     float_to_floatx_kernel<<<blocks_for((int64_t)N * E, 256), 256, 0, gpu.stream>>>(m->d_emb_out_x, m->embedding.d_out, (int64_t)N * E);
     cuda_check_launch();
