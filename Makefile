@@ -35,12 +35,32 @@ endif
 
 STB_CFLAGS := $(shell pkg-config --cflags stb 2>/dev/null || echo -I/usr/include/stb)
 STB_LIBS := -lstb -lm
+
+# NCCL, for training on many GPUs: the CUDA installation's, the system's (Debian's libnccl-dev), or
+# else the one inside PyTorch's Python packages (nvidia/nccl), where a GPU machine may keep it only.
+# Without any, the trainer is built for one GPU (UNET_NO_NCCL) and says so when asked for more.
+CUDA_HOME := $(patsubst %/bin/nvcc,%,$(NVCC))
+ifneq ($(wildcard $(CUDA_HOME)/include/nccl.h /usr/include/nccl.h),)
+NCCL_CFLAGS :=
+NCCL_LIBS := -lnccl
+else
+NCCL_PY := $(shell python3 -c 'import nvidia.nccl as n; print(list(n.__path__)[0])' 2>/dev/null)
+ifneq ($(wildcard $(NCCL_PY)/include/nccl.h),)
+NCCL_CFLAGS := -I$(NCCL_PY)/include
+NCCL_LIBS := -L$(NCCL_PY)/lib -l:libnccl.so.2 -Xlinker -rpath=$(NCCL_PY)/lib
+else
+NCCL_CFLAGS := -DUNET_NO_NCCL
+NCCL_LIBS :=
+endif
+endif
+
 CFLAGS ?= -O2 -g
 CFLAGS += -std=c11 -D_GNU_SOURCE -Wall -Wextra -Wno-unused-function -I.
 NVCCFLAGS ?= -O3 -g
-NVCC_COMMON := $(NVCCFLAGS) -std=c++17 $(GPU_ARCH) -I. $(STB_CFLAGS) -Xcompiler -Wall,-Wno-unused-function
+NVCC_COMMON := $(NVCCFLAGS) -std=c++17 $(GPU_ARCH) -I. $(STB_CFLAGS) $(NCCL_CFLAGS) -Xcompiler -Wall,-Wno-unused-function
 NVCCFLAGS := $(NVCC_COMMON) -DPRECISION_$(PRECISION)
-CUDA_LIBS := -lcublas -lcublasLt $(STB_LIBS)
+
+CUDA_LIBS := -lcublas -lcublasLt $(NCCL_LIBS) $(STB_LIBS)
 
 BINARIES := train_unet prepare_data check_shapes generate
 SHAPES_COUNT := 10000

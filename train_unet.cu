@@ -14,6 +14,7 @@
 //
 // Activations are NHWC (channels last). PRECISION_BF16 (the default) keeps activations in bf16
 // with fp32 master weights and fp32 accumulation; PRECISION_FP32 is fp32 throughout.
+#include <ctype.h>
 #include <cublasLt.h>
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
@@ -30,7 +31,10 @@
 #include <stdlib.h>
 #include <string.h>
 #include <strings.h>
+#include <sched.h>
+#include <sys/wait.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "checkpoint.h"
 #include "dataset.h"
@@ -191,8 +195,7 @@ static void *gpu_malloc(size_t bytes) {
     return p;
 }
 
-static void gpu_init(void) {
-    int device = 0;
+static void gpu_init(int device) {
     cuda_check(cudaSetDevice(device));
     cuda_check(cudaDeviceGetAttribute(&gpu.num_sms, cudaDevAttrMultiProcessorCount, device));
     cuda_check(cudaStreamCreate(&gpu.main));
@@ -1505,6 +1508,8 @@ typedef struct {
     float dropout;                  // probability of zeroing an output (training only)
     const uint64_t *dropout_seed;   // on the GPU: the step's seed (a training step can be a replayed graph)
     uint64_t dropout_stream;        // the layer's own random stream
+    int64_t dropout_first;          // dropout's number for element 0: the elements before it in the step's batch
+                                    // on all GPUs (the draws of N GPUs at batch B are those of one at N B)
 } NormOptions;
 
 // sigmoid(x) = 1 / (1 + e^-x). The BF16 build takes the fast intrinsics: their relative error (about
@@ -1647,7 +1652,7 @@ __global__ void __launch_bounds__(GN_THREADS, 5)
         for (int j = 0; j < PACK; j++) {
             float u = (float)p.v[j] * k.s[j] + k.t[j];
             if (o.silu) u = u * sigmoidf_(u);
-            if (o.dropout > 0.0f) u *= dropout_keep(*o.dropout_seed, o.dropout_stream, at + j, o.dropout);
+            if (o.dropout > 0.0f) u *= dropout_keep(*o.dropout_seed, o.dropout_stream, o.dropout_first + at + j, o.dropout);
             q.v[j] = (floatX)u;
         }
         *(Pack *)&y[at] = q;
@@ -1685,7 +1690,7 @@ static void group_norm_recompute(const Norm *norm, floatX *y, float *mean, float
 
 // du: dy back through dropout and SiLU at u (element `at`).
 __device__ inline float group_norm_du(float dy, float u, const NormOptions &o, int64_t at) {
-    if (o.dropout > 0.0f) dy *= dropout_keep(*o.dropout_seed, o.dropout_stream, at, o.dropout);
+    if (o.dropout > 0.0f) dy *= dropout_keep(*o.dropout_seed, o.dropout_stream, o.dropout_first + at, o.dropout);
     if (o.silu) {
         float s = sigmoidf_(u);
         dy *= s * (1.0f + u * (1.0f - s));
@@ -2512,6 +2517,7 @@ typedef struct {
     float lr, bias1, bias2;  // AdamW: learning rate, 1 - beta1^step, 1 - beta2^step
     float grad_clip;       // clip the global gradient norm to this (0: off)
     uint64_t noise_seed;   // draws of this step: timesteps, noise, label dropout
+    int stop;              // this rank was asked to stop; after the step: some rank was (all stop)
     float loss, grad_norm, grad_scale;  // results: loss, norm before clipping, the scale applied
     int finite;            // loss and gradients finite: parameters and EMA updated
 } StepState;
@@ -2574,6 +2580,7 @@ typedef struct {
     const char *lr_decay;
     int warmup_steps;
     int batch_size;
+    int gpus;
     const char *ema_rate;
     int log_interval, save_interval, keep, max_bad_steps, sample_interval, sample_count, sample_steps;
     const char *resume_checkpoint, *run_dir;
@@ -2627,7 +2634,8 @@ static const OptionSpec option_specs[] = {
     OPT(min_lr, OPT_FLOAT, "the learning rate at the end of a cosine decay"),
     OPT(grad_clip, OPT_FLOAT, "clip the global gradient norm to this (0: off); the norm is logged either way"),
     OPT(cfg_dropout, OPT_FLOAT, "probability of replacing a label by the null class (classifier-free guidance)"),
-    OPT(batch_size, OPT_INT, "images per step"),
+    OPT(batch_size, OPT_INT, "images per step and GPU"),
+    OPT(gpus, OPT_INT, "GPUs of this machine to train on: a process each, data parallel over NCCL"),
     OPT(ema_rate, OPT_STRING, "EMA decay rates, comma-separated"),
     OPT(log_interval, OPT_INT, "steps between progress lines"),
     OPT(save_interval, OPT_INT, "steps between checkpoints"),
@@ -2660,7 +2668,7 @@ static Options preset_seed(void) {
     o.diffusion_steps = 1000, o.noise_schedule = "linear", o.predict = "eps";
     o.lr = 1e-4f, o.weight_decay = 0.0f, o.beta1 = 0.9f, o.beta2 = 0.999f, o.adam_eps = 1e-8f;
     o.warmup_steps = 0, o.lr_decay = "none", o.min_lr = 0.0f, o.grad_clip = 0.0f, o.cfg_dropout = 0.0f;
-    o.batch_size = 32, o.ema_rate = "0.9999";
+    o.batch_size = 32, o.gpus = 1, o.ema_rate = "0.9999";
     o.log_interval = 10, o.save_interval = 10000, o.keep = 0, o.max_bad_steps = 10;
     o.sample_interval = 5000, o.sample_count = 64, o.sample_steps = 50;
     o.resume_checkpoint = "", o.run_dir = "run";
@@ -2908,6 +2916,7 @@ typedef struct {
     int scale_shift;     // use_scale_shift_norm: each block's columns are (scale, shift), else one add
     float dropout;
     const uint64_t *dropout_seed;  // on the GPU (a training step is a replayed graph)
+    int64_t first_sample;          // this GPU's first sample in the step's batch on all GPUs (dropout's numbering)
 } BlockEmbedding;
 
 // input_blocks.0: a 3x3 convolution of the image.
@@ -2962,12 +2971,15 @@ static NormOptions res_block_norm2(const ResBlock *r, const BlockEmbedding *e, i
     o.silu = 1;
     if (e->scale_shift) o.scale_shift = e->out + r->emb_offset, o.scale_shift_ld = e->total;
     else o.add = e->out + r->emb_offset, o.add_ld = e->total;
-    if (training && e->dropout > 0.0f) o.dropout = e->dropout, o.dropout_seed = e->dropout_seed, o.dropout_stream = r->dropout_stream;
+    if (training && e->dropout > 0.0f) {
+        o.dropout = e->dropout, o.dropout_seed = e->dropout_seed, o.dropout_stream = r->dropout_stream;
+        o.dropout_first = e->first_sample * r->h2.H * r->h2.W * r->h2.C;
+    }
     return o;
 }
 
-static const NormOptions NORM_SILU = {NULL, 0, NULL, 0, 1, 0.0f, NULL, 0};
-static const NormOptions NORM_PLAIN = {NULL, 0, NULL, 0, 0, 0.0f, NULL, 0};
+static const NormOptions NORM_SILU = {NULL, 0, NULL, 0, 1, 0.0f, NULL, 0, 0};
+static const NormOptions NORM_PLAIN = {NULL, 0, NULL, 0, 0, 0.0f, NULL, 0, 0};
 
 static void res_block_forward(ResBlock *r, const BlockEmbedding *e, const Act *in, Act *out, int training) {
     int N = in->N, H = in->H, W = in->W, Ho = out->H, Wo = out->W;
@@ -3994,24 +4006,29 @@ static void diffusion_create(Diffusion *d, int steps, const char *schedule) {
 }
 
 
+// The draws are numbered by sample in the step's batch on all GPUs (first_sample: this GPU's first),
+// so that N GPUs at batch B draw what one GPU at batch N B draws.
+
 // Timesteps t ~ U[0, T) and, for classifier-free guidance, labels replaced by the null class
 // with probability cfg_dropout.
-__global__ void diffusion_conditions_kernel(int64_t *t, int *labels, int N, int T, float cfg_dropout, int null_label,
-                                            const StepState *s) {
+__global__ void diffusion_conditions_kernel(int64_t *t, int *labels, int N, int64_t first_sample, int T, float cfg_dropout,
+                                            int null_label, const StepState *s) {
     int n = blockIdx.x * blockDim.x + threadIdx.x;
     if (n >= N) return;
-    t[n] = (int64_t)(random_u64(s->noise_seed, rng_stream(RNG_TIMESTEP, 0), n) % (uint64_t)T);
-    if (cfg_dropout > 0.0f && (random_u64(s->noise_seed, rng_stream(RNG_LABEL_DROP, 0), n) >> 40) * (1.0f / 16777216.0f) < cfg_dropout)
+    uint64_t draw = (uint64_t)(first_sample + n);
+    t[n] = (int64_t)(random_u64(s->noise_seed, rng_stream(RNG_TIMESTEP, 0), draw) % (uint64_t)T);
+    if (cfg_dropout > 0.0f && (random_u64(s->noise_seed, rng_stream(RNG_LABEL_DROP, 0), draw) >> 40) * (1.0f / 16777216.0f) < cfg_dropout)
         labels[n] = null_label;
 }
 
 // x_t and the regression target from x0 (all [N][per_sample]).
 __global__ void diffusion_inputs_kernel(floatX *x_t, floatX *target, const floatX *x0, const int64_t *t, const float *sqrt_abar,
                                         const float *sqrt_one_minus_abar, int predict_v, int64_t per_sample, int64_t n,
-                                        const StepState *s) {
+                                        int64_t first_sample, const StepState *s) {
     for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
         int64_t step = t[i / per_sample];
-        float a = sqrt_abar[step], b = sqrt_one_minus_abar[step], eps = normal_sample(s->noise_seed, rng_stream(RNG_NOISE, 0), i);
+        float a = sqrt_abar[step], b = sqrt_one_minus_abar[step];
+        float eps = normal_sample(s->noise_seed, rng_stream(RNG_NOISE, 0), first_sample * per_sample + i);
         float x = (float)x0[i];
         x_t[i] = (floatX)(a * x + b * eps);
         target[i] = (floatX)(predict_v ? a * eps - b * x : eps);
@@ -4055,6 +4072,96 @@ __global__ void ema_kernel(float *ema, const float *params, int64_t n, float rat
 }
 
 // ----------------------------------------------------------------------------------------------
+// Many GPUs: one process per GPU, data parallel (guided-diffusion's DDP, on NCCL directly). Each
+// process, a rank, holds the whole model and takes its own B images of the step's N B, numbered
+// within them as one GPU at batch N B numbers them (data order, noise, timesteps, dropout). After
+// backward the step's graph averages the gradients and the loss over the ranks (an NCCL all-reduce
+// captured with the kernels), so every rank takes the same AdamW step and the weights stay equal.
+// How the processes start and find each other: the training run's section (team_join).
+
+#ifdef UNET_NO_NCCL
+typedef void *ncclComm_t;  // built without NCCL (the Makefile found none): one process only
+#else
+#include <nccl.h>
+#endif
+
+typedef struct {
+    int rank, world;   // this process's number and the number of processes (GPUs) in all
+    int local_rank;    // the GPU this process takes on its machine
+    ncclComm_t comm;   // NULL for a process started alone
+} Team;
+static Team team = {0, 1, 0, NULL};
+
+// A signal asked this process to stop (the handler is the training run's): after its step, all stop.
+static volatile sig_atomic_t stop_requested;
+
+// A wait on the step may last this long before the other ranks are taken to be gone (seconds):
+// a step takes milliseconds, but the first one captures the graph, and after a checkpoint or a
+// sample grid the others wait for rank 0 to write it.
+#define TEAM_STEP_TIMEOUT 30.0
+#define TEAM_SLOW_STEP_TIMEOUT 1800.0
+
+#ifndef UNET_NO_NCCL
+static void nccl_check_(ncclResult_t r, const char *what, int line) {
+    if (r != ncclSuccess)
+        fatal("NCCL: %s (%s at train_unet.cu:%d)%s%s", ncclGetErrorString(r), what, line, team.comm ? ": " : "",
+              team.comm ? ncclGetLastError(team.comm) : "");
+}
+#define nccl_check(call) nccl_check_((call), #call, __LINE__)
+#endif
+
+// x = the mean over the ranks of x (n floats, in place), on the stream; nothing alone.
+static void team_average(float *x, size_t n, cudaStream_t stream) {
+#ifndef UNET_NO_NCCL
+    if (team.comm) nccl_check(ncclAllReduce(x, x, n, ncclFloat32, ncclAvg, team.comm, stream));
+#endif
+}
+
+// x = the largest over the ranks of x (n ints, in place), on the stream; nothing alone.
+static void team_max(int *x, size_t n, cudaStream_t stream) {
+#ifndef UNET_NO_NCCL
+    if (team.comm) nccl_check(ncclAllReduce(x, x, n, ncclInt32, ncclMax, team.comm, stream));
+#endif
+}
+
+// Gives up on a step that cannot finish: one line, NCCL's kernels aborted, exit status 1.
+static void team_give_up(const char *fmt, ...) __attribute__((noreturn));
+static void team_give_up(const char *fmt, ...) {
+    va_list args;
+    va_start(args, fmt);
+    print_error("", fmt, args);
+    va_end(args);
+#ifndef UNET_NO_NCCL
+    ncclCommAbort(team.comm);  // the step's kernels stop waiting for the missing rank
+#endif
+    _exit(1);
+}
+
+// Waits until `done` (recorded after the step) has happened. Alone: a plain synchronisation. A
+// rank that died leaves the others inside the all-reduce for good, so a team polls, and gives up
+// after `timeout` seconds, or 5 s after a stop was asked for (the launcher's signal when a rank
+// failed; a step that is not stuck ends in milliseconds).
+static void team_wait(cudaEvent_t done, double timeout, int64_t step) {
+    if (!team.comm) {
+        cuda_check(cudaEventSynchronize(done));
+        return;
+    }
+    struct timespec t0, t;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    for (;;) {
+        cudaError_t r = cudaEventQuery(done);
+        if (r == cudaSuccess) return;
+        if (r != cudaErrorNotReady) cuda_check(r);
+        clock_gettime(CLOCK_MONOTONIC, &t);
+        double waited = (t.tv_sec - t0.tv_sec) + 1e-9 * (t.tv_nsec - t0.tv_nsec);
+        if (waited > timeout || (stop_requested && waited > 5.0))
+            team_give_up("step %lld has not finished after %.0f s: another rank of this run has stopped or hangs; stopping",
+                         (long long)step, waited);
+        sched_yield();
+    }
+}
+
+// ----------------------------------------------------------------------------------------------
 // The trainer: one training step as a CUDA graph (batch copied in, noised, forward, loss,
 // backward, gradient norm, AdamW, EMA, results copied out), the schedule around it, checkpoints.
 
@@ -4073,6 +4180,8 @@ typedef struct {
     StepState *host_state, *state;  // pinned, GPU
     double *norm_partial;
     cudaGraphExec_t graph;
+    cudaEvent_t done;      // recorded after each step
+    int others_wait;       // rank 0 wrote a checkpoint or samples since the last step: the next may wait long
     int64_t step;          // steps completed
 } Trainer;
 
@@ -4093,6 +4202,8 @@ static void trainer_create(Trainer *tr, const Options *o, const ModelConfig *c, 
     memset(tr->host_state, 0, sizeof(StepState));
     tr->state = (StepState *)gpu_malloc(sizeof(StepState));
     tr->m.embedding.dropout_seed = &tr->state->noise_seed;  // dropout draws from the step's seed too
+    tr->m.embedding.first_sample = (int64_t)team.rank * o->batch_size;
+    cuda_check(cudaEventCreateWithFlags(&tr->done, cudaEventDisableTiming));
     tr->norm_partial = (double *)gpu_malloc(NORM_BLOCKS * sizeof(double));
     int64_t n = act_numel(&tr->m.input);
     tr->d_pixels = (uint8_t *)gpu_malloc(n);
@@ -4112,18 +4223,22 @@ static void trainer_enqueue_step(Trainer *tr) {
     int N = m->batch;
     int64_t n = act_numel(&m->input);
     cuda_check(cudaMemcpyAsync(tr->state, tr->host_state, sizeof(StepState), cudaMemcpyHostToDevice, gpu.stream));
+    team_max(&tr->state->stop, 1, gpu.stream);
     cuda_check(cudaMemcpyAsync(tr->d_pixels, tr->pixels, n, cudaMemcpyHostToDevice, gpu.stream));
     if (tr->config.num_classes)
         cuda_check(cudaMemcpyAsync(m->labels, tr->labels, N * sizeof(int), cudaMemcpyHostToDevice, gpu.stream));
     images_to_model_input(tr->x0, tr->d_pixels, n, gpu.stream);
-    diffusion_conditions_kernel<<<(N + 127) / 128, 128, 0, gpu.stream>>>(m->timesteps, m->labels, N, tr->diffusion.schedule.steps,
-                                                                        o->cfg_dropout, tr->config.num_classes - 1, tr->state);
+    int64_t first_sample = m->embedding.first_sample;
+    diffusion_conditions_kernel<<<(N + 127) / 128, 128, 0, gpu.stream>>>(m->timesteps, m->labels, N, first_sample,
+        tr->diffusion.schedule.steps, o->cfg_dropout, tr->config.num_classes - 1, tr->state);
     diffusion_inputs_kernel<<<blocks_for(n, 256), 256, 0, gpu.stream>>>(m->input.x, m->target.x, tr->x0, m->timesteps,
-        tr->diffusion.sqrt_abar, tr->diffusion.sqrt_one_minus_abar, strcmp(o->predict, "v") == 0, n / N, n, tr->state);
+        tr->diffusion.sqrt_abar, tr->diffusion.sqrt_one_minus_abar, strcmp(o->predict, "v") == 0, n / N, n, first_sample, tr->state);
     cuda_check_launch();
     unet_forward(m, 1);
     mse_loss(m->loss, m->loss_partial, m->output->dx, m->output->x, m->target.x, act_numel(m->output));
     unet_backward(m, 1);
+    team_average(m->grad, m->storage, gpu.stream);  // the gradient of the loss over every rank's images
+    team_average(m->loss, 1, gpu.stream);
     grad_norm_partial_kernel<<<NORM_BLOCKS, 256, 0, gpu.stream>>>(tr->norm_partial, m->grad, m->storage);
     step_decide_kernel<<<1, 1024, 0, gpu.stream>>>(tr->state, tr->norm_partial, m->loss);
     floatX *copy = (void *)m->compute == (void *)m->master ? NULL : m->compute;
@@ -4145,7 +4260,8 @@ static float learning_rate(const Options *o, int64_t step) {
 }
 
 // Runs step tr->step + 1 (its batch already in tr->pixels) and waits for it; the results are in
-// tr->host_state. The first call captures the step as a graph; every call replays it.
+// tr->host_state. The first call captures the step as a graph; every call replays it. A stop asked
+// for by a signal goes in with the step, and comes out as stop when any rank was asked.
 static void trainer_step(Trainer *tr) {
     const Options *o = tr->o;
     int64_t step = tr->step + 1;
@@ -4156,6 +4272,8 @@ static void trainer_step(Trainer *tr) {
     h->bias2 = 1.0f - powf(o->beta2, (float)step);
     h->grad_clip = o->grad_clip;
     h->noise_seed = random_u64((uint64_t)o->seed, rng_stream(RNG_STEP_SEED, 0), (uint64_t)step);
+    h->stop = stop_requested;
+    double timeout = tr->graph && !tr->others_wait ? TEAM_STEP_TIMEOUT : TEAM_SLOW_STEP_TIMEOUT;
     if (!tr->graph) {
         cudaGraph_t graph;
         cuda_check(cudaStreamBeginCapture(gpu.stream, cudaStreamCaptureModeGlobal));
@@ -4165,8 +4283,10 @@ static void trainer_step(Trainer *tr) {
         cuda_check(cudaGraphDestroy(graph));
     }
     cuda_check(cudaGraphLaunch(tr->graph, gpu.stream));
-    cuda_check(cudaStreamSynchronize(gpu.stream));
+    cuda_check(cudaEventRecord(tr->done, gpu.stream));
+    team_wait(tr->done, timeout, step);
     tr->step = step;
+    tr->others_wait = 0;
 }
 
 // ----------------------------------------------------------------------------------------------
@@ -4341,6 +4461,9 @@ static float gpu_sampler_run(GpuSampler *s, int64_t first, int count, const int 
 // that order is flipped horizontally when bit 0 of random(seed, flip stream, e*count + i) is set.
 // Both are pure functions of the position (epoch, next), so saving those two numbers and seeking
 // back to them reproduces every later batch exactly. Batches run on across epoch boundaries.
+//
+// Many GPUs: a step takes the next world * batch_size images of the order, and rank r's batch is
+// the r-th batch_size of them; every rank moves past all of them, so the position stays one.
 
 typedef struct {
     uint64_t epoch;  // epochs completed
@@ -4349,7 +4472,8 @@ typedef struct {
 
 typedef struct {
     Dataset data;
-    int batch_size;
+    int batch_size;          // images per batch of this rank
+    int rank, world;         // this rank's batch among the step's world batches
     int random_flip;
     uint64_t seed;
     LoaderPosition position;
@@ -4382,12 +4506,13 @@ static int loader_seek(DataLoader *loader, LoaderPosition position, char *err, s
 }
 
 // Opens and checks a dataset and allocates the batch buffers. Returns 0, or -1 with a message.
-static int loader_open(DataLoader *loader, const char *path, int batch_size, int random_flip, uint64_t seed,
-                       int pinned, char *err, size_t err_len) {
+static int loader_open(DataLoader *loader, const char *path, int batch_size, int rank, int world, int random_flip,
+                       uint64_t seed, int pinned, char *err, size_t err_len) {
     memset(loader, 0, sizeof *loader);
     if (dataset_open(path, &loader->data, err, err_len) != 0) return -1;
     const DatasetHeader *h = &loader->data.header;  // count <= DATASET_MAX_COUNT: the order's 32-bit indices hold it
     loader->batch_size = batch_size;
+    loader->rank = rank, loader->world = world;
     loader->random_flip = random_flip;
     loader->seed = seed;
     loader->pinned = pinned;
@@ -4418,11 +4543,12 @@ static void loader_close(DataLoader *loader) {
     memset(loader, 0, sizeof *loader);
 }
 
-// Fills the batch buffers with the next batch_size images (and labels) and advances the position.
+// Fills the batch buffers with this rank's batch_size images (and labels) of the next step and
+// advances the position past the step's images on every rank.
 static void loader_next_batch(DataLoader *loader) {
     const DatasetHeader *h = &loader->data.header;
     size_t image_bytes = loader->data.layout.image_bytes, row_bytes = (size_t)h->width * h->channels;
-    for (int b = 0; b < loader->batch_size; b++) {
+    for (int64_t i = 0; i < (int64_t)loader->world * loader->batch_size; i++) {
         if (loader->position.next == h->count) {
             loader->position.epoch++;
             loader->position.next = 0;
@@ -4430,6 +4556,8 @@ static void loader_next_batch(DataLoader *loader) {
         }
         uint64_t slot = loader->position.epoch * h->count + loader->position.next;
         uint32_t image = loader->order[loader->position.next++];
+        int64_t b = i - (int64_t)loader->rank * loader->batch_size;  // this rank's image b
+        if (b < 0 || b >= loader->batch_size) continue;
         const uint8_t *src = loader->data.pixels + image * image_bytes;
         uint8_t *dst = loader->batch_pixels + b * image_bytes;
         int flip = loader->random_flip && (random_u64(loader->seed, rng_stream(RNG_FLIP, 0), slot) & 1);
@@ -4534,7 +4662,7 @@ static Metadata checkpoint_metadata(const Options *o, const ModelConfig *c, int6
     meta_add(&m, "diffusion_steps", "%d", o->diffusion_steps);
     meta_add(&m, "noise_schedule", "%s", o->noise_schedule);
     meta_add(&m, "predict", "%s", o->predict);
-    meta_add(&m, "batch_size", "%d", o->batch_size);
+    meta_add(&m, "batch_size", "%d", o->batch_size * team.world);  // images per step, on all GPUs
     meta_add(&m, "seed", "%lld", o->seed);
     meta_add(&m, "ema_rates", "%s", o->ema_rate);  // every rate; each EMA file names its own as ema_rate
     meta_add(&m, "random_flip", "%s", truth[o->random_flip]);
@@ -4841,7 +4969,7 @@ static int save_checkpoint(Trainer *tr, const char *run_dir, const LoaderPositio
     h.version = STATE_VERSION, h.num_params = (uint32_t)m->params.count;
     h.step = tr->step, h.storage = m->storage, h.seed = o->seed;
     h.loader_epoch = position->epoch, h.loader_next = position->next;
-    h.batch_size = o->batch_size, h.diffusion_steps = o->diffusion_steps;
+    h.batch_size = o->batch_size * team.world, h.diffusion_steps = o->diffusion_steps;
     snprintf(h.noise_schedule, sizeof h.noise_schedule, "%s", o->noise_schedule);
     snprintf(h.predict, sizeof h.predict, "%s", o->predict);
     CheckpointData d = {tr->step, &m->params, download_tensors(m, m->master), tr->num_ema, tr->ema_rates, {0}, &meta, &h, NULL,
@@ -4972,11 +5100,11 @@ static int check_resume(const Options *o, const ModelConfig *c, const ParamList 
     else if (h.step != rp->step)
         r = dataset_fail(err, err_len, "%s is of step %lld but the weights beside it are of step %lld", path, (long long)h.step,
                          (long long)rp->step);
-    else if (h.batch_size != o->batch_size || h.diffusion_steps != o->diffusion_steps || h.seed != o->seed ||
+    else if (h.batch_size != o->batch_size * team.world || h.diffusion_steps != o->diffusion_steps || h.seed != o->seed ||
              strcmp(h.noise_schedule, o->noise_schedule) != 0 || strcmp(h.predict, o->predict) != 0)
-        r = dataset_fail(err, err_len, "%s was trained with --batch_size %d --diffusion_steps %d --noise_schedule %s --predict %s "
-                         "--seed %lld; resume with the same values", rp->dir, h.batch_size, h.diffusion_steps, h.noise_schedule,
-                         h.predict, (long long)h.seed);
+        r = dataset_fail(err, err_len, "%s was trained with %d images a step (--batch_size times the GPUs) --diffusion_steps %d "
+                         "--noise_schedule %s --predict %s --seed %lld; resume with the same values", rp->dir, h.batch_size,
+                         h.diffusion_steps, h.noise_schedule, h.predict, (long long)h.seed);
     rp->position.epoch = h.loader_epoch, rp->position.next = h.loader_next;
     unmap_file(&state);
     return r;
@@ -5124,6 +5252,8 @@ static void validate_training(const Options *o) {
         usage_error("--sample_steps %d: no even spacing of the %d diffusion steps (--diffusion_steps) gives that many",
                     o->sample_steps, o->diffusion_steps);
     if (o->batch_size < 1 || o->batch_size > 65536) usage_error("--batch_size %d is out of range (1..65536)", o->batch_size);
+    if (o->gpus < 1 || o->gpus > 1024) usage_error("--gpus %d is out of range (1..1024)", o->gpus);
+    if ((int64_t)o->batch_size * o->gpus > 65536) usage_error("--batch_size %d on %d GPUs is over 65536 images a step", o->batch_size, o->gpus);
     double rates[8];
     int n = parse_number_list(o->ema_rate, rates, 8);
     if (n < 1) usage_error("--ema_rate '%s' must be 1 to 8 rates separated by commas", o->ema_rate);
@@ -5237,8 +5367,6 @@ static void write_samples(Trainer *tr, GpuSampler *sampler, const char *run_dir)
     free(pixels);
     free(labels);
 }
-
-static volatile sig_atomic_t stop_requested;
 
 static void on_stop_signal(int sig) {
     if (stop_requested && sig == SIGINT) _exit(130);
@@ -5400,12 +5528,188 @@ static void loss_chart_add(LossChart *c, int64_t step, double loss, double lr) {
 }
 
 // Trains from a checked resume point, or from a fresh initialisation when resume is NULL.
+// ----------------------------------------------------------------------------------------------
+// Many GPUs: starting the ranks and joining them (the step's side is in the trainer's section).
+// `--gpus N` starts N copies of this command on this machine (launch_gpus); any other launcher
+// (torchrun, mpirun, srun) starts them itself and says which is which in the environment. Every
+// rank then joins one NCCL communicator through a file of the run folder, written by rank 0.
+
+// The rank of this process when a launcher started it, from the first of these sets whose world
+// size is set: torchrun's (which --gpus sets too), Open MPI's, Slurm's srun. Returns 1 with team
+// filled, or 0 when none is set (a process alone); exits with one line on an incomplete or bad set.
+static int team_from_environment(Team *t) {
+    static const char *const sets[][3] = {{"RANK", "WORLD_SIZE", "LOCAL_RANK"},
+                                          {"OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"},
+                                          {"SLURM_PROCID", "SLURM_STEP_NUM_TASKS", "SLURM_LOCALID"}};
+    for (int k = 0; k < 3; k++) {
+        if (!getenv(sets[k][1])) continue;
+        long v[3];
+        for (int i = 0; i < 3; i++) {
+            const char *text = getenv(sets[k][i]);
+            char *end;
+            v[i] = text ? strtol(text, &end, 10) : -1;
+            if (!text || !*text || *end || v[i] < 0 || v[i] > 1000000)
+                fatal("%s is %s%s%s: a launcher sets %s, %s and %s together, to numbers", sets[k][i], text ? "'" : "unset",
+                      text ? text : "", text ? "'" : "", sets[k][0], sets[k][1], sets[k][2]);
+        }
+        if (v[1] < 1 || v[0] >= v[1]) fatal("%s %ld is not below %s %ld", sets[k][0], v[0], sets[k][1], v[1]);
+        t->rank = (int)v[0], t->world = (int)v[1], t->local_rank = (int)v[2];
+        return 1;
+    }
+    return 0;
+}
+
+// The file through which rank 0 hands the others NCCL's id: RUN_DIR/nccl_id, suffixed with the
+// launcher's job name where it gives one, so that no rank can read an earlier run's file.
+static void team_id_path(char *out, size_t len, const char *run_dir) {
+    static const char *const jobs[] = {"TRAIN_UNET_JOB", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "PMIX_NAMESPACE", "OMPI_MCA_ess_base_jobid"};
+    const char *job = NULL;
+    for (size_t i = 0; i < sizeof jobs / sizeof jobs[0] && !job; i++) job = getenv(jobs[i]);
+    int n = snprintf(out, len, "%s/nccl_id%s", run_dir, job ? "_" : "");
+    for (const char *c = job; c && *c && n + 1 < (int)len; c++, n++)  // a file name's characters only
+        out[n] = isalnum((unsigned char)*c) || *c == '.' || *c == '-' ? *c : '_', out[n + 1] = '\0';
+}
+
+// Joins this rank to the others (team.comm): rank 0 writes NCCL's id into the run folder (under a
+// temporary name, then renamed, so no rank reads half of it), the others wait for it (up to 10
+// minutes: the run folder must be on a file system every machine of the run sees), every rank
+// opens the communicator, and rank 0 removes the file.
+static void team_join(const char *run_dir) {
+#ifdef UNET_NO_NCCL
+    (void)run_dir;
+    fatal("this train_unet was built without NCCL (the Makefile found no nccl.h), so it trains on one GPU only");
+#else
+    char path[4400], tmp[4500];
+    team_id_path(path, sizeof path, run_dir);
+    ncclUniqueId id;
+    if (team.rank == 0) {
+        if (make_dir_synced(run_dir) != 0) fatal("cannot create run folder %s: %s", run_dir, strerror(errno));
+        nccl_check(ncclGetUniqueId(&id));
+        snprintf(tmp, sizeof tmp, "%s.tmp", path);
+        FILE *f = fopen(tmp, "wb");
+        if (!f || write_all(f, &id, sizeof id) != 0 || fflush(f) != 0 || fsync(fileno(f)) != 0 || fclose(f) != 0 ||
+            rename(tmp, path) != 0)
+            fatal("cannot write %s: %s", path, strerror(errno));
+    } else {
+        for (int waited_ms = 0;; waited_ms += 50) {
+            FILE *f = fopen(path, "rb");
+            size_t got = f ? fread(&id, 1, sizeof id, f) : 0;
+            if (f) fclose(f);
+            if (got == sizeof id) break;
+            if (stop_requested) fatal("stopped while waiting for rank 0's %s", path);
+            if (waited_ms > 600000)
+                fatal("no %s from rank 0 after 10 minutes: is the run folder on a file system every rank sees?", path);
+            usleep(50000);
+        }
+    }
+    nccl_check(ncclCommInitRank(&team.comm, team.world, id, team.rank));
+    if (team.rank == 0) unlink(path);
+#endif
+}
+
+// --gpus N: starts N copies of this command, rank i on GPU i of this machine, with the variables
+// torchrun sets (RANK, WORLD_SIZE, LOCAL_RANK) and a job name for the id file, each in a process
+// group of its own so that a terminal's Ctrl-C reaches only this process, which passes SIGINT and
+// SIGTERM on to all (a second Ctrl-C: they exit at once). When one fails (an error, a signal), the
+// others are told to stop and after 15 s killed. Returns the exit status: 0 when every rank
+// succeeded, else the first failure's.
+static volatile sig_atomic_t launcher_signal;
+static void on_launcher_signal(int sig) { launcher_signal = sig; }
+
+static int launch_gpus(int n, char **argv) {
+    pid_t *pids = (pid_t *)malloc_or_die(n * sizeof(pid_t));
+    char text[32];
+    snprintf(text, sizeof text, "%d", n);
+    setenv("WORLD_SIZE", text, 1);
+    snprintf(text, sizeof text, "gpus-%d", (int)getpid());
+    setenv("TRAIN_UNET_JOB", text, 1);
+    struct sigaction sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_handler = on_launcher_signal;
+    sigaction(SIGINT, &sa, NULL);
+    sigaction(SIGTERM, &sa, NULL);
+    fflush(NULL);
+    for (int i = 0; i < n; i++) {
+        pids[i] = fork();
+        if (pids[i] < 0) fatal("cannot start rank %d: %s", i, strerror(errno));
+        if (pids[i] == 0) {
+            setpgid(0, 0);
+            snprintf(text, sizeof text, "%d", i);
+            setenv("RANK", text, 1);
+            setenv("LOCAL_RANK", text, 1);
+            execv("/proc/self/exe", argv);
+            fprintf(stderr, "%s: error: cannot start rank %d: %s\n", program_name, i, strerror(errno));
+            _exit(127);
+        }
+    }
+    int alive = n, status = 0;
+    double kill_at = 0;
+    while (alive > 0) {
+        int st;
+        pid_t pid = waitpid(-1, &st, WNOHANG);
+        if (pid > 0) {
+            int rank = 0;
+            while (rank < n && pids[rank] != pid) rank++;
+            if (rank == n) continue;
+            pids[rank] = 0, alive--;
+            int failed = WIFSIGNALED(st) ? 128 + WTERMSIG(st) : WEXITSTATUS(st);
+            if (failed && !status) {
+                status = failed;
+                if (alive) {
+                    if (WIFSIGNALED(st)) fprintf(stderr, "%s: error: rank %d was killed by signal %d; stopping the other ranks\n",
+                                                 program_name, rank, WTERMSIG(st));
+                    else fprintf(stderr, "%s: error: rank %d exited with status %d; stopping the other ranks\n", program_name,
+                                 rank, failed);
+                    for (int i = 0; i < n; i++) if (pids[i]) kill(pids[i], SIGTERM);
+                    kill_at = now_seconds() + 15.0;
+                }
+            }
+            continue;
+        }
+        if (launcher_signal) {
+            for (int i = 0; i < n; i++) if (pids[i]) kill(pids[i], launcher_signal);
+            launcher_signal = 0;
+        }
+        if (kill_at > 0 && now_seconds() > kill_at)
+            for (int i = 0; i < n; i++) if (pids[i]) kill(pids[i], SIGKILL);
+        usleep(20000);
+    }
+    free(pids);
+    return status;
+}
+
+// A hash of the weights (FNV-1a over the fp32 master values): printed by every rank of a team at
+// the end, equal when the ranks stayed in step.
+static uint64_t weights_hash(const UNet *m) {
+    float *host = (float *)malloc_or_die(m->storage * sizeof(float));
+    cuda_check(cudaMemcpy(host, m->master, m->storage * sizeof(float), cudaMemcpyDeviceToHost));
+    uint64_t h = 0xcbf29ce484222325ULL;
+    const uint8_t *bytes = (const uint8_t *)host;
+    for (size_t i = 0; i < (size_t)m->storage * sizeof(float); i++) h = (h ^ bytes[i]) * 0x100000001b3ULL;
+    free(host);
+    return h;
+}
+
+// Stop signals (SIGINT, SIGTERM) end the run after the step they come in (on_stop_signal).
+static void catch_stop_signals(void) {
+    struct sigaction sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_handler = on_stop_signal;
+    sigaction(SIGINT, &sa, NULL);
+    sigaction(SIGTERM, &sa, NULL);
+}
+
+// The training run. In a team every rank trains and only rank 0 writes: the run folder's files,
+// sample grids, checkpoints (the same files as one GPU's) and the progress lines.
 static void run_training(const Options *o, const ModelConfig *config, const ParamList *params, const ResumePoint *resume) {
     char err[1024], saved[4400] = "";
-    if (o->overwrite) clear_run_folder(o->run_dir);  // never with a resume (validate_training)
-    if (make_dir_synced(o->run_dir) != 0) fatal("cannot create run folder %s: %s", o->run_dir, strerror(errno));
+    int lead = team.rank == 0;
+    if (lead && o->overwrite) clear_run_folder(o->run_dir);  // never with a resume (validate_training)
+    if (lead && make_dir_synced(o->run_dir) != 0) fatal("cannot create run folder %s: %s", o->run_dir, strerror(errno));
     DataLoader loader;
-    if (loader_open(&loader, o->data, o->batch_size, o->random_flip, (uint64_t)o->seed, 1, err, sizeof err) != 0) fatal("%s", err);
+    if (loader_open(&loader, o->data, o->batch_size, team.rank, team.world, o->random_flip, (uint64_t)o->seed, 1, err,
+                    sizeof err) != 0)
+        fatal("%s", err);
     Trainer tr;
     trainer_create(&tr, o, config, loader.batch_pixels, loader.batch_labels);
     if (resume) {
@@ -5416,36 +5720,43 @@ static void run_training(const Options *o, const ModelConfig *config, const Para
         unet_init_parameters(&tr.m, (uint64_t)o->seed);
         trainer_reset_ema(&tr);
     }
-    prune_checkpoints(o->run_dir, 0);  // what a crashed save or removal left
-    write_config(o->run_dir, o);
-    FILE *log = open_log(o->run_dir, tr.step);
+    FILE *log = NULL;
     LossChart chart;
-    loss_chart_open(&chart, o->run_dir);
-    struct sigaction sa;
-    memset(&sa, 0, sizeof sa);
-    sa.sa_handler = on_stop_signal;
-    sigaction(SIGINT, &sa, NULL);
-    sigaction(SIGTERM, &sa, NULL);
+    if (lead) {
+        prune_checkpoints(o->run_dir, 0);  // what a crashed save or removal left
+        write_config(o->run_dir, o);
+        log = open_log(o->run_dir, tr.step);
+        loss_chart_open(&chart, o->run_dir);
+    }
 
     cudaDeviceProp prop;
-    cuda_check(cudaGetDeviceProperties(&prop, 0));
+    cuda_check(cudaGetDeviceProperties(&prop, team.local_rank));
     char buf[32];
-    printf("training on %s (%s): %s parameters, %lld steps of %d images, run folder %s\n", prop.name, PRECISION_NAME,
-           with_commas(params->numel, buf, sizeof buf), o->steps, o->batch_size, o->run_dir);
+    if (team.world > 1)
+        printf("training on %d GPUs (rank 0: %s), %s: %s parameters, %lld steps of %d images (%d a GPU), run folder %s\n",
+               team.world, prop.name, PRECISION_NAME, with_commas(params->numel, buf, sizeof buf), o->steps,
+               o->batch_size * team.world, o->batch_size, o->run_dir);
+    else
+        printf("training on %s (%s): %s parameters, %lld steps of %d images, run folder %s\n", prop.name, PRECISION_NAME,
+               with_commas(params->numel, buf, sizeof buf), o->steps, o->batch_size, o->run_dir);
     GpuSampler sampler;  // made at the first grid
     memset(&sampler, 0, sizeof sampler);
     double interval_loss = 0, started = now_seconds(), interval_start = started;
     int interval_steps = 0, bad_in_row = 0;
     int64_t bad_total = 0, first_step = tr.step;
     int64_t last = o->stop_step > 0 && o->stop_step < o->steps ? o->stop_step : o->steps;
-    while (tr.step < last && !stop_requested) {
+    int global_batch = o->batch_size * team.world;
+    // A team stops together: after the step in which any rank was asked to (StepState.stop).
+    while (tr.step < last && !(team.comm ? tr.host_state->stop : stop_requested)) {
         loader_next_batch(&loader);
         trainer_step(&tr);
         const StepState *s = tr.host_state;
-        if (!s->finite) {
+        if (!s->finite) {  // the loss and the norm are the team's: every rank comes here at the same step
             bad_in_row++, bad_total++;
-            fprintf(stderr, "train_unet: warning: step %lld skipped: loss %g, gradient norm %g (not finite); weights unchanged\n",
-                    (long long)tr.step, s->loss, s->grad_norm);
+            if (lead)
+                fprintf(stderr, "train_unet: warning: step %lld skipped: loss %g, gradient norm %g (not finite); weights unchanged\n",
+                        (long long)tr.step, s->loss, s->grad_norm);
+            if (bad_in_row >= o->max_bad_steps && !lead) exit(1);  // rank 0 says why
             if (bad_in_row >= o->max_bad_steps)
                 fatal("stopping: %d non-finite steps in a row (at step %lld); the last good checkpoint is %s", bad_in_row,
                       (long long)tr.step, saved[0] ? saved : "none (no checkpoint was saved in this run)");
@@ -5453,9 +5764,9 @@ static void run_training(const Options *o, const ModelConfig *config, const Para
         }
         bad_in_row = 0;
         interval_loss += s->loss, interval_steps++;
-        if (tr.step % o->log_interval == 0 || tr.step == o->steps) {
+        if (lead && (tr.step % o->log_interval == 0 || tr.step == o->steps)) {
             double t = now_seconds(), ms = 1000.0 * (t - interval_start) / fmax(interval_steps, 1);
-            double img_s = o->batch_size * 1000.0 / ms, eta = (o->steps - tr.step) * ms / 1000.0;
+            double img_s = global_batch * 1000.0 / ms, eta = (o->steps - tr.step) * ms / 1000.0;
             double mem = gpu_bytes_allocated / 1073741824.0;
             printf("step %lld/%lld  loss %.4f  lr %.3g  grad norm %.3f  %.0f img/s  %.1f ms/step  ETA %.0fh%02.0fm%s\n",
                    (long long)tr.step, o->steps, interval_loss / interval_steps, s->lr, s->grad_norm, img_s, ms,
@@ -5467,26 +5778,35 @@ static void run_training(const Options *o, const ModelConfig *config, const Para
             loss_chart_add(&chart, tr.step, interval_loss / interval_steps, s->lr);
             interval_loss = 0, interval_steps = 0, interval_start = t;
         }
-        if (o->sample_count && o->sample_interval && tr.step % o->sample_interval == 0 && tr.step < last)
-            write_samples(&tr, &sampler, o->run_dir);
+        if (o->sample_count && o->sample_interval && tr.step % o->sample_interval == 0 && tr.step < last) {
+            if (lead) write_samples(&tr, &sampler, o->run_dir);
+            tr.others_wait = 1;
+        }
         if (tr.step % o->save_interval == 0 && tr.step < last) {
-            if (save_checkpoint(&tr, o->run_dir, &loader.position, saved, sizeof saved, err, sizeof err) != 0) fatal("%s", err);
-            printf("saved %s\n", saved);
+            if (lead && save_checkpoint(&tr, o->run_dir, &loader.position, saved, sizeof saved, err, sizeof err) != 0) fatal("%s", err);
+            if (lead) printf("saved %s\n", saved);
+            tr.others_wait = 1;
         }
     }
-    if (tr.step > first_step || !saved[0]) {
-        if (save_checkpoint(&tr, o->run_dir, &loader.position, saved, sizeof saved, err, sizeof err) != 0) fatal("%s", err);
+    if (team.world > 1) fprintf(stderr, "train_unet rank %d: weights hash %016" PRIx64 " at step %lld\n", team.rank, weights_hash(&tr.m),
+                           (long long)tr.step);
+    if (lead) {
+        if (tr.step > first_step || !saved[0]) {
+            if (save_checkpoint(&tr, o->run_dir, &loader.position, saved, sizeof saved, err, sizeof err) != 0) fatal("%s", err);
+        }
+        if (o->sample_count && tr.step > first_step) write_samples(&tr, &sampler, o->run_dir);
+        printf("%s at step %lld: checkpoint %s (%.0f s; %lld non-finite steps skipped)\n",
+               tr.step < o->steps ? "stopped" : "done", (long long)tr.step, saved, now_seconds() - started, (long long)bad_total);
+        fclose(log);
+        loss_log_free(&chart.log);
     }
-    if (o->sample_count && tr.step > first_step) write_samples(&tr, &sampler, o->run_dir);
-    printf("%s at step %lld: checkpoint %s (%.0f s; %lld non-finite steps skipped)\n",
-           tr.step < o->steps ? "stopped" : "done", (long long)tr.step, saved, now_seconds() - started, (long long)bad_total);
-    fclose(log);
-    loss_log_free(&chart.log);
     loader_close(&loader);
 }
 
 // --bench N: the training step on one fixed random batch (no data loading), as training replays
-// it; after 10 warm-up steps, N steps are timed one by one with events; prints the median.
+// it; after 10 warm-up steps, N steps are timed one by one with events; prints the median. In a
+// team every rank times its own steps (they wait for each other in the all-reduce) and rank 0
+// prints; images/s counts every rank's images.
 static void run_bench(const Options *o, const ModelConfig *config, const ParamList *params) {
     uint8_t *pixels;
     int32_t *labels;
@@ -5516,14 +5836,16 @@ static void run_bench(const Options *o, const ModelConfig *config, const ParamLi
     qsort(ms, o->bench, sizeof(float), compare_floats);
     float median = ms[o->bench / 2];
     cudaDeviceProp prop;
-    cuda_check(cudaGetDeviceProperties(&prop, 0));
+    cuda_check(cudaGetDeviceProperties(&prop, team.local_rank));
     char buf[32];
-    printf("bench: %s, %s preset, batch %d, %s, %s parameters\n", prop.name, o->preset, o->batch_size, PRECISION_NAME,
+    printf("bench: %s, %s preset, batch %d, %s, %s parameters", prop.name, o->preset, o->batch_size, PRECISION_NAME,
            with_commas(params->numel, buf, sizeof buf));
+    if (team.world > 1) printf(", %d GPUs (a process each, over NCCL)", team.world);
+    printf("\n");
     printf("bench: loss %.4f at step 10, %.4f at step %d (one fixed batch, fresh noise each step)\n", first_loss,
            tr.host_state->loss, 10 + o->bench);
     printf("bench: median %.3f ms/step (min %.3f, max %.3f over %d steps), %.0f img/s, GPU memory %.2f GiB\n", median,
-           ms[0], ms[o->bench - 1], o->bench, o->batch_size / (median / 1000.0), gpu_bytes_allocated / 1073741824.0);
+           ms[0], ms[o->bench - 1], o->bench, o->batch_size * team.world / (median / 1000.0), gpu_bytes_allocated / 1073741824.0);
     free(ms);
     if (getenv("UNET_PROFILE")) print_profile(&tr.m);
 }
@@ -5603,7 +5925,7 @@ static int model_config_for_gpu(const char *file, ModelConfig *c, char *err, siz
     int r = model_config_from_metadata(&f, file, c, err, err_len);
     safetensors_close(&f);
     if (r != 0) return -1;
-    if (!gpu.blas) gpu_init();
+    if (!gpu.blas) gpu_init(0);
     return 0;
 }
 
@@ -5748,6 +6070,16 @@ extern "C" int unet_eval(const char *file, const char *in_path, const char *out_
 
 int main(int argc, char **argv) {
     Options o = parse_options(argc, argv);
+    int launched = team_from_environment(&team);  // a rank of a team that a launcher (or --gpus) started
+    if (launched) {
+        if (o.gpus > 1 && o.gpus != team.world)
+            usage_error("--gpus %d starts processes itself; under a launcher (a world of %d) leave it out", o.gpus, team.world);
+        o.gpus = team.world;
+        static char name[48];
+        snprintf(name, sizeof name, "train_unet rank %d", team.rank);
+        if (team.world > 1) program_name = name;
+        if (team.rank != 0 && !freopen("/dev/null", "w", stdout)) fatal("cannot open /dev/null: %s", strerror(errno));
+    }
     Dataset data = {};
     char err[512];
     if (o.data[0]) {  // the dataset decides the image size and the classes
@@ -5771,7 +6103,7 @@ int main(int argc, char **argv) {
 
     // Everything a run will read or write is checked here, before the GPU, and by --dry_run too.
     ResumePoint resume;
-    if (!o.bench) check_run_folder(&o);
+    if (!o.bench && team.rank == 0) check_run_folder(&o);
     if (!o.bench && o.resume_checkpoint[0]) {
         find_resume_point(&o, &model, &params, &resume);
         if (data.map && resume.position.next > data.header.count)
@@ -5795,7 +6127,20 @@ int main(int argc, char **argv) {
     }
 
     if (gpu_available(err, sizeof err) != 0) fatal("%s; --dry_run checks a configuration without one", err);
-    gpu_init();
+    int devices = 0;
+    cuda_check(cudaGetDeviceCount(&devices));
+    if (!launched && o.gpus > 1) {
+        if (o.gpus > devices) fatal("--gpus %d, but this machine shows %d GPU%s", o.gpus, devices, devices == 1 ? "" : "s");
+        dataset_close(&data);
+        free(params.specs);
+        return launch_gpus(o.gpus, argv);
+    }
+    if (team.local_rank >= devices)
+        fatal("local rank %d needs GPU %d, but this machine shows %d GPU%s", team.local_rank, team.local_rank, devices,
+              devices == 1 ? "" : "s");
+    gpu_init(team.local_rank);
+    if (!o.bench) catch_stop_signals();
+    if (launched) team_join(o.run_dir);
     if (o.bench) {
         run_bench(&o, &model, &params);
     } else {

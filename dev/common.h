@@ -154,7 +154,7 @@ static int dev_quick(void) {
 
 // Sets up the GPU and prints the program's first lines: the build and the seed.
 static void dev_begin(const char *layer) {
-    gpu_init();
+    gpu_init(0);
     printf("dev/%s: %s build, tolerance %.0e\n", layer, PRECISION_NAME, DEV_TOLERANCE);
     dev_seed_once();
 }

@@ -8,7 +8,9 @@
 # BENCH_MODES="eager compile reduce-overhead" picks the PyTorch modes; BENCH_STEPS the steps timed.
 # Then sampling: DDIM with 50 steps, 256 images of the seed preset in one batch, `generate --bench`
 # against scripts/sample_torch.py in the same modes (images/s: above 1 means we are faster).
-# BENCH_SAMPLE=0 leaves it out. Each program's output goes to stderr as it runs (what a run cut
+# BENCH_SAMPLE=0 leaves it out. BENCH_GPUS=N (N > 1) adds a scaling table: each configuration
+# trained with --gpus N at the same batch per GPU, its images/s against one GPU's (ideal: N x).
+# Each program's output goes to stderr as it runs (what a run cut
 # short by a time limit has measured is not lost); the table comes last, on stdout.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -28,12 +30,19 @@ ratio_cells() {
     done
     echo
 }
-rows=() memory_cells=()
+gpus=${BENCH_GPUS:-1}
+rows=() memory_cells=() scaling_rows=()
 for config in "${configs[@]}"; do
     preset=${config%%:*} batch=${config##*:}
     out=$(./train_unet --bench "$steps" --preset "$preset" --batch_size "$batch" | tee -a /dev/stderr)
     ours=$(sed -n 's/.*median \([0-9.]*\) ms.*/\1/p' <<< "$out")
     memory=$(sed -n 's/.*GPU memory \([0-9.]*\) GiB.*/\1/p' <<< "$out")
+    if [ "$gpus" -gt 1 ]; then
+        team=$(./train_unet --bench "$steps" --preset "$preset" --batch_size "$batch" --gpus "$gpus" --run_dir build/bench_team |
+               tee -a /dev/stderr) || true
+        rate() { sed -n 's/.*), \([0-9]*\) img\/s.*/\1/p' <<< "$1"; }
+        scaling_rows+=("$preset $batch $(rate "$out") $(rate "$team")")
+    fi
     row="$preset $batch $ours"
     for mode in $modes; do
         out=$(python3 scripts/bench_torch.py --preset "$preset" --batch_size "$batch" --mode "$mode" --steps "$steps" 2>&1 |
@@ -70,6 +79,15 @@ for i in "${!rows[@]}"; do
     ratio_cells "a / b" "$ours" "$@" | tr -d '\n'
     printf '   %s\n' "${memory_cells[$i]}"
 done
+if [ ${#scaling_rows[@]} -gt 0 ]; then
+    echo
+    printf '%-8s %6s %14s %14s %8s\n' preset "batch/GPU" "1 GPU img/s" "$gpus GPUs img/s" scaling
+    for row in "${scaling_rows[@]}"; do
+        set -- $row
+        printf '%-8s %6s %14s %14s %8s\n' "$1" "$2" "$3" "${4:-failed}" \
+            "$([ -n "${4:-}" ] && awk -v a="$3" -v b="$4" 'BEGIN { printf "%.2fx", b / a }')"
+    done
+fi
 if [ -n "$sample_row" ]; then
     echo
     printf '%-26s %12s' "sampling: DDIM-50, 256" "ours img/s"

@@ -11,7 +11,8 @@ cpu_tests=(build/test/test_dataset build/test/test_safetensors build/test/test_s
            scripts/test_unet_safetensors.py)
 gpu_tests=(build/test/test_dataloader_gpu build/test/test_unet_gpu_fp32 build/test/test_unet_gpu_bf16
            build/test/test_unet_gpu_reference_fp32 build/test/test_unet_gpu_reference_bf16
-           build/test/test_sampler_gpu_fp32 build/test/test_sampler_gpu_bf16 dev/test/test_train_gpu.sh)
+           build/test/test_sampler_gpu_fp32 build/test/test_sampler_gpu_bf16 dev/test/test_train_gpu.sh
+           dev/test/test_train_multi_gpu.sh)
 
 passed=0; failed=0; skipped=0
 run() {  # runs one test program, adds up its "N passed, N failed" line

@@ -58,7 +58,7 @@ static void test_epochs(const char *path) {
     DataLoader loader;
     char err[256];
     check_case("loader: every image once per epoch, labels follow images, about half flipped");
-    CHECK(loader_open(&loader, path, 10, 1, 1234, 0, err, sizeof err) == 0);
+    CHECK(loader_open(&loader, path, 10, 0, 1, 1, 1234, 0, err, sizeof err) == 0);
     int seen[2][50] = {{0}}, flips = 0, bad = 0, label_ok = 1;
     for (int step = 0; step < 10; step++) {  // two epochs of five batches
         loader_next_batch(&loader);
@@ -82,7 +82,7 @@ static void test_epochs(const char *path) {
     uint32_t first[3][50];
     uint64_t seeds[3] = {1234, 1234, 99};
     for (int run = 0; run < 3; run++) {
-        CHECK(loader_open(&loader, path, 10, 0, seeds[run], 0, err, sizeof err) == 0);
+        CHECK(loader_open(&loader, path, 10, 0, 1, 0, seeds[run], 0, err, sizeof err) == 0);
         memcpy(first[run], loader.order, sizeof first[run]);
         if (run == 0) {
             loader_shuffle(&loader, 1);
@@ -95,7 +95,7 @@ static void test_epochs(const char *path) {
 
     check_case("loader: without --random_flip nothing is flipped; an unlabelled dataset gives label -1");
     write_dataset(path, 7, 4, 0);
-    CHECK(loader_open(&loader, path, 3, 0, 5, 0, err, sizeof err) == 0);
+    CHECK(loader_open(&loader, path, 3, 0, 1, 0, 5, 0, err, sizeof err) == 0);
     int any_flipped = 0, labels_unset = 1;
     for (int step = 0; step < 7; step++) {  // 21 images: three epochs, batches straddling the ends
         loader_next_batch(&loader);
@@ -117,10 +117,10 @@ static void test_resume(const char *path) {
     write_dataset(path, 37, 6, 4);
     DataLoader a, b;
     char err[256];
-    CHECK(loader_open(&a, path, 8, 1, 77, 0, err, sizeof err) == 0);
+    CHECK(loader_open(&a, path, 8, 0, 1, 1, 77, 0, err, sizeof err) == 0);
     for (int step = 0; step < 11; step++) loader_next_batch(&a);  // mid-epoch, past two epoch ends
     LoaderPosition saved = a.position;
-    CHECK(loader_open(&b, path, 8, 1, 77, 0, err, sizeof err) == 0);
+    CHECK(loader_open(&b, path, 8, 0, 1, 1, 77, 0, err, sizeof err) == 0);
     CHECK(loader_seek(&b, saved, err, sizeof err) == 0);
     int same = 1;
     for (int step = 0; step < 12; step++) {
@@ -136,6 +136,30 @@ static void test_resume(const char *path) {
     loader_close(&b);
 }
 
+static void test_ranks(const char *path) {
+    check_case("loader: 3 ranks at batch 4 take, side by side, the batches of one at batch 12, and keep its position");
+    write_dataset(path, 29, 5, 3);
+    DataLoader one, ranks[3];
+    char err[256];
+    CHECK(loader_open(&one, path, 12, 0, 1, 1, 9, 0, err, sizeof err) == 0);
+    for (int r = 0; r < 3; r++) CHECK(loader_open(&ranks[r], path, 4, r, 3, 1, 9, 0, err, sizeof err) == 0);
+    size_t image_bytes = one.data.layout.image_bytes;
+    int same = 1;
+    for (int step = 0; step < 7; step++) {  // 84 images: epoch ends inside rank batches and between them
+        loader_next_batch(&one);
+        for (int r = 0; r < 3; r++) {
+            loader_next_batch(&ranks[r]);
+            same &= memcmp(ranks[r].batch_pixels, one.batch_pixels + r * 4 * image_bytes, 4 * image_bytes) == 0;
+            same &= memcmp(ranks[r].batch_labels, one.batch_labels + r * 4, 4 * sizeof(int32_t)) == 0;
+            same &= ranks[r].position.epoch == one.position.epoch && ranks[r].position.next == one.position.next;
+        }
+    }
+    CHECK(same);
+    CHECK(one.position.epoch == 2);
+    loader_close(&one);
+    for (int r = 0; r < 3; r++) loader_close(&ranks[r]);
+}
+
 // Rewrites bytes of a valid file, then expects loader_open to refuse it with a message containing
 // `expect`, leaving nothing allocated.
 static void expect_refused(const char *path, const char *name, size_t offset, const void *bytes, size_t len,
@@ -149,7 +173,7 @@ static void expect_refused(const char *path, const char *name, size_t offset, co
     if (truncate_to >= 0) CHECK(truncate(path, truncate_to) == 0);
     DataLoader loader;
     char err[256] = "";
-    CHECK(loader_open(&loader, path, 4, 1, 1, 0, err, sizeof err) == -1);
+    CHECK(loader_open(&loader, path, 4, 0, 1, 1, 1, 0, err, sizeof err) == -1);
     if (!strstr(err, expect)) printf("  message was: %s\n", err);
     CHECK(strstr(err, expect) != NULL);
     CHECK(strchr(err, '\n') == NULL);
@@ -183,7 +207,7 @@ static void test_damaged(const char *path) {
     check_case("damaged: a missing file");
     DataLoader loader;
     char err[256];
-    CHECK(loader_open(&loader, "/nonexistent/data.bin", 4, 1, 1, 0, err, sizeof err) == -1);
+    CHECK(loader_open(&loader, "/nonexistent/data.bin", 4, 0, 1, 1, 1, 0, err, sizeof err) == -1);
     CHECK(strstr(err, "No such file") != NULL);
 }
 
@@ -209,6 +233,7 @@ int main(void) {
     close(fd);
     test_epochs(path);
     test_resume(path);
+    test_ranks(path);
     test_damaged(path);
     unlink(path);
     return check_summary();

@@ -153,7 +153,7 @@ static void test_batch_independence(const ModelConfig *c, UNet *batch_model) {
 }
 
 int main(void) {
-    gpu_init();
+    gpu_init(0);
     Options o = preset_seed();
     o.image_size = 16, o.num_channels = 32, o.channel_mult = "1,2", o.num_res_blocks = 1, o.attention_resolutions = "8";
     o.use_scale_shift_norm = 1, o.class_cond = 1;

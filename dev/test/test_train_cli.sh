@@ -51,6 +51,8 @@ done <<'LIST'
 --noise_schedule quadratic
 --lr -1
 --batch_size 0
+--gpus 0
+--gpus 4 --batch_size 20000
 --ema_rate 0.9,1.2
 --log_interval 0
 --steps 0
@@ -186,6 +188,20 @@ expect_exit 2 "$TRAIN" --dry_run --batch_size
 expect_grep 'needs a value' "$LAST_ERR"
 expect_exit 1 "$TRAIN" --dry_run --data "$TEST_TMP/missing.bin"
 grep -q 'see --help' "$LAST_ERR" && case_fail "a runtime error reads as a usage error: $(cat "$LAST_ERR")"
+
+case_begin "a launcher's variables: incomplete or out of range is one error line; --gpus under a launcher is refused"
+expect_exit 1 env RANK=0 WORLD_SIZE=2 ./train_unet --dry_run
+expect_grep "^train_unet: error: LOCAL_RANK is unset: a launcher sets RANK, WORLD_SIZE and LOCAL_RANK together" "$LAST_ERR"
+expect_exit 1 env RANK=2 WORLD_SIZE=2 LOCAL_RANK=0 ./train_unet --dry_run
+expect_grep "RANK 2 is not below WORLD_SIZE 2" "$LAST_ERR"
+expect_exit 1 env OMPI_COMM_WORLD_SIZE=2 OMPI_COMM_WORLD_RANK=x OMPI_COMM_WORLD_LOCAL_RANK=0 ./train_unet --dry_run
+expect_grep "OMPI_COMM_WORLD_RANK is 'x'" "$LAST_ERR"
+expect_exit 2 env RANK=0 WORLD_SIZE=2 LOCAL_RANK=0 ./train_unet --dry_run --gpus 3
+expect_grep "under a launcher \(a world of 2\) leave it out" "$LAST_ERR"
+expect_ok env RANK=1 WORLD_SIZE=2 LOCAL_RANK=1 ./train_unet --dry_run --run_dir "$TEST_TMP/rank1"
+[ -s "$LAST_OUT" ] && case_fail "rank 1 printed on stdout (only rank 0 does)"
+expect_ok env SLURM_PROCID=3 ./train_unet --dry_run --run_dir "$TEST_TMP/slurm_batch"  # no srun step: a process alone
+expect_grep "^gpus +1$" "$LAST_OUT"
 
 case_begin "--help lists every guided-diffusion flag"
 expect_ok "$TRAIN" --help

@@ -172,7 +172,7 @@ static void test_fixture(const char *path) {
 }
 
 int main(int argc, char **argv) {
-    gpu_init();
+    gpu_init(0);
     printf("precision %s, tolerance %g (output), %g (gradients)\n", PRECISION_NAME, TOLERANCE, TOLERANCE_GRAD);
     if (argc > 1) {
         for (int i = 1; i < argc; i++) test_fixture(argv[i]);

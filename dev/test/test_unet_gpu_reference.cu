@@ -123,7 +123,7 @@ static void test_config(const TestConfig *t) {
 }
 
 int main(void) {
-    gpu_init();
+    gpu_init(0);
     dev_seed_once();
     for (size_t i = 0; i < sizeof CONFIGS / sizeof CONFIGS[0]; i++) test_config(&CONFIGS[i]);
     return check_summary();

@@ -1,0 +1,127 @@
+#!/usr/bin/env bash
+# test_train_multi_gpu.sh: training on many GPUs (one process each, NCCL). On any GPU machine: a
+# team of one rank trains exactly as a process alone (through NCCL, its all-reduces in the step's
+# graph, the id file), and --gpus beyond the machine's GPUs is one error line. With two GPUs or
+# more: 2 GPUs at batch B against 1 GPU at batch 2B (losses, weights equal on both ranks), resume
+# of a 2-GPU checkpoint on 1 GPU, two ranks started by hand (RANK, WORLD_SIZE, LOCAL_RANK), a killed
+# rank stopping the other within 60 s, and Ctrl-C on --gpus saving one checkpoint.
+cd "$(dirname "$0")/../.." || exit 1
+. dev/test/lib.sh
+gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
+./prepare_data --synthetic shapes --count 300 --size 32 --seed 5 --output "$TEST_TMP/s.bin" --quiet >/dev/null
+# test_train_gpu.sh's small model: dropout, label dropout, warm-up, cosine decay and clipping, so
+# that every random draw and the team's loss and gradient norm take part.
+ARGS=(--data "$TEST_TMP/s.bin" --image_size 32 --num_channels 32 --channel_mult 1,2 --num_res_blocks 1
+      --attention_resolutions 16 --num_head_channels 32 --class_cond --cfg_dropout 0.2 --dropout 0.1
+      --lr 1e-3 --warmup_steps 5 --lr_decay cosine --grad_clip 1.0 --log_interval 1 --sample_count 0 --seed 3)
+train() { ./train_unet "${ARGS[@]}" "$@"; }
+rows() { cut -d, -f1-4 "$1/log.csv" | tail -n +2; }  # step, loss, lr, gradient norm
+
+# The largest relative difference of the losses of two logs (their common steps).
+loss_gap() {
+    python3 - "$1" "$2" <<'PY'
+import csv, sys
+a, b = ({int(r["step"]): float(r["loss"]) for r in csv.DictReader(open(p))} for p in sys.argv[1:3])
+steps = sorted(set(a) & set(b))
+print(max(abs(a[s] - b[s]) / abs(b[s]) for s in steps) if steps else "none")
+PY
+}
+below() { python3 -c "import sys; sys.exit(0 if '$1' != 'none' and float('$1') < float('$2') else 1)"; }
+
+case_begin "a team of one rank (RANK=0 WORLD_SIZE=1 LOCAL_RANK=0) trains exactly as a process alone"
+expect_ok train --batch_size 8 --steps 12 --run_dir "$TEST_TMP/alone"
+expect_ok env RANK=0 WORLD_SIZE=1 LOCAL_RANK=0 ./train_unet "${ARGS[@]}" --batch_size 8 --steps 12 --run_dir "$TEST_TMP/team1"
+[ "$(rows "$TEST_TMP/team1" | wc -l)" = 12 ] || case_fail "the team's log.csv has $(rows "$TEST_TMP/team1" | wc -l) steps, not 12"
+cmp -s <(rows "$TEST_TMP/alone") <(rows "$TEST_TMP/team1") || case_fail "the logged losses differ"
+for f in model.safetensors state.bin; do
+    cmp -s "$TEST_TMP/alone/checkpoints/step_000000012/$f" "$TEST_TMP/team1/checkpoints/step_000000012/$f" || case_fail "$f differs"
+done
+ls "$TEST_TMP/team1" | grep -q nccl_id && case_fail "the NCCL id file was left in the run folder"
+
+case_begin "--gpus beyond this machine's GPUs: one error line"
+expect_fail train --batch_size 8 --steps 2 --gpus $((gpus + 1)) --run_dir "$TEST_TMP/too_many"
+expect_grep "^train_unet: error: --gpus $((gpus + 1)), but this machine shows $gpus GPU" "$LAST_ERR"
+
+if [ "$gpus" -lt 2 ]; then
+    echo "the cases on two GPUs are not run: this machine shows $gpus"
+    case_summary
+    exit $?
+fi
+
+case_begin "2 GPUs at batch 8 equal 1 GPU at batch 16: the same losses within bf16 noise, equal weights on both ranks"
+expect_ok train --batch_size 16 --steps 50 --run_dir "$TEST_TMP/one"
+expect_ok train --batch_size 8 --gpus 2 --steps 50 --run_dir "$TEST_TMP/two"
+expect_grep "^training on 2 GPUs" "$LAST_OUT"
+grep -c "weights hash" "$LAST_ERR" | grep -qx 2 || case_fail "expected a weights hash from each of the 2 ranks"
+[ "$(grep "weights hash" "$LAST_ERR" | awk '{print $6}' | sort -u | wc -l)" = 1 ] || case_fail "the ranks' weights differ"
+[ "$(rows "$TEST_TMP/two" | wc -l)" = 50 ] || case_fail "log.csv of the 2-GPU run has $(rows "$TEST_TMP/two" | wc -l) steps"
+gap=$(loss_gap "$TEST_TMP/one/log.csv" "$TEST_TMP/two/log.csv")
+echo "  largest relative loss difference over 50 steps: $gap"
+below "$gap" 0.02 || case_fail "losses differ by $gap (relative) between 2x8 and 1x16"
+first=$(loss_gap <(head -2 "$TEST_TMP/one/log.csv") <(head -2 "$TEST_TMP/two/log.csv"))
+below "$first" 1e-4 || case_fail "step 1's losses differ by $first (the same images, noise and weights)"
+
+case_begin "a 2-GPU checkpoint resumed on 1 GPU at the same images a step continues the same loss curve"
+expect_ok train --batch_size 8 --gpus 2 --steps 50 --stop_step 30 --run_dir "$TEST_TMP/resumed"
+expect_ok train --batch_size 16 --steps 50 --run_dir "$TEST_TMP/resumed" --resume_checkpoint latest
+expect_grep "resumed from .*step_000000030 at step 30" "$LAST_OUT"
+gap=$(loss_gap <(sed -n '1p;32,$p' "$TEST_TMP/resumed/log.csv") "$TEST_TMP/one/log.csv")
+echo "  largest relative loss difference, steps 31-50: $gap"
+below "$gap" 0.02 || case_fail "the resumed run's losses differ by $gap from the 1-GPU run's"
+expect_fail train --batch_size 8 --steps 50 --run_dir "$TEST_TMP/resumed" --resume_checkpoint latest
+expect_grep "another configuration: --batch_size 8 \(checkpoint: 16\)" "$LAST_ERR"
+
+case_begin "two ranks started by hand (RANK, WORLD_SIZE, LOCAL_RANK) train as --gpus 2 does"
+for r in 0 1; do
+    RANK=$r WORLD_SIZE=2 LOCAL_RANK=$r ./train_unet "${ARGS[@]}" --batch_size 8 --steps 50 --run_dir "$TEST_TMP/hand" \
+        >"$TEST_TMP/hand$r.out" 2>&1 &
+    pids[$r]=$!
+done
+wait "${pids[0]}" || case_fail "rank 0 exited $?"
+wait "${pids[1]}" || case_fail "rank 1 exited $?"
+cmp -s <(rows "$TEST_TMP/two") <(rows "$TEST_TMP/hand") || case_fail "the logged losses differ from --gpus 2's"
+[ -s "$TEST_TMP/hand1.out" ] && ! grep -qv "weights hash" "$TEST_TMP/hand1.out" ||
+    { grep -v "weights hash" "$TEST_TMP/hand1.out" | head -3; case_fail "rank 1 printed more than its weights hash"; }
+
+# Waits up to 300 s for a line matching $2 in file $1.
+wait_for() { for _ in $(seq 3000); do grep -qE "$2" "$1" 2>/dev/null && return 0; sleep 0.1; done; return 1; }
+
+case_begin "--gpus 2: a rank killed mid-run stops the other within 60 s, and the launcher says which"
+train --batch_size 8 --gpus 2 --steps 1000000 --run_dir "$TEST_TMP/killed" >"$TEST_TMP/killed.out" 2>"$TEST_TMP/killed.err" &
+launcher=$!
+wait_for "$TEST_TMP/killed.out" "^step 20/" || case_fail "no step 20 in 300 s"
+kill -9 "$(pgrep -P $launcher | tail -n 1)"
+start=$(date +%s)
+wait $launcher; rc=$?
+took=$(( $(date +%s) - start ))
+[ $rc != 0 ] || case_fail "the launcher exited 0"
+[ $took -le 60 ] || case_fail "it took $took s to stop"
+expect_grep "rank 1 was killed by signal 9; stopping the other ranks" "$TEST_TMP/killed.err"
+pgrep -f "$TEST_TMP/killed" >/dev/null && case_fail "a rank is still running"
+
+case_begin "ranks started by hand: one killed, the other stops within 60 s with one line"
+for r in 0 1; do
+    RANK=$r WORLD_SIZE=2 LOCAL_RANK=$r ./train_unet "${ARGS[@]}" --batch_size 8 --steps 1000000 --run_dir "$TEST_TMP/hand_killed" \
+        >"$TEST_TMP/hk$r.out" 2>"$TEST_TMP/hk$r.err" &
+    pids[$r]=$!
+done
+wait_for "$TEST_TMP/hk0.out" "^step 20/" || case_fail "no step 20 in 300 s"
+kill -9 "${pids[1]}"
+start=$(date +%s)
+wait "${pids[0]}"; rc=$?
+took=$(( $(date +%s) - start ))
+[ $rc = 1 ] || case_fail "rank 0 exited $rc, not 1"
+[ $took -le 60 ] || case_fail "it took $took s to stop"
+expect_grep "^train_unet rank 0: error: step [0-9]+ has not finished after [0-9]+ s: another rank" "$TEST_TMP/hk0.err"
+[ "$(grep -c error "$TEST_TMP/hk0.err")" = 1 ] || case_fail "rank 0 printed $(grep -c error "$TEST_TMP/hk0.err") error lines"
+
+case_begin "--gpus 2: Ctrl-C (SIGINT to the launcher) stops both ranks after one step, saves a checkpoint, exits 0"
+train --batch_size 8 --gpus 2 --steps 1000000 --run_dir "$TEST_TMP/int" >"$TEST_TMP/int.out" 2>"$TEST_TMP/int.err" &
+launcher=$!
+wait_for "$TEST_TMP/int.out" "^step 10/" || case_fail "no step 10 in 300 s"
+kill -INT $launcher
+wait $launcher; rc=$?
+[ $rc = 0 ] || { case_fail "exit status $rc"; head -3 "$TEST_TMP/int.err"; }
+expect_grep "^stopped at step [0-9]+: checkpoint .*/checkpoints/step_" "$TEST_TMP/int.out"
+[ "$(grep "weights hash" "$TEST_TMP/int.err" | awk '{print $6}' | sort -u | wc -l)" = 1 ] || case_fail "the ranks' weights differ"
+case_summary
