@@ -31,7 +31,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <strings.h>
-#include <sched.h>
+#include <sys/prctl.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
@@ -4092,13 +4092,16 @@ typedef struct {
 } Team;
 static Team team = {0, 1, 0, NULL};
 
-// A signal asked this process to stop (the handler is the training run's): after its step, all stop.
-static volatile sig_atomic_t stop_requested;
+// A signal asked this process to stop (SIGINT, SIGTERM; the handlers are the training run's): after
+// its step, all stop. SIGUSR1 is --gpus's word that another rank failed: no step can finish now.
+static volatile sig_atomic_t stop_requested, peer_lost;
 
-// A wait on the step may last this long before the other ranks are taken to be gone (seconds):
-// a step takes milliseconds, but the first one captures the graph, and after a checkpoint or a
-// sample grid the others wait for rank 0 to write it.
+// A wait on the step may last this long before the other ranks are taken to be gone (seconds): an
+// ordinary step takes milliseconds; before the first one every rank loads its data and checkpoint
+// at its own pace (team_warm_up), and after a checkpoint or a sample grid the others wait for rank
+// 0 to write it.
 #define TEAM_STEP_TIMEOUT 30.0
+#define TEAM_START_TIMEOUT 600.0
 #define TEAM_SLOW_STEP_TIMEOUT 1800.0
 
 #ifndef UNET_NO_NCCL
@@ -4124,7 +4127,8 @@ static void team_max(int *x, size_t n, cudaStream_t stream) {
 #endif
 }
 
-// Gives up on a step that cannot finish: one line, NCCL's kernels aborted, exit status 1.
+// Gives up on a step that cannot finish: one line, NCCL's kernels aborted (within 10 s, else the
+// alarm ends the process), exit status 1.
 static void team_give_up(const char *fmt, ...) __attribute__((noreturn));
 static void team_give_up(const char *fmt, ...) {
     va_list args;
@@ -4132,15 +4136,16 @@ static void team_give_up(const char *fmt, ...) {
     print_error("", fmt, args);
     va_end(args);
 #ifndef UNET_NO_NCCL
+    alarm(10);
     ncclCommAbort(team.comm);  // the step's kernels stop waiting for the missing rank
 #endif
     _exit(1);
 }
 
 // Waits until `done` (recorded after the step) has happened. Alone: a plain synchronisation. A
-// rank that died leaves the others inside the all-reduce for good, so a team polls, and gives up
-// after `timeout` seconds, or 5 s after a stop was asked for (the launcher's signal when a rank
-// failed; a step that is not stuck ends in milliseconds).
+// rank that died leaves the others inside the all-reduce for good, so a team polls (sleeping
+// 100 us between polls after the first 2 ms), and gives up after `timeout` seconds, or at once
+// when --gpus says that a rank failed.
 static void team_wait(cudaEvent_t done, double timeout, int64_t step) {
     if (!team.comm) {
         cuda_check(cudaEventSynchronize(done));
@@ -4154,10 +4159,11 @@ static void team_wait(cudaEvent_t done, double timeout, int64_t step) {
         if (r != cudaErrorNotReady) cuda_check(r);
         clock_gettime(CLOCK_MONOTONIC, &t);
         double waited = (t.tv_sec - t0.tv_sec) + 1e-9 * (t.tv_nsec - t0.tv_nsec);
-        if (waited > timeout || (stop_requested && waited > 5.0))
+        if (peer_lost) team_give_up("another rank of this run failed; stopping in step %lld", (long long)step);
+        if (waited > timeout)
             team_give_up("step %lld has not finished after %.0f s: another rank of this run has stopped or hangs; stopping",
                          (long long)step, waited);
-        sched_yield();
+        if (waited > 0.002) usleep(100);
     }
 }
 
@@ -4259,6 +4265,18 @@ static float learning_rate(const Options *o, int64_t step) {
     return (float)(o->min_lr + (o->lr - o->min_lr) * 0.5 * (1.0 + cos(M_PI * fmin(progress, 1.0))));
 }
 
+// A team's step collectives once before the graph is captured, outside it: NCCL connects the ranks
+// at a communicator's first collective (not a thing to do inside a capture), and the wait, watched,
+// is the point where every rank has its model, data and checkpoint ready. The values are the
+// zeroed gradients and scratch that the step overwrites.
+static void team_warm_up(Trainer *tr, int64_t step) {
+    team_max(&tr->state->stop, 1, gpu.stream);
+    team_average(tr->m.grad, tr->m.storage, gpu.stream);
+    team_average(tr->m.loss, 1, gpu.stream);
+    cuda_check(cudaEventRecord(tr->done, gpu.stream));
+    team_wait(tr->done, TEAM_START_TIMEOUT, step);
+}
+
 // Runs step tr->step + 1 (its batch already in tr->pixels) and waits for it; the results are in
 // tr->host_state. The first call captures the step as a graph; every call replays it. A stop asked
 // for by a signal goes in with the step, and comes out as stop when any rank was asked.
@@ -4273,7 +4291,8 @@ static void trainer_step(Trainer *tr) {
     h->grad_clip = o->grad_clip;
     h->noise_seed = random_u64((uint64_t)o->seed, rng_stream(RNG_STEP_SEED, 0), (uint64_t)step);
     h->stop = stop_requested;
-    double timeout = tr->graph && !tr->others_wait ? TEAM_STEP_TIMEOUT : TEAM_SLOW_STEP_TIMEOUT;
+    double timeout = !tr->graph ? TEAM_START_TIMEOUT : tr->others_wait ? TEAM_SLOW_STEP_TIMEOUT : TEAM_STEP_TIMEOUT;
+    if (!tr->graph && team.comm) team_warm_up(tr, step);
     if (!tr->graph) {
         cudaGraph_t graph;
         cuda_check(cudaStreamBeginCapture(gpu.stream, cudaStreamCaptureModeGlobal));
@@ -4662,7 +4681,7 @@ static Metadata checkpoint_metadata(const Options *o, const ModelConfig *c, int6
     meta_add(&m, "diffusion_steps", "%d", o->diffusion_steps);
     meta_add(&m, "noise_schedule", "%s", o->noise_schedule);
     meta_add(&m, "predict", "%s", o->predict);
-    meta_add(&m, "batch_size", "%d", o->batch_size * team.world);  // images per step, on all GPUs
+    meta_add(&m, "batch_size", "%d", o->batch_size * o->gpus);  // images per step, on all GPUs
     meta_add(&m, "seed", "%lld", o->seed);
     meta_add(&m, "ema_rates", "%s", o->ema_rate);  // every rate; each EMA file names its own as ema_rate
     meta_add(&m, "random_flip", "%s", truth[o->random_flip]);
@@ -4969,7 +4988,7 @@ static int save_checkpoint(Trainer *tr, const char *run_dir, const LoaderPositio
     h.version = STATE_VERSION, h.num_params = (uint32_t)m->params.count;
     h.step = tr->step, h.storage = m->storage, h.seed = o->seed;
     h.loader_epoch = position->epoch, h.loader_next = position->next;
-    h.batch_size = o->batch_size * team.world, h.diffusion_steps = o->diffusion_steps;
+    h.batch_size = o->batch_size * o->gpus, h.diffusion_steps = o->diffusion_steps;
     snprintf(h.noise_schedule, sizeof h.noise_schedule, "%s", o->noise_schedule);
     snprintf(h.predict, sizeof h.predict, "%s", o->predict);
     CheckpointData d = {tr->step, &m->params, download_tensors(m, m->master), tr->num_ema, tr->ema_rates, {0}, &meta, &h, NULL,
@@ -5100,7 +5119,7 @@ static int check_resume(const Options *o, const ModelConfig *c, const ParamList 
     else if (h.step != rp->step)
         r = dataset_fail(err, err_len, "%s is of step %lld but the weights beside it are of step %lld", path, (long long)h.step,
                          (long long)rp->step);
-    else if (h.batch_size != o->batch_size * team.world || h.diffusion_steps != o->diffusion_steps || h.seed != o->seed ||
+    else if (h.batch_size != o->batch_size * o->gpus || h.diffusion_steps != o->diffusion_steps || h.seed != o->seed ||
              strcmp(h.noise_schedule, o->noise_schedule) != 0 || strcmp(h.predict, o->predict) != 0)
         r = dataset_fail(err, err_len, "%s was trained with %d images a step (--batch_size times the GPUs) --diffusion_steps %d "
                          "--noise_schedule %s --predict %s --seed %lld; resume with the same values", rp->dir, h.batch_size,
@@ -5369,6 +5388,10 @@ static void write_samples(Trainer *tr, GpuSampler *sampler, const char *run_dir)
 }
 
 static void on_stop_signal(int sig) {
+    if (sig == SIGUSR1) {
+        peer_lost = 1;
+        return;
+    }
     if (stop_requested && sig == SIGINT) _exit(130);
     stop_requested = 1;
 }
@@ -5537,6 +5560,8 @@ static void loss_chart_add(LossChart *c, int64_t step, double loss, double lr) {
 // The rank of this process when a launcher started it, from the first of these sets whose world
 // size is set: torchrun's (which --gpus sets too), Open MPI's, Slurm's srun. Returns 1 with team
 // filled, or 0 when none is set (a process alone); exits with one line on an incomplete or bad set.
+// A world of one from Open MPI or Slurm is a process alone too (a shell inside `srun --pty` has
+// one); from torchrun's variables it is a team of one rank (which the tests use).
 static int team_from_environment(Team *t) {
     static const char *const sets[][3] = {{"RANK", "WORLD_SIZE", "LOCAL_RANK"},
                                           {"OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"},
@@ -5553,6 +5578,7 @@ static int team_from_environment(Team *t) {
                       text ? text : "", text ? "'" : "", sets[k][0], sets[k][1], sets[k][2]);
         }
         if (v[1] < 1 || v[0] >= v[1]) fatal("%s %ld is not below %s %ld", sets[k][0], v[0], sets[k][1], v[1]);
+        if (k > 0 && v[1] == 1) return 0;
         t->rank = (int)v[0], t->world = (int)v[1], t->local_rank = (int)v[2];
         return 1;
     }
@@ -5562,9 +5588,14 @@ static int team_from_environment(Team *t) {
 // The file through which rank 0 hands the others NCCL's id: RUN_DIR/nccl_id, suffixed with the
 // launcher's job name where it gives one, so that no rank can read an earlier run's file.
 static void team_id_path(char *out, size_t len, const char *run_dir) {
-    static const char *const jobs[] = {"TRAIN_UNET_JOB", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "PMIX_NAMESPACE", "OMPI_MCA_ess_base_jobid"};
+    static const char *const jobs[] = {"TRAIN_UNET_JOB", "TORCHELASTIC_RUN_ID", "SLURM_STEP_ID", "PMIX_NAMESPACE", "OMPI_MCA_ess_base_jobid"};
+    char slurm[64];
     const char *job = NULL;
-    for (size_t i = 0; i < sizeof jobs / sizeof jobs[0] && !job; i++) job = getenv(jobs[i]);
+    for (size_t i = 0; i < sizeof jobs / sizeof jobs[0] && !job; i++) {
+        job = getenv(jobs[i]);
+        if (job && strcmp(job, "none") == 0) job = NULL;  // torchrun's default run id names no run
+        if (job && i == 2) snprintf(slurm, sizeof slurm, "%s.%s", getenv("SLURM_JOB_ID") ? getenv("SLURM_JOB_ID") : "", job), job = slurm;
+    }
     int n = snprintf(out, len, "%s/nccl_id%s", run_dir, job ? "_" : "");
     for (const char *c = job; c && *c && n + 1 < (int)len; c++, n++)  // a file name's characters only
         out[n] = isalnum((unsigned char)*c) || *c == '.' || *c == '-' ? *c : '_', out[n + 1] = '\0';
@@ -5596,7 +5627,7 @@ static void team_join(const char *run_dir) {
             size_t got = f ? fread(&id, 1, sizeof id, f) : 0;
             if (f) fclose(f);
             if (got == sizeof id) break;
-            if (stop_requested) fatal("stopped while waiting for rank 0's %s", path);
+            if (stop_requested || peer_lost) fatal("stopped while waiting for rank 0's %s", path);
             if (waited_ms > 600000)
                 fatal("no %s from rank 0 after 10 minutes: is the run folder on a file system every rank sees?", path);
             usleep(50000);
@@ -5610,9 +5641,11 @@ static void team_join(const char *run_dir) {
 // --gpus N: starts N copies of this command, rank i on GPU i of this machine, with the variables
 // torchrun sets (RANK, WORLD_SIZE, LOCAL_RANK) and a job name for the id file, each in a process
 // group of its own so that a terminal's Ctrl-C reaches only this process, which passes SIGINT and
-// SIGTERM on to all (a second Ctrl-C: they exit at once). When one fails (an error, a signal), the
-// others are told to stop and after 15 s killed. Returns the exit status: 0 when every rank
-// succeeded, else the first failure's.
+// SIGTERM on to all (a second Ctrl-C: they exit at once), and SIGHUP as SIGTERM. Should this
+// process die, the ranks get SIGTERM (PR_SET_PDEATHSIG): they stop after a step and save. When one
+// fails (an error, a signal), the others get SIGUSR1 (they give up at once: no step can finish)
+// and after 15 s SIGKILL. Returns the exit status: 0 when every rank succeeded, else the first
+// failure's.
 static volatile sig_atomic_t launcher_signal;
 static void on_launcher_signal(int sig) { launcher_signal = sig; }
 
@@ -5628,12 +5661,16 @@ static int launch_gpus(int n, char **argv) {
     sa.sa_handler = on_launcher_signal;
     sigaction(SIGINT, &sa, NULL);
     sigaction(SIGTERM, &sa, NULL);
+    sigaction(SIGHUP, &sa, NULL);
     fflush(NULL);
+    pid_t launcher = getpid();
     for (int i = 0; i < n; i++) {
         pids[i] = fork();
         if (pids[i] < 0) fatal("cannot start rank %d: %s", i, strerror(errno));
         if (pids[i] == 0) {
             setpgid(0, 0);
+            prctl(PR_SET_PDEATHSIG, SIGTERM);
+            if (getppid() != launcher) _exit(1);  // the launcher died before the line above
             snprintf(text, sizeof text, "%d", i);
             setenv("RANK", text, 1);
             setenv("LOCAL_RANK", text, 1);
@@ -5641,6 +5678,7 @@ static int launch_gpus(int n, char **argv) {
             fprintf(stderr, "%s: error: cannot start rank %d: %s\n", program_name, i, strerror(errno));
             _exit(127);
         }
+        setpgid(pids[i], pids[i]);  // also here: whichever of the two runs first
     }
     int alive = n, status = 0;
     double kill_at = 0;
@@ -5660,14 +5698,15 @@ static int launch_gpus(int n, char **argv) {
                                                  program_name, rank, WTERMSIG(st));
                     else fprintf(stderr, "%s: error: rank %d exited with status %d; stopping the other ranks\n", program_name,
                                  rank, failed);
-                    for (int i = 0; i < n; i++) if (pids[i]) kill(pids[i], SIGTERM);
+                    for (int i = 0; i < n; i++) if (pids[i]) kill(pids[i], SIGUSR1);
                     kill_at = now_seconds() + 15.0;
                 }
             }
             continue;
         }
         if (launcher_signal) {
-            for (int i = 0; i < n; i++) if (pids[i]) kill(pids[i], launcher_signal);
+            int sig = launcher_signal == SIGHUP ? SIGTERM : launcher_signal;
+            for (int i = 0; i < n; i++) if (pids[i]) kill(pids[i], sig);
             launcher_signal = 0;
         }
         if (kill_at > 0 && now_seconds() > kill_at)
@@ -5690,13 +5729,15 @@ static uint64_t weights_hash(const UNet *m) {
     return h;
 }
 
-// Stop signals (SIGINT, SIGTERM) end the run after the step they come in (on_stop_signal).
+// Stop signals (SIGINT, SIGTERM) end the run after the step they come in; SIGUSR1, from --gpus,
+// says that another rank failed (on_stop_signal).
 static void catch_stop_signals(void) {
     struct sigaction sa;
     memset(&sa, 0, sizeof sa);
     sa.sa_handler = on_stop_signal;
     sigaction(SIGINT, &sa, NULL);
     sigaction(SIGTERM, &sa, NULL);
+    sigaction(SIGUSR1, &sa, NULL);
 }
 
 // The training run. In a team every rank trains and only rank 0 writes: the run folder's files,
@@ -5745,7 +5786,7 @@ static void run_training(const Options *o, const ModelConfig *config, const Para
     int interval_steps = 0, bad_in_row = 0;
     int64_t bad_total = 0, first_step = tr.step;
     int64_t last = o->stop_step > 0 && o->stop_step < o->steps ? o->stop_step : o->steps;
-    int global_batch = o->batch_size * team.world;
+    int global_batch = o->batch_size * o->gpus;
     // A team stops together: after the step in which any rank was asked to (StepState.stop).
     while (tr.step < last && !(team.comm ? tr.host_state->stop : stop_requested)) {
         loader_next_batch(&loader);
@@ -6135,9 +6176,10 @@ int main(int argc, char **argv) {
         free(params.specs);
         return launch_gpus(o.gpus, argv);
     }
+    // A launcher that gives each rank its own GPU (srun --gpus-per-task) leaves it one to see.
+    if (devices == 1) team.local_rank = 0;
     if (team.local_rank >= devices)
-        fatal("local rank %d needs GPU %d, but this machine shows %d GPU%s", team.local_rank, team.local_rank, devices,
-              devices == 1 ? "" : "s");
+        fatal("local rank %d needs GPU %d, but this machine shows %d GPUs", team.local_rank, team.local_rank, devices);
     gpu_init(team.local_rank);
     if (!o.bench) catch_stop_signals();
     if (launched) team_join(o.run_dir);

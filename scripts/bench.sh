@@ -7,7 +7,8 @@
 # of the weights included, which PyTorch's loop does not keep). Default: seed:32 seed:128.
 # BENCH_MODES="eager compile reduce-overhead" picks the PyTorch modes; BENCH_STEPS the steps timed.
 # Then sampling: DDIM with 50 steps, 256 images of the seed preset in one batch, `generate --bench`
-# against scripts/sample_torch.py in the same modes (images/s: above 1 means we are faster).
+# against scripts/sample_torch.py in the same modes (images/s: above 1 means we are faster), plain
+# and with classifier-free guidance 3 on a class-conditional model (the model on 512 a step).
 # BENCH_SAMPLE=0 leaves it out. BENCH_GPUS=N (N > 1) adds a scaling table: each configuration
 # trained with --gpus N at the same batch per GPU, its images/s against one GPU's (ideal: N x).
 # Each program's output goes to stderr as it runs (what a run cut
@@ -54,18 +55,25 @@ for config in "${configs[@]}"; do
     rows+=("$row")
     memory_cells+=("${memory:-?} / ${torch_memory:-?}")
 done
-sample_row=""
+# sample_rows: "ours mode=theirs ..." per sampling row: plain, then guided (classifier-free
+# guidance 3 on a class-conditional seed model of the 3 shapes classes; both sides run the model on
+# the doubled batch, labels then the null class).
+sample_rows=()
 if [ "${BENCH_SAMPLE:-1}" != 0 ]; then
-    run=build/bench_run  # one training step of the seed preset: a checkpoint to sample from
-    rm -rf "$run"
-    ./train_unet --data data/shapes.bin --steps 1 --run_dir "$run" >&2
-    ours=$(./generate --checkpoint "$run/checkpoints/step_000000001" --num 256 --batch 256 --steps 50 --bench 5 |
-           tee -a /dev/stderr | sed -n 's/.*(\([0-9.]*\) images\/s.*/\1/p')
-    sample_row="$ours"
-    for mode in $modes; do
-        theirs=$(python3 scripts/sample_torch.py --num 256 --steps 50 --mode "$mode" 2>&1 | tee -a /dev/stderr |
-                 sed -n 's/.*(\([0-9.]*\) images\/s.*/\1/p')
-        sample_row="$sample_row $mode=${theirs:-failed}"
+    for guidance in 1 3; do
+        run=build/bench_run_g$guidance  # one training step of the seed preset: a checkpoint to sample from
+        rm -rf "$run"
+        cond=(); [ "$guidance" = 1 ] || cond=(--class_cond)
+        ./train_unet --data data/shapes.bin "${cond[@]}" --steps 1 --run_dir "$run" >&2
+        ours=$(./generate --checkpoint "$run/checkpoints/step_000000001" --num 256 --batch 256 --steps 50 --bench 5 \
+               --guidance "$guidance" | tee -a /dev/stderr | sed -n 's/.*(\([0-9.]*\) images\/s.*/\1/p')
+        row="$ours"
+        for mode in $modes; do
+            theirs=$(python3 scripts/sample_torch.py --num 256 --steps 50 --mode "$mode" --guidance "$guidance" --classes 3 2>&1 |
+                     tee -a /dev/stderr | sed -n 's/.*(\([0-9.]*\) images\/s.*/\1/p')
+            row="$row $mode=${theirs:-failed}"
+        done
+        sample_rows+=("$row")
     done
 fi
 echo
@@ -88,12 +96,15 @@ if [ ${#scaling_rows[@]} -gt 0 ]; then
             "$([ -n "${4:-}" ] && awk -v a="$3" -v b="$4" 'BEGIN { printf "%.2fx", b / a }')"
     done
 fi
-if [ -n "$sample_row" ]; then
+if [ ${#sample_rows[@]} -gt 0 ]; then
     echo
     printf '%-26s %12s' "sampling: DDIM-50, 256" "ours img/s"
     for mode in $modes; do printf ' %26s' "$mode img/s (ratio)"; done
     echo
-    set -- $sample_row
-    printf '%-26s %12s' "seed preset, batch 256" "$1"
-    ratio_cells "b / a" "$@"
+    names=("seed preset, batch 256" "class-cond., guidance 3")
+    for i in "${!sample_rows[@]}"; do
+        set -- ${sample_rows[$i]}
+        printf '%-26s %12s' "${names[$i]}" "$1"
+        ratio_cells "b / a" "$@"
+    done
 fi

@@ -3,7 +3,12 @@ eta 0, space_timesteps' "ddimN" respacing, x0 clipped to [-1, 1]) on our referen
 (unet_ref.py), one batch of N images, the model under bf16 autocast, channels-last. CUDA events
 around each whole sampling run after a warm-up run; median of R runs.
 
+With --guidance W (classifier-free guidance) the model is class-conditional (--classes K, plus the
+null class K) and runs on the doubled batch, the images with their labels (classes in turn) and
+then with the null class, as generate does: eps = uncond + W (cond - uncond).
+
     python3 scripts/sample_torch.py --preset seed --num 256 --steps 50 --mode eager|compile|reduce-overhead [--runs 5]
+                                    [--guidance 3 --classes 3]
 
 The weights are PyTorch's initialisation (the time does not depend on them).
 """
@@ -36,11 +41,16 @@ def respaced(T, count):
     raise ValueError(f"no stride gives {count} of {T} steps")
 
 
-def ddim_step(model, x, t, coef):
+def ddim_step(model, x, t, coef, y=None, guidance=1.0):
     """One DDIM step (eta 0): x0 = (x - sqrt(1 - a) eps) / sqrt(a), clipped; eps recomputed from x0;
-    x_prev = sqrt(a_prev) x0 + sqrt(1 - a_prev) eps. coef: sqrt(a), sqrt(1 - a), sqrt(a_prev), sqrt(1 - a_prev)."""
+    x_prev = sqrt(a_prev) x0 + sqrt(1 - a_prev) eps. coef: sqrt(a), sqrt(1 - a), sqrt(a_prev), sqrt(1 - a_prev).
+    Guided: y holds the labels then the null class (2N), and the output is uncond + w (cond - uncond)."""
     with torch.autocast("cuda", dtype=torch.bfloat16):
-        out = model(x, t).float()
+        if y is None:
+            out = model(x, t).float()
+        else:
+            cond, uncond = model(torch.cat([x, x]), torch.cat([t, t]), y).float().chunk(2)
+            out = uncond + guidance * (cond - uncond)
     x0 = ((x - coef[1] * out) / coef[0]).clamp(-1, 1)
     eps = (x - coef[0] * x0) / coef[1]
     return coef[2] * x0 + coef[3] * eps
@@ -62,13 +72,21 @@ def main():
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--mode", default="eager", choices=["eager", "compile", "reduce-overhead"])
     parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--guidance", type=float, default=1.0)
+    parser.add_argument("--classes", type=int, default=3)
     args = parser.parse_args()
 
     torch.manual_seed(0)
-    model = create_model(PRESETS[args.preset]).cuda().eval().to(memory_format=torch.channels_last)
+    flags = dict(PRESETS[args.preset])
+    y = None
+    if args.guidance != 1.0:
+        flags.update(class_cond="True", num_classes=str(args.classes + 1))
+        labels = torch.arange(args.num, device="cuda") % args.classes
+        y = torch.cat([labels, torch.full_like(labels, args.classes)])
+    model = create_model(flags).cuda().eval().to(memory_format=torch.channels_last)
 
     def step(x, t, coef):
-        return ddim_step(model, x, t, coef)
+        return ddim_step(model, x, t, coef, y, args.guidance)
 
     mark_step = lambda: None  # noqa: E731
     if args.mode != "eager":  # the whole step compiled: the model and the update
@@ -92,7 +110,8 @@ def main():
     warmup_s = time.time() - began
     seconds = [ms / 1000 for ms in time_runs(lambda: ddim_sample(step, noise, t, coefs, mark_step), args.runs)]
     median = statistics.median(seconds)
-    print(f"torch {args.mode}: {args.preset} preset, DDIM {args.steps} steps, {args.num} images in one batch: median "
+    guided = f", guidance {args.guidance:g} (batch {2 * args.num})" if y is not None else ""
+    print(f"torch {args.mode}: {args.preset} preset{guided}, DDIM {args.steps} steps, {args.num} images in one batch: median "
           f"{median:.3f} s ({args.num / median:.1f} images/s; min {min(seconds):.3f} s, max {max(seconds):.3f} s over "
           f"{args.runs} runs), warm-up {warmup_s:.0f} s")
 

@@ -202,6 +202,8 @@ expect_ok env RANK=1 WORLD_SIZE=2 LOCAL_RANK=1 ./train_unet --dry_run --run_dir 
 [ -s "$LAST_OUT" ] && case_fail "rank 1 printed on stdout (only rank 0 does)"
 expect_ok env SLURM_PROCID=3 ./train_unet --dry_run --run_dir "$TEST_TMP/slurm_batch"  # no srun step: a process alone
 expect_grep "^gpus +1$" "$LAST_OUT"
+expect_ok env SLURM_STEP_NUM_TASKS=1 SLURM_PROCID=0 SLURM_LOCALID=0 ./train_unet --dry_run --gpus 2 --run_dir "$TEST_TMP/srun_pty"
+expect_grep "^gpus +2$" "$LAST_OUT"  # a shell inside a one-task srun step is a process alone: --gpus may start ranks
 
 case_begin "--help lists every guided-diffusion flag"
 expect_ok "$TRAIN" --help

@@ -59,7 +59,7 @@ gap=$(loss_gap "$TEST_TMP/one/log.csv" "$TEST_TMP/two/log.csv")
 echo "  largest relative loss difference over 50 steps: $gap"
 below "$gap" 0.02 || case_fail "losses differ by $gap (relative) between 2x8 and 1x16"
 first=$(loss_gap <(head -2 "$TEST_TMP/one/log.csv") <(head -2 "$TEST_TMP/two/log.csv"))
-below "$first" 1e-4 || case_fail "step 1's losses differ by $first (the same images, noise and weights)"
+below "$first" 1e-3 || case_fail "step 1's losses differ by $first (the same images, noise and weights)"
 
 case_begin "a 2-GPU checkpoint resumed on 1 GPU at the same images a step continues the same loss curve"
 expect_ok train --batch_size 8 --gpus 2 --steps 50 --stop_step 30 --run_dir "$TEST_TMP/resumed"
@@ -70,6 +70,8 @@ echo "  largest relative loss difference, steps 31-50: $gap"
 below "$gap" 0.02 || case_fail "the resumed run's losses differ by $gap from the 1-GPU run's"
 expect_fail train --batch_size 8 --steps 50 --run_dir "$TEST_TMP/resumed" --resume_checkpoint latest
 expect_grep "another configuration: --batch_size 8 \(checkpoint: 16\)" "$LAST_ERR"
+expect_ok train --batch_size 8 --gpus 2 --steps 60 --run_dir "$TEST_TMP/resumed" --resume_checkpoint latest
+expect_grep "resumed from .*step_000000050 at step 50" "$LAST_OUT"
 
 case_begin "two ranks started by hand (RANK, WORLD_SIZE, LOCAL_RANK) train as --gpus 2 does"
 for r in 0 1; do
@@ -87,16 +89,19 @@ cmp -s <(rows "$TEST_TMP/two") <(rows "$TEST_TMP/hand") || case_fail "the logged
 wait_for() { for _ in $(seq 3000); do grep -qE "$2" "$1" 2>/dev/null && return 0; sleep 0.1; done; return 1; }
 
 case_begin "--gpus 2: a rank killed mid-run stops the other within 60 s, and the launcher says which"
-train --batch_size 8 --gpus 2 --steps 1000000 --run_dir "$TEST_TMP/killed" >"$TEST_TMP/killed.out" 2>"$TEST_TMP/killed.err" &
+# (train_unet itself in the background, not through train(): $! must be the launcher)
+./train_unet "${ARGS[@]}" --batch_size 8 --gpus 2 --steps 1000000 --run_dir "$TEST_TMP/killed" >"$TEST_TMP/killed.out" \
+    2>"$TEST_TMP/killed.err" &
 launcher=$!
 wait_for "$TEST_TMP/killed.out" "^step 20/" || case_fail "no step 20 in 300 s"
-kill -9 "$(pgrep -P $launcher | tail -n 1)"
+kill -9 "$(pgrep -P $launcher | sort -n | tail -n 1)"  # the second rank started
 start=$(date +%s)
 wait $launcher; rc=$?
 took=$(( $(date +%s) - start ))
 [ $rc != 0 ] || case_fail "the launcher exited 0"
 [ $took -le 60 ] || case_fail "it took $took s to stop"
-expect_grep "rank 1 was killed by signal 9; stopping the other ranks" "$TEST_TMP/killed.err"
+expect_grep "rank [01] was killed by signal 9; stopping the other ranks" "$TEST_TMP/killed.err"
+expect_grep "rank [01]: error: another rank of this run failed; stopping in step" "$TEST_TMP/killed.err"
 pgrep -f "$TEST_TMP/killed" >/dev/null && case_fail "a rank is still running"
 
 case_begin "ranks started by hand: one killed, the other stops within 60 s with one line"
@@ -116,12 +121,14 @@ expect_grep "^train_unet rank 0: error: step [0-9]+ has not finished after [0-9]
 [ "$(grep -c error "$TEST_TMP/hk0.err")" = 1 ] || case_fail "rank 0 printed $(grep -c error "$TEST_TMP/hk0.err") error lines"
 
 case_begin "--gpus 2: Ctrl-C (SIGINT to the launcher) stops both ranks after one step, saves a checkpoint, exits 0"
-train --batch_size 8 --gpus 2 --steps 1000000 --run_dir "$TEST_TMP/int" >"$TEST_TMP/int.out" 2>"$TEST_TMP/int.err" &
+./train_unet "${ARGS[@]}" --batch_size 8 --gpus 2 --steps 1000000 --run_dir "$TEST_TMP/int" >"$TEST_TMP/int.out" \
+    2>"$TEST_TMP/int.err" &
 launcher=$!
 wait_for "$TEST_TMP/int.out" "^step 10/" || case_fail "no step 10 in 300 s"
 kill -INT $launcher
 wait $launcher; rc=$?
 [ $rc = 0 ] || { case_fail "exit status $rc"; head -3 "$TEST_TMP/int.err"; }
 expect_grep "^stopped at step [0-9]+: checkpoint .*/checkpoints/step_" "$TEST_TMP/int.out"
+[ "$(grep -c "weights hash" "$TEST_TMP/int.err")" = 2 ] || case_fail "expected a weights hash from each of the 2 ranks"
 [ "$(grep "weights hash" "$TEST_TMP/int.err" | awk '{print $6}' | sort -u | wc -l)" = 1 ] || case_fail "the ranks' weights differ"
 case_summary
