@@ -3796,7 +3796,9 @@ static void unet_forward(UNet *m, int training) {
 }
 
 // The backward pass from m->output->dx: every parameter gradient into m->grad, and m->input.dx.
-static void unet_backward(UNet *m, int training) {
+// after_block(ctx, i), when given, runs after block i's backward (blocks go last to first): many
+// GPUs start averaging the gradients that are final while the rest of backward runs.
+static void unet_backward(UNet *m, int training, void (*after_block)(void *ctx, int block), void *ctx) {
     const ModelConfig *c = &m->config;
     int N = m->batch, D = 4 * c->model_channels, E = (int)m->emb_total;
     // The blocks write their gradients (see Block.in_grad); the embedding MLP's SiLU backward adds
@@ -3804,7 +3806,10 @@ static void unet_backward(UNet *m, int training) {
     cuda_check(cudaMemsetAsync(m->emb.dx, 0, act_numel(&m->emb) * sizeof(floatX), gpu.stream));
     cuda_check(cudaMemsetAsync(m->t_hidden.dx, 0, act_numel(&m->t_hidden) * sizeof(floatX), gpu.stream));
     cuda_check(cudaMemsetAsync(m->embedding.d_out, 0, (size_t)N * E * sizeof(float), gpu.stream));
-    for (int i = m->num_blocks - 1; i >= 0; i--) block_backward(m, &m->blocks[i], training);
+    for (int i = m->num_blocks - 1; i >= 0; i--) {
+        block_backward(m, &m->blocks[i], training);
+        if (after_block) after_block(ctx, i);
+    }
     // The timestep projections of all ResBlocks at once, then the embedding MLP.
     float_to_floatx_kernel<<<blocks_for((int64_t)N * E, 256), 256, 0, gpu.stream>>>(m->d_emb_out_x, m->embedding.d_out, (int64_t)N * E);
     cuda_check_launch();
@@ -4086,11 +4091,13 @@ typedef void *ncclComm_t;  // built without NCCL (the Makefile found none): one 
 #endif
 
 typedef struct {
-    int rank, world;   // this process's number and the number of processes (GPUs) in all
-    int local_rank;    // the GPU this process takes on its machine
-    ncclComm_t comm;   // NULL for a process started alone
+    int rank, world;            // this process's number and the number of processes (GPUs) in all
+    int local_rank;             // the GPU this process takes on its machine
+    ncclComm_t comm;            // NULL for a process started alone
+    cudaStream_t stream;        // the gradients' all-reduce, beside backward
+    cudaEvent_t fork, join;
 } Team;
-static Team team = {0, 1, 0, NULL};
+static Team team = {0, 1, 0, NULL, NULL, NULL, NULL};
 
 // A signal asked this process to stop (SIGINT, SIGTERM; the handlers are the training run's): after
 // its step, all stop. SIGUSR1 is --gpus's word that another rank failed: no step can finish now.
@@ -4120,6 +4127,19 @@ static void team_average(float *x, size_t n, cudaStream_t stream) {
 #endif
 }
 
+// The same beside the main stream, on team.stream, after the main stream's work so far (a fork).
+static void team_average_beside(float *x, size_t n) {
+    cuda_check(cudaEventRecord(team.fork, gpu.main));
+    cuda_check(cudaStreamWaitEvent(team.stream, team.fork, 0));
+    team_average(x, n, team.stream);
+}
+
+// The main stream waits for the averages begun beside it (the join).
+static void team_join_beside(void) {
+    cuda_check(cudaEventRecord(team.join, team.stream));
+    cuda_check(cudaStreamWaitEvent(gpu.main, team.join, 0));
+}
+
 // x = the largest over the ranks of x (n ints, in place), on the stream; nothing alone.
 static void team_max(int *x, size_t n, cudaStream_t stream) {
 #ifndef UNET_NO_NCCL
@@ -4127,18 +4147,15 @@ static void team_max(int *x, size_t n, cudaStream_t stream) {
 #endif
 }
 
-// Gives up on a step that cannot finish: one line, NCCL's kernels aborted (within 10 s, else the
-// alarm ends the process), exit status 1.
+// Gives up on a step that cannot finish: one line, exit status 1 at once. (ncclCommAbort would
+// wait for the step's kernels, which wait for the missing rank: on two H200s it was still waiting
+// after 10 s. The driver ends them with the process.)
 static void team_give_up(const char *fmt, ...) __attribute__((noreturn));
 static void team_give_up(const char *fmt, ...) {
     va_list args;
     va_start(args, fmt);
     print_error("", fmt, args);
     va_end(args);
-#ifndef UNET_NO_NCCL
-    alarm(10);
-    ncclCommAbort(team.comm);  // the step's kernels stop waiting for the missing rank
-#endif
     _exit(1);
 }
 
@@ -4187,9 +4204,59 @@ typedef struct {
     double *norm_partial;
     cudaGraphExec_t graph;
     cudaEvent_t done;      // recorded after each step
+    int num_buckets;       // many GPUs: the gradients' all-reduce in pieces (team_plan_buckets)
+    int bucket_block[MAX_SKIPS];
+    int64_t bucket_from[MAX_SKIPS];
     int others_wait;       // rank 0 wrote a checkpoint or samples since the last step: the next may wait long
     int64_t step;          // steps completed
 } Trainer;
+
+// Many GPUs: the gradients' all-reduce in buckets, each begun beside backward as soon as backward
+// has passed the blocks whose parameters it holds. The parameters lie in guided-diffusion's order
+// (param_offsets; the emb_layers apart, at the start), the decoder last, so once backward has done
+// output_blocks.J (whose first block is the J-th concatenation) the storage from output_blocks.J's
+// first parameter to the end is final: bucket J runs from there to bucket J + 1. The rest (the
+// encoder, the middle block, the embeddings) follows backward.
+static void team_plan_buckets(Trainer *tr) {
+    const UNet *m = &tr->m;
+    int n = 0;
+    for (int i = 0; i < m->num_blocks; i++)
+        if (m->blocks[i].kind == BLOCK_CONCAT) tr->bucket_block[n] = i, tr->bucket_from[n++] = m->storage;
+    for (int k = 0; k < m->params.count; k++) {
+        const ParamSpec *p = &m->params.specs[k];
+        int j;
+        if (!is_emb_layer(p->name, "weight") && !is_emb_layer(p->name, "bias") && sscanf(p->name, "output_blocks.%d.", &j) == 1 &&
+            j >= 0 && j < n && p->offset < tr->bucket_from[j])
+            tr->bucket_from[j] = p->offset;
+    }
+    for (int k = 0; k < m->params.count; k++) {  // the order this relies on
+        const ParamSpec *p = &m->params.specs[k];
+        int decoder = strncmp(p->name, "output_blocks.", 14) == 0 || strncmp(p->name, "out.", 4) == 0;
+        if (!is_emb_layer(p->name, "weight") && !is_emb_layer(p->name, "bias") && (p->offset >= tr->bucket_from[0]) != decoder)
+            fatal("internal: parameter %s lies out of the decoder's order", p->name);
+    }
+    for (int j = 0; j + 1 < n; j++)
+        if (tr->bucket_from[j] >= tr->bucket_from[j + 1]) fatal("internal: output_blocks.%d's parameters out of order", j);
+    tr->num_buckets = n;
+}
+
+static void team_reduce_bucket(Trainer *tr, int j) {
+    int64_t to = j + 1 < tr->num_buckets ? tr->bucket_from[j + 1] : tr->m.storage;
+    team_average_beside(tr->m.grad + tr->bucket_from[j], to - tr->bucket_from[j]);
+}
+
+// unet_backward's after_block: block i done, its bucket (if it begins one) goes to the all-reduce.
+static void team_reduce_after_block(void *ctx, int block) {
+    Trainer *tr = (Trainer *)ctx;
+    for (int j = 0; j < tr->num_buckets; j++)
+        if (tr->bucket_block[j] == block) team_reduce_bucket(tr, j);
+}
+
+// After backward: the rest of the gradients, and the main stream waits for all of them.
+static void team_reduce_rest(Trainer *tr) {
+    team_average_beside(tr->m.grad, tr->num_buckets ? tr->bucket_from[0] : tr->m.storage);
+    team_join_beside();
+}
 
 static void trainer_create(Trainer *tr, const Options *o, const ModelConfig *c, uint8_t *pixels, int32_t *labels) {
     memset(tr, 0, sizeof *tr);
@@ -4210,6 +4277,7 @@ static void trainer_create(Trainer *tr, const Options *o, const ModelConfig *c, 
     tr->m.embedding.dropout_seed = &tr->state->noise_seed;  // dropout draws from the step's seed too
     tr->m.embedding.first_sample = (int64_t)team.rank * o->batch_size;
     cuda_check(cudaEventCreateWithFlags(&tr->done, cudaEventDisableTiming));
+    if (team.comm) team_plan_buckets(tr);
     tr->norm_partial = (double *)gpu_malloc(NORM_BLOCKS * sizeof(double));
     int64_t n = act_numel(&tr->m.input);
     tr->d_pixels = (uint8_t *)gpu_malloc(n);
@@ -4242,8 +4310,8 @@ static void trainer_enqueue_step(Trainer *tr) {
     cuda_check_launch();
     unet_forward(m, 1);
     mse_loss(m->loss, m->loss_partial, m->output->dx, m->output->x, m->target.x, act_numel(m->output));
-    unet_backward(m, 1);
-    team_average(m->grad, m->storage, gpu.stream);  // the gradient of the loss over every rank's images
+    unet_backward(m, 1, team.comm ? team_reduce_after_block : NULL, tr);
+    if (team.comm) team_reduce_rest(tr);  // the gradient of the loss over every rank's images
     team_average(m->loss, 1, gpu.stream);
     grad_norm_partial_kernel<<<NORM_BLOCKS, 256, 0, gpu.stream>>>(tr->norm_partial, m->grad, m->storage);
     step_decide_kernel<<<1, 1024, 0, gpu.stream>>>(tr->state, tr->norm_partial, m->loss);
@@ -4271,7 +4339,8 @@ static float learning_rate(const Options *o, int64_t step) {
 // zeroed gradients and scratch that the step overwrites.
 static void team_warm_up(Trainer *tr, int64_t step) {
     team_max(&tr->state->stop, 1, gpu.stream);
-    team_average(tr->m.grad, tr->m.storage, gpu.stream);
+    for (int j = tr->num_buckets - 1; j >= 0; j--) team_reduce_bucket(tr, j);
+    team_reduce_rest(tr);
     team_average(tr->m.loss, 1, gpu.stream);
     cuda_check(cudaEventRecord(tr->done, gpu.stream));
     team_wait(tr->done, TEAM_START_TIMEOUT, step);
@@ -5635,6 +5704,9 @@ static void team_join(const char *run_dir) {
     }
     nccl_check(ncclCommInitRank(&team.comm, team.world, id, team.rank));
     if (team.rank == 0) unlink(path);
+    cuda_check(cudaStreamCreate(&team.stream));
+    cuda_check(cudaEventCreateWithFlags(&team.fork, cudaEventDisableTiming));
+    cuda_check(cudaEventCreateWithFlags(&team.join, cudaEventDisableTiming));
 #endif
 }
 

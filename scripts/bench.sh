@@ -39,6 +39,7 @@ for config in "${configs[@]}"; do
     ours=$(sed -n 's/.*median \([0-9.]*\) ms.*/\1/p' <<< "$out")
     memory=$(sed -n 's/.*GPU memory \([0-9.]*\) GiB.*/\1/p' <<< "$out")
     if [ "$gpus" -gt 1 ]; then
+        mkdir -p build
         team=$(./train_unet --bench "$steps" --preset "$preset" --batch_size "$batch" --gpus "$gpus" --run_dir build/bench_team |
                tee -a /dev/stderr) || true
         rate() { sed -n 's/.*), \([0-9]*\) img\/s.*/\1/p' <<< "$1"; }

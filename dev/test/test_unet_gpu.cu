@@ -126,7 +126,7 @@ static void test_fixture(const char *path) {
     unet_forward(&m, 1);
     int64_t count = act_numel(m.output);
     mse_loss(m.loss, m.loss_partial, m.output->dx, m.output->x, m.target.x, count);
-    unet_backward(&m, 1);
+    unet_backward(&m, 1, NULL, NULL);
     cuda_check(cudaDeviceSynchronize());
 
     snprintf(name, sizeof name, "%s: output and loss", path);
