@@ -3280,7 +3280,7 @@ static Act act_take(UNet *m, Arena *values, Arena *grads, int N, int H, int W, i
     Act a = {NULL, NULL, N, H, W, C};
     int64_t bytes = act_numel(&a) * (int64_t)sizeof(floatX);
     a.x = (floatX *)arena_take(values, bytes);
-    if (m->training) a.dx = (floatX *)arena_take(grads, bytes);
+    if (m->training && grads) a.dx = (floatX *)arena_take(grads, bytes);
     return a;
 }
 
@@ -3317,7 +3317,7 @@ static Block *walk_block(Walk *w, BlockKind kind, int out_channels, int out_size
     memset(b, 0, sizeof *b);
     b->kind = kind;
     b->in = w->cur;
-    b->out = act_alloc(m, m->batch, out_size, out_size, out_channels);
+    b->out = act_take(m, &m->acts, NULL, m->batch, out_size, out_size, out_channels);  // its gradient: plan_block_gradients
     m->inner_grads.used = m->transient.used = 0;  // its inner activations start the shared regions
     return b;
 }
@@ -3598,6 +3598,45 @@ static void plan_gradient_modes(UNet *m) {
     }
 }
 
+// The gradients between blocks share one area, each for its lifetime only. Backward runs the
+// blocks last to first; the gradient of block j's output is first written by its last consumer in
+// the model's order (the next block, or for a skip tensor a decoder's concatenation; for the
+// model's output the loss, before backward) and last read by block j's backward. In the order they
+// begin, each takes the lowest offset that no gradient alive at the same time holds (first fit),
+// so the area is about the largest set alive at once (the skip tensors' gradients, which live
+// from the decoder back to the encoder) instead of all of them.
+static void plan_block_gradients(UNet *m) {
+    if (!m->training) return;
+    int n = m->num_blocks;
+    int64_t *offset = (int64_t *)malloc_or_die(3 * n * sizeof(int64_t)), *bytes = offset + n, *begin = offset + 2 * n, area = 0;
+    for (int j = 0; j < n; j++) {
+        int consumer = j == n - 1 ? n : j;  // the loss: before block n - 1's backward
+        for (int i = j + 1; i < n; i++)
+            if (m->blocks[i].in == &m->blocks[j].out || (m->blocks[i].kind == BLOCK_CONCAT && m->blocks[i].concat.skip == &m->blocks[j].out))
+                consumer = i;
+        begin[j] = n - 1 - consumer;  // backward's step (block n - 1 - t at step t); alive until step n - 1 - j
+        bytes[j] = (act_numel(&m->blocks[j].out) * (int64_t)sizeof(floatX) + 255) / 256 * 256;
+        offset[j] = -1;
+    }
+    for (int64_t step = -1; step < n; step++)  // place them in the order they begin
+        for (int j = n - 1; j >= 0; j--) {
+            if (begin[j] != step) continue;
+            int64_t at = 0;
+            for (int moved = 1; moved;) {  // past every placed one alive at the same time that overlaps [at, at + bytes)
+                moved = 0;
+                for (int k = 0; k < n; k++)
+                    if (offset[k] >= 0 && begin[k] <= n - 1 - j && begin[j] <= n - 1 - k && at < offset[k] + bytes[k] &&
+                        offset[k] < at + bytes[j])
+                        at = offset[k] + bytes[k], moved = 1;
+            }
+            offset[j] = at;
+            if (at + bytes[j] > area) area = at + bytes[j];
+        }
+    char *base = (char *)arena_take(&m->grads, area);
+    for (int j = 0; j < n; j++) m->blocks[j].out.dx = base ? (floatX *)(base + offset[j]) : NULL;
+    free(offset);
+}
+
 // The model's memory, planned once from the config and batch: one GPU allocation in six regions,
 // each with its lifetime.
 //   parameters   fp32 master and compute copy; when training, their gradients and AdamW's two
@@ -3645,6 +3684,7 @@ static void unet_lay_out(UNet *m) {
     free(again.specs);
     m->output = &m->blocks[m->num_blocks - 1].out;
     plan_gradient_modes(m);
+    plan_block_gradients(m);
     int64_t E = m->emb_total;
     m->embedding.out = (float *)arena_take(&m->acts, (int64_t)batch * E * sizeof(float));
     if (training) {
