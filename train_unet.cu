@@ -5750,6 +5750,16 @@ static void team_join(const char *run_dir) {
 #endif
 }
 
+// SIGINT, SIGTERM and `other` go to `handler`.
+static void catch_signals(void (*handler)(int), int other) {
+    struct sigaction sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_handler = handler;
+    sigaction(SIGINT, &sa, NULL);
+    sigaction(SIGTERM, &sa, NULL);
+    sigaction(other, &sa, NULL);
+}
+
 // --gpus N: starts N copies of this command, rank i on GPU i of this machine, with the variables
 // torchrun sets (RANK, WORLD_SIZE, LOCAL_RANK) and a job name for the id file, each in a process
 // group of its own so that a terminal's Ctrl-C reaches only this process, which passes SIGINT and
@@ -5768,12 +5778,7 @@ static int launch_gpus(int n, char **argv) {
     setenv("WORLD_SIZE", text, 1);
     snprintf(text, sizeof text, "gpus-%d", (int)getpid());
     setenv("TRAIN_UNET_JOB", text, 1);
-    struct sigaction sa;
-    memset(&sa, 0, sizeof sa);
-    sa.sa_handler = on_launcher_signal;
-    sigaction(SIGINT, &sa, NULL);
-    sigaction(SIGTERM, &sa, NULL);
-    sigaction(SIGHUP, &sa, NULL);
+    catch_signals(on_launcher_signal, SIGHUP);
     fflush(NULL);
     pid_t launcher = getpid();
     for (int i = 0; i < n; i++) {
@@ -5843,14 +5848,7 @@ static uint64_t weights_hash(const UNet *m) {
 
 // Stop signals (SIGINT, SIGTERM) end the run after the step they come in; SIGUSR1, from --gpus,
 // says that another rank failed (on_stop_signal).
-static void catch_stop_signals(void) {
-    struct sigaction sa;
-    memset(&sa, 0, sizeof sa);
-    sa.sa_handler = on_stop_signal;
-    sigaction(SIGINT, &sa, NULL);
-    sigaction(SIGTERM, &sa, NULL);
-    sigaction(SIGUSR1, &sa, NULL);
-}
+static void catch_stop_signals(void) { catch_signals(on_stop_signal, SIGUSR1); }
 
 // The training run. In a team every rank trains and only rank 0 writes: the run folder's files,
 // sample grids, checkpoints (the same files as one GPU's) and the progress lines.
