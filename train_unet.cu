@@ -3144,7 +3144,7 @@ typedef struct {
     BlockKind kind;
     Act *in;           // the previous block's output (the model's input for the first)
     GradMode in_grad;  // how its backward's first write delivers in->dx (plan_gradient_modes)
-    Act out;
+    Act out;           // out.dx holds its gradient only from its delivery to this block's backward
     union {
         ConvBlock conv;
         ConcatBlock concat;
@@ -3275,7 +3275,8 @@ static Norm walk_norm(Walk *w, const char *prefix, int channels) {
 
 static void note_scratch(int64_t *have, int64_t need) { if (need > *have) *have = need; }
 
-// An activation from `values`, and its gradient from `grads` when the model trains.
+// An activation from `values`, and its gradient from `grads` when the model trains and `grads` is
+// given (a block's output: placed later, by plan_block_gradients).
 static Act act_take(UNet *m, Arena *values, Arena *grads, int N, int H, int W, int C) {
     Act a = {NULL, NULL, N, H, W, C};
     int64_t bytes = act_numel(&a) * (int64_t)sizeof(floatX);
@@ -3643,8 +3644,10 @@ static void plan_block_gradients(UNet *m) {
 //                moments: the whole run.
 //   activations  the input, every block's output and what its backward reads and does not
 //                recompute: from the forward pass to the end of the backward.
-//   gradients    the gradients of the activations between blocks (when training): one backward
-//                pass, each written by the first block that delivers it (plan_gradient_modes).
+//   gradients    the gradients of the activations between blocks (when training): each written by
+//                the first block that delivers it (plan_gradient_modes); a block output's only
+//                from that delivery to its own block's backward, in an area they share by lifetime
+//                (plan_block_gradients).
 //   inner grads  the gradients of the activations inside a block: while that block's backward runs,
 //                each written by its one producer; every block's start at the same place (the largest
 //                block's size).
@@ -4147,7 +4150,7 @@ static volatile sig_atomic_t stop_requested, peer_lost;
 // ordinary step takes milliseconds; before the first one every rank loads its data and checkpoint
 // at its own pace (team_warm_up), and after a checkpoint or a sample grid the others wait for rank
 // 0 to write it.
-#define TEAM_STEP_TIMEOUT 30.0
+#define TEAM_STEP_TIMEOUT 30.0  // or 50 times the slowest ordinary step so far, when that is longer
 #define TEAM_START_TIMEOUT 600.0
 #define TEAM_SLOW_STEP_TIMEOUT 1800.0
 
@@ -4202,20 +4205,20 @@ static void team_give_up(const char *fmt, ...) {
 // Waits until `done` (recorded after the step) has happened. Alone: a plain synchronisation. A
 // rank that died leaves the others inside the all-reduce for good, so a team polls (sleeping
 // 100 us between polls after the first 2 ms), and gives up after `timeout` seconds, or at once
-// when --gpus says that a rank failed.
-static void team_wait(cudaEvent_t done, double timeout, int64_t step) {
+// when --gpus says that a rank failed. Returns the seconds waited (a team's).
+static double team_wait(cudaEvent_t done, double timeout, int64_t step) {
     if (!team.comm) {
         cuda_check(cudaEventSynchronize(done));
-        return;
+        return 0.0;
     }
     struct timespec t0, t;
     clock_gettime(CLOCK_MONOTONIC, &t0);
     for (;;) {
         cudaError_t r = cudaEventQuery(done);
-        if (r == cudaSuccess) return;
-        if (r != cudaErrorNotReady) cuda_check(r);
         clock_gettime(CLOCK_MONOTONIC, &t);
         double waited = (t.tv_sec - t0.tv_sec) + 1e-9 * (t.tv_nsec - t0.tv_nsec);
+        if (r == cudaSuccess) return waited;
+        if (r != cudaErrorNotReady) cuda_check(r);
         if (peer_lost) team_give_up("another rank of this run failed; stopping in step %lld", (long long)step);
         if (waited > timeout)
             team_give_up("step %lld has not finished after %.0f s: another rank of this run has stopped or hangs; stopping",
@@ -4248,6 +4251,7 @@ typedef struct {
     int bucket_block[MAX_SKIPS];
     int64_t bucket_from[MAX_SKIPS];
     int others_wait;       // rank 0 wrote a checkpoint or samples since the last step: the next may wait long
+    double slowest_wait;   // a team's longest wait on an ordinary step so far (seconds)
     int64_t step;          // steps completed
 } Trainer;
 
@@ -4400,7 +4404,8 @@ static void trainer_step(Trainer *tr) {
     h->grad_clip = o->grad_clip;
     h->noise_seed = random_u64((uint64_t)o->seed, rng_stream(RNG_STEP_SEED, 0), (uint64_t)step);
     h->stop = stop_requested;
-    double timeout = !tr->graph ? TEAM_START_TIMEOUT : tr->others_wait ? TEAM_SLOW_STEP_TIMEOUT : TEAM_STEP_TIMEOUT;
+    int ordinary = tr->graph && !tr->others_wait;
+    double timeout = !tr->graph ? TEAM_START_TIMEOUT : !ordinary ? TEAM_SLOW_STEP_TIMEOUT : fmax(TEAM_STEP_TIMEOUT, 50.0 * tr->slowest_wait);
     if (!tr->graph && team.comm) team_warm_up(tr, step);
     if (!tr->graph) {
         cudaGraph_t graph;
@@ -4412,7 +4417,8 @@ static void trainer_step(Trainer *tr) {
     }
     cuda_check(cudaGraphLaunch(tr->graph, gpu.stream));
     cuda_check(cudaEventRecord(tr->done, gpu.stream));
-    team_wait(tr->done, timeout, step);
+    double waited = team_wait(tr->done, timeout, step);
+    if (ordinary) tr->slowest_wait = fmax(tr->slowest_wait, waited);
     tr->step = step;
     tr->others_wait = 0;
 }
@@ -4821,26 +4827,28 @@ static int resume_may_change(const char *key) {
     return 1;
 }
 
-// Appends "key A (checkpoint B)" to a list of at most len bytes, "..." when it is full.
-static void append_difference(char *list, size_t len, const char *key, const char *now, const char *then) {
+// Appends "--key A (checkpoint B)" to a list of at most len bytes, "..." when it is full. With more
+// than one GPU, batch_size (the images a step on all of them) is named as such.
+static void append_difference(char *list, size_t len, const char *key, const char *now, const char *then, int gpus) {
     size_t at = strlen(list);
     if (at + 4 >= len) return;
-    int n = snprintf(list + at, len - at, "%s--%s %s (checkpoint: %s)", at ? ", " : "", key, now, then);
+    const char *label = gpus > 1 && strcmp(key, "batch_size") == 0 ? "images a step (--batch_size times --gpus)" : key;
+    int n = snprintf(list + at, len - at, "%s%s%s %s (checkpoint: %s)", at ? ", " : "", label == key ? "--" : "", label, now, then);
     if (n < 0 || (size_t)n >= len - at) snprintf(list + (len > 4 ? len - 4 : 0), len > 4 ? 4 : len, "...");
 }
 
 // Compares this run's configuration (its metadata `now`) with the one a checkpoint was trained
 // with. Differences that resume may not make refuse, each named; the others are listed in changes.
 // Keys the checkpoint does not hold (an older format) are not compared. Returns 0, or -1.
-static int compare_with_checkpoint(const SafeTensorsFile *f, const char *path, const Metadata *now, char *changes,
+static int compare_with_checkpoint(const SafeTensorsFile *f, const char *path, const Metadata *now, int gpus, char *changes,
                                    size_t changes_len, char *err, size_t err_len) {
     char refused[768] = "";
     changes[0] = '\0';
     for (int i = 0; i < now->count; i++) {
         const char *key = now->entries[i].key, *then = safetensors_metadata(f, key);
         if (!then || strcmp(then, now->entries[i].value) == 0 || strcmp(key, "step") == 0 || strncmp(key, "format", 6) == 0) continue;
-        if (resume_may_change(key)) append_difference(changes, changes_len, key, now->entries[i].value, then);
-        else append_difference(refused, sizeof refused, key, now->entries[i].value, then);
+        if (resume_may_change(key)) append_difference(changes, changes_len, key, now->entries[i].value, then, gpus);
+        else append_difference(refused, sizeof refused, key, now->entries[i].value, then, gpus);
     }
     if (refused[0])
         return dataset_fail(err, err_len, "%s was trained with another configuration: %s; resume with the checkpoint's values", path, refused);
@@ -5199,7 +5207,7 @@ static int check_resume(const Options *o, const ModelConfig *c, const ParamList 
     if (!format || strcmp(format, "unet.cu checkpoint") != 0 || !step || (rp->step = step_from_digits(step)) < 0)
         r = dataset_fail(err, err_len, "%s is not a checkpoint of this trainer (its metadata lacks format or step): it can be "
                          "evaluated or sampled, not resumed", path);
-    if (r == 0) r = compare_with_checkpoint(&f, rp->dir, &now, rp->changes, sizeof rp->changes, err, err_len);
+    if (r == 0) r = compare_with_checkpoint(&f, rp->dir, &now, o->gpus, rp->changes, sizeof rp->changes, err, err_len);
     metadata_free(&now);
     safetensors_close(&f);
     if (r == 0) r = read_parameters(params, path, 1, NULL, err, err_len);
@@ -5659,7 +5667,6 @@ static void loss_chart_add(LossChart *c, int64_t step, double loss, double lr) {
     loss_chart_draw(c);
 }
 
-// Trains from a checked resume point, or from a fresh initialisation when resume is NULL.
 // ----------------------------------------------------------------------------------------------
 // Many GPUs: starting the ranks and joining them (the step's side is in the trainer's section).
 // `--gpus N` starts N copies of this command on this machine (launch_gpus); any other launcher
@@ -5694,6 +5701,7 @@ static int team_from_environment(Team *t) {
     return 0;
 }
 
+#ifndef UNET_NO_NCCL
 // The file through which rank 0 hands the others NCCL's id: RUN_DIR/nccl_id, suffixed with the
 // launcher's job name where it gives one, so that no rank can read an earlier run's file.
 static void team_id_path(char *out, size_t len, const char *run_dir) {
@@ -5709,11 +5717,13 @@ static void team_id_path(char *out, size_t len, const char *run_dir) {
     for (const char *c = job; c && *c && n + 1 < (int)len; c++, n++)  // a file name's characters only
         out[n] = isalnum((unsigned char)*c) || *c == '.' || *c == '-' ? *c : '_', out[n + 1] = '\0';
 }
+#endif
 
 // Joins this rank to the others (team.comm): rank 0 writes NCCL's id into the run folder (under a
 // temporary name, then renamed, so no rank reads half of it), the others wait for it (up to 10
 // minutes: the run folder must be on a file system every machine of the run sees), every rank
-// opens the communicator, and rank 0 removes the file.
+// opens the communicator, and rank 0 removes the file. A file older than this process by more than
+// a minute (the clocks of other machines may differ by some seconds) is a dead run's: not read.
 static void team_join(const char *run_dir) {
 #ifdef UNET_NO_NCCL
     (void)run_dir;
@@ -5731,8 +5741,10 @@ static void team_join(const char *run_dir) {
             rename(tmp, path) != 0)
             fatal("cannot write %s: %s", path, strerror(errno));
     } else {
+        time_t started = time(NULL);
         for (int waited_ms = 0;; waited_ms += 50) {
-            FILE *f = fopen(path, "rb");
+            struct stat st;
+            FILE *f = stat(path, &st) == 0 && st.st_mtime >= started - 60 ? fopen(path, "rb") : NULL;
             size_t got = f ? fread(&id, 1, sizeof id, f) : 0;
             if (f) fclose(f);
             if (got == sizeof id) break;
@@ -5850,7 +5862,8 @@ static uint64_t weights_hash(const UNet *m) {
 // says that another rank failed (on_stop_signal).
 static void catch_stop_signals(void) { catch_signals(on_stop_signal, SIGUSR1); }
 
-// The training run. In a team every rank trains and only rank 0 writes: the run folder's files,
+// The training run, from a checked resume point, or from a fresh initialisation when resume is
+// NULL. In a team every rank trains and only rank 0 writes: the run folder's files,
 // sample grids, checkpoints (the same files as one GPU's) and the progress lines.
 static void run_training(const Options *o, const ModelConfig *config, const ParamList *params, const ResumePoint *resume) {
     char err[1024], saved[4400] = "";
@@ -6260,7 +6273,7 @@ int main(int argc, char **argv) {
         if (data.map && resume.position.next > data.header.count)
             fatal("%s stopped at image %" PRIu64 " of an epoch, past the %" PRIu64 " images of dataset %s: another dataset?",
                   resume.dir, resume.position.next, data.header.count, o.data);
-        if (resume.changes[0]) printf("resume: changed since the checkpoint: %s\n", resume.changes);
+        if (resume.changes[0] && (launched || o.gpus == 1 || o.dry_run)) printf("resume: changed since the checkpoint: %s\n", resume.changes);
     }
 
     if (o.dry_run) {
