@@ -3612,9 +3612,10 @@ static void plan_block_gradients(UNet *m) {
     int64_t *offset = (int64_t *)malloc_or_die(3 * n * sizeof(int64_t)), *bytes = offset + n, *begin = offset + 2 * n, area = 0;
     for (int j = 0; j < n; j++) {
         int consumer = j == n - 1 ? n : j;  // the loss: before block n - 1's backward
-        for (int i = j + 1; i < n; i++)
-            if (m->blocks[i].in == &m->blocks[j].out || (m->blocks[i].kind == BLOCK_CONCAT && m->blocks[i].concat.skip == &m->blocks[j].out))
-                consumer = i;
+        for (int i = j + 1; i < n; i++) {
+            const Block *b = &m->blocks[i];
+            if (b->in == &m->blocks[j].out || (b->kind == BLOCK_CONCAT && b->concat.skip == &m->blocks[j].out)) consumer = i;
+        }
         begin[j] = n - 1 - consumer;  // backward's step (block n - 1 - t at step t); alive until step n - 1 - j
         bytes[j] = (act_numel(&m->blocks[j].out) * (int64_t)sizeof(floatX) + 255) / 256 * 256;
         offset[j] = -1;
@@ -4122,9 +4123,10 @@ __global__ void ema_kernel(float *ema, const float *params, int64_t n, float rat
 // ----------------------------------------------------------------------------------------------
 // Many GPUs: one process per GPU, data parallel (guided-diffusion's DDP, on NCCL directly). Each
 // process, a rank, holds the whole model and takes its own B images of the step's N B, numbered
-// within them as one GPU at batch N B numbers them (data order, noise, timesteps, dropout). After
-// backward the step's graph averages the gradients and the loss over the ranks (an NCCL all-reduce
-// captured with the kernels), so every rank takes the same AdamW step and the weights stay equal.
+// within them as one GPU at batch N B numbers them (data order, noise, timesteps, dropout). The
+// step's graph averages the gradients over the ranks (NCCL all-reduces captured with the kernels,
+// in buckets beside backward: team_plan_buckets) and then the loss, so every rank takes the same
+// AdamW step and the weights stay equal.
 // How the processes start and find each other: the training run's section (team_join).
 
 #ifdef UNET_NO_NCCL
@@ -4405,7 +4407,9 @@ static void trainer_step(Trainer *tr) {
     h->noise_seed = random_u64((uint64_t)o->seed, rng_stream(RNG_STEP_SEED, 0), (uint64_t)step);
     h->stop = stop_requested;
     int ordinary = tr->graph && !tr->others_wait;
-    double timeout = !tr->graph ? TEAM_START_TIMEOUT : !ordinary ? TEAM_SLOW_STEP_TIMEOUT : fmax(TEAM_STEP_TIMEOUT, 50.0 * tr->slowest_wait);
+    double timeout = !tr->graph ? TEAM_START_TIMEOUT
+                   : !ordinary  ? TEAM_SLOW_STEP_TIMEOUT
+                                : fmax(TEAM_STEP_TIMEOUT, 50.0 * tr->slowest_wait);
     if (!tr->graph && team.comm) team_warm_up(tr, step);
     if (!tr->graph) {
         cudaGraph_t graph;
@@ -5389,7 +5393,8 @@ static void validate_training(const Options *o) {
                     o->sample_steps, o->diffusion_steps);
     if (o->batch_size < 1 || o->batch_size > 65536) usage_error("--batch_size %d is out of range (1..65536)", o->batch_size);
     if (o->gpus < 1 || o->gpus > 1024) usage_error("--gpus %d is out of range (1..1024)", o->gpus);
-    if ((int64_t)o->batch_size * o->gpus > 65536) usage_error("--batch_size %d on %d GPUs is over 65536 images a step", o->batch_size, o->gpus);
+    if ((int64_t)o->batch_size * o->gpus > 65536)
+        usage_error("--batch_size %d on %d GPUs is over 65536 images a step", o->batch_size, o->gpus);
     double rates[8];
     int n = parse_number_list(o->ema_rate, rates, 8);
     if (n < 1) usage_error("--ema_rate '%s' must be 1 to 8 rates separated by commas", o->ema_rate);
@@ -5705,13 +5710,15 @@ static int team_from_environment(Team *t) {
 // The file through which rank 0 hands the others NCCL's id: RUN_DIR/nccl_id, suffixed with the
 // launcher's job name where it gives one, so that no rank can read an earlier run's file.
 static void team_id_path(char *out, size_t len, const char *run_dir) {
-    static const char *const jobs[] = {"TRAIN_UNET_JOB", "TORCHELASTIC_RUN_ID", "SLURM_STEP_ID", "PMIX_NAMESPACE", "OMPI_MCA_ess_base_jobid"};
+    static const char *const jobs[] = {"TRAIN_UNET_JOB", "TORCHELASTIC_RUN_ID", "SLURM_STEP_ID", "PMIX_NAMESPACE",
+                                       "OMPI_MCA_ess_base_jobid"};
+    const char *slurm_job = getenv("SLURM_JOB_ID");
     char slurm[64];
     const char *job = NULL;
     for (size_t i = 0; i < sizeof jobs / sizeof jobs[0] && !job; i++) {
         job = getenv(jobs[i]);
         if (job && strcmp(job, "none") == 0) job = NULL;  // torchrun's default run id names no run
-        if (job && i == 2) snprintf(slurm, sizeof slurm, "%s.%s", getenv("SLURM_JOB_ID") ? getenv("SLURM_JOB_ID") : "", job), job = slurm;
+        if (job && i == 2) snprintf(slurm, sizeof slurm, "%s.%s", slurm_job ? slurm_job : "", job), job = slurm;  // job.step
     }
     int n = snprintf(out, len, "%s/nccl_id%s", run_dir, job ? "_" : "");
     for (const char *c = job; c && *c && n + 1 < (int)len; c++, n++)  // a file name's characters only
@@ -5947,13 +5954,15 @@ static void run_training(const Options *o, const ModelConfig *config, const Para
             tr.others_wait = 1;
         }
         if (tr.step % o->save_interval == 0 && tr.step < last) {
-            if (lead && save_checkpoint(&tr, o->run_dir, &loader.position, saved, sizeof saved, err, sizeof err) != 0) fatal("%s", err);
-            if (lead) printf("saved %s\n", saved);
+            if (lead) {
+                if (save_checkpoint(&tr, o->run_dir, &loader.position, saved, sizeof saved, err, sizeof err) != 0) fatal("%s", err);
+                printf("saved %s\n", saved);
+            }
             tr.others_wait = 1;
         }
     }
-    if (team.world > 1) fprintf(stderr, "train_unet rank %d: weights hash %016" PRIx64 " at step %lld\n", team.rank, weights_hash(&tr.m),
-                           (long long)tr.step);
+    if (team.world > 1)
+        fprintf(stderr, "train_unet rank %d: weights hash %016" PRIx64 " at step %lld\n", team.rank, weights_hash(&tr.m), (long long)tr.step);
     if (lead) {
         if (tr.step > first_step || !saved[0]) {
             if (save_checkpoint(&tr, o->run_dir, &loader.position, saved, sizeof saved, err, sizeof err) != 0) fatal("%s", err);
