@@ -1455,19 +1455,31 @@ static void conv_forward(const Conv *cv, floatX *y, const floatX *x, int N, int 
 // [N][ld]) receives the per-sample sums of dy too: the gradient of a per-sample channel offset added to y.
 // The bias gradient and a 3x3 convolution's weight gradient run on the side stream, beside the input
 // gradient (a 1x1 convolution's weight gradient is cuBLAS's: on the main stream).
-static void conv_backward(const Conv *cv, floatX *dx, GradMode mode, const floatX *dy, const floatX *x, int N, int H, int W,
-                          float *d_bias_per_sample, int per_sample_ld) {
+// The 3x3 weight gradient and the bias gradient (d_bias_per_sample: also per sample), begun on the
+// side stream; the next side_join() waits for them.
+static void conv_backward_params_side(const Conv *cv, const floatX *dy, const floatX *x, int N, int H, int W,
+                                      float *d_bias_per_sample, int per_sample_ld) {
     int Ho = conv_out_size(H, cv->k, cv->stride), Wo = conv_out_size(W, cv->k, cv->stride);
     side_begin();
     if (cv->k == 3)
         conv3x3_backward_weight(cv->dw, cv->scratch->weight_grad, dy, cv->out, x, cv->in, N, H, W, cv->in, cv->out, cv->stride);
     channel_sums(cv->scratch, d_bias_per_sample, per_sample_ld, cv->db, dy, N, Ho * Wo, cv->out);
     side_end();
-    if (cv->k == 1) weight_gradient(cv->scratch, cv->dw, dy, x, N * H * W, cv->out, cv->in);
-    if (dx && cv->k == 3) conv3x3_backward_input(dx, cv->in, mode, dy, cv->out, cv->w, N, H, W, cv->in, cv->out, cv->stride);
-    else if (dx)
+}
+
+// dx (+)= the input gradient (the mode says which), on the main stream.
+static void conv_backward_input(const Conv *cv, floatX *dx, GradMode mode, const floatX *dy, int N, int H, int W) {
+    if (cv->k == 3) conv3x3_backward_input(dx, cv->in, mode, dy, cv->out, cv->w, N, H, W, cv->in, cv->out, cv->stride);
+    else
         matmul({.M = N * H * W, .N = cv->in, .K = cv->out, .a = dy, .lda = cv->out, .b = cv->w, .ldb = cv->in, .d = dx,
                 .ldd = cv->in, .c = mode == GRAD_ADD ? dx : NULL, .ldc = cv->in, .beta = 1.0f});
+}
+
+static void conv_backward(const Conv *cv, floatX *dx, GradMode mode, const floatX *dy, const floatX *x, int N, int H, int W,
+                          float *d_bias_per_sample, int per_sample_ld) {
+    conv_backward_params_side(cv, dy, x, N, H, W, d_bias_per_sample, per_sample_ld);
+    if (cv->k == 1) weight_gradient(cv->scratch, cv->dw, dy, x, N * H * W, cv->out, cv->in);  // cuBLAS: the main stream
+    if (dx) conv_backward_input(cv, dx, mode, dy, N, H, W);
     side_join();
 }
 
@@ -1535,8 +1547,7 @@ __device__ inline void chunk_rows(int rows, int chunk, int chunks, int *begin, i
 // The thread layout of the GroupNorm kernels: a block of GN_THREADS threads covers one chunk of one
 // sample's rows; thread t owns the PACK channels from c0 = (t % packs) PACK in rows begin + t / packs,
 // + rows_per_pass, ... (packs = C / PACK; the threads past packs * rows_per_pass idle). A thread's
-// channels are fixed, so their constants are loaded once, before its rows. The row loops are unrolled
-// twice, so that two rows' loads are in flight together (four measured slower: more registers).
+// channels are fixed, so their constants are loaded once, before its rows.
 typedef struct {
     int n, c0, first, rows_per_pass, end;  // rows first, first + rows_per_pass, ... < end of sample n
 } GnThread;
@@ -1550,27 +1561,47 @@ __device__ inline GnThread gn_thread(int HW, int C) {
     return t;
 }
 
+// Row r of a thread's column (its PACK channels of one sample), or nothing past the thread's rows.
+// Every kernel below loads a row one step ahead of using it: the next row's loads are in flight while
+// this one is computed, and the first while the kernel's constants are gathered. (Four rows at once
+// in the forward kernels measured 10-25% slower: fewer blocks a multiprocessor, more registers.)
+__device__ inline Pack gn_row(const floatX *column, int r, int end, int C) {
+    Pack p;
+    if (r < end) p = *(const Pack *)&column[(int64_t)r * C];
+    return p;
+}
+
 // Block reductions in a fixed order (so that results are the same on every run): the threads' values
 // go to shared memory as sh[q][row C + c] (row = t / packs); thread c, c + GN_THREADS, ... then adds
 // channel c's values in row order.
-__device__ inline int gn_rows(int C) { return GN_THREADS / (C / PACK); }
+__host__ __device__ inline int gn_rows(int C) { return GN_THREADS / (C / PACK); }
 
-// Sums per group over one chunk: partial[n][chunk][g] = (sum x', sum x'^2).
+// Sums per group over one chunk: partial[n][chunk][g] = (sum x', sum x'^2). A thread sums its rows in
+// fp32 about a shift, its first row's x' (the sums of x' - shift stay near the spread of x', so a
+// large mean costs no precision), and the block adds the threads' sums in double:
+//   sum x' = s + rows shift,  sum x'^2 = ss + 2 shift s + rows shift^2   (s, ss: sums of d = x' - shift)
 __global__ void group_norm_stats_kernel(double *__restrict__ partial, const floatX *__restrict__ x, NormOptions o, int HW, int C) {
     __shared__ double sh[2][GN_THREADS * PACK];
     GnThread t = gn_thread(HW, C);
-    float add[PACK];
+    const floatX *column = x + (int64_t)t.n * HW * C + t.c0;
+    Pack next = gn_row(column, t.first, t.end, C);
+    float add[PACK], shift[PACK], s[PACK] = {}, ss[PACK] = {};
     for (int j = 0; j < PACK; j++) add[j] = o.add ? o.add[(int64_t)t.n * o.add_ld + t.c0 + j] : 0.0f;
-    double s[PACK] = {0}, ss[PACK] = {0};
-#pragma unroll 2
-    for (int r = t.first; r < t.end; r += t.rows_per_pass) {
-        Pack p = *(const Pack *)&x[((int64_t)t.n * HW + r) * C + t.c0];
+    for (int j = 0; j < PACK; j++) shift[j] = t.first < t.end ? (float)next.v[j] + add[j] : 0.0f;
+    int rows = 0;
+    for (int r = t.first; r < t.end; r += t.rows_per_pass, rows++) {
+        Pack p = next;
+        next = gn_row(column, r + t.rows_per_pass, t.end, C);
         for (int j = 0; j < PACK; j++) {
-            double v = (double)(float)p.v[j] + add[j];
-            s[j] += v, ss[j] += v * v;
+            float d = (float)p.v[j] + add[j] - shift[j];
+            s[j] += d, ss[j] = fmaf(d, d, ss[j]);
         }
     }
-    for (int j = 0; j < PACK; j++) sh[0][threadIdx.x * PACK + j] = s[j], sh[1][threadIdx.x * PACK + j] = ss[j];
+    for (int j = 0; j < PACK; j++) {
+        double k = shift[j];
+        sh[0][threadIdx.x * PACK + j] = s[j] + rows * k;
+        sh[1][threadIdx.x * PACK + j] = ss[j] + 2.0 * k * s[j] + rows * k * k;
+    }
     __syncthreads();
     double total[2][PACK];  // channel threadIdx.x + k GN_THREADS
     for (int k = 0; k < PACK; k++) {
@@ -1617,6 +1648,24 @@ __device__ inline GroupNormAffine group_norm_affine(const float *sample_mean, co
     return k;
 }
 
+// The element function after the affine map, y = dropout(SiLU(u)) (each as the options say, element
+// `at`), and its slope dy/du = keep/(1-p) silu'(u), silu'(u) = s (1 + u (1 - s)), s = sigmoid(u):
+// one sigmoid and one dropout draw for both. Forward, recompute and backward all take y from here,
+// so a recomputed y has the forward's bits.
+__device__ inline float group_norm_element(float u, const NormOptions &o, int64_t at, float *slope) {
+    float y = u, d = 1.0f;
+    if (o.silu) {
+        float s = sigmoidf_(u);
+        y = u * s, d = s * (1.0f + u * (1.0f - s));
+    }
+    if (o.dropout > 0.0f) {
+        float keep = dropout_keep(*o.dropout_seed, o.dropout_stream, o.dropout_first + at, o.dropout);
+        y *= keep, d *= keep;
+    }
+    *slope = d;
+    return y;
+}
+
 // Normalises one chunk and applies the fused options. The statistics are combined from the partial
 // sums of every chunk (the statistics' grid is this one) and written to sample_mean, sample_rstd; or,
 // with no partial sums (backward recomputing y), read from them: y comes out the same bit for bit.
@@ -1627,6 +1676,9 @@ __global__ void __launch_bounds__(GN_THREADS, 5)
                             const double *partial, const float *gamma, const float *beta, NormOptions o, int HW, int C) {
     __shared__ float mean[GN_GROUPS], rstd[GN_GROUPS];
     int n = blockIdx.y, chunks = gridDim.x;
+    GnThread t = gn_thread(HW, C);
+    const floatX *column = x + (int64_t)n * HW * C + t.c0;
+    Pack next = gn_row(column, t.first, t.end, C);
     if (threadIdx.x < GN_GROUPS && !partial) {
         mean[threadIdx.x] = sample_mean[n * GN_GROUPS + threadIdx.x], rstd[threadIdx.x] = sample_rstd[n * GN_GROUPS + threadIdx.x];
     } else if (threadIdx.x < GN_GROUPS) {
@@ -1643,27 +1695,22 @@ __global__ void __launch_bounds__(GN_THREADS, 5)
         if (blockIdx.x == 0) sample_mean[n * GN_GROUPS + threadIdx.x] = mean[threadIdx.x], sample_rstd[n * GN_GROUPS + threadIdx.x] = rstd[threadIdx.x];
     }
     __syncthreads();
-    GnThread t = gn_thread(HW, C);
     GroupNormAffine k = group_norm_affine(mean, rstd, gamma, beta, o, n, t.c0, C);
-#pragma unroll 2
     for (int r = t.first; r < t.end; r += t.rows_per_pass) {
+        Pack p = next, q;
+        next = gn_row(column, r + t.rows_per_pass, t.end, C);
         int64_t at = ((int64_t)n * HW + r) * C + t.c0;
-        Pack p = *(const Pack *)&x[at], q;
-        for (int j = 0; j < PACK; j++) {
-            float u = (float)p.v[j] * k.s[j] + k.t[j];
-            if (o.silu) u = u * sigmoidf_(u);
-            if (o.dropout > 0.0f) u *= dropout_keep(*o.dropout_seed, o.dropout_stream, o.dropout_first + at + j, o.dropout);
-            q.v[j] = (floatX)u;
-        }
+        float slope;
+        for (int j = 0; j < PACK; j++) q.v[j] = (floatX)group_norm_element((float)p.v[j] * k.s[j] + k.t[j], o, at + j, &slope);
         *(Pack *)&y[at] = q;
     }
 }
 
 // A sample's rows come in chunks of at least 8 row passes of a block, at most GN_CHUNKS of them: few
-// partial sums, and on small images few blocks, each long enough to pay for its start (which waits
-// on the statistics and the channel constants: a block of a few rows took as long as 8).
+// partial sums, and on small images few blocks. More chunks for small images (filling the GPU with
+// blocks of one or two row passes) measured slower: the partial sums' reductions grow with them.
 static int gn_chunks(int HW, int C) {
-    int chunks = HW / (GN_THREADS / (C / PACK) * 8);
+    int chunks = HW / (gn_rows(C) * 8);
     return chunks < 1 ? 1 : chunks > GN_CHUNKS ? GN_CHUNKS : chunks;
 }
 
@@ -1688,35 +1735,31 @@ static void group_norm_recompute(const Norm *norm, floatX *y, float *mean, float
     cuda_check_launch();
 }
 
-// du: dy back through dropout and SiLU at u (element `at`).
-__device__ inline float group_norm_du(float dy, float u, const NormOptions &o, int64_t at) {
-    if (o.dropout > 0.0f) dy *= dropout_keep(*o.dropout_seed, o.dropout_stream, o.dropout_first + at, o.dropout);
-    if (o.silu) {
-        float s = sigmoidf_(u);
-        dy *= s * (1.0f + u * (1.0f - s));
-    }
-    return dy;
-}
-
 // Backward, pass 1: per (sample, chunk) the channel sums du, du z, dz, dz xhat and the group sums
 // g, g xhat (g = dz gamma). Layout: channels [n][chunk][c][4], then groups after N*chunks*C*4. The
 // elements add up two sums per channel, du and du xhat; the four follow from them, since
 // dz = du (1 + scale) and z = xhat gamma + beta: sum du z = gamma sum du xhat + beta sum du.
-__global__ void group_norm_backward_sums_kernel(double *partial, const floatX *__restrict__ dy, const floatX *__restrict__ x,
-                                                const float *mean, const float *rstd, const float *gamma, const float *beta,
-                                                NormOptions o, int HW, int C) {
+// With y (not NULL) the pass also writes y as forward did, from the x it reads anyway.
+__global__ void group_norm_backward_sums_kernel(double *partial, floatX *__restrict__ y, const floatX *__restrict__ dy,
+                                                const floatX *__restrict__ x, const float *mean, const float *rstd,
+                                                const float *gamma, const float *beta, NormOptions o, int HW, int C) {
     __shared__ __align__(16) float shared[4 * GN_THREADS * PACK];  // 32 KB (FP32: 16 KB): [2][threads PACK] floats, then [2][C] doubles
     GnThread t = gn_thread(HW, C);
+    int64_t sample = (int64_t)t.n * HW * C + t.c0;
+    Pack next_x = gn_row(x + sample, t.first, t.end, C), next_dy = gn_row(dy + sample, t.first, t.end, C);
     GroupNormAffine k = group_norm_affine(mean + t.n * GN_GROUPS, rstd + t.n * GN_GROUPS, gamma, beta, o, t.n, t.c0, C);
     float acc[2][PACK] = {};
-#pragma unroll 2
     for (int r = t.first; r < t.end; r += t.rows_per_pass) {
-        int64_t at = ((int64_t)t.n * HW + r) * C + t.c0;
-        Pack xp = *(const Pack *)&x[at], dp = *(const Pack *)&dy[at];
+        Pack xp = next_x, dp = next_dy, yp;
+        next_x = gn_row(x + sample, r + t.rows_per_pass, t.end, C), next_dy = gn_row(dy + sample, r + t.rows_per_pass, t.end, C);
+        int64_t at = sample + (int64_t)r * C;
         for (int j = 0; j < PACK; j++) {
-            float v = (float)xp.v[j], du = group_norm_du((float)dp.v[j], v * k.s[j] + k.t[j], o, at + j);
+            float v = (float)xp.v[j], slope;
+            yp.v[j] = (floatX)group_norm_element(v * k.s[j] + k.t[j], o, at + j, &slope);
+            float du = (float)dp.v[j] * slope;
             acc[0][j] += du, acc[1][j] += du * (v * k.a[j] + k.b[j]);
         }
+        if (y) *(Pack *)&y[at] = yp;
     }
     float(*sh)[GN_THREADS * PACK] = (float(*)[GN_THREADS * PACK])shared;
     for (int q = 0; q < 2; q++)
@@ -1758,6 +1801,9 @@ __global__ void group_norm_backward_input_kernel(floatX *__restrict__ dx, GradMo
                                                  const float *beta, NormOptions o, int HW, int C) {
     __shared__ float mean_g[GN_GROUPS], mean_gx[GN_GROUPS];
     int n = blockIdx.y, chunks = gridDim.x, per_group = C / GN_GROUPS;
+    GnThread t = gn_thread(HW, C);
+    int64_t sample = (int64_t)n * HW * C + t.c0;
+    Pack next_x = gn_row(x + sample, t.first, t.end, C), next_dy = gn_row(dy + sample, t.first, t.end, C);
     if (threadIdx.x < GN_GROUPS) {
         const double *groups = partial + (int64_t)gridDim.y * chunks * C * 4;
         double a = 0, b = 0, count = (double)HW * per_group;
@@ -1770,21 +1816,21 @@ __global__ void group_norm_backward_input_kernel(floatX *__restrict__ dx, GradMo
         mean_g[threadIdx.x] = (float)(a / count), mean_gx[threadIdx.x] = (float)(b / count);
     }
     __syncthreads();
-    GnThread t = gn_thread(HW, C);
     GroupNormAffine k = group_norm_affine(mean + n * GN_GROUPS, rstd + n * GN_GROUPS, gamma, beta, o, n, t.c0, C);
     float e[PACK], f[PACK];
     for (int j = 0; j < PACK; j++) {
         int g = (t.c0 + j) / per_group;
         e[j] = -k.a[j] * k.a[j] * mean_gx[g], f[j] = -k.a[j] * (mean_g[g] + k.b[j] * mean_gx[g]);
     }
-#pragma unroll 2
     for (int r = t.first; r < t.end; r += t.rows_per_pass) {
-        int64_t at = ((int64_t)n * HW + r) * C + t.c0;
-        Pack xp = *(const Pack *)&x[at], dp = *(const Pack *)&dy[at], out;
+        Pack xp = next_x, dp = next_dy, out;
+        next_x = gn_row(x + sample, r + t.rows_per_pass, t.end, C), next_dy = gn_row(dy + sample, r + t.rows_per_pass, t.end, C);
+        int64_t at = sample + (int64_t)r * C;
         if (mode == GRAD_ADD) out = *(const Pack *)&dx[at];
         for (int j = 0; j < PACK; j++) {
-            float v = (float)xp.v[j], du = group_norm_du((float)dp.v[j], v * k.s[j] + k.t[j], o, at + j);
-            float d = du * k.s[j] + v * e[j] + f[j];
+            float v = (float)xp.v[j], slope;
+            group_norm_element(v * k.s[j] + k.t[j], o, at + j, &slope);
+            float d = (float)dp.v[j] * slope * k.s[j] + v * e[j] + f[j];
             out.v[j] = (floatX)(mode == GRAD_ADD ? (float)out.v[j] + d : d);
         }
         *(Pack *)&dx[at] = out;
@@ -1819,13 +1865,14 @@ __global__ void group_norm_backward_params_kernel(float *dgamma, float *dbeta, f
 }
 
 // dx (+)= (the input gradient; the mode says which), d_scale_shift += (when scale-shift is on, [N][ld]
-// like the input).
+// like the input); y (not NULL): y again, as group_norm_forward wrote it (group_norm_recompute's
+// work, done by the first pass, which reads x anyway).
 static void group_norm_backward(const Norm *norm, floatX *dx, GradMode mode, float *d_scale_shift, const floatX *dy, const floatX *x,
-                                const float *mean, const float *rstd, int N, int HW, NormOptions o) {
+                                floatX *y, const float *mean, const float *rstd, int N, int HW, NormOptions o) {
     int C = norm->channels, chunks = gn_chunks(HW, C);
     double *partials = norm->scratch->gn_partials;
     group_norm_backward_sums_kernel<<<dim3(chunks, N), GN_THREADS, 0, gpu.stream>>>(
-        partials, dy, x, mean, rstd, norm->gamma, norm->beta, o, HW, C);
+        partials, y, dy, x, mean, rstd, norm->gamma, norm->beta, o, HW, C);
     cuda_check_launch();
     side_begin();  // the parameter gradients beside the input gradient
     group_norm_backward_params_kernel<<<(C + 31) / 32, dim3(32, REDUCE_SLICES), 0, gpu.stream>>>(
@@ -3005,12 +3052,14 @@ static void res_block_backward(ResBlock *r, const BlockEmbedding *e, const Act *
     const floatX *h = r->resample ? r->h0r.x : r->h0.x, *skip = r->resample ? r->xr.x : in->x;
     floatX *dh = r->resample ? r->h0r.dx : r->h0.dx, *dskip = r->resample ? r->xr.dx : in->dx;
     GradMode skip_mode = r->resample ? GRAD_WRITE : in_grad;  // xr is the block's own
-    group_norm_recompute(&r->norm2, r->h2.x, r->mean2, r->rstd2, r->h1.x, N, Ho * Wo, res_block_norm2(r, e, training));
-    conv_backward(&r->conv2, r->h2.dx, GRAD_WRITE, out->dx, r->h2.x, N, Ho, Wo, NULL, 0);
+    conv_backward_input(&r->conv2, r->h2.dx, GRAD_WRITE, out->dx, N, Ho, Wo);
     if (r->has_skip_conv) conv_backward(&r->conv3, dskip, skip_mode, out->dx, skip, N, Ho, Wo, NULL, 0);
     else pass_gradient(dskip, skip_mode, out->dx, act_numel(out));
-    group_norm_backward(&r->norm2, r->h1.dx, GRAD_WRITE, e->d_out + r->emb_offset, r->h2.dx, r->h1.x, r->mean2, r->rstd2,
-                        N, Ho * Wo, res_block_norm2(r, e, training));
+    // GroupNorm 2's backward recomputes h2 for conv2's weight gradient, which then runs beside conv1's
+    // input gradient (h2 has memory of its own in training: h0 is recomputed meanwhile).
+    group_norm_backward(&r->norm2, r->h1.dx, GRAD_WRITE, e->d_out + r->emb_offset, r->h2.dx, r->h1.x, r->h2.x, r->mean2,
+                        r->rstd2, N, Ho * Wo, res_block_norm2(r, e, training));
+    conv_backward_params_side(&r->conv2, out->dx, r->h2.x, N, Ho, Wo, NULL, 0);
     float *d_add = e->scale_shift ? NULL : e->d_out + r->emb_offset;
     group_norm_recompute(&r->norm1, r->h0.x, r->mean1, r->rstd1, in->x, N, H * W, NORM_SILU);
     if (r->resample) resample_forward(r->resample > 0, r->h0r.x, r->h0.x, N, H, W, in->C);
@@ -3019,7 +3068,7 @@ static void res_block_backward(ResBlock *r, const BlockEmbedding *e, const Act *
         resample_backward(r->resample > 0, r->h0.dx, GRAD_WRITE, r->h0r.dx, N, H, W, in->C);
         resample_backward(r->resample > 0, in->dx, in_grad, r->xr.dx, N, H, W, in->C);
     }
-    group_norm_backward(&r->norm1, in->dx, GRAD_ADD, NULL, r->h0.dx, in->x, r->mean1, r->rstd1, N, H * W, NORM_SILU);
+    group_norm_backward(&r->norm1, in->dx, GRAD_ADD, NULL, r->h0.dx, in->x, NULL, r->mean1, r->rstd1, N, H * W, NORM_SILU);
 }
 
 // guided-diffusion's AttentionBlock: h0 = GroupNorm(x), h1 = qkv(h0) (1x1 conv1d to 3C),
@@ -3047,7 +3096,7 @@ static void attention_block_backward(AttentionBlock *a, const Act *in, const Act
     attention_backward(&a->attention);
     group_norm_recompute(&a->norm, a->h0.x, a->mean, a->rstd, in->x, N, H * W, NORM_PLAIN);
     conv_backward(&a->qkv, a->h0.dx, GRAD_WRITE, a->h1.dx, a->h0.x, N, H, W, NULL, 0);
-    group_norm_backward(&a->norm, in->dx, GRAD_ADD, NULL, a->h0.dx, in->x, a->mean, a->rstd, N, H * W, NORM_PLAIN);
+    group_norm_backward(&a->norm, in->dx, GRAD_ADD, NULL, a->h0.dx, in->x, NULL, a->mean, a->rstd, N, H * W, NORM_PLAIN);
 }
 
 // guided-diffusion's Downsample: a stride-2 3x3 conv (conv_resample), else 2x2 average pooling.
@@ -3106,7 +3155,7 @@ static void output_head_backward(OutputHead *o, const Act *in, const Act *out, G
     int N = in->N, H = in->H, W = in->W;
     group_norm_recompute(&o->norm, o->h0.x, o->mean, o->rstd, in->x, N, H * W, NORM_SILU);
     conv_backward(&o->conv, o->h0.dx, GRAD_WRITE, out->dx, o->h0.x, N, H, W, NULL, 0);
-    group_norm_backward(&o->norm, in->dx, in_grad, NULL, o->h0.dx, in->x, o->mean, o->rstd, N, H * W, NORM_SILU);
+    group_norm_backward(&o->norm, in->dx, in_grad, NULL, o->h0.dx, in->x, NULL, o->mean, o->rstd, N, H * W, NORM_SILU);
 }
 
 // ----------------------------------------------------------------------------------------------
@@ -3378,10 +3427,12 @@ static void walk_res_block(Walk *w, const char *prefix, int in, int out, int res
     r->dropout_stream = rng_stream(RNG_DROPOUT, (uint64_t)(b - m->blocks));
     if (resample) r->xr = act_alloc_inner(m, N, out_size, out_size, in);
     r->h1 = act_alloc_inner(m, N, out_size, out_size, out);
-    int64_t h2_start = m->transient.used;  // h2 takes the place of h0 and h0r, dead by the time it is written
+    // Forward only, h2 takes the place of h0 and h0r, dead by the time it is written; training's
+    // backward recomputes h0 while conv2's weight gradient still reads h2.
+    int64_t h2_start = m->transient.used;
     r->h0 = act_alloc_transient(m, N, size, size, in);
     if (resample) r->h0r = act_alloc_transient(m, N, out_size, out_size, in);
-    m->transient.used = h2_start;
+    if (!m->training) m->transient.used = h2_start;
     r->h2 = act_alloc_transient(m, N, out_size, out_size, out);
     r->mean1 = stats_alloc(m), r->rstd1 = stats_alloc(m), r->mean2 = stats_alloc(m), r->rstd2 = stats_alloc(m);
     walk_conv_scratch(w, &conv1, out_size), walk_conv_scratch(w, &conv2, out_size);
@@ -3995,7 +4046,7 @@ static void print_profile(UNet *m) {
         case 3: channel_sums(s, NULL, 0, l->conv2.db, out->dx, N, H * W, l->conv2.out); break;
         case 4: conv3x3_backward_input(l->h2.dx, C, GRAD_WRITE, out->dx, C, l->conv2.w, N, H, W, C, C, 1); break;
         case 5: group_norm_forward(&l->norm2, l->h2.x, l->mean2, l->rstd2, l->h1.x, N, H * W, o); break;
-        case 6: group_norm_backward(&l->norm2, l->h1.dx, GRAD_WRITE, m->embedding.d_out + l->emb_offset, l->h2.dx, l->h1.x, l->mean2, l->rstd2, N, H * W, o); break;
+        case 6: group_norm_backward(&l->norm2, l->h1.dx, GRAD_WRITE, m->embedding.d_out + l->emb_offset, l->h2.dx, l->h1.x, NULL, l->mean2, l->rstd2, N, H * W, o); break;
         }
         cuda_check(cudaEventRecord(b, gpu.stream));
         cuda_check(cudaEventSynchronize(b));

@@ -284,6 +284,16 @@ static int dev_all_finite(double *downloaded, size_t n) {
     return ok;
 }
 static int dev_finite_x(const floatX *d, size_t n) { return dev_all_finite(dev_download_x(d, n), n); }
+
+// Whether two GPU buffers hold the same bytes.
+static int dev_same_bits(const void *a, const void *b, size_t bytes) {
+    unsigned char *ha = (unsigned char *)malloc_or_die(bytes), *hb = (unsigned char *)malloc_or_die(bytes);
+    cuda_check(cudaMemcpy(ha, a, bytes, cudaMemcpyDeviceToHost));
+    cuda_check(cudaMemcpy(hb, b, bytes, cudaMemcpyDeviceToHost));
+    int same = memcmp(ha, hb, bytes) == 0;
+    free(ha), free(hb);
+    return same;
+}
 static int dev_finite_f(const float *d, size_t n) { return dev_all_finite(dev_download_f(d, n), n); }
 
 // The scratch of the layer under test (a model's memory plan sizes its own), in elements:

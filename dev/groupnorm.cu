@@ -98,12 +98,13 @@ static void ref_group_norm_backward(double *d_in, double *d_gamma, double *d_bet
 //   forward: y, mean, rstd written whole (and group_norm_recompute gives y again, bit for bit).
 //   backward: dx += (GN_WRITE: written), d_scale_shift +=, dgamma, dbeta written.
 
-enum { GN_EMB_ADD = 1, GN_SCALE_SHIFT = 2, GN_WRITE = 4 };
+enum { GN_EMB_ADD = 1, GN_SCALE_SHIFT = 2, GN_WRITE = 4, GN_FAR_MEAN = 8 };
 
 typedef struct {
     Norm norm;
     NormOptions o;
     floatX *y, *x, *dx, *dy;
+    floatX *y_again;  // backward's recomputation of y, or NULL
     float *mean, *rstd, *d_scale_shift;
     GradMode dx_mode;
     int N, HW;
@@ -116,7 +117,8 @@ static void norm_run_forward(void *p) {
 
 static void norm_run_backward(void *p) {
     NormRun *r = (NormRun *)p;
-    group_norm_backward(&r->norm, r->dx, r->dx_mode, r->d_scale_shift, r->dy, r->x, r->mean, r->rstd, r->N, r->HW, r->o);
+    group_norm_backward(&r->norm, r->dx, r->dx_mode, r->d_scale_shift, r->dy, r->x, r->y_again, r->mean, r->rstd, r->N, r->HW,
+                        r->o);
 }
 
 // The scratch a model's plan gives this GroupNorm (and the channel sums of the GN_EMB_ADD check).
@@ -129,7 +131,7 @@ static void check_norm(int N, int H, int W, int C, int silu, int mode, float dro
     size_t n = (size_t)N * HW * C, nss = (size_t)N * ld, nadd = (size_t)N * add_ld;
     double *x = dev_alloc(n), *gamma = dev_alloc(C), *beta = dev_alloc(C), *dy = dev_alloc(n);
     double *ss = dev_alloc(nss), *add = dev_alloc(nadd);
-    dev_fill_x(x, n, -1, 2), dev_fill_f(gamma, C, 0.5, 1.5), dev_fill_f(beta, C, -0.5, 0.5), dev_fill_x(dy, n, -1, 1);
+    dev_fill_x(x, n, mode & GN_FAR_MEAN ? 40 : -1, mode & GN_FAR_MEAN ? 44 : 2), dev_fill_f(gamma, C, 0.5, 1.5), dev_fill_f(beta, C, -0.5, 0.5), dev_fill_x(dy, n, -1, 1);
     dev_fill_f(ss, nss, -0.5, 0.5), dev_fill_f(add, nadd, -1, 1);
     uint64_t seed = random_u64(dev_seed, 7, 0);
 
@@ -183,17 +185,15 @@ static void check_norm(int N, int H, int W, int C, int silu, int mode, float dro
     r.N = N, r.HW = HW;
     r.norm.scratch = norm_scratch_for(N, C);
     norm_run_forward(&r);
-    // Backward's recomputation of y (group_norm_recompute, from the kept statistics): the same bits.
+    // Backward's recomputations of y from the kept statistics (group_norm_recompute, and the backward's
+    // first pass with y): the forward's bits.
     floatX *y_again = (floatX *)dev_gpu_poisoned(n * sizeof(floatX));
     group_norm_recompute(&r.norm, y_again, r.mean, r.rstd, r.x, N, HW, r.o);
-    unsigned char *y_bytes = (unsigned char *)malloc_or_die(n * sizeof(floatX));
-    unsigned char *again_bytes = (unsigned char *)malloc_or_die(n * sizeof(floatX));
-    cuda_check(cudaMemcpy(y_bytes, r.y, n * sizeof(floatX), cudaMemcpyDeviceToHost));
-    cuda_check(cudaMemcpy(again_bytes, y_again, n * sizeof(floatX), cudaMemcpyDeviceToHost));
-    double recompute_err = memcmp(y_bytes, again_bytes, n * sizeof(floatX)) == 0 ? 0.0 : INFINITY;
-    free(y_bytes), free(again_bytes);
-    dev_gpu_free(y_again, NULL);
+    double recompute_err = dev_same_bits(r.y, y_again, n * sizeof(floatX)) ? 0.0 : INFINITY;
+    r.y_again = (floatX *)dev_gpu_poisoned(n * sizeof(floatX));
     norm_run_backward(&r);
+    double backward_recompute_err = dev_same_bits(r.y, r.y_again, n * sizeof(floatX)) ? 0.0 : INFINITY;
+    dev_gpu_free(y_again, r.y_again, NULL);
     if (mode & GN_EMB_ADD) channel_sums(r.norm.scratch, dadd_gpu, add_ld, NULL, r.dx, N, HW, C);
 
     double tol = DEV_TOLERANCE, fwd = dev_check_x(r.y, NULL, y, n);
@@ -201,6 +201,7 @@ static void check_norm(int N, int H, int W, int C, int silu, int mode, float dro
     dev_errors_init(&e);
     dev_errors_add(&e, "dx", dev_check_x(r.dx, mode & GN_WRITE ? NULL : dx_before, dx, n), tol);
     dev_errors_add(&e, "recompute", recompute_err, 0);
+    dev_errors_add(&e, "recompute in backward", backward_recompute_err, 0);
     dev_errors_add(&e, "dgamma", dev_check_f(r.norm.dgamma, NULL, dgamma, C), tol);
     dev_errors_add(&e, "dbeta", dev_check_f(r.norm.dbeta, NULL, dbeta, C), tol);
     if (mode & GN_SCALE_SHIFT) dev_errors_add(&e, "dss", dev_check_f(r.d_scale_shift, dss_before, dss, nss), tol);
@@ -211,6 +212,7 @@ static void check_norm(int N, int H, int W, int C, int silu, int mode, float dro
              mode & GN_SCALE_SHIFT ? " scale-shift" : "");
     if (mode & GN_WRITE) snprintf(shape + strlen(shape), sizeof shape - strlen(shape), " dx written");
     if (dropout > 0) snprintf(shape + strlen(shape), sizeof shape - strlen(shape), " drop%.2g", dropout);
+    if (mode & GN_FAR_MEAN) snprintf(shape + strlen(shape), sizeof shape - strlen(shape), " x in [40, 44]");
     dev_row("groupnorm", shape, fwd, tol, &e, -1, -1);
 
     dev_gpu_free(r.norm.gamma, r.norm.beta, r.norm.dgamma, r.norm.dbeta, ss_gpu, add_gpu, dadd_gpu, r.x, r.dy, r.dx, r.y,
@@ -263,12 +265,16 @@ int main(void) {
     check_norm(3, 7, 7, 96, 1, GN_EMB_ADD, 0.3f);
     check_norm(2, 4, 4, 512, 0, 0, 0);                      // wide
     check_norm(2, 3, 5, 768, 1, GN_SCALE_SHIFT, 0);         // wider than a block's threads: idle threads
+    check_norm(2, 32, 32, 64, 1, GN_FAR_MEAN, 0);           // mean ~36 standard deviations: the statistics' shift
     time_norm("in_layers", 32, 64, 64, 64, 1, 0);
     time_norm("out_layers scale-shift", 32, 64, 64, 64, 1, 1);
     time_norm("out_layers scale-shift", 32, 8, 8, 512, 1, 1);
     time_norm("in_layers", 128, 64, 64, 64, 1, 0);    // seed:128's largest
     time_norm("in_layers", 128, 64, 64, 128, 1, 0);
     time_norm("in_layers", 128, 16, 16, 192, 1, 0);
+    time_norm("in_layers", 128, 8, 8, 256, 1, 0);     // seed:128's smallest
+    time_norm("out_layers scale-shift", 32, 32, 32, 384, 1, 1);  // adm64:32's
+    time_norm("out_layers scale-shift", 32, 8, 8, 768, 1, 1);
     return dev_end();
 }
 #endif  // DEV_NO_MAIN
