@@ -401,23 +401,27 @@ static int weight_grad_slices(int64_t scratch_numel, int M, int out, int K) {
 
 // out[i] = sum over slices k, in order, of slices[k][i] (the weight gradients' partial sums; also
 // the 3x3 convolutions').
-__global__ void sum_slices_kernel(float *out, const float *slices, int count, int64_t n) {
+// out = the sum of `count` slices of n floats; out's rows of `cols` values are ld apart (ld = cols:
+// contiguous).
+__global__ void sum_slices_kernel(float *out, int cols, int ld, const float *slices, int count, int64_t n) {
     for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
         float s = 0.0f;
         for (int k = 0; k < count; k++) s += slices[k * n + i];
-        out[i] = s;
+        out[ld == cols ? i : i / cols * ld + i % cols] = s;
     }
 }
 
-static void sum_slices(float *out, const float *slices, int count, int64_t n) {
-    sum_slices_kernel<<<blocks_for(n, 256), 256, 0, gpu.stream>>>(out, slices, count, n);
+static void sum_slices_strided(float *out, int cols, int ld, const float *slices, int count, int64_t n) {
+    sum_slices_kernel<<<blocks_for(n, 256), 256, 0, gpu.stream>>>(out, cols, ld, slices, count, n);
     cuda_check_launch();
 }
 
-static void weight_gradient(const Scratch *s, float *dw, const floatX *dy, const floatX *x, int M, int out, int K) {
+static void sum_slices(float *out, const float *slices, int count, int64_t n) { sum_slices_strided(out, 1, 1, slices, count, n); }
+
+static void weight_gradient(const Scratch *s, float *dw, int ldw, const floatX *dy, const floatX *x, int M, int out, int K) {
     int slices = weight_grad_slices(s->weight_grad_numel, M, out, K);
     if (slices < 2) {
-        matmul({.M = out, .N = K, .K = M, .a = dy, .lda = out, .trans_a = 1, .b = x, .ldb = K, .d = dw, .ldd = K, .d_fp32 = 1});
+        matmul({.M = out, .N = K, .K = M, .a = dy, .lda = out, .trans_a = 1, .b = x, .ldb = K, .d = dw, .ldd = ldw, .d_fp32 = 1});
         return;
     }
     int rows = M / slices;
@@ -426,11 +430,11 @@ static void weight_gradient(const Scratch *s, float *dw, const floatX *dy, const
                                             (int64_t)rows * K, dy, CUDA_FLOATX, out, (int64_t)rows * out, &beta,
                                             s->weight_grad, CUDA_R_32F, K, (int64_t)out * K, slices,
                                             CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
-    sum_slices(dw, s->weight_grad, slices, (int64_t)out * K);
+    sum_slices_strided(dw, K, ldw, s->weight_grad, slices, (int64_t)out * K);
     int done = rows * slices;
     if (done < M)
         matmul({.M = out, .N = K, .K = M - done, .a = dy + (int64_t)done * out, .lda = out, .trans_a = 1,
-                .b = x + (int64_t)done * K, .ldb = K, .d = dw, .ldd = K, .d_fp32 = 1, .c = dw, .ldc = K, .beta = 1.0f});
+                .b = x + (int64_t)done * K, .ldb = K, .d = dw, .ldd = ldw, .d_fp32 = 1, .c = dw, .ldc = ldw, .beta = 1.0f});
 }
 
 // ----------------------------------------------------------------------------------------------
@@ -1451,10 +1455,6 @@ static void conv_forward(const Conv *cv, floatX *y, const floatX *x, int N, int 
             .d = y, .ldd = cv->out, .c = residual, .ldc = cv->out, .beta = 1.0f, .bias = cv->b});
 }
 
-// dW, db and dx (+)= (when dx is given; the mode says which) from dy. d_bias_per_sample (nullable,
-// [N][ld]) receives the per-sample sums of dy too: the gradient of a per-sample channel offset added to y.
-// The bias gradient and a 3x3 convolution's weight gradient run on the side stream, beside the input
-// gradient (a 1x1 convolution's weight gradient is cuBLAS's: on the main stream).
 // The 3x3 weight gradient and the bias gradient (d_bias_per_sample: also per sample), begun on the
 // side stream; the next side_join() waits for them.
 static void conv_backward_params_side(const Conv *cv, const floatX *dy, const floatX *x, int N, int H, int W,
@@ -1475,10 +1475,14 @@ static void conv_backward_input(const Conv *cv, floatX *dx, GradMode mode, const
                 .ldd = cv->in, .c = mode == GRAD_ADD ? dx : NULL, .ldc = cv->in, .beta = 1.0f});
 }
 
+// dW, db and dx (+)= (when dx is given; the mode says which) from dy. d_bias_per_sample (nullable,
+// [N][ld]) receives the per-sample sums of dy too: the gradient of a per-sample channel offset added to y.
+// The bias gradient and a 3x3 convolution's weight gradient run on the side stream, beside the input
+// gradient (a 1x1 convolution's weight gradient is cuBLAS's: on the main stream).
 static void conv_backward(const Conv *cv, floatX *dx, GradMode mode, const floatX *dy, const floatX *x, int N, int H, int W,
                           float *d_bias_per_sample, int per_sample_ld) {
     conv_backward_params_side(cv, dy, x, N, H, W, d_bias_per_sample, per_sample_ld);
-    if (cv->k == 1) weight_gradient(cv->scratch, cv->dw, dy, x, N * H * W, cv->out, cv->in);  // cuBLAS: the main stream
+    if (cv->k == 1) weight_gradient(cv->scratch, cv->dw, cv->in, dy, x, N * H * W, cv->out, cv->in);  // cuBLAS: the main stream
     if (dx) conv_backward_input(cv, dx, mode, dy, N, H, W);
     side_join();
 }
@@ -1522,6 +1526,12 @@ typedef struct {
     uint64_t dropout_stream;        // the layer's own random stream
     int64_t dropout_first;          // dropout's number for element 0: the elements before it in the step's batch
                                     // on all GPUs (the draws of N GPUs at batch B are those of one at N B)
+    // A decoder's skip concatenation read in place (x2 not NULL): the input's channels [0, C1) are x's
+    // ([N][HW][C1]) and [C1, C) are x2's ([N][HW][C - C1]); backward delivers their gradients to dx
+    // and dx2 likewise. C1 is a multiple of PACK, so a thread's channels lie in one of the two.
+    const floatX *x2;
+    floatX *dx2;
+    int C1;
 } NormOptions;
 
 // sigmoid(x) = 1 / (1 + e^-x). The BF16 build takes the fast intrinsics: their relative error (about
@@ -1565,10 +1575,22 @@ __device__ inline GnThread gn_thread(int HW, int C) {
 // Every kernel below loads a row one step ahead of using it: the next row's loads are in flight while
 // this one is computed, and the first while the kernel's constants are gathered. (Four rows at once
 // in the forward kernels measured 10-25% slower: fewer blocks a multiprocessor, more registers.)
-__device__ inline Pack gn_row(const floatX *column, int r, int end, int C) {
+__device__ inline Pack gn_row(const floatX *column, int r, int end, int ld) {
     Pack p;
-    if (r < end) p = *(const Pack *)&column[(int64_t)r * C];
+    if (r < end) p = *(const Pack *)&column[(int64_t)r * ld];
     return p;
+}
+
+// Where a thread's column of the input x (or of its gradient) starts in sample n, and its row
+// stride: C, or the width of the concatenation's part that holds channel c0 (NormOptions.x2).
+template <typename T>
+__device__ inline T *gn_column(T *x, T *x2, int C1, int n, int HW, int C, int c0, int *ld) {
+    if (x2 && c0 >= C1) {
+        *ld = C - C1;
+        return x2 + (int64_t)n * HW * (C - C1) + (c0 - C1);
+    }
+    *ld = x2 ? C1 : C;
+    return x + (int64_t)n * HW * *ld + c0;
 }
 
 // Block reductions in a fixed order (so that results are the same on every run): the threads' values
@@ -1583,15 +1605,16 @@ __host__ __device__ inline int gn_rows(int C) { return GN_THREADS / (C / PACK); 
 __global__ void group_norm_stats_kernel(double *__restrict__ partial, const floatX *__restrict__ x, NormOptions o, int HW, int C) {
     __shared__ double sh[2][GN_THREADS * PACK];
     GnThread t = gn_thread(HW, C);
-    const floatX *column = x + (int64_t)t.n * HW * C + t.c0;
-    Pack next = gn_row(column, t.first, t.end, C);
+    int ld;
+    const floatX *column = gn_column(x, o.x2, o.C1, t.n, HW, C, t.c0, &ld);
+    Pack next = gn_row(column, t.first, t.end, ld);
     float add[PACK], shift[PACK], s[PACK] = {}, ss[PACK] = {};
     for (int j = 0; j < PACK; j++) add[j] = o.add ? o.add[(int64_t)t.n * o.add_ld + t.c0 + j] : 0.0f;
     for (int j = 0; j < PACK; j++) shift[j] = t.first < t.end ? (float)next.v[j] + add[j] : 0.0f;
     int rows = 0;
     for (int r = t.first; r < t.end; r += t.rows_per_pass, rows++) {
         Pack p = next;
-        next = gn_row(column, r + t.rows_per_pass, t.end, C);
+        next = gn_row(column, r + t.rows_per_pass, t.end, ld);
         for (int j = 0; j < PACK; j++) {
             float d = (float)p.v[j] + add[j] - shift[j];
             s[j] += d, ss[j] = fmaf(d, d, ss[j]);
@@ -1677,8 +1700,9 @@ __global__ void __launch_bounds__(GN_THREADS, 5)
     __shared__ float mean[GN_GROUPS], rstd[GN_GROUPS];
     int n = blockIdx.y, chunks = gridDim.x;
     GnThread t = gn_thread(HW, C);
-    const floatX *column = x + (int64_t)n * HW * C + t.c0;
-    Pack next = gn_row(column, t.first, t.end, C);
+    int ld;
+    const floatX *column = gn_column(x, o.x2, o.C1, n, HW, C, t.c0, &ld);
+    Pack next = gn_row(column, t.first, t.end, ld);
     if (threadIdx.x < GN_GROUPS && !partial) {
         mean[threadIdx.x] = sample_mean[n * GN_GROUPS + threadIdx.x], rstd[threadIdx.x] = sample_rstd[n * GN_GROUPS + threadIdx.x];
     } else if (threadIdx.x < GN_GROUPS) {
@@ -1698,7 +1722,7 @@ __global__ void __launch_bounds__(GN_THREADS, 5)
     GroupNormAffine k = group_norm_affine(mean, rstd, gamma, beta, o, n, t.c0, C);
     for (int r = t.first; r < t.end; r += t.rows_per_pass) {
         Pack p = next, q;
-        next = gn_row(column, r + t.rows_per_pass, t.end, C);
+        next = gn_row(column, r + t.rows_per_pass, t.end, ld);
         int64_t at = ((int64_t)n * HW + r) * C + t.c0;
         float slope;
         for (int j = 0; j < PACK; j++) q.v[j] = (floatX)group_norm_element((float)p.v[j] * k.s[j] + k.t[j], o, at + j, &slope);
@@ -1745,13 +1769,15 @@ __global__ void group_norm_backward_sums_kernel(double *partial, floatX *__restr
                                                 const float *gamma, const float *beta, NormOptions o, int HW, int C) {
     __shared__ __align__(16) float shared[4 * GN_THREADS * PACK];  // 32 KB (FP32: 16 KB): [2][threads PACK] floats, then [2][C] doubles
     GnThread t = gn_thread(HW, C);
-    int64_t sample = (int64_t)t.n * HW * C + t.c0;
-    Pack next_x = gn_row(x + sample, t.first, t.end, C), next_dy = gn_row(dy + sample, t.first, t.end, C);
+    int64_t sample = (int64_t)t.n * HW * C + t.c0;  // y and dy: [N][HW][C]
+    int ld;
+    const floatX *column = gn_column(x, o.x2, o.C1, t.n, HW, C, t.c0, &ld);
+    Pack next_x = gn_row(column, t.first, t.end, ld), next_dy = gn_row(dy + sample, t.first, t.end, C);
     GroupNormAffine k = group_norm_affine(mean + t.n * GN_GROUPS, rstd + t.n * GN_GROUPS, gamma, beta, o, t.n, t.c0, C);
     float acc[2][PACK] = {};
     for (int r = t.first; r < t.end; r += t.rows_per_pass) {
         Pack xp = next_x, dp = next_dy, yp;
-        next_x = gn_row(x + sample, r + t.rows_per_pass, t.end, C), next_dy = gn_row(dy + sample, r + t.rows_per_pass, t.end, C);
+        next_x = gn_row(column, r + t.rows_per_pass, t.end, ld), next_dy = gn_row(dy + sample, r + t.rows_per_pass, t.end, C);
         int64_t at = sample + (int64_t)r * C;
         for (int j = 0; j < PACK; j++) {
             float v = (float)xp.v[j], slope;
@@ -1802,8 +1828,11 @@ __global__ void group_norm_backward_input_kernel(floatX *__restrict__ dx, GradMo
     __shared__ float mean_g[GN_GROUPS], mean_gx[GN_GROUPS];
     int n = blockIdx.y, chunks = gridDim.x, per_group = C / GN_GROUPS;
     GnThread t = gn_thread(HW, C);
-    int64_t sample = (int64_t)n * HW * C + t.c0;
-    Pack next_x = gn_row(x + sample, t.first, t.end, C), next_dy = gn_row(dy + sample, t.first, t.end, C);
+    int64_t sample = (int64_t)n * HW * C + t.c0;  // dy: [N][HW][C]
+    int ld;
+    const floatX *column = gn_column(x, o.x2, o.C1, n, HW, C, t.c0, &ld);
+    floatX *dx_column = gn_column(dx, o.dx2, o.C1, n, HW, C, t.c0, &ld);  // the same stride
+    Pack next_x = gn_row(column, t.first, t.end, ld), next_dy = gn_row(dy + sample, t.first, t.end, C);
     if (threadIdx.x < GN_GROUPS) {
         const double *groups = partial + (int64_t)gridDim.y * chunks * C * 4;
         double a = 0, b = 0, count = (double)HW * per_group;
@@ -1824,16 +1853,17 @@ __global__ void group_norm_backward_input_kernel(floatX *__restrict__ dx, GradMo
     }
     for (int r = t.first; r < t.end; r += t.rows_per_pass) {
         Pack xp = next_x, dp = next_dy, out;
-        next_x = gn_row(x + sample, r + t.rows_per_pass, t.end, C), next_dy = gn_row(dy + sample, r + t.rows_per_pass, t.end, C);
+        next_x = gn_row(column, r + t.rows_per_pass, t.end, ld), next_dy = gn_row(dy + sample, r + t.rows_per_pass, t.end, C);
         int64_t at = sample + (int64_t)r * C;
-        if (mode == GRAD_ADD) out = *(const Pack *)&dx[at];
+        Pack *dx_row = (Pack *)&dx_column[(int64_t)r * ld];
+        if (mode == GRAD_ADD) out = *dx_row;
         for (int j = 0; j < PACK; j++) {
             float v = (float)xp.v[j], slope;
             group_norm_element(v * k.s[j] + k.t[j], o, at + j, &slope);
             float d = (float)dp.v[j] * slope * k.s[j] + v * e[j] + f[j];
             out.v[j] = (floatX)(mode == GRAD_ADD ? (float)out.v[j] + d : d);
         }
-        *(Pack *)&dx[at] = out;
+        *dx_row = out;
     }
 }
 
@@ -2975,23 +3005,53 @@ static void conv_block_forward(ConvBlock *b, const Act *in, Act *out) {
     conv_forward(&b->conv, out->x, in->x, in->N, in->H, in->W, NULL);
 }
 
-static void conv_block_backward(ConvBlock *b, const Act *in, const Act *out, GradMode in_grad) {
-    conv_backward(&b->conv, in->dx, in_grad, out->dx, in->x, in->N, in->H, in->W, NULL, 0);
+// input_gradient 0: no in->dx (the model's input, whose gradient training never reads).
+static void conv_block_backward(ConvBlock *b, const Act *in, const Act *out, GradMode in_grad, int input_gradient) {
+    conv_backward(&b->conv, input_gradient ? in->dx : NULL, in_grad, out->dx, in->x, in->N, in->H, in->W, NULL, 0);
+}
+
+// A 1x1 convolution of a concatenation [a | b] read in place (a.C + b.C = cv->in): with Wa, Wb the
+// weight's first a.C and last b.C columns,  y = a Wa^T + b Wb^T + bias;  backward dWa = dy^T a,
+// dWb = dy^T b, da (+)= dy Wa, db (+)= dy Wb (each gradient in its own mode).
+static void conv1x1_forward_concat(const Conv *cv, floatX *y, const Act *a, const Act *b) {
+    int M = a->N * a->H * a->W;
+    matmul({.M = M, .N = cv->out, .K = a->C, .a = a->x, .lda = a->C, .b = cv->w, .ldb = cv->in, .trans_b = 1, .d = y,
+            .ldd = cv->out, .bias = cv->b});
+    matmul({.M = M, .N = cv->out, .K = b->C, .a = b->x, .lda = b->C, .b = cv->w + a->C, .ldb = cv->in, .trans_b = 1, .d = y,
+            .ldd = cv->out, .c = y, .ldc = cv->out, .beta = 1.0f});
+}
+
+static void conv1x1_backward_concat(const Conv *cv, const floatX *dy, const Act *a, GradMode a_mode, const Act *b,
+                                    GradMode b_mode) {
+    int M = a->N * a->H * a->W;
+    conv_backward_params_side(cv, dy, NULL, a->N, a->H, a->W, NULL, 0);  // the bias gradient
+    weight_gradient(cv->scratch, cv->dw, cv->in, dy, a->x, M, cv->out, a->C);
+    weight_gradient(cv->scratch, cv->dw + a->C, cv->in, dy, b->x, M, cv->out, b->C);
+    matmul({.M = M, .N = a->C, .K = cv->out, .a = dy, .lda = cv->out, .b = cv->w, .ldb = cv->in, .d = a->dx, .ldd = a->C,
+            .c = a_mode == GRAD_ADD ? a->dx : NULL, .ldc = a->C, .beta = 1.0f});
+    matmul({.M = M, .N = b->C, .K = cv->out, .a = dy, .lda = cv->out, .b = cv->w + a->C, .ldb = cv->in, .d = b->dx,
+            .ldd = b->C, .c = b_mode == GRAD_ADD ? b->dx : NULL, .ldc = b->C, .beta = 1.0f});
+    side_join();
 }
 
 // The skip connection before each output block: out = [in | skip] along channels; backward
-// splits out->dx back into both.
+// splits out->dx back into both. Read in place (in_place): the ResBlock after it, which has a skip
+// convolution, reads in and skip where they are (ResBlock.cat_a, cat_b) and delivers their gradients
+// itself; the concatenation then has no memory and no work (the copy and the split cost 1.1 ms of a
+// seed:128 step, dev/NOTES.md).
 typedef struct {
     Act *skip;          // an encoder block's output
     GradMode skip_grad; // how backward delivers skip->dx (as Block.in_grad for in->dx)
+    int in_place;
 } ConcatBlock;
 
 static void concat_block_forward(ConcatBlock *b, const Act *in, Act *out) {
-    concat_channels(out->x, in->x, b->skip->x, (int64_t)in->N * in->H * in->W, in->C, b->skip->C);
+    if (!b->in_place) concat_channels(out->x, in->x, b->skip->x, (int64_t)in->N * in->H * in->W, in->C, b->skip->C);
 }
 
 static void concat_block_backward(ConcatBlock *b, const Act *in, const Act *out, GradMode in_grad) {
-    split_channels(in->dx, in_grad, b->skip->dx, b->skip_grad, out->dx, (int64_t)in->N * in->H * in->W, in->C, b->skip->C);
+    if (!b->in_place)
+        split_channels(in->dx, in_grad, b->skip->dx, b->skip_grad, out->dx, (int64_t)in->N * in->H * in->W, in->C, b->skip->C);
 }
 
 // guided-diffusion's ResBlock:
@@ -3010,6 +3070,10 @@ typedef struct {
     uint64_t dropout_stream;
     Act h0, h0r, xr, h1, h2;
     float *mean1, *rstd1, *mean2, *rstd2;
+    // Its input a concatenation read in place (ConcatBlock.in_place), [cat_a | cat_b], when cat_a is
+    // not NULL; backward delivers their gradients in the concatenation's modes.
+    Act *cat_a, *cat_b;
+    GradMode cat_a_grad, cat_b_grad;
 } ResBlock;
 
 // out_layers' GroupNorm options: the timestep embedding as an add or a scale-shift, SiLU, dropout.
@@ -3025,12 +3089,23 @@ static NormOptions res_block_norm2(const ResBlock *r, const BlockEmbedding *e, i
     return o;
 }
 
-static const NormOptions NORM_SILU = {NULL, 0, NULL, 0, 1, 0.0f, NULL, 0, 0};
-static const NormOptions NORM_PLAIN = {NULL, 0, NULL, 0, 0, 0.0f, NULL, 0, 0};
+static const NormOptions NORM_SILU = {NULL, 0, NULL, 0, 1, 0.0f, NULL, 0, 0, NULL, NULL, 0};
+static const NormOptions NORM_PLAIN = {NULL, 0, NULL, 0, 0, 0.0f, NULL, 0, 0, NULL, NULL, 0};
+
+// in_layers' GroupNorm options, and where its input is: in, or the concatenation's parts in place.
+static NormOptions res_block_norm1(const ResBlock *r, const Act *in, const floatX **x, floatX **dx) {
+    NormOptions o = NORM_SILU;
+    *x = in->x, *dx = in->dx;
+    if (r->cat_a) o.x2 = r->cat_b->x, o.dx2 = r->cat_b->dx, o.C1 = r->cat_a->C, *x = r->cat_a->x, *dx = r->cat_a->dx;
+    return o;
+}
 
 static void res_block_forward(ResBlock *r, const BlockEmbedding *e, const Act *in, Act *out, int training) {
     int N = in->N, H = in->H, W = in->W, Ho = out->H, Wo = out->W;
-    group_norm_forward(&r->norm1, r->h0.x, r->mean1, r->rstd1, in->x, N, H * W, NORM_SILU);
+    const floatX *x;
+    floatX *dx;
+    NormOptions o1 = res_block_norm1(r, in, &x, &dx);
+    group_norm_forward(&r->norm1, r->h0.x, r->mean1, r->rstd1, x, N, H * W, o1);
     const floatX *h = r->h0.x, *skip = in->x;
     if (r->resample) {
         resample_forward(r->resample > 0, r->h0r.x, r->h0.x, N, H, W, in->C);
@@ -3039,10 +3114,9 @@ static void res_block_forward(ResBlock *r, const BlockEmbedding *e, const Act *i
     }
     conv_forward(&r->conv1, r->h1.x, h, N, Ho, Wo, NULL);
     group_norm_forward(&r->norm2, r->h2.x, r->mean2, r->rstd2, r->h1.x, N, Ho * Wo, res_block_norm2(r, e, training));
-    if (r->has_skip_conv) {
-        conv_forward(&r->conv3, out->x, skip, N, Ho, Wo, NULL);
-        skip = out->x;
-    }
+    if (r->cat_a) conv1x1_forward_concat(&r->conv3, out->x, r->cat_a, r->cat_b);
+    else if (r->has_skip_conv) conv_forward(&r->conv3, out->x, skip, N, Ho, Wo, NULL);
+    if (r->has_skip_conv) skip = out->x;
     conv_forward(&r->conv2, out->x, r->h2.x, N, Ho, Wo, skip);
 }
 
@@ -3053,7 +3127,8 @@ static void res_block_backward(ResBlock *r, const BlockEmbedding *e, const Act *
     floatX *dh = r->resample ? r->h0r.dx : r->h0.dx, *dskip = r->resample ? r->xr.dx : in->dx;
     GradMode skip_mode = r->resample ? GRAD_WRITE : in_grad;  // xr is the block's own
     conv_backward_input(&r->conv2, r->h2.dx, GRAD_WRITE, out->dx, N, Ho, Wo);
-    if (r->has_skip_conv) conv_backward(&r->conv3, dskip, skip_mode, out->dx, skip, N, Ho, Wo, NULL, 0);
+    if (r->cat_a) conv1x1_backward_concat(&r->conv3, out->dx, r->cat_a, r->cat_a_grad, r->cat_b, r->cat_b_grad);
+    else if (r->has_skip_conv) conv_backward(&r->conv3, dskip, skip_mode, out->dx, skip, N, Ho, Wo, NULL, 0);
     else pass_gradient(dskip, skip_mode, out->dx, act_numel(out));
     // GroupNorm 2's backward recomputes h2 for conv2's weight gradient, which then runs beside conv1's
     // input gradient (h2 has memory of its own in training: h0 is recomputed meanwhile).
@@ -3061,14 +3136,17 @@ static void res_block_backward(ResBlock *r, const BlockEmbedding *e, const Act *
                         r->rstd2, N, Ho * Wo, res_block_norm2(r, e, training));
     conv_backward_params_side(&r->conv2, out->dx, r->h2.x, N, Ho, Wo, NULL, 0);
     float *d_add = e->scale_shift ? NULL : e->d_out + r->emb_offset;
-    group_norm_recompute(&r->norm1, r->h0.x, r->mean1, r->rstd1, in->x, N, H * W, NORM_SILU);
+    const floatX *x;
+    floatX *dx;
+    NormOptions o1 = res_block_norm1(r, in, &x, &dx);
+    group_norm_recompute(&r->norm1, r->h0.x, r->mean1, r->rstd1, x, N, H * W, o1);
     if (r->resample) resample_forward(r->resample > 0, r->h0r.x, r->h0.x, N, H, W, in->C);
     conv_backward(&r->conv1, dh, GRAD_WRITE, r->h1.dx, h, N, Ho, Wo, d_add, e->total);
     if (r->resample) {
         resample_backward(r->resample > 0, r->h0.dx, GRAD_WRITE, r->h0r.dx, N, H, W, in->C);
         resample_backward(r->resample > 0, in->dx, in_grad, r->xr.dx, N, H, W, in->C);
     }
-    group_norm_backward(&r->norm1, in->dx, GRAD_ADD, NULL, r->h0.dx, in->x, NULL, r->mean1, r->rstd1, N, H * W, NORM_SILU);
+    group_norm_backward(&r->norm1, dx, GRAD_ADD, NULL, r->h0.dx, x, NULL, r->mean1, r->rstd1, N, H * W, o1);
 }
 
 // guided-diffusion's AttentionBlock: h0 = GroupNorm(x), h1 = qkv(h0) (1x1 conv1d to 3C),
@@ -3221,6 +3299,7 @@ typedef struct {
     ModelConfig config;
     int batch;
     int training;     // 0: forward only (no gradients, no AdamW state)
+    int input_gradient;  // backward computes input.dx (unet_create's default; the trainer's step skips it)
     ParamList params;
     int64_t storage;  // floats per parameter array: the parameters and 256-byte alignment gaps
     int64_t emb_bias_offset, emb_total;  // the ResBlocks' emb_layers, side by side: weights at 0, then biases
@@ -3329,7 +3408,7 @@ static void note_scratch(int64_t *have, int64_t need) { if (need > *have) *have 
 static Act act_take(UNet *m, Arena *values, Arena *grads, int N, int H, int W, int C) {
     Act a = {NULL, NULL, N, H, W, C};
     int64_t bytes = act_numel(&a) * (int64_t)sizeof(floatX);
-    a.x = (floatX *)arena_take(values, bytes);
+    a.x = values ? (floatX *)arena_take(values, bytes) : NULL;
     if (m->training && grads) a.dx = (floatX *)arena_take(grads, bytes);
     return a;
 }
@@ -3360,14 +3439,15 @@ static Act act_alloc_inner(UNet *m, int N, int H, int W, int C) {
 static float *stats_alloc(UNet *m) { return (float *)arena_take(&m->acts, (int64_t)m->batch * GN_GROUPS * sizeof(float)); }
 
 // Appends a block reading the walk's current activation; the new block's output becomes current.
-static Block *walk_block(Walk *w, BlockKind kind, int out_channels, int out_size) {
+// stored 0: the block's output has no memory (a concatenation read in place).
+static Block *walk_block(Walk *w, BlockKind kind, int out_channels, int out_size, int stored) {
     UNet *m = w->m;
     if (m->num_blocks == m->capacity) fatal("internal error: more blocks than planned (%d)", m->capacity);
     Block *b = &m->blocks[m->num_blocks++];
     memset(b, 0, sizeof *b);
     b->kind = kind;
     b->in = w->cur;
-    b->out = act_take(m, &m->acts, NULL, m->batch, out_size, out_size, out_channels);  // its gradient: plan_block_gradients
+    b->out = act_take(m, stored ? &m->acts : NULL, NULL, m->batch, out_size, out_size, out_channels);  // gradient: plan_block_gradients
     m->inner_grads.used = m->transient.used = 0;  // its inner activations start the shared regions
     return b;
 }
@@ -3420,7 +3500,7 @@ static void walk_res_block(Walk *w, const char *prefix, int in, int out, int res
     if (!w->m) return;
     UNet *m = w->m;
     int size = w->size, out_size = resample > 0 ? 2 * size : resample < 0 ? size / 2 : size, N = m->batch;
-    Block *b = walk_block(w, BLOCK_RES, out, out_size);
+    Block *b = walk_block(w, BLOCK_RES, out, out_size, 1);
     ResBlock *r = &b->res;
     r->norm1 = norm1, r->conv1 = conv1, r->norm2 = norm2, r->conv2 = conv2, r->conv3 = conv3;
     r->has_skip_conv = out != in, r->resample = resample, r->emb_offset = emb_offset;
@@ -3451,7 +3531,7 @@ static void walk_attention(Walk *w, const char *prefix, int channels, int heads)
     if (!w->m) return;
     UNet *m = w->m;
     int size = w->size, N = m->batch, T = size * size;
-    Block *b = walk_block(w, BLOCK_ATTENTION, channels, size);
+    Block *b = walk_block(w, BLOCK_ATTENTION, channels, size, 1);
     AttentionBlock *ab = &b->attention;
     ab->norm = norm, ab->qkv = qkv, ab->proj = proj;
     ab->h0 = act_alloc_transient(m, N, size, size, channels);   // normalised
@@ -3484,7 +3564,7 @@ static void walk_resample(Walk *w, const char *prefix, int channels, int up) {
     if (w->c->conv_resample) cv = walk_conv(w, prefix, channels, channels, 3, up ? 1 : 2, 2);
     if (!w->m) return;
     int size = w->size, out_size = up ? 2 * size : size / 2, has_conv = w->c->conv_resample;
-    Block *b = walk_block(w, up ? BLOCK_UP : BLOCK_DOWN, channels, out_size);
+    Block *b = walk_block(w, up ? BLOCK_UP : BLOCK_DOWN, channels, out_size, 1);
     if (up) {
         b->up.conv = cv, b->up.has_conv = has_conv;
         if (has_conv) b->up.up = act_alloc_transient(w->m, w->m->batch, out_size, out_size, channels);
@@ -3518,7 +3598,7 @@ static void unet_walk(const ModelConfig *c, ParamList *params, UNet *m) {
     int ch = c->level_channels[0], skip_channels[MAX_SKIPS], skip_blocks[MAX_SKIPS], num_skips = 0, block = 1;
     Conv conv_in = walk_conv(&w, "input_blocks.0.0.", c->in_channels, ch, 3, 1, 2);
     if (m) {
-        Block *b = walk_block(&w, BLOCK_CONV, ch, w.size);
+        Block *b = walk_block(&w, BLOCK_CONV, ch, w.size, 1);
         b->conv.conv = conv_in;
         walk_conv_scratch(&w, &conv_in, w.size);
         walk_advance(&w, b, w.size);
@@ -3549,13 +3629,17 @@ static void unet_walk(const ModelConfig *c, ParamList *params, UNet *m) {
     for (int level = c->num_levels - 1; level >= 0; level--) {
         for (int r = 0; r <= c->num_res_blocks; r++, block++) {
             int skip = skip_channels[--num_skips];
-            if (m) {  // [h, skip] along channels
-                Block *b = walk_block(&w, BLOCK_CONCAT, ch + skip, w.size);
-                b->concat.skip = &m->blocks[skip_blocks[num_skips]].out;
-                walk_advance(&w, b, w.size);
+            // [h, skip] along channels, read in place by the ResBlock when it has a skip convolution
+            int in_place = ch + skip != c->level_channels[level] && ch % PACK == 0;
+            Block *cat = NULL;
+            if (m) {
+                cat = walk_block(&w, BLOCK_CONCAT, ch + skip, w.size, !in_place);
+                cat->concat.skip = &m->blocks[skip_blocks[num_skips]].out, cat->concat.in_place = in_place;
+                walk_advance(&w, cat, w.size);
             }
             snprintf(name, sizeof name, "output_blocks.%d.0.", block);
             walk_res_block(&w, name, ch + skip, c->level_channels[level], 0);
+            if (m && in_place) m->blocks[m->num_blocks - 1].res.cat_a = cat->in, m->blocks[m->num_blocks - 1].res.cat_b = cat->concat.skip;
             ch = c->level_channels[level];
             int layer = 1;
             if (c->level_attention[level]) {
@@ -3571,7 +3655,7 @@ static void unet_walk(const ModelConfig *c, ParamList *params, UNet *m) {
     Norm out_norm = walk_norm(&w, "out.0.", ch);
     Conv out_conv = walk_conv(&w, "out.2.", c->level_channels[0], c->out_channels, 3, 1, 2);
     if (m) {
-        Block *b = walk_block(&w, BLOCK_OUT, c->out_channels, w.size);
+        Block *b = walk_block(&w, BLOCK_OUT, c->out_channels, w.size, 1);
         b->head.norm = out_norm, b->head.conv = out_conv;
         b->head.h0 = act_alloc_transient(m, m->batch, w.size, w.size, ch);
         b->head.mean = stats_alloc(m), b->head.rstd = stats_alloc(m);
@@ -3647,6 +3731,8 @@ static void plan_gradient_modes(UNet *m) {
         Block *b = &m->blocks[i];
         b->in_grad = gradient_delivered_after(m, i, b->in) ? GRAD_ADD : GRAD_WRITE;
         if (b->kind == BLOCK_CONCAT) b->concat.skip_grad = gradient_delivered_after(m, i, b->concat.skip) ? GRAD_ADD : GRAD_WRITE;
+        if (b->kind == BLOCK_CONCAT && b->concat.in_place)  // the next block delivers them, no other between
+            m->blocks[i + 1].res.cat_a_grad = b->in_grad, m->blocks[i + 1].res.cat_b_grad = b->concat.skip_grad;
     }
 }
 
@@ -3665,10 +3751,12 @@ static void plan_block_gradients(UNet *m) {
         int consumer = j == n - 1 ? n : j;  // the loss: before block n - 1's backward
         for (int i = j + 1; i < n; i++) {
             const Block *b = &m->blocks[i];
-            if (b->in == &m->blocks[j].out || (b->kind == BLOCK_CONCAT && b->concat.skip == &m->blocks[j].out)) consumer = i;
+            if (b->in == &m->blocks[j].out || (b->kind == BLOCK_CONCAT && b->concat.skip == &m->blocks[j].out))
+                consumer = b->kind == BLOCK_CONCAT && b->concat.in_place ? i + 1 : i;  // read in place by the next block
         }
         begin[j] = n - 1 - consumer;  // backward's step (block n - 1 - t at step t); alive until step n - 1 - j
-        bytes[j] = (act_numel(&m->blocks[j].out) * (int64_t)sizeof(floatX) + 255) / 256 * 256;
+        int none = m->blocks[j].kind == BLOCK_CONCAT && m->blocks[j].concat.in_place;  // no gradient of its own
+        bytes[j] = none ? 0 : (act_numel(&m->blocks[j].out) * (int64_t)sizeof(floatX) + 255) / 256 * 256;
         offset[j] = -1;
     }
     for (int64_t step = -1; step < n; step++)  // place them in the order they begin
@@ -3686,7 +3774,7 @@ static void plan_block_gradients(UNet *m) {
             if (at + bytes[j] > area) area = at + bytes[j];
         }
     char *base = (char *)arena_take(&m->grads, area);
-    for (int j = 0; j < n; j++) m->blocks[j].out.dx = base ? (floatX *)(base + offset[j]) : NULL;
+    for (int j = 0; j < n; j++) m->blocks[j].out.dx = base && bytes[j] ? (floatX *)(base + offset[j]) : NULL;
     free(offset);
 }
 
@@ -3771,6 +3859,7 @@ static void unet_plan(UNet *m, const ModelConfig *c, int batch, int training) {
               batch, c->image_size, c->image_size, (long long)pixels, INT32_MAX);
     memset(m, 0, sizeof *m);
     m->config = *c;
+    m->input_gradient = training;
     m->batch = batch;
     m->training = training;
     m->capacity = max_blocks(c);
@@ -3851,7 +3940,7 @@ static void block_forward(UNet *m, Block *b, int training) {
 
 static void block_backward(UNet *m, Block *b, int training) {
     switch (b->kind) {
-    case BLOCK_CONV: conv_block_backward(&b->conv, b->in, &b->out, b->in_grad); break;
+    case BLOCK_CONV: conv_block_backward(&b->conv, b->in, &b->out, b->in_grad, b->in != &m->input || m->input_gradient); break;
     case BLOCK_CONCAT: concat_block_backward(&b->concat, b->in, &b->out, b->in_grad); break;
     case BLOCK_RES: res_block_backward(&b->res, &m->embedding, b->in, &b->out, b->in_grad, training); break;
     case BLOCK_ATTENTION: attention_block_backward(&b->attention, b->in, &b->out, b->in_grad); break;
@@ -3890,7 +3979,8 @@ static void unet_forward(UNet *m, int training) {
     for (int i = 0; i < m->num_blocks; i++) block_forward(m, &m->blocks[i], training);
 }
 
-// The backward pass from m->output->dx: every parameter gradient into m->grad, and m->input.dx.
+// The backward pass from m->output->dx: every parameter gradient into m->grad, and m->input.dx
+// (if m->input_gradient).
 // after_block(ctx, i), when given, runs after block i's backward (blocks go last to first): many
 // GPUs start averaging the gradients that are final while the rest of backward runs.
 static void unet_backward(UNet *m, int training, void (*after_block)(void *ctx, int block), void *ctx) {
@@ -4361,6 +4451,7 @@ static void trainer_create(Trainer *tr, const Options *o, const ModelConfig *c, 
     tr->config = *c;
     tr->pixels = pixels, tr->labels = labels;
     unet_create(&tr->m, c, o->batch_size, 1);
+    tr->m.input_gradient = 0;  // the noisy images' gradient: a 3-channel input gradient nothing reads
     diffusion_create(&tr->diffusion, o->diffusion_steps, o->noise_schedule);
     double rates[8];
     tr->num_ema = parse_number_list(o->ema_rate, rates, 8);

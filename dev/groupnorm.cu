@@ -98,7 +98,7 @@ static void ref_group_norm_backward(double *d_in, double *d_gamma, double *d_bet
 //   forward: y, mean, rstd written whole (and group_norm_recompute gives y again, bit for bit).
 //   backward: dx += (GN_WRITE: written), d_scale_shift +=, dgamma, dbeta written.
 
-enum { GN_EMB_ADD = 1, GN_SCALE_SHIFT = 2, GN_WRITE = 4, GN_FAR_MEAN = 8 };
+enum { GN_EMB_ADD = 1, GN_SCALE_SHIFT = 2, GN_WRITE = 4, GN_FAR_MEAN = 8, GN_CONCAT = 16 };
 
 typedef struct {
     Norm norm;
@@ -184,6 +184,17 @@ static void check_norm(int N, int H, int W, int C, int silu, int mode, float dro
     r.d_scale_shift = dev_upload_f(dss_before, nss);
     r.N = N, r.HW = HW;
     r.norm.scratch = norm_scratch_for(N, C);
+    // GN_CONCAT: the input and its gradient as two channel blocks [x | x2] read in place (a decoder's
+    // skip concatenation); the checks below see them put back together.
+    floatX *x_whole = r.x, *dx_whole = r.dx, *x_parts = NULL, *dx_parts = NULL;
+    int64_t pixels = (int64_t)N * HW;
+    int C1 = C / 3 / PACK * PACK;
+    if (mode & GN_CONCAT) {
+        x_parts = (floatX *)gpu_malloc(n * sizeof(floatX)), dx_parts = (floatX *)gpu_malloc(n * sizeof(floatX));
+        split_channels(x_parts, GRAD_WRITE, x_parts + pixels * C1, GRAD_WRITE, x_whole, pixels, C1, C - C1);
+        split_channels(dx_parts, GRAD_WRITE, dx_parts + pixels * C1, GRAD_WRITE, dx_whole, pixels, C1, C - C1);
+        r.x = x_parts, r.o.x2 = x_parts + pixels * C1, r.dx = dx_parts, r.o.dx2 = dx_parts + pixels * C1, r.o.C1 = C1;
+    }
     norm_run_forward(&r);
     // Backward's recomputations of y from the kept statistics (group_norm_recompute, and the backward's
     // first pass with y): the forward's bits.
@@ -194,6 +205,11 @@ static void check_norm(int N, int H, int W, int C, int silu, int mode, float dro
     norm_run_backward(&r);
     double backward_recompute_err = dev_same_bits(r.y, r.y_again, n * sizeof(floatX)) ? 0.0 : INFINITY;
     dev_gpu_free(y_again, r.y_again, NULL);
+    if (mode & GN_CONCAT) {
+        concat_channels(dx_whole, dx_parts, dx_parts + pixels * C1, pixels, C1, C - C1);
+        r.x = x_whole, r.dx = dx_whole;
+        dev_gpu_free(x_parts, dx_parts, NULL);
+    }
     if (mode & GN_EMB_ADD) channel_sums(r.norm.scratch, dadd_gpu, add_ld, NULL, r.dx, N, HW, C);
 
     double tol = DEV_TOLERANCE, fwd = dev_check_x(r.y, NULL, y, n);
@@ -213,6 +229,7 @@ static void check_norm(int N, int H, int W, int C, int silu, int mode, float dro
     if (mode & GN_WRITE) snprintf(shape + strlen(shape), sizeof shape - strlen(shape), " dx written");
     if (dropout > 0) snprintf(shape + strlen(shape), sizeof shape - strlen(shape), " drop%.2g", dropout);
     if (mode & GN_FAR_MEAN) snprintf(shape + strlen(shape), sizeof shape - strlen(shape), " x in [40, 44]");
+    if (mode & GN_CONCAT) snprintf(shape + strlen(shape), sizeof shape - strlen(shape), " [%d | %d] in place", C1, C - C1);
     dev_row("groupnorm", shape, fwd, tol, &e, -1, -1);
 
     dev_gpu_free(r.norm.gamma, r.norm.beta, r.norm.dgamma, r.norm.dbeta, ss_gpu, add_gpu, dadd_gpu, r.x, r.dy, r.dx, r.y,
@@ -266,6 +283,8 @@ int main(void) {
     check_norm(2, 4, 4, 512, 0, 0, 0);                      // wide
     check_norm(2, 3, 5, 768, 1, GN_SCALE_SHIFT, 0);         // wider than a block's threads: idle threads
     check_norm(2, 32, 32, 64, 1, GN_FAR_MEAN, 0);           // mean ~36 standard deviations: the statistics' shift
+    check_norm(3, 9, 9, 192, 1, GN_CONCAT, 0);              // in_layers of a decoder ResBlock: [h | skip] in place
+    check_norm(2, 4, 4, 96, 1, GN_CONCAT | GN_WRITE, 0);
     time_norm("in_layers", 32, 64, 64, 64, 1, 0);
     time_norm("out_layers scale-shift", 32, 64, 64, 64, 1, 1);
     time_norm("out_layers scale-shift", 32, 8, 8, 512, 1, 1);
