@@ -400,9 +400,8 @@ static int weight_grad_slices(int64_t scratch_numel, int M, int out, int K) {
 }
 
 // out[i] = sum over slices k, in order, of slices[k][i] (the weight gradients' partial sums; also
-// the 3x3 convolutions').
-// out = the sum of `count` slices of n floats; out's rows of `cols` values are ld apart (ld = cols:
-// contiguous).
+// the 3x3 convolutions'), for the n floats of a slice; out's rows of `cols` values lie ld apart
+// (ld = cols: contiguous).
 __global__ void sum_slices_kernel(float *out, int cols, int ld, const float *slices, int count, int64_t n) {
     for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
         float s = 0.0f;
@@ -1621,9 +1620,9 @@ __global__ void group_norm_stats_kernel(double *__restrict__ partial, const floa
         }
     }
     for (int j = 0; j < PACK; j++) {
-        double k = shift[j];
-        sh[0][threadIdx.x * PACK + j] = s[j] + rows * k;
-        sh[1][threadIdx.x * PACK + j] = ss[j] + 2.0 * k * s[j] + rows * k * k;
+        double c = shift[j];
+        sh[0][threadIdx.x * PACK + j] = s[j] + rows * c;
+        sh[1][threadIdx.x * PACK + j] = ss[j] + 2.0 * c * s[j] + rows * c * c;
     }
     __syncthreads();
     double total[2][PACK];  // channel threadIdx.x + k GN_THREADS
@@ -1829,9 +1828,9 @@ __global__ void group_norm_backward_input_kernel(floatX *__restrict__ dx, GradMo
     int n = blockIdx.y, chunks = gridDim.x, per_group = C / GN_GROUPS;
     GnThread t = gn_thread(HW, C);
     int64_t sample = (int64_t)n * HW * C + t.c0;  // dy: [N][HW][C]
-    int ld;
+    int ld, dx_ld;
     const floatX *column = gn_column(x, o.x2, o.C1, n, HW, C, t.c0, &ld);
-    floatX *dx_column = gn_column(dx, o.dx2, o.C1, n, HW, C, t.c0, &ld);  // the same stride
+    floatX *dx_column = gn_column(dx, o.dx2, o.C1, n, HW, C, t.c0, &dx_ld);
     Pack next_x = gn_row(column, t.first, t.end, ld), next_dy = gn_row(dy + sample, t.first, t.end, C);
     if (threadIdx.x < GN_GROUPS) {
         const double *groups = partial + (int64_t)gridDim.y * chunks * C * 4;
@@ -1855,7 +1854,7 @@ __global__ void group_norm_backward_input_kernel(floatX *__restrict__ dx, GradMo
         Pack xp = next_x, dp = next_dy, out;
         next_x = gn_row(column, r + t.rows_per_pass, t.end, ld), next_dy = gn_row(dy + sample, r + t.rows_per_pass, t.end, C);
         int64_t at = sample + (int64_t)r * C;
-        Pack *dx_row = (Pack *)&dx_column[(int64_t)r * ld];
+        Pack *dx_row = (Pack *)&dx_column[(int64_t)r * dx_ld];
         if (mode == GRAD_ADD) out = *dx_row;
         for (int j = 0; j < PACK; j++) {
             float v = (float)xp.v[j], slope;
@@ -2974,8 +2973,9 @@ static int diffusion_from_metadata(const SafeTensorsFile *f, const char *path, i
 // backward needs, and its forward and backward side by side. forward reads `in` and writes `out`;
 // backward reads out->dx and delivers in->dx: its first write to it in `in_grad` mode (written,
 // unless a block later in the model, earlier in backward, wrote it first: the concatenation that
-// reads a skip tensor), its later ones added. A gradient inside a block has one producer, which
-// writes it. No block's gradient is zeroed first.
+// reads a skip tensor, or the ResBlock that reads that concatenation in place), its later ones
+// added. A gradient inside a block has one producer, which writes it. No block's gradient is
+// zeroed first.
 
 // An activation and its gradient, NHWC.
 typedef struct {
@@ -3059,8 +3059,9 @@ static void concat_block_backward(ConcatBlock *b, const Act *in, const Act *out,
 //   h2 = dropout(SiLU(GroupNorm2(h1) + e)), or with scale-shift
 //        dropout(SiLU(GroupNorm2(h1) (1 + scale) + shift))                      (out_layers, emb_layers)
 //   out = conv2(h2) + skip(x), skip a 1x1 conv when the channel count changes (skip_connection)
-// h0, h0r and h2 are not kept: backward recomputes them from x and h1 and the statistics (one
-// GroupNorm pass each, the same values bit for bit), so a block keeps about half what it would.
+// h0, h0r and h2 are not kept: backward recomputes them from x and h1 and the statistics (h0 in a
+// GroupNorm pass of its own, h2 in GroupNorm 2's backward; the same values bit for bit), so a block
+// keeps about half what it would.
 typedef struct {
     Norm norm1, norm2;
     Conv conv1, conv2, conv3;  // in_layers.2, out_layers.3, skip_connection
@@ -3092,20 +3093,18 @@ static NormOptions res_block_norm2(const ResBlock *r, const BlockEmbedding *e, i
 static const NormOptions NORM_SILU = {NULL, 0, NULL, 0, 1, 0.0f, NULL, 0, 0, NULL, NULL, 0};
 static const NormOptions NORM_PLAIN = {NULL, 0, NULL, 0, 0, 0.0f, NULL, 0, 0, NULL, NULL, 0};
 
-// in_layers' GroupNorm options, and where its input is: in, or the concatenation's parts in place.
-static NormOptions res_block_norm1(const ResBlock *r, const Act *in, const floatX **x, floatX **dx) {
+// in_layers' GroupNorm options, for an input in in, or in the concatenation's parts read in place:
+// then x, dx name the first part and the options the second.
+static NormOptions res_block_norm1(const ResBlock *r) {
     NormOptions o = NORM_SILU;
-    *x = in->x, *dx = in->dx;
-    if (r->cat_a) o.x2 = r->cat_b->x, o.dx2 = r->cat_b->dx, o.C1 = r->cat_a->C, *x = r->cat_a->x, *dx = r->cat_a->dx;
+    if (r->cat_a) o.x2 = r->cat_b->x, o.dx2 = r->cat_b->dx, o.C1 = r->cat_a->C;
     return o;
 }
 
 static void res_block_forward(ResBlock *r, const BlockEmbedding *e, const Act *in, Act *out, int training) {
     int N = in->N, H = in->H, W = in->W, Ho = out->H, Wo = out->W;
-    const floatX *x;
-    floatX *dx;
-    NormOptions o1 = res_block_norm1(r, in, &x, &dx);
-    group_norm_forward(&r->norm1, r->h0.x, r->mean1, r->rstd1, x, N, H * W, o1);
+    const floatX *x = r->cat_a ? r->cat_a->x : in->x;
+    group_norm_forward(&r->norm1, r->h0.x, r->mean1, r->rstd1, x, N, H * W, res_block_norm1(r));
     const floatX *h = r->h0.x, *skip = in->x;
     if (r->resample) {
         resample_forward(r->resample > 0, r->h0r.x, r->h0.x, N, H, W, in->C);
@@ -3136,9 +3135,9 @@ static void res_block_backward(ResBlock *r, const BlockEmbedding *e, const Act *
                         r->rstd2, N, Ho * Wo, res_block_norm2(r, e, training));
     conv_backward_params_side(&r->conv2, out->dx, r->h2.x, N, Ho, Wo, NULL, 0);
     float *d_add = e->scale_shift ? NULL : e->d_out + r->emb_offset;
-    const floatX *x;
-    floatX *dx;
-    NormOptions o1 = res_block_norm1(r, in, &x, &dx);
+    const floatX *x = r->cat_a ? r->cat_a->x : in->x;
+    floatX *dx = r->cat_a ? r->cat_a->dx : in->dx;
+    NormOptions o1 = res_block_norm1(r);
     group_norm_recompute(&r->norm1, r->h0.x, r->mean1, r->rstd1, x, N, H * W, o1);
     if (r->resample) resample_forward(r->resample > 0, r->h0r.x, r->h0.x, N, H, W, in->C);
     conv_backward(&r->conv1, dh, GRAD_WRITE, r->h1.dx, h, N, Ho, Wo, d_add, e->total);
@@ -3447,7 +3446,8 @@ static Block *walk_block(Walk *w, BlockKind kind, int out_channels, int out_size
     memset(b, 0, sizeof *b);
     b->kind = kind;
     b->in = w->cur;
-    b->out = act_take(m, stored ? &m->acts : NULL, NULL, m->batch, out_size, out_size, out_channels);  // gradient: plan_block_gradients
+    // its gradient: plan_block_gradients
+    b->out = act_take(m, stored ? &m->acts : NULL, NULL, m->batch, out_size, out_size, out_channels);
     m->inner_grads.used = m->transient.used = 0;  // its inner activations start the shared regions
     return b;
 }
@@ -3630,6 +3630,8 @@ static void unet_walk(const ModelConfig *c, ParamList *params, UNet *m) {
         for (int r = 0; r <= c->num_res_blocks; r++, block++) {
             int skip = skip_channels[--num_skips];
             // [h, skip] along channels, read in place by the ResBlock when it has a skip convolution
+            // (its widths differ); GroupNorm's threads then need h's width a multiple of PACK, as
+            // every width GroupNorm takes (a multiple of 32) is.
             int in_place = ch + skip != c->level_channels[level] && ch % PACK == 0;
             Block *cat = NULL;
             if (m) {
@@ -3639,7 +3641,10 @@ static void unet_walk(const ModelConfig *c, ParamList *params, UNet *m) {
             }
             snprintf(name, sizeof name, "output_blocks.%d.0.", block);
             walk_res_block(&w, name, ch + skip, c->level_channels[level], 0);
-            if (m && in_place) m->blocks[m->num_blocks - 1].res.cat_a = cat->in, m->blocks[m->num_blocks - 1].res.cat_b = cat->concat.skip;
+            if (m && in_place) {
+                ResBlock *r = &m->blocks[m->num_blocks - 1].res;
+                r->cat_a = cat->in, r->cat_b = cat->concat.skip;
+            }
             ch = c->level_channels[level];
             int layer = 1;
             if (c->level_attention[level]) {
@@ -3738,11 +3743,12 @@ static void plan_gradient_modes(UNet *m) {
 
 // The gradients between blocks share one area, each for its lifetime only. Backward runs the
 // blocks last to first; the gradient of block j's output is first written by its last consumer in
-// the model's order (the next block, or for a skip tensor a decoder's concatenation; for the
-// model's output the loss, before backward) and last read by block j's backward. In the order they
-// begin, each takes the lowest offset that no gradient alive at the same time holds (first fit),
-// so the area is about the largest set alive at once (the skip tensors' gradients, which live
-// from the decoder back to the encoder) instead of all of them.
+// the model's order (the next block, or for a skip tensor a decoder's concatenation, or the
+// ResBlock after it when that reads it in place; for the model's output the loss, before
+// backward) and last read by block j's backward. In the order they begin, each takes the lowest
+// offset that no gradient alive at the same time holds (first fit), so the area is about the
+// largest set alive at once (the skip tensors' gradients, which live from the decoder back to the
+// encoder) instead of all of them.
 static void plan_block_gradients(UNet *m) {
     if (!m->training) return;
     int n = m->num_blocks;
@@ -3940,7 +3946,9 @@ static void block_forward(UNet *m, Block *b, int training) {
 
 static void block_backward(UNet *m, Block *b, int training) {
     switch (b->kind) {
-    case BLOCK_CONV: conv_block_backward(&b->conv, b->in, &b->out, b->in_grad, b->in != &m->input || m->input_gradient); break;
+    case BLOCK_CONV:
+        conv_block_backward(&b->conv, b->in, &b->out, b->in_grad, b->in != &m->input || m->input_gradient);
+        break;
     case BLOCK_CONCAT: concat_block_backward(&b->concat, b->in, &b->out, b->in_grad); break;
     case BLOCK_RES: res_block_backward(&b->res, &m->embedding, b->in, &b->out, b->in_grad, training); break;
     case BLOCK_ATTENTION: attention_block_backward(&b->attention, b->in, &b->out, b->in_grad); break;
@@ -4136,7 +4144,10 @@ static void print_profile(UNet *m) {
         case 3: channel_sums(s, NULL, 0, l->conv2.db, out->dx, N, H * W, l->conv2.out); break;
         case 4: conv3x3_backward_input(l->h2.dx, C, GRAD_WRITE, out->dx, C, l->conv2.w, N, H, W, C, C, 1); break;
         case 5: group_norm_forward(&l->norm2, l->h2.x, l->mean2, l->rstd2, l->h1.x, N, H * W, o); break;
-        case 6: group_norm_backward(&l->norm2, l->h1.dx, GRAD_WRITE, m->embedding.d_out + l->emb_offset, l->h2.dx, l->h1.x, NULL, l->mean2, l->rstd2, N, H * W, o); break;
+        case 6:  // as res_block_backward runs it: recomputing h2 too
+            group_norm_backward(&l->norm2, l->h1.dx, GRAD_WRITE, m->embedding.d_out + l->emb_offset, l->h2.dx, l->h1.x, l->h2.x,
+                                l->mean2, l->rstd2, N, H * W, o);
+            break;
         }
         cuda_check(cudaEventRecord(b, gpu.stream));
         cuda_check(cudaEventSynchronize(b));

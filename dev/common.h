@@ -285,6 +285,8 @@ static int dev_all_finite(double *downloaded, size_t n) {
 }
 static int dev_finite_x(const floatX *d, size_t n) { return dev_all_finite(dev_download_x(d, n), n); }
 
+static int dev_finite_f(const float *d, size_t n) { return dev_all_finite(dev_download_f(d, n), n); }
+
 // Whether two GPU buffers hold the same bytes.
 static int dev_same_bits(const void *a, const void *b, size_t bytes) {
     unsigned char *ha = (unsigned char *)malloc_or_die(bytes), *hb = (unsigned char *)malloc_or_die(bytes);
@@ -294,7 +296,6 @@ static int dev_same_bits(const void *a, const void *b, size_t bytes) {
     free(ha), free(hb);
     return same;
 }
-static int dev_finite_f(const float *d, size_t n) { return dev_all_finite(dev_download_f(d, n), n); }
 
 // The scratch of the layer under test (a model's memory plan sizes its own), in elements:
 // weight-gradient slices (floats; 0: a 1x1 layer's gradient is one product), channel sums

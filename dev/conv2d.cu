@@ -193,6 +193,55 @@ static void check_conv(int N, int H, int W, int Cin, int Cout, int k, int stride
     free(dx_before), free(dps_before), free(w_gpu), free(dw_gpu), free(dw_torch);
 }
 
+// A decoder ResBlock's 1x1 skip convolution on its concatenation [a | b] read in place
+// (conv1x1_forward_concat, conv1x1_backward_concat) against the reference on the concatenated
+// input: y, dw, db, and the input gradient's two parts (a's added to, b's written).
+static void check_conv1x1_concat(int N, int H, int W, int Ca, int Cb, int Cout) {
+    int Cin = Ca + Cb;
+    size_t P = (size_t)N * H * W, nx = P * Cin, ny = P * Cout, nw = (size_t)Cout * Cin;
+    double bound = 1 / sqrt((double)Cin);
+    double *x = dev_alloc(nx), *w = dev_alloc(nw), *b = dev_alloc(Cout), *dy = dev_alloc(ny);
+    dev_fill_x(x, nx, -1, 1), dev_fill_x(w, nw, -bound, bound), dev_fill_x(b, Cout, -0.5, 0.5), dev_fill_x(dy, ny, -1, 1);
+    double *y = dev_alloc(ny), *dx = dev_alloc(nx), *dw = dev_alloc(nw), *db = dev_alloc(Cout);
+    ref_conv2d_forward(y, x, w, b, N, H, W, Cin, Cout, 1, 1);
+    ref_conv2d_backward(dx, dw, db, dy, x, w, N, H, W, Cin, Cout, 1, 1);
+    // The parts, pixel by pixel: [P][Ca] and [P][Cb]; a's gradient starts random (added to).
+    double *xa = dev_alloc(P * Ca), *xb = dev_alloc(P * Cb), *dxa = dev_alloc(P * Ca), *dxb = dev_alloc(P * Cb);
+    double *dxa_before = dev_alloc(P * Ca), s = dev_rms(dx, nx);
+    dev_fill_x(dxa_before, P * Ca, -s, s);
+    for (size_t p = 0; p < P; p++) {
+        for (int c = 0; c < Ca; c++) xa[p * Ca + c] = x[p * Cin + c], dxa[p * Ca + c] = dx[p * Cin + c];
+        for (int c = 0; c < Cb; c++) xb[p * Cb + c] = x[p * Cin + Ca + c], dxb[p * Cb + c] = dx[p * Cin + Ca + c];
+    }
+
+    Conv cv;
+    memset(&cv, 0, sizeof cv);
+    cv.in = Cin, cv.out = Cout, cv.k = 1, cv.stride = 1;
+    cv.w = dev_upload_x(w, nw), cv.b = dev_upload_x(b, Cout);  // a 1x1 weight is [out][in] in both layouts
+    cv.dw = (float *)dev_gpu_poisoned(nw * sizeof(float)), cv.db = (float *)dev_gpu_poisoned(Cout * sizeof(float));
+    cv.scratch = conv_scratch_for(N, H, W, Cin, Cout, 1, 1);
+    Act a = {dev_upload_x(xa, P * Ca), dev_upload_x(dxa_before, P * Ca), N, H, W, Ca};
+    Act bb = {dev_upload_x(xb, P * Cb), (floatX *)dev_gpu_poisoned(P * Cb * sizeof(floatX)), N, H, W, Cb};
+    floatX *y_gpu = (floatX *)dev_gpu_poisoned(ny * sizeof(floatX)), *dy_gpu = dev_upload_x(dy, ny);
+    conv1x1_forward_concat(&cv, y_gpu, &a, &bb);
+    conv1x1_backward_concat(&cv, dy_gpu, &a, GRAD_ADD, &bb, GRAD_WRITE);
+
+    double tol = DEV_TOLERANCE, fwd = dev_check_x(y_gpu, NULL, y, ny);
+    DevErrors e;
+    dev_errors_init(&e);
+    dev_errors_add(&e, "da", dev_check_x(a.dx, dxa_before, dxa, P * Ca), tol);
+    dev_errors_add(&e, "db_in", dev_check_x(bb.dx, NULL, dxb, P * Cb), tol);
+    dev_errors_add(&e, "dw", dev_check_f(cv.dw, NULL, dw, nw), tol);
+    dev_errors_add(&e, "dbias", dev_check_f(cv.db, NULL, db, Cout), tol);
+    char shape[96];
+    snprintf(shape, sizeof shape, "N%d %dx%d [%d | %d]->%d k1 in place", N, H, W, Ca, Cb, Cout);
+    dev_row("conv2d", shape, fwd, tol, &e, -1, -1);
+
+    dev_gpu_free(cv.w, cv.b, cv.dw, cv.db, a.x, a.dx, bb.x, bb.dx, y_gpu, dy_gpu, NULL);
+    free(x), free(w), free(b), free(dy), free(y), free(dx), free(dw), free(db), free(xa), free(xb), free(dxa), free(dxb);
+    free(dxa_before);
+}
+
 // Forward and backward (dx given, the bias gradient total only) timed separately.
 static void time_conv(const char *what, int N, int H, int W, int Cin, int Cout, int k, int stride) {
     int Ho = ref_conv2d_out_size(H, k, stride), Wo = ref_conv2d_out_size(W, k, stride);
@@ -232,6 +281,8 @@ int main(void) {
     check_conv(8, 32, 32, 64, 64, 3, 1, RESIDUAL_NONE, 1, DX_ADD);       // weight gradient in 32 slices of pixels
     check_conv(4, 17, 17, 96, 96, 3, 2, RESIDUAL_NONE, 0, DX_ADD);       // stride 2, sliced weight gradient
     check_conv(4, 32, 32, 64, 128, 1, 1, RESIDUAL_NONE, 0, DX_ADD);      // 1x1 weight gradient in row slices
+    check_conv1x1_concat(3, 5, 7, 64, 32, 96);                           // a decoder's skip convolution
+    check_conv1x1_concat(4, 32, 32, 128, 64, 64);                        // its weight gradients in row slices
     time_conv("ResBlock conv", 32, 64, 64, 64, 64, 3, 1);
     time_conv("attention qkv", 32, 16, 16, 192, 576, 1, 1);
     return dev_end();

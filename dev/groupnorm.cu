@@ -131,7 +131,8 @@ static void check_norm(int N, int H, int W, int C, int silu, int mode, float dro
     size_t n = (size_t)N * HW * C, nss = (size_t)N * ld, nadd = (size_t)N * add_ld;
     double *x = dev_alloc(n), *gamma = dev_alloc(C), *beta = dev_alloc(C), *dy = dev_alloc(n);
     double *ss = dev_alloc(nss), *add = dev_alloc(nadd);
-    dev_fill_x(x, n, mode & GN_FAR_MEAN ? 40 : -1, mode & GN_FAR_MEAN ? 44 : 2), dev_fill_f(gamma, C, 0.5, 1.5), dev_fill_f(beta, C, -0.5, 0.5), dev_fill_x(dy, n, -1, 1);
+    dev_fill_x(x, n, mode & GN_FAR_MEAN ? 40 : -1, mode & GN_FAR_MEAN ? 44 : 2), dev_fill_f(gamma, C, 0.5, 1.5);
+    dev_fill_f(beta, C, -0.5, 0.5), dev_fill_x(dy, n, -1, 1);
     dev_fill_f(ss, nss, -0.5, 0.5), dev_fill_f(add, nadd, -1, 1);
     uint64_t seed = random_u64(dev_seed, 7, 0);
 
@@ -198,13 +199,13 @@ static void check_norm(int N, int H, int W, int C, int silu, int mode, float dro
     norm_run_forward(&r);
     // Backward's recomputations of y from the kept statistics (group_norm_recompute, and the backward's
     // first pass with y): the forward's bits.
-    floatX *y_again = (floatX *)dev_gpu_poisoned(n * sizeof(floatX));
-    group_norm_recompute(&r.norm, y_again, r.mean, r.rstd, r.x, N, HW, r.o);
-    double recompute_err = dev_same_bits(r.y, y_again, n * sizeof(floatX)) ? 0.0 : INFINITY;
+    floatX *y_recomputed = (floatX *)dev_gpu_poisoned(n * sizeof(floatX));
+    group_norm_recompute(&r.norm, y_recomputed, r.mean, r.rstd, r.x, N, HW, r.o);
+    double recompute_err = dev_same_bits(r.y, y_recomputed, n * sizeof(floatX)) ? 0.0 : INFINITY;
     r.y_again = (floatX *)dev_gpu_poisoned(n * sizeof(floatX));
     norm_run_backward(&r);
     double backward_recompute_err = dev_same_bits(r.y, r.y_again, n * sizeof(floatX)) ? 0.0 : INFINITY;
-    dev_gpu_free(y_again, r.y_again, NULL);
+    dev_gpu_free(y_recomputed, r.y_again, NULL);
     if (mode & GN_CONCAT) {
         concat_channels(dx_whole, dx_parts, dx_parts + pixels * C1, pixels, C1, C - C1);
         r.x = x_whole, r.dx = dx_whole;
