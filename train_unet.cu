@@ -869,8 +869,22 @@ struct ConvOperand {
 //   forward       y[row][n] = acc + bias[n] (+ residual[row][n])
 //   input grad    dx[row][n] (+)= acc   (added when p.add_out: GRAD_ADD)
 //   weight grad   out_f[slice][row][n] = acc
-template <int OP>
+// ALIGNED: the caller knows that m < M and n + 1 < Ng, and that p.pair_store holds with bias and
+// residual pairs aligned too (the halo kernel): no tests.
+template <int OP, bool ALIGNED = false>
 __device__ __forceinline__ void conv_store_pair(const ConvGemm &p, int m, int row, int n, float v0, float v1) {
+    if constexpr (ALIGNED) {
+        static_assert(OP != CONV_WEIGHT_GRAD, "the weight gradient is stored in fp32");
+        __nv_bfloat162 *o = (__nv_bfloat162 *)(p.out + (int64_t)row * p.ldo + n);
+        float2 add = OP == CONV_FORWARD ? __bfloat1622float2(*(const __nv_bfloat162 *)(p.bias + n)) : make_float2(0.0f, 0.0f);
+        if (OP == CONV_FORWARD && p.residual) {
+            float2 r = __bfloat1622float2(*(const __nv_bfloat162 *)(p.residual + (int64_t)row * p.ldr + n));
+            add.x += r.x, add.y += r.y;
+        }
+        if (OP == CONV_INPUT_GRAD && p.add_out) add = __bfloat1622float2(*o);
+        *o = __floats2bfloat162_rn(v0 + add.x, v1 + add.y);
+        return;
+    }
     if (m >= p.M || n >= p.Ng) return;
     bool both = n + 1 < p.Ng, pair = both && p.pair_store;
     if (OP == CONV_WEIGHT_GRAD) {
@@ -1344,6 +1358,189 @@ static bool conv_try_wgmma(const ConvGemm &p, bool vec_a, bool vec_b) {
     return true;
 }
 
+// The halo kernel (sm_90a): the stride-1 forward and input gradient for images a multiple of 64 pixels
+// wide and channel counts that are multiples of 64, reading each input element into shared memory
+// about once instead of once per tap (conv3x3_wgmma_kernel gathers its A tile anew for every tap). A
+// block computes ROWS output rows x 64 columns x BN channels of one image, each warpgroup ROWS / 2 of
+// the rows. For each 64-channel chunk of its input (x, or dy for the input gradient) it copies the
+// halo, the tile plus one pixel on every side ((ROWS + 2) x 66 pixels, zero outside the image), into
+// shared memory once; the nine taps are nine shifted views of it, each wgmma's A operand. With halo
+// pixel (i, j) the image's (h0 - 1 + i, w0 - 1 + j):
+//   forward       y(h0 + r, w0 + c)  = bias + sum_{t, chunk} x-halo(r + kh, c + kw) w[:, t, chunk]
+//   input grad    dx(h0 + r, w0 + c) = sum_{t, chunk} dy-halo(r + 2 - kh, c + 2 - kw) w[chunk, t, :]
+// The halo is stored as one 128-byte line per pixel with the 128-byte swizzle of the wgmma kernel's
+// tiles (16-byte chunk j of line q at chunk j ^ (q % 8)). The swizzle is a function of the address, so
+// a view of one row's 64 pixels may start at any line. The B tiles (one tap of one chunk) are
+// ConvWgmmaOperand's, in a ring of B_STAGES. The blocks are persistent: block b runs items b,
+// b + gridDim.x, ... (an item is a tile and a group of BN output channels), and its k steps (item,
+// chunk, tap) run as one sequence, so the next item's loads overlap this one's last steps and store.
+template <int ROWS, int BN>
+struct ConvHaloTile {
+    static constexpr int HALO_W = 66, HALO_PIXELS = (ROWS + 2) * HALO_W;
+    static constexpr int HALO = (HALO_PIXELS * 64 + 511) / 512 * 512, B_STAGES = 4, B_TILE = BN * 64;  // elements, 1024-byte multiples
+    static constexpr size_t SMEM = (size_t)(2 * HALO + B_STAGES * B_TILE) * sizeof(floatX) + 1024;
+    static constexpr int BLOCKS_PER_SM = 2 * SMEM <= 227 * 1024 ? 2 : 1;
+    static_assert(ROWS % 2 == 0, "each warpgroup takes ROWS / 2 rows");
+};
+
+template <int OP, int ROWS, int BN>
+__global__ void __launch_bounds__(CONV_THREADS, (ConvHaloTile<ROWS, BN>::BLOCKS_PER_SM)) conv3x3_halo_kernel(const ConvGemm p) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    typedef ConvHaloTile<ROWS, BN> Tile;
+    constexpr int STAGES = Tile::B_STAGES;
+    constexpr bool B_K_MAJOR = OP == CONV_FORWARD;
+    constexpr int B_STEP = B_K_MAJOR ? 16 : 16 * 64;  // a k16 step along the B tile (as in conv3x3_wgmma_kernel)
+    constexpr uint32_t B_LEADING = B_K_MAJOR ? 16 : CONV_WGMMA_BK * 128;
+    extern __shared__ __align__(16) unsigned char conv_smem[];
+    floatX *Bs = (floatX *)(conv_smem + (1024 - conv_smem_address(conv_smem) % 1024) % 1024);  // swizzle atoms: 1024 bytes
+    floatX *halos = Bs + Tile::B_STAGES * Tile::B_TILE;
+    const floatX *src = OP == CONV_FORWARD ? p.x : p.dy;
+    const int ld = OP == CONV_FORWARD ? p.ldx : p.lddy, C = OP == CONV_FORWARD ? p.C_in : p.C_out;  // k channels
+    const int tiles_w = p.W / 64, tiles_h = (p.H + ROWS - 1) / ROWS, groups = p.Ng / BN;
+    const int items = p.N * tiles_h * tiles_w * groups, chunks = C / 64;
+    const int steps = ((items - 1 - (int)blockIdx.x) / (int)gridDim.x + 1) * 9 * chunks;
+
+    // Item i of this block: image n, first row h0 and column w0, first output channel n0.
+    struct Item {
+        int n, h0, w0, n0;
+    };
+    auto item_of = [&](int i) {
+        int item = blockIdx.x + i * gridDim.x, tile = item / groups;
+        Item it = {tile / tiles_w / tiles_h, tile / tiles_w % tiles_h * ROWS, tile % tiles_w * 64, item % groups * BN};
+        return it;
+    };
+    // The loads run ahead of the products: B tiles STAGES - 2 steps, halos most of a chunk. Each has a
+    // cursor (item, chunk's first channel c0, tap) that moves one step, or one chunk, at a time.
+    struct Cursor {
+        int i, c0, tap;
+    };
+    auto next_chunk = [&](Cursor &at) {
+        at.tap = 0, at.c0 += 64;
+        if (at.c0 == C) at.c0 = 0, at.i++;
+    };
+    // The next chunk's halo, into buffer `halo` (64 channels of a pixel a line, swizzled).
+    Cursor halo_at = {0, 0, 0};
+    auto load_halo = [&](floatX *halo) {
+        Item it = item_of(halo_at.i);
+        const floatX *from = src + ((int64_t)it.n * p.H * p.W) * ld + halo_at.c0;
+        for (int e = threadIdx.x; e < Tile::HALO_PIXELS * 8; e += CONV_THREADS) {
+            int q = e / 8, part = e % 8, h = it.h0 - 1 + q / Tile::HALO_W, w = it.w0 - 1 + q % Tile::HALO_W;
+            bool inside = (unsigned)h < (unsigned)p.H && (unsigned)w < (unsigned)p.W;
+            conv_cp_async16(halo + q * 64 + (part ^ (q & 7)) * 8, inside ? from + ((int64_t)h * p.W + w) * ld + part * 8 : src,
+                            inside);
+        }
+        next_chunk(halo_at);
+    };
+    ConvWgmmaOperand<OP, false, BN, false> b_operand;
+    Cursor b_at = {0, 0, 0};
+    int b_loaded = 0, b_item = -1;  // steps whose B tile is loaded; the item b_operand is set up for
+    auto load_b = [&]() {  // the next step's B tile: its tap of its chunk, its item's output channels
+        if (b_loaded < steps) {
+            if (b_at.i != b_item) b_operand.init(p, item_of(b_at.i).n0), b_item = b_at.i;
+            ConvStep st = {b_at.tap * C + b_at.c0, b_at.tap, b_at.c0, NULL};
+            b_operand.load(Bs + b_loaded % Tile::B_STAGES * Tile::B_TILE, p.w, p, st);
+            if (++b_at.tap == 9) next_chunk(b_at);
+            b_loaded++;
+        }
+        conv_cp_async_commit();
+    };
+
+    const int group = threadIdx.x / 128;
+    float acc[ROWS / 2][BN / 2] = {};
+    auto store = [&](int i) {  // accumulator j of 4 (per 8 columns): pixels lane / 4 and + 8 of the warp's 16
+        Item it = item_of(i);
+        const int lane = threadIdx.x % 32, column = it.w0 + (threadIdx.x % 128) / 32 * 16 + lane / 4;
+#pragma unroll
+        for (int r = 0; r < ROWS / 2; r++) {
+            int h = it.h0 + group * (ROWS / 2) + r, pixel = (it.n * p.H + h) * p.W + column;
+            if (h >= p.H) continue;
+#pragma unroll
+            for (int j = 0; j < BN / 8; j++) {
+                int n = it.n0 + j * 8 + (lane % 4) * 2;
+                conv_store_pair<OP, true>(p, pixel, pixel, n, acc[r][4 * j], acc[r][4 * j + 1]);
+                conv_store_pair<OP, true>(p, pixel + 8, pixel + 8, n, acc[r][4 * j + 2], acc[r][4 * j + 3]);
+            }
+        }
+    };
+
+    // Step s (tap s % 9 of chunk s / 9 of the sequence) waits for its B tile, loaded STAGES - 2 steps
+    // before with, at a chunk's first tap, the chunk's halo among the loads before it. It then loads
+    // the B tile of step s + STAGES - 2 into the slot step s - 2 used, and at a chunk's second tap the
+    // next chunk's halo into the buffer the chunk before this one used: every warpgroup has finished
+    // reading both (wgmma.wait_group 1 leaves only step s - 1's products running).
+    load_halo(halos);
+    for (int j = 0; j < STAGES - 2; j++) load_b();
+    for (int i = 0, s = 0, chunk = 0; s < steps; i++) {
+        for (int c0 = 0; c0 < C; c0 += 64, chunk++) {
+            const floatX *halo = halos + chunk % 2 * Tile::HALO;
+            for (int tap = 0; tap < 9; tap++, s++) {
+                conv_cp_async_wait<STAGES - 3>();
+                asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // cp.async's writes, seen by wgmma
+                __syncthreads();
+                if (tap == 1 && s + 8 < steps) load_halo(halos + (chunk + 1) % 2 * Tile::HALO);
+                load_b();
+                // The descriptors' start addresses count 16 bytes (8 elements) a unit, and adding to the
+                // field cannot carry out of it (shared memory stays below 256 KB).
+                const int kh = tap / 3, kw = tap % 3, first_row = group * (ROWS / 2);
+                const int q0 = OP == CONV_FORWARD ? (first_row + kh) * Tile::HALO_W + kw : (first_row + 2 - kh) * Tile::HALO_W + 2 - kw;
+                const uint64_t a_desc = conv_wgmma_descriptor(halo + q0 * 64, 16);
+                const uint64_t b_desc = conv_wgmma_descriptor(Bs + s % Tile::B_STAGES * Tile::B_TILE, B_LEADING);
+                asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#pragma unroll
+                for (int r = 0; r < ROWS / 2; r++)  // the warpgroup's row r: its view starts r halo rows later
+#pragma unroll
+                    for (int k = 0; k < 4; k++)  // k16 step k: channels [16 k, 16 k + 16) of the chunk
+                        conv_wgmma<BN, 0, B_K_MAJOR ? 0 : 1>(acc[r], a_desc + (r * Tile::HALO_W * 64 + k * 16) / 8,
+                                                             b_desc + k * B_STEP / 8);
+                asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+                asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
+            }
+        }
+        asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+        store(i);
+#pragma unroll
+        for (int r = 0; r < ROWS / 2; r++)
+#pragma unroll
+            for (int j = 0; j < BN / 2; j++) acc[r][j] = 0.0f;
+    }
+    conv_cp_async_wait<0>();
+#else
+    __trap();  // launched only where gpu.sm90a says the sm_90a code runs
+#endif
+}
+
+// The halo kernel when it applies (see above; both operands in 16-byte chunks, output pairs aligned):
+// BN = 192 (forward only: its B tile is K-major) or 128 in 4-row tiles where the output channels
+// allow, else BN = 64 in 8-row tiles; as many blocks as run at once, or one per item when fewer.
+// (H100, dev/bench_conv: 8-row tiles for BN = 64 ran 1.00-1.10x of 4-row ones, BN = 192 1.12-1.18x
+// of BN = 64 on adm64's 192-channel forwards.)
+template <int OP, int ROWS, int BN>
+static void conv_launch_halo(const ConvGemm &p) {
+    typedef ConvHaloTile<ROWS, BN> Tile;
+    auto kernel = conv3x3_halo_kernel<OP, ROWS, BN>;
+    static bool configured = false;  // the shared-memory limit, raised once per kernel
+    if (!configured) {
+        cuda_check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)Tile::SMEM));
+        configured = true;
+    }
+    int64_t items = (int64_t)p.N * ((p.H + ROWS - 1) / ROWS) * (p.W / 64) * (p.Ng / BN);
+    int64_t at_once = (int64_t)gpu.num_sms * Tile::BLOCKS_PER_SM;
+    kernel<<<(int)(items < at_once ? items : at_once), CONV_THREADS, Tile::SMEM, gpu.stream>>>(p);
+    cuda_check_launch();
+}
+
+template <int OP>
+static bool conv_try_halo(const ConvGemm &p, bool vec_a, bool vec_b) {
+    if (!gpu.sm90a || !vec_a || !vec_b || p.stride != 1 || p.W % 64 != 0 || p.C_in % 64 != 0 || p.C_out % 64 != 0 ||
+        !p.pair_store || (p.bias && ((uintptr_t)p.bias & 3) != 0))
+        return false;
+    if constexpr (OP == CONV_FORWARD)
+        if (p.Ng % 192 == 0) return conv_launch_halo<OP, 4, 192>(p), true;
+    if (p.Ng % 128 == 0) conv_launch_halo<OP, 4, 128>(p);
+    else conv_launch_halo<OP, 8, 64>(p);
+    return true;
+}
+
 static bool conv_aligned16(const void *p) { return ((uintptr_t)p & 15) == 0; }
 
 static ConvGemm conv_gemm(int op, int N, int H, int W, int C_in, int C_out, int stride) {
@@ -1400,7 +1597,8 @@ static void conv3x3_forward(floatX *y, int ldy, const floatX *x, int ldx, const 
     p.x = x, p.ldx = ldx, p.w = w, p.bias = bias, p.residual = residual, p.ldr = ldr, p.out = y, p.ldo = ldy;
     p.pair_store = ldy % 2 == 0 && ((uintptr_t)y & 3) == 0 && (!residual || (ldr % 2 == 0 && ((uintptr_t)residual & 3) == 0));
     bool vec = C_in % 8 == 0 && ldx % 8 == 0 && conv_aligned16(x) && conv_aligned16(w);
-    if (!conv_try_wgmma<CONV_FORWARD>(p, vec, vec)) conv_launch_by_width<CONV_FORWARD>(p, vec, vec);
+    if (!conv_try_halo<CONV_FORWARD>(p, vec, vec) && !conv_try_wgmma<CONV_FORWARD>(p, vec, vec))
+        conv_launch_by_width<CONV_FORWARD>(p, vec, vec);
 }
 
 // The stride-2 input gradient's rows numbered by parity class (ConvGemm.class_start), for the wgmma
@@ -1420,7 +1618,8 @@ static void conv3x3_backward_input(floatX *dx, int lddx, GradMode mode, const fl
     p.dy = dy, p.lddy = lddy, p.w = w, p.out = dx, p.ldo = lddx, p.add_out = mode == GRAD_ADD;
     p.pair_store = lddx % 2 == 0 && ((uintptr_t)dx & 3) == 0;
     bool vec_a = C_out % 8 == 0 && lddy % 8 == 0 && conv_aligned16(dy), vec_b = C_in % 8 == 0 && conv_aligned16(w);
-    if (!conv_try_wgmma<CONV_INPUT_GRAD>(p, vec_a, vec_b)) conv_launch_by_width<CONV_INPUT_GRAD>(p, vec_a, vec_b);
+    if (!conv_try_halo<CONV_INPUT_GRAD>(p, vec_a, vec_b) && !conv_try_wgmma<CONV_INPUT_GRAD>(p, vec_a, vec_b))
+        conv_launch_by_width<CONV_INPUT_GRAD>(p, vec_a, vec_b);
 }
 
 static void conv3x3_backward_weight(float *dw, float *scratch, const floatX *dy, int lddy, const floatX *x, int ldx, int N,

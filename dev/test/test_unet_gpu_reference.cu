@@ -21,6 +21,7 @@ static const TestConfig CONFIGS[] = {
     {"64 channels, no scale-shift, 5 classes, legacy attention with 2 heads", 16, 64, 1, 2, -1, -1, "1,2", "8", 0, 0, 0, 0, 5, 3},
     {"96 channels, 14x14, scale-shift, resblock up/down, new order, 32-channel heads", 14, 96, 2, 4, -1, 32, "1,2", "7", 1, 1, 0, 1, 0, 2},
     {"4 levels down to 2x2, conv resampling, 4 heads down and 2 up, 3 classes", 16, 64, 1, 4, 2, -1, "1,1,1,2", "4,2", 0, 0, 1, 0, 3, 2},
+    {"64x64, scale-shift: the sm_90a halo convolutions at 64 pixels wide", 64, 64, 1, 2, -1, -1, "1,2", "32", 1, 0, 0, 0, 0, 1},
 };
 
 static ModelConfig make_config(const TestConfig *t) {
