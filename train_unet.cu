@@ -869,22 +869,8 @@ struct ConvOperand {
 //   forward       y[row][n] = acc + bias[n] (+ residual[row][n])
 //   input grad    dx[row][n] (+)= acc   (added when p.add_out: GRAD_ADD)
 //   weight grad   out_f[slice][row][n] = acc
-// ALIGNED: the caller knows that m < M and n + 1 < Ng, and that p.pair_store holds with bias and
-// residual pairs aligned too (the halo kernel): no tests.
-template <int OP, bool ALIGNED = false>
+template <int OP>
 __device__ __forceinline__ void conv_store_pair(const ConvGemm &p, int m, int row, int n, float v0, float v1) {
-    if constexpr (ALIGNED) {
-        static_assert(OP != CONV_WEIGHT_GRAD, "the weight gradient is stored in fp32");
-        __nv_bfloat162 *o = (__nv_bfloat162 *)(p.out + (int64_t)row * p.ldo + n);
-        float2 add = OP == CONV_FORWARD ? __bfloat1622float2(*(const __nv_bfloat162 *)(p.bias + n)) : make_float2(0.0f, 0.0f);
-        if (OP == CONV_FORWARD && p.residual) {
-            float2 r = __bfloat1622float2(*(const __nv_bfloat162 *)(p.residual + (int64_t)row * p.ldr + n));
-            add.x += r.x, add.y += r.y;
-        }
-        if (OP == CONV_INPUT_GRAD && p.add_out) add = __bfloat1622float2(*o);
-        *o = __floats2bfloat162_rn(v0 + add.x, v1 + add.y);
-        return;
-    }
     if (m >= p.M || n >= p.Ng) return;
     bool both = n + 1 < p.Ng, pair = both && p.pair_store;
     if (OP == CONV_WEIGHT_GRAD) {
@@ -1447,18 +1433,36 @@ __global__ void __launch_bounds__(CONV_THREADS, (ConvHaloTile<ROWS, BN>::BLOCKS_
 
     const int group = threadIdx.x / 128;
     float acc[ROWS / 2][BN / 2] = {};
-    auto store = [&](int i) {  // accumulator j of 4 (per 8 columns): pixels lane / 4 and + 8 of the warp's 16
+    // The store: accumulator j of 4 (per 8 columns) holds pixels lane / 4 and + 8 of the warp's 16,
+    // output channels n0 + 8 j + 2 (lane % 4) + 0, 1. Forward: + bias (+ residual); input gradient: +
+    // what dx holds when add_out. The bias pairs are read once per item.
+    auto store = [&](int i) {
         Item it = item_of(i);
         const int lane = threadIdx.x % 32, column = it.w0 + (threadIdx.x % 128) / 32 * 16 + lane / 4;
+        const int n = it.n0 + (lane % 4) * 2;
+        float2 bias[BN / 8];
+#pragma unroll
+        for (int j = 0; j < BN / 8; j++)
+            bias[j] = OP == CONV_FORWARD ? __bfloat1622float2(*(const __nv_bfloat162 *)(p.bias + n + 8 * j)) : make_float2(0, 0);
+        const bool add_out = OP == CONV_FORWARD ? p.residual != NULL : p.add_out;
 #pragma unroll
         for (int r = 0; r < ROWS / 2; r++) {
-            int h = it.h0 + group * (ROWS / 2) + r, pixel = (it.n * p.H + h) * p.W + column;
+            int h = it.h0 + group * (ROWS / 2) + r;
             if (h >= p.H) continue;
 #pragma unroll
-            for (int j = 0; j < BN / 8; j++) {
-                int n = it.n0 + j * 8 + (lane % 4) * 2;
-                conv_store_pair<OP, true>(p, pixel, pixel, n, acc[r][4 * j], acc[r][4 * j + 1]);
-                conv_store_pair<OP, true>(p, pixel + 8, pixel + 8, n, acc[r][4 * j + 2], acc[r][4 * j + 3]);
+            for (int half = 0; half < 2; half++) {  // pixels lane / 4, and 8 further
+                int64_t pixel = (int64_t)(it.n * p.H + h) * p.W + column + 8 * half;
+                __nv_bfloat162 *out = (__nv_bfloat162 *)(p.out + pixel * p.ldo + n);
+                const __nv_bfloat162 *add = OP == CONV_FORWARD && add_out ? (const __nv_bfloat162 *)(p.residual + pixel * p.ldr + n) : out;
+#pragma unroll
+                for (int j = 0; j < BN / 8; j++) {
+                    float2 v = make_float2(acc[r][4 * j + 2 * half] + bias[j].x, acc[r][4 * j + 2 * half + 1] + bias[j].y);
+                    if (add_out) {
+                        float2 a = __bfloat1622float2(add[4 * j]);
+                        v.x += a.x, v.y += a.y;
+                    }
+                    out[4 * j] = __floats2bfloat162_rn(v.x, v.y);
+                }
             }
         }
     };
