@@ -1363,7 +1363,8 @@ static bool conv_try_wgmma(const ConvGemm &p, bool vec_a, bool vec_b) {
 template <int ROWS, int BN>
 struct ConvHaloTile {
     static constexpr int HALO_W = 66, HALO_PIXELS = (ROWS + 2) * HALO_W;
-    static constexpr int HALO = (HALO_PIXELS * 64 + 511) / 512 * 512, B_STAGES = 4, B_TILE = BN * 64;  // elements, 1024-byte multiples
+    // elements; a halo buffer is a whole number of 1024-byte swizzle atoms
+    static constexpr int HALO = (HALO_PIXELS * 64 + 511) / 512 * 512, B_STAGES = 4, B_TILE = BN * 64;
     static constexpr size_t SMEM = (size_t)(2 * HALO + B_STAGES * B_TILE) * sizeof(floatX) + 1024;
     static constexpr int BLOCKS_PER_SM = 2 * SMEM <= 227 * 1024 ? 2 : 1;
     static_assert(ROWS % 2 == 0, "each warpgroup takes ROWS / 2 rows");
@@ -1443,7 +1444,8 @@ __global__ void __launch_bounds__(CONV_THREADS, (ConvHaloTile<ROWS, BN>::BLOCKS_
         float2 bias[BN / 8];
 #pragma unroll
         for (int j = 0; j < BN / 8; j++)
-            bias[j] = OP == CONV_FORWARD ? __bfloat1622float2(*(const __nv_bfloat162 *)(p.bias + n + 8 * j)) : make_float2(0, 0);
+            bias[j] = OP == CONV_FORWARD ? __bfloat1622float2(*(const __nv_bfloat162 *)(p.bias + n + 8 * j))
+                                         : make_float2(0.0f, 0.0f);
         const bool add_out = OP == CONV_FORWARD ? p.residual != NULL : p.add_out;
 #pragma unroll
         for (int r = 0; r < ROWS / 2; r++) {
@@ -1453,7 +1455,8 @@ __global__ void __launch_bounds__(CONV_THREADS, (ConvHaloTile<ROWS, BN>::BLOCKS_
             for (int half = 0; half < 2; half++) {  // pixels lane / 4, and 8 further
                 int64_t pixel = (int64_t)(it.n * p.H + h) * p.W + column + 8 * half;
                 __nv_bfloat162 *out = (__nv_bfloat162 *)(p.out + pixel * p.ldo + n);
-                const __nv_bfloat162 *add = OP == CONV_FORWARD && add_out ? (const __nv_bfloat162 *)(p.residual + pixel * p.ldr + n) : out;
+                const __nv_bfloat162 *add =
+                    OP == CONV_FORWARD && add_out ? (const __nv_bfloat162 *)(p.residual + pixel * p.ldr + n) : out;
 #pragma unroll
                 for (int j = 0; j < BN / 8; j++) {
                     float2 v = make_float2(acc[r][4 * j + 2 * half] + bias[j].x, acc[r][4 * j + 2 * half + 1] + bias[j].y);
@@ -1486,7 +1489,8 @@ __global__ void __launch_bounds__(CONV_THREADS, (ConvHaloTile<ROWS, BN>::BLOCKS_
                 // The descriptors' start addresses count 16 bytes (8 elements) a unit, and adding to the
                 // field cannot carry out of it (shared memory stays below 256 KB).
                 const int kh = tap / 3, kw = tap % 3, first_row = group * (ROWS / 2);
-                const int q0 = OP == CONV_FORWARD ? (first_row + kh) * Tile::HALO_W + kw : (first_row + 2 - kh) * Tile::HALO_W + 2 - kw;
+                const int q0 = OP == CONV_FORWARD ? (first_row + kh) * Tile::HALO_W + kw
+                                                  : (first_row + 2 - kh) * Tile::HALO_W + 2 - kw;
                 const uint64_t a_desc = conv_wgmma_descriptor(halo + q0 * 64, 16);
                 const uint64_t b_desc = conv_wgmma_descriptor(Bs + s % Tile::B_STAGES * Tile::B_TILE, B_LEADING);
                 asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
