@@ -864,7 +864,8 @@ struct ConvOperand {
 };
 
 // Store: the block's accumulators, two adjacent columns at a time. (This is where bias, embedding
-// and residual adds happen as the output is written.) Row m of the product is row `row` of the output
+// and residual adds happen as the output is written; the halo kernel has a store of its own, which an
+// add fused here needs too.) Row m of the product is row `row` of the output
 // (the same but for parity-ordered rows):
 //   forward       y[row][n] = acc + bias[n] (+ residual[row][n])
 //   input grad    dx[row][n] (+)= acc   (added when p.add_out: GRAD_ADD)
@@ -1352,7 +1353,7 @@ static bool conv_try_wgmma(const ConvGemm &p, bool vec_a, bool vec_b) {
 // halo, the tile plus one pixel on every side ((ROWS + 2) x 66 pixels, zero outside the image), into
 // shared memory once; the nine taps are nine shifted views of it, each wgmma's A operand. With halo
 // pixel (i, j) the image's (h0 - 1 + i, w0 - 1 + j):
-//   forward       y(h0 + r, w0 + c)  = bias + sum_{t, chunk} x-halo(r + kh, c + kw) w[:, t, chunk]
+//   forward       y(h0 + r, w0 + c)  = bias + sum_{t, chunk} x-halo(r + kh, c + kw) w[:, t, chunk] (+ residual)
 //   input grad    dx(h0 + r, w0 + c) = sum_{t, chunk} dy-halo(r + 2 - kh, c + 2 - kw) w[chunk, t, :]
 // The halo is stored as one 128-byte line per pixel with the 128-byte swizzle of the wgmma kernel's
 // tiles (16-byte chunk j of line q at chunk j ^ (q % 8)). The swizzle is a function of the address, so
@@ -1366,7 +1367,7 @@ struct ConvHaloTile {
     // elements; a halo buffer is a whole number of 1024-byte swizzle atoms
     static constexpr int HALO = (HALO_PIXELS * 64 + 511) / 512 * 512, B_STAGES = 4, B_TILE = BN * 64;
     static constexpr size_t SMEM = (size_t)(2 * HALO + B_STAGES * B_TILE) * sizeof(floatX) + 1024;
-    static constexpr int BLOCKS_PER_SM = 2 * SMEM <= 227 * 1024 ? 2 : 1;
+    static constexpr int BLOCKS_PER_SM = 2 * SMEM <= 227 * 1024 ? 2 : 1;  // 1 for the tiles built (8 x 64, 4 x 128, 4 x 192)
     static_assert(ROWS % 2 == 0, "each warpgroup takes ROWS / 2 rows");
 };
 
@@ -1380,7 +1381,7 @@ __global__ void __launch_bounds__(CONV_THREADS, (ConvHaloTile<ROWS, BN>::BLOCKS_
     constexpr uint32_t B_LEADING = B_K_MAJOR ? 16 : CONV_WGMMA_BK * 128;
     extern __shared__ __align__(16) unsigned char conv_smem[];
     floatX *Bs = (floatX *)(conv_smem + (1024 - conv_smem_address(conv_smem) % 1024) % 1024);  // swizzle atoms: 1024 bytes
-    floatX *halos = Bs + Tile::B_STAGES * Tile::B_TILE;
+    floatX *halos = Bs + STAGES * Tile::B_TILE;
     const floatX *src = OP == CONV_FORWARD ? p.x : p.dy;
     const int ld = OP == CONV_FORWARD ? p.ldx : p.lddy, C = OP == CONV_FORWARD ? p.C_in : p.C_out;  // k channels
     const int tiles_w = p.W / 64, tiles_h = (p.H + ROWS - 1) / ROWS, groups = p.Ng / BN;
@@ -1425,7 +1426,7 @@ __global__ void __launch_bounds__(CONV_THREADS, (ConvHaloTile<ROWS, BN>::BLOCKS_
         if (b_loaded < steps) {
             if (b_at.i != b_item) b_operand.init(p, item_of(b_at.i).n0), b_item = b_at.i;
             ConvStep st = {b_at.tap * C + b_at.c0, b_at.tap, b_at.c0, NULL};
-            b_operand.load(Bs + b_loaded % Tile::B_STAGES * Tile::B_TILE, p.w, p, st);
+            b_operand.load(Bs + b_loaded % STAGES * Tile::B_TILE, p.w, p, st);
             if (++b_at.tap == 9) next_chunk(b_at);
             b_loaded++;
         }
@@ -1440,11 +1441,11 @@ __global__ void __launch_bounds__(CONV_THREADS, (ConvHaloTile<ROWS, BN>::BLOCKS_
     auto store = [&](int i) {
         Item it = item_of(i);
         const int lane = threadIdx.x % 32, column = it.w0 + (threadIdx.x % 128) / 32 * 16 + lane / 4;
-        const int n = it.n0 + (lane % 4) * 2;
+        const int co = it.n0 + (lane % 4) * 2;  // the first of the thread's output channels
         float2 bias[BN / 8];
 #pragma unroll
         for (int j = 0; j < BN / 8; j++)
-            bias[j] = OP == CONV_FORWARD ? __bfloat1622float2(*(const __nv_bfloat162 *)(p.bias + n + 8 * j))
+            bias[j] = OP == CONV_FORWARD ? __bfloat1622float2(*(const __nv_bfloat162 *)(p.bias + co + 8 * j))
                                          : make_float2(0.0f, 0.0f);
         const bool add_out = OP == CONV_FORWARD ? p.residual != NULL : p.add_out;
 #pragma unroll
@@ -1454,9 +1455,9 @@ __global__ void __launch_bounds__(CONV_THREADS, (ConvHaloTile<ROWS, BN>::BLOCKS_
 #pragma unroll
             for (int half = 0; half < 2; half++) {  // pixels lane / 4, and 8 further
                 int64_t pixel = (int64_t)(it.n * p.H + h) * p.W + column + 8 * half;
-                __nv_bfloat162 *out = (__nv_bfloat162 *)(p.out + pixel * p.ldo + n);
+                __nv_bfloat162 *out = (__nv_bfloat162 *)(p.out + pixel * p.ldo + co);
                 const __nv_bfloat162 *add =
-                    OP == CONV_FORWARD && add_out ? (const __nv_bfloat162 *)(p.residual + pixel * p.ldr + n) : out;
+                    OP == CONV_FORWARD && add_out ? (const __nv_bfloat162 *)(p.residual + pixel * p.ldr + co) : out;
 #pragma unroll
                 for (int j = 0; j < BN / 8; j++) {
                     float2 v = make_float2(acc[r][4 * j + 2 * half] + bias[j].x, acc[r][4 * j + 2 * half + 1] + bias[j].y);
@@ -1486,13 +1487,14 @@ __global__ void __launch_bounds__(CONV_THREADS, (ConvHaloTile<ROWS, BN>::BLOCKS_
                 __syncthreads();
                 if (tap == 1 && s + 8 < steps) load_halo(halos + (chunk + 1) % 2 * Tile::HALO);
                 load_b();
-                // The descriptors' start addresses count 16 bytes (8 elements) a unit, and adding to the
-                // field cannot carry out of it (shared memory stays below 256 KB).
+                // The descriptors' start addresses count 16 bytes (8 elements) a unit; adding to the field
+                // cannot carry out of it, as every view ends inside its buffer and shared memory stays
+                // below 256 KB. (Base offset 0: the swizzle pattern starts on a 1024-byte boundary.)
                 const int kh = tap / 3, kw = tap % 3, first_row = group * (ROWS / 2);
                 const int q0 = OP == CONV_FORWARD ? (first_row + kh) * Tile::HALO_W + kw
                                                   : (first_row + 2 - kh) * Tile::HALO_W + 2 - kw;
                 const uint64_t a_desc = conv_wgmma_descriptor(halo + q0 * 64, 16);
-                const uint64_t b_desc = conv_wgmma_descriptor(Bs + s % Tile::B_STAGES * Tile::B_TILE, B_LEADING);
+                const uint64_t b_desc = conv_wgmma_descriptor(Bs + s % STAGES * Tile::B_TILE, B_LEADING);
                 asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
 #pragma unroll
                 for (int r = 0; r < ROWS / 2; r++)  // the warpgroup's row r: its view starts r halo rows later
@@ -1540,10 +1542,13 @@ static void conv_launch_halo(const ConvGemm &p) {
 template <int OP>
 static bool conv_try_halo(const ConvGemm &p, bool vec_a, bool vec_b) {
     if (!gpu.sm90a || !vec_a || !vec_b || p.stride != 1 || p.W % 64 != 0 || p.C_in % 64 != 0 || p.C_out % 64 != 0 ||
-        !p.pair_store || (p.bias && ((uintptr_t)p.bias & 3) != 0))
+        !p.pair_store || (p.bias && ((uintptr_t)p.bias & 3) != 0))  // (the input gradient has no bias)
         return false;
     if constexpr (OP == CONV_FORWARD)
-        if (p.Ng % 192 == 0) return conv_launch_halo<OP, 4, 192>(p), true;
+        if (p.Ng % 192 == 0) {
+            conv_launch_halo<OP, 4, 192>(p);
+            return true;
+        }
     if (p.Ng % 128 == 0) conv_launch_halo<OP, 4, 128>(p);
     else conv_launch_halo<OP, 8, 64>(p);
     return true;
