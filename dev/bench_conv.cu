@@ -199,8 +199,8 @@ static const CheckCase check_cases[] = {
     {"sm_90a tiles 64->192",    2, 12, 11,   64,  192, 1, 64, 64, 64,  8,  0,  0,  0,  0, 1, 0},
     {"sm_90a tiles 256->64",    2, 12, 11,  256,   64, 1,  0,  0,  0,  0, 64, 64, 64, 64, 0, 0},
     {"stride2 odd 13x7 192->128", 3, 13, 7, 192,  128, 2,  0,  0,  0,  0, 64,  0, 64, 64, 0, 0},
-    // widths a multiple of 64, stride 1: the halo kernel (a tile of 4 rows x 64 pixels; 5 and 10 rows
-    // leave a partial tile), 64 and 128 wide column groups, 1 to 3 channel chunks
+    // widths a multiple of 64, stride 1: the halo kernel (tiles of 8 or 4 rows x 64 pixels; 5 and 10
+    // rows leave partial tiles), 64, 128 and 192 wide column groups, 1 to 3 channel chunks
     {"halo 64x64 64->64",       1, 64, 64,   64,   64, 1,  0,  0,  0,  0,  0,  0,  0,  0, 1, 0},
     {"halo 10x128 128->192",    2, 10, 128, 128,  192, 1, 64, 64, 64,  0, 128, 64, 64, 64, 1, 64},
     {"halo 5x64 192->128",      3,  5, 64,  192,  128, 1,  0,  0,  0,  0,  0,  0,  0,  0, 0, 0},
