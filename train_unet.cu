@@ -1782,14 +1782,26 @@ __device__ inline GnThread gn_thread(int HW, int C) {
     return t;
 }
 
-// Row r of a thread's column (its PACK channels of one sample), or nothing past the thread's rows.
-// Every kernel below loads a row one step ahead of using it: the next row's loads are in flight while
-// this one is computed, and the first while the kernel's constants are gathered. (Four rows at once
-// in the forward kernels measured 10-25% slower: fewer blocks a multiprocessor, more registers.)
-__device__ inline Pack gn_row(const floatX *column, int r, int end, int ld) {
-    Pack p;
-    if (r < end) p = *(const Pack *)&column[(int64_t)r * ld];
-    return p;
+// A thread's rows come through a ring of GN_AHEAD shared-memory slots of its own, copied there by
+// cp.async GN_AHEAD passes ahead of use: that many loads in flight per thread without registers held
+// for them (one row ahead in registers reached ~2 TB/s on the large layers; four rows in registers
+// cost blocks a multiprocessor and spilled). Pass i uses slot i % GN_AHEAD; each pass commits one
+// cp.async group per kernel (its streams' copies together), so that waiting for all but the newest
+// GN_AHEAD - 1 groups means pass i's row has arrived. The first passes' copies are started before the
+// kernel gathers its constants. Only this thread reads its slots, so no barrier is needed.
+#define GN_AHEAD 4
+typedef Pack GnRing[GN_AHEAD][GN_THREADS];
+
+// Starts copying row r of a thread's column (its PACK channels of one sample) into pass i's slot;
+// nothing past the thread's rows.
+__device__ inline void gn_fetch(GnRing &ring, int i, const floatX *column, int r, int end, int ld) {
+    if (r < end) conv_cp_async16(&ring[i % GN_AHEAD][threadIdx.x], column + (int64_t)r * ld, true);
+}
+
+// Pass i's row, once its copy has arrived (the groups of passes after it may still be in flight).
+__device__ inline Pack gn_arrived(const GnRing &ring, int i) {
+    conv_cp_async_wait<GN_AHEAD - 1>();
+    return ring[i % GN_AHEAD][threadIdx.x];
 }
 
 // Where a thread's column of the input x (or of its gradient) starts in sample n, and its row
@@ -1814,23 +1826,31 @@ __host__ __device__ inline int gn_rows(int C) { return GN_THREADS / (C / PACK); 
 // large mean costs no precision), and the block adds the threads' sums in double:
 //   sum x' = s + rows shift,  sum x'^2 = ss + 2 shift s + rows shift^2   (s, ss: sums of d = x' - shift)
 __global__ void group_norm_stats_kernel(double *__restrict__ partial, const floatX *__restrict__ x, NormOptions o, int HW, int C) {
-    __shared__ double sh[2][GN_THREADS * PACK];
+    __shared__ union {
+        GnRing ring;                      // the rows, then (after a barrier)
+        double sh[2][GN_THREADS * PACK];  // the threads' sums
+    } shared;
+    double(*sh)[GN_THREADS * PACK] = shared.sh;
     GnThread t = gn_thread(HW, C);
     int ld;
     const floatX *column = gn_column(x, o.x2, o.C1, t.n, HW, C, t.c0, &ld);
-    Pack next = gn_row(column, t.first, t.end, ld);
+    for (int i = 0; i < GN_AHEAD; i++) gn_fetch(shared.ring, i, column, t.first + i * t.rows_per_pass, t.end, ld), conv_cp_async_commit();
     float add[PACK], shift[PACK], s[PACK] = {}, ss[PACK] = {};
     for (int j = 0; j < PACK; j++) add[j] = o.add ? o.add[(int64_t)t.n * o.add_ld + t.c0 + j] : 0.0f;
-    for (int j = 0; j < PACK; j++) shift[j] = t.first < t.end ? (float)next.v[j] + add[j] : 0.0f;
     int rows = 0;
     for (int r = t.first; r < t.end; r += t.rows_per_pass, rows++) {
-        Pack p = next;
-        next = gn_row(column, r + t.rows_per_pass, t.end, ld);
+        Pack p = gn_arrived(shared.ring, rows);
+        if (rows == 0)
+            for (int j = 0; j < PACK; j++) shift[j] = (float)p.v[j] + add[j];
         for (int j = 0; j < PACK; j++) {
             float d = (float)p.v[j] + add[j] - shift[j];
             s[j] += d, ss[j] = fmaf(d, d, ss[j]);
         }
+        gn_fetch(shared.ring, rows, column, r + GN_AHEAD * t.rows_per_pass, t.end, ld), conv_cp_async_commit();
     }
+    if (rows == 0)
+        for (int j = 0; j < PACK; j++) shift[j] = 0.0f;
+    __syncthreads();  // every thread's ring read: sh may overwrite it
     for (int j = 0; j < PACK; j++) {
         double c = shift[j];
         sh[0][threadIdx.x * PACK + j] = s[j] + rows * c;
@@ -1909,11 +1929,12 @@ __global__ void __launch_bounds__(GN_THREADS, 5)
     group_norm_apply_kernel(floatX *__restrict__ y, float *sample_mean, float *sample_rstd, const floatX *__restrict__ x,
                             const double *partial, const float *gamma, const float *beta, NormOptions o, int HW, int C) {
     __shared__ float mean[GN_GROUPS], rstd[GN_GROUPS];
+    __shared__ GnRing ring;
     int n = blockIdx.y, chunks = gridDim.x;
     GnThread t = gn_thread(HW, C);
     int ld;
     const floatX *column = gn_column(x, o.x2, o.C1, n, HW, C, t.c0, &ld);
-    Pack next = gn_row(column, t.first, t.end, ld);
+    for (int i = 0; i < GN_AHEAD; i++) gn_fetch(ring, i, column, t.first + i * t.rows_per_pass, t.end, ld), conv_cp_async_commit();
     if (threadIdx.x < GN_GROUPS && !partial) {
         mean[threadIdx.x] = sample_mean[n * GN_GROUPS + threadIdx.x], rstd[threadIdx.x] = sample_rstd[n * GN_GROUPS + threadIdx.x];
     } else if (threadIdx.x < GN_GROUPS) {
@@ -1931,13 +1952,13 @@ __global__ void __launch_bounds__(GN_THREADS, 5)
     }
     __syncthreads();
     GroupNormAffine k = group_norm_affine(mean, rstd, gamma, beta, o, n, t.c0, C);
-    for (int r = t.first; r < t.end; r += t.rows_per_pass) {
-        Pack p = next, q;
-        next = gn_row(column, r + t.rows_per_pass, t.end, ld);
+    for (int r = t.first, i = 0; r < t.end; r += t.rows_per_pass, i++) {
+        Pack p = gn_arrived(ring, i), q;
         int64_t at = ((int64_t)n * HW + r) * C + t.c0;
         float slope;
         for (int j = 0; j < PACK; j++) q.v[j] = (floatX)group_norm_element((float)p.v[j] * k.s[j] + k.t[j], o, at + j, &slope);
         *(Pack *)&y[at] = q;
+        gn_fetch(ring, i, column, r + GN_AHEAD * t.rows_per_pass, t.end, ld), conv_cp_async_commit();
     }
 }
 
@@ -1978,17 +1999,24 @@ static void group_norm_recompute(const Norm *norm, floatX *y, float *mean, float
 __global__ void group_norm_backward_sums_kernel(double *partial, floatX *__restrict__ y, const floatX *__restrict__ dy,
                                                 const floatX *__restrict__ x, const float *mean, const float *rstd,
                                                 const float *gamma, const float *beta, NormOptions o, int HW, int C) {
-    __shared__ __align__(16) float shared[4 * GN_THREADS * PACK];  // 32 KB (FP32: 16 KB): [2][threads PACK] floats, then [2][C] doubles
+    __shared__ union {
+        GnRing ring[2];                                // the rows of x and dy, then (after a barrier)
+        __align__(16) float sums[4 * GN_THREADS * PACK];  // 32 KB (FP32: 16 KB): [2][threads PACK] floats, then [2][C] doubles
+    } sh_union;
+    float *shared = sh_union.sums;
+    GnRing *ring = sh_union.ring;
     GnThread t = gn_thread(HW, C);
     int64_t sample = (int64_t)t.n * HW * C + t.c0;  // y and dy: [N][HW][C]
     int ld;
     const floatX *column = gn_column(x, o.x2, o.C1, t.n, HW, C, t.c0, &ld);
-    Pack next_x = gn_row(column, t.first, t.end, ld), next_dy = gn_row(dy + sample, t.first, t.end, C);
+    for (int i = 0; i < GN_AHEAD; i++) {
+        int r = t.first + i * t.rows_per_pass;
+        gn_fetch(ring[0], i, column, r, t.end, ld), gn_fetch(ring[1], i, dy + sample, r, t.end, C), conv_cp_async_commit();
+    }
     GroupNormAffine k = group_norm_affine(mean + t.n * GN_GROUPS, rstd + t.n * GN_GROUPS, gamma, beta, o, t.n, t.c0, C);
     float acc[2][PACK] = {};
-    for (int r = t.first; r < t.end; r += t.rows_per_pass) {
-        Pack xp = next_x, dp = next_dy, yp;
-        next_x = gn_row(column, r + t.rows_per_pass, t.end, ld), next_dy = gn_row(dy + sample, r + t.rows_per_pass, t.end, C);
+    for (int r = t.first, i = 0; r < t.end; r += t.rows_per_pass, i++) {
+        Pack xp = gn_arrived(ring[0], i), dp = ring[1][i % GN_AHEAD][threadIdx.x], yp;
         int64_t at = sample + (int64_t)r * C;
         for (int j = 0; j < PACK; j++) {
             float v = (float)xp.v[j], slope;
@@ -1997,7 +2025,10 @@ __global__ void group_norm_backward_sums_kernel(double *partial, floatX *__restr
             acc[0][j] += du, acc[1][j] += du * (v * k.a[j] + k.b[j]);
         }
         if (y) *(Pack *)&y[at] = yp;
+        int next = r + GN_AHEAD * t.rows_per_pass;
+        gn_fetch(ring[0], i, column, next, t.end, ld), gn_fetch(ring[1], i, dy + sample, next, t.end, C), conv_cp_async_commit();
     }
+    __syncthreads();  // every thread's ring read: the sums may overwrite it
     float(*sh)[GN_THREADS * PACK] = (float(*)[GN_THREADS * PACK])shared;
     for (int q = 0; q < 2; q++)
         for (int j = 0; j < PACK; j++) sh[q][threadIdx.x * PACK + j] = acc[q][j];
@@ -2037,13 +2068,17 @@ __global__ void group_norm_backward_input_kernel(floatX *__restrict__ dx, GradMo
                                                  const double *partial, const float *mean, const float *rstd, const float *gamma,
                                                  const float *beta, NormOptions o, int HW, int C) {
     __shared__ float mean_g[GN_GROUPS], mean_gx[GN_GROUPS];
+    __shared__ GnRing ring[2];  // the rows of x and dy
     int n = blockIdx.y, chunks = gridDim.x, per_group = C / GN_GROUPS;
     GnThread t = gn_thread(HW, C);
     int64_t sample = (int64_t)n * HW * C + t.c0;  // dy: [N][HW][C]
     int ld, dx_ld;
     const floatX *column = gn_column(x, o.x2, o.C1, n, HW, C, t.c0, &ld);
     floatX *dx_column = gn_column(dx, o.dx2, o.C1, n, HW, C, t.c0, &dx_ld);
-    Pack next_x = gn_row(column, t.first, t.end, ld), next_dy = gn_row(dy + sample, t.first, t.end, C);
+    for (int i = 0; i < GN_AHEAD; i++) {
+        int r = t.first + i * t.rows_per_pass;
+        gn_fetch(ring[0], i, column, r, t.end, ld), gn_fetch(ring[1], i, dy + sample, r, t.end, C), conv_cp_async_commit();
+    }
     if (threadIdx.x < GN_GROUPS) {
         const double *groups = partial + (int64_t)gridDim.y * chunks * C * 4;
         double a = 0, b = 0, count = (double)HW * per_group;
@@ -2062,9 +2097,8 @@ __global__ void group_norm_backward_input_kernel(floatX *__restrict__ dx, GradMo
         int g = (t.c0 + j) / per_group;
         e[j] = -k.a[j] * k.a[j] * mean_gx[g], f[j] = -k.a[j] * (mean_g[g] + k.b[j] * mean_gx[g]);
     }
-    for (int r = t.first; r < t.end; r += t.rows_per_pass) {
-        Pack xp = next_x, dp = next_dy, out;
-        next_x = gn_row(column, r + t.rows_per_pass, t.end, ld), next_dy = gn_row(dy + sample, r + t.rows_per_pass, t.end, C);
+    for (int r = t.first, i = 0; r < t.end; r += t.rows_per_pass, i++) {
+        Pack xp = gn_arrived(ring[0], i), dp = ring[1][i % GN_AHEAD][threadIdx.x], out;
         int64_t at = sample + (int64_t)r * C;
         Pack *dx_row = (Pack *)&dx_column[(int64_t)r * dx_ld];
         if (mode == GRAD_ADD) out = *dx_row;
@@ -2075,6 +2109,8 @@ __global__ void group_norm_backward_input_kernel(floatX *__restrict__ dx, GradMo
             out.v[j] = (floatX)(mode == GRAD_ADD ? (float)out.v[j] + d : d);
         }
         *dx_row = out;
+        int next = r + GN_AHEAD * t.rows_per_pass;
+        gn_fetch(ring[0], i, column, next, t.end, ld), gn_fetch(ring[1], i, dy + sample, next, t.end, C), conv_cp_async_commit();
     }
 }
 
