@@ -544,6 +544,19 @@ typedef struct {
     const Scratch *scratch;
 } Conv;
 
+// cp.async: 16-byte copies from global to shared memory that hold no registers while in flight
+// (the convolution's operand tiles, GroupNorm's rows).
+__device__ __forceinline__ uint32_t conv_smem_address(const void *p) { return (uint32_t)__cvta_generic_to_shared(p); }
+
+// 16 bytes global -> shared, bypassing L1; zero-fills when !valid (src then only needs to be a valid address).
+__device__ __forceinline__ void conv_cp_async16(void *dst, const void *src, bool valid) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(conv_smem_address(dst)), "l"(src), "r"(valid ? 16 : 0)
+                 : "memory");
+}
+__device__ __forceinline__ void conv_cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int pending>
+__device__ __forceinline__ void conv_cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(pending) : "memory"); }
+
 static int conv_out_size(int size, int k, int stride) { return (size + 2 * (k / 2) - k) / stride + 1; }
 
 // The weight gradient's tile, BM x BN over (C_out, 9 C_in), two blocks of it on each multiprocessor
@@ -727,17 +740,6 @@ typedef struct {
     // c = 2 (h % 2) + w % 2 holds rows [class_start[c], class_start[c + 1]), in (n, h / 2, w / 2) order.
     int parity_rows, class_start[5];
 } ConvGemm;
-
-__device__ __forceinline__ uint32_t conv_smem_address(const void *p) { return (uint32_t)__cvta_generic_to_shared(p); }
-
-// 16 bytes global -> shared, bypassing L1; zero-fills when !valid (src then only needs to be a valid address).
-__device__ __forceinline__ void conv_cp_async16(void *dst, const void *src, bool valid) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(conv_smem_address(dst)), "l"(src), "r"(valid ? 16 : 0)
-                 : "memory");
-}
-__device__ __forceinline__ void conv_cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int pending>
-__device__ __forceinline__ void conv_cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(pending) : "memory"); }
 
 template <bool transpose>
 __device__ __forceinline__ void conv_ldmatrix_x4(uint32_t r[4], const floatX *p) {
