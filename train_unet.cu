@@ -256,6 +256,8 @@ typedef enum { GRAD_WRITE, GRAD_ADD } GradMode;
 typedef struct {
     float *weight_grad;        // a weight gradient's partial sums over slices of the pixels
     int64_t weight_grad_numel; // (0: a 1x1 layer's gradient is one product)
+    float *conv_split;         // a split 3x3 forward or input-gradient product's partial sums
+    int64_t conv_split_numel;
     float *channel_sums;       // per-channel partial sums, [N][CHANNEL_SUM_CHUNKS][C]
     double *gn_partials;       // GroupNorm partial sums, [N][GN_CHUNKS][4C + 2 groups]
     float *scores;             // attention, [N*heads][T][T]: S, then dP
@@ -606,6 +608,47 @@ static int64_t conv3x3_weight_grad_scratch_floats(int N, int H, int W, int C_in,
     return slices > 1 ? (int64_t)slices * C_out * 9 * C_in : 0;
 }
 
+enum { CONV_FORWARD, CONV_INPUT_GRAD, CONV_WEIGHT_GRAD };
+
+// Split products. A forward or input-gradient product of 128 x 128 tiles whose grid fills at most half a
+// wave of CONV_PLAN_SMS multiprocessors (seed:32's 8x8 level: 32 blocks, each running all 36 k steps)
+// splits its k (taps x channels) into slices of at least CONV_SPLIT_MIN_STEPS k steps, up to two
+// blocks per multiprocessor; each slice's products go to scratch in fp32 and conv_split_finish_kernel
+// adds them in order with the bias and residual, or what dx held. Into 4 or more slices only: two
+// measured slower than one (H100, dev/NOTES.md 2026-11-24 (f)). BF16 sm_90a kernels only (other GPUs'
+// kernels do not split); planned for CONV_PLAN_SMS like the weight gradient, so the bits are the same
+// on every Hopper GPU. 1: not split.
+#define CONV_SPLIT_MAX 8
+#define CONV_SPLIT_MIN 4
+#define CONV_SPLIT_MIN_STEPS 4
+static int conv3x3_split_slices(int op, int N, int H, int W, int C_in, int C_out, int stride, int *k_per_slice) {
+#if defined(PRECISION_FP32)
+    (void)op, (void)N, (void)H, (void)W, (void)C_in, (void)C_out, (void)stride, (void)k_per_slice;
+    return 1;
+#else
+    int C = op == CONV_FORWARD ? C_in : C_out, Ng = op == CONV_FORWARD ? C_out : C_in;
+    if (C % 64 != 0 || Ng < 128 || (op == CONV_INPUT_GRAD && stride != 1)) return 1;  // (stride 2: parity-ordered rows)
+    int64_t M = op == CONV_FORWARD ? (int64_t)N * conv_out_size(H, 3, stride) * conv_out_size(W, 3, stride) : (int64_t)N * H * W;
+    int64_t blocks = (M + 127) / 128 * ((Ng + 127) / 128);
+    int steps = 9 * C / 64, slices = (int)(2 * CONV_PLAN_SMS / blocks);
+    if (blocks >= CONV_PLAN_SMS) return 1;
+    if (slices > CONV_SPLIT_MAX) slices = CONV_SPLIT_MAX;
+    if (slices > steps / CONV_SPLIT_MIN_STEPS) slices = steps / CONV_SPLIT_MIN_STEPS;
+    if (slices < CONV_SPLIT_MIN) return 1;
+    int per = (steps + slices - 1) / slices;
+    if (k_per_slice) *k_per_slice = per * 64;
+    return (steps + per - 1) / per;
+#endif
+}
+
+// The scratch floats a split product of this shape needs (0: none).
+static int64_t conv3x3_split_scratch_floats(int op, int N, int H, int W, int C_in, int C_out, int stride) {
+    int slices = conv3x3_split_slices(op, N, H, W, C_in, C_out, stride, NULL);
+    if (slices < 2) return 0;
+    int64_t M = op == CONV_FORWARD ? (int64_t)N * conv_out_size(H, 3, stride) * conv_out_size(W, 3, stride) : (int64_t)N * H * W;
+    return slices * M * (op == CONV_FORWARD ? C_out : C_in);
+}
+
 #if defined(PRECISION_FP32)
 // FP32: one thread per output value, on CUDA cores.
 
@@ -671,7 +714,9 @@ __global__ void conv3x3_backward_weight_kernel(float *out, const float *dy, int 
 }
 
 static void conv3x3_forward(floatX *y, int ldy, const floatX *x, int ldx, const floatX *w, const floatX *bias,
-                            const floatX *residual, int ldr, int N, int H, int W, int C_in, int C_out, int stride) {
+                            const floatX *residual, int ldr, int N, int H, int W, int C_in, int C_out, int stride, float *split,
+                            int64_t split_floats) {
+    (void)split, (void)split_floats;  // never split
     int Ho = conv_out_size(H, 3, stride), Wo = conv_out_size(W, 3, stride);
     int64_t total = (int64_t)N * Ho * Wo * C_out;
     conv3x3_forward_kernel<<<(unsigned)((total + 255) / 256), 256, 0, gpu.stream>>>(y, ldy, x, ldx, w, bias, residual, ldr, N,
@@ -680,7 +725,8 @@ static void conv3x3_forward(floatX *y, int ldy, const floatX *x, int ldx, const 
 }
 
 static void conv3x3_backward_input(floatX *dx, int lddx, GradMode mode, const floatX *dy, int lddy, const floatX *w, int N,
-                                   int H, int W, int C_in, int C_out, int stride) {
+                                   int H, int W, int C_in, int C_out, int stride, float *split, int64_t split_floats) {
+    (void)split, (void)split_floats;  // never split
     int Ho = conv_out_size(H, 3, stride), Wo = conv_out_size(W, 3, stride);
     int64_t total = (int64_t)N * H * W * C_in;
     conv3x3_backward_input_kernel<<<(unsigned)((total + 255) / 256), 256, 0, gpu.stream>>>(dx, lddx, mode, dy, lddy, w, N, H,
@@ -701,8 +747,6 @@ static void conv3x3_backward_weight(float *dw, float *scratch, const floatX *dy,
 
 #else
 // BF16: the implicit GEMMs on tensor cores.
-
-enum { CONV_FORWARD, CONV_INPUT_GRAD, CONV_WEIGHT_GRAD };
 
 #define CONV_PAD 8        // elements added to each shared-memory line: ldmatrix reads 8 lines without bank conflicts
 #define CONV_THREADS 256  // 8 warps
@@ -867,16 +911,16 @@ struct ConvOperand {
 
 // Store: the block's accumulators, two adjacent columns at a time. (This is where bias, embedding
 // and residual adds happen as the output is written; the halo kernel has a store of its own, which an
-// add fused here needs too.) Row m of the product is row `row` of the output
-// (the same but for parity-ordered rows):
+// add fused here needs too.) PARTIAL: fp32 partial sums of a slice of k instead (the weight gradient, a
+// split product). Row m of the product is row `row` of the output (the same but for parity-ordered rows):
 //   forward       y[row][n] = acc + bias[n] (+ residual[row][n])
 //   input grad    dx[row][n] (+)= acc   (added when p.add_out: GRAD_ADD)
 //   weight grad   out_f[slice][row][n] = acc
-template <int OP>
+template <int OP, bool PARTIAL = OP == CONV_WEIGHT_GRAD>
 __device__ __forceinline__ void conv_store_pair(const ConvGemm &p, int m, int row, int n, float v0, float v1) {
     if (m >= p.M || n >= p.Ng) return;
     bool both = n + 1 < p.Ng, pair = both && p.pair_store;
-    if (OP == CONV_WEIGHT_GRAD) {
+    if (PARTIAL) {  // fp32 partial sums, [slice][M][Ng]: the weight gradient's, or a split product's
         float *o = p.out_f + ((int64_t)blockIdx.z * p.M + row) * p.Ng + n;
         if (pair) *(float2 *)o = make_float2(v0, v1);
         else {
@@ -1182,8 +1226,9 @@ struct ConvWgmmaTile {
     static constexpr int BLOCKS_PER_SM = 2 * SMEM <= 227 * 1024 ? 2 : 1;
 };
 
-// PARITY: the input gradient's rows are parity-ordered (ConvGemm.parity_rows).
-template <int OP, int BM, int BN, bool PARITY>
+// PARITY: the input gradient's rows are parity-ordered (ConvGemm.parity_rows). SPLIT: a split forward or
+// input-gradient product (conv3x3_split_slices), each slice of k into out_f in fp32.
+template <int OP, int BM, int BN, bool PARITY, bool SPLIT>
 __global__ void __launch_bounds__(CONV_THREADS, (ConvWgmmaTile<BM, BN>::BLOCKS_PER_SM)) conv3x3_wgmma_kernel(const ConvGemm p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     typedef ConvWgmmaTile<BM, BN> Tile;
@@ -1198,13 +1243,13 @@ __global__ void __launch_bounds__(CONV_THREADS, (ConvWgmmaTile<BM, BN>::BLOCKS_P
     ConvWgmmaOperand<OP, false, BN, false> b_operand;
     a_operand.init(p, m0), b_operand.init(p, n0);
 
-    // The k steps the block runs, j = 0 .. steps - 1. Weight gradient: its slice of the pixels. Input
+    // The k steps the block runs, j = 0 .. steps - 1. Weight gradient, or a split product: its slice. Input
     // gradient with parity-ordered rows: only the taps that reach some row of the block (1, 2 or 4;
     // fewer at the image's edges), each in C_out / 64 steps. Otherwise all of k.
     __shared__ uint32_t block_taps;
     int steps = p.K / BK, first_tile = 0;  // forward and input gradient: C is a multiple of 64
     uint32_t taps = 0x1ff;
-    if (OP == CONV_WEIGHT_GRAD) {
+    if (OP == CONV_WEIGHT_GRAD || SPLIT) {  // a slice of k: of the pixels, or of a split product's taps x channels
         first_tile = blockIdx.z * (p.k_per_slice / BK);
         steps = min((p.K + BK - 1) / BK, first_tile + p.k_per_slice / BK) - first_tile;
     } else if (PARITY) {
@@ -1291,18 +1336,18 @@ __global__ void __launch_bounds__(CONV_THREADS, (ConvWgmmaTile<BM, BN>::BLOCKS_P
 #pragma unroll
     for (int j = 0; j < WN / 8; j++) {
         int n = n0 + group_col + j * 8 + (lane % 4) * 2;
-        conv_store_pair<OP>(p, m, row0, n, acc[4 * j], acc[4 * j + 1]);
-        conv_store_pair<OP>(p, m + 8, row8, n, acc[4 * j + 2], acc[4 * j + 3]);
+        conv_store_pair<OP, OP == CONV_WEIGHT_GRAD || SPLIT>(p, m, row0, n, acc[4 * j], acc[4 * j + 1]);
+        conv_store_pair<OP, OP == CONV_WEIGHT_GRAD || SPLIT>(p, m + 8, row8, n, acc[4 * j + 2], acc[4 * j + 3]);
     }
 #else
     __trap();  // launched only where gpu.sm90a says the sm_90a code runs
 #endif
 }
 
-template <int OP, int BM, int BN, bool PARITY>
+template <int OP, int BM, int BN, bool PARITY, bool SPLIT = false>
 static void conv_launch_wgmma_kernel(const ConvGemm &p, int slices) {
     typedef ConvWgmmaTile<BM, BN> Tile;
-    auto kernel = conv3x3_wgmma_kernel<OP, BM, BN, PARITY>;
+    auto kernel = conv3x3_wgmma_kernel<OP, BM, BN, PARITY, SPLIT>;
     static bool configured = false;  // the shared-memory limit, raised once per kernel
     if (!configured) {
         cuda_check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)Tile::SMEM));
@@ -1320,14 +1365,43 @@ static void conv_launch_wgmma(const ConvGemm &p, int slices) {
     conv_launch_wgmma_kernel<OP, BM, BN, false>(p, slices);
 }
 
+// A split product's result (see conv3x3_split_slices): out[m][n] = sum over the slices, in order, of
+// out_f[slice][m][n], + bias[n] (+ residual[m][n]) forward, + what dx held when adding.
+template <int OP>
+__global__ void conv_split_finish_kernel(const ConvGemm p, int slices) {
+    int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x, total = (int64_t)p.M * p.Ng;
+    if (i >= total) return;
+    int m = (int)(i / p.Ng), n = (int)(i % p.Ng);
+    float v = 0.0f;
+    for (int s = 0; s < slices; s++) v += p.out_f[s * total + i];
+    floatX *o = p.out + (int64_t)m * p.ldo + n;
+    if (OP == CONV_FORWARD) {
+        v += (float)p.bias[n];
+        if (p.residual) v += (float)p.residual[(int64_t)m * p.ldr + n];
+    } else if (p.add_out) {
+        v += (float)*o;
+    }
+    *o = (floatX)v;
+}
+
 // The wgmma kernel for a forward or input-gradient product when this GPU runs it, both operands load
 // in 16-byte chunks and the k channels are a multiple of 64: 128 x 64 tiles for a product 64 wide,
 // else the tile width of 128, 192 (forward only: its B tile is K-major) or 256 that pads the
 // product's width Ng least (the wider on a tie), narrowed to 128 when the wider one leaves
-// multiprocessors idle. False (nothing launched) for products narrower than 64.
+// multiprocessors idle; 128 x 128 tiles in slices of k where the product is split and its partial sums
+// fit in the scratch given (split, split_floats floats). False (nothing launched) for products narrower than 64.
 template <int OP>
-static bool conv_try_wgmma(const ConvGemm &p, bool vec_a, bool vec_b) {
+static bool conv_try_wgmma(const ConvGemm &p, bool vec_a, bool vec_b, float *split, int64_t split_floats) {
     if (!gpu.sm90a || !vec_a || !vec_b || p.Ng < 64 || (OP == CONV_FORWARD ? p.C_in : p.C_out) % 64 != 0) return false;
+    ConvGemm q = p;
+    int slices = conv3x3_split_slices(OP, p.N, p.H, p.W, p.C_in, p.C_out, p.stride, &q.k_per_slice);
+    if (slices > 1 && conv3x3_split_scratch_floats(OP, p.N, p.H, p.W, p.C_in, p.C_out, p.stride) <= split_floats) {
+        q.out_f = split, q.pair_store = p.Ng % 2 == 0;  // (scratch is 8-byte aligned)
+        conv_launch_wgmma_kernel<OP, 128, 128, false, true>(q, slices);
+        conv_split_finish_kernel<OP><<<(unsigned)(((int64_t)p.M * p.Ng + 255) / 256), 256, 0, gpu.stream>>>(q, slices);
+        cuda_check_launch();
+        return true;
+    }
     if (p.Ng == 64) {
         conv_launch_wgmma<OP, 128, 64>(p, 1);
         return true;
@@ -1607,12 +1681,13 @@ static void conv_launch_by_width(const ConvGemm &p, bool vec_a, bool vec_b) {
 }
 
 static void conv3x3_forward(floatX *y, int ldy, const floatX *x, int ldx, const floatX *w, const floatX *bias,
-                            const floatX *residual, int ldr, int N, int H, int W, int C_in, int C_out, int stride) {
+                            const floatX *residual, int ldr, int N, int H, int W, int C_in, int C_out, int stride, float *split,
+                            int64_t split_floats) {
     ConvGemm p = conv_gemm(CONV_FORWARD, N, H, W, C_in, C_out, stride);
     p.x = x, p.ldx = ldx, p.w = w, p.bias = bias, p.residual = residual, p.ldr = ldr, p.out = y, p.ldo = ldy;
     p.pair_store = ldy % 2 == 0 && ((uintptr_t)y & 3) == 0 && (!residual || (ldr % 2 == 0 && ((uintptr_t)residual & 3) == 0));
     bool vec = C_in % 8 == 0 && ldx % 8 == 0 && conv_aligned16(x) && conv_aligned16(w);
-    if (!conv_try_halo<CONV_FORWARD>(p, vec, vec) && !conv_try_wgmma<CONV_FORWARD>(p, vec, vec))
+    if (!conv_try_halo<CONV_FORWARD>(p, vec, vec) && !conv_try_wgmma<CONV_FORWARD>(p, vec, vec, split, split_floats))
         conv_launch_by_width<CONV_FORWARD>(p, vec, vec);
 }
 
@@ -1627,13 +1702,14 @@ static void conv_parity_order(ConvGemm *p) {
 }
 
 static void conv3x3_backward_input(floatX *dx, int lddx, GradMode mode, const floatX *dy, int lddy, const floatX *w, int N,
-                                   int H, int W, int C_in, int C_out, int stride) {
+                                   int H, int W, int C_in, int C_out, int stride, float *split, int64_t split_floats) {
     ConvGemm p = conv_gemm(CONV_INPUT_GRAD, N, H, W, C_in, C_out, stride);
     if (stride == 2) conv_parity_order(&p);  // read by the wgmma kernel only
     p.dy = dy, p.lddy = lddy, p.w = w, p.out = dx, p.ldo = lddx, p.add_out = mode == GRAD_ADD;
     p.pair_store = lddx % 2 == 0 && ((uintptr_t)dx & 3) == 0;
     bool vec_a = C_out % 8 == 0 && lddy % 8 == 0 && conv_aligned16(dy), vec_b = C_in % 8 == 0 && conv_aligned16(w);
-    if (!conv_try_halo<CONV_INPUT_GRAD>(p, vec_a, vec_b) && !conv_try_wgmma<CONV_INPUT_GRAD>(p, vec_a, vec_b))
+    if (!conv_try_halo<CONV_INPUT_GRAD>(p, vec_a, vec_b) &&
+        !conv_try_wgmma<CONV_INPUT_GRAD>(p, vec_a, vec_b, split, split_floats))
         conv_launch_by_width<CONV_INPUT_GRAD>(p, vec_a, vec_b);
 }
 
@@ -1661,7 +1737,8 @@ static void conv3x3_backward_weight(float *dw, float *scratch, const floatX *dy,
 // y = conv(x) + b (+ residual, a tensor shaped like y, when given; it may be y itself).
 static void conv_forward(const Conv *cv, floatX *y, const floatX *x, int N, int H, int W, const floatX *residual) {
     if (cv->k == 3) {
-        conv3x3_forward(y, cv->out, x, cv->in, cv->w, cv->b, residual, cv->out, N, H, W, cv->in, cv->out, cv->stride);
+        conv3x3_forward(y, cv->out, x, cv->in, cv->w, cv->b, residual, cv->out, N, H, W, cv->in, cv->out, cv->stride,
+                        cv->scratch->conv_split, cv->scratch->conv_split_numel);
         return;
     }
     matmul({.M = N * H * W, .N = cv->out, .K = cv->in, .a = x, .lda = cv->in, .b = cv->w, .ldb = cv->in, .trans_b = 1,
@@ -1682,7 +1759,9 @@ static void conv_backward_params_side(const Conv *cv, const floatX *dy, const fl
 
 // dx (+)= the input gradient (the mode says which), on the main stream.
 static void conv_backward_input(const Conv *cv, floatX *dx, GradMode mode, const floatX *dy, int N, int H, int W) {
-    if (cv->k == 3) conv3x3_backward_input(dx, cv->in, mode, dy, cv->out, cv->w, N, H, W, cv->in, cv->out, cv->stride);
+    if (cv->k == 3)
+        conv3x3_backward_input(dx, cv->in, mode, dy, cv->out, cv->w, N, H, W, cv->in, cv->out, cv->stride,
+                               cv->scratch->conv_split, cv->scratch->conv_split_numel);
     else
         matmul({.M = N * H * W, .N = cv->in, .K = cv->out, .a = dy, .lda = cv->out, .b = cv->w, .ldb = cv->in, .d = dx,
                 .ldd = cv->in, .c = mode == GRAD_ADD ? dx : NULL, .ldc = cv->in, .beta = 1.0f});
@@ -3580,7 +3659,7 @@ typedef struct {
     uint64_t *zero_seed;     // on the GPU: dropout's seed until the trainer points the embedding at the step's
     Scratch scratch;
     // the largest scratch any layer needs, in elements (noted by the walk)
-    int64_t weight_grad_numel, channel_sums_numel, gn_partials_numel, scores_numel;
+    int64_t weight_grad_numel, conv_split_numel, channel_sums_numel, gn_partials_numel, scores_numel;
 } UNet;
 
 typedef struct {
@@ -3702,12 +3781,14 @@ static Block *walk_block(Walk *w, BlockKind kind, int out_channels, int out_size
     return b;
 }
 
-// Notes the scratch the backward pass of a convolution on a size x size input needs (a forward
-// pass needs none): its weight gradient's slices and its bias gradient's partial sums.
+// Notes the scratch a convolution on a size x size input needs: a split 3x3 product's partial sums,
+// and in training its weight gradient's slices and its bias gradient's partial sums.
 static void walk_conv_scratch(Walk *w, const Conv *cv, int size) {
     UNet *m = w->m;
-    if (!m->training) return;
     int N = m->batch, o = conv_out_size(size, cv->k, cv->stride);
+    for (int op = CONV_FORWARD; cv->k == 3 && op <= (m->training ? CONV_INPUT_GRAD : CONV_FORWARD); op++)
+        note_scratch(&m->conv_split_numel, conv3x3_split_scratch_floats(op, N, size, size, cv->in, cv->out, cv->stride));
+    if (!m->training) return;
     if (cv->k == 3) {
         note_scratch(&m->weight_grad_numel, conv3x3_weight_grad_scratch_floats(N, size, size, cv->in, cv->out, cv->stride));
     } else {
@@ -4058,7 +4139,7 @@ static void unet_lay_out(UNet *m) {
     int batch = m->batch, training = m->training, size = c->image_size, emb_dim = 4 * c->model_channels;
     m->parameters.used = m->acts.used = m->grads.used = m->scratch_region.used = m->inner_grads.used = m->transient.used = 0;
     m->inner_grads_size = m->transient_size = 0;
-    m->weight_grad_numel = m->channel_sums_numel = m->gn_partials_numel = m->scores_numel = 0;
+    m->weight_grad_numel = m->conv_split_numel = m->channel_sums_numel = m->gn_partials_numel = m->scores_numel = 0;
     m->num_blocks = 0;
 
     int64_t n = m->storage;
@@ -4100,6 +4181,8 @@ static void unet_lay_out(UNet *m) {
     Scratch *s = &m->scratch;
     s->weight_grad = (float *)arena_take(&m->scratch_region, m->weight_grad_numel * sizeof(float));
     s->weight_grad_numel = m->weight_grad_numel;
+    s->conv_split = (float *)arena_take(&m->scratch_region, m->conv_split_numel * sizeof(float));
+    s->conv_split_numel = m->conv_split_numel;
     s->channel_sums = (float *)arena_take(&m->scratch_region, m->channel_sums_numel * sizeof(float));
     s->gn_partials = (double *)arena_take(&m->scratch_region, m->gn_partials_numel * sizeof(double));
     s->scores = (float *)arena_take(&m->scratch_region, m->scores_numel * sizeof(float));
@@ -4392,7 +4475,10 @@ static void print_profile(UNet *m) {
         case 1: conv_backward(&l->conv2, l->h2.dx, GRAD_WRITE, out->dx, l->h2.x, N, H, W, NULL, 0); break;
         case 2: conv3x3_backward_weight(l->conv2.dw, s->weight_grad, out->dx, C, l->h2.x, C, N, H, W, C, C, 1); break;
         case 3: channel_sums(s, NULL, 0, l->conv2.db, out->dx, N, H * W, l->conv2.out); break;
-        case 4: conv3x3_backward_input(l->h2.dx, C, GRAD_WRITE, out->dx, C, l->conv2.w, N, H, W, C, C, 1); break;
+        case 4:
+            conv3x3_backward_input(l->h2.dx, C, GRAD_WRITE, out->dx, C, l->conv2.w, N, H, W, C, C, 1, s->conv_split,
+                                   s->conv_split_numel);
+            break;
         case 5: group_norm_forward(&l->norm2, l->h2.x, l->mean2, l->rstd2, l->h1.x, N, H * W, o); break;
         case 6:  // as res_block_backward runs it: recomputing h2 too
             group_norm_backward(&l->norm2, l->h1.dx, GRAD_WRITE, m->embedding.d_out + l->emb_offset, l->h2.dx, l->h1.x, l->h2.x,

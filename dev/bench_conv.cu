@@ -132,21 +132,31 @@ static void report(const char *name, const char *op, double err, const char *ext
     fflush(stdout);
 }
 
+// The scratch a split forward or input-gradient product of this shape needs (floats; 0: not split).
+static int64_t split_scratch_floats(int N, int H, int W, int C_in, int C_out, int stride) {
+    int64_t f = conv3x3_split_scratch_floats(CONV_FORWARD, N, H, W, C_in, C_out, stride);
+    int64_t d = conv3x3_split_scratch_floats(CONV_INPUT_GRAD, N, H, W, C_in, C_out, stride);
+    return f > d ? f : d;
+}
+
 static void check_case(const CheckCase *c) {
     CheckProblem p = make_problem(c);
     size_t nw = (size_t)c->C_out * 9 * c->C_in;
     floatX *x = dev_upload_x(p.x, slab_size(p.xs)), *w = dev_upload_x(p.w, nw), *bias = dev_upload_x(p.bias, c->C_out);
     floatX *dy = dev_upload_x(p.dy, slab_size(p.dys)), *res = p.residual ? dev_upload_x(p.residual, slab_size(p.rs)) : NULL;
     floatX *y = dev_upload_x(p.y_init, slab_size(p.ys)), *dx = dev_upload_x(p.dx_init, slab_size(p.dxs));
+    // A split product's scratch (conv3x3_split_slices: the small grids of these cases split), poisoned.
+    int64_t split_n = split_scratch_floats(c->N, c->H, c->W, c->C_in, c->C_out, c->stride);
+    float *split = (float *)dev_gpu_poisoned((split_n ? split_n : 1) * sizeof(float));
 
     conv3x3_forward(y + c->y_off, p.ys.ld, x + c->x_off, p.xs.ld, w, bias, res, p.rs.ld, c->N, c->H, c->W, c->C_in, c->C_out,
-                    c->stride);
+                    c->stride, split, split_n);
     double *got = dev_download_x(y, slab_size(p.ys));
     report(c->name, "fwd", slice_error(got, p.y_init, p.y_ref, p.ys, 0), "");
     free(got);
 
     conv3x3_backward_input(dx + c->dx_off, p.dxs.ld, GRAD_ADD, dy + c->dy_off, p.dys.ld, w, c->N, c->H, c->W, c->C_in, c->C_out,
-                           c->stride);
+                           c->stride, split, split_n);
     got = dev_download_x(dx, slab_size(p.dxs));
     report(c->name, "dgrad", slice_error(got, p.dx_init, p.dx_ref, p.dxs, 1), "");
     free(got);
@@ -166,7 +176,7 @@ static void check_case(const CheckCase *c) {
     snprintf(extra, sizeof extra, " slices=%zu%s", scratch_n ? scratch_n / nw : 1, same ? "" : " NOT DETERMINISTIC");
     report(c->name, "wgrad", same ? dev_error(runs[0], NULL, p.dw_ref, nw) : NAN, extra);
     free(runs[0]), free(runs[1]);
-    dev_gpu_free(x, w, bias, dy, y, dx, dw, scratch, res, NULL);  // res last: NULL without a residual
+    dev_gpu_free(x, w, bias, dy, y, dx, dw, scratch, split, res, NULL);  // res last: NULL without a residual
     free_problem(&p);
 }
 
@@ -325,15 +335,18 @@ static const char *const op_names[OPS] = {"fwd", "dgrad", "wgrad"};
 typedef struct {
     int op, N, H, W, C_in, C_out, stride;
     floatX *x, *y, *dy, *dx, *w, *bias;
-    float *dw, *scratch;
+    float *dw, *scratch, *split;
+    int64_t split_n;
 } BenchRun;
 
 static void bench_launch(void *ctx) {
     const BenchRun *r = (const BenchRun *)ctx;
     if (r->op == OP_FORWARD)
-        conv3x3_forward(r->y, r->C_out, r->x, r->C_in, r->w, r->bias, NULL, 0, r->N, r->H, r->W, r->C_in, r->C_out, r->stride);
+        conv3x3_forward(r->y, r->C_out, r->x, r->C_in, r->w, r->bias, NULL, 0, r->N, r->H, r->W, r->C_in, r->C_out, r->stride,
+                        r->split, r->split_n);
     else if (r->op == OP_INPUT_GRAD)
-        conv3x3_backward_input(r->dx, r->C_in, GRAD_ADD, r->dy, r->C_out, r->w, r->N, r->H, r->W, r->C_in, r->C_out, r->stride);
+        conv3x3_backward_input(r->dx, r->C_in, GRAD_ADD, r->dy, r->C_out, r->w, r->N, r->H, r->W, r->C_in, r->C_out, r->stride,
+                               r->split, r->split_n);
     else
         conv3x3_backward_weight(r->dw, r->scratch, r->dy, r->C_out, r->x, r->C_in, r->N, r->H, r->W, r->C_in, r->C_out, r->stride);
 }
@@ -376,6 +389,8 @@ static void bench_shape(const BenchShape *s, int N) {
     r.y = (floatX *)gpu_malloc(ny * sizeof(floatX)), r.dx = (floatX *)gpu_malloc(nx * sizeof(floatX));
     cuda_check(cudaMemsetAsync(r.dx, 0, nx * sizeof(floatX), gpu.stream));
     r.dw = (float *)gpu_malloc(nw * sizeof(float)), r.scratch = (float *)gpu_malloc(nscratch * sizeof(float));
+    r.split_n = split_scratch_floats(N, r.H, r.W, r.C_in, r.C_out, r.stride);
+    r.split = (float *)gpu_malloc((r.split_n ? r.split_n : 1) * sizeof(float));
     double flops = 2.0 * N * Ho * Wo * r.C_out * 9.0 * r.C_in;
     for (int op = 0; op < OPS; op++) {
         r.op = op;
@@ -384,7 +399,7 @@ static void bench_shape(const BenchShape *s, int N) {
                op_names[op], N, r.H, r.W, r.C_in, r.C_out, r.stride, ms, flops / (ms * 1e-3) / 1e12, PRECISION_NAME, s->presets);
         fflush(stdout);
     }
-    dev_gpu_free(r.x, r.y, r.dy, r.dx, r.w, r.bias, r.dw, r.scratch, NULL);
+    dev_gpu_free(r.x, r.y, r.dy, r.dx, r.w, r.bias, r.dw, r.scratch, r.split, NULL);
 }
 
 // The presets' shapes at batch 32 and 128, or the one shape `only` (N H Cin Cout stride).
