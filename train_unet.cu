@@ -3388,9 +3388,10 @@ static void concat_block_backward(ConcatBlock *b, const Act *in, const Act *out,
 //   h2 = dropout(SiLU(GroupNorm2(h1) + e)), or with scale-shift
 //        dropout(SiLU(GroupNorm2(h1) (1 + scale) + shift))                      (out_layers, emb_layers)
 //   out = conv2(h2) + skip(x), skip a 1x1 conv when the channel count changes (skip_connection)
-// h0, h0r and h2 are not kept: backward recomputes them from x and h1 and the statistics (h0 in a
-// GroupNorm pass of its own, h2 in GroupNorm 2's backward; the same values bit for bit), so a block
-// keeps about half what it would.
+// Training keeps h0 (and h0r) for conv1's weight gradient: recomputing it in a GroupNorm pass of its
+// own cost ~1 ms of a seed:128 step (H100, dev/NOTES.md 2026-11-24 (f)) for memory we have (the step
+// stays below PyTorch's peak). h2 is not kept: GroupNorm 2's backward recomputes it from h1 and the
+// statistics, the same values bit for bit.
 typedef struct {
     Norm norm1, norm2;
     Conv conv1, conv2, conv3;  // in_layers.2, out_layers.3, skip_connection
@@ -3459,7 +3460,7 @@ static void res_block_backward(ResBlock *r, const BlockEmbedding *e, const Act *
     else if (r->has_skip_conv) conv_backward(&r->conv3, dskip, skip_mode, out->dx, skip, N, Ho, Wo, NULL, 0);
     else pass_gradient(dskip, skip_mode, out->dx, act_numel(out));
     // GroupNorm 2's backward recomputes h2 for conv2's weight gradient, which then runs beside conv1's
-    // input gradient (h2 has memory of its own in training: h0 is recomputed meanwhile).
+    // backward.
     group_norm_backward(&r->norm2, r->h1.dx, GRAD_WRITE, e->d_out + r->emb_offset, r->h2.dx, r->h1.x, r->h2.x, r->mean2,
                         r->rstd2, N, Ho * Wo, res_block_norm2(r, e, training));
     conv_backward_params_side(&r->conv2, out->dx, r->h2.x, N, Ho, Wo, NULL, 0);
@@ -3467,8 +3468,6 @@ static void res_block_backward(ResBlock *r, const BlockEmbedding *e, const Act *
     const floatX *x = r->cat_a ? r->cat_a->x : in->x;
     floatX *dx = r->cat_a ? r->cat_a->dx : in->dx;
     NormOptions o1 = res_block_norm1(r);
-    group_norm_recompute(&r->norm1, r->h0.x, r->mean1, r->rstd1, x, N, H * W, o1);
-    if (r->resample) resample_forward(r->resample > 0, r->h0r.x, r->h0.x, N, H, W, in->C);
     conv_backward(&r->conv1, dh, GRAD_WRITE, r->h1.dx, h, N, Ho, Wo, d_add, e->total);
     if (r->resample) {
         resample_backward(r->resample > 0, r->h0.dx, GRAD_WRITE, r->h0r.dx, N, H, W, in->C);
@@ -3838,11 +3837,11 @@ static void walk_res_block(Walk *w, const char *prefix, int in, int out, int res
     r->dropout_stream = rng_stream(RNG_DROPOUT, (uint64_t)(b - m->blocks));
     if (resample) r->xr = act_alloc_inner(m, N, out_size, out_size, in);
     r->h1 = act_alloc_inner(m, N, out_size, out_size, out);
-    // Forward only, h2 takes the place of h0 and h0r, dead by the time it is written; training's
-    // backward recomputes h0 while conv2's weight gradient still reads h2.
+    // Forward only, h2 takes the place of h0 and h0r, dead by the time it is written; training keeps
+    // conv1's input (h0, or h0r when resampling) for its weight gradient.
     int64_t h2_start = m->transient.used;
-    r->h0 = act_alloc_transient(m, N, size, size, in);
-    if (resample) r->h0r = act_alloc_transient(m, N, out_size, out_size, in);
+    r->h0 = resample ? act_alloc_transient(m, N, size, size, in) : act_alloc_inner(m, N, size, size, in);
+    if (resample) r->h0r = act_alloc_inner(m, N, out_size, out_size, in);
     if (!m->training) m->transient.used = h2_start;
     r->h2 = act_alloc_transient(m, N, out_size, out_size, out);
     r->mean1 = stats_alloc(m), r->rstd1 = stats_alloc(m), r->mean2 = stats_alloc(m), r->rstd2 = stats_alloc(m);
