@@ -3341,7 +3341,8 @@ static void conv_block_backward(ConvBlock *b, const Act *in, const Act *out, Gra
 
 // A 1x1 convolution of a concatenation [a | b] read in place (a.C + b.C = cv->in): with Wa, Wb the
 // weight's first a.C and last b.C columns,  y = a Wa^T + b Wb^T + bias;  backward dWa = dy^T a,
-// dWb = dy^T b, da (+)= dy Wa, db (+)= dy Wb (each gradient in its own mode).
+// dWb = dy^T b, da (+)= dy Wa, db (+)= dy Wb (each gradient in its own mode). The bias gradient, the
+// sum of dy, is the caller's (a ResBlock's conv2 adds into the same output: the same sums).
 static void conv1x1_forward_concat(const Conv *cv, floatX *y, const Act *a, const Act *b) {
     int M = a->N * a->H * a->W;
     matmul({.M = M, .N = cv->out, .K = a->C, .a = a->x, .lda = a->C, .b = cv->w, .ldb = cv->in, .trans_b = 1, .d = y,
@@ -3353,14 +3354,12 @@ static void conv1x1_forward_concat(const Conv *cv, floatX *y, const Act *a, cons
 static void conv1x1_backward_concat(const Conv *cv, const floatX *dy, const Act *a, GradMode a_mode, const Act *b,
                                     GradMode b_mode) {
     int M = a->N * a->H * a->W;
-    conv_backward_params_side(cv, dy, NULL, a->N, a->H, a->W, NULL, 0);  // the bias gradient
     weight_gradient(cv->scratch, cv->dw, cv->in, dy, a->x, M, cv->out, a->C);
     weight_gradient(cv->scratch, cv->dw + a->C, cv->in, dy, b->x, M, cv->out, b->C);
     matmul({.M = M, .N = a->C, .K = cv->out, .a = dy, .lda = cv->out, .b = cv->w, .ldb = cv->in, .d = a->dx, .ldd = a->C,
             .c = a_mode == GRAD_ADD ? a->dx : NULL, .ldc = a->C, .beta = 1.0f});
     matmul({.M = M, .N = b->C, .K = cv->out, .a = dy, .lda = cv->out, .b = cv->w + a->C, .ldb = cv->in, .d = b->dx,
             .ldd = b->C, .c = b_mode == GRAD_ADD ? b->dx : NULL, .ldc = b->C, .beta = 1.0f});
-    side_join();
 }
 
 // The skip connection before each output block: out = [in | skip] along channels; backward
@@ -3456,14 +3455,22 @@ static void res_block_backward(ResBlock *r, const BlockEmbedding *e, const Act *
     floatX *dh = r->resample ? r->h0r.dx : r->h0.dx, *dskip = r->resample ? r->xr.dx : in->dx;
     GradMode skip_mode = r->resample ? GRAD_WRITE : in_grad;  // xr is the block's own
     conv_backward_input(&r->conv2, r->h2.dx, GRAD_WRITE, out->dx, N, Ho, Wo);
+    // The skip convolution adds into conv2's output: its bias gradient is conv2's, copied below.
     if (r->cat_a) conv1x1_backward_concat(&r->conv3, out->dx, r->cat_a, r->cat_a_grad, r->cat_b, r->cat_b_grad);
-    else if (r->has_skip_conv) conv_backward(&r->conv3, dskip, skip_mode, out->dx, skip, N, Ho, Wo, NULL, 0);
-    else pass_gradient(dskip, skip_mode, out->dx, act_numel(out));
+    else if (r->has_skip_conv) {
+        weight_gradient(r->conv3.scratch, r->conv3.dw, r->conv3.in, out->dx, skip, N * Ho * Wo, r->conv3.out, r->conv3.in);
+        conv_backward_input(&r->conv3, dskip, skip_mode, out->dx, N, Ho, Wo);
+    } else pass_gradient(dskip, skip_mode, out->dx, act_numel(out));
     // GroupNorm 2's backward recomputes h2 for conv2's weight gradient, which then runs beside conv1's
     // backward.
     group_norm_backward(&r->norm2, r->h1.dx, GRAD_WRITE, e->d_out + r->emb_offset, r->h2.dx, r->h1.x, r->h2.x, r->mean2,
                         r->rstd2, N, Ho * Wo, res_block_norm2(r, e, training));
     conv_backward_params_side(&r->conv2, out->dx, r->h2.x, N, Ho, Wo, NULL, 0);
+    if (r->has_skip_conv) {
+        side_begin();
+        cuda_check(cudaMemcpyAsync(r->conv3.db, r->conv2.db, r->conv2.out * sizeof(float), cudaMemcpyDeviceToDevice, gpu.stream));
+        side_end();
+    }
     float *d_add = e->scale_shift ? NULL : e->d_out + r->emb_offset;
     const floatX *x = r->cat_a ? r->cat_a->x : in->x;
     floatX *dx = r->cat_a ? r->cat_a->dx : in->dx;
