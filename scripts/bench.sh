@@ -61,6 +61,7 @@ done
 # the doubled batch, labels then the null class).
 sample_rows=()
 if [ "${BENCH_SAMPLE:-1}" != 0 ]; then
+    mkdir -p build
     for guidance in 1 3; do
         run=build/bench_run_g$guidance  # one training step of the seed preset: a checkpoint to sample from
         rm -rf "$run"
