@@ -612,12 +612,14 @@ enum { CONV_FORWARD, CONV_INPUT_GRAD, CONV_WEIGHT_GRAD };
 
 // Split products. A forward or input-gradient product of 128 x 128 tiles whose grid fills at most half a
 // wave of CONV_PLAN_SMS multiprocessors (seed:32's 8x8 level: 32 blocks, each running all 36 k steps)
-// splits its k (taps x channels) into slices of at least CONV_SPLIT_MIN_STEPS k steps, up to two
-// blocks per multiprocessor; each slice's products go to scratch in fp32 and conv_split_finish_kernel
-// adds them in order with the bias and residual, or what dx held. Into 4 or more slices only: two
-// measured slower than one (H100, dev/NOTES.md 2026-11-24 (f)). BF16 sm_90a kernels only (other GPUs'
-// kernels do not split); planned for CONV_PLAN_SMS like the weight gradient, so the bits are the same
-// on every Hopper GPU. 1: not split.
+// splits its k (taps x channels) into slices of ceil(steps / slices) k steps (the last may be shorter),
+// slices = up to two blocks per multiprocessor, at most k steps / CONV_SPLIT_MIN_STEPS; each slice's
+// products go to scratch in fp32 and conv_split_finish_kernel adds them in order with the bias and
+// residual, or what dx held. Into 4 or more slices only: two measured slower than one (H100,
+// dev/NOTES.md 2026-11-24 (f)). BF16 sm_90a kernels only (other GPUs' kernels do not split); planned
+// for CONV_PLAN_SMS like the weight gradient, so the bits are the same on every Hopper GPU. A call
+// whose scratch is too small (a batch other than the plan's) runs unsplit: its last bits may then
+// differ from the plan's batch. 1: not split.
 #define CONV_SPLIT_MAX 8
 #define CONV_SPLIT_MIN 4
 #define CONV_SPLIT_MIN_STEPS 4
@@ -631,7 +633,7 @@ static int conv3x3_split_slices(int op, int N, int H, int W, int C_in, int C_out
     int64_t M = op == CONV_FORWARD ? (int64_t)N * conv_out_size(H, 3, stride) * conv_out_size(W, 3, stride) : (int64_t)N * H * W;
     int64_t blocks = (M + 127) / 128 * ((Ng + 127) / 128);
     int steps = 9 * C / 64, slices = (int)(2 * CONV_PLAN_SMS / blocks);
-    if (blocks >= CONV_PLAN_SMS) return 1;
+    if (blocks > CONV_PLAN_SMS / 2) return 1;
     if (slices > CONV_SPLIT_MAX) slices = CONV_SPLIT_MAX;
     if (slices > steps / CONV_SPLIT_MIN_STEPS) slices = steps / CONV_SPLIT_MIN_STEPS;
     if (slices < CONV_SPLIT_MIN) return 1;
@@ -2082,8 +2084,8 @@ __global__ void group_norm_backward_sums_kernel(double *partial, floatX *__restr
                                                 const float *gamma, const float *beta, NormOptions o, int HW, int C) {
     __shared__ union {
         GnRing ring[2];                                // the rows of x and dy, then (after a barrier)
-        __align__(16) float sums[4 * GN_THREADS * PACK];  // 32 KB (FP32: 16 KB): [2][threads PACK] floats, then [2][C] doubles
-    } sh_union;
+        __align__(16) float sums[4 * GN_THREADS * PACK];  // [2][threads PACK] floats, then [2][C] doubles
+    } sh_union;  // 32 KB: the rings' in both builds, the sums' in the BF16 build (FP32: 16 KB)
     float *shared = sh_union.sums;
     GnRing *ring = sh_union.ring;
     GnThread t = gn_thread(HW, C);
@@ -2097,7 +2099,7 @@ __global__ void group_norm_backward_sums_kernel(double *partial, floatX *__restr
     GroupNormAffine k = group_norm_affine(mean + t.n * GN_GROUPS, rstd + t.n * GN_GROUPS, gamma, beta, o, t.n, t.c0, C);
     float acc[2][PACK] = {};
     for (int r = t.first, i = 0; r < t.end; r += t.rows_per_pass, i++) {
-        Pack xp = gn_arrived(ring[0], i), dp = ring[1][i % GN_AHEAD][threadIdx.x], yp;
+        Pack xp = gn_arrived(ring[0], i), dp = ring[1][i % GN_AHEAD][threadIdx.x], yp;  // dy: in x's group
         int64_t at = sample + (int64_t)r * C;
         for (int j = 0; j < PACK; j++) {
             float v = (float)xp.v[j], slope;
@@ -2128,7 +2130,7 @@ __global__ void group_norm_backward_sums_kernel(double *partial, floatX *__restr
     }
     __syncthreads();
     // Group sums from the channel sums: sum g = sum_c gamma_c sum dz, likewise g xhat.
-    double(*group_sh)[GN_THREADS * PACK] = (double(*)[GN_THREADS * PACK])shared;  // [2][C]: the same 32 (FP32: 16) KB
+    double(*group_sh)[GN_THREADS * PACK] = (double(*)[GN_THREADS * PACK])shared;  // [2][C], in the same memory
     for (int k = 0; k < PACK; k++)
         if (threadIdx.x + k * GN_THREADS < C)
             group_sh[0][threadIdx.x + k * GN_THREADS] = weighted[0][k], group_sh[1][threadIdx.x + k * GN_THREADS] = weighted[1][k];
@@ -2179,7 +2181,7 @@ __global__ void group_norm_backward_input_kernel(floatX *__restrict__ dx, GradMo
         e[j] = -k.a[j] * k.a[j] * mean_gx[g], f[j] = -k.a[j] * (mean_g[g] + k.b[j] * mean_gx[g]);
     }
     for (int r = t.first, i = 0; r < t.end; r += t.rows_per_pass, i++) {
-        Pack xp = gn_arrived(ring[0], i), dp = ring[1][i % GN_AHEAD][threadIdx.x], out;
+        Pack xp = gn_arrived(ring[0], i), dp = ring[1][i % GN_AHEAD][threadIdx.x], out;  // dy: in x's group
         int64_t at = sample + (int64_t)r * C;
         Pack *dx_row = (Pack *)&dx_column[(int64_t)r * dx_ld];
         if (mode == GRAD_ADD) out = *dx_row;
@@ -3341,8 +3343,8 @@ static void conv_block_backward(ConvBlock *b, const Act *in, const Act *out, Gra
 
 // A 1x1 convolution of a concatenation [a | b] read in place (a.C + b.C = cv->in): with Wa, Wb the
 // weight's first a.C and last b.C columns,  y = a Wa^T + b Wb^T + bias;  backward dWa = dy^T a,
-// dWb = dy^T b, da (+)= dy Wa, db (+)= dy Wb (each gradient in its own mode). The bias gradient, the
-// sum of dy, is the caller's (a ResBlock's conv2 adds into the same output: the same sums).
+// dWb = dy^T b, and the parts' gradients a.dx (+)= dy Wa, b.dx (+)= dy Wb (each in its own mode). The
+// bias gradient, the sum of dy, is the caller's (a ResBlock's conv2 adds into the same output).
 static void conv1x1_forward_concat(const Conv *cv, floatX *y, const Act *a, const Act *b) {
     int M = a->N * a->H * a->W;
     matmul({.M = M, .N = cv->out, .K = a->C, .a = a->x, .lda = a->C, .b = cv->w, .ldb = cv->in, .trans_b = 1, .d = y,
@@ -3387,10 +3389,10 @@ static void concat_block_backward(ConcatBlock *b, const Act *in, const Act *out,
 //   h2 = dropout(SiLU(GroupNorm2(h1) + e)), or with scale-shift
 //        dropout(SiLU(GroupNorm2(h1) (1 + scale) + shift))                      (out_layers, emb_layers)
 //   out = conv2(h2) + skip(x), skip a 1x1 conv when the channel count changes (skip_connection)
-// Training keeps h0 (and h0r) for conv1's weight gradient: recomputing it in a GroupNorm pass of its
-// own cost ~1 ms of a seed:128 step (H100, dev/NOTES.md 2026-11-24 (f)) for memory we have (the step
-// stays below PyTorch's peak). h2 is not kept: GroupNorm 2's backward recomputes it from h1 and the
-// statistics, the same values bit for bit.
+// Training keeps conv1's input (h0, or h0r when resampling) for its weight gradient: recomputing h0
+// in a GroupNorm pass of its own cost ~1 ms of a seed:128 step (H100, dev/NOTES.md 2026-11-24 (f)),
+// for memory we have (the step stays below PyTorch's peak). h2 is not kept: GroupNorm 2's backward
+// recomputes it from h1 and the statistics, the same values bit for bit.
 typedef struct {
     Norm norm1, norm2;
     Conv conv1, conv2, conv3;  // in_layers.2, out_layers.3, skip_connection
@@ -3792,10 +3794,11 @@ static Block *walk_block(Walk *w, BlockKind kind, int out_channels, int out_size
 static void walk_conv_scratch(Walk *w, const Conv *cv, int size) {
     UNet *m = w->m;
     int N = m->batch, o = conv_out_size(size, cv->k, cv->stride);
-    for (int op = CONV_FORWARD; cv->k == 3 && op <= (m->training ? CONV_INPUT_GRAD : CONV_FORWARD); op++)
-        note_scratch(&m->conv_split_numel, conv3x3_split_scratch_floats(op, N, size, size, cv->in, cv->out, cv->stride));
+    int in = cv->in, out = cv->out, s = cv->stride;
+    if (cv->k == 3) note_scratch(&m->conv_split_numel, conv3x3_split_scratch_floats(CONV_FORWARD, N, size, size, in, out, s));
     if (!m->training) return;
     if (cv->k == 3) {
+        note_scratch(&m->conv_split_numel, conv3x3_split_scratch_floats(CONV_INPUT_GRAD, N, size, size, in, out, s));
         note_scratch(&m->weight_grad_numel, conv3x3_weight_grad_scratch_floats(N, size, size, cv->in, cv->out, cv->stride));
     } else {
         int slices = weight_grad_slices(INT64_MAX, N * o * o, cv->out, cv->in);
@@ -4136,8 +4139,10 @@ static void plan_block_gradients(UNet *m) {
 //                block's size).
 //   transient    the activations inside a block that its backward recomputes (forward only: all of
 //                them): while that block's forward or backward runs; shared as the inner grads are.
-//   scratch      the largest weight-gradient slices, partial sums and attention scores of any
-//                layer: borrowed by one layer call at a time.
+//   scratch      the largest weight-gradient slices, partial sums (split 3x3 products' too: also
+//                forward only) and attention scores of any layer: each buffer borrowed by one layer
+//                call at a time (the side stream's weight gradient and the main stream's split
+//                product use different buffers).
 // unet_lay_out takes every buffer from its region, in one fixed order; with no memory behind the
 // regions (unet_plan) it only measures them, so the plan needs no GPU.
 static void unet_lay_out(UNet *m) {
