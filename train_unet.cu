@@ -1395,10 +1395,10 @@ __global__ void conv_split_finish_kernel(const ConvGemm p, int slices) {
 template <int OP>
 static bool conv_try_wgmma(const ConvGemm &p, bool vec_a, bool vec_b, float *split, int64_t split_floats) {
     if (!gpu.sm90a || !vec_a || !vec_b || p.Ng < 64 || (OP == CONV_FORWARD ? p.C_in : p.C_out) % 64 != 0) return false;
-    ConvGemm q = p;
-    int slices = conv3x3_split_slices(OP, p.N, p.H, p.W, p.C_in, p.C_out, p.stride, &q.k_per_slice);
-    if (slices > 1 && conv3x3_split_scratch_floats(OP, p.N, p.H, p.W, p.C_in, p.C_out, p.stride) <= split_floats) {
-        q.out_f = split, q.pair_store = p.Ng % 2 == 0;  // (scratch is 8-byte aligned)
+    int k_per_slice, slices = conv3x3_split_slices(OP, p.N, p.H, p.W, p.C_in, p.C_out, p.stride, &k_per_slice);
+    if (slices > 1 && (int64_t)slices * p.M * p.Ng <= split_floats) {
+        ConvGemm q = p;
+        q.k_per_slice = k_per_slice, q.out_f = split, q.pair_store = p.Ng % 2 == 0;  // (scratch is 8-byte aligned)
         conv_launch_wgmma_kernel<OP, 128, 128, false, true>(q, slices);
         conv_split_finish_kernel<OP><<<(unsigned)(((int64_t)p.M * p.Ng + 255) / 256), 256, 0, gpu.stream>>>(q, slices);
         cuda_check_launch();
