@@ -19,6 +19,7 @@
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
+#include <cudaTypedefs.h>  // CUtensorMap, cuTensorMapEncodeTiled's type
 #include <dirent.h>
 #include <errno.h>
 #include <inttypes.h>
@@ -576,10 +577,13 @@ static int conv_out_size(int size, int k, int stride) { return (size + 2 * (k / 
 #define CONV_PLAN_STEP_US 1.0          // one multiprocessor's k step over 128 x 256 outputs (two 128 x 128 blocks)
 #define CONV_PLAN_SCRATCH_BYTES_PER_US 2.5e6
 
+// 128-row tiles, or 64-row ones where 128-row ones would leave a quarter of their rows or more
+// empty (C_out = 64, 96, 192: 192 in 64-row tiles ran 1.05-1.15x, H100, dev/NOTES.md 2026-11-24 (g)).
 static void conv_weight_grad_tile(int C_in, int C_out, int *BM, int *BN) {
+    int padded = (C_out + 127) / 128 * 128;
     if (C_out <= 32) *BM = 32, *BN = 128;
     else if (9 * C_in <= 32) *BM = 128, *BN = 32;
-    else if (C_out > 64) *BM = 128, *BN = 128;
+    else if (4 * (padded - C_out) < padded) *BM = 128, *BN = 128;
     else *BM = 64, *BN = 128;  // two of them: 1.07-1.24x of one 64 x 256 block per multiprocessor (H100)
 }
 
@@ -1228,6 +1232,54 @@ struct ConvWgmmaTile {
     static constexpr int BLOCKS_PER_SM = 2 * SMEM <= 227 * 1024 ? 2 : 1;
 };
 
+// The warpgroup's part of a BM x BN tile: its 64 rows of A (BM = 128, each warpgroup all WN = BN
+// columns), or its WN = BN / 2 columns of B (BM = 64, each warpgroup all 64 rows). In a stage's tiles, in
+// either layout, they start group_row x 64 or group_col x 64 elements in.
+template <int BM, int BN>
+struct ConvWgmmaGroup {
+    int row, col;  // the first row and column of the tile
+    __device__ __forceinline__ ConvWgmmaGroup() {
+        int group = threadIdx.x / 128;
+        row = BM == 128 ? group * 64 : 0, col = BM == 128 ? 0 : group * ConvWgmmaTile<BM, BN>::WN;
+    }
+};
+
+// One k step of a warpgroup: its four m64nWNk16 products from its part of the step's A and B tiles
+// (ConvWgmmaOperand's layouts), committed as one group. A k16 step moves 32 bytes along a K-major line,
+// or 16 lines (2048 bytes) of an M/N-major tile, whose 64-element groups lie BK lines apart.
+template <int OP, int BM, int BN>
+__device__ __forceinline__ void conv_wgmma_k_step(float (&acc)[ConvWgmmaTile<BM, BN>::WN / 2], const floatX *a_tile,
+                                                  const floatX *b_tile) {
+    constexpr int BK = CONV_WGMMA_BK, WN = ConvWgmmaTile<BM, BN>::WN;
+    constexpr bool A_K_MAJOR = OP != CONV_WEIGHT_GRAD, B_K_MAJOR = OP == CONV_FORWARD;
+    constexpr int A_STEP = A_K_MAJOR ? 16 : 16 * 64, B_STEP = B_K_MAJOR ? 16 : 16 * 64;
+    constexpr uint32_t A_LEADING = A_K_MAJOR ? 16 : BK * 128, B_LEADING = B_K_MAJOR ? 16 : BK * 128;
+    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#pragma unroll
+    for (int s = 0; s < BK / 16; s++)
+        conv_wgmma<WN, A_K_MAJOR ? 0 : 1, B_K_MAJOR ? 0 : 1>(acc, conv_wgmma_descriptor(a_tile + s * A_STEP, A_LEADING),
+                                                             conv_wgmma_descriptor(b_tile + s * B_STEP, B_LEADING));
+    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+
+// The wgmma kernels' store of a BM x BN tile at (m0, n0), through conv_store_pair. Accumulator j of 4
+// (per 8 columns): rows lane / 4 and + 8 of the warp's 16, columns 2 (lane % 4) + 0, 1.
+template <int OP, int BM, int BN, bool PARITY, bool PARTIAL>
+__device__ __forceinline__ void conv_wgmma_store(const ConvGemm &p, const float (&acc)[ConvWgmmaTile<BM, BN>::WN / 2], int m0,
+                                                 int n0) {
+    constexpr int WN = ConvWgmmaTile<BM, BN>::WN;
+    const ConvWgmmaGroup<BM, BN> group;
+    const int lane = threadIdx.x % 32, m = m0 + group.row + (threadIdx.x % 128) / 32 * 16 + lane / 4;
+    const int row0 = PARITY && m < p.M ? conv_parity_pixel(p, m) : m;
+    const int row8 = PARITY && m + 8 < p.M ? conv_parity_pixel(p, m + 8) : m + 8;
+#pragma unroll
+    for (int j = 0; j < WN / 8; j++) {
+        int n = n0 + group.col + j * 8 + (lane % 4) * 2;
+        conv_store_pair<OP, PARTIAL>(p, m, row0, n, acc[4 * j], acc[4 * j + 1]);
+        conv_store_pair<OP, PARTIAL>(p, m + 8, row8, n, acc[4 * j + 2], acc[4 * j + 3]);
+    }
+}
+
 // PARITY: the input gradient's rows are parity-ordered (ConvGemm.parity_rows). SPLIT: a split forward or
 // input-gradient product (conv3x3_split_slices), each slice of k into out_f in fp32.
 template <int OP, int BM, int BN, bool PARITY, bool SPLIT>
@@ -1235,7 +1287,6 @@ __global__ void __launch_bounds__(CONV_THREADS, (ConvWgmmaTile<BM, BN>::BLOCKS_P
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     typedef ConvWgmmaTile<BM, BN> Tile;
     constexpr int BK = CONV_WGMMA_BK, STAGES = Tile::STAGES, WN = Tile::WN;
-    constexpr bool A_K_MAJOR = OP != CONV_WEIGHT_GRAD, B_K_MAJOR = OP == CONV_FORWARD;
     extern __shared__ __align__(16) unsigned char conv_smem[];
     floatX *As = (floatX *)(conv_smem + (1024 - conv_smem_address(conv_smem) % 1024) % 1024);  // swizzle atoms: 1024 bytes
     floatX *Bs = As + STAGES * Tile::A_TILE;
@@ -1298,13 +1349,7 @@ __global__ void __launch_bounds__(CONV_THREADS, (ConvWgmmaTile<BM, BN>::BLOCKS_P
         conv_cp_async_commit();
     };
 
-    // A k16 step moves 32 bytes along a K-major line, or 16 lines (2048 bytes) of an M/N-major tile,
-    // whose 64-element groups lie BK lines apart. The warpgroup's 64 rows of A (BM = 128), or its WN
-    // columns of B (BM = 64), start group x 64 x 64 or group x WN x 64 elements in, in either layout.
-    const int group = threadIdx.x / 128;
-    const int group_row = BM == 128 ? group * 64 : 0, group_col = BM == 128 ? 0 : group * WN;
-    constexpr int A_STEP = A_K_MAJOR ? 16 : 16 * 64, B_STEP = B_K_MAJOR ? 16 : 16 * 64;
-    constexpr uint32_t A_LEADING = A_K_MAJOR ? 16 : BK * 128, B_LEADING = B_K_MAJOR ? 16 : BK * 128;
+    const ConvWgmmaGroup<BM, BN> group;
     float acc[WN / 2] = {};
 
     // The ring: step j + STAGES - 2 is loaded into the stage that step j - 2 used, which every
@@ -1318,29 +1363,13 @@ __global__ void __launch_bounds__(CONV_THREADS, (ConvWgmmaTile<BM, BN>::BLOCKS_P
         __syncthreads();
         load_stage(j + STAGES - 2);
         fill_pixels(j + STAGES - 1);
-        const floatX *a_tile = As + (j % STAGES) * Tile::A_TILE + group_row * 64;
-        const floatX *b_tile = Bs + (j % STAGES) * Tile::B_TILE + group_col * 64;
-        asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-#pragma unroll
-        for (int s = 0; s < BK / 16; s++)
-            conv_wgmma<WN, A_K_MAJOR ? 0 : 1, B_K_MAJOR ? 0 : 1>(acc, conv_wgmma_descriptor(a_tile + s * A_STEP, A_LEADING),
-                                                                 conv_wgmma_descriptor(b_tile + s * B_STEP, B_LEADING));
-        asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+        conv_wgmma_k_step<OP, BM, BN>(acc, As + (j % STAGES) * Tile::A_TILE + group.row * 64,
+                                      Bs + (j % STAGES) * Tile::B_TILE + group.col * 64);
         asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
     }
     asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
     conv_cp_async_wait<0>();
-
-    // Accumulator j of 4 (per 8 columns): rows lane / 4 and + 8 of the warp's 16, columns 2 (lane % 4) + 0, 1.
-    const int lane = threadIdx.x % 32, m = m0 + group_row + (threadIdx.x % 128) / 32 * 16 + lane / 4;
-    const int row0 = PARITY && m < p.M ? conv_parity_pixel(p, m) : m;
-    const int row8 = PARITY && m + 8 < p.M ? conv_parity_pixel(p, m + 8) : m + 8;
-#pragma unroll
-    for (int j = 0; j < WN / 8; j++) {
-        int n = n0 + group_col + j * 8 + (lane % 4) * 2;
-        conv_store_pair<OP, OP == CONV_WEIGHT_GRAD || SPLIT>(p, m, row0, n, acc[4 * j], acc[4 * j + 1]);
-        conv_store_pair<OP, OP == CONV_WEIGHT_GRAD || SPLIT>(p, m + 8, row8, n, acc[4 * j + 2], acc[4 * j + 3]);
-    }
+    conv_wgmma_store<OP, BM, BN, PARITY, OP == CONV_WEIGHT_GRAD || SPLIT>(p, acc, m0, n0);
 #else
     __trap();  // launched only where gpu.sm90a says the sm_90a code runs
 #endif
@@ -1365,6 +1394,162 @@ static void conv_launch_wgmma(const ConvGemm &p, int slices) {
     if constexpr (OP == CONV_INPUT_GRAD)
         if (p.parity_rows) return conv_launch_wgmma_kernel<OP, BM, BN, true>(p, slices);
     conv_launch_wgmma_kernel<OP, BM, BN, false>(p, slices);
+}
+
+// The weight gradient through the Tensor Memory Accelerator (TMA, sm_90a). conv3x3_wgmma_kernel's
+// weight gradient spends its issue slots on its loads: every thread works out 8 addresses and border
+// tests a k step (~290 instructions a step; ncu, H100: the schedulers issue every 1.9 cycles, the tensor
+// cores ~40% busy). Here one thread asks the TMA for each k step's tiles, each a box of a tensor map
+// (conv_tensor_map) that the TMA fills with zeros where it lies outside the tensor:
+//   A = dy [pixels][C_out]:        box of 64 pixels x 64 channels at (k0, m0 + 64 g), g < BM / 64
+//   B = x [N][H][W][C_in], column (tap t = (kh, kw), channel c) of 9 C_in: for the 64 columns from
+//       n0 + 64 g (one tap, channels [c0, c0 + 64)) the box of rows x cols pixels x 64 channels at
+//       (n, ho - 1 + kh, wo - 1 + kw, c0): the k step's pixels, shifted by the tap, zero past the border.
+// So a k step's 64 pixels must be whole rows of one image (cols = W, rows = 64 / W) or 64 columns of
+// one row (cols = 64), which conv_weight_grad_tma_fits checks. With the 128-byte swizzle the boxes land
+// in the layout of ConvWgmmaOperand's M/N-major tiles, so the k step and the store are the wgmma
+// kernel's. Stage s's barrier full[s] completes when its bytes have arrived; the stage of step j - 1 is
+// refilled (with step j + STAGES - 1) after a __syncthreads shows both warpgroups done with it.
+// A stage's barrier: one arrival (thread 0's, with the bytes to expect), then the TMA's bytes.
+__device__ __forceinline__ void conv_mbarrier_init(uint64_t *bar) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(conv_smem_address(bar)) : "memory");
+}
+__device__ __forceinline__ void conv_mbarrier_expect_bytes(uint64_t *bar, uint32_t bytes) {  // the one arrival
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(conv_smem_address(bar)), "r"(bytes) : "memory");
+}
+// Waits until the barrier's phase of this parity has completed (a stage's j-th use: parity j % 2).
+__device__ __forceinline__ void conv_mbarrier_wait(uint64_t *bar, uint32_t parity) {
+    asm volatile("{\n .reg .pred done;\n waiting:\n mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+                 " @!done bra waiting;\n}\n" ::"r"(conv_smem_address(bar)), "r"(parity) : "memory");
+}
+// The box of `map` at coordinates (c0, c1[, c2, c3]) (innermost first) into dst; its bytes count towards bar.
+__device__ __forceinline__ void conv_tma_load_2d(floatX *dst, const CUtensorMap *map, int c0, int c1, uint64_t *bar) {
+    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n"
+                 ::"r"(conv_smem_address(dst)), "l"((uint64_t)map), "r"(c0), "r"(c1), "r"(conv_smem_address(bar))
+                 : "memory");
+}
+__device__ __forceinline__ void conv_tma_load_4d(floatX *dst, const CUtensorMap *map, int c0, int c1, int c2, int c3,
+                                                 uint64_t *bar) {
+    asm volatile("cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes"
+                 " [%0], [%1, {%2, %3, %4, %5}], [%6];\n"
+                 ::"r"(conv_smem_address(dst)), "l"((uint64_t)map), "r"(c0), "r"(c1), "r"(c2), "r"(c3),
+                 "r"(conv_smem_address(bar))
+                 : "memory");
+}
+
+template <int BM, int BN>
+__global__ void __launch_bounds__(CONV_THREADS, (ConvWgmmaTile<BM, BN>::BLOCKS_PER_SM))
+    conv3x3_weight_grad_tma_kernel(const __grid_constant__ CUtensorMap dy_map, const __grid_constant__ CUtensorMap x_map,
+                                   const ConvGemm p) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    typedef ConvWgmmaTile<BM, BN> Tile;
+    constexpr int BK = CONV_WGMMA_BK, STAGES = Tile::STAGES, WN = Tile::WN;
+    extern __shared__ __align__(16) unsigned char conv_smem[];
+    floatX *As = (floatX *)(conv_smem + (1024 - conv_smem_address(conv_smem) % 1024) % 1024);  // swizzle atoms: 1024 bytes
+    floatX *Bs = As + STAGES * Tile::A_TILE;
+    __shared__ __align__(8) uint64_t full[STAGES];
+    const int m0 = blockIdx.x * BM, n0 = blockIdx.y * BN, first_step = blockIdx.z * (p.k_per_slice / BK);
+    const int steps = min((p.K + BK - 1) / BK, first_step + p.k_per_slice / BK) - first_step;
+    __builtin_assume(steps > 0);  // every slice has steps (conv3x3_weight_grad_slices): no path around the products
+
+    // Step j's tiles into its stage (thread 0): the k step's first pixel (n, h, w), then the boxes; the
+    // B columns past 9 C_in are not loaded (what the stage held there reaches only columns not stored).
+    auto load_stage = [&](int j) {
+        if (j >= steps) return;
+        const int stage = j % STAGES, k0 = (first_step + j) * BK;
+        const int n = conv_div(k0, p.div_in_pixels), rest = k0 - n * p.H * p.W, h = conv_div(rest, p.div_W), w = rest - h * p.W;
+        const int b_boxes = min(BN / 64, (p.Ng - n0 + 63) / 64);
+        conv_mbarrier_expect_bytes(&full[stage], (BM / 64 + b_boxes) * 64 * 64 * (uint32_t)sizeof(floatX));
+#pragma unroll
+        for (int g = 0; g < BM / 64; g++)
+            conv_tma_load_2d(As + stage * Tile::A_TILE + g * 64 * 64, &dy_map, m0 + 64 * g, k0, &full[stage]);
+        for (int g = 0; g < b_boxes; g++) {
+            int tap = conv_div(n0 + 64 * g, p.div_C_in), c0 = n0 + 64 * g - tap * p.C_in;
+            conv_tma_load_4d(Bs + stage * Tile::B_TILE + g * 64 * 64, &x_map, c0, w - 1 + tap % 3, h - 1 + tap / 3, n,
+                             &full[stage]);
+        }
+    };
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < STAGES; s++) conv_mbarrier_init(&full[s]);
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+    if (threadIdx.x == 0)
+        for (int j = 0; j < STAGES - 1; j++) load_stage(j);
+    const ConvWgmmaGroup<BM, BN> group;
+    float acc[WN / 2] = {};
+    for (int j = 0; j < steps; j++) {
+        conv_mbarrier_wait(&full[j % STAGES], (uint32_t)(j / STAGES) & 1);
+        conv_wgmma_k_step<CONV_WEIGHT_GRAD, BM, BN>(acc, As + (j % STAGES) * Tile::A_TILE + group.row * 64,
+                                                    Bs + (j % STAGES) * Tile::B_TILE + group.col * 64);
+        asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");  // step j - 1's products done in this warpgroup
+        __syncthreads();                                                    // ... and in the other
+        if (threadIdx.x == 0) load_stage(j + STAGES - 1);                  // into step j - 1's stage
+    }
+    asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+    conv_wgmma_store<CONV_WEIGHT_GRAD, BM, BN, false, true>(p, acc, m0, n0);
+#else
+    __trap();  // launched only where gpu.sm90a says the sm_90a code runs
+#endif
+}
+
+// cuTensorMapEncodeTiled, the driver's, looked up once at run time (nothing links libcuda); false
+// where the driver has none.
+static PFN_cuTensorMapEncodeTiled_v12000 conv_encode_tiled;
+static bool conv_tma_available(void) {
+    static int available = -1;
+    if (available < 0) {
+        void *fn = NULL;
+        cudaDriverEntryPointQueryResult found;
+        available = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found) ==
+                        cudaSuccess &&
+                    found == cudaDriverEntryPointSuccess && fn;
+        conv_encode_tiled = (PFN_cuTensorMapEncodeTiled_v12000)fn;
+    }
+    return available;
+}
+
+// The tensor map of a bf16 tensor of `rank` dimensions (sizes innermost first, the byte strides of
+// dimensions 1 .. rank - 1), read in boxes of `box` elements with the 128-byte swizzle, zeros outside.
+static CUtensorMap conv_tensor_map(const floatX *base, int rank, const uint64_t *sizes, const uint64_t *strides,
+                                   const uint32_t *box) {
+    CUtensorMap map;
+    const uint32_t element_strides[4] = {1, 1, 1, 1};
+    CUresult r = conv_encode_tiled(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, (uint32_t)rank, (void *)base, sizes, strides, box,
+                                   element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                                   CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    if (r != CUDA_SUCCESS) fatal("cuTensorMapEncodeTiled failed (error %d)", (int)r);
+    return map;
+}
+
+// Whether conv3x3_weight_grad_tma_kernel takes this weight gradient (the wgmma tiles, operands in
+// 16-byte chunks): stride 1, each tap's channels in 64-channel boxes, and a k step's 64 pixels whole
+// rows of one image or 64 columns of one row.
+static bool conv_weight_grad_tma_fits(const ConvGemm &p) {
+    return p.stride == 1 && p.C_in % 64 == 0 && (p.W % 64 == 0 || (64 % p.W == 0 && p.H % (64 / p.W) == 0)) &&
+           conv_tma_available();
+}
+
+template <int BM, int BN>
+static void conv_launch_weight_grad_tma(const ConvGemm &p, int slices) {
+    typedef ConvWgmmaTile<BM, BN> Tile;
+    auto kernel = conv3x3_weight_grad_tma_kernel<BM, BN>;
+    static bool configured = false;  // the shared-memory limit, raised once per kernel
+    if (!configured) {
+        cuda_check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)Tile::SMEM));
+        configured = true;
+    }
+    const uint64_t e = sizeof(floatX), cols = p.W < 64 ? p.W : 64;
+    const uint64_t dy_sizes[2] = {(uint64_t)p.C_out, (uint64_t)p.K}, dy_strides[1] = {p.lddy * e};
+    const uint32_t dy_box[2] = {64, 64};
+    const uint64_t x_sizes[4] = {(uint64_t)p.C_in, (uint64_t)p.W, (uint64_t)p.H, (uint64_t)p.N};
+    const uint64_t x_strides[3] = {p.ldx * e, p.W * p.ldx * e, (uint64_t)p.H * p.W * p.ldx * e};
+    const uint32_t x_box[4] = {64, (uint32_t)cols, (uint32_t)(64 / cols), 1};
+    CUtensorMap dy_map = conv_tensor_map(p.dy, 2, dy_sizes, dy_strides, dy_box);
+    CUtensorMap x_map = conv_tensor_map(p.x, 4, x_sizes, x_strides, x_box);
+    dim3 grid((p.M + BM - 1) / BM, (p.Ng + BN - 1) / BN, slices);
+    kernel<<<grid, CONV_THREADS, Tile::SMEM, gpu.stream>>>(dy_map, x_map, p);
+    cuda_check_launch();
 }
 
 // A split product's result (see conv3x3_split_slices): out[m][n] = sum over the slices, in order, of
@@ -1728,6 +1913,8 @@ static void conv3x3_backward_weight(float *dw, float *scratch, const floatX *dy,
     bool wgmma = gpu.sm90a && vec_a && vec_b && H < 32768 && W < 32768;
     if (BM == 32) conv_launch<CONV_WEIGHT_GRAD, 32, 128, 32, 1, 8>(p, vec_a, vec_b, slices);
     else if (BN == 32) conv_launch<CONV_WEIGHT_GRAD, 128, 32, 32, 4, 2>(p, vec_a, vec_b, slices);
+    else if (wgmma && BM == 128 && conv_weight_grad_tma_fits(p)) conv_launch_weight_grad_tma<128, 128>(p, slices);
+    else if (wgmma && conv_weight_grad_tma_fits(p)) conv_launch_weight_grad_tma<64, 128>(p, slices);
     else if (wgmma && BM == 128) conv_launch_wgmma<CONV_WEIGHT_GRAD, 128, 128>(p, slices);
     else if (wgmma) conv_launch_wgmma<CONV_WEIGHT_GRAD, 64, 128>(p, slices);
     else if (BM == 128) conv_launch<CONV_WEIGHT_GRAD, 128, 128, 64, 2, 4>(p, vec_a, vec_b, slices);

@@ -214,6 +214,10 @@ static const CheckCase check_cases[] = {
     {"halo 64x64 64->64",       1, 64, 64,   64,   64, 1,  0,  0,  0,  0,  0,  0,  0,  0, 1, 0},
     {"halo 10x128 128->192",    2, 10, 128, 128,  192, 1, 64, 64, 64,  0, 128, 64, 64, 64, 1, 64},
     {"halo 5x64 192->128",      3,  5, 64,  192,  128, 1,  0,  0,  0,  0,  0,  0,  0,  0, 0, 0},
+    // the weight gradient through the TMA (stride 1, C_in a multiple of 64, a k step's 64 pixels whole
+    // rows of one image): also the halo cases above and the 8x8 and 32x32 ones; here 4-row boxes, slices of
+    // x and dy, an A box wholly past C_out (576 = 4.5 x 128), a last column tile of one 64-column box
+    {"tma 16x16 192->576",      3, 16, 16,  192,  576, 1, 64, 64,  0,  0, 64, 64,  0,  0, 0, 0},
 };
 
 // The fixed cases, then 8 random ones (small images, channel counts of the presets and odd ones,
