@@ -1396,20 +1396,25 @@ static void conv_launch_wgmma(const ConvGemm &p, int slices) {
     conv_launch_wgmma_kernel<OP, BM, BN, false>(p, slices);
 }
 
-// The weight gradient through the Tensor Memory Accelerator (TMA, sm_90a). conv3x3_wgmma_kernel's
-// weight gradient spends its issue slots on its loads: every thread works out 8 addresses and border
-// tests a k step (~290 instructions a step; ncu, H100: the schedulers issue every 1.9 cycles, the tensor
-// cores ~40% busy). Here one thread asks the TMA for each k step's tiles, each a box of a tensor map
-// (conv_tensor_map) that the TMA fills with zeros where it lies outside the tensor:
-//   A = dy [pixels][C_out]:        box of 64 pixels x 64 channels at (k0, m0 + 64 g), g < BM / 64
-//   B = x [N][H][W][C_in], column (tap t = (kh, kw), channel c) of 9 C_in: for the 64 columns from
-//       n0 + 64 g (one tap, channels [c0, c0 + 64)) the box of rows x cols pixels x 64 channels at
-//       (n, ho - 1 + kh, wo - 1 + kw, c0): the k step's pixels, shifted by the tap, zero past the border.
-// So a k step's 64 pixels must be whole rows of one image (cols = W, rows = 64 / W) or 64 columns of
-// one row (cols = 64), which conv_weight_grad_tma_fits checks. With the 128-byte swizzle the boxes land
-// in the layout of ConvWgmmaOperand's M/N-major tiles, so the k step and the store are the wgmma
-// kernel's. Stage s's barrier full[s] completes when its bytes have arrived; the stage of step j - 1 is
-// refilled (with step j + STAGES - 1) after a __syncthreads shows both warpgroups done with it.
+// The products through the Tensor Memory Accelerator (TMA, sm_90a). conv3x3_wgmma_kernel spends its
+// issue slots on its loads: every thread works out 8 addresses and border tests a k step (the weight
+// gradient ~290 instructions a step; ncu, H100: the schedulers issue every 1.9 cycles, the tensor cores
+// ~40% busy). Here one thread asks the TMA for each k step's tiles, each a box of a tensor map
+// (conv_tensor_map) that the TMA fills with zeros where it lies outside the tensor. Stride 1 only:
+//   forward      A = x [N][H][W][C_in] at tap t = (kh, kw), channels [c0, c0 + 64): the box of the tile's 128
+//                    pixels (imgs x rows x cols, conv_pixel_box) shifted by (kh - 1, kw - 1), x 64 channels;
+//                B = w [C_out][9 C_in]: the box of BN rows (output channels) x 64 columns at (n0, t C_in + c0)
+//   input grad   A = dy [N][H][W][C_out] likewise, shifted by (1 - kh, 1 - kw) (dx at p sums dy at p + 1 - k);
+//                B = w: for each 64 columns of the tile (input channels from n0 + 64 g) the box of 64 rows
+//                    (output channels c0 ..) x 64 columns at (c0, t C_in + n0 + 64 g)
+//   weight grad  A = dy [pixels][C_out]: the box of 64 pixels x 64 channels at (k0, m0 + 64 g), g < BM / 64;
+//                B = x: for the 64 columns from n0 + 64 g (one tap t, channels [c, c + 64)) the box of the
+//                    k step's 64 pixels (rows x cols of one image, conv_pixel_box) shifted by the tap
+// A shifted box reads zeros past the image's border, which is the convolution's padding. With the
+// 128-byte swizzle the boxes land in the layouts of ConvWgmmaOperand's tiles, so the k step and the
+// store are the wgmma kernel's. Stage s's barrier full[s] completes when its bytes have arrived; the
+// stage of step j - 1 is refilled (with step j + STAGES - 1) after a __syncthreads shows both warpgroups
+// done with it. (Split products and the stride-2 input gradient stay on conv3x3_wgmma_kernel.)
 // A stage's barrier: one arrival (thread 0's, with the bytes to expect), then the TMA's bytes.
 __device__ __forceinline__ void conv_mbarrier_init(uint64_t *bar) {
     asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(conv_smem_address(bar)) : "memory");
@@ -1437,10 +1442,9 @@ __device__ __forceinline__ void conv_tma_load_4d(floatX *dst, const CUtensorMap 
                  : "memory");
 }
 
-template <int BM, int BN>
+template <int OP, int BM, int BN>
 __global__ void __launch_bounds__(CONV_THREADS, (ConvWgmmaTile<BM, BN>::BLOCKS_PER_SM))
-    conv3x3_weight_grad_tma_kernel(const __grid_constant__ CUtensorMap dy_map, const __grid_constant__ CUtensorMap x_map,
-                                   const ConvGemm p) {
+    conv3x3_tma_kernel(const __grid_constant__ CUtensorMap a_map, const __grid_constant__ CUtensorMap b_map, const ConvGemm p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     typedef ConvWgmmaTile<BM, BN> Tile;
     constexpr int BK = CONV_WGMMA_BK, STAGES = Tile::STAGES, WN = Tile::WN;
@@ -1450,23 +1454,43 @@ __global__ void __launch_bounds__(CONV_THREADS, (ConvWgmmaTile<BM, BN>::BLOCKS_P
     __shared__ __align__(8) uint64_t full[STAGES];
     const int m0 = blockIdx.x * BM, n0 = blockIdx.y * BN, first_step = blockIdx.z * (p.k_per_slice / BK);
     const int steps = min((p.K + BK - 1) / BK, first_step + p.k_per_slice / BK) - first_step;
-    __builtin_assume(steps > 0);  // every slice has steps (conv3x3_weight_grad_slices): no path around the products
+    __builtin_assume(steps > 0);  // (the weight gradient's slices all have steps): no path around the products
+    const int b_boxes = OP == CONV_FORWARD ? 1 : min(BN / 64, (p.Ng - n0 + 63) / 64);  // B columns past Ng: not loaded
+    // (what a stage held there reaches only columns that are not stored)
 
-    // Step j's tiles into its stage (thread 0): the k step's first pixel (n, h, w), then the boxes; the
-    // B columns past 9 C_in are not loaded (what the stage held there reaches only columns not stored).
+    // The pixel (n, h, w) where a box of pixels starts: the tile's first row (forward, input gradient),
+    // or the k step's first pixel (weight gradient; k0 = its first k).
+    auto pixel_of = [&](int first, int *n, int *h, int *w) {
+        *n = conv_div(first, p.div_in_pixels);
+        int rest = first - *n * p.H * p.W;
+        *h = conv_div(rest, p.div_W), *w = rest - *h * p.W;
+    };
+    int tile_n = 0, tile_h = 0, tile_w = 0;
+    if (OP != CONV_WEIGHT_GRAD) pixel_of(m0, &tile_n, &tile_h, &tile_w);
+    // Step j's boxes into its stage (thread 0).
     auto load_stage = [&](int j) {
         if (j >= steps) return;
         const int stage = j % STAGES, k0 = (first_step + j) * BK;
-        const int n = conv_div(k0, p.div_in_pixels), rest = k0 - n * p.H * p.W, h = conv_div(rest, p.div_W), w = rest - h * p.W;
-        const int b_boxes = min(BN / 64, (p.Ng - n0 + 63) / 64);
-        conv_mbarrier_expect_bytes(&full[stage], (BM / 64 + b_boxes) * 64 * 64 * (uint32_t)sizeof(floatX));
+        floatX *a = As + stage * Tile::A_TILE, *b = Bs + stage * Tile::B_TILE;
+        const uint32_t a_bytes = BM * BK * sizeof(floatX), b_bytes = (OP == CONV_FORWARD ? BN : b_boxes * 64) * BK * sizeof(floatX);
+        conv_mbarrier_expect_bytes(&full[stage], a_bytes + b_bytes);
+        if (OP == CONV_WEIGHT_GRAD) {
+            int n, h, w;
+            pixel_of(k0, &n, &h, &w);
 #pragma unroll
-        for (int g = 0; g < BM / 64; g++)
-            conv_tma_load_2d(As + stage * Tile::A_TILE + g * 64 * 64, &dy_map, m0 + 64 * g, k0, &full[stage]);
-        for (int g = 0; g < b_boxes; g++) {
-            int tap = conv_div(n0 + 64 * g, p.div_C_in), c0 = n0 + 64 * g - tap * p.C_in;
-            conv_tma_load_4d(Bs + stage * Tile::B_TILE + g * 64 * 64, &x_map, c0, w - 1 + tap % 3, h - 1 + tap / 3, n,
-                             &full[stage]);
+            for (int g = 0; g < BM / 64; g++) conv_tma_load_2d(a + g * 64 * 64, &a_map, m0 + 64 * g, k0, &full[stage]);
+            for (int g = 0; g < b_boxes; g++) {
+                int tap = conv_div(n0 + 64 * g, p.div_C_in), c = n0 + 64 * g - tap * p.C_in;
+                conv_tma_load_4d(b + g * 64 * 64, &b_map, c, w - 1 + tap % 3, h - 1 + tap / 3, n, &full[stage]);
+            }
+        } else {
+            const int C = OP == CONV_FORWARD ? p.C_in : p.C_out;
+            const int tap = conv_div(k0, OP == CONV_FORWARD ? p.div_C_in : p.div_C_out), c0 = k0 - tap * C;
+            const int dh = OP == CONV_FORWARD ? tap / 3 - 1 : 1 - tap / 3, dw = OP == CONV_FORWARD ? tap % 3 - 1 : 1 - tap % 3;
+            conv_tma_load_4d(a, &a_map, c0, tile_w + dw, tile_h + dh, tile_n, &full[stage]);
+            if (OP == CONV_FORWARD) conv_tma_load_2d(b, &b_map, tap * p.C_in + c0, n0, &full[stage]);
+            else
+                for (int g = 0; g < b_boxes; g++) conv_tma_load_2d(b + g * 64 * 64, &b_map, tap * p.C_in + n0 + 64 * g, c0, &full[stage]);
         }
     };
     if (threadIdx.x == 0) {
@@ -1480,14 +1504,14 @@ __global__ void __launch_bounds__(CONV_THREADS, (ConvWgmmaTile<BM, BN>::BLOCKS_P
     float acc[WN / 2] = {};
     for (int j = 0; j < steps; j++) {
         conv_mbarrier_wait(&full[j % STAGES], (uint32_t)(j / STAGES) & 1);
-        conv_wgmma_k_step<CONV_WEIGHT_GRAD, BM, BN>(acc, As + (j % STAGES) * Tile::A_TILE + group.row * 64,
-                                                    Bs + (j % STAGES) * Tile::B_TILE + group.col * 64);
+        conv_wgmma_k_step<OP, BM, BN>(acc, As + (j % STAGES) * Tile::A_TILE + group.row * 64,
+                                      Bs + (j % STAGES) * Tile::B_TILE + group.col * 64);
         asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");  // step j - 1's products done in this warpgroup
         __syncthreads();                                                    // ... and in the other
         if (threadIdx.x == 0) load_stage(j + STAGES - 1);                  // into step j - 1's stage
     }
     asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-    conv_wgmma_store<CONV_WEIGHT_GRAD, BM, BN, false, true>(p, acc, m0, n0);
+    conv_wgmma_store<OP, BM, BN, false, OP == CONV_WEIGHT_GRAD>(p, acc, m0, n0);
 #else
     __trap();  // launched only where gpu.sm90a says the sm_90a code runs
 #endif
@@ -1522,34 +1546,69 @@ static CUtensorMap conv_tensor_map(const floatX *base, int rank, const uint64_t 
     return map;
 }
 
-// Whether conv3x3_weight_grad_tma_kernel takes this weight gradient (the wgmma tiles, operands in
-// 16-byte chunks): stride 1, each tap's channels in 64-channel boxes, and a k step's 64 pixels whole
-// rows of one image or 64 columns of one row.
-static bool conv_weight_grad_tma_fits(const ConvGemm &p) {
-    return p.stride == 1 && p.C_in % 64 == 0 && (p.W % 64 == 0 || (64 % p.W == 0 && p.H % (64 / p.W) == 0)) &&
+// A box of `pixels` consecutive pixels of N images of H x W, as imgs x rows x cols (box dimensions 3,
+// 2, 1), for tiles and k steps that start at multiples of `pixels`: a segment of one row, whole rows of
+// one image, or whole images. False where none fits.
+static bool conv_pixel_box(int H, int W, int pixels, uint32_t *cols, uint32_t *rows, uint32_t *imgs) {
+    *cols = (uint32_t)(W < pixels ? W : pixels), *rows = *imgs = 1;
+    if (W >= pixels) return W % pixels == 0;
+    if (pixels % W != 0) return false;
+    *rows = (uint32_t)(pixels / W);
+    if (H % (int)*rows == 0) return true;
+    *rows = (uint32_t)H, *imgs = (uint32_t)(pixels / (H * W));
+    return pixels % (H * W) == 0;
+}
+
+// Whether conv3x3_tma_kernel takes this product (given the wgmma tiles, operands in 16-byte chunks):
+// stride 1, 64-channel boxes along k (forward, input gradient) or along each tap's columns (weight
+// gradient), and pixel boxes for the tile (128 rows) or the k step (64 pixels).
+static bool conv_tma_fits(int op, const ConvGemm &p) {
+    uint32_t cols, rows, imgs;
+    int k_channels = op == CONV_FORWARD ? p.C_in : op == CONV_INPUT_GRAD ? p.C_out : p.C_in;
+    return p.stride == 1 && k_channels % 64 == 0 && conv_pixel_box(p.H, p.W, op == CONV_WEIGHT_GRAD ? 64 : 128, &cols, &rows, &imgs) &&
            conv_tma_available();
 }
 
-template <int BM, int BN>
-static void conv_launch_weight_grad_tma(const ConvGemm &p, int slices) {
+// Launches conv3x3_tma_kernel (the slices: the weight gradient's) with its tensor maps: the pixels of x or
+// dy as [N][H][W][C] with their channel stride, dy as [pixels][C_out] (weight gradient), w as [C_out][9 C_in].
+template <int OP, int BM, int BN>
+static void conv_launch_tma(const ConvGemm &p, int slices) {
     typedef ConvWgmmaTile<BM, BN> Tile;
-    auto kernel = conv3x3_weight_grad_tma_kernel<BM, BN>;
+    auto kernel = conv3x3_tma_kernel<OP, BM, BN>;
     static bool configured = false;  // the shared-memory limit, raised once per kernel
     if (!configured) {
         cuda_check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)Tile::SMEM));
         configured = true;
     }
-    const uint64_t e = sizeof(floatX), cols = p.W < 64 ? p.W : 64;
-    const uint64_t dy_sizes[2] = {(uint64_t)p.C_out, (uint64_t)p.K}, dy_strides[1] = {p.lddy * e};
-    const uint32_t dy_box[2] = {64, 64};
-    const uint64_t x_sizes[4] = {(uint64_t)p.C_in, (uint64_t)p.W, (uint64_t)p.H, (uint64_t)p.N};
-    const uint64_t x_strides[3] = {p.ldx * e, p.W * p.ldx * e, (uint64_t)p.H * p.W * p.ldx * e};
-    const uint32_t x_box[4] = {64, (uint32_t)cols, (uint32_t)(64 / cols), 1};
-    CUtensorMap dy_map = conv_tensor_map(p.dy, 2, dy_sizes, dy_strides, dy_box);
-    CUtensorMap x_map = conv_tensor_map(p.x, 4, x_sizes, x_strides, x_box);
+    const uint64_t e = sizeof(floatX);
+    uint32_t cols, rows, imgs;
+    conv_pixel_box(p.H, p.W, OP == CONV_WEIGHT_GRAD ? 64 : 128, &cols, &rows, &imgs);
+    const floatX *image = OP == CONV_INPUT_GRAD ? p.dy : p.x;  // the pixels read through boxes
+    const int C = OP == CONV_INPUT_GRAD ? p.C_out : p.C_in, ld = OP == CONV_INPUT_GRAD ? p.lddy : p.ldx;
+    const uint64_t image_sizes[4] = {(uint64_t)C, (uint64_t)p.W, (uint64_t)p.H, (uint64_t)p.N};
+    const uint64_t image_strides[3] = {ld * e, p.W * ld * e, (uint64_t)p.H * p.W * ld * e};
+    const uint32_t image_box[4] = {64, cols, rows, imgs};
+    CUtensorMap image_map = conv_tensor_map(image, 4, image_sizes, image_strides, image_box), other;
+    if (OP == CONV_WEIGHT_GRAD) {
+        const uint64_t sizes[2] = {(uint64_t)p.C_out, (uint64_t)p.K}, strides[1] = {p.lddy * e};
+        const uint32_t box[2] = {64, 64};
+        other = conv_tensor_map(p.dy, 2, sizes, strides, box);
+    } else {
+        const uint64_t sizes[2] = {(uint64_t)9 * p.C_in, (uint64_t)p.C_out}, strides[1] = {9 * p.C_in * e};
+        const uint32_t box[2] = {64, OP == CONV_FORWARD ? (uint32_t)BN : 64};
+        other = conv_tensor_map(p.w, 2, sizes, strides, box);
+    }
     dim3 grid((p.M + BM - 1) / BM, (p.Ng + BN - 1) / BN, slices);
-    kernel<<<grid, CONV_THREADS, Tile::SMEM, gpu.stream>>>(dy_map, x_map, p);
+    if (OP == CONV_WEIGHT_GRAD) kernel<<<grid, CONV_THREADS, Tile::SMEM, gpu.stream>>>(other, image_map, p);
+    else kernel<<<grid, CONV_THREADS, Tile::SMEM, gpu.stream>>>(image_map, other, p);
     cuda_check_launch();
+}
+
+// The forward or input-gradient product on 128 x BN tiles: through the TMA where it fits, else gathered.
+template <int OP, int BN>
+static void conv_launch_wgmma_tiles(const ConvGemm &p) {
+    if (conv_tma_fits(OP, p)) conv_launch_tma<OP, 128, BN>(p, 1);
+    else conv_launch_wgmma<OP, 128, BN>(p, 1);
 }
 
 // A split product's result (see conv3x3_split_slices): out[m][n] = sum over the slices, in order, of
@@ -1590,7 +1649,7 @@ static bool conv_try_wgmma(const ConvGemm &p, bool vec_a, bool vec_b, float *spl
         return true;
     }
     if (p.Ng == 64) {
-        conv_launch_wgmma<OP, 128, 64>(p, 1);
+        conv_launch_wgmma_tiles<OP, 64>(p);
         return true;
     }
     int best = 128;
@@ -1600,11 +1659,11 @@ static bool conv_try_wgmma(const ConvGemm &p, bool vec_a, bool vec_b, float *spl
     }
     int64_t blocks = (int64_t)((p.M + 127) / 128) * ((p.Ng + best - 1) / best);
     if (blocks < gpu.num_sms) best = 128;
-    if (best == 256) conv_launch_wgmma<OP, 128, 256>(p, 1);
+    if (best == 256) conv_launch_wgmma_tiles<OP, 256>(p);
     else if constexpr (OP == CONV_FORWARD) {
-        if (best == 192) conv_launch_wgmma<OP, 128, 192>(p, 1);
-        else conv_launch_wgmma<OP, 128, 128>(p, 1);
-    } else conv_launch_wgmma<OP, 128, 128>(p, 1);
+        if (best == 192) conv_launch_wgmma_tiles<OP, 192>(p);
+        else conv_launch_wgmma_tiles<OP, 128>(p);
+    } else conv_launch_wgmma_tiles<OP, 128>(p);
     return true;
 }
 
@@ -1913,8 +1972,8 @@ static void conv3x3_backward_weight(float *dw, float *scratch, const floatX *dy,
     bool wgmma = gpu.sm90a && vec_a && vec_b && H < 32768 && W < 32768;
     if (BM == 32) conv_launch<CONV_WEIGHT_GRAD, 32, 128, 32, 1, 8>(p, vec_a, vec_b, slices);
     else if (BN == 32) conv_launch<CONV_WEIGHT_GRAD, 128, 32, 32, 4, 2>(p, vec_a, vec_b, slices);
-    else if (wgmma && BM == 128 && conv_weight_grad_tma_fits(p)) conv_launch_weight_grad_tma<128, 128>(p, slices);
-    else if (wgmma && conv_weight_grad_tma_fits(p)) conv_launch_weight_grad_tma<64, 128>(p, slices);
+    else if (wgmma && BM == 128 && conv_tma_fits(CONV_WEIGHT_GRAD, p)) conv_launch_tma<CONV_WEIGHT_GRAD, 128, 128>(p, slices);
+    else if (wgmma && conv_tma_fits(CONV_WEIGHT_GRAD, p)) conv_launch_tma<CONV_WEIGHT_GRAD, 64, 128>(p, slices);
     else if (wgmma && BM == 128) conv_launch_wgmma<CONV_WEIGHT_GRAD, 128, 128>(p, slices);
     else if (wgmma) conv_launch_wgmma<CONV_WEIGHT_GRAD, 64, 128>(p, slices);
     else if (BM == 128) conv_launch<CONV_WEIGHT_GRAD, 128, 128, 64, 2, 4>(p, vec_a, vec_b, slices);

@@ -214,10 +214,13 @@ static const CheckCase check_cases[] = {
     {"halo 64x64 64->64",       1, 64, 64,   64,   64, 1,  0,  0,  0,  0,  0,  0,  0,  0, 1, 0},
     {"halo 10x128 128->192",    2, 10, 128, 128,  192, 1, 64, 64, 64,  0, 128, 64, 64, 64, 1, 64},
     {"halo 5x64 192->128",      3,  5, 64,  192,  128, 1,  0,  0,  0,  0,  0,  0,  0,  0, 0, 0},
-    // the weight gradient through the TMA (stride 1, C_in a multiple of 64, a k step's 64 pixels whole
-    // rows of one image): also the halo cases above and the 8x8 and 32x32 ones; here 4-row boxes, slices of
-    // x and dy, an A box wholly past C_out (576 = 4.5 x 128), a last column tile of one 64-column box
+    // through the TMA (stride 1; pixel boxes of whole rows, or whole images; products not split): the
+    // weight gradient in 4-row boxes with slices of x and dy, an A box wholly past C_out (576 = 4.5 x 128)
+    // and a last column tile of one 64-column box; forward and input gradient in 8-row boxes with a
+    // residual and slices everywhere, and boxes of two 8x8 images, the last half past the batch
     {"tma 16x16 192->576",      3, 16, 16,  192,  576, 1, 64, 64,  0,  0, 64, 64,  0,  0, 0, 0},
+    {"tma 16x16 64->1152 res",  4, 16, 16,   64, 1152, 1, 64, 64, 64, 64, 64, 64, 64, 64, 1, 64},
+    {"tma 8x8 images 64->128", 17,  8,  8,   64,  128, 1,  0,  0,  0,  0,  0,  0,  0,  0, 0, 0},
 };
 
 // The fixed cases, then 8 random ones (small images, channel counts of the presets and odd ones,
