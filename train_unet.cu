@@ -1414,7 +1414,8 @@ static void conv_launch_wgmma(const ConvGemm &p, int slices) {
 // 128-byte swizzle the boxes land in the layouts of ConvWgmmaOperand's tiles, so the k step and the
 // store are the wgmma kernel's. Stage s's barrier full[s] completes when its bytes have arrived; the
 // stage of step j - 1 is refilled (with step j + STAGES - 1) after a __syncthreads shows both warpgroups
-// done with it. (Split products and the stride-2 input gradient stay on conv3x3_wgmma_kernel.)
+// done with it. SPLIT: a split forward or input-gradient product's slice of k (conv3x3_split_slices),
+// into out_f in fp32. (Stride 2 stays on conv3x3_wgmma_kernel.)
 // A stage's barrier: one arrival (thread 0's, with the bytes to expect), then the TMA's bytes.
 __device__ __forceinline__ void conv_mbarrier_init(uint64_t *bar) {
     asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(conv_smem_address(bar)) : "memory");
@@ -1442,7 +1443,7 @@ __device__ __forceinline__ void conv_tma_load_4d(floatX *dst, const CUtensorMap 
                  : "memory");
 }
 
-template <int OP, int BM, int BN>
+template <int OP, int BM, int BN, bool SPLIT>
 __global__ void __launch_bounds__(CONV_THREADS, (ConvWgmmaTile<BM, BN>::BLOCKS_PER_SM))
     conv3x3_tma_kernel(const __grid_constant__ CUtensorMap a_map, const __grid_constant__ CUtensorMap b_map, const ConvGemm p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -1454,7 +1455,7 @@ __global__ void __launch_bounds__(CONV_THREADS, (ConvWgmmaTile<BM, BN>::BLOCKS_P
     __shared__ __align__(8) uint64_t full[STAGES];
     const int m0 = blockIdx.x * BM, n0 = blockIdx.y * BN, first_step = blockIdx.z * (p.k_per_slice / BK);
     const int steps = min((p.K + BK - 1) / BK, first_step + p.k_per_slice / BK) - first_step;
-    __builtin_assume(steps > 0);  // (the weight gradient's slices all have steps): no path around the products
+    __builtin_assume(steps > 0);  // (every slice has steps): no path around the products
     const int b_boxes = OP == CONV_FORWARD ? 1 : min(BN / 64, (p.Ng - n0 + 63) / 64);  // B columns past Ng: not loaded
     // (what a stage held there reaches only columns that are not stored)
 
@@ -1511,7 +1512,7 @@ __global__ void __launch_bounds__(CONV_THREADS, (ConvWgmmaTile<BM, BN>::BLOCKS_P
         if (threadIdx.x == 0) load_stage(j + STAGES - 1);                  // into step j - 1's stage
     }
     asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-    conv_wgmma_store<OP, BM, BN, false, OP == CONV_WEIGHT_GRAD>(p, acc, m0, n0);
+    conv_wgmma_store<OP, BM, BN, false, OP == CONV_WEIGHT_GRAD || SPLIT>(p, acc, m0, n0);
 #else
     __trap();  // launched only where gpu.sm90a says the sm_90a code runs
 #endif
@@ -1569,12 +1570,12 @@ static bool conv_tma_fits(int op, const ConvGemm &p) {
            conv_tma_available();
 }
 
-// Launches conv3x3_tma_kernel (the slices: the weight gradient's) with its tensor maps: the pixels of x or
+// Launches conv3x3_tma_kernel (the slices: the weight gradient's, or a split product's) with its tensor maps: the pixels of x or
 // dy as [N][H][W][C] with their channel stride, dy as [pixels][C_out] (weight gradient), w as [C_out][9 C_in].
-template <int OP, int BM, int BN>
+template <int OP, int BM, int BN, bool SPLIT = false>
 static void conv_launch_tma(const ConvGemm &p, int slices) {
     typedef ConvWgmmaTile<BM, BN> Tile;
-    auto kernel = conv3x3_tma_kernel<OP, BM, BN>;
+    auto kernel = conv3x3_tma_kernel<OP, BM, BN, SPLIT>;
     static bool configured = false;  // the shared-memory limit, raised once per kernel
     if (!configured) {
         cuda_check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)Tile::SMEM));
@@ -1643,7 +1644,8 @@ static bool conv_try_wgmma(const ConvGemm &p, bool vec_a, bool vec_b, float *spl
     if (slices > 1 && (int64_t)slices * p.M * p.Ng <= split_floats) {
         ConvGemm q = p;
         q.k_per_slice = k_per_slice, q.out_f = split, q.pair_store = p.Ng % 2 == 0;  // (scratch is 8-byte aligned)
-        conv_launch_wgmma_kernel<OP, 128, 128, false, true>(q, slices);
+        if (conv_tma_fits(OP, q)) conv_launch_tma<OP, 128, 128, true>(q, slices);
+        else conv_launch_wgmma_kernel<OP, 128, 128, false, true>(q, slices);
         conv_split_finish_kernel<OP><<<(unsigned)(((int64_t)p.M * p.Ng + 255) / 256), 256, 0, gpu.stream>>>(q, slices);
         cuda_check_launch();
         return true;
