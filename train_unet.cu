@@ -3162,7 +3162,8 @@ static void mse_loss(float *loss, float *partial, floatX *d_out, const floatX *o
 // AdamW as PyTorch defines it, on the fp32 master weights, refreshing the compute copy:
 //   g = grad * clip scale;  p -= lr wd p;  m = b1 m + (1 - b1) g;  v = b2 v + (1 - b2) g^2
 //   p -= lr (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps)
-// A step whose loss or gradient is not finite changes nothing.
+// and, in the same pass (ema not NULL), the first EMA of the weights from the new p (ema_kernel's
+// update, without reading p again). A step whose loss or gradient is not finite changes nothing.
 
 // What a training step reads and writes on the GPU besides tensors. The host fills the first part
 // before the step; the step fills the second. Kept in one struct, copied in and out by the step
@@ -3178,7 +3179,8 @@ typedef struct {
 } StepState;
 
 __global__ void adamw_kernel(float *params, floatX *params_x, float *m, float *v, const float *grads, int64_t n,
-                             const StepState *s, float beta1, float beta2, float eps, float weight_decay) {
+                             const StepState *s, float beta1, float beta2, float eps, float weight_decay, float *ema,
+                             float ema_rate) {
     if (!s->finite) return;
     float lr = s->lr, bias1 = s->bias1, bias2 = s->bias2, scale = s->grad_scale;
     for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
@@ -3187,6 +3189,7 @@ __global__ void adamw_kernel(float *params, floatX *params_x, float *m, float *v
         p -= lr * (mi / bias1) / (sqrtf(vi / bias2) + eps);
         m[i] = mi, v[i] = vi, params[i] = p;
         if (params_x) params_x[i] = (floatX)p;
+        if (ema) ema[i] = ema_rate * ema[i] + (1.0f - ema_rate) * p;
     }
 }
 
@@ -5111,8 +5114,9 @@ static void trainer_enqueue_step(Trainer *tr) {
     step_decide_kernel<<<1, 1024, 0, gpu.stream>>>(tr->state, tr->norm_partial, m->loss);
     floatX *copy = (void *)m->compute == (void *)m->master ? NULL : m->compute;
     adamw_kernel<<<blocks_for(m->storage, 256), 256, 0, gpu.stream>>>(m->master, copy, m->adam_m, m->adam_v, m->grad,
-        m->storage, tr->state, o->beta1, o->beta2, o->adam_eps, o->weight_decay);
-    for (int i = 0; i < tr->num_ema; i++)
+        m->storage, tr->state, o->beta1, o->beta2, o->adam_eps, o->weight_decay, tr->num_ema ? tr->ema[0] : NULL,
+        tr->num_ema ? tr->ema_rates[0] : 0.0f);
+    for (int i = 1; i < tr->num_ema; i++)  // (the first: in AdamW's pass)
         ema_kernel<<<blocks_for(m->storage, 256), 256, 0, gpu.stream>>>(tr->ema[i], m->master, m->storage, tr->ema_rates[i], tr->state);
     cuda_check_launch();
     cuda_check(cudaMemcpyAsync(tr->host_state, tr->state, sizeof(StepState), cudaMemcpyDeviceToHost, gpu.stream));

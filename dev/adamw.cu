@@ -1,5 +1,6 @@
 // dev/adamw.cu: AdamW as PyTorch's torch.optim.AdamW defines it (decoupled weight decay, bias
-// correction), one step on fp32 master weights. CPU reference in double.
+// correction), one step on fp32 master weights, with the EMA of the weights updated in the same pass.
+// CPU reference in double.
 #include "common.h"
 
 // One step t (counting from 1) over n parameters, in place:
@@ -17,17 +18,23 @@ static void ref_adamw_step(double *p, double *m, double *v, const double *g, siz
     }
 }
 
+// guided-diffusion's update_ema from the new weights: ema = rate ema + (1 - rate) p.
+static void ref_ema(double *ema, const double *p, size_t n, double rate) {
+    for (size_t i = 0; i < n; i++) ema[i] = rate * ema[i] + (1 - rate) * p[i];
+}
+
 #ifndef DEV_NO_MAIN
 // ----------------------------------------------------------------------------------------------
-// GPU check: the trainer's adamw_kernel, given the step state as a training step gives it. params, m, v are fp32 in both builds, so they are
-// held to the FP32 tolerance 1e-5 in both; the compute copy params_x (floatX) to the build's.
+// GPU check: the trainer's adamw_kernel, given the step state as a training step gives it. params, m,
+// v and the EMA are fp32 in both builds, so they are held to the FP32 tolerance 1e-5 in both; the
+// compute copy params_x (floatX) to the build's.
 
 typedef struct {
-    float *p, *m, *v, *g;
+    float *p, *m, *v, *g, *ema;  // ema: NULL for a step without one
     floatX *px;
     int64_t n;
     int step;
-    float lr, beta1, beta2, eps, weight_decay;
+    float lr, beta1, beta2, eps, weight_decay, ema_rate;
     StepState *state;  // on the GPU, filled by adam_state
 } AdamRun;
 
@@ -45,31 +52,36 @@ static void adam_state(AdamRun *r) {
 static void adam_run(void *q) {
     AdamRun *r = (AdamRun *)q;
     adamw_kernel<<<blocks_for(r->n, 256), 256, 0, gpu.stream>>>(r->p, r->px, r->m, r->v, r->g, r->n, r->state, r->beta1,
-                                                               r->beta2, r->eps, r->weight_decay);
+                                                               r->beta2, r->eps, r->weight_decay, r->ema, r->ema_rate);
     cuda_check_launch();
 }
 
 // grad_scale: the gradients' size (small ones put eps to work); step 1 starts from zero moments.
-static void check_adamw(size_t n, int step, float lr, float weight_decay, double grad_scale) {
-    double *p = dev_alloc(n), *m = dev_alloc(n), *v = dev_alloc(n), *g = dev_alloc(n);
-    dev_fill_f(p, n, -1, 1), dev_fill_f(g, n, -grad_scale, grad_scale);
+// ema_rate 0: no EMA in the pass.
+static void check_adamw(size_t n, int step, float lr, float weight_decay, double grad_scale, float ema_rate) {
+    double *p = dev_alloc(n), *m = dev_alloc(n), *v = dev_alloc(n), *g = dev_alloc(n), *ema = dev_alloc(n);
+    dev_fill_f(p, n, -1, 1), dev_fill_f(g, n, -grad_scale, grad_scale), dev_fill_f(ema, n, -1, 1);
     if (step > 1) dev_fill_f(m, n, -0.1 * grad_scale, 0.1 * grad_scale), dev_fill_f(v, n, 0, 0.01 * grad_scale * grad_scale);
     AdamRun r = {dev_upload_f(p, n), dev_upload_f(m, n), dev_upload_f(v, n), dev_upload_f(g, n),
-                 (floatX *)dev_gpu_poisoned(n * sizeof(floatX)), (int64_t)n, step, lr, 0.9f, 0.999f, 1e-8f, weight_decay};
+                 ema_rate > 0 ? dev_upload_f(ema, n) : NULL, (floatX *)dev_gpu_poisoned(n * sizeof(floatX)), (int64_t)n, step,
+                 lr, 0.9f, 0.999f, 1e-8f, weight_decay, ema_rate};
     adam_state(&r);
     adam_run(&r);
     ref_adamw_step(p, m, v, g, n, step, r.lr, r.beta1, r.beta2, r.eps, r.weight_decay);  // the float values, widened
+    ref_ema(ema, p, n, r.ema_rate);
     double tol = DEV_TOLERANCE, fwd = dev_check_f(r.p, NULL, p, n);
     DevErrors e;
     dev_errors_init(&e);
     dev_errors_add(&e, "m", dev_check_f(r.m, NULL, m, n), 1e-5);
     dev_errors_add(&e, "v", dev_check_f(r.v, NULL, v, n), 1e-5);
     dev_errors_add(&e, "p_compute", dev_check_x(r.px, NULL, p, n), tol);
+    if (r.ema) dev_errors_add(&e, "ema", dev_check_f(r.ema, NULL, ema, n), 1e-5);
     char shape[96];
-    snprintf(shape, sizeof shape, "n %zu t%d lr %g wd %g grad~%g", n, step, lr, weight_decay, grad_scale);
+    snprintf(shape, sizeof shape, "n %zu t%d lr %g wd %g grad~%g ema %g", n, step, lr, weight_decay, grad_scale, ema_rate);
     dev_row("adamw", shape, fwd, 1e-5, &e, -1, -1);
     dev_gpu_free(r.p, r.m, r.v, r.g, r.px, r.state, NULL);
-    free(p), free(m), free(v), free(g);
+    if (r.ema) dev_gpu_free(r.ema, NULL);
+    free(p), free(m), free(v), free(g), free(ema);
 }
 
 // The seed model's parameter count.
@@ -80,21 +92,22 @@ static void time_adamw(void) {
     int64_t n = params.numel;
     free(params.specs);
     AdamRun r = {dev_random_f(n, -1, 1), dev_random_f(n, -0.01, 0.01), dev_random_f(n, 0, 1e-4), dev_random_f(n, -0.1, 0.1),
-                 (floatX *)gpu_malloc(n * sizeof(floatX)), n, 10, 1e-4f, 0.9f, 0.999f, 1e-8f, 0.0f};
+                 dev_random_f(n, -1, 1), (floatX *)gpu_malloc(n * sizeof(floatX)), n, 10, 1e-4f, 0.9f, 0.999f, 1e-8f, 0.0f,
+                 0.9999f};
     adam_state(&r);
     double ms = dev_time_ms(adam_run, &r);
     char shape[96];
-    snprintf(shape, sizeof shape, "n %lld (seed model)", (long long)n);
-    dev_timing_row("adamw", shape, ms, -1, dev_finite_f(r.p, n) && dev_finite_x(r.px, n));
-    dev_gpu_free(r.p, r.m, r.v, r.g, r.px, r.state, NULL);
+    snprintf(shape, sizeof shape, "n %lld (seed model), with an EMA", (long long)n);
+    dev_timing_row("adamw", shape, ms, -1, dev_finite_f(r.p, n) && dev_finite_x(r.px, n) && dev_finite_f(r.ema, n));
+    dev_gpu_free(r.p, r.m, r.v, r.g, r.ema, r.px, r.state, NULL);
 }
 
 int main(void) {
     dev_begin("adamw");
-    check_adamw(1, 1, 1e-3f, 0.0f, 1);
-    check_adamw(1000, 1, 1e-3f, 0.1f, 1);
-    check_adamw(1000, 7, 2e-2f, 0.1f, 1e-6);      // tiny gradients: eps matters
-    check_adamw(1000003, 1000, 1e-3f, 0.01f, 0.1);
+    check_adamw(1, 1, 1e-3f, 0.0f, 1, 0.0f);
+    check_adamw(1000, 1, 1e-3f, 0.1f, 1, 0.9999f);
+    check_adamw(1000, 7, 2e-2f, 0.1f, 1e-6, 0.0f);        // tiny gradients: eps matters
+    check_adamw(1000003, 1000, 1e-3f, 0.01f, 0.1, 0.5f);  // (a fast EMA: its update well above rounding)
     time_adamw();
     return dev_end();
 }
