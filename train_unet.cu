@@ -1456,8 +1456,9 @@ __global__ void __launch_bounds__(CONV_THREADS, (ConvWgmmaTile<BM, BN>::BLOCKS_P
     const int m0 = blockIdx.x * BM, n0 = blockIdx.y * BN, first_step = blockIdx.z * (p.k_per_slice / BK);
     const int steps = min((p.K + BK - 1) / BK, first_step + p.k_per_slice / BK) - first_step;
     __builtin_assume(steps > 0);  // (every slice has steps): no path around the products
-    const int b_boxes = OP == CONV_FORWARD ? 1 : min(BN / 64, (p.Ng - n0 + 63) / 64);  // B columns past Ng: not loaded
-    // (what a stage held there reaches only columns that are not stored)
+    // The B boxes a step loads: the columns past Ng are not loaded (what a stage held there reaches only
+    // columns that are not stored); the forward's one box of BN rows reads zeros past C_out.
+    const int b_boxes = OP == CONV_FORWARD ? 1 : min(BN / 64, (p.Ng - n0 + 63) / 64);
 
     // The pixel (n, h, w) where a box of pixels starts: the tile's first row (forward, input gradient),
     // or the k step's first pixel (weight gradient; k0 = its first k).
@@ -1473,7 +1474,8 @@ __global__ void __launch_bounds__(CONV_THREADS, (ConvWgmmaTile<BM, BN>::BLOCKS_P
         if (j >= steps) return;
         const int stage = j % STAGES, k0 = (first_step + j) * BK;
         floatX *a = As + stage * Tile::A_TILE, *b = Bs + stage * Tile::B_TILE;
-        const uint32_t a_bytes = BM * BK * sizeof(floatX), b_bytes = (OP == CONV_FORWARD ? BN : b_boxes * 64) * BK * sizeof(floatX);
+        const uint32_t a_bytes = BM * BK * sizeof(floatX);
+        const uint32_t b_bytes = (OP == CONV_FORWARD ? BN : b_boxes * 64) * BK * sizeof(floatX);
         conv_mbarrier_expect_bytes(&full[stage], a_bytes + b_bytes);
         if (OP == CONV_WEIGHT_GRAD) {
             int n, h, w;
@@ -1491,7 +1493,8 @@ __global__ void __launch_bounds__(CONV_THREADS, (ConvWgmmaTile<BM, BN>::BLOCKS_P
             conv_tma_load_4d(a, &a_map, c0, tile_w + dw, tile_h + dh, tile_n, &full[stage]);
             if (OP == CONV_FORWARD) conv_tma_load_2d(b, &b_map, tap * p.C_in + c0, n0, &full[stage]);
             else
-                for (int g = 0; g < b_boxes; g++) conv_tma_load_2d(b + g * 64 * 64, &b_map, tap * p.C_in + n0 + 64 * g, c0, &full[stage]);
+                for (int g = 0; g < b_boxes; g++)
+                    conv_tma_load_2d(b + g * 64 * 64, &b_map, tap * p.C_in + n0 + 64 * g, c0, &full[stage]);
         }
     };
     if (threadIdx.x == 0) {
@@ -1566,12 +1569,13 @@ static bool conv_pixel_box(int H, int W, int pixels, uint32_t *cols, uint32_t *r
 static bool conv_tma_fits(int op, const ConvGemm &p) {
     uint32_t cols, rows, imgs;
     int k_channels = op == CONV_FORWARD ? p.C_in : op == CONV_INPUT_GRAD ? p.C_out : p.C_in;
-    return p.stride == 1 && k_channels % 64 == 0 && conv_pixel_box(p.H, p.W, op == CONV_WEIGHT_GRAD ? 64 : 128, &cols, &rows, &imgs) &&
-           conv_tma_available();
+    return p.stride == 1 && k_channels % 64 == 0 &&
+           conv_pixel_box(p.H, p.W, op == CONV_WEIGHT_GRAD ? 64 : 128, &cols, &rows, &imgs) && conv_tma_available();
 }
 
-// Launches conv3x3_tma_kernel (the slices: the weight gradient's, or a split product's) with its tensor maps: the pixels of x or
-// dy as [N][H][W][C] with their channel stride, dy as [pixels][C_out] (weight gradient), w as [C_out][9 C_in].
+// Launches conv3x3_tma_kernel (the slices: the weight gradient's, or a split product's) with its tensor
+// maps: the pixels of x or dy as [N][H][W][C] with their channel stride, dy as [pixels][C_out] (weight
+// gradient), w as [C_out][9 C_in].
 template <int OP, int BM, int BN, bool SPLIT = false>
 static void conv_launch_tma(const ConvGemm &p, int slices) {
     typedef ConvWgmmaTile<BM, BN> Tile;
