@@ -1568,7 +1568,7 @@ static bool conv_pixel_box(int H, int W, int pixels, uint32_t *cols, uint32_t *r
 // gradient), and pixel boxes for the tile (128 rows) or the k step (64 pixels).
 static bool conv_tma_fits(int op, const ConvGemm &p) {
     uint32_t cols, rows, imgs;
-    int k_channels = op == CONV_FORWARD ? p.C_in : op == CONV_INPUT_GRAD ? p.C_out : p.C_in;
+    int k_channels = op == CONV_INPUT_GRAD ? p.C_out : p.C_in;
     return p.stride == 1 && k_channels % 64 == 0 &&
            conv_pixel_box(p.H, p.W, op == CONV_WEIGHT_GRAD ? 64 : 128, &cols, &rows, &imgs) && conv_tma_available();
 }
@@ -1975,11 +1975,11 @@ static void conv3x3_backward_weight(float *dw, float *scratch, const floatX *dy,
     bool vec_b = C_in % 8 == 0 && ldx % 8 == 0 && conv_aligned16(x);
     int BM, BN;
     conv_weight_grad_tile(C_in, C_out, &BM, &BN);
-    bool wgmma = gpu.sm90a && vec_a && vec_b && H < 32768 && W < 32768;
+    bool wgmma = gpu.sm90a && vec_a && vec_b && H < 32768 && W < 32768, tma = wgmma && conv_tma_fits(CONV_WEIGHT_GRAD, p);
     if (BM == 32) conv_launch<CONV_WEIGHT_GRAD, 32, 128, 32, 1, 8>(p, vec_a, vec_b, slices);
     else if (BN == 32) conv_launch<CONV_WEIGHT_GRAD, 128, 32, 32, 4, 2>(p, vec_a, vec_b, slices);
-    else if (wgmma && BM == 128 && conv_tma_fits(CONV_WEIGHT_GRAD, p)) conv_launch_tma<CONV_WEIGHT_GRAD, 128, 128>(p, slices);
-    else if (wgmma && conv_tma_fits(CONV_WEIGHT_GRAD, p)) conv_launch_tma<CONV_WEIGHT_GRAD, 64, 128>(p, slices);
+    else if (tma && BM == 128) conv_launch_tma<CONV_WEIGHT_GRAD, 128, 128>(p, slices);
+    else if (tma) conv_launch_tma<CONV_WEIGHT_GRAD, 64, 128>(p, slices);
     else if (wgmma && BM == 128) conv_launch_wgmma<CONV_WEIGHT_GRAD, 128, 128>(p, slices);
     else if (wgmma) conv_launch_wgmma<CONV_WEIGHT_GRAD, 64, 128>(p, slices);
     else if (BM == 128) conv_launch<CONV_WEIGHT_GRAD, 128, 128, 64, 2, 4>(p, vec_a, vec_b, slices);
