@@ -2089,9 +2089,10 @@ __device__ inline float sigmoidf_(float x) { return 1.0f / (1.0f + expf(-x)); }
 __device__ inline float sigmoidf_(float x) { return __fdividef(1.0f, 1.0f + __expf(-x)); }
 #endif
 
-// Dropout's multiplier for element i: 0 with probability p, else 1/(1 - p).
-__host__ __device__ inline float dropout_keep(uint64_t seed, uint64_t stream, int64_t i, float p) {
-    return (float)(random_u64(seed, stream, (uint64_t)i) >> 40) * (1.0f / 16777216.0f) >= p ? 1.0f / (1.0f - p) : 0.0f;
+// Dropout's multiplier for element i of the stream with key `key` (random_key): 0 with probability p,
+// else 1/(1 - p).
+__host__ __device__ inline float dropout_keep(uint64_t key, int64_t i, float p) {
+    return (float)(random_draw(key, (uint64_t)i) >> 40) * (1.0f / 16777216.0f) >= p ? 1.0f / (1.0f - p) : 0.0f;
 }
 
 // The rows [begin, end) of chunk `chunk` of a sample with `rows` rows.
@@ -2220,11 +2221,13 @@ __global__ void group_norm_stats_kernel(double *__restrict__ partial, const floa
 // u is z = xhat gamma + beta after the scale-shift (scale = shift = 0 without it).
 typedef struct {
     float a[PACK], b[PACK], s[PACK], t[PACK];
+    uint64_t dropout_key;  // the layer's dropout stream under the step's seed (random_key), or 0
 } GroupNormAffine;
 
 __device__ inline GroupNormAffine group_norm_affine(const float *sample_mean, const float *sample_rstd, const float *gamma,
                                                     const float *beta, const NormOptions &o, int n, int c0, int C) {
     GroupNormAffine k;
+    k.dropout_key = o.dropout > 0.0f ? random_key(*o.dropout_seed, o.dropout_stream) : 0;
     int per_group = C / GN_GROUPS;
     for (int j = 0; j < PACK; j++) {
         int c = c0 + j, g = c / per_group;
@@ -2240,15 +2243,16 @@ __device__ inline GroupNormAffine group_norm_affine(const float *sample_mean, co
 // The element function after the affine map, y = dropout(SiLU(u)) (each as the options say, element
 // `at`), and its slope dy/du = keep/(1-p) silu'(u), silu'(u) = s (1 + u (1 - s)), s = sigmoid(u):
 // one sigmoid and one dropout draw for both. Forward, recompute and backward all take y from here,
-// so a recomputed y has the forward's bits.
-__device__ inline float group_norm_element(float u, const NormOptions &o, int64_t at, float *slope) {
+// so a recomputed y has the forward's bits. The dropout draw's key is the thread's, computed once:
+// three splitmix rounds an element, two of them the same for all, were the GroupNorm kernels' main work.
+__device__ inline float group_norm_element(float u, const NormOptions &o, uint64_t dropout_key, int64_t at, float *slope) {
     float y = u, d = 1.0f;
     if (o.silu) {
         float s = sigmoidf_(u);
         y = u * s, d = s * (1.0f + u * (1.0f - s));
     }
     if (o.dropout > 0.0f) {
-        float keep = dropout_keep(*o.dropout_seed, o.dropout_stream, o.dropout_first + at, o.dropout);
+        float keep = dropout_keep(dropout_key, o.dropout_first + at, o.dropout);
         y *= keep, d *= keep;
     }
     *slope = d;
@@ -2291,7 +2295,7 @@ __global__ void __launch_bounds__(GN_THREADS, 5)
         Pack p = gn_arrived(ring, i), q;
         int64_t at = ((int64_t)n * HW + r) * C + t.c0;
         float slope;
-        for (int j = 0; j < PACK; j++) q.v[j] = (floatX)group_norm_element((float)p.v[j] * k.s[j] + k.t[j], o, at + j, &slope);
+        for (int j = 0; j < PACK; j++) q.v[j] = (floatX)group_norm_element((float)p.v[j] * k.s[j] + k.t[j], o, k.dropout_key, at + j, &slope);
         *(Pack *)&y[at] = q;
         gn_fetch(ring, i, column, r + GN_AHEAD * t.rows_per_pass, t.end, ld), conv_cp_async_commit();
     }
@@ -2355,7 +2359,7 @@ __global__ void group_norm_backward_sums_kernel(double *partial, floatX *__restr
         int64_t at = sample + (int64_t)r * C;
         for (int j = 0; j < PACK; j++) {
             float v = (float)xp.v[j], slope;
-            yp.v[j] = (floatX)group_norm_element(v * k.s[j] + k.t[j], o, at + j, &slope);
+            yp.v[j] = (floatX)group_norm_element(v * k.s[j] + k.t[j], o, k.dropout_key, at + j, &slope);
             float du = (float)dp.v[j] * slope;
             acc[0][j] += du, acc[1][j] += du * (v * k.a[j] + k.b[j]);
         }
@@ -2439,7 +2443,7 @@ __global__ void group_norm_backward_input_kernel(floatX *__restrict__ dx, GradMo
         if (mode == GRAD_ADD) out = *dx_row;
         for (int j = 0; j < PACK; j++) {
             float v = (float)xp.v[j], slope;
-            group_norm_element(v * k.s[j] + k.t[j], o, at + j, &slope);
+            group_norm_element(v * k.s[j] + k.t[j], o, k.dropout_key, at + j, &slope);
             float d = (float)dp.v[j] * slope * k.s[j] + v * e[j] + f[j];
             out.v[j] = (floatX)(mode == GRAD_ADD ? (float)out.v[j] + d : d);
         }

@@ -142,7 +142,7 @@ static void check_norm(int N, int H, int W, int C, int silu, int mode, float dro
         size_t nn = i / ((size_t)HW * C);
         int c = (int)(i % C);
         xin[i] = x[i] + (mode & GN_EMB_ADD ? add[nn * add_ld + c] : 0);
-        keep[i] = dropout > 0 ? dropout_keep(seed, 7, (int64_t)i, dropout) : 1;  // the trainer's rule, on the host
+        keep[i] = dropout > 0 ? dropout_keep(random_key(seed, 7), (int64_t)i, dropout) : 1;  // the trainer's rule, on the host
         dy_keep[i] = dy[i] * keep[i];
     }
     for (int nn = 0; nn < N; nn++)
