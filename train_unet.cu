@@ -2089,10 +2089,22 @@ __device__ inline float sigmoidf_(float x) { return 1.0f / (1.0f + expf(-x)); }
 __device__ inline float sigmoidf_(float x) { return __fdividef(1.0f, 1.0f + __expf(-x)); }
 #endif
 
-// Dropout's multiplier for element i of the stream with key `key` (random_key): 0 with probability p,
-// else 1/(1 - p).
+// Dropout's multipliers for elements i and i + 1 (i even) of the stream with key `key` (random_key):
+// 0 with probability p, else 1/(1 - p). One 64-bit draw serves the pair, draw i/2: its top 24 bits
+// are element i's uniform, the next 24 element i + 1's (the splitmix rounds were most of GroupNorm's
+// work with dropout).
+__host__ __device__ inline void dropout_keep_pair(uint64_t key, int64_t i, float p, float keep[2]) {
+    uint64_t draw = random_draw(key, (uint64_t)i >> 1);
+    float u0 = (float)(draw >> 40) * (1.0f / 16777216.0f), u1 = (float)((draw >> 16) & 0xffffff) * (1.0f / 16777216.0f);
+    keep[0] = u0 >= p ? 1.0f / (1.0f - p) : 0.0f;
+    keep[1] = u1 >= p ? 1.0f / (1.0f - p) : 0.0f;
+}
+
+// Dropout's multiplier for element i alone (the CPU references').
 __host__ __device__ inline float dropout_keep(uint64_t key, int64_t i, float p) {
-    return (float)(random_draw(key, (uint64_t)i) >> 40) * (1.0f / 16777216.0f) >= p ? 1.0f / (1.0f - p) : 0.0f;
+    float keep[2];
+    dropout_keep_pair(key, i & ~(int64_t)1, p, keep);
+    return keep[i & 1];
 }
 
 // The rows [begin, end) of chunk `chunk` of a sample with `rows` rows.
@@ -2240,21 +2252,27 @@ __device__ inline GroupNormAffine group_norm_affine(const float *sample_mean, co
     return k;
 }
 
-// The element function after the affine map, y = dropout(SiLU(u)) (each as the options say, element
-// `at`), and its slope dy/du = keep/(1-p) silu'(u), silu'(u) = s (1 + u (1 - s)), s = sigmoid(u):
-// one sigmoid and one dropout draw for both. Forward, recompute and backward all take y from here,
-// so a recomputed y has the forward's bits. The dropout draw's key is the thread's, computed once:
-// three splitmix rounds an element, two of them the same for all, were the GroupNorm kernels' main work.
-__device__ inline float group_norm_element(float u, const NormOptions &o, uint64_t dropout_key, int64_t at, float *slope) {
+// The dropout multipliers of a thread's PACK elements from element `at` (even, as C and c0 are
+// multiples of PACK) of the layer's output, from the thread's key (computed once: the stream's two
+// splitmix rounds are the same for all its elements); 1 without dropout.
+__device__ inline void group_norm_keep(float keep[PACK], const NormOptions &o, uint64_t dropout_key, int64_t at) {
+    for (int j = 0; j < PACK; j += 2) {
+        if (o.dropout > 0.0f) dropout_keep_pair(dropout_key, o.dropout_first + at + j, o.dropout, &keep[j]);
+        else keep[j] = keep[j + 1] = 1.0f;
+    }
+}
+
+// The element function after the affine map, y = dropout(SiLU(u)) (each as the options say; keep
+// from group_norm_keep), and its slope dy/du = keep silu'(u), silu'(u) = s (1 + u (1 - s)),
+// s = sigmoid(u): one sigmoid and one dropout draw for both. Forward, recompute and backward all take
+// y from here, so a recomputed y has the forward's bits.
+__device__ inline float group_norm_element(float u, const NormOptions &o, float keep, float *slope) {
     float y = u, d = 1.0f;
     if (o.silu) {
         float s = sigmoidf_(u);
         y = u * s, d = s * (1.0f + u * (1.0f - s));
     }
-    if (o.dropout > 0.0f) {
-        float keep = dropout_keep(dropout_key, o.dropout_first + at, o.dropout);
-        y *= keep, d *= keep;
-    }
+    if (o.dropout > 0.0f) y *= keep, d *= keep;
     *slope = d;
     return y;
 }
@@ -2294,8 +2312,9 @@ __global__ void __launch_bounds__(GN_THREADS, 5)
     for (int r = t.first, i = 0; r < t.end; r += t.rows_per_pass, i++) {
         Pack p = gn_arrived(ring, i), q;
         int64_t at = ((int64_t)n * HW + r) * C + t.c0;
-        float slope;
-        for (int j = 0; j < PACK; j++) q.v[j] = (floatX)group_norm_element((float)p.v[j] * k.s[j] + k.t[j], o, k.dropout_key, at + j, &slope);
+        float slope, keep[PACK];
+        group_norm_keep(keep, o, k.dropout_key, at);
+        for (int j = 0; j < PACK; j++) q.v[j] = (floatX)group_norm_element((float)p.v[j] * k.s[j] + k.t[j], o, keep[j], &slope);
         *(Pack *)&y[at] = q;
         gn_fetch(ring, i, column, r + GN_AHEAD * t.rows_per_pass, t.end, ld), conv_cp_async_commit();
     }
@@ -2357,9 +2376,11 @@ __global__ void group_norm_backward_sums_kernel(double *partial, floatX *__restr
     for (int r = t.first, i = 0; r < t.end; r += t.rows_per_pass, i++) {
         Pack xp = gn_arrived(ring[0], i), dp = ring[1][i % GN_AHEAD][threadIdx.x], yp;  // dy: in x's group
         int64_t at = sample + (int64_t)r * C;
+        float keep[PACK];
+        group_norm_keep(keep, o, k.dropout_key, at);
         for (int j = 0; j < PACK; j++) {
             float v = (float)xp.v[j], slope;
-            yp.v[j] = (floatX)group_norm_element(v * k.s[j] + k.t[j], o, k.dropout_key, at + j, &slope);
+            yp.v[j] = (floatX)group_norm_element(v * k.s[j] + k.t[j], o, keep[j], &slope);
             float du = (float)dp.v[j] * slope;
             acc[0][j] += du, acc[1][j] += du * (v * k.a[j] + k.b[j]);
         }
@@ -2441,9 +2462,11 @@ __global__ void group_norm_backward_input_kernel(floatX *__restrict__ dx, GradMo
         int64_t at = sample + (int64_t)r * C;
         Pack *dx_row = (Pack *)&dx_column[(int64_t)r * dx_ld];
         if (mode == GRAD_ADD) out = *dx_row;
+        float keep[PACK];
+        group_norm_keep(keep, o, k.dropout_key, at);
         for (int j = 0; j < PACK; j++) {
             float v = (float)xp.v[j], slope;
-            group_norm_element(v * k.s[j] + k.t[j], o, k.dropout_key, at + j, &slope);
+            group_norm_element(v * k.s[j] + k.t[j], o, keep[j], &slope);
             float d = (float)dp.v[j] * slope * k.s[j] + v * e[j] + f[j];
             out.v[j] = (floatX)(mode == GRAD_ADD ? (float)out.v[j] + d : d);
         }
