@@ -34,7 +34,9 @@ HOST_DEVICE static inline uint64_t mix64(uint64_t z) {
 
 // A random 64-bit value for draw `index` of stream `stream` under `seed`, in two halves: the stream's
 // key, then the draw from it (a loop over one stream's draws computes the key once).
-HOST_DEVICE static inline uint64_t random_key(uint64_t seed, uint64_t stream) { return mix64(seed ^ mix64(stream + 0x9e3779b97f4a7c15ull)); }
+HOST_DEVICE static inline uint64_t random_key(uint64_t seed, uint64_t stream) {
+    return mix64(seed ^ mix64(stream + 0x9e3779b97f4a7c15ull));
+}
 HOST_DEVICE static inline uint64_t random_draw(uint64_t key, uint64_t index) { return mix64(key + index); }
 HOST_DEVICE static inline uint64_t random_u64(uint64_t seed, uint64_t stream, uint64_t index) {
     return random_draw(random_key(seed, stream), index);

@@ -2264,7 +2264,7 @@ __device__ inline void group_norm_keep(float keep[PACK], const NormOptions &o, u
 
 // The element function after the affine map, y = dropout(SiLU(u)) (each as the options say; keep
 // from group_norm_keep), and its slope dy/du = keep silu'(u), silu'(u) = s (1 + u (1 - s)),
-// s = sigmoid(u): one sigmoid and one dropout draw for both. Forward, recompute and backward all take
+// s = sigmoid(u): one sigmoid and one dropout multiplier for both. Forward, recompute and backward all take
 // y from here, so a recomputed y has the forward's bits.
 __device__ inline float group_norm_element(float u, const NormOptions &o, float keep, float *slope) {
     float y = u, d = 1.0f;
