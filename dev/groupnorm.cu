@@ -286,6 +286,7 @@ int main(void) {
     check_norm(2, 32, 32, 64, 1, GN_FAR_MEAN, 0);           // mean ~36 standard deviations: the statistics' shift
     check_norm(3, 9, 9, 192, 1, GN_CONCAT, 0);              // in_layers of a decoder ResBlock: [h | skip] in place
     check_norm(2, 4, 4, 96, 1, GN_CONCAT | GN_WRITE, 0);
+    check_norm(40, 64, 64, 64, 1, GN_EMB_ADD, 0);            // the forward's chunks limited by the batch: 13 a sample
     time_norm("in_layers", 32, 64, 64, 64, 1, 0);
     time_norm("out_layers scale-shift", 32, 64, 64, 64, 1, 1);
     time_norm("out_layers scale-shift", 32, 8, 8, 512, 1, 1);
