@@ -260,7 +260,8 @@ typedef struct {
     float *conv_split;         // a split 3x3 forward or input-gradient product's partial sums
     int64_t conv_split_numel;
     float *channel_sums;       // per-channel partial sums, [N][CHANNEL_SUM_CHUNKS][C]
-    double *gn_partials;       // GroupNorm partial sums, [N][GN_CHUNKS][4C + 2 groups]
+    double *gn_partials;       // GroupNorm partial sums: forward's channel sums [N][slots][C][2], backward's
+    int64_t gn_partials_numel; // [N][GN_CHUNKS][4C + 2 groups]
     float *scores;             // attention, [N*heads][T][T]: S, then dP
     floatX *d_scores;          // attention, [N*heads][T][T]: dS
 } Scratch;
@@ -719,15 +720,16 @@ __global__ void conv3x3_backward_weight_kernel(float *out, const float *dy, int 
     out[(int64_t)blockIdx.y * C_out * taps_in + i] = sum;
 }
 
-static void conv3x3_forward(floatX *y, int ldy, const floatX *x, int ldx, const floatX *w, const floatX *bias,
-                            const floatX *residual, int ldr, int N, int H, int W, int C_in, int C_out, int stride, float *split,
-                            int64_t split_floats) {
-    (void)split, (void)split_floats;  // never split
+static int conv3x3_forward(floatX *y, int ldy, const floatX *x, int ldx, const floatX *w, const floatX *bias,
+                           const floatX *residual, int ldr, int N, int H, int W, int C_in, int C_out, int stride, float *split,
+                           int64_t split_floats, double *sums, int64_t sums_numel) {
+    (void)split, (void)split_floats, (void)sums, (void)sums_numel;  // never split; gathers no channel sums
     int Ho = conv_out_size(H, 3, stride), Wo = conv_out_size(W, 3, stride);
     int64_t total = (int64_t)N * Ho * Wo * C_out;
     conv3x3_forward_kernel<<<(unsigned)((total + 255) / 256), 256, 0, gpu.stream>>>(y, ldy, x, ldx, w, bias, residual, ldr, N,
                                                                                   H, W, C_in, C_out, stride, Ho, Wo);
     cuda_check_launch();
+    return 0;
 }
 
 static void conv3x3_backward_input(floatX *dx, int lddx, GradMode mode, const floatX *dy, int lddy, const floatX *w, int N,
@@ -789,6 +791,11 @@ typedef struct {
     // The wgmma kernel's stride-2 input gradient numbers its rows (input pixels) by parity class: class
     // c = 2 (h % 2) + w % 2 holds rows [class_start[c], class_start[c + 1]), in (n, h / 2, w / 2) order.
     int parity_rows, class_start[5];
+    // Forward, where the kernel gathers them (conv3x3_forward): the channel sums of y as stored, per
+    // tile of pixels inside one image, for the GroupNorm that reads y next:
+    //   sums[(tile C_out + c) 2 + 0, 1] = (sum y, sum y^2) over the tile's pixels, channel c
+    double *sums;
+    int64_t sums_numel;  // (host) the doubles sums holds
 } ConvGemm;
 
 template <bool transpose>
@@ -922,9 +929,11 @@ struct ConvOperand {
 //   forward       y[row][n] = acc + bias[n] (+ residual[row][n])
 //   input grad    dx[row][n] (+)= acc   (added when p.add_out: GRAD_ADD)
 //   weight grad   out_f[slice][row][n] = acc
+// Returns the two values as stored (rounded to floatX; 0 where nothing is stored), for the forward's
+// channel sums.
 template <int OP, bool PARTIAL = OP == CONV_WEIGHT_GRAD>
-__device__ __forceinline__ void conv_store_pair(const ConvGemm &p, int m, int row, int n, float v0, float v1) {
-    if (m >= p.M || n >= p.Ng) return;
+__device__ __forceinline__ float2 conv_store_pair(const ConvGemm &p, int m, int row, int n, float v0, float v1) {
+    if (m >= p.M || n >= p.Ng) return make_float2(0.0f, 0.0f);
     bool both = n + 1 < p.Ng, pair = both && p.pair_store;
     if (PARTIAL) {  // fp32 partial sums, [slice][M][Ng]: the weight gradient's, or a split product's
         float *o = p.out_f + ((int64_t)blockIdx.z * p.M + row) * p.Ng + n;
@@ -933,7 +942,7 @@ __device__ __forceinline__ void conv_store_pair(const ConvGemm &p, int m, int ro
             o[0] = v0;
             if (both) o[1] = v1;
         }
-        return;
+        return make_float2(0.0f, 0.0f);
     }
     floatX *o = p.out + (int64_t)row * p.ldo + n;
     if (OP == CONV_FORWARD) {
@@ -948,10 +957,56 @@ __device__ __forceinline__ void conv_store_pair(const ConvGemm &p, int m, int ro
         v0 += __bfloat162float(o[0]);
         if (both) v1 += __bfloat162float(o[1]);
     }
-    if (pair) *(__nv_bfloat162 *)o = __floats2bfloat162_rn(v0, v1);
+    __nv_bfloat162 stored = __floats2bfloat162_rn(v0, both ? v1 : 0.0f);
+    if (pair) *(__nv_bfloat162 *)o = stored;
     else {
-        o[0] = __float2bfloat16(v0);
-        if (both) o[1] = __float2bfloat16(v1);
+        o[0] = stored.x;
+        if (both) o[1] = stored.y;
+    }
+    return __bfloat1622float2(stored);
+}
+
+// A stored tile's channel sums (ConvGemm.sums), in a fixed order, for the kernels whose 8 warps all
+// hold the same BN columns of the tile. Each thread sums its pixels of 8 pairs of columns at a time,
+// columns 8 (j0 + j) + 2 (lane % 4) + 0, 1 for j < 8, as it stores them: v[4 j + 0, 1] are the pair's
+// sums, v[4 j + 2, 3] its sums of squares. conv_warp_sums_8 adds those of the 8 lanes that share the
+// columns (lane / 4) in a reduce-scatter, so that lane ends with pair j = lane / 4 summed (three
+// exchanges of halves: 28 shuffles, not 96), and keeps the warp's sums in shared memory; then
+// conv_tile_sums_store has thread c add column c's eight warp sums in double and write (sum y,
+// sum y^2) to out[2 c], out[2 c + 1].
+template <int BN>
+__device__ __forceinline__ float2 (&conv_warp_sums())[CONV_THREADS / 32][BN] {
+    __shared__ float2 warp_sums[CONV_THREADS / 32][BN];  // (sum, sum of squares) per warp and column
+    return warp_sums;
+}
+
+// One exchange of the reduce-scatter: the lane whose bit HALF is set keeps the upper HALF values and
+// sends the lower, the other lane the reverse; each adds what it receives to what it keeps.
+template <int HALF>
+__device__ __forceinline__ void conv_sums_exchange(float (&v)[32]) {
+    const int upper = threadIdx.x & HALF;
+#pragma unroll
+    for (int k = 0; k < HALF; k++) v[k] = (upper ? v[k + HALF] : v[k]) + __shfl_xor_sync(0xffffffffu, upper ? v[k] : v[k + HALF], HALF);
+}
+
+template <int BN>
+__device__ __forceinline__ void conv_warp_sums_8(int j0, float (&v)[32]) {
+    const int lane = threadIdx.x % 32;
+    conv_sums_exchange<16>(v), conv_sums_exchange<8>(v), conv_sums_exchange<4>(v);
+    const int column = 8 * (j0 + lane / 4) + 2 * (lane % 4);
+    conv_warp_sums<BN>()[threadIdx.x / 32][column] = make_float2(v[0], v[2]);
+    conv_warp_sums<BN>()[threadIdx.x / 32][column + 1] = make_float2(v[1], v[3]);
+}
+
+// Every thread of the block calls it, after its conv_warp_sums_8 calls; the barrier before the
+// next tile's calls is the caller's. The tile's first `columns` columns are written.
+template <int BN>
+__device__ __forceinline__ void conv_tile_sums_store(double *out, int columns) {
+    __syncthreads();
+    for (int c = threadIdx.x; c < columns; c += CONV_THREADS) {
+        double a = 0.0, b = 0.0;
+        for (int w = 0; w < CONV_THREADS / 32; w++) a += conv_warp_sums<BN>()[w][c].x, b += conv_warp_sums<BN>()[w][c].y;
+        out[2 * c] = a, out[2 * c + 1] = b;
     }
 }
 
@@ -1263,21 +1318,36 @@ __device__ __forceinline__ void conv_wgmma_k_step(float (&acc)[ConvWgmmaTile<BM,
 }
 
 // The wgmma kernels' store of a BM x BN tile at (m0, n0), through conv_store_pair. Accumulator j of 4
-// (per 8 columns): rows lane / 4 and + 8 of the warp's 16, columns 2 (lane % 4) + 0, 1.
+// (per 8 columns): rows lane / 4 and + 8 of the warp's 16, columns 2 (lane % 4) + 0, 1. A forward
+// with sums (BM = 128: the 8 warps hold all BN columns) gathers them as tile m0 / BM.
 template <int OP, int BM, int BN, bool PARITY, bool PARTIAL>
 __device__ __forceinline__ void conv_wgmma_store(const ConvGemm &p, const float (&acc)[ConvWgmmaTile<BM, BN>::WN / 2], int m0,
                                                  int n0) {
     constexpr int WN = ConvWgmmaTile<BM, BN>::WN;
+    constexpr bool SUMS = OP == CONV_FORWARD && !PARTIAL && BM == 128;
     const ConvWgmmaGroup<BM, BN> group;
     const int lane = threadIdx.x % 32, m = m0 + group.row + (threadIdx.x % 128) / 32 * 16 + lane / 4;
     const int row0 = PARITY && m < p.M ? conv_parity_pixel(p, m) : m;
     const int row8 = PARITY && m + 8 < p.M ? conv_parity_pixel(p, m + 8) : m + 8;
+    static_assert(!SUMS || WN % 64 == 0, "sums of 8 column pairs at a time");
 #pragma unroll
-    for (int j = 0; j < WN / 8; j++) {
-        int n = n0 + group.col + j * 8 + (lane % 4) * 2;
-        conv_store_pair<OP, PARTIAL>(p, m, row0, n, acc[4 * j], acc[4 * j + 1]);
-        conv_store_pair<OP, PARTIAL>(p, m + 8, row8, n, acc[4 * j + 2], acc[4 * j + 3]);
+    for (int j0 = 0; j0 < WN / 8; j0 += 8) {
+        float v[32];  // the sums (conv_warp_sums_8)
+#pragma unroll
+        for (int j = j0; j < j0 + 8 && j < WN / 8; j++) {
+            int n = n0 + group.col + j * 8 + (lane % 4) * 2;
+            float2 a = conv_store_pair<OP, PARTIAL>(p, m, row0, n, acc[4 * j], acc[4 * j + 1]);
+            float2 b = conv_store_pair<OP, PARTIAL>(p, m + 8, row8, n, acc[4 * j + 2], acc[4 * j + 3]);
+            if constexpr (SUMS) {
+                float *w = v + 4 * (j - j0);
+                w[0] = a.x + b.x, w[1] = a.y + b.y, w[2] = a.x * a.x + b.x * b.x, w[3] = a.y * a.y + b.y * b.y;
+            }
+        }
+        if constexpr (SUMS)
+            if (p.sums) conv_warp_sums_8<BN>(j0, v);
     }
+    if constexpr (SUMS)
+        if (p.sums) conv_tile_sums_store<BN>(p.sums + ((int64_t)(m0 / BM) * p.Ng + n0) * 2, min(BN, p.Ng - n0));
 }
 
 // PARITY: the input gradient's rows are parity-ordered (ConvGemm.parity_rows). SPLIT: a split forward or
@@ -1609,11 +1679,24 @@ static void conv_launch_tma(const ConvGemm &p, int slices) {
     cuda_check_launch();
 }
 
-// The forward or input-gradient product on 128 x BN tiles: through the TMA where it fits, else gathered.
+// The channel sums a forward gathers (ConvGemm.sums) in tiles_per_image tiles of each image: kept
+// when asked for and they fit (q->sums_numel), and the tiles are returned (GroupNorm's slots a
+// sample); else 0, and q->sums is cleared.
+static int conv_sum_slots(ConvGemm *q, int tiles_per_image) {
+    if (q->sums && tiles_per_image > 0 && (int64_t)q->N * tiles_per_image * q->Ng * 2 <= q->sums_numel) return tiles_per_image;
+    q->sums = NULL;
+    return 0;
+}
+
+// The forward or input-gradient product on 128 x BN tiles: through the TMA where it fits, else
+// gathered. Returns the slots of the channel sums gathered (a forward's, where tiles lie inside images).
 template <int OP, int BN>
-static void conv_launch_wgmma_tiles(const ConvGemm &p) {
-    if (conv_tma_fits(OP, p)) conv_launch_tma<OP, 128, BN>(p, 1);
-    else conv_launch_wgmma<OP, 128, BN>(p, 1);
+static int conv_launch_wgmma_tiles(const ConvGemm &p) {
+    ConvGemm q = p;
+    int HW = p.Ho * p.Wo, slots = conv_sum_slots(&q, HW % 128 == 0 ? HW / 128 : 0);
+    if (conv_tma_fits(OP, q)) conv_launch_tma<OP, 128, BN>(q, 1);
+    else conv_launch_wgmma<OP, 128, BN>(q, 1);
+    return slots;
 }
 
 // A split product's result (see conv3x3_split_slices): out[m][n] = sum over the slices, in order, of
@@ -1640,14 +1723,16 @@ __global__ void conv_split_finish_kernel(const ConvGemm p, int slices) {
 // else the tile width of 128, 192 (forward only: its B tile is K-major) or 256 that pads the
 // product's width Ng least (the wider on a tie), narrowed to 128 when the wider one leaves
 // multiprocessors idle; 128 x 128 tiles in slices of k where the product is split and its partial sums
-// fit in the scratch given (split, split_floats floats). False (nothing launched) for products narrower than 64.
+// fit in the scratch given (split, split_floats floats). False (nothing launched) for products narrower
+// than 64. *sum_slots: the slots of the channel sums gathered (0 where none; a split product gathers none).
 template <int OP>
-static bool conv_try_wgmma(const ConvGemm &p, bool vec_a, bool vec_b, float *split, int64_t split_floats) {
+static bool conv_try_wgmma(const ConvGemm &p, bool vec_a, bool vec_b, float *split, int64_t split_floats, int *sum_slots) {
     if (!gpu.sm90a || !vec_a || !vec_b || p.Ng < 64 || (OP == CONV_FORWARD ? p.C_in : p.C_out) % 64 != 0) return false;
     int k_per_slice, slices = conv3x3_split_slices(OP, p.N, p.H, p.W, p.C_in, p.C_out, p.stride, &k_per_slice);
     if (slices > 1 && (int64_t)slices * p.M * p.Ng <= split_floats) {
         ConvGemm q = p;
         q.k_per_slice = k_per_slice, q.out_f = split, q.pair_store = p.Ng % 2 == 0;  // (scratch is 8-byte aligned)
+        *sum_slots = 0;
         if (conv_tma_fits(OP, q)) conv_launch_tma<OP, 128, 128, true>(q, slices);
         else conv_launch_wgmma_kernel<OP, 128, 128, false, true>(q, slices);
         conv_split_finish_kernel<OP><<<(unsigned)(((int64_t)p.M * p.Ng + 255) / 256), 256, 0, gpu.stream>>>(q, slices);
@@ -1655,7 +1740,7 @@ static bool conv_try_wgmma(const ConvGemm &p, bool vec_a, bool vec_b, float *spl
         return true;
     }
     if (p.Ng == 64) {
-        conv_launch_wgmma_tiles<OP, 64>(p);
+        *sum_slots = conv_launch_wgmma_tiles<OP, 64>(p);
         return true;
     }
     int best = 128;
@@ -1665,11 +1750,11 @@ static bool conv_try_wgmma(const ConvGemm &p, bool vec_a, bool vec_b, float *spl
     }
     int64_t blocks = (int64_t)((p.M + 127) / 128) * ((p.Ng + best - 1) / best);
     if (blocks < gpu.num_sms) best = 128;
-    if (best == 256) conv_launch_wgmma_tiles<OP, 256>(p);
+    if (best == 256) *sum_slots = conv_launch_wgmma_tiles<OP, 256>(p);
     else if constexpr (OP == CONV_FORWARD) {
-        if (best == 192) conv_launch_wgmma_tiles<OP, 192>(p);
-        else conv_launch_wgmma_tiles<OP, 128>(p);
-    } else conv_launch_wgmma_tiles<OP, 128>(p);
+        if (best == 192) *sum_slots = conv_launch_wgmma_tiles<OP, 192>(p);
+        else *sum_slots = conv_launch_wgmma_tiles<OP, 128>(p);
+    } else *sum_slots = conv_launch_wgmma_tiles<OP, 128>(p);
     return true;
 }
 
@@ -1764,39 +1849,55 @@ __global__ void __launch_bounds__(CONV_THREADS, (ConvHaloTile<ROWS, BN>::BLOCKS_
     const int group = threadIdx.x / 128;
     float acc[ROWS / 2][BN / 2] = {};
     // The store: accumulator j of 4 (per 8 columns) holds pixels lane / 4 and + 8 of the warp's 16,
-    // output channels n0 + 8 j + 2 (lane % 4) + 0, 1. Forward: + bias (+ residual); input gradient: +
-    // what dx holds when add_out. The bias pairs are read once per item.
+    // output channels n0 + 8 j + 2 (lane % 4) + 0, 1. Forward: + bias (+ residual), and the tile's
+    // channel sums when asked (p.sums; the k steps' barriers separate one item's from the next's);
+    // input gradient: + what dx holds when add_out. 64 channels at a time, so that the sums of only 16
+    // columns are live beside the accumulators.
     auto store = [&](int i) {
         Item it = item_of(i);
         const int lane = threadIdx.x % 32, column = it.w0 + (threadIdx.x % 128) / 32 * 16 + lane / 4;
         const int co = it.n0 + (lane % 4) * 2;  // the first of the thread's output channels
-        float2 bias[BN / 8];
-#pragma unroll
-        for (int j = 0; j < BN / 8; j++)
-            bias[j] = OP == CONV_FORWARD ? __bfloat1622float2(*(const __nv_bfloat162 *)(p.bias + co + 8 * j))
-                                         : make_float2(0.0f, 0.0f);
         const bool add_out = OP == CONV_FORWARD ? p.residual != NULL : p.add_out;
 #pragma unroll
-        for (int r = 0; r < ROWS / 2; r++) {
-            int h = it.h0 + group * (ROWS / 2) + r;
-            if (h >= p.H) continue;
+        for (int jb = 0; jb < BN / 64; jb++) {  // 64 of the tile's channels at a time: j = 8 jb .. 8 jb + 7
+            float v[32] = {};  // the stored values' sums (conv_warp_sums_8)
+            float2 bias[8];
 #pragma unroll
-            for (int half = 0; half < 2; half++) {  // pixels lane / 4, and 8 further
-                int64_t pixel = (int64_t)(it.n * p.H + h) * p.W + column + 8 * half;
-                __nv_bfloat162 *out = (__nv_bfloat162 *)(p.out + pixel * p.ldo + co);
-                const __nv_bfloat162 *add =
-                    OP == CONV_FORWARD && add_out ? (const __nv_bfloat162 *)(p.residual + pixel * p.ldr + co) : out;
+            for (int j = 0; j < 8; j++)
+                bias[j] = OP == CONV_FORWARD ? __bfloat1622float2(*((const __nv_bfloat162 *)(p.bias + co) + 32 * jb + 4 * j))
+                                             : make_float2(0.0f, 0.0f);
 #pragma unroll
-                for (int j = 0; j < BN / 8; j++) {
-                    float2 v = make_float2(acc[r][4 * j + 2 * half] + bias[j].x, acc[r][4 * j + 2 * half + 1] + bias[j].y);
-                    if (add_out) {
-                        float2 a = __bfloat1622float2(add[4 * j]);
-                        v.x += a.x, v.y += a.y;
+            for (int r = 0; r < ROWS / 2; r++) {
+                int h = it.h0 + group * (ROWS / 2) + r;
+                if (h >= p.H) continue;
+#pragma unroll
+                for (int half = 0; half < 2; half++) {  // pixels lane / 4, and 8 further
+                    int64_t pixel = (int64_t)(it.n * p.H + h) * p.W + column + 8 * half;
+                    __nv_bfloat162 *out = (__nv_bfloat162 *)(p.out + pixel * p.ldo + co) + 32 * jb;
+                    const __nv_bfloat162 *add =
+                        OP == CONV_FORWARD && add_out ? (const __nv_bfloat162 *)(p.residual + pixel * p.ldr + co) + 32 * jb : out;
+#pragma unroll
+                    for (int j = 0; j < 8; j++) {
+                        const int a = 4 * (8 * jb + j) + 2 * half;  // the accumulators of channels co + 8 (8 jb + j) + 0, 1
+                        float2 u = make_float2(acc[r][a] + bias[j].x, acc[r][a + 1] + bias[j].y);
+                        if (add_out) {
+                            float2 b = __bfloat1622float2(add[4 * j]);
+                            u.x += b.x, u.y += b.y;
+                        }
+                        __nv_bfloat162 stored = __floats2bfloat162_rn(u.x, u.y);
+                        out[4 * j] = stored;
+                        float2 y = __bfloat1622float2(stored);
+                        v[4 * j] += y.x, v[4 * j + 1] += y.y, v[4 * j + 2] += y.x * y.x, v[4 * j + 3] += y.y * y.y;
                     }
-                    out[4 * j] = __floats2bfloat162_rn(v.x, v.y);
                 }
             }
+            if constexpr (OP == CONV_FORWARD)
+                if (p.sums) conv_warp_sums_8<BN>(8 * jb, v);
         }
+        if constexpr (OP == CONV_FORWARD)  // the tile's slot: its place among the image's tiles
+            if (p.sums)
+                conv_tile_sums_store<BN>(p.sums + ((((int64_t)it.n * tiles_h + it.h0 / ROWS) * tiles_w + it.w0 / 64) * p.Ng + it.n0) * 2,
+                                         BN);
     };
 
     // Step s (tap s % 9 of chunk s / 9 of the sequence) waits for its B tile, loaded STAGES - 2 steps
@@ -1851,9 +1952,9 @@ __global__ void __launch_bounds__(CONV_THREADS, (ConvHaloTile<ROWS, BN>::BLOCKS_
 // BN = 192 (forward only: its B tile is K-major) or 128 in 4-row tiles where the output channels
 // allow, else BN = 64 in 8-row tiles; as many blocks as run at once, or one per item when fewer.
 // (H100, dev/bench_conv: 8-row tiles for BN = 64 ran 1.00-1.10x of 4-row ones, BN = 192 1.12-1.18x
-// of BN = 64 on adm64's 192-channel forwards.)
+// of BN = 64 on adm64's 192-channel forwards.) Returns the slots of the channel sums gathered.
 template <int OP, int ROWS, int BN>
-static void conv_launch_halo(const ConvGemm &p) {
+static int conv_launch_halo(const ConvGemm &p) {
     typedef ConvHaloTile<ROWS, BN> Tile;
     auto kernel = conv3x3_halo_kernel<OP, ROWS, BN>;
     static bool configured = false;  // the shared-memory limit, raised once per kernel
@@ -1861,24 +1962,28 @@ static void conv_launch_halo(const ConvGemm &p) {
         cuda_check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)Tile::SMEM));
         configured = true;
     }
+    ConvGemm q = p;
+    int slots = conv_sum_slots(&q, (p.H + ROWS - 1) / ROWS * (p.W / 64));
     int64_t items = (int64_t)p.N * ((p.H + ROWS - 1) / ROWS) * (p.W / 64) * (p.Ng / BN);
     int64_t at_once = (int64_t)gpu.num_sms * Tile::BLOCKS_PER_SM;
-    kernel<<<(int)(items < at_once ? items : at_once), CONV_THREADS, Tile::SMEM, gpu.stream>>>(p);
+    kernel<<<(int)(items < at_once ? items : at_once), CONV_THREADS, Tile::SMEM, gpu.stream>>>(q);
     cuda_check_launch();
+    return slots;
 }
 
+// *sum_slots: the slots of the channel sums gathered (see conv_launch_halo).
 template <int OP>
-static bool conv_try_halo(const ConvGemm &p, bool vec_a, bool vec_b) {
+static bool conv_try_halo(const ConvGemm &p, bool vec_a, bool vec_b, int *sum_slots) {
     if (!gpu.sm90a || !vec_a || !vec_b || p.stride != 1 || p.W % 64 != 0 || p.C_in % 64 != 0 || p.C_out % 64 != 0 ||
         !p.pair_store || (p.bias && ((uintptr_t)p.bias & 3) != 0))  // (the input gradient has no bias)
         return false;
     if constexpr (OP == CONV_FORWARD)
         if (p.Ng % 192 == 0) {
-            conv_launch_halo<OP, 4, 192>(p);
+            *sum_slots = conv_launch_halo<OP, 4, 192>(p);
             return true;
         }
-    if (p.Ng % 128 == 0) conv_launch_halo<OP, 4, 128>(p);
-    else conv_launch_halo<OP, 8, 64>(p);
+    if (p.Ng % 128 == 0) *sum_slots = conv_launch_halo<OP, 4, 128>(p);
+    else *sum_slots = conv_launch_halo<OP, 8, 64>(p);
     return true;
 }
 
@@ -1932,15 +2037,19 @@ static void conv_launch_by_width(const ConvGemm &p, bool vec_a, bool vec_b) {
     else conv_launch<OP, 256, 64, 32, 4, 2>(p, vec_a, vec_b, 1);
 }
 
-static void conv3x3_forward(floatX *y, int ldy, const floatX *x, int ldx, const floatX *w, const floatX *bias,
-                            const floatX *residual, int ldr, int N, int H, int W, int C_in, int C_out, int stride, float *split,
-                            int64_t split_floats) {
+static int conv3x3_forward(floatX *y, int ldy, const floatX *x, int ldx, const floatX *w, const floatX *bias,
+                           const floatX *residual, int ldr, int N, int H, int W, int C_in, int C_out, int stride, float *split,
+                           int64_t split_floats, double *sums, int64_t sums_numel) {
     ConvGemm p = conv_gemm(CONV_FORWARD, N, H, W, C_in, C_out, stride);
     p.x = x, p.ldx = ldx, p.w = w, p.bias = bias, p.residual = residual, p.ldr = ldr, p.out = y, p.ldo = ldy;
     p.pair_store = ldy % 2 == 0 && ((uintptr_t)y & 3) == 0 && (!residual || (ldr % 2 == 0 && ((uintptr_t)residual & 3) == 0));
+    p.sums = sums, p.sums_numel = sums_numel;
     bool vec = C_in % 8 == 0 && ldx % 8 == 0 && conv_aligned16(x) && conv_aligned16(w);
-    if (!conv_try_halo<CONV_FORWARD>(p, vec, vec) && !conv_try_wgmma<CONV_FORWARD>(p, vec, vec, split, split_floats))
+    int sum_slots = 0;  // (the mma.sync kernels gather none)
+    if (!conv_try_halo<CONV_FORWARD>(p, vec, vec, &sum_slots) &&
+        !conv_try_wgmma<CONV_FORWARD>(p, vec, vec, split, split_floats, &sum_slots))
         conv_launch_by_width<CONV_FORWARD>(p, vec, vec);
+    return sum_slots;
 }
 
 // The stride-2 input gradient's rows numbered by parity class (ConvGemm.class_start), for the wgmma
@@ -1960,8 +2069,9 @@ static void conv3x3_backward_input(floatX *dx, int lddx, GradMode mode, const fl
     p.dy = dy, p.lddy = lddy, p.w = w, p.out = dx, p.ldo = lddx, p.add_out = mode == GRAD_ADD;
     p.pair_store = lddx % 2 == 0 && ((uintptr_t)dx & 3) == 0;
     bool vec_a = C_out % 8 == 0 && lddy % 8 == 0 && conv_aligned16(dy), vec_b = C_in % 8 == 0 && conv_aligned16(w);
-    if (!conv_try_halo<CONV_INPUT_GRAD>(p, vec_a, vec_b) &&
-        !conv_try_wgmma<CONV_INPUT_GRAD>(p, vec_a, vec_b, split, split_floats))
+    int no_sums;
+    if (!conv_try_halo<CONV_INPUT_GRAD>(p, vec_a, vec_b, &no_sums) &&
+        !conv_try_wgmma<CONV_INPUT_GRAD>(p, vec_a, vec_b, split, split_floats, &no_sums))
         conv_launch_by_width<CONV_INPUT_GRAD>(p, vec_a, vec_b);
 }
 
@@ -1988,15 +2098,23 @@ static void conv3x3_backward_weight(float *dw, float *scratch, const floatX *dy,
 }
 #endif
 
-// y = conv(x) + b (+ residual, a tensor shaped like y, when given; it may be y itself).
-static void conv_forward(const Conv *cv, floatX *y, const floatX *x, int N, int H, int W, const floatX *residual) {
-    if (cv->k == 3) {
-        conv3x3_forward(y, cv->out, x, cv->in, cv->w, cv->b, residual, cv->out, N, H, W, cv->in, cv->out, cv->stride,
-                        cv->scratch->conv_split, cv->scratch->conv_split_numel);
-        return;
-    }
+// y = conv(x) + b (+ residual, a tensor shaped like y, when given; it may be y itself). gather: also
+// leave y's channel sums in the scratch for the GroupNorm that reads y next (Scratch.gn_partials, as
+// group_norm_forward's sum_slots says); returns their slots a sample, or 0 where the kernel that ran
+// gathers none (1x1 products, the FP32 build, small or split 3x3 products).
+static int conv_forward_gathering(const Conv *cv, floatX *y, const floatX *x, int N, int H, int W, const floatX *residual,
+                                  int gather) {
+    if (cv->k == 3)
+        return conv3x3_forward(y, cv->out, x, cv->in, cv->w, cv->b, residual, cv->out, N, H, W, cv->in, cv->out, cv->stride,
+                               cv->scratch->conv_split, cv->scratch->conv_split_numel, gather ? cv->scratch->gn_partials : NULL,
+                               cv->scratch->gn_partials_numel);
     matmul({.M = N * H * W, .N = cv->out, .K = cv->in, .a = x, .lda = cv->in, .b = cv->w, .ldb = cv->in, .trans_b = 1,
             .d = y, .ldd = cv->out, .c = residual, .ldc = cv->out, .beta = 1.0f, .bias = cv->b});
+    return 0;
+}
+
+static void conv_forward(const Conv *cv, floatX *y, const floatX *x, int N, int H, int W, const floatX *residual) {
+    conv_forward_gathering(cv, y, x, N, H, W, residual, 0);
 }
 
 // The 3x3 weight gradient and the bias gradient (d_bias_per_sample: also per sample), begun on the
@@ -2169,11 +2287,17 @@ __device__ inline T *gn_column(T *x, T *x2, int C1, int n, int HW, int C, int c0
 // channel c's values in row order.
 __host__ __device__ inline int gn_rows(int C) { return GN_THREADS / (C / PACK); }
 
-// Sums per group over one chunk: partial[n][chunk][g] = (sum x', sum x'^2). A thread sums its rows in
-// fp32 about a shift, its first row's x' (the sums of x' - shift stay near the spread of x', so a
-// large mean costs no precision), and the block adds the threads' sums in double:
-//   sum x' = s + rows shift,  sum x'^2 = ss + 2 shift s + rows shift^2   (s, ss: sums of d = x' - shift)
-__global__ void group_norm_stats_kernel(double *__restrict__ partial, const floatX *__restrict__ x, NormOptions o, int HW, int C) {
+// GroupNorm's statistics come from channel sums per slot of a sample's pixels, in double:
+//   sums[((n slots + s) C + c) 2 + 0, 1] = (sum x, sum x^2) over slot s's pixels of sample n, channel c
+// Their slots are group_norm_sums_kernel's chunks of rows, or the tiles of the convolution that wrote
+// x and gathered them as it stored x (conv3x3_forward's sums); group_norm_apply_kernel turns them into
+// each group's mean and rstd (group_norm_statistics) before it normalises.
+
+// The channel sums of one chunk (a slot of the layout above). A thread sums its rows in fp32 about a
+// shift, its first row's x (the sums of x - shift stay near the spread of x, so a large mean costs
+// no precision), and the block adds the threads' sums in double:
+//   sum x = s + rows shift,  sum x^2 = ss + 2 shift s + rows shift^2   (s, ss: sums of d = x - shift)
+__global__ void group_norm_sums_kernel(double *__restrict__ sums, const floatX *__restrict__ x, NormOptions o, int HW, int C) {
     __shared__ union {
         GnRing ring;                      // the rows, then (after a barrier)
         double sh[2][GN_THREADS * PACK];  // the threads' sums
@@ -2183,15 +2307,14 @@ __global__ void group_norm_stats_kernel(double *__restrict__ partial, const floa
     int ld;
     const floatX *column = gn_column(x, o.x2, o.C1, t.n, HW, C, t.c0, &ld);
     for (int i = 0; i < GN_AHEAD; i++) gn_fetch(shared.ring, i, column, t.first + i * t.rows_per_pass, t.end, ld), conv_cp_async_commit();
-    float add[PACK], shift[PACK], s[PACK] = {}, ss[PACK] = {};
-    for (int j = 0; j < PACK; j++) add[j] = o.add ? o.add[(int64_t)t.n * o.add_ld + t.c0 + j] : 0.0f;
+    float shift[PACK], s[PACK] = {}, ss[PACK] = {};
     int rows = 0;
     for (int r = t.first; r < t.end; r += t.rows_per_pass, rows++) {
         Pack p = gn_arrived(shared.ring, rows);
         if (rows == 0)
-            for (int j = 0; j < PACK; j++) shift[j] = (float)p.v[j] + add[j];
+            for (int j = 0; j < PACK; j++) shift[j] = (float)p.v[j];
         for (int j = 0; j < PACK; j++) {
-            float d = (float)p.v[j] + add[j] - shift[j];
+            float d = (float)p.v[j] - shift[j];
             s[j] += d, ss[j] = fmaf(d, d, ss[j]);
         }
         gn_fetch(shared.ring, rows, column, r + GN_AHEAD * t.rows_per_pass, t.end, ld), conv_cp_async_commit();
@@ -2205,23 +2328,36 @@ __global__ void group_norm_stats_kernel(double *__restrict__ partial, const floa
         sh[1][threadIdx.x * PACK + j] = ss[j] + 2.0 * c * s[j] + rows * c * c;
     }
     __syncthreads();
-    double total[2][PACK];  // channel threadIdx.x + k GN_THREADS
-    for (int k = 0; k < PACK; k++) {
-        int c = threadIdx.x + k * GN_THREADS;
-        total[0][k] = total[1][k] = 0.0;
-        if (c < C)
-            for (int r = 0; r < gn_rows(C); r++) total[0][k] += sh[0][r * C + c], total[1][k] += sh[1][r * C + c];
-    }
-    __syncthreads();
-    for (int k = 0; k < PACK; k++)
-        if (threadIdx.x + k * GN_THREADS < C) sh[0][threadIdx.x + k * GN_THREADS] = total[0][k], sh[1][threadIdx.x + k * GN_THREADS] = total[1][k];
-    __syncthreads();
-    if (threadIdx.x < GN_GROUPS) {
-        int per_group = C / GN_GROUPS;
+    double *out = sums + ((int64_t)t.n * gridDim.x + blockIdx.x) * C * 2;
+    for (int c = threadIdx.x; c < C; c += GN_THREADS) {
         double a = 0.0, b = 0.0;
-        for (int c = threadIdx.x * per_group; c < (threadIdx.x + 1) * per_group; c++) a += sh[0][c], b += sh[1][c];
-        double *out = partial + (((int64_t)t.n * gridDim.x + blockIdx.x) * GN_GROUPS + threadIdx.x) * 2;
-        out[0] = a, out[1] = b;
+        for (int r = 0; r < gn_rows(C); r++) a += sh[0][r * C + c], b += sh[1][r * C + c];
+        out[2 * c] = a, out[2 * c + 1] = b;
+    }
+}
+
+// Each group's mean and rstd of sample n from its channel sums (the layout above) over `slots`
+// slots, with the add option applied: x' = x + add[n][c], so per channel
+//   sum x' = sum x + HW add,  sum x'^2 = sum x^2 + 2 add sum x + HW add^2
+// and then mean = sum x' / count, var = sum x'^2 / count - mean^2 over the group's count = HW C / 32
+// values, rstd = 1 / sqrt(var + eps). Eight threads take a group's (slot, channel) terms in turn and a
+// shuffle tree adds theirs: a fixed order. Every thread calls it.
+__device__ inline void group_norm_statistics(float *mean, float *rstd, const double *__restrict__ sums, int slots,
+                                             const NormOptions &o, int n, int HW, int C) {
+    static_assert(GN_THREADS == 8 * GN_GROUPS, "eight threads a group");
+    const int g = threadIdx.x / 8, part = threadIdx.x % 8, per_group = C / GN_GROUPS;
+    double a = 0.0, b = 0.0;
+    for (int i = part; i < slots * per_group; i += 8) {
+        int slot = i / per_group, c = g * per_group + i % per_group;
+        const double *at = sums + (((int64_t)n * slots + slot) * C + c) * 2;
+        double add = o.add ? o.add[(int64_t)n * o.add_ld + c] : 0.0;
+        a += at[0], b += at[1] + 2.0 * add * at[0];
+        if (slot == 0) a += HW * add, b += HW * add * add;
+    }
+    for (int offset = 4; offset > 0; offset /= 2) a += __shfl_xor_sync(0xffffffffu, a, offset), b += __shfl_xor_sync(0xffffffffu, b, offset);
+    if (part == 0) {
+        double count = (double)HW * per_group, m = a / count, var = fmax(b / count - m * m, 0.0);
+        mean[g] = (float)m, rstd[g] = (float)(1.0 / sqrt(var + GN_EPS));
     }
 }
 
@@ -2277,37 +2413,27 @@ __device__ inline float group_norm_element(float u, const NormOptions &o, float 
     return y;
 }
 
-// Normalises one chunk and applies the fused options. The statistics are combined from the partial
-// sums of every chunk (the statistics' grid is this one) and written to sample_mean, sample_rstd; or,
-// with no partial sums (backward recomputing y), read from them: y comes out the same bit for bit.
-// Five blocks per multiprocessor (54 registers would allow four): 10-15% faster on the large
-// shapes, measured (dev/NOTES.md, 2026-11-24 b).
+// Normalises one chunk and applies the fused options. The statistics come from the channel sums
+// (group_norm_statistics; block 0 of the sample writes them to sample_mean, sample_rstd), or, with
+// no sums (a backward recomputing y), from sample_mean, sample_rstd: y comes out the same bit for bit.
+// Five blocks per multiprocessor (54 registers would allow four): 10-15% faster on the large shapes,
+// measured (dev/NOTES.md, 2026-11-24 b).
 __global__ void __launch_bounds__(GN_THREADS, 5)
     group_norm_apply_kernel(floatX *__restrict__ y, float *sample_mean, float *sample_rstd, const floatX *__restrict__ x,
-                            const double *partial, const float *gamma, const float *beta, NormOptions o, int HW, int C) {
+                            const double *sums, int slots, const float *gamma, const float *beta, NormOptions o, int HW, int C) {
     __shared__ float mean[GN_GROUPS], rstd[GN_GROUPS];
     __shared__ GnRing ring;
-    int n = blockIdx.y, chunks = gridDim.x;
+    int n = blockIdx.y;
     GnThread t = gn_thread(HW, C);
     int ld;
     const floatX *column = gn_column(x, o.x2, o.C1, n, HW, C, t.c0, &ld);
     for (int i = 0; i < GN_AHEAD; i++) gn_fetch(ring, i, column, t.first + i * t.rows_per_pass, t.end, ld), conv_cp_async_commit();
-    if (threadIdx.x < GN_GROUPS && !partial) {
+    if (sums) group_norm_statistics(mean, rstd, sums, slots, o, n, HW, C);
+    else if (threadIdx.x < GN_GROUPS)
         mean[threadIdx.x] = sample_mean[n * GN_GROUPS + threadIdx.x], rstd[threadIdx.x] = sample_rstd[n * GN_GROUPS + threadIdx.x];
-    } else if (threadIdx.x < GN_GROUPS) {
-        double a = 0, b = 0, count = (double)HW * (C / GN_GROUPS);
-#pragma unroll
-        for (int k = 0; k < GN_CHUNKS; k++)  // all the chunks' loads in flight at once
-            if (k < chunks) {
-                a += partial[(((int64_t)n * chunks + k) * GN_GROUPS + threadIdx.x) * 2 + 0];
-                b += partial[(((int64_t)n * chunks + k) * GN_GROUPS + threadIdx.x) * 2 + 1];
-            }
-        double m = a / count, var = fmax(b / count - m * m, 0.0);
-        mean[threadIdx.x] = (float)m;
-        rstd[threadIdx.x] = (float)(1.0 / sqrt(var + GN_EPS));
-        if (blockIdx.x == 0) sample_mean[n * GN_GROUPS + threadIdx.x] = mean[threadIdx.x], sample_rstd[n * GN_GROUPS + threadIdx.x] = rstd[threadIdx.x];
-    }
     __syncthreads();
+    if (sums && blockIdx.x == 0 && threadIdx.x < GN_GROUPS)
+        sample_mean[n * GN_GROUPS + threadIdx.x] = mean[threadIdx.x], sample_rstd[n * GN_GROUPS + threadIdx.x] = rstd[threadIdx.x];
     GroupNormAffine k = group_norm_affine(mean, rstd, gamma, beta, o, n, t.c0, C);
     for (int r = t.first, i = 0; r < t.end; r += t.rows_per_pass, i++) {
         Pack p = gn_arrived(ring, i), q;
@@ -2339,14 +2465,19 @@ static int gn_forward_chunks(int HW, int C, int N) {
     return N * chunks > GN_FORWARD_BLOCKS ? (GN_FORWARD_BLOCKS + N - 1) / N : chunks;
 }
 
+// sum_slots: x's producer left x's channel sums in the scratch (Scratch.gn_partials) in that many
+// slots a sample (conv_forward_gathering); 0: the sums are taken here, in a pass over x of their own.
 static void group_norm_forward(const Norm *norm, floatX *y, float *mean, float *rstd, const floatX *x, int N, int HW,
-                               NormOptions o) {
+                               NormOptions o, int sum_slots) {
     int C = norm->channels, chunks = gn_forward_chunks(HW, C, N);
-    double *partials = norm->scratch->gn_partials;
-    group_norm_stats_kernel<<<dim3(chunks, N), GN_THREADS, 0, gpu.stream>>>(partials, x, o, HW, C);
-    cuda_check_launch();
-    group_norm_apply_kernel<<<dim3(chunks, N), GN_THREADS, 0, gpu.stream>>>(
-        y, mean, rstd, x, partials, norm->gamma, norm->beta, o, HW, C);
+    double *sums = norm->scratch->gn_partials;
+    if (!sum_slots) {
+        group_norm_sums_kernel<<<dim3(chunks, N), GN_THREADS, 0, gpu.stream>>>(sums, x, o, HW, C);
+        cuda_check_launch();
+        sum_slots = chunks;
+    }
+    group_norm_apply_kernel<<<dim3(chunks, N), GN_THREADS, 0, gpu.stream>>>(y, mean, rstd, x, sums, sum_slots, norm->gamma,
+                                                                            norm->beta, o, HW, C);
     cuda_check_launch();
 }
 
@@ -2355,7 +2486,7 @@ static void group_norm_forward(const Norm *norm, floatX *y, float *mean, float *
 static void group_norm_recompute(const Norm *norm, floatX *y, float *mean, float *rstd, const floatX *x, int N, int HW,
                                  NormOptions o) {
     int C = norm->channels;
-    group_norm_apply_kernel<<<dim3(gn_chunks(HW, C), N), GN_THREADS, 0, gpu.stream>>>(y, mean, rstd, x, NULL, norm->gamma,
+    group_norm_apply_kernel<<<dim3(gn_chunks(HW, C), N), GN_THREADS, 0, gpu.stream>>>(y, mean, rstd, x, NULL, 0, norm->gamma,
                                                                                       norm->beta, o, HW, C);
     cuda_check_launch();
 }
@@ -3601,10 +3732,13 @@ static int diffusion_from_metadata(const SafeTensorsFile *f, const char *path, i
 // added. A gradient inside a block has one producer, which writes it. No block's gradient is
 // zeroed first.
 
-// An activation and its gradient, NHWC.
+// An activation and its gradient, NHWC. When the next block starts by normalising x (sums_wanted, set
+// by the plan), x's producer gathers x's channel sums for that GroupNorm as it stores x, and says in
+// sum_slots, at every forward, how many slots a sample they have (0: none; conv_forward_gathering).
 typedef struct {
     floatX *x, *dx;
     int N, H, W, C;
+    int sums_wanted, sum_slots;
 } Act;
 
 static int64_t act_numel(const Act *a) { return (int64_t)a->N * a->H * a->W * a->C; }
@@ -3626,7 +3760,7 @@ typedef struct {
 } ConvBlock;
 
 static void conv_block_forward(ConvBlock *b, const Act *in, Act *out) {
-    conv_forward(&b->conv, out->x, in->x, in->N, in->H, in->W, NULL);
+    out->sum_slots = conv_forward_gathering(&b->conv, out->x, in->x, in->N, in->H, in->W, NULL, out->sums_wanted);
 }
 
 // input_gradient 0: no in->dx (the model's input, whose gradient training never reads).
@@ -3728,19 +3862,19 @@ static NormOptions res_block_norm1(const ResBlock *r) {
 static void res_block_forward(ResBlock *r, const BlockEmbedding *e, const Act *in, Act *out, int training) {
     int N = in->N, H = in->H, W = in->W, Ho = out->H, Wo = out->W;
     const floatX *x = r->cat_a ? r->cat_a->x : in->x;
-    group_norm_forward(&r->norm1, r->h0.x, r->mean1, r->rstd1, x, N, H * W, res_block_norm1(r));
+    group_norm_forward(&r->norm1, r->h0.x, r->mean1, r->rstd1, x, N, H * W, res_block_norm1(r), r->cat_a ? 0 : in->sum_slots);
     const floatX *h = r->h0.x, *skip = in->x;
     if (r->resample) {
         resample_forward(r->resample > 0, r->h0r.x, r->h0.x, N, H, W, in->C);
         resample_forward(r->resample > 0, r->xr.x, in->x, N, H, W, in->C);
         h = r->h0r.x, skip = r->xr.x;
     }
-    conv_forward(&r->conv1, r->h1.x, h, N, Ho, Wo, NULL);
-    group_norm_forward(&r->norm2, r->h2.x, r->mean2, r->rstd2, r->h1.x, N, Ho * Wo, res_block_norm2(r, e, training));
+    int h1_slots = conv_forward_gathering(&r->conv1, r->h1.x, h, N, Ho, Wo, NULL, 1);
+    group_norm_forward(&r->norm2, r->h2.x, r->mean2, r->rstd2, r->h1.x, N, Ho * Wo, res_block_norm2(r, e, training), h1_slots);
     if (r->cat_a) conv1x1_forward_concat(&r->conv3, out->x, r->cat_a, r->cat_b);
     else if (r->has_skip_conv) conv_forward(&r->conv3, out->x, skip, N, Ho, Wo, NULL);
     if (r->has_skip_conv) skip = out->x;
-    conv_forward(&r->conv2, out->x, r->h2.x, N, Ho, Wo, skip);
+    out->sum_slots = conv_forward_gathering(&r->conv2, out->x, r->h2.x, N, Ho, Wo, skip, out->sums_wanted);
 }
 
 static void res_block_backward(ResBlock *r, const BlockEmbedding *e, const Act *in, const Act *out, GradMode in_grad,
@@ -3790,7 +3924,7 @@ typedef struct {
 
 static void attention_block_forward(AttentionBlock *a, const Act *in, Act *out) {
     int N = in->N, H = in->H, W = in->W;
-    group_norm_forward(&a->norm, a->h0.x, a->mean, a->rstd, in->x, N, H * W, NORM_PLAIN);
+    group_norm_forward(&a->norm, a->h0.x, a->mean, a->rstd, in->x, N, H * W, NORM_PLAIN, in->sum_slots);
     conv_forward(&a->qkv, a->h1.x, a->h0.x, N, H, W, NULL);
     attention_forward(&a->attention);
     conv_forward(&a->proj, out->x, a->h2.x, N, H, W, in->x);
@@ -3813,7 +3947,7 @@ typedef struct {
 } Downsample;
 
 static void downsample_forward(Downsample *d, const Act *in, Act *out) {
-    if (d->has_conv) conv_forward(&d->conv, out->x, in->x, in->N, in->H, in->W, NULL);
+    if (d->has_conv) out->sum_slots = conv_forward_gathering(&d->conv, out->x, in->x, in->N, in->H, in->W, NULL, out->sums_wanted);
     else resample_forward(0, out->x, in->x, in->N, in->H, in->W, in->C);
 }
 
@@ -3832,7 +3966,8 @@ typedef struct {
 
 static void upsample_forward(Upsample *u, const Act *in, Act *out) {
     resample_forward(1, u->has_conv ? u->up.x : out->x, in->x, in->N, in->H, in->W, in->C);
-    if (u->has_conv) conv_forward(&u->conv, out->x, u->up.x, in->N, 2 * in->H, 2 * in->W, NULL);
+    if (u->has_conv)
+        out->sum_slots = conv_forward_gathering(&u->conv, out->x, u->up.x, in->N, 2 * in->H, 2 * in->W, NULL, out->sums_wanted);
 }
 
 static void upsample_backward(Upsample *u, const Act *in, const Act *out, GradMode in_grad) {
@@ -3854,7 +3989,7 @@ typedef struct {
 
 static void output_head_forward(OutputHead *o, const Act *in, Act *out) {
     int N = in->N, H = in->H, W = in->W;
-    group_norm_forward(&o->norm, o->h0.x, o->mean, o->rstd, in->x, N, H * W, NORM_SILU);
+    group_norm_forward(&o->norm, o->h0.x, o->mean, o->rstd, in->x, N, H * W, NORM_SILU, in->sum_slots);
     conv_forward(&o->conv, out->x, o->h0.x, N, H, W, NULL);
 }
 
@@ -4353,6 +4488,16 @@ static int64_t param_offsets(ParamList *params, int64_t *emb_bias_offset) {
     return at;
 }
 
+// A block's output gets its channel sums gathered where the next block starts by normalising it: a
+// ResBlock reading it (not a concatenation in place), an AttentionBlock or the output head.
+static void plan_gathered_sums(UNet *m) {
+    for (int i = 0; i + 1 < m->num_blocks; i++) {
+        const Block *next = &m->blocks[i + 1];
+        m->blocks[i].out.sums_wanted = next->in == &m->blocks[i].out && (next->kind == BLOCK_ATTENTION || next->kind == BLOCK_OUT ||
+                                                                         (next->kind == BLOCK_RES && !next->res.cat_a));
+    }
+}
+
 // Whether a block after block i (in the model's order; before it in backward's) delivers a's gradient.
 static int gradient_delivered_after(const UNet *m, int i, const Act *a) {
     for (int j = i + 1; j < m->num_blocks; j++) {
@@ -4467,6 +4612,7 @@ static void unet_lay_out(UNet *m) {
     unet_walk(c, &again, m);
     free(again.specs);
     m->output = &m->blocks[m->num_blocks - 1].out;
+    plan_gathered_sums(m);
     plan_gradient_modes(m);
     plan_block_gradients(m);
     int64_t E = m->emb_total;
@@ -4489,6 +4635,7 @@ static void unet_lay_out(UNet *m) {
     s->conv_split_numel = m->conv_split_numel;
     s->channel_sums = (float *)arena_take(&m->scratch_region, m->channel_sums_numel * sizeof(float));
     s->gn_partials = (double *)arena_take(&m->scratch_region, m->gn_partials_numel * sizeof(double));
+    s->gn_partials_numel = m->gn_partials_numel;
     s->scores = (float *)arena_take(&m->scratch_region, m->scores_numel * sizeof(float));
     if (training) s->d_scores = (floatX *)arena_take(&m->scratch_region, m->scores_numel * sizeof(floatX));
 }
@@ -4783,7 +4930,7 @@ static void print_profile(UNet *m) {
             conv3x3_backward_input(l->h2.dx, C, GRAD_WRITE, out->dx, C, l->conv2.w, N, H, W, C, C, 1, s->conv_split,
                                    s->conv_split_numel);
             break;
-        case 5: group_norm_forward(&l->norm2, l->h2.x, l->mean2, l->rstd2, l->h1.x, N, H * W, o); break;
+        case 5: group_norm_forward(&l->norm2, l->h2.x, l->mean2, l->rstd2, l->h1.x, N, H * W, o, 0); break;
         case 6:  // as res_block_backward runs it: recomputing h2 too
             group_norm_backward(&l->norm2, l->h1.dx, GRAD_WRITE, m->embedding.d_out + l->emb_offset, l->h2.dx, l->h1.x, l->h2.x,
                                 l->mean2, l->rstd2, N, H * W, o);

@@ -1,6 +1,7 @@
 // dev/bench_conv.cu: the trainer's implicit-GEMM 3x3 convolutions (train_unet.cu, section
 // "Convolution") against a double-precision CPU reference, in the build's precision: forward, input
-// gradient (accumulated) and weight gradient (deterministic), on channel slices of wider tensors,
+// gradient (accumulated) and weight gradient (deterministic), on channel slices of wider tensors, the
+// channel sums the forward gathers for GroupNorm where its kernel does,
 // odd sizes, 3 and 6 channels, stride 2, residuals, wide layers and random shapes. With --bench,
 // their timings on every distinct 3x3 convolution of the seed and adm64 presets at batch 32 and
 // 128, for scripts/bench_conv_torch.py (`make bench-conv` runs both and joins them with cuDNN's).
@@ -122,13 +123,12 @@ static double slice_error(const double *got, const double *init, const double *r
 
 static const char *kernels = "";  // which of the kernels the checks run: see run_checks
 
-// One check line; err <= DEV_TOLERANCE passes (NaN never does).
-static void report(const char *name, const char *op, double err, const char *extra) {
-    int ok = err <= DEV_TOLERANCE;
+// One check line; err <= tol passes (NaN never does).
+static void report(const char *name, const char *op, double err, double tol, const char *extra) {
+    int ok = err <= tol;
     if (ok) dev_checks_passed++;
     else dev_checks_failed++;
-    printf("%s %-28s %-4s %-5s err=%.3g (tol %.0e)%s%s\n", ok ? "PASS" : "FAIL", name, type_name(), op, err, DEV_TOLERANCE,
-           extra, kernels);
+    printf("%s %-28s %-4s %-5s err=%.3g (tol %.0e)%s%s\n", ok ? "PASS" : "FAIL", name, type_name(), op, err, tol, extra, kernels);
     fflush(stdout);
 }
 
@@ -137,6 +137,34 @@ static int64_t split_scratch_floats(int N, int H, int W, int C_in, int C_out, in
     int64_t f = conv3x3_split_scratch_floats(CONV_FORWARD, N, H, W, C_in, C_out, stride);
     int64_t d = conv3x3_split_scratch_floats(CONV_INPUT_GRAD, N, H, W, C_in, C_out, stride);
     return f > d ? f : d;
+}
+
+// The forward's gathered channel sums (conv3x3_forward: sums[n][slot][c] = (sum y, sum y^2) over the
+// slot's pixels) against what y holds as stored (`got`, the downloaded slab): each sample's slots
+// added up, the larger of the two sums' errors (dev_error's measure).
+static double sums_error(const double *sums, int slots, const double *got, Slab ys, int N) {
+    int C = ys.C;
+    int64_t per_sample = ys.pixels / N;
+    double *total = dev_alloc((size_t)N * C * 2), *ref = dev_alloc((size_t)N * C * 2);
+    for (int n = 0; n < N; n++)
+        for (int c = 0; c < C; c++) {
+            double *t = total + ((size_t)n * C + c) * 2, *r = ref + ((size_t)n * C + c) * 2;
+            for (int s = 0; s < slots; s++)
+                t[0] += sums[(((size_t)n * slots + s) * C + c) * 2], t[1] += sums[(((size_t)n * slots + s) * C + c) * 2 + 1];
+            for (int64_t i = 0; i < per_sample; i++) {
+                double y = got[(n * per_sample + i) * ys.ld + ys.off + c];
+                r[0] += y, r[1] += y * y;
+            }
+        }
+    double err[2];
+    for (int k = 0; k < 2; k++) {  // column k of the [N C][2] arrays
+        double *tk = dev_alloc((size_t)N * C), *rk = dev_alloc((size_t)N * C);
+        for (size_t i = 0; i < (size_t)N * C; i++) tk[i] = total[2 * i + k], rk[i] = ref[2 * i + k];
+        err[k] = dev_error(tk, NULL, rk, (size_t)N * C);
+        free(tk), free(rk);
+    }
+    free(total), free(ref);
+    return err[0] > err[1] || err[0] != err[0] ? err[0] : err[1];
 }
 
 static void check_case(const CheckCase *c) {
@@ -149,16 +177,28 @@ static void check_case(const CheckCase *c) {
     int64_t split_n = split_scratch_floats(c->N, c->H, c->W, c->C_in, c->C_out, c->stride);
     float *split = (float *)dev_gpu_poisoned((split_n ? split_n : 1) * sizeof(float));
 
-    conv3x3_forward(y + c->y_off, p.ys.ld, x + c->x_off, p.xs.ld, w, bias, res, p.rs.ld, c->N, c->H, c->W, c->C_in, c->C_out,
-                    c->stride, split, split_n);
+    // The forward, asked for y's channel sums (room for a slot a pixel, poisoned).
+    int64_t sums_n = p.ys.pixels * c->C_out * 2;
+    double *sums_gpu = (double *)dev_gpu_poisoned(sums_n * sizeof(double));
+    int slots = conv3x3_forward(y + c->y_off, p.ys.ld, x + c->x_off, p.xs.ld, w, bias, res, p.rs.ld, c->N, c->H, c->W, c->C_in,
+                                c->C_out, c->stride, split, split_n, sums_gpu, sums_n);
     double *got = dev_download_x(y, slab_size(p.ys));
-    report(c->name, "fwd", slice_error(got, p.y_init, p.y_ref, p.ys, 0), "");
+    report(c->name, "fwd", slice_error(got, p.y_init, p.y_ref, p.ys, 0), DEV_TOLERANCE, "");
+    if (slots) {  // fp32 sums over a tile's pixels: far tighter than the bf16 tolerance
+        double *sums = (double *)malloc((size_t)c->N * slots * c->C_out * 2 * sizeof(double)), err;
+        cuda_check(cudaMemcpy(sums, sums_gpu, (size_t)c->N * slots * c->C_out * 2 * sizeof(double), cudaMemcpyDeviceToHost));
+        err = sums_error(sums, slots, got, p.ys, c->N);
+        char extra[32];
+        snprintf(extra, sizeof extra, " slots=%d", slots);
+        report(c->name, "sums", err, 1e-5, extra);
+        free(sums);
+    }
     free(got);
 
     conv3x3_backward_input(dx + c->dx_off, p.dxs.ld, GRAD_ADD, dy + c->dy_off, p.dys.ld, w, c->N, c->H, c->W, c->C_in, c->C_out,
                            c->stride, split, split_n);
     got = dev_download_x(dx, slab_size(p.dxs));
-    report(c->name, "dgrad", slice_error(got, p.dx_init, p.dx_ref, p.dxs, 1), "");
+    report(c->name, "dgrad", slice_error(got, p.dx_init, p.dx_ref, p.dxs, 1), DEV_TOLERANCE, "");
     free(got);
 
     // The weight gradient overwrites dw: twice from poisoned dw and scratch, bit for bit the same.
@@ -174,9 +214,9 @@ static void check_case(const CheckCase *c) {
     int same = memcmp(runs[0], runs[1], nw * sizeof(double)) == 0;
     char extra[64];
     snprintf(extra, sizeof extra, " slices=%zu%s", scratch_n ? scratch_n / nw : 1, same ? "" : " NOT DETERMINISTIC");
-    report(c->name, "wgrad", same ? dev_error(runs[0], NULL, p.dw_ref, nw) : NAN, extra);
+    report(c->name, "wgrad", same ? dev_error(runs[0], NULL, p.dw_ref, nw) : NAN, DEV_TOLERANCE, extra);
     free(runs[0]), free(runs[1]);
-    dev_gpu_free(x, w, bias, dy, y, dx, dw, scratch, split, res, NULL);  // res last: NULL without a residual
+    dev_gpu_free(x, w, bias, dy, y, dx, dw, scratch, split, sums_gpu, res, NULL);  // res last: NULL without a residual
     free_problem(&p);
 }
 
@@ -350,7 +390,7 @@ static void bench_launch(void *ctx) {
     const BenchRun *r = (const BenchRun *)ctx;
     if (r->op == OP_FORWARD)
         conv3x3_forward(r->y, r->C_out, r->x, r->C_in, r->w, r->bias, NULL, 0, r->N, r->H, r->W, r->C_in, r->C_out, r->stride,
-                        r->split, r->split_n);
+                        r->split, r->split_n, NULL, 0);
     else if (r->op == OP_INPUT_GRAD)
         conv3x3_backward_input(r->dx, r->C_in, GRAD_ADD, r->dy, r->C_out, r->w, r->N, r->H, r->W, r->C_in, r->C_out, r->stride,
                                r->split, r->split_n);

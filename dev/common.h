@@ -312,6 +312,7 @@ static const Scratch *dev_scratch(int64_t weight_grad, int64_t channel_sums, int
     s->weight_grad_numel = weight_grad;
     s->channel_sums = (float *)dev_gpu_poisoned(channel_sums * sizeof(float));
     s->gn_partials = (double *)dev_gpu_poisoned(gn_partials * sizeof(double));
+    s->gn_partials_numel = gn_partials;
     return s;
 }
 

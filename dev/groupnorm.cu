@@ -95,10 +95,11 @@ static void ref_group_norm_backward(double *d_in, double *d_gamma, double *d_bet
 // per-sample channel sums of dx, taken in the model by the conv before, here by channel_sums);
 // scale_shift (use_scale_shift_norm; rows of a wider [N][ld] array as in the model); dropout (the
 // trainer's keep mask, drawn from its counter-based generator, applied to the reference).
-//   forward: y, mean, rstd written whole (and group_norm_recompute gives y again, bit for bit).
+//   forward: y, mean, rstd written whole (and group_norm_recompute gives y again, bit for bit); with
+//   GN_GIVEN_SUMS from channel sums a producer left in the scratch (here the host's, in 3 slots).
 //   backward: dx += (GN_WRITE: written), d_scale_shift +=, dgamma, dbeta written.
 
-enum { GN_EMB_ADD = 1, GN_SCALE_SHIFT = 2, GN_WRITE = 4, GN_FAR_MEAN = 8, GN_CONCAT = 16 };
+enum { GN_EMB_ADD = 1, GN_SCALE_SHIFT = 2, GN_WRITE = 4, GN_FAR_MEAN = 8, GN_CONCAT = 16, GN_GIVEN_SUMS = 32 };
 
 typedef struct {
     Norm norm;
@@ -108,11 +109,12 @@ typedef struct {
     float *mean, *rstd, *d_scale_shift;
     GradMode dx_mode;
     int N, HW;
+    int sum_slots;  // group_norm_forward's: the channel sums given in the scratch, or 0
 } NormRun;
 
 static void norm_run_forward(void *p) {
     NormRun *r = (NormRun *)p;
-    group_norm_forward(&r->norm, r->y, r->mean, r->rstd, r->x, r->N, r->HW, r->o);
+    group_norm_forward(&r->norm, r->y, r->mean, r->rstd, r->x, r->N, r->HW, r->o, r->sum_slots);
 }
 
 static void norm_run_backward(void *p) {
@@ -196,6 +198,17 @@ static void check_norm(int N, int H, int W, int C, int silu, int mode, float dro
         split_channels(dx_parts, GRAD_WRITE, dx_parts + pixels * C1, GRAD_WRITE, dx_whole, pixels, C1, C - C1);
         r.x = x_parts, r.o.x2 = x_parts + pixels * C1, r.dx = dx_parts, r.o.dx2 = dx_parts + pixels * C1, r.o.C1 = C1;
     }
+    if (mode & GN_GIVEN_SUMS) {  // sums[n][slot][c] = (sum x, sum x^2) over pixels [HW slot / 3, HW (slot + 1) / 3)
+        r.sum_slots = 3;
+        double *sums = (double *)calloc((size_t)N * 3 * C * 2, sizeof(double));
+        for (size_t i = 0; i < n; i++) {
+            size_t nn = i / ((size_t)HW * C), pixel = i / C % HW, slot = pixel * 3 / HW;
+            double *at = sums + ((nn * 3 + slot) * C + i % C) * 2;
+            at[0] += x[i], at[1] += x[i] * x[i];
+        }
+        cuda_check(cudaMemcpy(r.norm.scratch->gn_partials, sums, (size_t)N * 3 * C * 2 * sizeof(double), cudaMemcpyHostToDevice));
+        free(sums);
+    }
     norm_run_forward(&r);
     // Backward's recomputations of y from the kept statistics (group_norm_recompute, and the backward's
     // first pass with y): the forward's bits.
@@ -231,6 +244,7 @@ static void check_norm(int N, int H, int W, int C, int silu, int mode, float dro
     if (dropout > 0) snprintf(shape + strlen(shape), sizeof shape - strlen(shape), " drop%.2g", dropout);
     if (mode & GN_FAR_MEAN) snprintf(shape + strlen(shape), sizeof shape - strlen(shape), " x in [40, 44]");
     if (mode & GN_CONCAT) snprintf(shape + strlen(shape), sizeof shape - strlen(shape), " [%d | %d] in place", C1, C - C1);
+    if (mode & GN_GIVEN_SUMS) snprintf(shape + strlen(shape), sizeof shape - strlen(shape), " sums given");
     dev_row("groupnorm", shape, fwd, tol, &e, -1, -1);
 
     dev_gpu_free(r.norm.gamma, r.norm.beta, r.norm.dgamma, r.norm.dbeta, ss_gpu, add_gpu, dadd_gpu, r.x, r.dy, r.dx, r.y,
@@ -287,6 +301,9 @@ int main(void) {
     check_norm(3, 9, 9, 192, 1, GN_CONCAT, 0);              // in_layers of a decoder ResBlock: [h | skip] in place
     check_norm(2, 4, 4, 96, 1, GN_CONCAT | GN_WRITE, 0);
     check_norm(40, 64, 64, 64, 1, GN_EMB_ADD, 0);            // the forward's chunks limited by the batch: 13 a sample
+    // statistics from sums a convolution gathered: with the embedding's add (out_layers), and far from 0
+    check_norm(3, 8, 8, 128, 1, GN_EMB_ADD | GN_GIVEN_SUMS, 0);
+    check_norm(2, 16, 16, 96, 0, GN_FAR_MEAN | GN_GIVEN_SUMS, 0);
     time_norm("in_layers", 32, 64, 64, 64, 1, 0);
     time_norm("out_layers scale-shift", 32, 64, 64, 64, 1, 1);
     time_norm("out_layers scale-shift", 32, 8, 8, 512, 1, 1);
