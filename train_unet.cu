@@ -795,6 +795,7 @@ typedef struct {
     // tile of pixels inside one image, for the GroupNorm that reads y next:
     //   sums[(tile C_out + c) 2 + 0, 1] = (sum y, sum y^2) over the tile's pixels, channel c
     double *sums;
+    int sum_rows;        // the wgmma kernels' slots: 128 rows (a tile), or 64 (a warpgroup's)
     int64_t sums_numel;  // (host) the doubles sums holds
 } ConvGemm;
 
@@ -999,14 +1000,18 @@ __device__ __forceinline__ void conv_warp_sums_8(int j0, float (&v)[32]) {
 }
 
 // Every thread of the block calls it, after its conv_warp_sums_8 calls; the barrier before the
-// next tile's calls is the caller's. The tile's first `columns` columns are written.
+// next tile's calls is the caller's. The tile's first `columns` columns are written: for one slot of
+// all 8 warps' pixels, or with warps_per_slot = 4 (images of 64 pixels under 128-row tiles) for the
+// first warpgroup's slot and, when `second` is not NULL, the second's there.
 template <int BN>
-__device__ __forceinline__ void conv_tile_sums_store(double *out, int columns) {
+__device__ __forceinline__ void conv_tile_sums_store(double *out, int columns, int warps_per_slot = 8, double *second = NULL) {
     __syncthreads();
-    for (int c = threadIdx.x; c < columns; c += CONV_THREADS) {
-        double a = 0.0, b = 0.0;
-        for (int w = 0; w < CONV_THREADS / 32; w++) a += conv_warp_sums<BN>()[w][c].x, b += conv_warp_sums<BN>()[w][c].y;
-        out[2 * c] = a, out[2 * c + 1] = b;
+    for (int i = threadIdx.x; i < (second ? 2 : 1) * columns; i += CONV_THREADS) {
+        int slot = i / columns, c = i - slot * columns;
+        double a = 0.0, b = 0.0, *to = slot ? second : out;
+        for (int w = slot * warps_per_slot; w < (slot + 1) * warps_per_slot; w++)
+            a += conv_warp_sums<BN>()[w][c].x, b += conv_warp_sums<BN>()[w][c].y;
+        to[2 * c] = a, to[2 * c + 1] = b;
     }
 }
 
@@ -1347,7 +1352,11 @@ __device__ __forceinline__ void conv_wgmma_store(const ConvGemm &p, const float 
             if (p.sums) conv_warp_sums_8<BN>(j0, v);
     }
     if constexpr (SUMS)
-        if (p.sums) conv_tile_sums_store<BN>(p.sums + ((int64_t)(m0 / BM) * p.Ng + n0) * 2, min(BN, p.Ng - n0));
+        if (p.sums) {  // a slot of 128 rows, or two of 64 (ConvGemm.sum_rows; the second none past the product)
+            double *first = p.sums + ((int64_t)(m0 / p.sum_rows) * p.Ng + n0) * 2;
+            if (p.sum_rows == 128) conv_tile_sums_store<BN>(first, min(BN, p.Ng - n0));
+            else conv_tile_sums_store<BN>(first, min(BN, p.Ng - n0), 4, m0 + 64 < p.M ? first + (int64_t)p.Ng * 2 : NULL);
+        }
 }
 
 // PARITY: the input gradient's rows are parity-ordered (ConvGemm.parity_rows). SPLIT: a split forward or
@@ -1689,11 +1698,14 @@ static int conv_sum_slots(ConvGemm *q, int tiles_per_image) {
 }
 
 // The forward or input-gradient product on 128 x BN tiles: through the TMA where it fits, else
-// gathered. Returns the slots of the channel sums gathered (a forward's, where tiles lie inside images).
+// gathered. Returns the slots of the channel sums gathered (a forward's, where a tile, or each half
+// of one, lies inside an image).
 template <int OP, int BN>
 static int conv_launch_wgmma_tiles(const ConvGemm &p) {
     ConvGemm q = p;
-    int HW = p.Ho * p.Wo, slots = conv_sum_slots(&q, HW % 128 == 0 ? HW / 128 : 0);
+    int HW = p.Ho * p.Wo;
+    q.sum_rows = HW % 128 == 0 ? 128 : 64;
+    int slots = conv_sum_slots(&q, HW % q.sum_rows == 0 ? HW / q.sum_rows : 0);
     if (conv_tma_fits(OP, q)) conv_launch_tma<OP, 128, BN>(q, 1);
     else conv_launch_wgmma<OP, 128, BN>(q, 1);
     return slots;
@@ -2456,10 +2468,11 @@ static int gn_chunks(int HW, int C) {
 
 // The forward's chunks (statistics and normalise): gn_chunks', but about GN_FORWARD_BLOCKS blocks at
 // most over the batch. Once the GPU has a few blocks a multiprocessor, long chunks cost less than many
-// short ones: each block fills its ring and adds up its sums once (sampling at batch 256: 306.0 ->
-// 320.1 images/s, seed:128 26.674 -> 26.260 ms; dev/NOTES.md, 2026-11-24 h). With many samples the
-// statistics' partial sums are then grouped by the batch size: they round a little differently.
-#define GN_FORWARD_BLOCKS 512
+// short ones: each block fills its ring and adds up its sums once (sampling at batch 256, against no
+// limit: 306.0 -> 320.1 images/s with 512 blocks, 321.8 with 256; seed:128 26.674 -> 26.260 ms with
+// 512; dev/NOTES.md, 2026-11-24 h and i). With many samples the statistics' partial sums are then
+// grouped by the batch size: they round a little differently.
+#define GN_FORWARD_BLOCKS 256
 static int gn_forward_chunks(int HW, int C, int N) {
     int chunks = gn_chunks(HW, C);
     return N * chunks > GN_FORWARD_BLOCKS ? (GN_FORWARD_BLOCKS + N - 1) / N : chunks;

@@ -233,6 +233,7 @@ static const CheckCase check_cases[] = {
     {"input conv 3->192 odd",   2, 13,  9,    3,  192, 1,  0,  0,  0,  0,  0,  0,  0,  0, 0, 0},
     {"output conv 64->3",       2, 16, 16,   64,    3, 1,  0,  0,  0,  0,  0,  0,  0,  0, 0, 0},
     {"output conv 192->3 odd",  2, 11,  7,  192,    3, 1,  0,  0,  0,  0,  0,  0,  0,  0, 1, 0},
+    {"output conv 128->6 slices", 3, 9, 13, 128,    6, 1, 64, 64,  5,  3,  0,  0,  0,  0, 1, 3},
     {"6->40 stride2",           2, 12, 10,    6,   40, 2,  0,  0,  0,  0,  0,  0,  0,  0, 0, 0},
     {"3->3",                    2,  5,  6,    3,    3, 1,  0,  0,  0,  0,  0,  0,  0,  0, 1, 0},
     {"slices 64->96",           2, 10,  9,   64,   96, 1, 128, 64, 64, 32, 32, 32, 64, 64, 1, 32},
@@ -261,6 +262,9 @@ static const CheckCase check_cases[] = {
     {"tma 16x16 192->576",      3, 16, 16,  192,  576, 1, 64, 64,  0,  0, 64, 64,  0,  0, 0, 0},
     {"tma 16x16 64->1152 res",  4, 16, 16,   64, 1152, 1, 64, 64, 64, 64, 64, 64, 64, 64, 1, 64},
     {"tma 8x8 images 64->128", 17,  8,  8,   64,  128, 1,  0,  0,  0,  0,  0,  0,  0,  0, 0, 0},
+    // not split, 64-pixel images under 128-row tiles: the forward's channel sums in two slots a tile,
+    // the last tile's second half past the batch
+    {"8x8 images 64->256",     67,  8,  8,   64,  256, 1,  0,  0,  0,  0,  0,  0,  0,  0, 1, 0},
 };
 
 // The fixed cases, then 8 random ones (small images, channel counts of the presets and odd ones,
