@@ -1454,18 +1454,30 @@ __global__ void __launch_bounds__(CONV_THREADS, (ConvWgmmaTile<BM, BN>::BLOCKS_P
 #endif
 }
 
+// Raises a kernel's limit of dynamic shared memory to smem bytes at its first launch (configured:
+// its launcher's flag, one a kernel).
+template <typename Kernel>
+static void conv_allow_smem(Kernel kernel, bool *configured, size_t smem) {
+    if (!*configured) {
+        cuda_check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+        *configured = true;
+    }
+}
+
+// Launches a kernel of the 3x3 products with one block a BM x BN tile of the product (and blockIdx.z
+// the slice of k), with smem bytes of dynamic shared memory.
+template <typename Kernel>
+static void conv_launch_grid(Kernel kernel, bool *configured, size_t smem, const ConvGemm &p, int BM, int BN, int slices) {
+    conv_allow_smem(kernel, configured, smem);
+    dim3 grid((p.M + BM - 1) / BM, (p.Ng + BN - 1) / BN, slices);
+    kernel<<<grid, CONV_THREADS, smem, gpu.stream>>>(p);
+    cuda_check_launch();
+}
+
 template <int OP, int BM, int BN, bool PARITY, bool SPLIT = false>
 static void conv_launch_wgmma_kernel(const ConvGemm &p, int slices) {
-    typedef ConvWgmmaTile<BM, BN> Tile;
-    auto kernel = conv3x3_wgmma_kernel<OP, BM, BN, PARITY, SPLIT>;
-    static bool configured = false;  // the shared-memory limit, raised once per kernel
-    if (!configured) {
-        cuda_check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)Tile::SMEM));
-        configured = true;
-    }
-    dim3 grid((p.M + BM - 1) / BM, (p.Ng + BN - 1) / BN, slices);
-    kernel<<<grid, CONV_THREADS, Tile::SMEM, gpu.stream>>>(p);
-    cuda_check_launch();
+    static bool configured = false;
+    conv_launch_grid(conv3x3_wgmma_kernel<OP, BM, BN, PARITY, SPLIT>, &configured, ConvWgmmaTile<BM, BN>::SMEM, p, BM, BN, slices);
 }
 
 template <int OP, int BM, int BN>
@@ -1659,11 +1671,8 @@ template <int OP, int BM, int BN, bool SPLIT = false>
 static void conv_launch_tma(const ConvGemm &p, int slices) {
     typedef ConvWgmmaTile<BM, BN> Tile;
     auto kernel = conv3x3_tma_kernel<OP, BM, BN, SPLIT>;
-    static bool configured = false;  // the shared-memory limit, raised once per kernel
-    if (!configured) {
-        cuda_check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)Tile::SMEM));
-        configured = true;
-    }
+    static bool configured = false;
+    conv_allow_smem(kernel, &configured, Tile::SMEM);
     const uint64_t e = sizeof(floatX);
     uint32_t cols, rows, imgs;
     conv_pixel_box(p.H, p.W, OP == CONV_WEIGHT_GRAD ? 64 : 128, &cols, &rows, &imgs);
@@ -1969,11 +1978,8 @@ template <int OP, int ROWS, int BN>
 static int conv_launch_halo(const ConvGemm &p) {
     typedef ConvHaloTile<ROWS, BN> Tile;
     auto kernel = conv3x3_halo_kernel<OP, ROWS, BN>;
-    static bool configured = false;  // the shared-memory limit, raised once per kernel
-    if (!configured) {
-        cuda_check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)Tile::SMEM));
-        configured = true;
-    }
+    static bool configured = false;
+    conv_allow_smem(kernel, &configured, Tile::SMEM);
     ConvGemm q = p;
     int slots = conv_sum_slots(&q, (p.H + ROWS - 1) / ROWS * (p.W / 64));
     int64_t items = (int64_t)p.N * ((p.H + ROWS - 1) / ROWS) * (p.W / 64) * (p.Ng / BN);
@@ -2019,16 +2025,9 @@ static ConvGemm conv_gemm(int op, int N, int H, int W, int C_in, int C_out, int 
 
 template <int OP, int BM, int BN, int BK, int WARPS_M, int WARPS_N, bool VEC_A, bool VEC_B>
 static void conv_launch_tile(const ConvGemm &p, int slices) {
-    typedef ConvTile<OP, BM, BN, BK, WARPS_M, WARPS_N, VEC_A, VEC_B> Tile;
-    auto kernel = conv3x3_igemm_kernel<OP, BM, BN, BK, WARPS_M, WARPS_N, VEC_A, VEC_B>;
-    static bool configured = false;  // the shared-memory limit, raised once per kernel
-    if (!configured) {
-        cuda_check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)Tile::SMEM));
-        configured = true;
-    }
-    dim3 grid((p.M + BM - 1) / BM, (p.Ng + BN - 1) / BN, slices);
-    kernel<<<grid, CONV_THREADS, Tile::SMEM, gpu.stream>>>(p);
-    cuda_check_launch();
+    static bool configured = false;
+    conv_launch_grid(conv3x3_igemm_kernel<OP, BM, BN, BK, WARPS_M, WARPS_N, VEC_A, VEC_B>, &configured,
+                     ConvTile<OP, BM, BN, BK, WARPS_M, WARPS_N, VEC_A, VEC_B>::SMEM, p, BM, BN, slices);
 }
 
 // The kernel for the operands' alignment: 16-byte loads where both allow them.
