@@ -1324,7 +1324,7 @@ __device__ __forceinline__ void conv_wgmma_k_step(float (&acc)[ConvWgmmaTile<BM,
 
 // The wgmma kernels' store of a BM x BN tile at (m0, n0), through conv_store_pair. Accumulator j of 4
 // (per 8 columns): rows lane / 4 and + 8 of the warp's 16, columns 2 (lane % 4) + 0, 1. A forward
-// with sums (BM = 128: the 8 warps hold all BN columns) gathers them as tile m0 / BM.
+// with sums (BM = 128: the 8 warps hold all BN columns) gathers them per slot of p.sum_rows rows.
 template <int OP, int BM, int BN, bool PARITY, bool PARTIAL>
 __device__ __forceinline__ void conv_wgmma_store(const ConvGemm &p, const float (&acc)[ConvWgmmaTile<BM, BN>::WN / 2], int m0,
                                                  int n0) {
