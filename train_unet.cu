@@ -260,8 +260,8 @@ typedef struct {
     float *conv_split;         // a split 3x3 forward or input-gradient product's partial sums
     int64_t conv_split_numel;
     float *channel_sums;       // per-channel partial sums, [N][CHANNEL_SUM_CHUNKS][C]
-    double *gn_partials;       // GroupNorm partial sums: forward's channel sums [N][slots][C][2], backward's
-    int64_t gn_partials_numel; // [N][GN_CHUNKS][4C + 2 groups]
+    double *gn_partials;       // GroupNorm: forward's channel sums [N][slots][C][2], backward's [N][GN_CHUNKS][4C + 2 groups]
+    int64_t gn_partials_numel; // (doubles)
     float *scores;             // attention, [N*heads][T][T]: S, then dP
     floatX *d_scores;          // attention, [N*heads][T][T]: dS
 } Scratch;
