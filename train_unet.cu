@@ -2007,6 +2007,133 @@ static bool conv_try_halo(const ConvGemm &p, bool vec_a, bool vec_b, int *sum_sl
 
 static bool conv_aligned16(const void *p) { return ((uintptr_t)p & 15) == 0; }
 
+// The model's input convolution (input_blocks.0: 3 image channels in, too few for the tensor-core
+// kernels' 16-byte loads; it took their scalar path, 214 us of a sampling step at batch 256) on the
+// CUDA cores, in fp32:
+//   y[n][h][w][c] = bias[c] + sum over taps (kh, kw) inside the image and ci < 3 of
+//                   x[n][h + kh - 1][w + kw - 1][ci] w[c][kh][kw][ci]
+// A tile is 4 rows x 32 columns of an image and 64 output channels: warp (pair, quarter) takes rows
+// 2 pair, 2 pair + 1 and channels 16 quarter .. + 15, a lane one column, so a thread owns 2 pixels x
+// 16 channels and each weight (a float4 of 4 channels, the same for the whole warp) serves both
+// pixels. The blocks run through the tiles keeping the weights in shared memory as fp32 [tap][ci][c];
+// a tile's input patch (6 x 34 pixels, zero outside the image) goes to shared memory through
+// registers loaded a tile ahead. Where p.sums is set, the tile's channel sums are gathered as the
+// other kernels gather them (conv_store_pair's rounded values): a thread's 2 pixels, the warp's lanes
+// by a reduce-scatter (lane l ends with value l: channel l's sum for l < 16, channel l - 16's sum of
+// squares after), then the quarter's two warps in double; one slot per 4 x 32 tile of an image.
+#define CONV_IMAGE_CHANNELS 3
+#define CONV_IMAGE_PATCH (6 * 34 * CONV_IMAGE_CHANNELS)
+#define CONV_IMAGE_FETCH ((CONV_IMAGE_PATCH + CONV_THREADS - 1) / CONV_THREADS)  // patch values a thread copies
+
+struct ConvImageTile {
+    int n, h0, w0, c0, slot;
+};
+
+__device__ inline ConvImageTile conv_image_tile(const ConvGemm &p, int t, int tiles_h, int tiles_w) {
+    int groups = p.C_out / 64, per_image = tiles_h * tiles_w;
+    ConvImageTile it;
+    it.c0 = t % groups * 64, t /= groups;
+    it.slot = t % per_image, it.n = t / per_image;
+    it.h0 = it.slot / tiles_w * 4, it.w0 = it.slot % tiles_w * 32;
+    return it;
+}
+
+// The patch values thread threadIdx.x copies for a tile: patch[i], i = threadIdx.x + j CONV_THREADS,
+// is x at row h0 - 1 + i / (34 * 3), column w0 - 1 + i / 3 % 34, channel i % 3.
+__device__ inline void conv_image_fetch(const ConvGemm &p, const ConvImageTile &it, float (&v)[CONV_IMAGE_FETCH]) {
+    for (int j = 0; j < CONV_IMAGE_FETCH; j++) {
+        int i = threadIdx.x + j * CONV_THREADS, h = it.h0 - 1 + i / (34 * 3), w = it.w0 - 1 + i / 3 % 34;
+        bool inside = i < CONV_IMAGE_PATCH && h >= 0 && h < p.H && w >= 0 && w < p.W;
+        v[j] = inside ? __bfloat162float(p.x[((int64_t)(it.n * p.H + h) * p.W + w) * p.ldx + i % 3]) : 0.0f;
+    }
+}
+
+__global__ void __launch_bounds__(CONV_THREADS, 2) conv3x3_image_kernel(ConvGemm p) {
+    extern __shared__ float4 image_smem[];
+    float *weights = (float *)image_smem;  // [27][C_out]
+    float *bias = weights + 27 * p.C_out, *patch = bias + p.C_out;
+    __shared__ float warp_sums[CONV_THREADS / 32][32];
+    for (int i = threadIdx.x; i < 27 * p.C_out; i += CONV_THREADS)
+        weights[i] = __bfloat162float(p.w[(int64_t)(i % p.C_out) * 27 + i / p.C_out]);
+    for (int c = threadIdx.x; c < p.C_out; c += CONV_THREADS) bias[c] = __bfloat162float(p.bias[c]);
+    const int lane = threadIdx.x % 32, pair = threadIdx.x / 128, quarter = threadIdx.x / 32 % 4;
+    const int tiles_h = (p.H + 3) / 4, tiles_w = (p.W + 31) / 32, tiles = p.N * tiles_h * tiles_w * (p.C_out / 64);
+    float ahead[CONV_IMAGE_FETCH];
+    if (blockIdx.x < tiles) conv_image_fetch(p, conv_image_tile(p, blockIdx.x, tiles_h, tiles_w), ahead);
+    for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
+        ConvImageTile it = conv_image_tile(p, t, tiles_h, tiles_w);
+        __syncthreads();  // the last tile's patch and sums read
+        for (int j = 0; j < CONV_IMAGE_FETCH; j++)
+            if (threadIdx.x + j * CONV_THREADS < CONV_IMAGE_PATCH) patch[threadIdx.x + j * CONV_THREADS] = ahead[j];
+        __syncthreads();
+        if (t + gridDim.x < tiles) conv_image_fetch(p, conv_image_tile(p, t + gridDim.x, tiles_h, tiles_w), ahead);
+        const int c0 = it.c0 + 16 * quarter;
+        float acc[2][16];
+        for (int j = 0; j < 16; j++) acc[0][j] = acc[1][j] = bias[c0 + j];
+#pragma unroll
+        for (int kh = 0; kh < 3; kh++)
+#pragma unroll
+            for (int kw = 0; kw < 3; kw++)
+#pragma unroll
+                for (int ci = 0; ci < 3; ci++) {
+                    const float *at = patch + ((2 * pair + kh) * 34 + lane + kw) * 3 + ci;
+                    float x0 = at[0], x1 = at[34 * 3];  // the pixel's tap and the one below's
+                    const float4 *wk = (const float4 *)(weights + ((kh * 3 + kw) * 3 + ci) * p.C_out + c0);
+#pragma unroll
+                    for (int q = 0; q < 4; q++) {
+                        float4 w4 = wk[q];
+                        acc[0][4 * q] = fmaf(x0, w4.x, acc[0][4 * q]), acc[1][4 * q] = fmaf(x1, w4.x, acc[1][4 * q]);
+                        acc[0][4 * q + 1] = fmaf(x0, w4.y, acc[0][4 * q + 1]), acc[1][4 * q + 1] = fmaf(x1, w4.y, acc[1][4 * q + 1]);
+                        acc[0][4 * q + 2] = fmaf(x0, w4.z, acc[0][4 * q + 2]), acc[1][4 * q + 2] = fmaf(x1, w4.z, acc[1][4 * q + 2]);
+                        acc[0][4 * q + 3] = fmaf(x0, w4.w, acc[0][4 * q + 3]), acc[1][4 * q + 3] = fmaf(x1, w4.w, acc[1][4 * q + 3]);
+                    }
+                }
+        float v[32] = {};  // the stored values' sums, then (after the reduce-scatter) the warp's
+#pragma unroll
+        for (int r = 0; r < 2; r++) {
+            int h = it.h0 + 2 * pair + r, w = it.w0 + lane;
+            if (h >= p.H || w >= p.W) continue;
+            __align__(16) __nv_bfloat162 stored[8];
+#pragma unroll
+            for (int j = 0; j < 8; j++) {
+                stored[j] = __floats2bfloat162_rn(acc[r][2 * j], acc[r][2 * j + 1]);
+                float2 f = __bfloat1622float2(stored[j]);
+                v[2 * j] += f.x, v[2 * j + 1] += f.y, v[16 + 2 * j] += f.x * f.x, v[17 + 2 * j] += f.y * f.y;
+            }
+            uint4 *out = (uint4 *)(p.out + ((int64_t)(it.n * p.H + h) * p.W + w) * p.ldo + c0);
+            out[0] = ((const uint4 *)stored)[0], out[1] = ((const uint4 *)stored)[1];
+        }
+        if (p.sums) {
+            conv_sums_exchange<16>(v), conv_sums_exchange<8>(v), conv_sums_exchange<4>(v), conv_sums_exchange<2>(v);
+            conv_sums_exchange<1>(v);
+            warp_sums[threadIdx.x / 32][lane] = v[0];
+            __syncthreads();
+            if (threadIdx.x < 64) {
+                int q = threadIdx.x / 16, j = threadIdx.x % 16;
+                double *out = p.sums + (((int64_t)it.n * tiles_h * tiles_w + it.slot) * p.C_out + it.c0 + threadIdx.x) * 2;
+                out[0] = (double)warp_sums[q][j] + warp_sums[4 + q][j];
+                out[1] = (double)warp_sums[q][16 + j] + warp_sums[4 + q][16 + j];
+            }
+        }
+    }
+}
+
+// Takes the forward when it is the model's input convolution; *sum_slots as conv_try_halo's.
+static bool conv_try_image(const ConvGemm &p, int *sum_slots) {
+    if (p.C_in != CONV_IMAGE_CHANNELS || p.stride != 1 || p.C_out % 64 != 0 || p.C_out > 256 || p.residual || !p.bias ||
+        p.ldo % 8 != 0 || !conv_aligned16(p.out))
+        return false;
+    int smem = (28 * p.C_out + CONV_IMAGE_PATCH) * (int)sizeof(float);  // 31 KB at most: no opt-in needed
+    ConvGemm q = p;
+    int tiles_per_image = (p.H + 3) / 4 * ((p.W + 31) / 32);
+    *sum_slots = conv_sum_slots(&q, tiles_per_image);
+    int64_t tiles = (int64_t)p.N * tiles_per_image * (p.C_out / 64), at_once = (int64_t)gpu.num_sms * 2;
+    conv3x3_image_kernel<<<(int)(tiles < at_once ? tiles : at_once), CONV_THREADS, smem, gpu.stream>>>(q);
+    cuda_check_launch();
+    return true;
+}
+
+
 static ConvGemm conv_gemm(int op, int N, int H, int W, int C_in, int C_out, int stride) {
     ConvGemm p;
     memset(&p, 0, sizeof p);
@@ -2057,7 +2184,7 @@ static int conv3x3_forward(floatX *y, int ldy, const floatX *x, int ldx, const f
     p.sums = sums, p.sums_numel = sums_numel;
     bool vec = C_in % 8 == 0 && ldx % 8 == 0 && conv_aligned16(x) && conv_aligned16(w);
     int sum_slots = 0;  // (the mma.sync kernels gather none)
-    if (!conv_try_halo<CONV_FORWARD>(p, vec, vec, &sum_slots) &&
+    if (!conv_try_image(p, &sum_slots) && !conv_try_halo<CONV_FORWARD>(p, vec, vec, &sum_slots) &&
         !conv_try_wgmma<CONV_FORWARD>(p, vec, vec, split, split_floats, &sum_slots))
         conv_launch_by_width<CONV_FORWARD>(p, vec, vec);
     return sum_slots;
@@ -2109,23 +2236,22 @@ static void conv3x3_backward_weight(float *dw, float *scratch, const floatX *dy,
 }
 #endif
 
-// y = conv(x) + b (+ residual, a tensor shaped like y, when given; it may be y itself). gather: also
-// leave y's channel sums in the scratch for the GroupNorm that reads y next (Scratch.gn_partials, as
-// group_norm_forward's sum_slots says); returns their slots a sample, or 0 where the kernel that ran
+// y = conv(x) + b (+ residual, a tensor shaped like y, when given; it may be y itself). sums (not
+// NULL): also gather y's channel sums there (sums_numel doubles at most) for the GroupNorm that reads
+// y (group_norm_forward's GatheredSums); returns their slots a sample, or 0 where the kernel that ran
 // gathers none (1x1 products, the FP32 build, small or split 3x3 products).
 static int conv_forward_gathering(const Conv *cv, floatX *y, const floatX *x, int N, int H, int W, const floatX *residual,
-                                  int gather) {
+                                  double *sums, int64_t sums_numel) {
     if (cv->k == 3)
         return conv3x3_forward(y, cv->out, x, cv->in, cv->w, cv->b, residual, cv->out, N, H, W, cv->in, cv->out, cv->stride,
-                               cv->scratch->conv_split, cv->scratch->conv_split_numel, gather ? cv->scratch->gn_partials : NULL,
-                               cv->scratch->gn_partials_numel);
+                               cv->scratch->conv_split, cv->scratch->conv_split_numel, sums, sums_numel);
     matmul({.M = N * H * W, .N = cv->out, .K = cv->in, .a = x, .lda = cv->in, .b = cv->w, .ldb = cv->in, .trans_b = 1,
             .d = y, .ldd = cv->out, .c = residual, .ldc = cv->out, .beta = 1.0f, .bias = cv->b});
     return 0;
 }
 
 static void conv_forward(const Conv *cv, floatX *y, const floatX *x, int N, int H, int W, const floatX *residual) {
-    conv_forward_gathering(cv, y, x, N, H, W, residual, 0);
+    conv_forward_gathering(cv, y, x, N, H, W, residual, NULL, 0);
 }
 
 // The 3x3 weight gradient and the bias gradient (d_bias_per_sample: also per sample), begun on the
@@ -2347,23 +2473,39 @@ __global__ void group_norm_sums_kernel(double *__restrict__ sums, const floatX *
     }
 }
 
-// Each group's mean and rstd of sample n from its channel sums (the layout above) over `slots`
-// slots, with the add option applied: x' = x + add[n][c], so per channel
+// Where the apply kernel's statistics come from: channel sums (the layout above) of the input's
+// channels in two parts, [0, C1) and [C1, C) (a concatenation's, NormOptions.x2; else one part of all
+// C channels, C1 = C). Part p's sums[p] hold slots[p] slots of its own channels only, each summed
+// pixel standing for repeat[p] pixels of the input (4 where the part is a nearest 2x upsampling and
+// the sums are its source's: each source pixel appears 4 times in it).
+typedef struct {
+    const double *sums[2];
+    int slots[2], repeat[2], C1;
+} GnSums;
+
+// Each group's mean and rstd of sample n from its channel sums, with the add option applied:
+// x' = x + add[n][c], so per channel
 //   sum x' = sum x + HW add,  sum x'^2 = sum x^2 + 2 add sum x + HW add^2
 // and then mean = sum x' / count, var = sum x'^2 / count - mean^2 over the group's count = HW C / 32
-// values, rstd = 1 / sqrt(var + eps). Eight threads take a group's (slot, channel) terms in turn and a
-// shuffle tree adds theirs: a fixed order. Every thread calls it.
-__device__ inline void group_norm_statistics(float *mean, float *rstd, const double *__restrict__ sums, int slots,
-                                             const NormOptions &o, int n, int HW, int C) {
+// values, rstd = 1 / sqrt(var + eps). A group may take channels from both parts. Eight threads take
+// a group's (slot, channel) terms of each part in turn and a shuffle tree adds theirs: a fixed order.
+// Every thread calls it.
+__device__ inline void group_norm_statistics(float *mean, float *rstd, const GnSums &s, const NormOptions &o, int n, int HW,
+                                             int C) {
     static_assert(GN_THREADS == 8 * GN_GROUPS, "eight threads a group");
     const int g = threadIdx.x / 8, part = threadIdx.x % 8, per_group = C / GN_GROUPS;
     double a = 0.0, b = 0.0;
-    for (int i = part; i < slots * per_group; i += 8) {
-        int slot = i / per_group, c = g * per_group + i % per_group;
-        const double *at = sums + (((int64_t)n * slots + slot) * C + c) * 2;
-        double add = o.add ? o.add[(int64_t)n * o.add_ld + c] : 0.0;
-        a += at[0], b += at[1] + 2.0 * add * at[0];
-        if (slot == 0) a += HW * add, b += HW * add * add;
+    for (int p = 0; p < 2; p++) {
+        int first = p ? s.C1 : 0, width = p ? C - s.C1 : s.C1;
+        int lo = max(g * per_group, first), hi = min((g + 1) * per_group, first + width);
+        if (lo >= hi) continue;
+        for (int i = part; i < s.slots[p] * (hi - lo); i += 8) {
+            int slot = i / (hi - lo), c = lo + i % (hi - lo);
+            const double *at = s.sums[p] + (((int64_t)n * s.slots[p] + slot) * width + c - first) * 2;
+            double add = o.add ? o.add[(int64_t)n * o.add_ld + c] : 0.0, repeat = s.repeat[p];
+            a += repeat * at[0], b += repeat * (at[1] + 2.0 * add * at[0]);
+            if (slot == 0) a += HW * add, b += HW * add * add;
+        }
     }
     for (int offset = 4; offset > 0; offset /= 2) a += __shfl_xor_sync(0xffffffffu, a, offset), b += __shfl_xor_sync(0xffffffffu, b, offset);
     if (part == 0) {
@@ -2426,12 +2568,13 @@ __device__ inline float group_norm_element(float u, const NormOptions &o, float 
 
 // Normalises one chunk and applies the fused options. The statistics come from the channel sums
 // (group_norm_statistics; block 0 of the sample writes them to sample_mean, sample_rstd), or, with
-// no sums (a backward recomputing y), from sample_mean, sample_rstd: y comes out the same bit for bit.
+// no sums (s.sums[0] NULL: a backward recomputing y), from sample_mean, sample_rstd: y comes out the
+// same bit for bit.
 // Five blocks per multiprocessor (54 registers would allow four): 10-15% faster on the large shapes,
 // measured (dev/NOTES.md, 2026-11-24 b).
 __global__ void __launch_bounds__(GN_THREADS, 5)
     group_norm_apply_kernel(floatX *__restrict__ y, float *sample_mean, float *sample_rstd, const floatX *__restrict__ x,
-                            const double *sums, int slots, const float *gamma, const float *beta, NormOptions o, int HW, int C) {
+                            GnSums s, const float *gamma, const float *beta, NormOptions o, int HW, int C) {
     __shared__ float mean[GN_GROUPS], rstd[GN_GROUPS];
     __shared__ GnRing ring;
     int n = blockIdx.y;
@@ -2439,11 +2582,11 @@ __global__ void __launch_bounds__(GN_THREADS, 5)
     int ld;
     const floatX *column = gn_column(x, o.x2, o.C1, n, HW, C, t.c0, &ld);
     for (int i = 0; i < GN_AHEAD; i++) gn_fetch(ring, i, column, t.first + i * t.rows_per_pass, t.end, ld), conv_cp_async_commit();
-    if (sums) group_norm_statistics(mean, rstd, sums, slots, o, n, HW, C);
+    if (s.sums[0]) group_norm_statistics(mean, rstd, s, o, n, HW, C);
     else if (threadIdx.x < GN_GROUPS)
         mean[threadIdx.x] = sample_mean[n * GN_GROUPS + threadIdx.x], rstd[threadIdx.x] = sample_rstd[n * GN_GROUPS + threadIdx.x];
     __syncthreads();
-    if (sums && blockIdx.x == 0 && threadIdx.x < GN_GROUPS)
+    if (s.sums[0] && blockIdx.x == 0 && threadIdx.x < GN_GROUPS)
         sample_mean[n * GN_GROUPS + threadIdx.x] = mean[threadIdx.x], sample_rstd[n * GN_GROUPS + threadIdx.x] = rstd[threadIdx.x];
     GroupNormAffine k = group_norm_affine(mean, rstd, gamma, beta, o, n, t.c0, C);
     for (int r = t.first, i = 0; r < t.end; r += t.rows_per_pass, i++) {
@@ -2477,19 +2620,35 @@ static int gn_forward_chunks(int HW, int C, int N) {
     return N * chunks > GN_FORWARD_BLOCKS ? (GN_FORWARD_BLOCKS + N - 1) / N : chunks;
 }
 
-// sum_slots: x's producer left x's channel sums in the scratch (Scratch.gn_partials) in that many
-// slots a sample (conv_forward_gathering); 0: the sums are taken here, in a pass over x of their own.
+// Channel sums a producer gathered for GroupNorm's input, or a part of it: [N][slots][channels][2]
+// (the layout above; slots 0: none), each summed pixel standing for `repeat` pixels of the input.
+typedef struct {
+    const double *sums;
+    int slots, repeat;
+} GatheredSums;
+
+// part_a: the sums gathered for x's channels [0, C1), or all C of them without o.x2; part_b: for x2's
+// [C1, C). A part without them has them taken here, in a pass of group_norm_sums_kernel over it
+// alone into the scratch (so a part's gathered sums must lie elsewhere when the other part has none);
+// with none at all, in one pass over the whole input.
 static void group_norm_forward(const Norm *norm, floatX *y, float *mean, float *rstd, const floatX *x, int N, int HW,
-                               NormOptions o, int sum_slots) {
-    int C = norm->channels, chunks = gn_forward_chunks(HW, C, N);
-    double *sums = norm->scratch->gn_partials;
-    if (!sum_slots) {
-        group_norm_sums_kernel<<<dim3(chunks, N), GN_THREADS, 0, gpu.stream>>>(sums, x, o, HW, C);
+                               NormOptions o, GatheredSums part_a, GatheredSums part_b) {
+    int C = norm->channels, C1 = o.x2 ? o.C1 : C, chunks = gn_forward_chunks(HW, C, N);
+    double *scratch = norm->scratch->gn_partials;
+    GnSums s = {{part_a.sums, part_b.sums}, {part_a.slots, part_b.slots}, {part_a.repeat, part_b.repeat}, C1};
+    if (!part_a.slots && (!o.x2 || !part_b.slots)) {
+        group_norm_sums_kernel<<<dim3(chunks, N), GN_THREADS, 0, gpu.stream>>>(scratch, x, o, HW, C);
         cuda_check_launch();
-        sum_slots = chunks;
+        s = {{scratch, NULL}, {chunks, 0}, {1, 1}, C};
+    } else if (!part_a.slots || (o.x2 && !part_b.slots)) {
+        int p = part_a.slots ? 1 : 0, width = p ? C - C1 : C1, part_chunks = gn_forward_chunks(HW, width, N);
+        NormOptions whole = {};
+        group_norm_sums_kernel<<<dim3(part_chunks, N), GN_THREADS, 0, gpu.stream>>>(scratch, p ? o.x2 : x, whole, HW, width);
+        cuda_check_launch();
+        s.sums[p] = scratch, s.slots[p] = part_chunks, s.repeat[p] = 1;
     }
-    group_norm_apply_kernel<<<dim3(chunks, N), GN_THREADS, 0, gpu.stream>>>(y, mean, rstd, x, sums, sum_slots, norm->gamma,
-                                                                            norm->beta, o, HW, C);
+    group_norm_apply_kernel<<<dim3(chunks, N), GN_THREADS, 0, gpu.stream>>>(y, mean, rstd, x, s, norm->gamma, norm->beta, o,
+                                                                            HW, C);
     cuda_check_launch();
 }
 
@@ -2498,7 +2657,8 @@ static void group_norm_forward(const Norm *norm, floatX *y, float *mean, float *
 static void group_norm_recompute(const Norm *norm, floatX *y, float *mean, float *rstd, const floatX *x, int N, int HW,
                                  NormOptions o) {
     int C = norm->channels;
-    group_norm_apply_kernel<<<dim3(gn_chunks(HW, C), N), GN_THREADS, 0, gpu.stream>>>(y, mean, rstd, x, NULL, 0, norm->gamma,
+    GnSums kept = {};  // none: the statistics kept
+    group_norm_apply_kernel<<<dim3(gn_chunks(HW, C), N), GN_THREADS, 0, gpu.stream>>>(y, mean, rstd, x, kept, norm->gamma,
                                                                                       norm->beta, o, HW, C);
     cuda_check_launch();
 }
@@ -3744,16 +3904,33 @@ static int diffusion_from_metadata(const SafeTensorsFile *f, const char *path, i
 // added. A gradient inside a block has one producer, which writes it. No block's gradient is
 // zeroed first.
 
-// An activation and its gradient, NHWC. When the next block starts by normalising x (sums_wanted, set
-// by the plan), x's producer gathers x's channel sums for that GroupNorm as it stores x, and says in
-// sum_slots, at every forward, how many slots a sample they have (0: none; conv_forward_gathering).
-typedef struct {
+// An activation and its gradient, NHWC. Where a GroupNorm reads x (plan_gathered_sums), x's producer
+// gathers x's channel sums for it as it stores x, into `sums`, and says in sum_slots, at every
+// forward, how many slots a sample they have (0: none; conv_forward_act).
+typedef struct Act {
     floatX *x, *dx;
     int N, H, W, C;
-    int sums_wanted, sum_slots;
+    double *sums;  // NULL: nobody needs them
+    int64_t sums_numel;
+    int sum_slots;
+    struct Act *upsampled_from;  // x is this one's nearest 2x upsampling: its sums stand for x's
 } Act;
 
 static int64_t act_numel(const Act *a) { return (int64_t)a->N * a->H * a->W * a->C; }
+
+// out->x = conv(x) + b (+ residual), gathering out's channel sums where the plan wants them.
+static void conv_forward_act(const Conv *cv, Act *out, const floatX *x, int N, int H, int W, const floatX *residual) {
+    out->sum_slots = conv_forward_gathering(cv, out->x, x, N, H, W, residual, out->sums, out->sums_numel);
+}
+
+// The channel sums gathered for a GroupNorm reading a (none: slots 0); a nearest 2x upsampling's are
+// its source's, each source pixel standing for 4 of a's.
+static GatheredSums act_sums(const Act *a) {
+    if (a->upsampled_from) return {a->upsampled_from->sums, a->upsampled_from->sum_slots, 4};
+    return {a->sums, a->sum_slots, 1};
+}
+
+static const GatheredSums NO_SUMS = {NULL, 0, 1};
 
 // What the ResBlocks read besides their input: every block's timestep projection side by side
 // (one matrix product computes them all, one their gradients), and dropout's seed for the step.
@@ -3772,7 +3949,7 @@ typedef struct {
 } ConvBlock;
 
 static void conv_block_forward(ConvBlock *b, const Act *in, Act *out) {
-    out->sum_slots = conv_forward_gathering(&b->conv, out->x, in->x, in->N, in->H, in->W, NULL, out->sums_wanted);
+    conv_forward_act(&b->conv, out, in->x, in->N, in->H, in->W, NULL);
 }
 
 // input_gradient 0: no in->dx (the model's input, whose gradient training never reads).
@@ -3874,19 +4051,21 @@ static NormOptions res_block_norm1(const ResBlock *r) {
 static void res_block_forward(ResBlock *r, const BlockEmbedding *e, const Act *in, Act *out, int training) {
     int N = in->N, H = in->H, W = in->W, Ho = out->H, Wo = out->W;
     const floatX *x = r->cat_a ? r->cat_a->x : in->x;
-    group_norm_forward(&r->norm1, r->h0.x, r->mean1, r->rstd1, x, N, H * W, res_block_norm1(r), r->cat_a ? 0 : in->sum_slots);
+    group_norm_forward(&r->norm1, r->h0.x, r->mean1, r->rstd1, x, N, H * W, res_block_norm1(r), act_sums(r->cat_a ? r->cat_a : in),
+                       r->cat_a ? act_sums(r->cat_b) : NO_SUMS);
     const floatX *h = r->h0.x, *skip = in->x;
     if (r->resample) {
         resample_forward(r->resample > 0, r->h0r.x, r->h0.x, N, H, W, in->C);
         resample_forward(r->resample > 0, r->xr.x, in->x, N, H, W, in->C);
         h = r->h0r.x, skip = r->xr.x;
     }
-    int h1_slots = conv_forward_gathering(&r->conv1, r->h1.x, h, N, Ho, Wo, NULL, 1);
-    group_norm_forward(&r->norm2, r->h2.x, r->mean2, r->rstd2, r->h1.x, N, Ho * Wo, res_block_norm2(r, e, training), h1_slots);
+    conv_forward_act(&r->conv1, &r->h1, h, N, Ho, Wo, NULL);
+    group_norm_forward(&r->norm2, r->h2.x, r->mean2, r->rstd2, r->h1.x, N, Ho * Wo, res_block_norm2(r, e, training),
+                       act_sums(&r->h1), NO_SUMS);
     if (r->cat_a) conv1x1_forward_concat(&r->conv3, out->x, r->cat_a, r->cat_b);
     else if (r->has_skip_conv) conv_forward(&r->conv3, out->x, skip, N, Ho, Wo, NULL);
     if (r->has_skip_conv) skip = out->x;
-    out->sum_slots = conv_forward_gathering(&r->conv2, out->x, r->h2.x, N, Ho, Wo, skip, out->sums_wanted);
+    conv_forward_act(&r->conv2, out, r->h2.x, N, Ho, Wo, skip);
 }
 
 static void res_block_backward(ResBlock *r, const BlockEmbedding *e, const Act *in, const Act *out, GradMode in_grad,
@@ -3936,7 +4115,7 @@ typedef struct {
 
 static void attention_block_forward(AttentionBlock *a, const Act *in, Act *out) {
     int N = in->N, H = in->H, W = in->W;
-    group_norm_forward(&a->norm, a->h0.x, a->mean, a->rstd, in->x, N, H * W, NORM_PLAIN, in->sum_slots);
+    group_norm_forward(&a->norm, a->h0.x, a->mean, a->rstd, in->x, N, H * W, NORM_PLAIN, act_sums(in), NO_SUMS);
     conv_forward(&a->qkv, a->h1.x, a->h0.x, N, H, W, NULL);
     attention_forward(&a->attention);
     conv_forward(&a->proj, out->x, a->h2.x, N, H, W, in->x);
@@ -3959,7 +4138,7 @@ typedef struct {
 } Downsample;
 
 static void downsample_forward(Downsample *d, const Act *in, Act *out) {
-    if (d->has_conv) out->sum_slots = conv_forward_gathering(&d->conv, out->x, in->x, in->N, in->H, in->W, NULL, out->sums_wanted);
+    if (d->has_conv) conv_forward_act(&d->conv, out, in->x, in->N, in->H, in->W, NULL);
     else resample_forward(0, out->x, in->x, in->N, in->H, in->W, in->C);
 }
 
@@ -3978,8 +4157,7 @@ typedef struct {
 
 static void upsample_forward(Upsample *u, const Act *in, Act *out) {
     resample_forward(1, u->has_conv ? u->up.x : out->x, in->x, in->N, in->H, in->W, in->C);
-    if (u->has_conv)
-        out->sum_slots = conv_forward_gathering(&u->conv, out->x, u->up.x, in->N, 2 * in->H, 2 * in->W, NULL, out->sums_wanted);
+    if (u->has_conv) conv_forward_act(&u->conv, out, u->up.x, in->N, 2 * in->H, 2 * in->W, NULL);
 }
 
 static void upsample_backward(Upsample *u, const Act *in, const Act *out, GradMode in_grad) {
@@ -4001,7 +4179,7 @@ typedef struct {
 
 static void output_head_forward(OutputHead *o, const Act *in, Act *out) {
     int N = in->N, H = in->H, W = in->W;
-    group_norm_forward(&o->norm, o->h0.x, o->mean, o->rstd, in->x, N, H * W, NORM_SILU, in->sum_slots);
+    group_norm_forward(&o->norm, o->h0.x, o->mean, o->rstd, in->x, N, H * W, NORM_SILU, act_sums(in), NO_SUMS);
     conv_forward(&o->conv, out->x, o->h0.x, N, H, W, NULL);
 }
 
@@ -4500,13 +4678,36 @@ static int64_t param_offsets(ParamList *params, int64_t *emb_bias_offset) {
     return at;
 }
 
-// A block's output gets its channel sums gathered where the next block starts by normalising it: a
-// ResBlock reading it (not a concatenation in place), an AttentionBlock or the output head.
+// Which convolutions gather GroupNorm's channel sums as they store their output, and where (Act.sums):
+//   - a ResBlock's conv1, for its GroupNorm 2: into the scratch;
+//   - a block's output that the next block starts by normalising (a ResBlock reading it whole, an
+//     AttentionBlock, the output head): into the scratch, which nothing writes between;
+//   - a part of a concatenation that a decoder ResBlock reads in place (a skip tensor, from long
+//     before), or the source of a nearest upsampling that is one: into buffers of its own among the
+//     activations, room for a slot per 128 pixels of an image (the convolutions' tiles; more slots
+//     than fit: none gathered). group_norm_forward's pass for a part without sums writes the scratch.
+// Run after the scratch is taken.
 static void plan_gathered_sums(UNet *m) {
-    for (int i = 0; i + 1 < m->num_blocks; i++) {
-        const Block *next = &m->blocks[i + 1];
-        m->blocks[i].out.sums_wanted = next->in == &m->blocks[i].out && (next->kind == BLOCK_ATTENTION || next->kind == BLOCK_OUT ||
-                                                                         (next->kind == BLOCK_RES && !next->res.cat_a));
+    const Scratch *s = &m->scratch;
+    for (int i = 0; i < m->num_blocks; i++) {
+        Block *b = &m->blocks[i];
+        if (b->kind == BLOCK_UP && !b->up.has_conv) b->out.upsampled_from = b->in;
+        if (b->kind == BLOCK_RES) b->res.h1.sums = s->gn_partials, b->res.h1.sums_numel = s->gn_partials_numel;
+        const Block *next = i + 1 < m->num_blocks ? &m->blocks[i + 1] : NULL;
+        if (next && next->in == &b->out &&
+            (next->kind == BLOCK_ATTENTION || next->kind == BLOCK_OUT || (next->kind == BLOCK_RES && !next->res.cat_a)))
+            b->out.sums = s->gn_partials, b->out.sums_numel = s->gn_partials_numel;
+    }
+    for (int i = 0; i < m->num_blocks; i++) {
+        const ResBlock *r = &m->blocks[i].res;
+        if (m->blocks[i].kind != BLOCK_RES || !r->cat_a) continue;
+        Act *parts[2] = {r->cat_a, r->cat_b};
+        for (int p = 0; p < 2; p++) {
+            Act *a = parts[p]->upsampled_from ? parts[p]->upsampled_from : parts[p];
+            int64_t slots = a->H * a->W / 128 > 1 ? a->H * a->W / 128 : 1;
+            a->sums_numel = a->N * slots * a->C * 2;
+            a->sums = (double *)arena_take(&m->acts, a->sums_numel * (int64_t)sizeof(double));
+        }
     }
 }
 
@@ -4624,7 +4825,6 @@ static void unet_lay_out(UNet *m) {
     unet_walk(c, &again, m);
     free(again.specs);
     m->output = &m->blocks[m->num_blocks - 1].out;
-    plan_gathered_sums(m);
     plan_gradient_modes(m);
     plan_block_gradients(m);
     int64_t E = m->emb_total;
@@ -4650,6 +4850,7 @@ static void unet_lay_out(UNet *m) {
     s->gn_partials_numel = m->gn_partials_numel;
     s->scores = (float *)arena_take(&m->scratch_region, m->scores_numel * sizeof(float));
     if (training) s->d_scores = (floatX *)arena_take(&m->scratch_region, m->scores_numel * sizeof(floatX));
+    plan_gathered_sums(m);
 }
 
 // The plan of a model for batches of `batch` images, on the host: its parameter list, its blocks
@@ -4942,7 +5143,7 @@ static void print_profile(UNet *m) {
             conv3x3_backward_input(l->h2.dx, C, GRAD_WRITE, out->dx, C, l->conv2.w, N, H, W, C, C, 1, s->conv_split,
                                    s->conv_split_numel);
             break;
-        case 5: group_norm_forward(&l->norm2, l->h2.x, l->mean2, l->rstd2, l->h1.x, N, H * W, o, 0); break;
+        case 5: group_norm_forward(&l->norm2, l->h2.x, l->mean2, l->rstd2, l->h1.x, N, H * W, o, NO_SUMS, NO_SUMS); break;
         case 6:  // as res_block_backward runs it: recomputing h2 too
             group_norm_backward(&l->norm2, l->h1.dx, GRAD_WRITE, m->embedding.d_out + l->emb_offset, l->h2.dx, l->h1.x, l->h2.x,
                                 l->mean2, l->rstd2, N, H * W, o);

@@ -231,6 +231,9 @@ static const CheckCase check_cases[] = {
     {"2x3 stride2 64->32",      2,  2,  3,   64,   32, 2,  0,  0,  0,  0,  0,  0,  0,  0, 0, 0},
     {"input conv 3->64",        2, 16, 16,    3,   64, 1,  0,  0,  0,  0,  0,  0,  0,  0, 0, 0},
     {"input conv 3->192 odd",   2, 13,  9,    3,  192, 1,  0,  0,  0,  0,  0,  0,  0,  0, 0, 0},
+    // the input convolution's kernel of its own (conv3x3_image_kernel): x and y slices, a whole image
+    {"input conv 3->64 slices", 2, 11, 40,    3,   64, 1,  5,  2, 64, 64,  0,  0,  0,  0, 0, 0},
+    {"input conv 64x64 3->256", 1, 64, 64,    3,  256, 1,  0,  0,  0,  0,  0,  0,  0,  0, 0, 0},
     {"output conv 64->3",       2, 16, 16,   64,    3, 1,  0,  0,  0,  0,  0,  0,  0,  0, 0, 0},
     {"output conv 192->3 odd",  2, 11,  7,  192,    3, 1,  0,  0,  0,  0,  0,  0,  0,  0, 1, 0},
     {"output conv 128->6 slices", 3, 9, 13, 128,    6, 1, 64, 64,  5,  3,  0,  0,  0,  0, 1, 3},

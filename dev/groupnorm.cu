@@ -96,10 +96,16 @@ static void ref_group_norm_backward(double *d_in, double *d_gamma, double *d_bet
 // scale_shift (use_scale_shift_norm; rows of a wider [N][ld] array as in the model); dropout (the
 // trainer's keep mask, drawn from its counter-based generator, applied to the reference).
 //   forward: y, mean, rstd written whole (and group_norm_recompute gives y again, bit for bit); with
-//   GN_GIVEN_SUMS from channel sums a producer left in the scratch (here the host's, in 3 slots).
+//   GN_GIVEN_SUMS from channel sums a producer gathered (here the host's, in 3 slots) for all of x or,
+//   with GN_CONCAT, for its first part; GN_GIVEN_SUMS_B for the second part (in 2 slots); a part
+//   without has them taken by group_norm_forward. GN_UPSAMPLED: x is a nearest 2x upsampling, and
+//   the sums given for the first part are its source's (each source pixel standing for 4).
 //   backward: dx += (GN_WRITE: written), d_scale_shift +=, dgamma, dbeta written.
 
-enum { GN_EMB_ADD = 1, GN_SCALE_SHIFT = 2, GN_WRITE = 4, GN_FAR_MEAN = 8, GN_CONCAT = 16, GN_GIVEN_SUMS = 32 };
+enum {
+    GN_EMB_ADD = 1, GN_SCALE_SHIFT = 2, GN_WRITE = 4, GN_FAR_MEAN = 8, GN_CONCAT = 16, GN_GIVEN_SUMS = 32, GN_GIVEN_SUMS_B = 64,
+    GN_UPSAMPLED = 128
+};
 
 typedef struct {
     Norm norm;
@@ -109,12 +115,33 @@ typedef struct {
     float *mean, *rstd, *d_scale_shift;
     GradMode dx_mode;
     int N, HW;
-    int sum_slots;  // group_norm_forward's: the channel sums given in the scratch, or 0
+    GatheredSums part_a, part_b;  // group_norm_forward's: the channel sums given, or none
 } NormRun;
 
 static void norm_run_forward(void *p) {
     NormRun *r = (NormRun *)p;
-    group_norm_forward(&r->norm, r->y, r->mean, r->rstd, r->x, r->N, r->HW, r->o, r->sum_slots);
+    group_norm_forward(&r->norm, r->y, r->mean, r->rstd, r->x, r->N, r->HW, r->o, r->part_a, r->part_b);
+}
+
+// The channel sums a producer would gather of x's channels [first, first + width) in `slots` slots of
+// each sample's pixels (the layout of GatheredSums), on the GPU; of every other row and column
+// (the source's pixels) when x is a nearest 2x upsampling.
+static GatheredSums given_sums(const double *x, int N, int H, int W, int C, int first, int width, int slots, int upsampled) {
+    int step = upsampled ? 2 : 1, pixels = (H / step) * (W / step);
+    size_t numel = (size_t)N * slots * width * 2;
+    double *sums = (double *)calloc(numel, sizeof(double));
+    for (int n = 0; n < N; n++)
+        for (int h = 0; h < H; h += step)
+            for (int w = 0; w < W; w += step)
+                for (int c = first; c < first + width; c++) {
+                    int slot = (h / step * (W / step) + w / step) * slots / pixels;
+                    double v = x[(((size_t)n * H + h) * W + w) * C + c], *at = sums + (((size_t)n * slots + slot) * width + c - first) * 2;
+                    at[0] += v, at[1] += v * v;
+                }
+    double *gpu_sums = (double *)gpu_malloc(numel * sizeof(double));
+    cuda_check(cudaMemcpy(gpu_sums, sums, numel * sizeof(double), cudaMemcpyHostToDevice));
+    free(sums);
+    return {gpu_sums, slots, upsampled ? 4 : 1};
 }
 
 static void norm_run_backward(void *p) {
@@ -134,6 +161,11 @@ static void check_norm(int N, int H, int W, int C, int silu, int mode, float dro
     double *x = dev_alloc(n), *gamma = dev_alloc(C), *beta = dev_alloc(C), *dy = dev_alloc(n);
     double *ss = dev_alloc(nss), *add = dev_alloc(nadd);
     dev_fill_x(x, n, mode & GN_FAR_MEAN ? 40 : -1, mode & GN_FAR_MEAN ? 44 : 2), dev_fill_f(gamma, C, 0.5, 1.5);
+    if (mode & GN_UPSAMPLED)  // x[n][h][w] = x[n][h - h % 2][w - w % 2]
+        for (size_t i = 0; i < n; i++) {
+            size_t nn = i / ((size_t)HW * C), h = i / C % HW / W, w = i / C % W;
+            x[i] = x[((nn * H + h / 2 * 2) * W + w / 2 * 2) * C + i % C];
+        }
     dev_fill_f(beta, C, -0.5, 0.5), dev_fill_x(dy, n, -1, 1);
     dev_fill_f(ss, nss, -0.5, 0.5), dev_fill_f(add, nadd, -1, 1);
     uint64_t seed = random_u64(dev_seed, 7, 0);
@@ -198,17 +230,10 @@ static void check_norm(int N, int H, int W, int C, int silu, int mode, float dro
         split_channels(dx_parts, GRAD_WRITE, dx_parts + pixels * C1, GRAD_WRITE, dx_whole, pixels, C1, C - C1);
         r.x = x_parts, r.o.x2 = x_parts + pixels * C1, r.dx = dx_parts, r.o.dx2 = dx_parts + pixels * C1, r.o.C1 = C1;
     }
-    if (mode & GN_GIVEN_SUMS) {  // sums[n][slot][c] = (sum x, sum x^2) over pixels [HW slot / 3, HW (slot + 1) / 3)
-        r.sum_slots = 3;
-        double *sums = (double *)calloc((size_t)N * 3 * C * 2, sizeof(double));
-        for (size_t i = 0; i < n; i++) {
-            size_t nn = i / ((size_t)HW * C), pixel = i / C % HW, slot = pixel * 3 / HW;
-            double *at = sums + ((nn * 3 + slot) * C + i % C) * 2;
-            at[0] += x[i], at[1] += x[i] * x[i];
-        }
-        cuda_check(cudaMemcpy(r.norm.scratch->gn_partials, sums, (size_t)N * 3 * C * 2 * sizeof(double), cudaMemcpyHostToDevice));
-        free(sums);
-    }
+    int width_a = mode & GN_CONCAT ? C1 : C;
+    r.part_a = r.part_b = {NULL, 0, 1};
+    if (mode & GN_GIVEN_SUMS) r.part_a = given_sums(x, N, H, W, C, 0, width_a, 3, mode & GN_UPSAMPLED);
+    if (mode & GN_GIVEN_SUMS_B) r.part_b = given_sums(x, N, H, W, C, C1, C - C1, 2, 0);
     norm_run_forward(&r);
     // Backward's recomputations of y from the kept statistics (group_norm_recompute, and the backward's
     // first pass with y): the forward's bits.
@@ -244,11 +269,14 @@ static void check_norm(int N, int H, int W, int C, int silu, int mode, float dro
     if (dropout > 0) snprintf(shape + strlen(shape), sizeof shape - strlen(shape), " drop%.2g", dropout);
     if (mode & GN_FAR_MEAN) snprintf(shape + strlen(shape), sizeof shape - strlen(shape), " x in [40, 44]");
     if (mode & GN_CONCAT) snprintf(shape + strlen(shape), sizeof shape - strlen(shape), " [%d | %d] in place", C1, C - C1);
-    if (mode & GN_GIVEN_SUMS) snprintf(shape + strlen(shape), sizeof shape - strlen(shape), " sums given");
+    if (mode & (GN_GIVEN_SUMS | GN_GIVEN_SUMS_B))
+        snprintf(shape + strlen(shape), sizeof shape - strlen(shape), " sums given%s%s%s", mode & GN_GIVEN_SUMS ? " a" : "",
+                 mode & GN_GIVEN_SUMS_B ? " b" : "", mode & GN_UPSAMPLED ? " (upsampled)" : "");
     dev_row("groupnorm", shape, fwd, tol, &e, -1, -1);
 
     dev_gpu_free(r.norm.gamma, r.norm.beta, r.norm.dgamma, r.norm.dbeta, ss_gpu, add_gpu, dadd_gpu, r.x, r.dy, r.dx, r.y,
                  r.mean, r.rstd, r.d_scale_shift, seed_gpu, NULL);
+    cuda_check(cudaFree((void *)r.part_a.sums)), cuda_check(cudaFree((void *)r.part_b.sums));  // (NULL: nothing)
     free(x), free(gamma), free(beta), free(dy), free(ss), free(add), free(xin), free(ss2), free(keep), free(dy_keep);
     free(y), free(dx), free(dgamma), free(dbeta), free(dss2), free(dss), free(dadd), free(dx_before), free(dss_before);
     free(dadd_before);
@@ -304,6 +332,12 @@ int main(void) {
     // statistics from sums a convolution gathered: with the embedding's add (out_layers), and far from 0
     check_norm(3, 8, 8, 128, 1, GN_EMB_ADD | GN_GIVEN_SUMS, 0);
     check_norm(2, 16, 16, 96, 0, GN_FAR_MEAN | GN_GIVEN_SUMS, 0);
+    // a decoder's concatenation with sums gathered for one part or both (groups straddling the parts:
+    // 6 channels a group, C1 = 64), and a part that is a nearest upsampling (its source's sums)
+    check_norm(3, 8, 8, 192, 1, GN_CONCAT | GN_GIVEN_SUMS, 0);
+    check_norm(3, 8, 8, 192, 1, GN_CONCAT | GN_GIVEN_SUMS_B, 0);
+    check_norm(2, 12, 12, 192, 1, GN_CONCAT | GN_GIVEN_SUMS | GN_GIVEN_SUMS_B | GN_UPSAMPLED | GN_FAR_MEAN, 0);
+    check_norm(2, 16, 16, 96, 0, GN_GIVEN_SUMS | GN_UPSAMPLED | GN_EMB_ADD, 0);
     time_norm("in_layers", 32, 64, 64, 64, 1, 0);
     time_norm("out_layers scale-shift", 32, 64, 64, 64, 1, 1);
     time_norm("out_layers scale-shift", 32, 8, 8, 512, 1, 1);
