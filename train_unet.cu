@@ -2007,113 +2007,118 @@ static bool conv_try_halo(const ConvGemm &p, bool vec_a, bool vec_b, int *sum_sl
 
 static bool conv_aligned16(const void *p) { return ((uintptr_t)p & 15) == 0; }
 
-// The model's input convolution (input_blocks.0: 3 image channels in, too few for the tensor-core
-// kernels' 16-byte loads; it took their scalar path, 214 us of a sampling step at batch 256) on the
-// CUDA cores, in fp32:
-//   y[n][h][w][c] = bias[c] + sum over taps (kh, kw) inside the image and ci < 3 of
-//                   x[n][h + kh - 1][w + kw - 1][ci] w[c][kh][kw][ci]
-// A tile is 4 rows x 32 columns of an image and 64 output channels: warp (pair, quarter) takes rows
-// 2 pair, 2 pair + 1 and channels 16 quarter .. + 15, a lane one column, so a thread owns 2 pixels x
-// 16 channels and each weight (a float4 of 4 channels, the same for the whole warp) serves both
-// pixels. The blocks run through the tiles keeping the weights in shared memory as fp32 [tap][ci][c];
-// a tile's input patch (6 x 34 pixels, zero outside the image) goes to shared memory through
-// registers loaded a tile ahead. Where p.sums is set, the tile's channel sums are gathered as the
-// other kernels gather them (conv_store_pair's rounded values): a thread's 2 pixels, the warp's lanes
-// by a reduce-scatter (lane l ends with value l: channel l's sum for l < 16, channel l - 16's sum of
-// squares after), then the quarter's two warps in double; one slot per 4 x 32 tile of an image.
+// The model's input convolution (input_blocks.0: 3 image channels in, too few for the other kernels'
+// 16-byte loads; their scalar path took 214 us of a sampling step at batch 256) as a product of its
+// own on the tensor cores: y = A W^T + bias over k = 27 (3 x 3 taps x 3 channels, padded to 32), row m
+// of A being pixel m's patch:
+//   A[m][k] = x[n][h + kh - 1][w + kw - 1][ci],  k = 3 (3 kh + kw) + ci   (zero outside the image)
+// A tile is 4 rows x 64 columns of an image and 64 output channels; warp w takes row w / 2, columns
+// 32 (w % 2) .. + 31, as two m16n8k16 row blocks of 16 pixels. The tile's input patch (6 x 66 pixels,
+// zero outside the image) goes to shared memory through registers loaded a tile ahead, and a thread
+// builds its A fragments from it: each fragment slot's pixel and k are fixed, so its place in the
+// patch is an offset worked out once. The weights stay in shared memory as [C_out][k], rows padded to
+// CONV_IMAGE_LDW (conflict-free fragment loads). Where p.sums is set, the tile's channel sums are
+// gathered from the stored values as the other kernels gather them (conv_warp_sums_8); a slot per
+// 4 x 64 tile of an image.
 #define CONV_IMAGE_CHANNELS 3
-#define CONV_IMAGE_PATCH (6 * 34 * CONV_IMAGE_CHANNELS)
-#define CONV_IMAGE_FETCH ((CONV_IMAGE_PATCH + CONV_THREADS - 1) / CONV_THREADS)  // patch values a thread copies
+#define CONV_IMAGE_PATCH (6 * 66 * CONV_IMAGE_CHANNELS)                            // values
+#define CONV_IMAGE_FETCH ((CONV_IMAGE_PATCH + CONV_THREADS - 1) / CONV_THREADS)  // of them a thread copies
+#define CONV_IMAGE_LDW 40
 
 struct ConvImageTile {
     int n, h0, w0, c0, slot;
 };
 
-__device__ inline ConvImageTile conv_image_tile(const ConvGemm &p, int t, int tiles_h, int tiles_w) {
-    int groups = p.C_out / 64, per_image = tiles_h * tiles_w;
+__device__ inline ConvImageTile conv_image_tile(const ConvGemm &p, int t, int tiles_w, int tiles_per_image) {
     ConvImageTile it;
+    int groups = p.C_out / 64;
     it.c0 = t % groups * 64, t /= groups;
-    it.slot = t % per_image, it.n = t / per_image;
-    it.h0 = it.slot / tiles_w * 4, it.w0 = it.slot % tiles_w * 32;
+    it.slot = t % tiles_per_image, it.n = t / tiles_per_image;
+    it.h0 = it.slot / tiles_w * 4, it.w0 = it.slot % tiles_w * 64;
     return it;
 }
 
-// The patch values thread threadIdx.x copies for a tile: patch[i], i = threadIdx.x + j CONV_THREADS,
-// is x at row h0 - 1 + i / (34 * 3), column w0 - 1 + i / 3 % 34, channel i % 3.
-__device__ inline void conv_image_fetch(const ConvGemm &p, const ConvImageTile &it, float (&v)[CONV_IMAGE_FETCH]) {
+// The patch values this thread copies: patch[i], i = threadIdx.x + j CONV_THREADS, is x at row
+// h0 - 1 + i / (66 * 3), column w0 - 1 + i / 3 % 66, channel i % 3.
+__device__ inline void conv_image_fetch(const ConvGemm &p, const ConvImageTile &it, floatX (&v)[CONV_IMAGE_FETCH]) {
     for (int j = 0; j < CONV_IMAGE_FETCH; j++) {
-        int i = threadIdx.x + j * CONV_THREADS, h = it.h0 - 1 + i / (34 * 3), w = it.w0 - 1 + i / 3 % 34;
+        int i = threadIdx.x + j * CONV_THREADS, h = it.h0 - 1 + i / (66 * 3), w = it.w0 - 1 + i / 3 % 66;
         bool inside = i < CONV_IMAGE_PATCH && h >= 0 && h < p.H && w >= 0 && w < p.W;
-        v[j] = inside ? __bfloat162float(p.x[((int64_t)(it.n * p.H + h) * p.W + w) * p.ldx + i % 3]) : 0.0f;
+        v[j] = inside ? p.x[((int64_t)(it.n * p.H + h) * p.W + w) * p.ldx + i % 3] : __float2bfloat16(0.0f);
     }
 }
 
 __global__ void __launch_bounds__(CONV_THREADS, 2) conv3x3_image_kernel(ConvGemm p) {
     extern __shared__ float4 image_smem[];
-    float *weights = (float *)image_smem;  // [27][C_out]
-    float *bias = weights + 27 * p.C_out, *patch = bias + p.C_out;
-    __shared__ float warp_sums[CONV_THREADS / 32][32];
-    for (int i = threadIdx.x; i < 27 * p.C_out; i += CONV_THREADS)
-        weights[i] = __bfloat162float(p.w[(int64_t)(i % p.C_out) * 27 + i / p.C_out]);
+    floatX *weights = (floatX *)image_smem;  // [C_out][CONV_IMAGE_LDW]
+    float *bias = (float *)(weights + p.C_out * CONV_IMAGE_LDW);
+    floatX *patch = (floatX *)(bias + p.C_out);  // [6][66][3]
+    for (int i = threadIdx.x; i < p.C_out * CONV_IMAGE_LDW; i += CONV_THREADS) {
+        int c = i / CONV_IMAGE_LDW, k = i % CONV_IMAGE_LDW;
+        weights[i] = k < 27 ? p.w[(int64_t)c * 27 + k] : __float2bfloat16(0.0f);
+    }
     for (int c = threadIdx.x; c < p.C_out; c += CONV_THREADS) bias[c] = __bfloat162float(p.bias[c]);
-    const int lane = threadIdx.x % 32, pair = threadIdx.x / 128, quarter = threadIdx.x / 32 % 4;
-    const int tiles_h = (p.H + 3) / 4, tiles_w = (p.W + 31) / 32, tiles = p.N * tiles_h * tiles_w * (p.C_out / 64);
-    float ahead[CONV_IMAGE_FETCH];
-    if (blockIdx.x < tiles) conv_image_fetch(p, conv_image_tile(p, blockIdx.x, tiles_h, tiles_w), ahead);
-    for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
-        ConvImageTile it = conv_image_tile(p, t, tiles_h, tiles_w);
-        __syncthreads();  // the last tile's patch and sums read
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane / 4, t = lane % 4;
+    // The patch offsets of the thread's A slots, from its pixel's patch corner: k = 16 s + 8 half + 2 t
+    // + e for k step s (-1: k past 27, zero).
+    int offset[2][2][2];
+    for (int s = 0; s < 2; s++)
+        for (int half = 0; half < 2; half++)
+            for (int e = 0; e < 2; e++) {
+                int k = 16 * s + 8 * half + 2 * t + e, tap = k / 3;
+                offset[s][half][e] = k < 27 ? ((tap / 3) * 66 + tap % 3) * 3 + k % 3 : -1;
+            }
+    const int tiles_w = (p.W + 63) / 64, tiles_per_image = (p.H + 3) / 4 * tiles_w;
+    const int tiles = p.N * tiles_per_image * (p.C_out / 64), row = warp / 2;
+    floatX ahead[CONV_IMAGE_FETCH];
+    if (blockIdx.x < tiles) conv_image_fetch(p, conv_image_tile(p, blockIdx.x, tiles_w, tiles_per_image), ahead);
+    for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+        ConvImageTile it = conv_image_tile(p, tile, tiles_w, tiles_per_image);
+        __syncthreads();  // the last tile's patch read
         for (int j = 0; j < CONV_IMAGE_FETCH; j++)
             if (threadIdx.x + j * CONV_THREADS < CONV_IMAGE_PATCH) patch[threadIdx.x + j * CONV_THREADS] = ahead[j];
         __syncthreads();
-        if (t + gridDim.x < tiles) conv_image_fetch(p, conv_image_tile(p, t + gridDim.x, tiles_h, tiles_w), ahead);
-        const int c0 = it.c0 + 16 * quarter;
-        float acc[2][16];
-        for (int j = 0; j < 16; j++) acc[0][j] = acc[1][j] = bias[c0 + j];
+        if (tile + gridDim.x < tiles) conv_image_fetch(p, conv_image_tile(p, tile + gridDim.x, tiles_w, tiles_per_image), ahead);
+        float v[32] = {};  // the stored values' sums (conv_warp_sums_8)
+#pragma unroll 1
+        for (int block = 0; block < 2; block++) {
+            const int column = 32 * (warp % 2) + 16 * block;  // of the block's rows g, g + 8: pixels column + g, + 8
+            uint32_t a[2][4];
 #pragma unroll
-        for (int kh = 0; kh < 3; kh++)
+            for (int s = 0; s < 2; s++)
 #pragma unroll
-            for (int kw = 0; kw < 3; kw++)
+                for (int half = 0; half < 2; half++)
 #pragma unroll
-                for (int ci = 0; ci < 3; ci++) {
-                    const float *at = patch + ((2 * pair + kh) * 34 + lane + kw) * 3 + ci;
-                    float x0 = at[0], x1 = at[34 * 3];  // the pixel's tap and the one below's
-                    const float4 *wk = (const float4 *)(weights + ((kh * 3 + kw) * 3 + ci) * p.C_out + c0);
-#pragma unroll
-                    for (int q = 0; q < 4; q++) {
-                        float4 w4 = wk[q];
-                        acc[0][4 * q] = fmaf(x0, w4.x, acc[0][4 * q]), acc[1][4 * q] = fmaf(x1, w4.x, acc[1][4 * q]);
-                        acc[0][4 * q + 1] = fmaf(x0, w4.y, acc[0][4 * q + 1]), acc[1][4 * q + 1] = fmaf(x1, w4.y, acc[1][4 * q + 1]);
-                        acc[0][4 * q + 2] = fmaf(x0, w4.z, acc[0][4 * q + 2]), acc[1][4 * q + 2] = fmaf(x1, w4.z, acc[1][4 * q + 2]);
-                        acc[0][4 * q + 3] = fmaf(x0, w4.w, acc[0][4 * q + 3]), acc[1][4 * q + 3] = fmaf(x1, w4.w, acc[1][4 * q + 3]);
+                    for (int low = 0; low < 2; low++) {
+                        const floatX *corner = patch + (row * 66 + column + g + 8 * low) * 3;
+                        const int *o = offset[s][half];
+                        __nv_bfloat162 pair = __halves2bfloat162(o[0] >= 0 ? corner[o[0]] : __float2bfloat16(0.0f),
+                                                                 o[1] >= 0 ? corner[o[1]] : __float2bfloat16(0.0f));
+                        a[s][2 * half + low] = *(uint32_t *)&pair;
                     }
-                }
-        float v[32] = {};  // the stored values' sums, then (after the reduce-scatter) the warp's
-#pragma unroll
-        for (int r = 0; r < 2; r++) {
-            int h = it.h0 + 2 * pair + r, w = it.w0 + lane;
-            if (h >= p.H || w >= p.W) continue;
-            __align__(16) __nv_bfloat162 stored[8];
 #pragma unroll
             for (int j = 0; j < 8; j++) {
-                stored[j] = __floats2bfloat162_rn(acc[r][2 * j], acc[r][2 * j + 1]);
-                float2 f = __bfloat1622float2(stored[j]);
-                v[2 * j] += f.x, v[2 * j + 1] += f.y, v[16 + 2 * j] += f.x * f.x, v[17 + 2 * j] += f.y * f.y;
+                const int c = it.c0 + 8 * j;  // the n-tile's columns c .. c + 7
+                float acc[4] = {bias[c + 2 * t], bias[c + 2 * t + 1], bias[c + 2 * t], bias[c + 2 * t + 1]};
+#pragma unroll
+                for (int s = 0; s < 2; s++) {
+                    const floatX *w = weights + (c + g) * CONV_IMAGE_LDW + 16 * s + 2 * t;
+                    conv_mma_bf16(acc, a[s], *(const uint32_t *)w, *(const uint32_t *)(w + 8));
+                }
+#pragma unroll
+                for (int low = 0; low < 2; low++) {
+                    int h = it.h0 + row, w = it.w0 + column + g + 8 * low;
+                    if (h >= p.H || w >= p.W) continue;
+                    __nv_bfloat162 stored = __floats2bfloat162_rn(acc[2 * low], acc[2 * low + 1]);
+                    *(__nv_bfloat162 *)(p.out + ((int64_t)(it.n * p.H + h) * p.W + w) * p.ldo + c + 2 * t) = stored;
+                    float2 f = __bfloat1622float2(stored);
+                    v[4 * j] += f.x, v[4 * j + 1] += f.y, v[4 * j + 2] += f.x * f.x, v[4 * j + 3] += f.y * f.y;
+                }
             }
-            uint4 *out = (uint4 *)(p.out + ((int64_t)(it.n * p.H + h) * p.W + w) * p.ldo + c0);
-            out[0] = ((const uint4 *)stored)[0], out[1] = ((const uint4 *)stored)[1];
         }
         if (p.sums) {
-            conv_sums_exchange<16>(v), conv_sums_exchange<8>(v), conv_sums_exchange<4>(v), conv_sums_exchange<2>(v);
-            conv_sums_exchange<1>(v);
-            warp_sums[threadIdx.x / 32][lane] = v[0];
-            __syncthreads();
-            if (threadIdx.x < 64) {
-                int q = threadIdx.x / 16, j = threadIdx.x % 16;
-                double *out = p.sums + (((int64_t)it.n * tiles_h * tiles_w + it.slot) * p.C_out + it.c0 + threadIdx.x) * 2;
-                out[0] = (double)warp_sums[q][j] + warp_sums[4 + q][j];
-                out[1] = (double)warp_sums[q][16 + j] + warp_sums[4 + q][16 + j];
-            }
+            conv_warp_sums_8<64>(0, v);
+            conv_tile_sums_store<64>(p.sums + (((int64_t)it.n * tiles_per_image + it.slot) * p.C_out + it.c0) * 2, 64);
         }
     }
 }
@@ -2121,18 +2126,17 @@ __global__ void __launch_bounds__(CONV_THREADS, 2) conv3x3_image_kernel(ConvGemm
 // Takes the forward when it is the model's input convolution; *sum_slots as conv_try_halo's.
 static bool conv_try_image(const ConvGemm &p, int *sum_slots) {
     if (p.C_in != CONV_IMAGE_CHANNELS || p.stride != 1 || p.C_out % 64 != 0 || p.C_out > 256 || p.residual || !p.bias ||
-        p.ldo % 8 != 0 || !conv_aligned16(p.out))
+        !p.pair_store)
         return false;
-    int smem = (28 * p.C_out + CONV_IMAGE_PATCH) * (int)sizeof(float);  // 31 KB at most: no opt-in needed
-    ConvGemm q = p;
-    int tiles_per_image = (p.H + 3) / 4 * ((p.W + 31) / 32);
+    int smem = p.C_out * (CONV_IMAGE_LDW * (int)sizeof(floatX) + (int)sizeof(float)) + CONV_IMAGE_PATCH * (int)sizeof(floatX);
+    ConvGemm q = p;  // (smem: 23 KB at most, no opt-in needed)
+    int tiles_per_image = (p.H + 3) / 4 * ((p.W + 63) / 64);
     *sum_slots = conv_sum_slots(&q, tiles_per_image);
     int64_t tiles = (int64_t)p.N * tiles_per_image * (p.C_out / 64), at_once = (int64_t)gpu.num_sms * 2;
     conv3x3_image_kernel<<<(int)(tiles < at_once ? tiles : at_once), CONV_THREADS, smem, gpu.stream>>>(q);
     cuda_check_launch();
     return true;
 }
-
 
 static ConvGemm conv_gemm(int op, int N, int H, int W, int C_in, int C_out, int stride) {
     ConvGemm p;
