@@ -2123,6 +2123,90 @@ __global__ void __launch_bounds__(CONV_THREADS, 2) conv3x3_image_kernel(ConvGemm
     }
 }
 
+// The output head's convolution (C_out = 3 or 6 channels out of 64 or more: the other kernels read
+// each input pixel once per tap, 9 times; theirs took 386 us of a sampling step at batch 256) as a
+// product of its own on the tensor cores: y = A W^T + bias over k = 9 C_in in the weights' order
+// (tap = 3 kh + kw, then ci), A[m][k] = x[n][h + kh - 1][w + kw - 1][ci] (zero outside the image).
+// A tile is 4 rows x 64 columns of an image; its input halo, 6 x 66 pixels of 64 channels at a time
+// (zero outside the image), is copied to shared memory once, and every tap reads it there: tap
+// (kh, kw) of tile pixel (r, c) is halo pixel (r + kh, c + kw). Warp w takes row w / 2, columns
+// 32 (w % 2) .. + 31 as two m16n8k16 row blocks, A by ldmatrix from the halo (pixels padded to
+// CONV_NARROW_LD channels: conflict-free), B from the weights in shared memory as [8][9 C_in + 8]
+// (the one n8 tile: columns past C_out zero). Three blocks a multiprocessor overlap one another's
+// copies.
+#define CONV_NARROW_LD 72
+#define CONV_NARROW_HALO (6 * 66 * CONV_NARROW_LD)  // values
+
+__global__ void __launch_bounds__(CONV_THREADS, 3) conv3x3_narrow_kernel(ConvGemm p) {
+    extern __shared__ float4 narrow_smem[];
+    floatX *halo = (floatX *)narrow_smem, *weights = halo + CONV_NARROW_HALO;
+    const int K = 9 * p.C_in, ldw = K + 8;
+    for (int i = threadIdx.x; i < 8 * ldw; i += CONV_THREADS) {
+        int c = i / ldw, k = i % ldw;
+        weights[i] = c < p.C_out && k < K ? p.w[(int64_t)c * K + k] : __float2bfloat16(0.0f);
+    }
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane / 4, t = lane % 4, row = warp / 2;
+    const float bias0 = 2 * t < p.C_out ? __bfloat162float(p.bias[2 * t]) : 0.0f;
+    const float bias1 = 2 * t + 1 < p.C_out ? __bfloat162float(p.bias[2 * t + 1]) : 0.0f;
+    const int tiles_w = (p.W + 63) / 64, tiles_per_image = (p.H + 3) / 4 * tiles_w, tiles = p.N * tiles_per_image;
+    for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+        const int n = tile / tiles_per_image, h0 = tile % tiles_per_image / tiles_w * 4, w0 = tile % tiles_w * 64;
+        float acc[2][4] = {{bias0, bias1, bias0, bias1}, {bias0, bias1, bias0, bias1}};
+        for (int c0 = 0; c0 < p.C_in; c0 += 64) {
+            __syncthreads();  // the halo's last readers are done
+            for (int i = threadIdx.x; i < 6 * 66 * 8; i += CONV_THREADS) {  // 8 copies of 16 bytes a pixel
+                int pixel = i / 8, h = h0 - 1 + pixel / 66, w = w0 - 1 + pixel % 66;
+                bool inside = h >= 0 && h < p.H && w >= 0 && w < p.W;
+                const floatX *from = inside ? p.x + ((int64_t)(n * p.H + h) * p.W + w) * p.ldx + c0 + 8 * (i % 8) : p.x;
+                conv_cp_async16(halo + pixel * CONV_NARROW_LD + 8 * (i % 8), from, inside);
+            }
+            conv_cp_async_commit();
+            conv_cp_async_wait<0>();
+            __syncthreads();
+#pragma unroll 1
+            for (int tap = 0; tap < 9; tap++)
+#pragma unroll
+                for (int kc = 0; kc < 64; kc += 16) {
+                    const floatX *wk = weights + g * ldw + tap * p.C_in + c0 + kc + 2 * t;
+                    uint32_t b0 = *(const uint32_t *)wk, b1 = *(const uint32_t *)(wk + 8);
+#pragma unroll
+                    for (int block = 0; block < 2; block++) {
+                        // lane l gives the address of row l % 8 + 8 (l / 8 % 2) of the block's 16 pixels, channels
+                        // kc + 8 (l / 16) ..: the four 8 x 8 matrices of A's fragment in order
+                        int pixel = 32 * (warp % 2) + 16 * block + lane % 8 + 8 * (lane / 8 % 2);
+                        const floatX *at = halo + ((row + tap / 3) * 66 + pixel + tap % 3) * CONV_NARROW_LD + kc + 8 * (lane / 16);
+                        uint32_t a[4];
+                        conv_ldmatrix_x4<false>(a, at);
+                        conv_mma_bf16(acc[block], a, b0, b1);
+                    }
+                }
+        }
+#pragma unroll
+        for (int block = 0; block < 2; block++)
+#pragma unroll
+            for (int low = 0; low < 2; low++) {
+                int h = h0 + row, w = w0 + 32 * (warp % 2) + 16 * block + g + 8 * low;
+                if (h >= p.H || w >= p.W) continue;
+                floatX *y = p.out + ((int64_t)(n * p.H + h) * p.W + w) * p.ldo;
+                if (2 * t < p.C_out) y[2 * t] = __float2bfloat16(acc[block][2 * low]);
+                if (2 * t + 1 < p.C_out) y[2 * t + 1] = __float2bfloat16(acc[block][2 * low + 1]);
+            }
+    }
+}
+
+// Takes the forward when it is the output head's: few output channels (at most 8), C_in a multiple
+// of 64 (at most 512: 131 KB of shared memory), x in 16-byte rows, no residual. Gathers no sums.
+static bool conv_try_narrow(const ConvGemm &p, bool vec) {
+    if (p.C_out > 8 || p.C_in % 64 != 0 || p.C_in > 512 || !vec || p.stride != 1 || p.residual || !p.bias) return false;
+    static bool configured = false;
+    conv_allow_smem(conv3x3_narrow_kernel, &configured, (CONV_NARROW_HALO + 8 * (9 * 512 + 8)) * sizeof(floatX));
+    int smem = (CONV_NARROW_HALO + 8 * (9 * p.C_in + 8)) * (int)sizeof(floatX);
+    int64_t tiles = (int64_t)p.N * ((p.H + 3) / 4) * ((p.W + 63) / 64), at_once = (int64_t)gpu.num_sms * 3;
+    conv3x3_narrow_kernel<<<(int)(tiles < at_once ? tiles : at_once), CONV_THREADS, smem, gpu.stream>>>(p);
+    cuda_check_launch();
+    return true;
+}
+
 // Takes the forward when it is the model's input convolution; *sum_slots as conv_try_halo's.
 static bool conv_try_image(const ConvGemm &p, int *sum_slots) {
     if (p.C_in != CONV_IMAGE_CHANNELS || p.stride != 1 || p.C_out % 64 != 0 || p.C_out > 256 || p.residual || !p.bias ||
@@ -2188,7 +2272,8 @@ static int conv3x3_forward(floatX *y, int ldy, const floatX *x, int ldx, const f
     p.sums = sums, p.sums_numel = sums_numel;
     bool vec = C_in % 8 == 0 && ldx % 8 == 0 && conv_aligned16(x) && conv_aligned16(w);
     int sum_slots = 0;  // (the mma.sync kernels gather none)
-    if (!conv_try_image(p, &sum_slots) && !conv_try_halo<CONV_FORWARD>(p, vec, vec, &sum_slots) &&
+    if (!conv_try_image(p, &sum_slots) && !conv_try_narrow(p, vec) &&
+        !conv_try_halo<CONV_FORWARD>(p, vec, vec, &sum_slots) &&
         !conv_try_wgmma<CONV_FORWARD>(p, vec, vec, split, split_floats, &sum_slots))
         conv_launch_by_width<CONV_FORWARD>(p, vec, vec);
     return sum_slots;
