@@ -2017,13 +2017,16 @@ static bool conv_aligned16(const void *p) { return ((uintptr_t)p & 15) == 0; }
 // zero outside the image) goes to shared memory through registers loaded a tile ahead, and a thread
 // builds its A fragments from it: each fragment slot's pixel and k are fixed, so its place in the
 // patch is an offset worked out once. The weights stay in shared memory as [C_out][k], rows padded to
-// CONV_IMAGE_LDW (conflict-free fragment loads). Where p.sums is set, the tile's channel sums are
-// gathered from the stored values as the other kernels gather them (conv_warp_sums_8); a slot per
-// 4 x 64 tile of an image.
+// CONV_IMAGE_LDW (conflict-free fragment loads). A row block's 16 pixels x 64 channels go out through
+// a staging area of the warp's, as whole 128-byte pixels in 16-byte stores: the fragments' own 4-byte
+// stores, 8 pixels apart, cost ~3x (dev/NOTES.md, 2026-11-25 j). Where p.sums is set, the tile's
+// channel sums are gathered from the stored values as the other kernels gather them
+// (conv_warp_sums_8); a slot per 4 x 64 tile of an image.
 #define CONV_IMAGE_CHANNELS 3
 #define CONV_IMAGE_PATCH (6 * 66 * CONV_IMAGE_CHANNELS)                            // values
 #define CONV_IMAGE_FETCH ((CONV_IMAGE_PATCH + CONV_THREADS - 1) / CONV_THREADS)  // of them a thread copies
 #define CONV_IMAGE_LDW 40
+#define CONV_IMAGE_LDS 72  // a staged pixel's 64 channels, padded: conflict-free fragment writes
 
 struct ConvImageTile {
     int n, h0, w0, c0, slot;
@@ -2053,6 +2056,7 @@ __global__ void __launch_bounds__(CONV_THREADS, 2) conv3x3_image_kernel(ConvGemm
     floatX *weights = (floatX *)image_smem;  // [C_out][CONV_IMAGE_LDW]
     float *bias = (float *)(weights + p.C_out * CONV_IMAGE_LDW);
     floatX *patch = (floatX *)(bias + p.C_out);  // [6][66][3]
+    __shared__ __align__(16) floatX staging[CONV_THREADS / 32][16 * CONV_IMAGE_LDS];  // a warp's row block [16][64]
     for (int i = threadIdx.x; i < p.C_out * CONV_IMAGE_LDW; i += CONV_THREADS) {
         int c = i / CONV_IMAGE_LDW, k = i % CONV_IMAGE_LDW;
         weights[i] = k < 27 ? p.w[(int64_t)c * 27 + k] : __float2bfloat16(0.0f);
@@ -2107,14 +2111,22 @@ __global__ void __launch_bounds__(CONV_THREADS, 2) conv3x3_image_kernel(ConvGemm
                 }
 #pragma unroll
                 for (int low = 0; low < 2; low++) {
-                    int h = it.h0 + row, w = it.w0 + column + g + 8 * low;
-                    if (h >= p.H || w >= p.W) continue;
                     __nv_bfloat162 stored = __floats2bfloat162_rn(acc[2 * low], acc[2 * low + 1]);
-                    *(__nv_bfloat162 *)(p.out + ((int64_t)(it.n * p.H + h) * p.W + w) * p.ldo + c + 2 * t) = stored;
-                    float2 f = __bfloat1622float2(stored);
+                    *(__nv_bfloat162 *)&staging[warp][(g + 8 * low) * CONV_IMAGE_LDS + 8 * j + 2 * t] = stored;
+                    bool inside = it.h0 + row < p.H && it.w0 + column + g + 8 * low < p.W;
+                    float2 f = inside ? __bfloat1622float2(stored) : make_float2(0.0f, 0.0f);
                     v[4 * j] += f.x, v[4 * j + 1] += f.y, v[4 * j + 2] += f.x * f.x, v[4 * j + 3] += f.y * f.y;
                 }
             }
+            __syncwarp();
+#pragma unroll
+            for (int i = lane; i < 16 * 8; i += 32) {  // 16 bytes: pixel i / 8's channels 8 (i % 8) ..
+                int h = it.h0 + row, w = it.w0 + column + i / 8;
+                if (h < p.H && w < p.W)
+                    *(uint4 *)(p.out + ((int64_t)(it.n * p.H + h) * p.W + w) * p.ldo + it.c0 + 8 * (i % 8)) =
+                        *(const uint4 *)&staging[warp][i / 8 * CONV_IMAGE_LDS + 8 * (i % 8)];
+            }
+            __syncwarp();  // read before the next row block writes
         }
         if (p.sums) {
             conv_warp_sums_8<64>(0, v);
@@ -2210,10 +2222,10 @@ static bool conv_try_narrow(const ConvGemm &p, bool vec) {
 // Takes the forward when it is the model's input convolution; *sum_slots as conv_try_halo's.
 static bool conv_try_image(const ConvGemm &p, int *sum_slots) {
     if (p.C_in != CONV_IMAGE_CHANNELS || p.stride != 1 || p.C_out % 64 != 0 || p.C_out > 256 || p.residual || !p.bias ||
-        !p.pair_store)
+        p.ldo % 8 != 0 || !conv_aligned16(p.out))
         return false;
     int smem = p.C_out * (CONV_IMAGE_LDW * (int)sizeof(floatX) + (int)sizeof(float)) + CONV_IMAGE_PATCH * (int)sizeof(floatX);
-    ConvGemm q = p;  // (smem: 23 KB at most, no opt-in needed)
+    ConvGemm q = p;  // (shared memory: 42 KB at most, no opt-in needed)
     int tiles_per_image = (p.H + 3) / 4 * ((p.W + 63) / 64);
     *sum_slots = conv_sum_slots(&q, tiles_per_image);
     int64_t tiles = (int64_t)p.N * tiles_per_image * (p.C_out / 64), at_once = (int64_t)gpu.num_sms * 2;
