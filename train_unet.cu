@@ -563,6 +563,8 @@ __device__ __forceinline__ void conv_cp_async_wait() { asm volatile("cp.async.wa
 
 static int conv_out_size(int size, int k, int stride) { return (size + 2 * (k / 2) - k) / stride + 1; }
 
+static bool conv_aligned16(const void *p) { return ((uintptr_t)p & 15) == 0; }
+
 // The weight gradient's tile, BM x BN over (C_out, 9 C_in), two blocks of it on each multiprocessor
 // at once (CONV_PLAN_BLOCKS_PER_SM), and its slices of the pixel sum. The slices are planned for a
 // GPU of CONV_PLAN_SMS multiprocessors (an H100's or H200's 132; a constant, so that the plan needs
@@ -1013,6 +1015,25 @@ __device__ __forceinline__ void conv_tile_sums_store(double *out, int columns, i
             a += conv_warp_sums<BN>()[w][c].x, b += conv_warp_sums<BN>()[w][c].y;
         to[2 * c] = a, to[2 * c + 1] = b;
     }
+}
+
+// A 4 x 4 transpose of 32-bit words within each quad of lanes (t = lane % 4): lane t's w[j] becomes
+// lane j's w[t]. An mma fragment's stores are 4 bytes a lane, a pixel's 8 channels from its quad, so
+// one instruction writes half sectors of 8 pixels; after the transpose a lane holds 8 consecutive
+// channels of its pixel, one 16-byte store (the input convolution's 4-byte stores cost ~2x:
+// dev/NOTES.md, 2026-11-25 j). Two exchanges of 2 x 2 blocks: lanes t, t ^ 1 swap the words whose
+// bit 0 differs from their own, then lanes t, t ^ 2 those whose bit 1 does.
+__device__ __forceinline__ void conv_quad_transpose(uint32_t (&w)[4]) {
+    const int t = threadIdx.x % 4;
+#pragma unroll
+    for (int bit = 1; bit <= 2; bit *= 2)
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            if (j & bit) continue;  // the pair (j, j + bit): this lane sends the one whose bit differs from t's
+            const bool upper = t & bit;
+            uint32_t got = __shfl_xor_sync(0xffffffffu, upper ? w[j] : w[j + bit], bit);
+            w[j] = upper ? got : w[j], w[j + bit] = upper ? w[j + bit] : got;
+        }
 }
 
 // The tile shape of a kernel: a BM x BN tile of out per block, WARPS_M x WARPS_N warps of
@@ -1894,9 +1915,11 @@ __global__ void __launch_bounds__(CONV_THREADS, (ConvHaloTile<ROWS, BN>::BLOCKS_
 #pragma unroll
                 for (int half = 0; half < 2; half++) {  // pixels lane / 4, and 8 further
                     int64_t pixel = (int64_t)(it.n * p.H + h) * p.W + column + 8 * half;
-                    __nv_bfloat162 *out = (__nv_bfloat162 *)(p.out + pixel * p.ldo + co) + 32 * jb;
+                    floatX *out = p.out + pixel * p.ldo + it.n0 + 64 * jb;  // the pixel's 64 channels
                     const __nv_bfloat162 *add =
-                        OP == CONV_FORWARD && add_out ? (const __nv_bfloat162 *)(p.residual + pixel * p.ldr + co) + 32 * jb : out;
+                        (const __nv_bfloat162 *)((OP == CONV_FORWARD && add_out ? p.residual + pixel * p.ldr : out - it.n0 - 64 * jb) + co) +
+                        32 * jb;
+                    uint32_t words[2][4];  // channels 8 j + 2 (lane % 4) + 0, 1, then (transposed) 8 (lane % 4) + 32 k ..
 #pragma unroll
                     for (int j = 0; j < 8; j++) {
                         const int a = 4 * (8 * jb + j) + 2 * half;  // the accumulators of channels co + 8 (8 jb + j) + 0, 1
@@ -1906,9 +1929,14 @@ __global__ void __launch_bounds__(CONV_THREADS, (ConvHaloTile<ROWS, BN>::BLOCKS_
                             u.x += b.x, u.y += b.y;
                         }
                         __nv_bfloat162 stored = __floats2bfloat162_rn(u.x, u.y);
-                        out[4 * j] = stored;
+                        words[j / 4][j % 4] = *(const uint32_t *)&stored;
                         float2 y = __bfloat1622float2(stored);
                         v[4 * j] += y.x, v[4 * j + 1] += y.y, v[4 * j + 2] += y.x * y.x, v[4 * j + 3] += y.y * y.y;
+                    }
+#pragma unroll
+                    for (int k = 0; k < 2; k++) {
+                        conv_quad_transpose(words[k]);
+                        *(uint4 *)(out + 32 * k + 8 * (lane % 4)) = make_uint4(words[k][0], words[k][1], words[k][2], words[k][3]);
                     }
                 }
             }
@@ -1993,7 +2021,8 @@ static int conv_launch_halo(const ConvGemm &p) {
 template <int OP>
 static bool conv_try_halo(const ConvGemm &p, bool vec_a, bool vec_b, int *sum_slots) {
     if (!gpu.sm90a || !vec_a || !vec_b || p.stride != 1 || p.W % 64 != 0 || p.C_in % 64 != 0 || p.C_out % 64 != 0 ||
-        !p.pair_store || (p.bias && ((uintptr_t)p.bias & 3) != 0))  // (the input gradient has no bias)
+        !p.pair_store || p.ldo % 8 != 0 || !conv_aligned16(p.out) ||  // (pixels stored in 16-byte pieces)
+        (p.bias && ((uintptr_t)p.bias & 3) != 0))                       // (the input gradient has no bias)
         return false;
     if constexpr (OP == CONV_FORWARD)
         if (p.Ng % 192 == 0) {
@@ -2005,7 +2034,6 @@ static bool conv_try_halo(const ConvGemm &p, bool vec_a, bool vec_b, int *sum_sl
     return true;
 }
 
-static bool conv_aligned16(const void *p) { return ((uintptr_t)p & 15) == 0; }
 
 // The model's input convolution (input_blocks.0: 3 image channels in, too few for the other kernels'
 // 16-byte loads; their scalar path took 214 us of a sampling step at batch 256) as a product of its
