@@ -789,6 +789,7 @@ typedef struct {
     floatX *out;     // y (forward) or dx (input gradient)
     float *out_f;    // weight gradient: [slice][C_out][9 C_in]
     int pair_store;  // two adjacent output values may be written as one aligned pair
+    int vec_store;   // 8 adjacent ones as 16 aligned bytes (out's rows: ldo % 8 == 0, 16-byte aligned)
     int add_out;     // the input gradient is added to what out holds (GRAD_ADD), else written over it
     // The wgmma kernel's stride-2 input gradient numbers its rows (input pixels) by parity class: class
     // c = 2 (h % 2) + w % 2 holds rows [class_start[c], class_start[c + 1]), in (n, h / 2, w / 2) order.
@@ -925,6 +926,26 @@ struct ConvOperand {
     }
 };
 
+// The forward's or input gradient's output pair (row, n), (row, n + 1) from the products v0, v1, as
+// stored (rounded; the second 0 unless `both`): see conv_store_pair.
+template <int OP>
+__device__ __forceinline__ __nv_bfloat162 conv_output_pair(const ConvGemm &p, int row, int n, float v0, float v1, bool both) {
+    const floatX *o = p.out + (int64_t)row * p.ldo + n;
+    if (OP == CONV_FORWARD) {
+        v0 += __bfloat162float(p.bias[n]);
+        if (both) v1 += __bfloat162float(p.bias[n + 1]);
+        if (p.residual) {
+            const floatX *r = p.residual + (int64_t)row * p.ldr + n;
+            v0 += __bfloat162float(r[0]);
+            if (both) v1 += __bfloat162float(r[1]);
+        }
+    } else if (p.add_out) {
+        v0 += __bfloat162float(o[0]);
+        if (both) v1 += __bfloat162float(o[1]);
+    }
+    return __floats2bfloat162_rn(v0, both ? v1 : 0.0f);
+}
+
 // Store: the block's accumulators, two adjacent columns at a time. (This is where bias, embedding
 // and residual adds happen as the output is written; the halo kernel has a store of its own, which an
 // add fused here needs too.) PARTIAL: fp32 partial sums of a slice of k instead (the weight gradient, a
@@ -948,19 +969,7 @@ __device__ __forceinline__ float2 conv_store_pair(const ConvGemm &p, int m, int 
         return make_float2(0.0f, 0.0f);
     }
     floatX *o = p.out + (int64_t)row * p.ldo + n;
-    if (OP == CONV_FORWARD) {
-        v0 += __bfloat162float(p.bias[n]);
-        if (both) v1 += __bfloat162float(p.bias[n + 1]);
-        if (p.residual) {
-            const floatX *r = p.residual + (int64_t)row * p.ldr + n;
-            v0 += __bfloat162float(r[0]);
-            if (both) v1 += __bfloat162float(r[1]);
-        }
-    } else if (p.add_out) {
-        v0 += __bfloat162float(o[0]);
-        if (both) v1 += __bfloat162float(o[1]);
-    }
-    __nv_bfloat162 stored = __floats2bfloat162_rn(v0, both ? v1 : 0.0f);
+    __nv_bfloat162 stored = conv_output_pair<OP>(p, row, n, v0, v1, both);
     if (pair) *(__nv_bfloat162 *)o = stored;
     else {
         o[0] = stored.x;
@@ -1343,9 +1352,12 @@ __device__ __forceinline__ void conv_wgmma_k_step(float (&acc)[ConvWgmmaTile<BM,
     asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
 }
 
-// The wgmma kernels' store of a BM x BN tile at (m0, n0), through conv_store_pair. Accumulator j of 4
-// (per 8 columns): rows lane / 4 and + 8 of the warp's 16, columns 2 (lane % 4) + 0, 1. A forward
-// with sums (BM = 128: the 8 warps hold all BN columns) gathers them per slot of p.sum_rows rows.
+// The wgmma kernels' store of a BM x BN tile at (m0, n0). Accumulator j of 4 (per 8 columns): rows
+// lane / 4 and + 8 of the warp's 16, columns 2 (lane % 4) + 0, 1. Where out takes 16-byte stores
+// (p.vec_store), 32 columns inside the product at a time go out transposed within each quad
+// (conv_quad_transpose: a lane's 8 consecutive columns of its row); else, and for fp32 partial sums,
+// pair by pair through conv_store_pair. A forward with sums (BM = 128: the 8 warps hold all BN
+// columns) gathers them per slot of p.sum_rows rows.
 template <int OP, int BM, int BN, bool PARITY, bool PARTIAL>
 __device__ __forceinline__ void conv_wgmma_store(const ConvGemm &p, const float (&acc)[ConvWgmmaTile<BM, BN>::WN / 2], int m0,
                                                  int n0) {
@@ -1360,13 +1372,42 @@ __device__ __forceinline__ void conv_wgmma_store(const ConvGemm &p, const float 
     for (int j0 = 0; j0 < WN / 8; j0 += 8) {
         float v[32];  // the sums (conv_warp_sums_8)
 #pragma unroll
-        for (int j = j0; j < j0 + 8 && j < WN / 8; j++) {
-            int n = n0 + group.col + j * 8 + (lane % 4) * 2;
-            float2 a = conv_store_pair<OP, PARTIAL>(p, m, row0, n, acc[4 * j], acc[4 * j + 1]);
-            float2 b = conv_store_pair<OP, PARTIAL>(p, m + 8, row8, n, acc[4 * j + 2], acc[4 * j + 3]);
-            if constexpr (SUMS) {
-                float *w = v + 4 * (j - j0);
-                w[0] = a.x + b.x, w[1] = a.y + b.y, w[2] = a.x * a.x + b.x * b.x, w[3] = a.y * a.y + b.y * b.y;
+        for (int jq = j0; jq < j0 + 8 && jq < WN / 8; jq += 4) {  // columns nq .. nq + 31
+            const int nq = n0 + group.col + jq * 8;
+            if (!PARTIAL && WN % 32 == 0 && p.vec_store && nq + 32 <= p.Ng) {
+                uint32_t words[2][4];  // rows m, m + 8: columns nq + 8 j + 2 (lane % 4) + 0, 1, then nq + 8 (lane % 4) ..
+#pragma unroll
+                for (int j = jq; j < jq + 4; j++) {
+                    int n = nq + (j - jq) * 8 + (lane % 4) * 2;
+                    __nv_bfloat162 a = m < p.M ? conv_output_pair<OP>(p, row0, n, acc[4 * j], acc[4 * j + 1], true) : __nv_bfloat162();
+                    __nv_bfloat162 b = m + 8 < p.M ? conv_output_pair<OP>(p, row8, n, acc[4 * j + 2], acc[4 * j + 3], true)
+                                                   : __nv_bfloat162();
+                    words[0][j - jq] = *(const uint32_t *)&a, words[1][j - jq] = *(const uint32_t *)&b;
+                    if constexpr (SUMS) {
+                        float2 fa = m < p.M ? __bfloat1622float2(a) : make_float2(0.0f, 0.0f);
+                        float2 fb = m + 8 < p.M ? __bfloat1622float2(b) : make_float2(0.0f, 0.0f);
+                        float *w = v + 4 * (j - j0);
+                        w[0] = fa.x + fb.x, w[1] = fa.y + fb.y, w[2] = fa.x * fa.x + fb.x * fb.x, w[3] = fa.y * fa.y + fb.y * fb.y;
+                    }
+                }
+                conv_quad_transpose(words[0]), conv_quad_transpose(words[1]);
+                if (m < p.M)
+                    *(uint4 *)(p.out + (int64_t)row0 * p.ldo + nq + 8 * (lane % 4)) =
+                        make_uint4(words[0][0], words[0][1], words[0][2], words[0][3]);
+                if (m + 8 < p.M)
+                    *(uint4 *)(p.out + (int64_t)row8 * p.ldo + nq + 8 * (lane % 4)) =
+                        make_uint4(words[1][0], words[1][1], words[1][2], words[1][3]);
+                continue;
+            }
+#pragma unroll
+            for (int j = jq; j < jq + 4 && j < WN / 8; j++) {
+                int n = n0 + group.col + j * 8 + (lane % 4) * 2;
+                float2 a = conv_store_pair<OP, PARTIAL>(p, m, row0, n, acc[4 * j], acc[4 * j + 1]);
+                float2 b = conv_store_pair<OP, PARTIAL>(p, m + 8, row8, n, acc[4 * j + 2], acc[4 * j + 3]);
+                if constexpr (SUMS) {
+                    float *w = v + 4 * (j - j0);
+                    w[0] = a.x + b.x, w[1] = a.y + b.y, w[2] = a.x * a.x + b.x * b.x, w[3] = a.y * a.y + b.y * b.y;
+                }
             }
         }
         if constexpr (SUMS)
@@ -2021,7 +2062,7 @@ static int conv_launch_halo(const ConvGemm &p) {
 template <int OP>
 static bool conv_try_halo(const ConvGemm &p, bool vec_a, bool vec_b, int *sum_slots) {
     if (!gpu.sm90a || !vec_a || !vec_b || p.stride != 1 || p.W % 64 != 0 || p.C_in % 64 != 0 || p.C_out % 64 != 0 ||
-        !p.pair_store || p.ldo % 8 != 0 || !conv_aligned16(p.out) ||  // (pixels stored in 16-byte pieces)
+        !p.pair_store || !p.vec_store ||  // (pixels stored in 16-byte pieces)
         (p.bias && ((uintptr_t)p.bias & 3) != 0))                       // (the input gradient has no bias)
         return false;
     if constexpr (OP == CONV_FORWARD)
@@ -2309,6 +2350,7 @@ static int conv3x3_forward(floatX *y, int ldy, const floatX *x, int ldx, const f
     ConvGemm p = conv_gemm(CONV_FORWARD, N, H, W, C_in, C_out, stride);
     p.x = x, p.ldx = ldx, p.w = w, p.bias = bias, p.residual = residual, p.ldr = ldr, p.out = y, p.ldo = ldy;
     p.pair_store = ldy % 2 == 0 && ((uintptr_t)y & 3) == 0 && (!residual || (ldr % 2 == 0 && ((uintptr_t)residual & 3) == 0));
+    p.vec_store = p.pair_store && ldy % 8 == 0 && conv_aligned16(y);
     p.sums = sums, p.sums_numel = sums_numel;
     bool vec = C_in % 8 == 0 && ldx % 8 == 0 && conv_aligned16(x) && conv_aligned16(w);
     int sum_slots = 0;  // (the mma.sync kernels gather none)
@@ -2335,6 +2377,7 @@ static void conv3x3_backward_input(floatX *dx, int lddx, GradMode mode, const fl
     if (stride == 2) conv_parity_order(&p);  // read by the wgmma kernel only
     p.dy = dy, p.lddy = lddy, p.w = w, p.out = dx, p.ldo = lddx, p.add_out = mode == GRAD_ADD;
     p.pair_store = lddx % 2 == 0 && ((uintptr_t)dx & 3) == 0;
+    p.vec_store = lddx % 8 == 0 && conv_aligned16(dx);
     bool vec_a = C_out % 8 == 0 && lddy % 8 == 0 && conv_aligned16(dy), vec_b = C_in % 8 == 0 && conv_aligned16(w);
     int no_sums;
     if (!conv_try_halo<CONV_INPUT_GRAD>(p, vec_a, vec_b, &no_sums) &&
