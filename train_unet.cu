@@ -2353,7 +2353,7 @@ static int conv3x3_forward(floatX *y, int ldy, const floatX *x, int ldx, const f
     p.vec_store = p.pair_store && ldy % 8 == 0 && conv_aligned16(y);
     p.sums = sums, p.sums_numel = sums_numel;
     bool vec = C_in % 8 == 0 && ldx % 8 == 0 && conv_aligned16(x) && conv_aligned16(w);
-    int sum_slots = 0;  // (the mma.sync kernels gather none)
+    int sum_slots = 0;  // (the output head's and the mma.sync kernels gather none)
     if (!conv_try_image(p, &sum_slots) && !conv_try_narrow(p, vec) &&
         !conv_try_halo<CONV_FORWARD>(p, vec, vec, &sum_slots) &&
         !conv_try_wgmma<CONV_FORWARD>(p, vec, vec, split, split_floats, &sum_slots))
@@ -2411,7 +2411,7 @@ static void conv3x3_backward_weight(float *dw, float *scratch, const floatX *dy,
 // y = conv(x) + b (+ residual, a tensor shaped like y, when given; it may be y itself). sums (not
 // NULL): also gather y's channel sums there (sums_numel doubles at most) for the GroupNorm that reads
 // y (group_norm_forward's GatheredSums); returns their slots a sample, or 0 where the kernel that ran
-// gathers none (1x1 products, the FP32 build, small or split 3x3 products).
+// gathers none (1x1 products, the FP32 build, the output head's, small or split 3x3 products).
 static int conv_forward_gathering(const Conv *cv, floatX *y, const floatX *x, int N, int H, int W, const floatX *residual,
                                   double *sums, int64_t sums_numel) {
     if (cv->k == 3)
