@@ -563,8 +563,6 @@ __device__ __forceinline__ void conv_cp_async_wait() { asm volatile("cp.async.wa
 
 static int conv_out_size(int size, int k, int stride) { return (size + 2 * (k / 2) - k) / stride + 1; }
 
-static bool conv_aligned16(const void *p) { return ((uintptr_t)p & 15) == 0; }
-
 // The weight gradient's tile, BM x BN over (C_out, 9 C_in), two blocks of it on each multiprocessor
 // at once (CONV_PLAN_BLOCKS_PER_SM), and its slices of the pixel sum. The slices are planned for a
 // GPU of CONV_PLAN_SMS multiprocessors (an H100's or H200's 132; a constant, so that the plan needs
@@ -760,6 +758,8 @@ static void conv3x3_backward_weight(float *dw, float *scratch, const floatX *dy,
 
 #define CONV_PAD 8        // elements added to each shared-memory line: ldmatrix reads 8 lines without bank conflicts
 #define CONV_THREADS 256  // 8 warps
+
+static bool conv_aligned16(const void *p) { return ((uintptr_t)p & 15) == 0; }
 
 // n / d for 0 <= n < 2^31 as a multiply-high and a shift (d >= 1).
 typedef struct {
