@@ -2088,7 +2088,7 @@ static bool conv_try_halo(const ConvGemm &p, bool vec_a, bool vec_b, int *sum_sl
 // patch is an offset worked out once. The weights stay in shared memory as [C_out][k], rows padded to
 // CONV_IMAGE_LDW (conflict-free fragment loads). A row block's 16 pixels x 64 channels go out through
 // a staging area of the warp's, as whole 128-byte pixels in 16-byte stores: the fragments' own 4-byte
-// stores, 8 pixels apart, cost ~3x (dev/NOTES.md, 2026-11-25 j). Where p.sums is set, the tile's
+// stores, 8 pixels apart, cost ~2x (dev/NOTES.md, 2026-11-25 j). Where p.sums is set, the tile's
 // channel sums are gathered from the stored values as the other kernels gather them
 // (conv_warp_sums_8); a slot per 4 x 64 tile of an image.
 #define CONV_IMAGE_CHANNELS 3
