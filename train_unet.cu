@@ -1379,7 +1379,8 @@ __device__ __forceinline__ void conv_wgmma_store(const ConvGemm &p, const float 
 #pragma unroll
                 for (int j = jq; j < jq + 4; j++) {
                     int n = nq + (j - jq) * 8 + (lane % 4) * 2;
-                    __nv_bfloat162 a = m < p.M ? conv_output_pair<OP>(p, row0, n, acc[4 * j], acc[4 * j + 1], true) : __nv_bfloat162();
+                    __nv_bfloat162 a = m < p.M ? conv_output_pair<OP>(p, row0, n, acc[4 * j], acc[4 * j + 1], true)
+                                               : __nv_bfloat162();
                     __nv_bfloat162 b = m + 8 < p.M ? conv_output_pair<OP>(p, row8, n, acc[4 * j + 2], acc[4 * j + 3], true)
                                                    : __nv_bfloat162();
                     words[0][j - jq] = *(const uint32_t *)&a, words[1][j - jq] = *(const uint32_t *)&b;
@@ -1957,6 +1958,7 @@ __global__ void __launch_bounds__(CONV_THREADS, (ConvHaloTile<ROWS, BN>::BLOCKS_
                 for (int half = 0; half < 2; half++) {  // pixels lane / 4, and 8 further
                     int64_t pixel = (int64_t)(it.n * p.H + h) * p.W + column + 8 * half;
                     floatX *out = p.out + pixel * p.ldo + it.n0 + 64 * jb;  // the pixel's 64 channels
+                    // what is added: the residual's pixel, or out's own (an input gradient added to dx)
                     const __nv_bfloat162 *add =
                         (const __nv_bfloat162 *)((OP == CONV_FORWARD && add_out ? p.residual + pixel * p.ldr : out - it.n0 - 64 * jb) + co) +
                         32 * jb;
@@ -2062,8 +2064,8 @@ static int conv_launch_halo(const ConvGemm &p) {
 template <int OP>
 static bool conv_try_halo(const ConvGemm &p, bool vec_a, bool vec_b, int *sum_slots) {
     if (!gpu.sm90a || !vec_a || !vec_b || p.stride != 1 || p.W % 64 != 0 || p.C_in % 64 != 0 || p.C_out % 64 != 0 ||
-        !p.pair_store || !p.vec_store ||  // (pixels stored in 16-byte pieces)
-        (p.bias && ((uintptr_t)p.bias & 3) != 0))                       // (the input gradient has no bias)
+        !p.pair_store || !p.vec_store ||             // (a pixel's channels stored 16 bytes at a time)
+        (p.bias && ((uintptr_t)p.bias & 3) != 0))  // (the input gradient has no bias)
         return false;
     if constexpr (OP == CONV_FORWARD)
         if (p.Ng % 192 == 0) {
@@ -2074,7 +2076,6 @@ static bool conv_try_halo(const ConvGemm &p, bool vec_a, bool vec_b, int *sum_sl
     else *sum_slots = conv_launch_halo<OP, 8, 64>(p);
     return true;
 }
-
 
 // The model's input convolution (input_blocks.0: 3 image channels in, too few for the other kernels'
 // 16-byte loads; their scalar path took 214 us of a sampling step at batch 256) as a product of its
