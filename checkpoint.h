@@ -343,17 +343,23 @@ static inline int safetensors_parse(const uint8_t *bytes, uint64_t size, SafeTen
 }
 
 // Maps a safetensors file and parses it. Returns 0, or -1 with a message naming the file.
-static inline int safetensors_open(const char *path, SafeTensorsFile *f, char *err, size_t err_len) {
+// Maps and parses file `path` of folder `dir` (a handle, or AT_FDCWD); `shown` names it in messages.
+// Returns 0, or -1 with a message.
+static inline int safetensors_open_at(int dir, const char *path, const char *shown, SafeTensorsFile *f, char *err, size_t err_len) {
     memset(f, 0, sizeof *f);
     MappedFile m;
-    if (map_regular_file(path, "safetensors file", &m, err, err_len) != 0) return -1;
+    if (map_regular_file_at(dir, path, shown, "safetensors file", &m, err, err_len) != 0) return -1;
     char why[400];
     if (safetensors_parse(m.bytes, m.size, f, why, sizeof why) != 0) {
         unmap_file(&m);
-        return dataset_fail(err, err_len, "%s: %s", path, why);
+        return dataset_fail(err, err_len, "%s: %s", shown, why);
     }
     f->file = m;
     return 0;
+}
+
+static inline int safetensors_open(const char *path, SafeTensorsFile *f, char *err, size_t err_len) {
+    return safetensors_open_at(AT_FDCWD, path, path, f, err, err_len);
 }
 
 static inline const SafeTensor *safetensors_find(const SafeTensorsFile *f, const char *name) {

@@ -77,25 +77,31 @@ typedef struct {
     uint64_t size;
 } MappedFile;
 
-// Maps a file that must be a regular file (`what` names it in messages). O_NONBLOCK: opening a
-// FIFO or a device returns at once, to be refused, instead of waiting for a writer; it changes
-// nothing for a regular file. Returns 0, or -1 with a message.
-static inline int map_regular_file(const char *path, const char *what, MappedFile *m, char *err, size_t err_len) {
+// Maps file `path` of folder `dir` (a handle, or AT_FDCWD), which must be a regular file; `what`
+// and `shown` name it in messages. O_NONBLOCK: opening a FIFO or a device returns at once, to be
+// refused, instead of waiting for a writer; it changes nothing for a regular file. The mapping
+// stays whole when the file is renamed or deleted. Returns 0, or -1 with a message.
+static inline int map_regular_file_at(int dir, const char *path, const char *shown, const char *what, MappedFile *m, char *err,
+                                      size_t err_len) {
     memset(m, 0, sizeof *m);
-    int fd = open(path, O_RDONLY | O_NONBLOCK | O_CLOEXEC);
-    if (fd < 0) return dataset_fail(err, err_len, "cannot open %s %s: %s", what, path, strerror(errno));
+    int fd = openat(dir, path, O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+    if (fd < 0) return dataset_fail(err, err_len, "cannot open %s %s: %s", what, shown, strerror(errno));
     struct stat st;
     if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
         close(fd);
-        return dataset_fail(err, err_len, "%s %s is not a regular file", what, path);
+        return dataset_fail(err, err_len, "%s %s is not a regular file", what, shown);
     }
     uint64_t size = (uint64_t)st.st_size;
     void *map = size ? mmap(NULL, size, PROT_READ, MAP_PRIVATE, fd, 0) : NULL;
     int map_errno = errno;
     close(fd);
-    if (map == MAP_FAILED) return dataset_fail(err, err_len, "cannot map %s %s: %s", what, path, strerror(map_errno));
+    if (map == MAP_FAILED) return dataset_fail(err, err_len, "cannot map %s %s: %s", what, shown, strerror(map_errno));
     m->bytes = (const uint8_t *)map, m->size = size;
     return 0;
+}
+
+static inline int map_regular_file(const char *path, const char *what, MappedFile *m, char *err, size_t err_len) {
+    return map_regular_file_at(AT_FDCWD, path, path, what, m, err, err_len);
 }
 
 static inline void unmap_file(MappedFile *m) {
@@ -254,11 +260,14 @@ static inline void dataset_close(Dataset *ds) {
     memset(ds, 0, sizeof *ds);
 }
 
-// The name of class k (k < num_classes).
-static inline const char *dataset_class_name(const Dataset *ds, uint32_t k) {
+// The class names of a labelled dataset, in label order: a malloc'd array of num_classes pointers
+// into the name table, made in one pass over it (so a name is found in O(1) per image, whatever
+// the class count). NULL when out of memory.
+static inline const char **dataset_class_names(const Dataset *ds) {
+    const char **names = (const char **)malloc(ds->header.num_classes * sizeof *names);
     const char *name = ds->class_names;
-    for (uint32_t i = 0; i < k; i++) name += strlen(name) + 1;
-    return name;
+    for (uint32_t k = 0; names && k < ds->header.num_classes; k++) names[k] = name, name += strlen(name) + 1;
+    return names;
 }
 
 #endif  // DATASET_H

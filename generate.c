@@ -9,6 +9,7 @@
 // then round differently in the last bits). Without --batch, the batch is the largest that fits
 // in the GPU's free memory (at most --num), and a terminal shows a progress bar.
 #include <errno.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -151,13 +152,17 @@ static int compare_doubles(const void *a, const void *b) {
 
 int main(int argc, char **argv) {
     unet_set_program_name("generate");
+    signal(SIGXFSZ, SIG_IGN);  // a write past the file-size limit fails (EFBIG, "File too large") and is said
     Options o = parse_options(argc, argv);
-    char file[4096], err[1024];
+    char err[1024];
     UnetInfo info;
-    if (unet_inspect(o.checkpoint, o.weights, &info, file, sizeof file, err, sizeof err) != 0) unet_die("%s", err);
+    UnetCheckpoint *checkpoint = unet_checkpoint_open(o.checkpoint, o.weights, &info, err, sizeof err);
+    if (!checkpoint) unet_die("%s", err);
+    const char *file = info.file;
     if (o.eval) {
-        if (unet_eval(file, o.eval, o.output, err, sizeof err) != 0) unet_die("%s", err);
+        if (unet_eval(checkpoint, o.eval, o.output, err, sizeof err) != 0) unet_die("%s", err);
         printf("generate: wrote %s\n", o.output);
+        unet_checkpoint_close(checkpoint);
         return 0;
     }
     int classes = info.num_classes - info.null_class, fixed_class = -1;
@@ -183,10 +188,10 @@ int main(int argc, char **argv) {
     if (sample_plan_make(&plan, &schedule, kind, count, (float)o.eta, strcmp(info.predict, "v") == 0, 1) != 0)
         unet_die("--steps %d: no even spacing of the %d diffusion steps gives that many", count, info.diffusion_steps);
     if (!o.batch) {
-        o.batch = unet_sampler_max_batch(file, &plan, (float)o.guidance, o.num, err, sizeof err);
+        o.batch = unet_sampler_max_batch(checkpoint, &plan, (float)o.guidance, o.num, err, sizeof err);
         if (!o.batch) unet_die("%s", err);
     }
-    UnetSampler *sampler = unet_sampler_create(file, o.batch, &plan, (float)o.guidance, (uint64_t)o.seed, err, sizeof err);
+    UnetSampler *sampler = unet_sampler_create(checkpoint, o.batch, &plan, (float)o.guidance, (uint64_t)o.seed, err, sizeof err);
     if (!sampler) unet_die("%s", err);
     // The output folder only once the model is on the GPU: a run that cannot sample leaves none.
     if (!o.bench && mkdir(o.out, 0777) != 0 && errno != EEXIST) unet_die("cannot create %s: %s", o.out, strerror(errno));
@@ -215,6 +220,7 @@ int main(int argc, char **argv) {
     }
     if (progress.shown) fputc('\n', stderr);
     unet_sampler_free(sampler);
+    unet_checkpoint_close(checkpoint);
     if (o.bench) {
         qsort(seconds + 1, o.bench, sizeof(double), compare_doubles);
         double median = seconds[1 + o.bench / 2];

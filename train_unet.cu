@@ -23,6 +23,7 @@
 #include <dirent.h>
 #include <errno.h>
 #include <inttypes.h>
+#include <limits.h>
 #include <math.h>
 #include <signal.h>
 #include <stdarg.h>
@@ -32,6 +33,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <strings.h>
+#include <sys/file.h>
 #include <sys/prctl.h>
 #include <sys/wait.h>
 #include <time.h>
@@ -5937,6 +5939,7 @@ typedef struct {
 
 typedef struct {
     Dataset data;
+    const char *path;
     int batch_size;          // images per batch of this rank
     int rank, world;         // this rank's batch among the step's world batches
     int random_flip;
@@ -5970,12 +5973,55 @@ static int loader_seek(DataLoader *loader, LoaderPosition position, char *err, s
     return 0;
 }
 
-// Opens and checks a dataset and allocates the batch buffers. Returns 0, or -1 with a message.
-static int loader_open(DataLoader *loader, const char *path, int batch_size, int rank, int world, int random_flip,
-                       uint64_t seed, int pinned, char *err, size_t err_len) {
+// A dataset file truncated while it is mapped raises SIGBUS at the first read of a lost page. The
+// handler ends the process with one line instead of a crash; the last checkpoint stays intact (every
+// checkpoint is written whole, then renamed). A fault anywhere else gets the default action. It
+// watches the dataset the last loader_open mapped.
+static struct {
+    const uint8_t *begin, *end;
+    char message[600];
+    size_t length;
+} watched_dataset;
+
+static void on_dataset_fault(int sig, siginfo_t *info, void *) {
+    const uint8_t *at = (const uint8_t *)info->si_addr;
+    if (at >= watched_dataset.begin && at < watched_dataset.end) {
+        if (write(STDERR_FILENO, watched_dataset.message, watched_dataset.length) < 0) _exit(1);
+        _exit(1);
+    }
+    signal(sig, SIG_DFL);  // the fault comes again on return, with the default action
+}
+
+static void watch_dataset(const Dataset *data, const char *path) {
+    watched_dataset.begin = data->map, watched_dataset.end = data->map + data->layout.file_bytes;
+    int n = snprintf(watched_dataset.message, sizeof watched_dataset.message, "%s: error: dataset %.400s changed while training "
+                     "(it was cut short); the last checkpoint is intact\n", program_name, path);
+    watched_dataset.length = n < (int)sizeof watched_dataset.message ? n : sizeof watched_dataset.message - 1;
+    struct sigaction sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_sigaction = on_dataset_fault;
+    sa.sa_flags = SA_SIGINFO;
+    sigaction(SIGBUS, &sa, NULL);
+}
+
+// Opens and checks a dataset, watches its mapping (watch_dataset) and allocates the batch buffers.
+// `checked` is the header the caller checked the file against the run's options with (NULL: none):
+// the file opened here must have the same, or it was replaced in between. Returns 0, or -1 with a
+// message.
+static int loader_open(DataLoader *loader, const char *path, const DatasetHeader *checked, int batch_size, int rank, int world,
+                       int random_flip, uint64_t seed, int pinned, char *err, size_t err_len) {
     memset(loader, 0, sizeof *loader);
     if (dataset_open(path, &loader->data, err, err_len) != 0) return -1;
     const DatasetHeader *h = &loader->data.header;  // count <= DATASET_MAX_COUNT: the order's 32-bit indices hold it
+    if (checked && memcmp(checked, h, sizeof *h) != 0) {
+        dataset_fail(err, err_len, "dataset %s changed since it was checked (%" PRIu64 " images of %ux%u, %u classes, now %" PRIu64
+                     " of %ux%u, %u classes): start again", path, checked->count, checked->width, checked->height,
+                     checked->num_classes, h->count, h->width, h->height, h->num_classes);
+        dataset_close(&loader->data);
+        return -1;
+    }
+    watch_dataset(&loader->data, path);
+    loader->path = path;
     loader->batch_size = batch_size;
     loader->rank = rank, loader->world = world;
     loader->random_flip = random_flip;
@@ -6004,6 +6050,7 @@ static void loader_close(DataLoader *loader) {
         free(loader->batch_labels);
     }
     free(loader->order);
+    if (watched_dataset.begin == loader->data.map) watched_dataset.begin = watched_dataset.end = NULL;
     dataset_close(&loader->data);
     memset(loader, 0, sizeof *loader);
 }
@@ -6034,7 +6081,11 @@ static void loader_next_batch(DataLoader *loader) {
                     memcpy(dst + y * row_bytes + x * h->channels, src + y * row_bytes + (h->width - 1 - x) * h->channels,
                            h->channels);
         }
-        loader->batch_labels[b] = loader->data.labels ? loader->data.labels[image] : -1;
+        int32_t label = loader->data.labels ? loader->data.labels[image] : -1;
+        if (loader->data.labels && (label < 0 || (uint32_t)label >= h->num_classes))  // checked at open: rewritten since
+            fatal("dataset %s changed while training: image %u has label %d, outside 0..%u", loader->path, image, label,
+                  h->num_classes - 1);
+        loader->batch_labels[b] = label;
     }
 }
 
@@ -6097,6 +6148,18 @@ static const char *float_text(float v, char *buf, size_t len) {
 }
 
 // Format 2 adds the training configuration (the keys after "predict") for resume to compare.
+// A whole number written as decimal digits and nothing else (a step, a format version); -1 for
+// anything else.
+static int64_t whole_number(const char *p) {
+    int64_t n = 0;
+    if (!*p) return -1;
+    for (; *p; p++) {
+        if (*p < '0' || *p > '9' || n > (INT64_MAX - 9) / 10) return -1;
+        n = 10 * n + (*p - '0');
+    }
+    return n;
+}
+
 #define CHECKPOINT_FORMAT_VERSION 2
 
 static Metadata checkpoint_metadata(const Options *o, const ModelConfig *c, int64_t step) {
@@ -6169,20 +6232,46 @@ static void append_difference(char *list, size_t len, const char *key, const cha
 }
 
 // Compares this run's configuration (its metadata `now`) with the one a checkpoint was trained
-// with. Differences that resume may not make refuse, each named; the others are listed in changes.
-// Keys the checkpoint does not hold (an older format) are not compared. Returns 0, or -1.
+// with. A key the checkpoint does not hold was not recorded by the older format that wrote it: it
+// stands for the value that format meant, this trainer's default (so a checkpoint without its
+// dropout or attention keys resumes only with the default values). Differences that resume may not
+// make refuse, each named; the others are listed in changes. Returns 0, or -1.
 static int compare_with_checkpoint(const SafeTensorsFile *f, const char *path, const Metadata *now, int gpus, char *changes,
                                    size_t changes_len, char *err, size_t err_len) {
-    char refused[768] = "";
+    Options default_options = preset_seed();
+    ModelConfig default_config;
+    char refused[768] = "", why[256], unrecorded[160];
+    if (model_config_from_options(&default_options, 0, &default_config, why, sizeof why) != 0) fatal("the default model: %s", why);
+    Metadata defaults = checkpoint_metadata(&default_options, &default_config, 0);  // the same keys, in the same order
     changes[0] = '\0';
     for (int i = 0; i < now->count; i++) {
         const char *key = now->entries[i].key, *then = safetensors_metadata(f, key);
-        if (!then || strcmp(then, now->entries[i].value) == 0 || strcmp(key, "step") == 0 || strncmp(key, "format", 6) == 0) continue;
+        if (strcmp(key, "step") == 0 || strncmp(key, "format", 6) == 0) continue;
+        if (!then) {
+            snprintf(unrecorded, sizeof unrecorded, "not recorded, which means %s", defaults.entries[i].value);
+            if (strcmp(now->entries[i].value, defaults.entries[i].value) == 0) continue;
+            then = unrecorded;
+        }
+        if (strcmp(then, now->entries[i].value) == 0) continue;
         if (resume_may_change(key)) append_difference(changes, changes_len, key, now->entries[i].value, then, gpus);
         else append_difference(refused, sizeof refused, key, now->entries[i].value, then, gpus);
     }
+    metadata_free(&defaults);
     if (refused[0])
         return dataset_fail(err, err_len, "%s was trained with another configuration: %s; resume with the checkpoint's values", path, refused);
+    return 0;
+}
+
+// The checkpoint format versions this trainer reads: 1 (no optimiser keys, no null_class) to
+// CHECKPOINT_FORMAT_VERSION. A file without format_version, or of a newer or unknown version, is
+// refused: its keys may mean what this trainer does not know. Returns 0, or -1 with a message.
+static int check_format_version(const SafeTensorsFile *f, const char *path, char *err, size_t err_len) {
+    const char *version = safetensors_metadata(f, "format_version");
+    int64_t v = version ? whole_number(version) : -1;
+    if (!version) return dataset_fail(err, err_len, "%s records no format_version: not a checkpoint this trainer can resume", path);
+    if (v < 1 || v > CHECKPOINT_FORMAT_VERSION)
+        return dataset_fail(err, err_len, "%s is of checkpoint format_version '%s'; this trainer reads versions 1 to %d (a newer "
+                            "trainer wrote it?)", path, version, CHECKPOINT_FORMAT_VERSION);
     return 0;
 }
 
@@ -6254,95 +6343,159 @@ static void checkpoint_stage(const char *stage) {
     if (checkpoint_stage_hook) checkpoint_stage_hook(stage);
 }
 
-// Deletes a folder that no valid checkpoint name points at, and the files in it.
-static void delete_folder(const char *dir) {
-    DIR *d = opendir(dir);
-    if (!d) return;
+// Run folders are changed only through handles that no symlink can redirect: the run folder and
+// its checkpoints/ are opened with O_NOFOLLOW | O_DIRECTORY, and what is in them is renamed or
+// deleted relative to those handles (renameat, unlinkat), never by a path. A symlink found there is
+// removed as a link or left alone, never followed into another run's files.
+
+// Opens folder `name` of `parent` (a handle, or AT_FDCWD) without following a symlink at its last
+// component. Returns the handle, or -1 with errno set (ELOOP or ENOTDIR when `name` is a link).
+static int open_folder(int parent, const char *name) {
+    return openat(parent, name, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+}
+
+// A listing of an open folder, through a handle of its own (closedir leaves `folder` open).
+static DIR *list_folder(int folder) {
+    int fd = openat(folder, ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    DIR *d = fd >= 0 ? fdopendir(fd) : NULL;
+    if (!d && fd >= 0) close(fd);
+    return d;
+}
+
+// RUN/checkpoints, opened as open_folder does both parts: the handle, or -1 with errno set.
+static int open_checkpoints(const char *run_dir) {
+    int run = open_folder(AT_FDCWD, run_dir);
+    if (run < 0) return -1;
+    int fd = open_folder(run, "checkpoints"), e = errno;
+    close(run);
+    errno = e;
+    return fd;
+}
+
+// Deletes folder `name` of `parent` and the files in it. A symlink, in it or as `name` itself, is
+// removed as a link.
+static void delete_folder(int parent, const char *name) {
+    int fd = open_folder(parent, name);
+    if (fd < 0) {
+        if (errno == ELOOP || errno == ENOTDIR) unlinkat(parent, name, 0);
+        return;
+    }
+    DIR *d = fdopendir(fd);
+    if (!d) {
+        close(fd);
+        return;
+    }
     struct dirent *e;
-    char path[4400];
     while ((e = readdir(d))) {
-        if (e->d_name[0] == '.') continue;
-        snprintf(path, sizeof path, "%s/%s", dir, e->d_name);
-        unlink(path);
+        if (strcmp(e->d_name, ".") == 0 || strcmp(e->d_name, "..") == 0) continue;
+        unlinkat(fd, e->d_name, 0);
         checkpoint_stage("deleting");
     }
     closedir(d);
-    rmdir(dir);
+    unlinkat(parent, name, AT_REMOVEDIR);
 }
 
-// Removes a complete checkpoint step_N: first renamed to step_N.del.PID (synced), so that a crash
-// while its files are deleted never leaves a half checkpoint under a valid name.
-static void remove_checkpoint(const char *checkpoints_dir, const char *name) {
-    char from[4400], to[4500];
-    snprintf(from, sizeof from, "%.4000s/%.255s", checkpoints_dir, name);
-    snprintf(to, sizeof to, "%s.del.%d", from, (int)getpid());
-    if (rename(from, to) != 0) return;
-    fsync_path(checkpoints_dir);
+// Removes complete checkpoint `name` of the checkpoints folder: first renamed to NAME.del.PID
+// (synced), so that a crash while its files are deleted never leaves a half checkpoint under a
+// valid name.
+static void remove_checkpoint(int checkpoints, const char *name) {
+    char doomed[300];
+    snprintf(doomed, sizeof doomed, "%.255s.del.%d", name, (int)getpid());
+    if (renameat(checkpoints, name, checkpoints, doomed) != 0) return;
+    fsync(checkpoints);
     checkpoint_stage("renamed for deletion");
-    delete_folder(to);
+    delete_folder(checkpoints, doomed);
 }
 
-// A step written as decimal digits and nothing else; -1 for anything else.
-static int64_t step_from_digits(const char *p) {
-    int64_t step = 0;
-    if (!*p) return -1;
-    for (; *p; p++) {
-        if (*p < '0' || *p > '9' || step > (INT64_MAX - 9) / 10) return -1;
-        step = 10 * step + (*p - '0');
+// The step of a complete checkpoint's folder name, exactly as the trainer writes it
+// ("step_000000100", at least 9 digits, no other leading zeros), or -1 for anything else: a save
+// in progress is step_N.tmp.PID, a removal step_N.del.PID, an abandoned branch step_N.abandoned.
+static int64_t checkpoint_step(const char *name) {
+    int64_t step = strncmp(name, "step_", 5) == 0 ? whole_number(name + 5) : -1;
+    char canonical[32];
+    snprintf(canonical, sizeof canonical, "step_%09lld", (long long)step);
+    return step >= 0 && strcmp(name, canonical) == 0 ? step : -1;
+}
+
+// The steps of the complete checkpoints in an open checkpoints folder (folders under a valid name;
+// a symlink is none), in increasing order, into *out (malloc'd); returns their count.
+static int list_checkpoints(int checkpoints, int64_t **out) {
+    int64_t *steps = NULL;
+    int count = 0, capacity = 0;
+    DIR *d = list_folder(checkpoints);
+    struct dirent *e;
+    struct stat st;
+    while (d && (e = readdir(d))) {
+        int64_t step = checkpoint_step(e->d_name);
+        if (step < 0 || fstatat(checkpoints, e->d_name, &st, AT_SYMLINK_NOFOLLOW) != 0 || !S_ISDIR(st.st_mode)) continue;
+        if (count == capacity && !(steps = (int64_t *)realloc(steps, (capacity = 2 * capacity + 64) * sizeof *steps)))
+            fatal("out of host memory");
+        steps[count++] = step;
     }
-    return step;
+    if (d) closedir(d);
+    if (count) qsort(steps, count, sizeof *steps, compare_int64);
+    *out = steps;
+    return count;
 }
-
-// The step of a complete checkpoint folder name ("step_000000100"), or -1 for anything else
-// (a save in progress is step_N.tmp.PID, a removal in progress step_N.del.PID).
-static int64_t checkpoint_step(const char *name) { return strncmp(name, "step_", 5) == 0 ? step_from_digits(name + 5) : -1; }
 
 // The latest complete checkpoint under run_dir/checkpoints into out; 0 if found.
 static int latest_checkpoint(const char *run_dir, char *out, size_t len) {
-    char dir[4096];
-    snprintf(dir, sizeof dir, "%s/checkpoints", run_dir);
-    DIR *d = opendir(dir);
-    if (!d) return -1;
-    int64_t best = -1;
-    struct dirent *e;
-    while ((e = readdir(d))) {
-        int64_t step = checkpoint_step(e->d_name);
-        if (step > best) best = step, snprintf(out, len, "%.3500s/%.255s", dir, e->d_name);
-    }
-    closedir(d);
-    return best >= 0 ? 0 : -1;
+    int checkpoints = open_checkpoints(run_dir);
+    if (checkpoints < 0) return -1;
+    int64_t *steps;
+    int count = list_checkpoints(checkpoints, &steps);
+    if (count) snprintf(out, len, "%.3500s/checkpoints/step_%09lld", run_dir, (long long)steps[count - 1]);
+    free(steps);
+    close(checkpoints);
+    return count ? 0 : -1;
 }
 
 // Keeps the newest `keep` complete checkpoints (0: all) and deletes what crashed saves and
 // removals left behind (step_N.tmp.PID, step_N.del.PID).
 static void prune_checkpoints(const char *run_dir, int keep) {
-    char dir[4096], path[4400];
-    snprintf(dir, sizeof dir, "%s/checkpoints", run_dir);
-    DIR *d = opendir(dir);
-    if (!d) return;
-    int64_t *steps = NULL;
-    int count = 0, capacity = 0;
+    int checkpoints = open_checkpoints(run_dir);
+    if (checkpoints < 0) return;
+    DIR *d = list_folder(checkpoints);
     struct dirent *e;
-    while ((e = readdir(d))) {
-        int64_t step = checkpoint_step(e->d_name);
-        if (step >= 0) {
-            if (count == capacity) steps = (int64_t *)realloc(steps, (capacity = 2 * capacity + 64) * sizeof *steps);
-            if (!steps) fatal("out of host memory");
-            steps[count++] = step;
-        } else if (strncmp(e->d_name, "step_", 5) == 0 && (strstr(e->d_name, ".tmp.") || strstr(e->d_name, ".del."))) {
-            snprintf(path, sizeof path, "%s/%.255s", dir, e->d_name);
-            delete_folder(path);
-        }
-    }
-    closedir(d);
-    if (keep > 0 && count > keep) {
-        qsort(steps, count, sizeof steps[0], compare_int64);
-        for (int i = 0; i < count - keep; i++) {
-            snprintf(path, sizeof path, "step_%09lld", (long long)steps[i]);
-            remove_checkpoint(dir, path);
-        }
+    while (d && (e = readdir(d)))
+        if (strncmp(e->d_name, "step_", 5) == 0 && (strstr(e->d_name, ".tmp.") || strstr(e->d_name, ".del.")))
+            delete_folder(checkpoints, e->d_name);
+    if (d) closedir(d);
+    int64_t *steps;
+    int count = list_checkpoints(checkpoints, &steps);
+    char name[64];
+    for (int i = 0; keep > 0 && i < count - keep; i++) {
+        snprintf(name, sizeof name, "step_%09lld", (long long)steps[i]);
+        remove_checkpoint(checkpoints, name);
     }
     free(steps);
+    close(checkpoints);
+}
+
+// Resuming step `step` of a run abandons the checkpoints it saved after that step: each is renamed
+// step_N.abandoned (.abandoned.2, .3, ... when the name is taken) and said on stdout, so that
+// `latest` and --keep see only the run being continued. Returns how many were set aside.
+static int set_aside_later_checkpoints(const char *run_dir, int64_t step) {
+    int checkpoints = open_checkpoints(run_dir);
+    if (checkpoints < 0) return 0;
+    int64_t *steps;
+    int count = list_checkpoints(checkpoints, &steps), moved = 0;
+    for (int i = 0; i < count; i++) {
+        if (steps[i] <= step) continue;
+        char name[64], aside[96];
+        snprintf(name, sizeof name, "step_%09lld", (long long)steps[i]);
+        for (int k = 1; k < 1000; k++) {
+            snprintf(aside, sizeof aside, k == 1 ? "%s.abandoned" : "%s.abandoned.%d", name, k);
+            if (renameat2(checkpoints, name, checkpoints, aside, RENAME_NOREPLACE) == 0) break;
+            if (errno != EEXIST) fatal("cannot rename %s/checkpoints/%s: %s", run_dir, name, strerror(errno));
+        }
+        printf("resume: set aside %s/checkpoints/%s as %s (a later step of the branch the resume abandons)\n", run_dir, name, aside);
+        moved++;
+    }
+    if (moved) fsync(checkpoints);
+    free(steps);
+    close(checkpoints);
+    return moved;
 }
 
 // Everything a checkpoint holds, on the host: the weights and each EMA in PyTorch layouts, the
@@ -6360,22 +6513,23 @@ typedef struct {
     size_t moments_bytes;
 } CheckpointData;
 
-// Puts a complete folder tmp in place as dir, replacing a checkpoint of the same step atomically
-// (renameat2's RENAME_EXCHANGE swaps the two; the old one, now under the temporary name, is then
-// deleted). On a file system without the exchange, the old one is renamed away first: a crash
-// between the two renames leaves the step missing, and the previous checkpoint the latest.
-static int put_in_place(const char *tmp, const char *dir) {
-    if (rename(tmp, dir) == 0) return 0;
-    if (errno != ENOTEMPTY && errno != EEXIST) return -1;
-    if (renameat2(AT_FDCWD, tmp, AT_FDCWD, dir, RENAME_EXCHANGE) == 0) {
+// Puts complete folder `tmp` of the checkpoints folder in place as `name`, replacing a checkpoint
+// of the same step atomically (renameat2's RENAME_EXCHANGE swaps the two; the old one, now under
+// the temporary name, is then deleted). On a file system without the exchange, the old one is
+// renamed away first: a crash between the two renames leaves the step missing, and the previous
+// checkpoint the latest.
+static int put_in_place(int checkpoints, const char *tmp, const char *name) {
+    if (renameat(checkpoints, tmp, checkpoints, name) == 0) return 0;
+    if (errno != ENOTEMPTY && errno != EEXIST && errno != ENOTDIR) return -1;
+    if (renameat2(checkpoints, tmp, checkpoints, name, RENAME_EXCHANGE) == 0) {
         checkpoint_stage("exchanged");
-        delete_folder(tmp);
+        delete_folder(checkpoints, tmp);
         return 0;
     }
-    char old[4500];
-    snprintf(old, sizeof old, "%s.del.%d", dir, (int)getpid());
-    if (rename(dir, old) != 0 || rename(tmp, dir) != 0) return -1;
-    delete_folder(old);
+    char old[300];
+    snprintf(old, sizeof old, "%.255s.del.%d", name, (int)getpid());
+    if (renameat(checkpoints, name, checkpoints, old) != 0 || renameat(checkpoints, tmp, checkpoints, name) != 0) return -1;
+    delete_folder(checkpoints, old);
     return 0;
 }
 
@@ -6384,13 +6538,23 @@ static int put_in_place(const char *tmp, const char *dir) {
 // `keep`. Returns 0, or -1 with a message (and nothing left behind but the previous checkpoints).
 static int write_checkpoint(const char *run_dir, const CheckpointData *d, int keep, char *saved, size_t saved_len, char *err,
                             size_t err_len) {
-    char checkpoints[4096], dir[4200], tmp[4300], path[4400];
-    snprintf(checkpoints, sizeof checkpoints, "%s/checkpoints", run_dir);
-    if (make_dir_synced(checkpoints) != 0) return dataset_fail(err, err_len, "cannot create %s: %s", checkpoints, strerror(errno));
-    snprintf(dir, sizeof dir, "%s/step_%09lld", checkpoints, (long long)d->step);
-    snprintf(tmp, sizeof tmp, "%s.tmp.%d", dir, (int)getpid());
-    delete_folder(tmp);  // a save of this step by this process that failed before
-    if (mkdir(tmp, 0777) != 0) return dataset_fail(err, err_len, "cannot create %s: %s", tmp, strerror(errno));
+    char folder[4096], name[64], tmp_name[96], tmp[4300], path[4400];
+    snprintf(folder, sizeof folder, "%s/checkpoints", run_dir);
+    if (make_dir_synced(folder) != 0) return dataset_fail(err, err_len, "cannot create %s: %s", folder, strerror(errno));
+    int checkpoints = open_checkpoints(run_dir);
+    if (checkpoints < 0)
+        return dataset_fail(err, err_len, "cannot open %s: %s", folder,
+                            errno == ELOOP || errno == ENOTDIR ? "it (or the run folder) is a symbolic link, which could lead into another run"
+                                                               : strerror(errno));
+    snprintf(name, sizeof name, "step_%09lld", (long long)d->step);
+    snprintf(tmp_name, sizeof tmp_name, "%s.tmp.%d", name, (int)getpid());
+    snprintf(tmp, sizeof tmp, "%s/%s", folder, tmp_name);
+    delete_folder(checkpoints, tmp_name);  // a save of this step by this process that failed before
+    if (mkdirat(checkpoints, tmp_name, 0777) != 0) {
+        int e = errno;
+        close(checkpoints);
+        return dataset_fail(err, err_len, "cannot create %s: %s", tmp, strerror(e));
+    }
     checkpoint_stage("folder created");
     snprintf(path, sizeof path, "%s/model.safetensors", tmp);
     int failed = write_parameters(path, d->params, d->model, d->meta->entries, d->meta->count);
@@ -6411,15 +6575,17 @@ static int write_checkpoint(const char *run_dir, const CheckpointData *d, int ke
         if (f && fclose(f) != 0) failed = 1;
     }
     if (!failed) checkpoint_stage("files written");
-    if (failed || fsync_path(tmp) != 0 || (checkpoint_stage("folder synced"), put_in_place(tmp, dir)) != 0) {
+    if (failed || fsync_path(tmp) != 0 || (checkpoint_stage("folder synced"), put_in_place(checkpoints, tmp_name, name)) != 0) {
         int e = errno;
-        delete_folder(tmp);
-        return dataset_fail(err, err_len, "cannot write checkpoint %s: %s", dir, strerror(e));
+        delete_folder(checkpoints, tmp_name);
+        close(checkpoints);
+        return dataset_fail(err, err_len, "cannot write checkpoint %s/%s: %s", folder, name, strerror(e));
     }
     checkpoint_stage("in place");
-    fsync_path(checkpoints);
+    fsync(checkpoints);
+    close(checkpoints);
     checkpoint_stage("synced");
-    snprintf(saved, saved_len, "%s", dir);
+    snprintf(saved, saved_len, "%s/%s", folder, name);
     prune_checkpoints(run_dir, keep);
     return 0;
 }
@@ -6485,33 +6651,50 @@ static int match_parameters(const ParamList *params, const SafeTensorsFile *f, c
     return 0;
 }
 
-// Reads a safetensors file of this model's parameters (matched as match_parameters does, every value
-// finite) into staged ([storage] floats in the GPU layout), or only checks it when staged is NULL.
-// Returns 0, or -1 with a message.
-static int read_parameters(const ParamList *params, const char *path, int strict, float *staged, char *err, size_t err_len) {
-    SafeTensorsFile f;
-    if (safetensors_open(path, &f, err, err_len) != 0) return -1;
-    int r = match_parameters(params, &f, path, strict, err, err_len);
+// Reads this model's parameters from an open safetensors file (matched as match_parameters does,
+// every value finite) into staged ([storage] floats in the GPU layout), or only checks them when
+// staged is NULL. path names the file in messages. Returns 0, or -1 with a message.
+static int read_tensors(const ParamList *params, const SafeTensorsFile *f, const char *path, int strict, float *staged, char *err,
+                        size_t err_len) {
+    int r = match_parameters(params, f, path, strict, err, err_len);
     for (int i = 0; r == 0 && i < params->count; i++) {
         const ParamSpec *p = &params->specs[i];
         float *torch = (float *)malloc_or_die(p->numel * sizeof(float));
-        if (safetensors_get_float(safetensors_find(&f, p->name), torch) != 0)
+        if (safetensors_get_float(safetensors_find(f, p->name), torch) != 0)
             r = dataset_fail(err, err_len, "%s: tensor %s holds NaN or infinite values", path, p->name);
         else if (staged)
             param_layout(p, torch, staged + p->offset, 1);
         free(torch);
     }
+    return r;
+}
+
+// read_tensors of the safetensors file at path.
+static int read_parameters(const ParamList *params, const char *path, int strict, float *staged, char *err, size_t err_len) {
+    SafeTensorsFile f;
+    if (safetensors_open(path, &f, err, err_len) != 0) return -1;
+    int r = read_tensors(params, &f, path, strict, staged, err, err_len);
     safetensors_close(&f);
     return r;
 }
 
-// Reads a safetensors file of this model's parameters into a GPU array (GPU layout).
-static int load_parameters(const UNet *m, const char *path, float *array, int strict, char *err, size_t err_len) {
+// Reads this model's parameters from an open safetensors file into a GPU array (GPU layout).
+static int upload_tensors(const UNet *m, const SafeTensorsFile *f, const char *path, float *array, int strict, char *err,
+                          size_t err_len) {
     float *staged = (float *)calloc(m->storage, sizeof(float));
     if (!staged) fatal("out of host memory");
-    int r = read_parameters(&m->params, path, strict, staged, err, err_len);
+    int r = read_tensors(&m->params, f, path, strict, staged, err, err_len);
     if (r == 0) cuda_check(cudaMemcpy(array, staged, m->storage * sizeof(float), cudaMemcpyHostToDevice));
     free(staged);
+    return r;
+}
+
+// upload_tensors of the safetensors file at path.
+static int load_parameters(const UNet *m, const char *path, float *array, int strict, char *err, size_t err_len) {
+    SafeTensorsFile f;
+    if (safetensors_open(path, &f, err, err_len) != 0) return -1;
+    int r = upload_tensors(m, &f, path, array, strict, err, err_len);
+    safetensors_close(&f);
     return r;
 }
 
@@ -6522,6 +6705,7 @@ typedef struct {
     int64_t step;
     LoaderPosition position;
     char changes[1024];
+    int elsewhere;  // from outside the run folder (resume_from_elsewhere): a new run starts from it
 } ResumePoint;
 
 // Checks everything a resume reads: model.safetensors and each EMA file (header, names, shapes,
@@ -6535,9 +6719,10 @@ static int check_resume(const Options *o, const ModelConfig *c, const ParamList 
     const char *format = safetensors_metadata(&f, "format"), *step = safetensors_metadata(&f, "step");
     Metadata now = checkpoint_metadata(o, c, 0);
     int r = 0;
-    if (!format || strcmp(format, "unet.cu checkpoint") != 0 || !step || (rp->step = step_from_digits(step)) < 0)
+    if (!format || strcmp(format, "unet.cu checkpoint") != 0 || !step || (rp->step = whole_number(step)) < 0)
         r = dataset_fail(err, err_len, "%s is not a checkpoint of this trainer (its metadata lacks format or step): it can be "
                          "evaluated or sampled, not resumed", path);
+    if (r == 0) r = check_format_version(&f, path, err, err_len);
     if (r == 0) r = compare_with_checkpoint(&f, rp->dir, &now, o->gpus, rp->changes, sizeof rp->changes, err, err_len);
     metadata_free(&now);
     safetensors_close(&f);
@@ -6601,6 +6786,175 @@ static int load_checkpoint(Trainer *tr, const ResumePoint *rp, char *err, size_t
     unet_sync_compute(m);
     tr->step = rp->step;
     return 0;
+}
+
+// ----------------------------------------------------------------------------------------------
+// Run folders: one run each, held by one trainer at a time (a lock), checked before anything in
+// them is read or written, and changed only through handles that no symlink redirects.
+
+// A run folder holds one run. What in it shows that a run was started there (a checkpoint, log.csv,
+// config.txt or samples/) into what; 0 when it holds none (it may not exist yet).
+static int run_folder_contents(const char *run_dir, char *what, size_t len) {
+    char path[4096];
+    struct stat st;
+    what[0] = '\0';
+    if (latest_checkpoint(run_dir, path, sizeof path) == 0) return snprintf(what, len, "%s", path), 1;
+    const char *marks[] = {"log.csv", "config.txt", "samples"};
+    for (int i = 0; i < 3; i++) {
+        snprintf(path, sizeof path, "%s/%s", run_dir, marks[i]);
+        if (lstat(path, &st) == 0) return snprintf(what, len, "%s", path), 1;
+    }
+    return 0;
+}
+
+// Whether --resume_checkpoint names a checkpoint from elsewhere: neither `latest` nor a step folder
+// of this run folder's checkpoints/ (the same folder, found by its real path; the step a folder
+// itself, not a link).
+static int resume_from_elsewhere(const Options *o) {
+    if (!o->resume_checkpoint[0] || strcmp(o->resume_checkpoint, "latest") == 0) return 0;
+    char given[4096], ours[PATH_MAX], theirs[PATH_MAX];
+    snprintf(given, sizeof given, "%s", o->resume_checkpoint);
+    for (size_t n = strlen(given); n > 1 && given[n - 1] == '/'; n--) given[n - 1] = '\0';
+    char *slash = strrchr(given, '/');
+    const char *step = slash ? slash + 1 : given;
+    struct stat st;
+    if (checkpoint_step(step) < 0 || lstat(given, &st) != 0 || !S_ISDIR(st.st_mode)) return 1;
+    if (slash == given) snprintf(given, sizeof given, "/");
+    else if (slash) *slash = '\0';
+    else snprintf(given, sizeof given, ".");
+    char checkpoints[4096];
+    snprintf(checkpoints, sizeof checkpoints, "%s/checkpoints", o->run_dir);
+    return !realpath(checkpoints, ours) || !realpath(given, theirs) || strcmp(ours, theirs) != 0;
+}
+
+// One trainer per run folder: it holds an exclusive lock (flock) on RUN/train.lock for its whole run,
+// which the kernel releases when the process ends, however it ends: there is never a stale lock to
+// clean by hand. The holder writes its process id into the file, for the refusal's message. With
+// take 0 the lock is only tried and released (--dry_run, and the --gpus launcher before it starts
+// the ranks, rank 0 of which takes it): a folder or lock file that does not exist yet is free.
+// Exits with one line when another process holds it.
+#define RUN_LOCK "train.lock"
+static int run_lock = -1;  // the lock this process holds, left open until it ends
+
+static void lock_run_folder(const char *run_dir, int take) {
+    if (run_lock >= 0) return;
+    int run = open_folder(AT_FDCWD, run_dir);
+    int fd = run < 0 ? -1 : openat(run, RUN_LOCK, take ? O_RDWR | O_CREAT | O_NOFOLLOW | O_CLOEXEC : O_RDONLY | O_NOFOLLOW | O_CLOEXEC, 0666);
+    int e = errno;
+    if (run >= 0) close(run);
+    if (fd < 0 && !take && e == ENOENT) return;
+    if (fd < 0) fatal("cannot open %s/%s: %s", run_dir, RUN_LOCK, strerror(e));
+    if (flock(fd, LOCK_EX | LOCK_NB) != 0) {
+        if (errno != EWOULDBLOCK) fatal("cannot lock %s/%s: %s", run_dir, RUN_LOCK, strerror(errno));
+        char text[32] = "";
+        ssize_t n = pread(fd, text, sizeof text - 1, 0);
+        long pid = n > 0 ? (text[n] = '\0', strtol(text, NULL, 10)) : 0;
+        fatal("run folder %s is in use by another trainer (process %ld holds %s): wait for it to end, or choose another --run_dir",
+              run_dir, pid, RUN_LOCK);
+    }
+    if (!take) {
+        close(fd);
+        return;
+    }
+    char text[32];
+    int n = snprintf(text, sizeof text, "%d\n", (int)getpid());
+    if (ftruncate(fd, 0) != 0 || pwrite(fd, text, n, 0) != n) fatal("cannot write %s/%s: %s", run_dir, RUN_LOCK, strerror(errno));
+    run_lock = fd;
+}
+
+// Checks that this process may write in the run folder, or create it (--dry_run says what the run
+// would meet): the folder, or its parent when it does not exist yet, and checkpoints/ when it does.
+static void check_run_folder_writable(const char *run_dir) {
+    char where[4096];
+    struct stat st;
+    snprintf(where, sizeof where, "%s", run_dir);
+    if (lstat(run_dir, &st) != 0) {  // the parent, which the run would create it in
+        for (size_t n = strlen(where); n > 1 && where[n - 1] == '/'; n--) where[n - 1] = '\0';
+        char *slash = strrchr(where, '/');
+        if (slash == where) slash[1] = '\0';
+        else if (slash) *slash = '\0';
+        else snprintf(where, sizeof where, ".");
+    }
+    if (faccessat(AT_FDCWD, where, W_OK | X_OK, AT_EACCESS) != 0)
+        fatal("run folder %s cannot be written: %s: %s", run_dir, where, strerror(errno));
+    snprintf(where, sizeof where, "%s/checkpoints", run_dir);
+    if (lstat(where, &st) == 0 && faccessat(AT_FDCWD, where, W_OK | X_OK, AT_EACCESS) != 0)
+        fatal("run folder %s cannot be written: %s: %s", run_dir, where, strerror(errno));
+}
+
+// Checks before anything is read or written that the run folder may take this run. It must be a
+// folder or not exist yet, itself and its checkpoints/ no symlink, locked by no other trainer. A new
+// run (no --resume_checkpoint) refuses a folder that holds one, unless --overwrite; so does a resume
+// from a checkpoint elsewhere, which starts a new run: only `latest` or a step of the run folder
+// itself continues its run.
+static void check_run_folder(const Options *o) {
+    struct stat st;
+    char what[4096];
+    if (lstat(o->run_dir, &st) == 0) {
+        if (S_ISLNK(st.st_mode)) fatal("run folder %s is a symbolic link: give the folder itself as --run_dir", o->run_dir);
+        if (!S_ISDIR(st.st_mode)) fatal("run folder %s exists and is not a folder", o->run_dir);
+        snprintf(what, sizeof what, "%s/checkpoints", o->run_dir);
+        if (lstat(what, &st) == 0 && !S_ISDIR(st.st_mode))
+            fatal("%s is not a folder (a symbolic link is refused: it could lead into another run's checkpoints)", what);
+    }
+    lock_run_folder(o->run_dir, 0);
+    if (o->dry_run) check_run_folder_writable(o->run_dir);
+    int held = run_folder_contents(o->run_dir, what, sizeof what);
+    if (held && resume_from_elsewhere(o))
+        fatal("--resume_checkpoint %s is not a checkpoint of run folder %s, which holds another run (%s): continue that run with "
+              "latest or one of its own steps, or start a new run from the checkpoint in an empty or new --run_dir",
+              o->resume_checkpoint, o->run_dir, what);
+    if (held && !o->resume_checkpoint[0] && !o->overwrite)
+        fatal("run folder %s already holds a run (%s): continue it with --resume_checkpoint latest, start over with "
+              "--overwrite, or choose another --run_dir", o->run_dir, what);
+}
+
+// The run folder, taken for this run (rank 0's, before anything in it is written): created if it
+// is missing, locked (lock_run_folder), and checked again (check_run_folder) now that no other
+// trainer can change it; a `latest` checked before the lock must still be the latest.
+static void take_run_folder(const Options *o, const ResumePoint *resume) {
+    if (make_dir_synced(o->run_dir) != 0) fatal("cannot create run folder %s: %s", o->run_dir, strerror(errno));
+    lock_run_folder(o->run_dir, 1);
+    check_run_folder(o);
+    char latest[4096];
+    if (resume && strcmp(o->resume_checkpoint, "latest") == 0 &&
+        (latest_checkpoint(o->run_dir, latest, sizeof latest) != 0 || strcmp(latest, resume->dir) != 0))
+        fatal("run folder %s changed while this trainer started (its latest checkpoint is no longer %s): start it again",
+              o->run_dir, resume->dir);
+}
+
+// Folder `name` of the run folder, opened to be cleared; a symlink there is removed as a link (-1).
+static int open_to_clear(int run, const char *name) {
+    int fd = open_folder(run, name);
+    struct stat st;
+    if (fd < 0 && fstatat(run, name, &st, AT_SYMLINK_NOFOLLOW) == 0 && S_ISLNK(st.st_mode)) unlinkat(run, name, 0);
+    return fd;
+}
+
+// --overwrite: removes what an earlier run left in the run folder (its checkpoints and set-aside
+// branches, sample grids, log, configuration and chart) and nothing else, through handles: a
+// symlink among them is removed as a link, never followed.
+static void clear_run_folder(const char *run_dir) {
+    int run = open_folder(AT_FDCWD, run_dir);
+    if (run < 0) return;
+    int checkpoints = open_to_clear(run, "checkpoints"), samples = open_to_clear(run, "samples");
+    DIR *d = checkpoints >= 0 ? list_folder(checkpoints) : NULL;
+    struct dirent *e;
+    while (d && (e = readdir(d))) {
+        if (checkpoint_step(e->d_name) >= 0) remove_checkpoint(checkpoints, e->d_name);
+        else if (strncmp(e->d_name, "step_", 5) == 0) delete_folder(checkpoints, e->d_name);
+    }
+    if (d) closedir(d);
+    d = samples >= 0 ? list_folder(samples) : NULL;
+    while (d && (e = readdir(d)))
+        if (strncmp(e->d_name, "step_", 5) == 0 && strstr(e->d_name, ".png")) unlinkat(samples, e->d_name, 0);
+    if (d) closedir(d);
+    const char *files[] = {"log.csv", "config.txt", "loss.svg"};
+    for (int i = 0; i < 3; i++) unlinkat(run, files[i], 0);
+    if (checkpoints >= 0) fsync(checkpoints), close(checkpoints);
+    if (samples >= 0) close(samples);
+    fsync(run);
+    close(run);
 }
 
 // ----------------------------------------------------------------------------------------------
@@ -6734,6 +7088,19 @@ static void validate_training(const Options *o) {
     if (o->seed < 0) usage_error("--seed %lld must not be negative", o->seed);
 }
 
+// Checks a dataset (--data) against the options: square images of --image_size, and for
+// --class_cond labels and as many classes as --num_classes, whose value it then takes.
+static void check_dataset(const DatasetHeader *h, Options *o) {
+    if (h->height != h->width) fatal("dataset %s holds %ux%u images; the model needs square ones", o->data, h->width, h->height);
+    if ((int)h->width != o->image_size)
+        fatal("dataset %s holds %ux%u images but --image_size is %d", o->data, h->width, h->height, o->image_size);
+    if (o->class_cond && h->num_classes == 0)
+        fatal("--class_cond needs labels, and dataset %s has none (prepare it with --labels)", o->data);
+    if (o->class_cond && o->num_classes && o->num_classes != (int)h->num_classes)
+        fatal("--num_classes %d disagrees with the %u classes of dataset %s", o->num_classes, h->num_classes, o->data);
+    if (o->class_cond) o->num_classes = (int)h->num_classes;
+}
+
 // Prints the resolved configuration under guided-diffusion's flag names, one "name value" a line.
 static void print_config(FILE *f, const Options *o) {
     for (int i = 0; i < NUM_OPTIONS; i++) {
@@ -6773,9 +7140,9 @@ static void print_model_summary(FILE *f, const ModelConfig *c, const ParamList *
 }
 
 // ----------------------------------------------------------------------------------------------
-// The training run: a run folder with config.txt, log.csv and checkpoints/; a progress line every
-// log_interval steps; checkpoints every save_interval steps and at the end; SIGINT or SIGTERM
-// finish the step, save and exit 0 (a second SIGINT exits at once).
+// The training run: a run folder with config.txt, log.csv and checkpoints/, held by one trainer at a
+// time; a progress line every log_interval steps; checkpoints every save_interval steps and at the
+// end; SIGINT, SIGTERM or SIGHUP finish the step, save and exit 0 (a second SIGINT exits at once).
 
 // The batch of the sample grids' forward-only model.
 static int grid_batch(const Options *o) { return o->sample_count < 64 ? o->sample_count : 64; }
@@ -6898,56 +7265,6 @@ static void write_config(const char *run_dir, const Options *o) {
     write_file_atomically(path, fill_config, o);
 }
 
-// A run folder holds one run. What in it shows that a run was started there (a checkpoint, log.csv
-// or config.txt) into what; 0 when it holds none (it may not exist yet). -1 when the path is
-// something else than a folder.
-static int run_folder_contents(const char *run_dir, char *what, size_t len) {
-    struct stat st;
-    what[0] = '\0';
-    if (stat(run_dir, &st) != 0) return 0;
-    if (!S_ISDIR(st.st_mode)) return -1;
-    char path[4096];
-    if (latest_checkpoint(run_dir, path, sizeof path) == 0) return snprintf(what, len, "%s", path), 1;
-    const char *files[] = {"log.csv", "config.txt"};
-    for (int i = 0; i < 2; i++) {
-        snprintf(path, sizeof path, "%s/%s", run_dir, files[i]);
-        if (stat(path, &st) == 0) return snprintf(what, len, "%s", path), 1;
-    }
-    return 0;
-}
-
-// Checks before anything is read or written that the run folder may take this run: a new run
-// (no --resume_checkpoint) refuses a folder that holds one, unless --overwrite.
-static void check_run_folder(const Options *o) {
-    char what[4096];
-    int held = run_folder_contents(o->run_dir, what, sizeof what);
-    if (held < 0) fatal("run folder %s exists and is not a folder", o->run_dir);
-    if (held && !o->resume_checkpoint[0] && !o->overwrite)
-        fatal("run folder %s already holds a run (%s): continue it with --resume_checkpoint latest, start over with "
-              "--overwrite, or choose another --run_dir", o->run_dir, what);
-}
-
-// --overwrite: removes what an earlier run left in the run folder (its checkpoints, sample grids,
-// log and configuration) and nothing else.
-static void clear_run_folder(const char *run_dir) {
-    char dir[4096], path[4400];
-    snprintf(dir, sizeof dir, "%s/checkpoints", run_dir);
-    prune_checkpoints(run_dir, 0);
-    DIR *d = opendir(dir);
-    struct dirent *e;
-    while (d && (e = readdir(d)))
-        if (checkpoint_step(e->d_name) >= 0) remove_checkpoint(dir, e->d_name);
-    if (d) closedir(d);
-    snprintf(dir, sizeof dir, "%s/samples", run_dir);
-    d = opendir(dir);
-    while (d && (e = readdir(d)))
-        if (strncmp(e->d_name, "step_", 5) == 0 && strstr(e->d_name, ".png")) snprintf(path, sizeof path, "%s/%.255s", dir, e->d_name), unlink(path);
-    if (d) closedir(d);
-    const char *files[] = {"log.csv", "config.txt", "loss.svg"};
-    for (int i = 0; i < 3; i++) snprintf(path, sizeof path, "%s/%s", run_dir, files[i]), unlink(path);
-    fsync_path(run_dir);
-}
-
 // The checkpoint --resume_checkpoint names ("latest": the newest in the run folder) into rp->dir,
 // and everything in it checked (check_resume). Exits with one line on a problem.
 static void find_resume_point(const Options *o, const ModelConfig *c, const ParamList *params, ResumePoint *rp) {
@@ -6959,6 +7276,7 @@ static void find_resume_point(const Options *o, const ModelConfig *c, const Para
     } else {
         snprintf(rp->dir, sizeof rp->dir, "%s", o->resume_checkpoint);
     }
+    rp->elsewhere = resume_from_elsewhere(o);
     if (check_resume(o, c, params, rp, err, sizeof err) != 0) fatal("%s", err);
 }
 
@@ -7096,14 +7414,18 @@ static void team_join(const char *run_dir) {
 #endif
 }
 
-// SIGINT, SIGTERM and `other` go to `handler`.
-static void catch_signals(void (*handler)(int), int other) {
+static void catch_signal(int sig, void (*handler)(int)) {
     struct sigaction sa;
     memset(&sa, 0, sizeof sa);
     sa.sa_handler = handler;
-    sigaction(SIGINT, &sa, NULL);
-    sigaction(SIGTERM, &sa, NULL);
-    sigaction(other, &sa, NULL);
+    sigaction(sig, &sa, NULL);
+}
+
+// SIGINT, SIGTERM and SIGHUP (the terminal or session closed) go to `handler`.
+static void catch_signals(void (*handler)(int)) {
+    catch_signal(SIGINT, handler);
+    catch_signal(SIGTERM, handler);
+    catch_signal(SIGHUP, handler);
 }
 
 // --gpus N: starts N copies of this command, rank i on GPU i of this machine, with the variables
@@ -7124,7 +7446,7 @@ static int launch_gpus(int n, char **argv) {
     setenv("WORLD_SIZE", text, 1);
     snprintf(text, sizeof text, "gpus-%d", (int)getpid());
     setenv("TRAIN_UNET_JOB", text, 1);
-    catch_signals(on_launcher_signal, SIGHUP);
+    catch_signals(on_launcher_signal);
     fflush(NULL);
     pid_t launcher = getpid();
     for (int i = 0; i < n; i++) {
@@ -7192,20 +7514,25 @@ static uint64_t weights_hash(const UNet *m) {
     return h;
 }
 
-// Stop signals (SIGINT, SIGTERM) end the run after the step they come in; SIGUSR1, from --gpus,
-// says that another rank failed (on_stop_signal).
-static void catch_stop_signals(void) { catch_signals(on_stop_signal, SIGUSR1); }
+// Stop signals (SIGINT, SIGTERM, SIGHUP) end the run after the step they come in; SIGUSR1, from
+// --gpus, says that another rank failed (on_stop_signal).
+static void catch_stop_signals(void) {
+    catch_signals(on_stop_signal);
+    catch_signal(SIGUSR1, on_stop_signal);
+}
 
 // The training run, from a checked resume point, or from a fresh initialisation when resume is
-// NULL. In a team every rank trains and only rank 0 writes: the run folder's files,
-// sample grids, checkpoints (the same files as one GPU's) and the progress lines.
-static void run_training(const Options *o, const ModelConfig *config, const ParamList *params, const ResumePoint *resume) {
+// NULL, on the dataset whose header main checked. In a team every rank trains and only rank 0
+// writes, in the run folder it holds (take_run_folder): the run folder's files, sample grids,
+// checkpoints (the same files as one GPU's) and the progress lines.
+static void run_training(const Options *o, const ModelConfig *config, const ParamList *params, const ResumePoint *resume,
+                         const DatasetHeader *checked) {
     char err[1024], saved[4400] = "";
     int lead = team.rank == 0;
     if (lead && o->overwrite) clear_run_folder(o->run_dir);  // never with a resume (validate_training)
-    if (lead && make_dir_synced(o->run_dir) != 0) fatal("cannot create run folder %s: %s", o->run_dir, strerror(errno));
+    if (lead && resume && !resume->elsewhere) set_aside_later_checkpoints(o->run_dir, resume->step);
     DataLoader loader;
-    if (loader_open(&loader, o->data, o->batch_size, team.rank, team.world, o->random_flip, (uint64_t)o->seed, 1, err,
+    if (loader_open(&loader, o->data, checked, o->batch_size, team.rank, team.world, o->random_flip, (uint64_t)o->seed, 1, err,
                     sizeof err) != 0)
         fatal("%s", err);
     Trainer tr;
@@ -7213,7 +7540,7 @@ static void run_training(const Options *o, const ModelConfig *config, const Para
     if (resume) {
         if (load_checkpoint(&tr, resume, err, sizeof err) != 0) fatal("%s", err);
         if (loader_seek(&loader, resume->position, err, sizeof err) != 0) fatal("%s", err);
-        printf("resumed from %s at step %lld\n", resume->dir, (long long)tr.step);
+        printf("%s %s at step %lld\n", resume->elsewhere ? "new run started from" : "resumed from", resume->dir, (long long)tr.step);
     } else {
         unet_init_parameters(&tr.m, (uint64_t)o->seed);
         trainer_reset_ema(&tr);
@@ -7355,6 +7682,16 @@ static void run_bench(const Options *o, const ModelConfig *config, const ParamLi
 // ----------------------------------------------------------------------------------------------
 // The C API (unet_api.h) for generate.c: a checkpoint's configuration, and its model forward.
 
+// A checkpoint's weights file, mapped once: every later read (the configuration, the GPU's copy of
+// the weights) sees the same bytes, whatever happens to the file meanwhile (a trainer's --keep
+// deleting it, a new save replacing it).
+struct UnetCheckpoint {
+    SafeTensorsFile f;
+    char file[4096];  // its path, for messages
+    ModelConfig config;
+    int diffusion_steps;
+};
+
 struct UnetSampler {
     GpuSampler s;
 };
@@ -7373,31 +7710,61 @@ extern "C" void unet_usage_error(const char *fmt, ...) {
     exit_with_error(2, " (see --help)", fmt, args);
 }
 
-extern "C" int unet_inspect(const char *path, const char *weights, UnetInfo *info, char *file, size_t file_len, char *err,
-                            size_t err_len) {
-    struct stat st;
-    if (stat(path, &st) != 0) return dataset_fail(err, err_len, "cannot open checkpoint %s: %s", path, strerror(errno));
-    if (S_ISDIR(st.st_mode)) snprintf(file, file_len, "%s/%s.safetensors", path, strcmp(weights, "model") == 0 ? "model" : "ema");
-    else snprintf(file, file_len, "%s", path);
-    SafeTensorsFile f;
-    if (safetensors_open(file, &f, err, err_len) != 0) return -1;
-    ModelConfig c;
+// Maps a checkpoint's weights file: path itself, or in a checkpoint folder its model or EMA file,
+// opened through a handle of the folder. A folder that loses the file or its name meanwhile (a
+// trainer pruning it) is said to have gone away. Returns 0, or -1 with a message.
+static int map_checkpoint_file(const char *path, const char *weights, UnetCheckpoint *ck, char *err, size_t err_len) {
+    int dir = open(path, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (dir < 0 && errno != ENOTDIR) return dataset_fail(err, err_len, "cannot open checkpoint %s: %s", path, strerror(errno));
+    if (dir < 0) {
+        snprintf(ck->file, sizeof ck->file, "%s", path);
+        return safetensors_open(path, &ck->f, err, err_len);
+    }
+    const char *name = strcmp(weights, "model") == 0 ? "model.safetensors" : "ema.safetensors";
+    snprintf(ck->file, sizeof ck->file, "%.4000s/%s", path, name);
+    int r = safetensors_open_at(dir, name, ck->file, &ck->f, err, err_len);
+    struct stat held, now;
+    if (r != 0 && errno == ENOENT && fstat(dir, &held) == 0 && (stat(path, &now) != 0 || now.st_ino != held.st_ino || now.st_dev != held.st_dev))
+        r = dataset_fail(err, err_len, "checkpoint %s went away while it was opened (a trainer's --keep removed it?): choose "
+                         "another step", path);
+    close(dir);
+    return r;
+}
+
+extern "C" UnetCheckpoint *unet_checkpoint_open(const char *path, const char *weights, UnetInfo *info, char *err, size_t err_len) {
+    UnetCheckpoint *ck = (UnetCheckpoint *)calloc(1, sizeof *ck);
+    if (!ck) fatal("out of host memory");
+    if (map_checkpoint_file(path, weights, ck, err, err_len) != 0) return free(ck), (UnetCheckpoint *)NULL;
     const char *schedule = "", *predict = "";
     memset(info, 0, sizeof *info);
-    if (model_config_from_metadata(&f, file, &c, err, err_len) != 0 ||
-        diffusion_from_metadata(&f, file, &info->diffusion_steps, &schedule, &predict, err, err_len) != 0)
-        return safetensors_close(&f), -1;
-    ParamList params = model_parameters(&c);
-    int r = read_parameters(&params, file, 0, NULL, err, err_len);  // names, shapes, finite values
-    info->image_size = c.image_size, info->in_channels = c.in_channels, info->out_channels = c.out_channels;
-    info->num_classes = c.num_classes, info->parameters = params.numel;
-    const char *null_class = safetensors_metadata(&f, "null_class");
-    info->null_class = c.num_classes > 0 && null_class && strcmp(null_class, "True") == 0;
+    int r = model_config_from_metadata(&ck->f, ck->file, &ck->config, err, err_len);
+    if (r == 0) r = diffusion_from_metadata(&ck->f, ck->file, &info->diffusion_steps, &schedule, &predict, err, err_len);
+    if (r == 0) {
+        ParamList params = model_parameters(&ck->config);
+        r = read_tensors(&params, &ck->f, ck->file, 0, NULL, err, err_len);  // names, shapes, finite values
+        info->parameters = params.numel;
+        free(params.specs);
+    }
+    if (r != 0) {
+        unet_checkpoint_close(ck);
+        return NULL;
+    }
+    const ModelConfig *c = &ck->config;
+    info->image_size = c->image_size, info->in_channels = c->in_channels, info->out_channels = c->out_channels;
+    info->num_classes = c->num_classes;
+    const char *null_class = safetensors_metadata(&ck->f, "null_class");
+    info->null_class = c->num_classes > 0 && null_class && strcmp(null_class, "True") == 0;
     snprintf(info->noise_schedule, sizeof info->noise_schedule, "%s", schedule);
     snprintf(info->predict, sizeof info->predict, "%s", predict);
-    free(params.specs);
-    safetensors_close(&f);
-    return r;
+    snprintf(info->file, sizeof info->file, "%s", ck->file);
+    ck->diffusion_steps = info->diffusion_steps;
+    return ck;
+}
+
+extern "C" void unet_checkpoint_close(UnetCheckpoint *ck) {
+    if (!ck) return;
+    safetensors_close(&ck->f);
+    free(ck);
 }
 
 // Whether there is a GPU to run on: 0, or -1 with a message. Without a driver the CUDA runtime
@@ -7416,27 +7783,10 @@ static int gpu_available(char *err, size_t err_len) {
     return 0;
 }
 
-// The model configuration of a safetensors file (from unet_inspect), with the GPU made ready.
-// Returns 0, or -1 with a message (no GPU).
-static int model_config_for_gpu(const char *file, ModelConfig *c, char *err, size_t err_len) {
+// The GPU made ready for the API's models. Returns 0, or -1 with a message (no GPU).
+static int api_gpu_ready(char *err, size_t err_len) {
     if (gpu_available(err, err_len) != 0) return -1;
-    SafeTensorsFile f;
-    if (safetensors_open(file, &f, err, err_len) != 0) return -1;
-    int r = model_config_from_metadata(&f, file, c, err, err_len);
-    safetensors_close(&f);
-    if (r != 0) return -1;
     if (!gpu.blas) gpu_init(0);
-    return 0;
-}
-
-// A forward-only model for batches of `batch` with the weights of a safetensors file. Returns 0,
-// or -1 with a message.
-static int load_model(UNet *m, const char *file, int batch, char *err, size_t err_len) {
-    ModelConfig c;
-    if (model_config_for_gpu(file, &c, err, err_len) != 0) return -1;
-    unet_create(m, &c, batch, 0);
-    if (load_parameters(m, file, m->master, 0, err, err_len) != 0) return unet_destroy(m), -1;
-    unet_sync_compute(m);
     return 0;
 }
 
@@ -7455,13 +7805,12 @@ static void forward_nhwc(UNet *m, const float *x, const int64_t *t, const int *y
     free(staged);
 }
 
-extern "C" UnetSampler *unet_sampler_create(const char *file, int batch, const SamplePlan *plan, float guidance, uint64_t seed,
+extern "C" UnetSampler *unet_sampler_create(const UnetCheckpoint *ck, int batch, const SamplePlan *plan, float guidance, uint64_t seed,
                                             char *err, size_t err_len) {
-    ModelConfig c;
-    if (model_config_for_gpu(file, &c, err, err_len) != 0) return NULL;
+    if (api_gpu_ready(err, err_len) != 0) return NULL;
     UnetSampler *u = (UnetSampler *)malloc_or_die(sizeof(UnetSampler));
-    gpu_sampler_create(&u->s, &c, batch, plan, guidance, seed);
-    if (load_parameters(&u->s.m, file, u->s.m.master, 0, err, err_len) != 0) {
+    gpu_sampler_create(&u->s, &ck->config, batch, plan, guidance, seed);
+    if (upload_tensors(&u->s.m, &ck->f, ck->file, u->s.m.master, 0, err, err_len) != 0) {
         unet_sampler_free(u);
         return NULL;
     }
@@ -7474,24 +7823,24 @@ extern "C" float unet_sample(UnetSampler *u, int64_t first, int count, const int
     return gpu_sampler_run(&u->s, first, count, labels, pixels, progress, ctx);
 }
 
-extern "C" int unet_sampler_max_batch(const char *file, const SamplePlan *plan, float guidance, int limit, char *err,
+extern "C" int unet_sampler_max_batch(const UnetCheckpoint *ck, const SamplePlan *plan, float guidance, int limit, char *err,
                                       size_t err_len) {
-    ModelConfig c;
-    if (model_config_for_gpu(file, &c, err, err_len) != 0) return 0;
+    if (api_gpu_ready(err, err_len) != 0) return 0;
+    const ModelConfig *c = &ck->config;
     size_t free_bytes, total_bytes;
     cuda_check(cudaMemGetInfo(&free_bytes, &total_bytes));
-    int guided = guidance != 1.0f, pixels = c.image_size * c.image_size * (guided ? 2 : 1);
+    int guided = guidance != 1.0f, pixels = c->image_size * c->image_size * (guided ? 2 : 1);
     int64_t budget = (int64_t)(free_bytes * 0.9);
     if (limit > INT32_MAX / pixels) limit = INT32_MAX / pixels;  // unet_plan counts pixels in 32 bits
-    if (gpu_sampler_bytes(&c, 1, plan, guided) > budget) {
-        dataset_fail(err, err_len, "%s: even one image needs %.2f GiB of GPU memory; %.2f GiB are free", file,
-                     gpu_sampler_bytes(&c, 1, plan, guided) / 1073741824.0, free_bytes / 1073741824.0);
+    if (gpu_sampler_bytes(c, 1, plan, guided) > budget) {
+        dataset_fail(err, err_len, "%s: even one image needs %.2f GiB of GPU memory; %.2f GiB are free", ck->file,
+                     gpu_sampler_bytes(c, 1, plan, guided) / 1073741824.0, free_bytes / 1073741824.0);
         return 0;
     }
     int lo = 1, hi = limit;  // lo fits; find the largest that does
     while (lo < hi) {
         int mid = lo + (hi - lo + 1) / 2;
-        if (gpu_sampler_bytes(&c, mid, plan, guided) <= budget) lo = mid;
+        if (gpu_sampler_bytes(c, mid, plan, guided) <= budget) lo = mid;
         else hi = mid - 1;
     }
     return lo;
@@ -7503,37 +7852,42 @@ extern "C" void unet_sampler_free(UnetSampler *u) {
     free(u);
 }
 
-extern "C" int unet_eval(const char *file, const char *in_path, const char *out_path, char *err, size_t err_len) {
-    UnetInfo info;
-    char used[4096];
-    if (unet_inspect(file, "model", &info, used, sizeof used, err, err_len) != 0) return -1;
+extern "C" int unet_eval(const UnetCheckpoint *ck, const char *in_path, const char *out_path, char *err, size_t err_len) {
+    const ModelConfig *c = &ck->config;
     SafeTensorsFile in;
     if (safetensors_open(in_path, &in, err, err_len) != 0) return -1;
     const SafeTensor *x = safetensors_find(&in, "x"), *t = safetensors_find(&in, "t"), *y = safetensors_find(&in, "y");
-    int S = info.image_size, N = x && x->ndim == 4 && x->shape[0] <= 65536 ? (int)x->shape[0] : 0, r = -1;
-    if (!x || x->ndim != 4 || N < 1 || x->shape[1] != info.in_channels || x->shape[2] != S || x->shape[3] != S)
-        dataset_fail(err, err_len, "%s: x must be [N, %d, %d, %d] (NCHW) with N from 1 to 65536", in_path, info.in_channels, S, S);
+    int S = c->image_size, N = x && x->ndim == 4 && x->shape[0] <= 65536 ? (int)x->shape[0] : 0, r = -1;
+    if (!x || x->ndim != 4 || N < 1 || x->shape[1] != c->in_channels || x->shape[2] != S || x->shape[3] != S)
+        dataset_fail(err, err_len, "%s: x must be [N, %d, %d, %d] (NCHW) with N from 1 to 65536", in_path, c->in_channels, S, S);
     else if (!t || t->numel != N)
         dataset_fail(err, err_len, "%s: t must hold N = %d timesteps", in_path, N);
-    else if (info.num_classes && (!y || y->numel != N))
+    else if (c->num_classes && (!y || y->numel != N))
         dataset_fail(err, err_len, "%s: the model is class-conditional: y must hold N = %d labels", in_path, N);
     else r = 0;
+    // Sizes only from here on, once the shapes are known to be sane.
     int64_t *steps = (int64_t *)malloc_or_die(N * sizeof(int64_t)), *labels64 = (int64_t *)malloc_or_die(N * sizeof(int64_t));
-    if (r == 0 && (safetensors_get_int64(t, steps) != 0 || (info.num_classes && safetensors_get_int64(y, labels64) != 0)))
+    if (r == 0 && (safetensors_get_int64(t, steps) != 0 || (c->num_classes && safetensors_get_int64(y, labels64) != 0)))
         r = dataset_fail(err, err_len, "%s: t and y must be integers (I64 or I32)", in_path);
     for (int n = 0; r == 0 && n < N; n++) {
-        if (steps[n] < 0 || steps[n] >= info.diffusion_steps)
-            r = dataset_fail(err, err_len, "%s: t[%d] = %lld is outside 0..%d", in_path, n, (long long)steps[n], info.diffusion_steps - 1);
-        else if (info.num_classes && (labels64[n] < 0 || labels64[n] >= info.num_classes))
-            r = dataset_fail(err, err_len, "%s: y[%d] = %lld is outside 0..%d", in_path, n, (long long)labels64[n], info.num_classes - 1);
+        if (steps[n] < 0 || steps[n] >= ck->diffusion_steps)
+            r = dataset_fail(err, err_len, "%s: t[%d] = %lld is outside 0..%d", in_path, n, (long long)steps[n], ck->diffusion_steps - 1);
+        else if (c->num_classes && (labels64[n] < 0 || labels64[n] >= c->num_classes))
+            r = dataset_fail(err, err_len, "%s: y[%d] = %lld is outside 0..%d", in_path, n, (long long)labels64[n], c->num_classes - 1);
     }
-    float *x_nchw = (float *)malloc_or_die(x ? x->numel * sizeof(float) : 1);
+    float *x_nchw = r == 0 ? (float *)malloc_or_die(x->numel * sizeof(float)) : NULL;
     int got = r == 0 ? safetensors_get_float(x, x_nchw) : 0;
     if (got) r = dataset_fail(err, err_len, got == -2 ? "%s: x holds NaN or infinite values" : "%s: x must be floating point", in_path);
     UNet m;
-    if (r == 0 && load_model(&m, used, N, err, err_len) != 0) r = -1;
+    if (r == 0 && api_gpu_ready(err, err_len) != 0) r = -1;
     if (r == 0) {
-        int C = info.in_channels, Co = info.out_channels, HW = S * S;
+        unet_create(&m, c, N, 0);
+        r = upload_tensors(&m, &ck->f, ck->file, m.master, 0, err, err_len);
+        if (r != 0) unet_destroy(&m);
+        else unet_sync_compute(&m);
+    }
+    if (r == 0) {
+        int C = c->in_channels, Co = c->out_channels, HW = S * S;
         float *x_nhwc = (float *)malloc_or_die((size_t)N * C * HW * sizeof(float)), *out = (float *)malloc_or_die((size_t)N * Co * HW * sizeof(float));
         float *out_nchw = (float *)malloc_or_die((size_t)N * Co * HW * sizeof(float));
         int *labels = (int *)calloc(N, sizeof(int));
@@ -7547,7 +7901,7 @@ extern "C" int unet_eval(const char *file, const char *in_path, const char *out_
         SafeTensorOut tensor = {"out", 4, shape, (int64_t)N * Co * HW, out_nchw};
         Metadata meta;
         memset(&meta, 0, sizeof meta);
-        meta_add(&meta, "checkpoint", "%s", used);
+        meta_add(&meta, "checkpoint", "%s", ck->file);
         char tmp[4200];  // written whole under a temporary name, then renamed: never a partial file
         snprintf(tmp, sizeof tmp, "%.4000s.tmp.%d", out_path, (int)getpid());
         if (safetensors_write(tmp, &tensor, 1, meta.entries, meta.count) != 0 || rename(tmp, out_path) != 0) {
@@ -7569,6 +7923,7 @@ extern "C" int unet_eval(const char *file, const char *in_path, const char *out_
 #ifndef TRAIN_UNET_LIBRARY
 
 int main(int argc, char **argv) {
+    signal(SIGXFSZ, SIG_IGN);  // a write past the file-size limit fails (EFBIG, "File too large") and is said
     Options o = parse_options(argc, argv);
     int launched = team_from_environment(&team);  // a rank of a team that a launcher (or --gpus) started
     if (launched) {
@@ -7584,16 +7939,7 @@ int main(int argc, char **argv) {
     char err[512];
     if (o.data[0]) {  // the dataset decides the image size and the classes
         if (dataset_open(o.data, &data, err, sizeof err) != 0) fatal("%s", err);
-        if (data.header.height != data.header.width)
-            fatal("dataset %s holds %ux%u images; the model needs square ones", o.data, data.header.width, data.header.height);
-        if ((int)data.header.width != o.image_size)
-            fatal("dataset %s holds %ux%u images but --image_size is %d", o.data, data.header.width, data.header.height,
-                  o.image_size);
-        if (o.class_cond && data.header.num_classes == 0)
-            fatal("--class_cond needs labels, and dataset %s has none (prepare it with --labels)", o.data);
-        if (o.class_cond && o.num_classes && o.num_classes != (int)data.header.num_classes)
-            fatal("--num_classes %d disagrees with the %u classes of dataset %s", o.num_classes, data.header.num_classes, o.data);
-        if (o.class_cond) o.num_classes = (int)data.header.num_classes;
+        check_dataset(&data.header, &o);
     }
     ModelConfig model = resolve_model(&o, o.num_classes ? o.num_classes + 1 : 0);  // + the null class (guidance)
     validate_training(&o);
@@ -7603,7 +7949,9 @@ int main(int argc, char **argv) {
 
     // Everything a run will read or write is checked here, before the GPU, and by --dry_run too.
     ResumePoint resume;
+    static char origin[PATH_MAX];  // a checkpoint from elsewhere by its real path: config.txt records it
     if (!o.bench && team.rank == 0) check_run_folder(&o);
+    if (!o.bench && resume_from_elsewhere(&o) && realpath(o.resume_checkpoint, origin)) o.resume_checkpoint = origin;
     if (!o.bench && o.resume_checkpoint[0]) {
         find_resume_point(&o, &model, &params, &resume);
         if (data.map && resume.position.next > data.header.count)
@@ -7620,7 +7968,9 @@ int main(int argc, char **argv) {
         if (data.map)
             printf("dataset: %s, %" PRIu64 " images of %ux%u, %u classes\n", o.data, data.header.count,
                    data.header.width, data.header.height, data.header.num_classes);
-        if (o.resume_checkpoint[0]) printf("resume: %s at step %lld, checked\n", resume.dir, (long long)resume.step);
+        if (o.resume_checkpoint[0])
+            printf("resume: %s at step %lld, checked%s\n", resume.dir, (long long)resume.step,
+                   resume.elsewhere ? "; from outside the run folder, it starts a new run there" : "");
         dataset_close(&data);
         free(params.specs);
         return 0;
@@ -7641,12 +7991,14 @@ int main(int argc, char **argv) {
         fatal("local rank %d needs GPU %d, but this machine shows %d GPUs", team.local_rank, team.local_rank, devices);
     gpu_init(team.local_rank);
     if (!o.bench) catch_stop_signals();
+    if (!o.bench && team.rank == 0) take_run_folder(&o, o.resume_checkpoint[0] ? &resume : NULL);
     if (launched) team_join(o.run_dir);
     if (o.bench) {
         run_bench(&o, &model, &params);
     } else {
+        DatasetHeader checked = data.header;
         dataset_close(&data);
-        run_training(&o, &model, &params, o.resume_checkpoint[0] ? &resume : NULL);
+        run_training(&o, &model, &params, o.resume_checkpoint[0] ? &resume : NULL, &checked);
     }
     free(params.specs);
     return 0;

@@ -13,6 +13,7 @@
 extern "C" {
 #endif
 
+typedef struct UnetCheckpoint UnetCheckpoint;
 typedef struct UnetSampler UnetSampler;
 
 // What a checkpoint's metadata says about its model and diffusion.
@@ -24,6 +25,7 @@ typedef struct {
     int diffusion_steps;
     char noise_schedule[16], predict[8];
     int64_t parameters;
+    char file[4096];      // the safetensors file read
 } UnetInfo;
 
 // Error messages start with this name ("train_unet" unless set).
@@ -34,22 +36,26 @@ void unet_set_program_name(const char *name);
 void unet_die(const char *fmt, ...) __attribute__((format(printf, 1, 2), noreturn));
 void unet_usage_error(const char *fmt, ...) __attribute__((format(printf, 1, 2), noreturn));
 
-// Reads the configuration of a checkpoint without a GPU. path: a checkpoint folder (its
-// ema.safetensors, or model.safetensors with weights "model") or a .safetensors file. Returns 0,
-// or -1 with a message; on success *file holds the safetensors path used (file_len bytes).
-int unet_inspect(const char *path, const char *weights, UnetInfo *info, char *file, size_t file_len, char *err, size_t err_len);
+// Opens a checkpoint without a GPU: path is a checkpoint folder (its ema.safetensors, or
+// model.safetensors with weights "model") or a .safetensors file. The file is mapped once and every
+// later call reads that mapping, so a trainer deleting or replacing the file meanwhile changes
+// nothing here. Its configuration and every tensor (names, shapes, finite values) are checked and
+// described in *info. Returns the checkpoint, or NULL with a message.
+UnetCheckpoint *unet_checkpoint_open(const char *path, const char *weights, UnetInfo *info, char *err, size_t err_len);
+void unet_checkpoint_close(UnetCheckpoint *checkpoint);
 
-// A sampler on the GPU for batches of `batch` images with the weights of a safetensors file (from
-// unet_inspect), running `plan` (copied) with classifier-free guidance scale `guidance` (1: none;
-// otherwise the model's last label row is the null class) and starting noise and draws from
-// `seed`. NULL with a message on error (a missing GPU, a mismatched file).
-UnetSampler *unet_sampler_create(const char *file, int batch, const SamplePlan *plan, float guidance, uint64_t seed, char *err,
-                                 size_t err_len);
+// A sampler on the GPU for batches of `batch` images with a checkpoint's weights, running `plan`
+// (copied) with classifier-free guidance scale `guidance` (1: none; otherwise the model's last label
+// row is the null class) and starting noise and draws from `seed`. NULL with a message on error
+// (no GPU).
+UnetSampler *unet_sampler_create(const UnetCheckpoint *checkpoint, int batch, const SamplePlan *plan, float guidance, uint64_t seed,
+                                 char *err, size_t err_len);
 
 // The largest batch, at most `limit`, whose sampler (as unet_sampler_create would make it; guided,
 // the model runs on twice the batch) fits in the GPU's free memory, with a tenth of it to spare.
-// Returns it, or 0 with a message (no GPU, a bad file, not even one image fits).
-int unet_sampler_max_batch(const char *file, const SamplePlan *plan, float guidance, int limit, char *err, size_t err_len);
+// Returns it, or 0 with a message (no GPU, not even one image fits).
+int unet_sampler_max_batch(const UnetCheckpoint *checkpoint, const SamplePlan *plan, float guidance, int limit, char *err,
+                           size_t err_len);
 
 // Called by unet_sample as the GPU finishes each step of the plan: step 1 .. steps.
 typedef void (*UnetProgress)(void *ctx, int step, int steps);
@@ -63,11 +69,11 @@ float unet_sample(UnetSampler *sampler, int64_t first, int count, const int *lab
 
 void unet_sampler_free(UnetSampler *sampler);
 
-// --eval: runs the model of a safetensors file (from unet_inspect) on the inputs of in_path
-// (x [N][C][H][W] float in PyTorch's NCHW layout, t [N] and, for a class-conditional model, y [N],
-// integers) and writes its raw output to out_path (out [N][C_out][H][W] F32, NCHW). Every input is
-// checked before the GPU is used. Returns 0, or -1 with a message.
-int unet_eval(const char *file, const char *in_path, const char *out_path, char *err, size_t err_len);
+// --eval: runs a checkpoint's model on the inputs of in_path (x [N][C][H][W] float in PyTorch's
+// NCHW layout, t [N] and, for a class-conditional model, y [N], integers) and writes its raw output
+// to out_path (out [N][C_out][H][W] F32, NCHW). Every input is checked, shapes before sizes, before
+// the GPU is used. Returns 0, or -1 with a message.
+int unet_eval(const UnetCheckpoint *checkpoint, const char *in_path, const char *out_path, char *err, size_t err_len);
 
 #ifdef __cplusplus
 }

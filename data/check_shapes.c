@@ -67,10 +67,13 @@ static void check_dataset(Tally *t, const char *path) {
     char err[512];
     if (dataset_open(path, &ds, err, sizeof err) != 0) die("%s", err);
     const DatasetHeader *hd = &ds.header;
+    const char **names = ds.labels ? dataset_class_names(&ds) : NULL;
+    if (ds.labels && !names) die("out of memory for the %u class names of %s", hd->num_classes, path);
     for (uint64_t i = 0; i < hd->count; i++) {
-        const char *label = ds.labels ? dataset_class_name(&ds, (uint32_t)ds.labels[i]) : NULL;
+        const char *label = names ? names[ds.labels[i]] : NULL;
         check_one(t, ds.pixels + i * ds.layout.image_bytes, (int)hd->width, (int)hd->height, path, (long)i, label);
     }
+    free(names);
     dataset_close(&ds);
 }
 

@@ -6,7 +6,10 @@
 // valid name must load with the content of its step. Also: a save onto an existing step, --keep,
 // the safetensors files PyTorch reads (names, shapes, F32, metadata), resume's checks of the
 // configuration, weights and training state, and the messages for mismatched or damaged files.
+// Run folders: the lock, resumes from elsewhere, symlinks that pruning and --overwrite must not
+// follow, the set-aside branch of an older resume, and a checkpoint read once by generate's API.
 #include <signal.h>
+#include <stdarg.h>
 #include <sys/wait.h>
 
 #define TRAIN_UNET_LIBRARY
@@ -28,6 +31,9 @@ static ModelConfig small_config(Options *o) { return resolve_model(o, 0); }
 static float pattern_offset = 0.0f;
 static float pattern(int64_t s, int i, int64_t j) { return (float)(s * 1000003 + i * 7919 + j) * 1e-3f + pattern_offset; }
 
+// Called on each checkpoint's metadata before it is written, when set (an older or newer format).
+static void (*edit_metadata)(Metadata *m);
+
 static void write_step(const char *run_dir, const ParamList *params, int64_t step, int keep) {
     Options o = small_options(32);
     ModelConfig c = small_config(&o);
@@ -41,6 +47,7 @@ static void write_step(const char *run_dir, const ParamList *params, int64_t ste
     int64_t emb_bias_offset, storage = param_offsets(&layout, &emb_bias_offset);
     free(layout.specs);
     Metadata meta = checkpoint_metadata(&o, &c, step);
+    if (edit_metadata) edit_metadata(&meta);
     StateHeader h;
     memset(&h, 0, sizeof h);
     memcpy(h.magic, STATE_MAGIC, 8);
@@ -107,11 +114,264 @@ static int verify_all_checkpoints(const char *run_dir, const ParamList *params) 
     return count;
 }
 
+// Removes a key from a checkpoint's metadata, as an older format that did not record it.
+static void meta_remove(Metadata *m, const char *key) {
+    for (int i = 0; i < m->count; i++)
+        if (strcmp(m->entries[i].key, key) == 0) {
+            free((char *)m->entries[i].value);
+            memmove(&m->entries[i], &m->entries[i + 1], (m->count - i - 1) * sizeof m->entries[0]);
+            m->count--;
+            return;
+        }
+}
+static void without_attention_and_dropout(Metadata *m) {
+    meta_remove(m, "num_heads"), meta_remove(m, "num_heads_upsample"), meta_remove(m, "dropout");
+}
+static void without_format_version(Metadata *m) { meta_remove(m, "format_version"); }
+static void newer_format(Metadata *m) {
+    meta_remove(m, "format_version");
+    meta_add(m, "format_version", "%d", CHECKPOINT_FORMAT_VERSION + 1);
+}
+
+// Runs fn(arg) in a child process with its stderr captured into out: the child's exit status, or
+// 128 + the signal that ended it.
+static int in_child(void (*fn)(const void *), const void *arg, char *out, size_t len) {
+    int err_pipe[2];
+    if (pipe(err_pipe) != 0) fatal("pipe failed");
+    fflush(NULL);
+    pid_t child = fork();
+    if (child == 0) {
+        dup2(err_pipe[1], STDERR_FILENO);
+        close(err_pipe[0]);
+        if (!freopen("/dev/null", "w", stdout)) _exit(99);
+        fn(arg);
+        _exit(0);
+    }
+    close(err_pipe[1]);
+    size_t got = 0;
+    ssize_t n;
+    while (got + 1 < len && (n = read(err_pipe[0], out + got, len - 1 - got)) > 0) got += n;
+    out[got] = '\0';
+    close(err_pipe[0]);
+    int status;
+    waitpid(child, &status, 0);
+    return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+}
+static void probe_lock(const void *run_dir) { lock_run_folder((const char *)run_dir, 0); }
+static void take_lock(const void *run_dir) { lock_run_folder((const char *)run_dir, 1); }
+static void check_folder(const void *o) { check_run_folder((const Options *)o); }
+
+// The number of lines in s.
+static int lines(const char *s) {
+    int n = 0;
+    for (; *s; s++) n += *s == '\n';
+    return n;
+}
+
+static int exists(const char *path) {
+    struct stat st;
+    return lstat(path, &st) == 0;
+}
+
+// Runs a shell command built like printf; 0 if it exited 0.
+static int shell(const char *fmt, ...) {
+    char command[8192];
+    va_list args;
+    va_start(args, fmt);
+    vsnprintf(command, sizeof command, fmt, args);
+    va_end(args);
+    return system(command);
+}
+
 // The child's side of the handshake: at each stage of a save, tell the parent and wait for it.
 static int to_parent = -1, from_parent = -1;
 static void stop_at_stage(const char *stage) {
     char c = stage[0];
     if (write(to_parent, &c, 1) != 1 || read(from_parent, &c, 1) != 1) _exit(3);
+}
+
+// The run-folder cases, in folders under `top`.
+static void run_folder_cases(const char *top, const ParamList *params) {
+    char a[4096], b[4096], victim[4096], path[4400], err[2048], out[4096];
+    Options o = small_options(32);
+    ModelConfig c = small_config(&o);
+
+    check_case("run folder: one trainer at a time; the lock names its holder and dies with it");
+    snprintf(a, sizeof a, "%s/locked", top);
+    CHECK(mkdir(a, 0777) == 0);
+    int ready[2], hold[2];
+    CHECK(pipe(ready) == 0 && pipe(hold) == 0);
+    pid_t holder = fork();
+    if (holder == 0) {
+        lock_run_folder(a, 1);
+        char c = 1;
+        if (write(ready[1], &c, 1) != 1 || read(hold[0], &c, 1) < 0) _exit(3);
+        _exit(0);
+    }
+    char byte;
+    CHECK(read(ready[0], &byte, 1) == 1);  // the holder has the lock
+    char holder_text[64];
+    snprintf(holder_text, sizeof holder_text, "(process %d holds train.lock)", (int)holder);
+    CHECK(in_child(probe_lock, a, out, sizeof out) == 1 && strstr(out, "is in use by another trainer") && strstr(out, holder_text) &&
+          lines(out) == 1);
+    printf("  %s", out);
+    CHECK(in_child(take_lock, a, out, sizeof out) == 1 && strstr(out, holder_text));
+    Options dry = o;
+    dry.run_dir = a, dry.dry_run = 1;
+    CHECK(in_child(check_folder, &dry, out, sizeof out) == 1 && strstr(out, holder_text));  // --dry_run says so too
+    kill(holder, SIGKILL);
+    waitpid(holder, NULL, 0);
+    CHECK(in_child(take_lock, a, out, sizeof out) == 0);  // the kernel released it: nothing stale to clean
+    CHECK(in_child(probe_lock, a, out, sizeof out) == 0);
+
+    check_case("run folder: a checkpoint from elsewhere starts a new run, in an empty or new folder only");
+    snprintf(a, sizeof a, "%s/run_a", top);
+    snprintf(b, sizeof b, "%s/run_b", top);
+    CHECK(mkdir(a, 0777) == 0 && mkdir(b, 0777) == 0);
+    write_step(a, params, 10, 0);
+    write_step(b, params, 20, 0);
+    snprintf(path, sizeof path, "%s/checkpoints/step_000000010", a);
+    Options resume = o;
+    resume.run_dir = b, resume.resume_checkpoint = path;
+    CHECK(resume_from_elsewhere(&resume) == 1);
+    CHECK(in_child(check_folder, &resume, out, sizeof out) == 1 && strstr(out, "is not a checkpoint of run folder") &&
+          strstr(out, "holds another run") && lines(out) == 1);
+    printf("  %s", out);
+    char own[4400];
+    snprintf(own, sizeof own, "%s/checkpoints/step_000000020/", b);  // a step of its own, trailing slash and all
+    resume.resume_checkpoint = own;
+    CHECK(resume_from_elsewhere(&resume) == 0 && in_child(check_folder, &resume, out, sizeof out) == 0);
+    resume.resume_checkpoint = "latest";
+    CHECK(resume_from_elsewhere(&resume) == 0);
+    snprintf(own, sizeof own, "%s/checkpoints/step_000000005", b);  // a link under a step's name: elsewhere
+    CHECK(symlink(path, own) == 0);
+    resume.resume_checkpoint = own;
+    CHECK(resume_from_elsewhere(&resume) == 1 && in_child(check_folder, &resume, out, sizeof out) == 1);
+    unlink(own);
+    char fresh[4096];
+    snprintf(fresh, sizeof fresh, "%s/run_new", top);
+    resume.run_dir = fresh, resume.resume_checkpoint = path;
+    CHECK(resume_from_elsewhere(&resume) == 1 && in_child(check_folder, &resume, out, sizeof out) == 0);
+    CHECK(mkdir(fresh, 0777) == 0 && in_child(check_folder, &resume, out, sizeof out) == 0);  // empty: fine too
+
+    check_case("run folder: pruning and --overwrite remove symlinks as links, never what they point at");
+    snprintf(victim, sizeof victim, "%s/victim", top);
+    CHECK(mkdir(victim, 0777) == 0);
+    write_step(victim, params, 5, 0);
+    snprintf(path, sizeof path, "%s/checkpoints/step_000000005", victim);
+    char run[4096];
+    snprintf(run, sizeof run, "%s/linked", top);
+    CHECK(mkdir(run, 0777) == 0);
+    write_step(run, params, 7, 0);
+    write_step(run, params, 8, 0);
+    snprintf(own, sizeof own, "%s/checkpoints/step_000000001", run);  // the oldest name: --keep would prune it first
+    CHECK(symlink(path, own) == 0);
+    snprintf(own, sizeof own, "%s/checkpoints/step_000000002.tmp.1", run);  // a leftover's name
+    CHECK(symlink(path, own) == 0);
+    prune_checkpoints(run, 1);
+    CHECK(verify_checkpoint(path, params, 5) == 0);
+    CHECK(!exists(own));  // the leftover link was removed, as a link
+    snprintf(own, sizeof own, "%s/checkpoints/step_000000001", run);
+    CHECK(latest_checkpoint(run, out, sizeof out) == 0 && strstr(out, "step_000000008"));
+    snprintf(own, sizeof own, "%s/samples", run);
+    char target[4400];
+    snprintf(target, sizeof target, "%s/checkpoints", victim);
+    CHECK(symlink(target, own) == 0);  // samples/ as a link to another run's folder
+    clear_run_folder(run);
+    CHECK(verify_checkpoint(path, params, 5) == 0 && latest_checkpoint(victim, out, sizeof out) == 0);
+    CHECK(!exists(own));
+    snprintf(own, sizeof own, "%s/checkpoints", run);
+    CHECK(shell("rm -rf %s && ln -s %s/checkpoints %s", own, victim, own) == 0);  // checkpoints/ itself a link
+    prune_checkpoints(run, 1);
+    CHECK(latest_checkpoint(run, out, sizeof out) != 0);  // not followed: no checkpoint there
+    Options linked = o;
+    linked.run_dir = run, linked.resume_checkpoint = "latest";
+    CHECK(in_child(check_folder, &linked, out, sizeof out) == 1 && strstr(out, "symbolic link"));
+    printf("  %s", out);
+    float **model = (float **)malloc_or_die(params->count * sizeof(float *));
+    for (int i = 0; i < params->count; i++) model[i] = (float *)calloc(params->specs[i].numel, sizeof(float));
+    Metadata meta = checkpoint_metadata(&o, &c, 9);
+    StateHeader h;
+    memset(&h, 0, sizeof h);
+    CheckpointData d = {9, params, model, 0, NULL, {0}, &meta, &h, NULL, 0};
+    char saved[4400];
+    CHECK(write_checkpoint(run, &d, 0, saved, sizeof saved, err, sizeof err) != 0 && strstr(err, "symbolic link") && !strchr(err, '\n'));
+    printf("  %s\n", err);
+    for (int i = 0; i < params->count; i++) free(model[i]);
+    free(model);
+    metadata_free(&meta);
+    clear_run_folder(run);
+    CHECK(!exists(own) && verify_checkpoint(path, params, 5) == 0);
+    snprintf(own, sizeof own, "%s/link_to_run", top);
+    CHECK(symlink(victim, own) == 0);
+    linked.run_dir = own;
+    CHECK(in_child(check_folder, &linked, out, sizeof out) == 1 && strstr(out, "is a symbolic link"));
+
+    check_case("run folder: resuming an older step sets the later ones aside; latest is then the resumed step");
+    snprintf(run, sizeof run, "%s/branch", top);
+    CHECK(mkdir(run, 0777) == 0);
+    for (int64_t s = 10; s <= 30; s += 10) write_step(run, params, s, 0);
+    CHECK(set_aside_later_checkpoints(run, 10) == 2);
+    CHECK(latest_checkpoint(run, out, sizeof out) == 0 && strstr(out, "step_000000010"));
+    snprintf(path, sizeof path, "%s/checkpoints/step_000000030.abandoned", run);
+    CHECK(verify_checkpoint(path, params, 30) == 0);
+    write_step(run, params, 20, 1);  // the new branch goes on; --keep 1 prunes step 10, not the set-aside ones
+    CHECK(set_aside_later_checkpoints(run, 10) == 1);  // back to 10 again (gone: nothing at or below it)
+    snprintf(path, sizeof path, "%s/checkpoints/step_000000020.abandoned.2", run);
+    CHECK(verify_checkpoint(path, params, 20) == 0);
+    snprintf(path, sizeof path, "%s/checkpoints/step_000000020.abandoned", run);
+    CHECK(verify_checkpoint(path, params, 20) == 0);
+    CHECK(checkpoint_step("step_000000020.abandoned") == -1 && checkpoint_step("step_20") == -1 && checkpoint_step("step_000000020") == 20);
+
+    check_case("resume: a key an older format did not record means its default; an unknown or newer format is refused");
+    snprintf(run, sizeof run, "%s/older", top);
+    CHECK(mkdir(run, 0777) == 0);
+    edit_metadata = without_attention_and_dropout;
+    write_step(run, params, 3, 0);
+    ResumePoint rp;
+    memset(&rp, 0, sizeof rp);
+    CHECK(latest_checkpoint(run, rp.dir, sizeof rp.dir) == 0);
+    CHECK(check_resume(&o, &c, params, &rp, err, sizeof err) == 0);  // the defaults: as the older format meant
+    Options changed = o;
+    changed.dropout = 0.1f, changed.num_heads = 8;
+    ModelConfig changed_config = small_config(&changed);
+    CHECK(check_resume(&changed, &changed_config, params, &rp, err, sizeof err) != 0 &&
+          strstr(err, "--dropout 0.1 (checkpoint: not recorded, which means 0)") && strstr(err, "--num_heads 8 (checkpoint: not recorded, which means 4)"));
+    printf("  %s\n", err);
+    edit_metadata = newer_format;
+    write_step(run, params, 3, 0);
+    CHECK(check_resume(&o, &c, params, &rp, err, sizeof err) != 0 && strstr(err, "format_version '3'") && !strchr(err, '\n'));
+    printf("  %s\n", err);
+    edit_metadata = without_format_version;
+    write_step(run, params, 3, 0);
+    CHECK(check_resume(&o, &c, params, &rp, err, sizeof err) != 0 && strstr(err, "records no format_version"));
+    edit_metadata = NULL;
+
+    check_case("generate's checkpoint: mapped once, it keeps the step it opened when a trainer replaces or prunes it");
+    snprintf(run, sizeof run, "%s/sampled", top);
+    CHECK(mkdir(run, 0777) == 0);
+    write_step(run, params, 4, 0);
+    snprintf(path, sizeof path, "%s/checkpoints/step_000000004", run);
+    UnetInfo info;
+    UnetCheckpoint *ck = unet_checkpoint_open(path, "model", &info, err, sizeof err);
+    CHECK(ck && info.image_size == 8 && strstr(info.file, "step_000000004/model.safetensors"));
+    pattern_offset = 0.5f;
+    write_step(run, params, 4, 0);  // the same step saved again: replaced
+    pattern_offset = 0.0f;
+    write_step(run, params, 5, 1);  // and then pruned by --keep 1
+    CHECK(!exists(path));
+    int same = ck != NULL;
+    for (int i = 0; same && i < params->count; i++) {
+        const SafeTensor *t = safetensors_find(&ck->f, params->specs[i].name);
+        float *v = (float *)malloc_or_die(t->numel * sizeof(float));
+        same = safetensors_get_float(t, v) == 0;
+        for (int64_t j = 0; same && j < t->numel; j++) same = v[j] == pattern(4, i, j);
+        free(v);
+    }
+    CHECK(same);
+    unet_checkpoint_close(ck);
+    CHECK(!unet_checkpoint_open(path, "ema", &info, err, sizeof err) && strstr(err, "cannot open checkpoint") && !strchr(err, '\n'));
+    printf("  %s\n", err);
 }
 
 int main(void) {
@@ -285,6 +545,7 @@ int main(void) {
     CHECK(safetensors_open(path, &f, err, sizeof err) != 0 && strchr(err, '\n') == NULL);
     printf("  %s\n", err);
 
+    run_folder_cases(run_dir, &params);
     free(params.specs), free(wider.specs);
     snprintf(path, sizeof path, "rm -rf %s", run_dir);
     CHECK(system(path) == 0);

@@ -1,5 +1,8 @@
 // test_dataloader.cu: the trainer's data loader on the CPU (train_unet.cu in library mode):
-// shuffling, flips, labels, exact save/restore of the position, and damaged files.
+// shuffling, flips, labels, exact save/restore of the position, damaged files, and files changed
+// after they were checked or while they are read.
+#include <sys/wait.h>
+
 #define TRAIN_UNET_LIBRARY
 #include "../../train_unet.cu"
 #include "check.h"
@@ -58,7 +61,7 @@ static void test_epochs(const char *path) {
     DataLoader loader;
     char err[256];
     check_case("loader: every image once per epoch, labels follow images, about half flipped");
-    CHECK(loader_open(&loader, path, 10, 0, 1, 1, 1234, 0, err, sizeof err) == 0);
+    CHECK(loader_open(&loader, path, NULL, 10, 0, 1, 1, 1234, 0, err, sizeof err) == 0);
     int seen[2][50] = {{0}}, flips = 0, bad = 0, label_ok = 1;
     for (int step = 0; step < 10; step++) {  // two epochs of five batches
         loader_next_batch(&loader);
@@ -82,7 +85,7 @@ static void test_epochs(const char *path) {
     uint32_t first[3][50];
     uint64_t seeds[3] = {1234, 1234, 99};
     for (int run = 0; run < 3; run++) {
-        CHECK(loader_open(&loader, path, 10, 0, 1, 0, seeds[run], 0, err, sizeof err) == 0);
+        CHECK(loader_open(&loader, path, NULL, 10, 0, 1, 0, seeds[run], 0, err, sizeof err) == 0);
         memcpy(first[run], loader.order, sizeof first[run]);
         if (run == 0) {
             loader_shuffle(&loader, 1);
@@ -95,7 +98,7 @@ static void test_epochs(const char *path) {
 
     check_case("loader: without --random_flip nothing is flipped; an unlabelled dataset gives label -1");
     write_dataset(path, 7, 4, 0);
-    CHECK(loader_open(&loader, path, 3, 0, 1, 0, 5, 0, err, sizeof err) == 0);
+    CHECK(loader_open(&loader, path, NULL, 3, 0, 1, 0, 5, 0, err, sizeof err) == 0);
     int any_flipped = 0, labels_unset = 1;
     for (int step = 0; step < 7; step++) {  // 21 images: three epochs, batches straddling the ends
         loader_next_batch(&loader);
@@ -117,10 +120,10 @@ static void test_resume(const char *path) {
     write_dataset(path, 37, 6, 4);
     DataLoader a, b;
     char err[256];
-    CHECK(loader_open(&a, path, 8, 0, 1, 1, 77, 0, err, sizeof err) == 0);
+    CHECK(loader_open(&a, path, NULL, 8, 0, 1, 1, 77, 0, err, sizeof err) == 0);
     for (int step = 0; step < 11; step++) loader_next_batch(&a);  // mid-epoch, past two epoch ends
     LoaderPosition saved = a.position;
-    CHECK(loader_open(&b, path, 8, 0, 1, 1, 77, 0, err, sizeof err) == 0);
+    CHECK(loader_open(&b, path, NULL, 8, 0, 1, 1, 77, 0, err, sizeof err) == 0);
     CHECK(loader_seek(&b, saved, err, sizeof err) == 0);
     int same = 1;
     for (int step = 0; step < 12; step++) {
@@ -141,8 +144,8 @@ static void test_ranks(const char *path) {
     write_dataset(path, 29, 5, 3);
     DataLoader one, ranks[3];
     char err[256];
-    CHECK(loader_open(&one, path, 12, 0, 1, 1, 9, 0, err, sizeof err) == 0);
-    for (int r = 0; r < 3; r++) CHECK(loader_open(&ranks[r], path, 4, r, 3, 1, 9, 0, err, sizeof err) == 0);
+    CHECK(loader_open(&one, path, NULL, 12, 0, 1, 1, 9, 0, err, sizeof err) == 0);
+    for (int r = 0; r < 3; r++) CHECK(loader_open(&ranks[r], path, NULL, 4, r, 3, 1, 9, 0, err, sizeof err) == 0);
     size_t image_bytes = one.data.layout.image_bytes;
     int same = 1;
     for (int step = 0; step < 7; step++) {  // 84 images: epoch ends inside rank batches and between them
@@ -173,7 +176,7 @@ static void expect_refused(const char *path, const char *name, size_t offset, co
     if (truncate_to >= 0) CHECK(truncate(path, truncate_to) == 0);
     DataLoader loader;
     char err[256] = "";
-    CHECK(loader_open(&loader, path, 4, 0, 1, 1, 1, 0, err, sizeof err) == -1);
+    CHECK(loader_open(&loader, path, NULL, 4, 0, 1, 1, 1, 0, err, sizeof err) == -1);
     if (!strstr(err, expect)) printf("  message was: %s\n", err);
     CHECK(strstr(err, expect) != NULL);
     CHECK(strchr(err, '\n') == NULL);
@@ -207,8 +210,81 @@ static void test_damaged(const char *path) {
     check_case("damaged: a missing file");
     DataLoader loader;
     char err[256];
-    CHECK(loader_open(&loader, "/nonexistent/data.bin", 4, 0, 1, 1, 1, 0, err, sizeof err) == -1);
+    CHECK(loader_open(&loader, "/nonexistent/data.bin", NULL, 4, 0, 1, 1, 1, 0, err, sizeof err) == -1);
     CHECK(strstr(err, "No such file") != NULL);
+}
+
+// A child opens the dataset, lets `change` alter the file, then serves two epochs of batches: its
+// exit status (128 + the signal that ended it) and its stderr into out.
+static int serve_after(const char *path, void (*change)(const char *path, const DataLoader *loader), char *out, size_t len) {
+    int err_pipe[2];
+    if (pipe(err_pipe) != 0) fatal("pipe failed");
+    fflush(NULL);
+    pid_t child = fork();
+    if (child == 0) {
+        dup2(err_pipe[1], STDERR_FILENO);
+        DataLoader loader;
+        char err[512];
+        if (loader_open(&loader, path, NULL, 4, 0, 1, 1, 1, 0, err, sizeof err) != 0) _exit(99);
+        change(path, &loader);
+        for (uint64_t i = 0; i < 2 * loader.data.header.count / 4; i++) loader_next_batch(&loader);
+        _exit(0);
+    }
+    close(err_pipe[1]);
+    size_t got = 0;
+    ssize_t n;
+    while (got + 1 < len && (n = read(err_pipe[0], out + got, len - 1 - got)) > 0) got += n;
+    out[got] = '\0';
+    close(err_pipe[0]);
+    int status;
+    waitpid(child, &status, 0);
+    return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+}
+
+static void cut_short(const char *path, const DataLoader *) {
+    if (truncate(path, 100) != 0) _exit(98);
+}
+
+static void rewrite_label(const char *path, const DataLoader *loader) {  // image 7's label becomes 7, past the 2 classes
+    int32_t label = 7;
+    int fd = open(path, O_WRONLY);
+    if (fd < 0 || pwrite(fd, &label, 4, loader->data.layout.labels_offset + 7 * 4) != 4) _exit(98);
+    close(fd);
+}
+
+static int lines(const char *s) {
+    int n = 0;
+    for (; *s; s++) n += *s == '\n';
+    return n;
+}
+
+static void test_changed(const char *path) {
+    check_case("changed: a file replaced between main's checks and the loader's open is refused");
+    write_dataset(path, 20, 8, 2);
+    DataLoader loader;
+    char err[512], out[1024];
+    CHECK(loader_open(&loader, path, NULL, 4, 0, 1, 1, 1, 0, err, sizeof err) == 0);
+    DatasetHeader checked = loader.data.header;
+    loader_close(&loader);
+    write_dataset(path, 20, 8, 3);  // another file under the same name: 3 classes
+    CHECK(loader_open(&loader, path, &checked, 4, 0, 1, 1, 1, 0, err, sizeof err) == -1);
+    CHECK(strstr(err, "changed since it was checked") && strstr(err, "now 20 of 8x8, 3 classes") && !strchr(err, '\n'));
+    printf("  %s\n", err);
+    write_dataset(path, 20, 8, 2);
+    CHECK(loader_open(&loader, path, &checked, 4, 0, 1, 1, 1, 0, err, sizeof err) == 0);
+    loader_close(&loader);
+
+    check_case("changed: a dataset cut short while it is read ends the process with one line, not SIGBUS");
+    write_dataset(path, 200, 8, 2);  // 38 KB: the pixels run over several pages past the cut
+    CHECK(serve_after(path, cut_short, out, sizeof out) == 1);
+    CHECK(strstr(out, "error: dataset") && strstr(out, "changed while training (it was cut short)") && lines(out) == 1);
+    printf("  %s", out);
+
+    check_case("changed: a label rewritten in place while it is read ends the process with one line");
+    write_dataset(path, 200, 8, 2);
+    CHECK(serve_after(path, rewrite_label, out, sizeof out) == 1);
+    CHECK(strstr(out, "changed while training: image 7 has label 7, outside 0..1") && lines(out) == 1);
+    printf("  %s", out);
 }
 
 // Every random draw of the trainer comes from rng_stream(purpose, sub-stream): the purpose stands in
@@ -235,6 +311,7 @@ int main(void) {
     test_resume(path);
     test_ranks(path);
     test_damaged(path);
+    test_changed(path);
     unlink(path);
     return check_summary();
 }

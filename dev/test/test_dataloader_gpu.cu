@@ -30,7 +30,7 @@ int main(void) {
     check_case("gpu loader: pinned batches convert to [-1, 1] exactly as on the CPU");
     DataLoader loader;
     const int batch = 64;
-    CHECK(loader_open(&loader, path, batch, 0, 1, 1, 42, 1, err, sizeof err) == 0);
+    CHECK(loader_open(&loader, path, NULL, batch, 0, 1, 1, 42, 1, err, sizeof err) == 0);
     size_t n = (size_t)batch * layout.image_bytes;
     uint8_t *d_pixels;
     floatX *d_input, *input = (floatX *)malloc(n * sizeof(floatX));

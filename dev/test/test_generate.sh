@@ -86,6 +86,22 @@ expect_grep "y must hold" "$LAST_ERR"
 expect_fail ./generate --checkpoint "$UNCOND" --eval "$TEST_TMP/no_y.safetensors"
 expect_absent "$TEST_TMP/out.safetensors"
 
+case_begin "--eval: an x of 2^32 + 2 images is a shape error, said before any size is allocated"
+# x [2^32 + 2, 3, 2, 2] U8: a sparse file of 51 GB whose floats would take 206 GB of host memory.
+python3 - "$TEST_TMP/huge.safetensors" <<'PY'
+import json, struct, sys
+n = (2**32 + 2) * 3 * 2 * 2
+h = json.dumps({"x": {"dtype": "U8", "shape": [2**32 + 2, 3, 2, 2], "data_offsets": [0, n]},
+                "t": {"dtype": "I64", "shape": [1], "data_offsets": [n, n + 8]}}).encode()
+h += b" " * (-len(h) % 8)
+with open(sys.argv[1], "wb") as f:
+    f.write(struct.pack("<Q", len(h)) + h)
+    f.truncate(8 + len(h) + n + 8)
+PY
+expect_fail ./generate --checkpoint "$UNCOND" --eval "$TEST_TMP/huge.safetensors" --output "$TEST_TMP/out.safetensors"
+expect_grep "x must be \[N, 3, 8, 8\] \(NCHW\) with N from 1 to 65536" "$LAST_ERR"
+rm -f "$TEST_TMP/huge.safetensors"
+
 if nvidia-smi -L >/dev/null 2>&1; then
     case_begin "samples from the fixture's weights: PNGs and a grid, the same for the same seed and batch"
     for sampler in ddim ddpm dpm++; do

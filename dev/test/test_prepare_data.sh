@@ -315,6 +315,25 @@ expect_grep "labels agree with the checker on 12 of 12 " "$LAST_OUT"
 expect_ok ./check_shapes --grid 32 --count 6 --classes-in-turn "$T/shifted.png"
 expect_grep "labels agree with the checker on 0 of 6 " "$LAST_OUT"
 
+case_begin "check_shapes: a class's name is found in constant time, whatever the class count"
+# 100,000 classes and a million 1x1 images, each labelled with the last class: a lookup that walks
+# the name table from the start (about 3 * 10^11 steps) takes many minutes, the table of names one
+# pass. The time limit is some hundred times what the table needs on a slow machine.
+python3 - "$T/classes.bin" <<'PY'
+import struct, sys
+classes, count = 100000, 1000000
+names = b"".join(b"class%d\0" % k for k in range(classes))
+labels_at = (64 + len(names) + 7) // 8 * 8
+pixels_at = (labels_at + 4 * count + 63) // 64 * 64
+header = b"UNETDSET" + struct.pack("<IIQIIII", 1, 3, count, 1, 1, classes, len(names)) + bytes(24)
+body = bytearray(header + names)
+body += bytes(labels_at - len(body)) + struct.pack("<i", classes - 1) * count
+body += bytes(pixels_at - len(body)) + bytes(3 * count)
+open(sys.argv[1], "wb").write(body)
+PY
+expect_ok timeout 120 ./check_shapes --min-pass 0 "$T/classes.bin"
+expect_grep "^1000000 images, 0 valid" "$LAST_OUT"
+
 case_begin "an interrupt leaves neither the output nor a temporary file"
 mkdir -p "$T/out2"
 for sig in INT TERM; do
