@@ -17,11 +17,13 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     if (ds.layout.file_bytes != size) abort();
     // Every class name non-empty, each starting where the one before ended, the last ending the table.
     const char *names_end = (const char *)data + ds.layout.names_offset + h->names_bytes, *next = ds.class_names;
+    const char **names = h->num_classes ? dataset_class_names(&ds) : NULL;
+    if (h->num_classes && !names) return 0;  // out of memory: not a finding
     for (uint32_t k = 0; k < h->num_classes; k++) {
-        const char *name = dataset_class_name(&ds, k);
-        if (name != next || !name[0]) abort();
-        next = name + strlen(name) + 1;
+        if (names[k] != next || !names[k][0]) abort();
+        next = names[k] + strlen(names[k]) + 1;
     }
+    free(names);
     if (h->num_classes && next != names_end) abort();
     for (uint64_t i = 0; ds.labels && i < h->count; i++)
         if (ds.labels[i] < 0 || (uint32_t)ds.labels[i] >= h->num_classes) abort();

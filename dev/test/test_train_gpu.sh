@@ -2,7 +2,10 @@
 # test_train_gpu.sh: training on the GPU, end to end: a run stopped and resumed equals a run that
 # never stopped (every logged loss, learning rate and gradient norm, and the final weights, EMA
 # and optimiser state to the byte); SIGINT saves and exits 0; non-finite steps stop the run with
-# a clear message; sample grids are written; bad checkpoints are refused with one line.
+# a clear message; sample grids are written; bad checkpoints are refused with one line; a run
+# folder takes one trainer at a time, SIGHUP saves, a save past the file-size limit keeps the
+# previous checkpoint, an older resume sets the later steps aside, a resume from elsewhere starts a
+# new run.
 cd "$(dirname "$0")/../.." || exit 1
 . dev/test/lib.sh
 ./prepare_data --synthetic shapes --count 300 --size 32 --seed 5 --output "$TEST_TMP/s.bin" --quiet >/dev/null
@@ -74,15 +77,52 @@ expect_grep "another configuration: --num_channels 64 \(checkpoint: 32\)" "$LAST
 expect_fail train --steps 40 --run_dir "$TEST_TMP/e" --resume_checkpoint "$TEST_TMP/a/checkpoints/step_000000030" --batch_size 4
 expect_grep "another configuration: --batch_size 4 \(checkpoint: 8\)" "$LAST_ERR"
 
-case_begin "run folders: a second run is refused, --overwrite starts over, a resume from an older step replaces the later ones"
+case_begin "run folders: a second run is refused, --overwrite starts over, a resume from an older step sets the later ones aside"
 expect_fail train --steps 30 --run_dir "$TEST_TMP/b"
 expect_grep "already holds a run" "$LAST_ERR"
 expect_ok train --steps 30 --run_dir "$TEST_TMP/b" --resume_checkpoint "$TEST_TMP/b/checkpoints/step_000000013" --lr 2e-3
 expect_grep "resume: changed since the checkpoint: --lr 0.002 \(checkpoint: 0.001\)" "$LAST_OUT"
 expect_grep "^done at step 30: checkpoint .*step_000000030" "$LAST_OUT"
 [ "$(grep -c '^30,' "$TEST_TMP/b/log.csv")" = 1 ] || case_fail "log.csv holds step 30 $(grep -c '^30,' "$TEST_TMP/b/log.csv") times"
+expect_grep "^resume: set aside .*step_000000030 as step_000000030.abandoned" "$LAST_OUT"
 cmp -s "$TEST_TMP/a/checkpoints/step_000000030/model.safetensors" "$TEST_TMP/b/checkpoints/step_000000030/model.safetensors" &&
-    case_fail "step 30 was not replaced by the run at the higher learning rate"
+    case_fail "step 30 is still the first branch's, not the run's at the higher learning rate"
+cmp -s "$TEST_TMP/a/checkpoints/step_000000030/model.safetensors" "$TEST_TMP/b/checkpoints/step_000000030.abandoned/model.safetensors" ||
+    case_fail "the abandoned branch's step 30 was not kept aside whole"
 expect_ok train --steps 5 --run_dir "$TEST_TMP/b" --overwrite
 [ "$(ls "$TEST_TMP/b/checkpoints")" = step_000000005 ] || case_fail "after --overwrite: $(ls "$TEST_TMP/b/checkpoints")"
+
+case_begin "a checkpoint from elsewhere starts a new run in an empty folder, recorded; never into another run's folder"
+sum_a=$(cat "$TEST_TMP/a/log.csv" "$TEST_TMP/a/config.txt" | cksum)
+expect_fail train --steps 35 --run_dir "$TEST_TMP/b" --resume_checkpoint "$TEST_TMP/a/checkpoints/step_000000030"
+expect_grep "is not a checkpoint of run folder .*/b, which holds another run" "$LAST_ERR"
+expect_ok train --steps 35 --run_dir "$TEST_TMP/from_a" --resume_checkpoint "$TEST_TMP/a/checkpoints/step_000000030"
+expect_grep "^new run started from /.*/a/checkpoints/step_000000030 at step 30" "$LAST_OUT"
+expect_grep "^resume_checkpoint +/.*/a/checkpoints/step_000000030$" "$TEST_TMP/from_a/config.txt"
+[ -d "$TEST_TMP/from_a/checkpoints/step_000000035" ] || case_fail "no step 35 in the new run: $(ls "$TEST_TMP/from_a/checkpoints")"
+[ "$(cat "$TEST_TMP/a/log.csv" "$TEST_TMP/a/config.txt" | cksum)" = "$sum_a" ] || case_fail "the source run's files changed"
+
+case_begin "one trainer per run folder; SIGHUP saves and exits 0; a save past the file-size limit keeps the last checkpoint"
+./train_unet "${ARGS[@]}" --steps 1000000 --run_dir "$TEST_TMP/g" >"$TEST_TMP/g.out" 2>&1 &
+pid=$!
+for _ in $(seq 600); do grep -q "^step 3/" "$TEST_TMP/g.out" && break; sleep 0.1; done
+expect_fail train --steps 10 --run_dir "$TEST_TMP/g" --resume_checkpoint latest
+expect_grep "run folder .*/g is in use by another trainer \(process $pid holds train.lock\)" "$LAST_ERR"
+expect_fail train --steps 10 --run_dir "$TEST_TMP/g" --overwrite
+expect_grep "is in use by another trainer" "$LAST_ERR"
+kill -HUP $pid
+wait $pid
+rc=$?
+[ $rc = 0 ] || case_fail "exit status $rc after SIGHUP"
+expect_grep "^stopped at step [0-9]+: checkpoint .*/checkpoints/step_" "$TEST_TMP/g.out"
+last=$(ls "$TEST_TMP/g/checkpoints")
+stopped=$((10#${last#step_}))
+(ulimit -f 256; exec ./train_unet "${ARGS[@]}" --steps $((stopped + 4)) --save_interval 2 --run_dir "$TEST_TMP/g" \
+     --resume_checkpoint latest) >"$LAST_OUT" 2>"$LAST_ERR"
+rc=$?
+[ $rc = 1 ] || case_fail "exit status $rc with a file-size limit below a checkpoint's size, expected 1"
+[ "$(grep -c '' "$LAST_ERR")" = 1 ] && grep -q "^train_unet: error: cannot write checkpoint .*File too large" "$LAST_ERR" ||
+    { case_fail "not one error line saying File too large:"; head -3 "$LAST_ERR"; }
+[ "$(ls "$TEST_TMP/g/checkpoints")" = "$last" ] || case_fail "checkpoints after the failed save: $(ls "$TEST_TMP/g/checkpoints")"
+expect_ok train --steps $((stopped + 4)) --run_dir "$TEST_TMP/g" --resume_checkpoint latest --dry_run
 case_summary
