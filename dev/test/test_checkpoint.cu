@@ -133,40 +133,9 @@ static void newer_format(Metadata *m) {
     meta_add(m, "format_version", "%d", CHECKPOINT_FORMAT_VERSION + 1);
 }
 
-// Runs fn(arg) in a child process with its stderr captured into out: the child's exit status, or
-// 128 + the signal that ended it.
-static int in_child(void (*fn)(const void *), const void *arg, char *out, size_t len) {
-    int err_pipe[2];
-    if (pipe(err_pipe) != 0) fatal("pipe failed");
-    fflush(NULL);
-    pid_t child = fork();
-    if (child == 0) {
-        dup2(err_pipe[1], STDERR_FILENO);
-        close(err_pipe[0]);
-        if (!freopen("/dev/null", "w", stdout)) _exit(99);
-        fn(arg);
-        _exit(0);
-    }
-    close(err_pipe[1]);
-    size_t got = 0;
-    ssize_t n;
-    while (got + 1 < len && (n = read(err_pipe[0], out + got, len - 1 - got)) > 0) got += n;
-    out[got] = '\0';
-    close(err_pipe[0]);
-    int status;
-    waitpid(child, &status, 0);
-    return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-}
 static void probe_lock(const void *run_dir) { lock_run_folder((const char *)run_dir, 0); }
 static void take_lock(const void *run_dir) { lock_run_folder((const char *)run_dir, 1); }
 static void check_folder(const void *o) { check_run_folder((const Options *)o); }
-
-// The number of lines in s.
-static int lines(const char *s) {
-    int n = 0;
-    for (; *s; s++) n += *s == '\n';
-    return n;
-}
 
 static int exists(const char *path) {
     struct stat st;
@@ -212,17 +181,17 @@ static void run_folder_cases(const char *top, const ParamList *params) {
     CHECK(read(ready[0], &byte, 1) == 1);  // the holder has the lock
     char holder_text[64];
     snprintf(holder_text, sizeof holder_text, "(process %d holds train.lock)", (int)holder);
-    CHECK(in_child(probe_lock, a, out, sizeof out) == 1 && strstr(out, "is in use by another trainer") && strstr(out, holder_text) &&
-          lines(out) == 1);
+    CHECK(check_in_child(probe_lock, a, out, sizeof out) == 1 && strstr(out, "is in use by another trainer") && strstr(out, holder_text) &&
+          check_lines(out) == 1);
     printf("  %s", out);
-    CHECK(in_child(take_lock, a, out, sizeof out) == 1 && strstr(out, holder_text));
+    CHECK(check_in_child(take_lock, a, out, sizeof out) == 1 && strstr(out, holder_text));
     Options dry = o;
     dry.run_dir = a, dry.dry_run = 1;
-    CHECK(in_child(check_folder, &dry, out, sizeof out) == 1 && strstr(out, holder_text));  // --dry_run says so too
+    CHECK(check_in_child(check_folder, &dry, out, sizeof out) == 1 && strstr(out, holder_text));  // --dry_run says so too
     kill(holder, SIGKILL);
     waitpid(holder, NULL, 0);
-    CHECK(in_child(take_lock, a, out, sizeof out) == 0);  // the kernel released it: nothing stale to clean
-    CHECK(in_child(probe_lock, a, out, sizeof out) == 0);
+    CHECK(check_in_child(take_lock, a, out, sizeof out) == 0);  // the kernel released it: nothing stale to clean
+    CHECK(check_in_child(probe_lock, a, out, sizeof out) == 0);
 
     check_case("run folder: a checkpoint from elsewhere starts a new run, in an empty or new folder only");
     snprintf(a, sizeof a, "%s/run_a", top);
@@ -234,25 +203,25 @@ static void run_folder_cases(const char *top, const ParamList *params) {
     Options resume = o;
     resume.run_dir = b, resume.resume_checkpoint = path;
     CHECK(resume_from_elsewhere(&resume) == 1);
-    CHECK(in_child(check_folder, &resume, out, sizeof out) == 1 && strstr(out, "is not a checkpoint of run folder") &&
-          strstr(out, "holds another run") && lines(out) == 1);
+    CHECK(check_in_child(check_folder, &resume, out, sizeof out) == 1 && strstr(out, "is not a checkpoint of run folder") &&
+          strstr(out, "holds another run") && check_lines(out) == 1);
     printf("  %s", out);
     char own[4400];
     snprintf(own, sizeof own, "%s/checkpoints/step_000000020/", b);  // a step of its own, trailing slash and all
     resume.resume_checkpoint = own;
-    CHECK(resume_from_elsewhere(&resume) == 0 && in_child(check_folder, &resume, out, sizeof out) == 0);
+    CHECK(resume_from_elsewhere(&resume) == 0 && check_in_child(check_folder, &resume, out, sizeof out) == 0);
     resume.resume_checkpoint = "latest";
     CHECK(resume_from_elsewhere(&resume) == 0);
     snprintf(own, sizeof own, "%s/checkpoints/step_000000005", b);  // a link under a step's name: elsewhere
     CHECK(symlink(path, own) == 0);
     resume.resume_checkpoint = own;
-    CHECK(resume_from_elsewhere(&resume) == 1 && in_child(check_folder, &resume, out, sizeof out) == 1);
+    CHECK(resume_from_elsewhere(&resume) == 1 && check_in_child(check_folder, &resume, out, sizeof out) == 1);
     unlink(own);
     char fresh[4096];
     snprintf(fresh, sizeof fresh, "%s/run_new", top);
     resume.run_dir = fresh, resume.resume_checkpoint = path;
-    CHECK(resume_from_elsewhere(&resume) == 1 && in_child(check_folder, &resume, out, sizeof out) == 0);
-    CHECK(mkdir(fresh, 0777) == 0 && in_child(check_folder, &resume, out, sizeof out) == 0);  // empty: fine too
+    CHECK(resume_from_elsewhere(&resume) == 1 && check_in_child(check_folder, &resume, out, sizeof out) == 0);
+    CHECK(mkdir(fresh, 0777) == 0 && check_in_child(check_folder, &resume, out, sizeof out) == 0);  // empty: fine too
 
     check_case("run folder: pruning and --overwrite remove symlinks as links, never what they point at");
     snprintf(victim, sizeof victim, "%s/victim", top);
@@ -286,7 +255,7 @@ static void run_folder_cases(const char *top, const ParamList *params) {
     CHECK(latest_checkpoint(run, out, sizeof out) != 0);  // not followed: no checkpoint there
     Options linked = o;
     linked.run_dir = run, linked.resume_checkpoint = "latest";
-    CHECK(in_child(check_folder, &linked, out, sizeof out) == 1 && strstr(out, "symbolic link"));
+    CHECK(check_in_child(check_folder, &linked, out, sizeof out) == 1 && strstr(out, "symbolic link"));
     printf("  %s", out);
     float **model = (float **)malloc_or_die(params->count * sizeof(float *));
     for (int i = 0; i < params->count; i++) model[i] = (float *)calloc(params->specs[i].numel, sizeof(float));
@@ -305,7 +274,7 @@ static void run_folder_cases(const char *top, const ParamList *params) {
     snprintf(own, sizeof own, "%s/link_to_run", top);
     CHECK(symlink(victim, own) == 0);
     linked.run_dir = own;
-    CHECK(in_child(check_folder, &linked, out, sizeof out) == 1 && strstr(out, "is a symbolic link"));
+    CHECK(check_in_child(check_folder, &linked, out, sizeof out) == 1 && strstr(out, "is a symbolic link"));
 
     check_case("run folder: resuming an older step sets the later ones aside; latest is then the resumed step");
     snprintf(run, sizeof run, "%s/branch", top);

@@ -1,7 +1,6 @@
 // test_dataloader.cu: the trainer's data loader on the CPU (train_unet.cu in library mode):
 // shuffling, flips, labels, exact save/restore of the position, damaged files, and files changed
 // after they were checked or while they are read.
-#include <sys/wait.h>
 
 #define TRAIN_UNET_LIBRARY
 #include "../../train_unet.cu"
@@ -214,31 +213,21 @@ static void test_damaged(const char *path) {
     CHECK(strstr(err, "No such file") != NULL);
 }
 
-// A child opens the dataset, lets `change` alter the file, then serves two epochs of batches: its
-// exit status (128 + the signal that ended it) and its stderr into out.
-static int serve_after(const char *path, void (*change)(const char *path, const DataLoader *loader), char *out, size_t len) {
-    int err_pipe[2];
-    if (pipe(err_pipe) != 0) fatal("pipe failed");
-    fflush(NULL);
-    pid_t child = fork();
-    if (child == 0) {
-        dup2(err_pipe[1], STDERR_FILENO);
-        DataLoader loader;
-        char err[512];
-        if (loader_open(&loader, path, NULL, 4, 0, 1, 1, 1, 0, err, sizeof err) != 0) _exit(99);
-        change(path, &loader);
-        for (uint64_t i = 0; i < 2 * loader.data.header.count / 4; i++) loader_next_batch(&loader);
-        _exit(0);
-    }
-    close(err_pipe[1]);
-    size_t got = 0;
-    ssize_t n;
-    while (got + 1 < len && (n = read(err_pipe[0], out + got, len - 1 - got)) > 0) got += n;
-    out[got] = '\0';
-    close(err_pipe[0]);
-    int status;
-    waitpid(child, &status, 0);
-    return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+// A change made to a dataset file while a loader reads it.
+typedef void (*DatasetChange)(const char *path, const DataLoader *loader);
+typedef struct {
+    const char *path;
+    DatasetChange change;
+} ServeAfter;
+
+// Opens the dataset, makes the change, then serves two epochs of batches (run in a child).
+static void serve_after(const void *arg) {
+    const ServeAfter *a = (const ServeAfter *)arg;
+    DataLoader loader;
+    char err[512];
+    if (loader_open(&loader, a->path, NULL, 4, 0, 1, 1, 1, 0, err, sizeof err) != 0) _exit(99);
+    a->change(a->path, &loader);
+    for (uint64_t i = 0; i < 2 * loader.data.header.count / 4; i++) loader_next_batch(&loader);
 }
 
 static void cut_short(const char *path, const DataLoader *) {
@@ -250,12 +239,6 @@ static void rewrite_label(const char *path, const DataLoader *loader) {  // imag
     int fd = open(path, O_WRONLY);
     if (fd < 0 || pwrite(fd, &label, 4, loader->data.layout.labels_offset + 7 * 4) != 4) _exit(98);
     close(fd);
-}
-
-static int lines(const char *s) {
-    int n = 0;
-    for (; *s; s++) n += *s == '\n';
-    return n;
 }
 
 static void test_changed(const char *path) {
@@ -276,14 +259,16 @@ static void test_changed(const char *path) {
 
     check_case("changed: a dataset cut short while it is read ends the process with one line, not SIGBUS");
     write_dataset(path, 200, 8, 2);  // 38 KB: the pixels run over several pages past the cut
-    CHECK(serve_after(path, cut_short, out, sizeof out) == 1);
-    CHECK(strstr(out, "error: dataset") && strstr(out, "changed while training (it was cut short)") && lines(out) == 1);
+    ServeAfter cut = {path, cut_short};
+    CHECK(check_in_child(serve_after, &cut, out, sizeof out) == 1);
+    CHECK(strstr(out, "error: dataset") && strstr(out, "changed while training (it was cut short)") && check_lines(out) == 1);
     printf("  %s", out);
 
     check_case("changed: a label rewritten in place while it is read ends the process with one line");
     write_dataset(path, 200, 8, 2);
-    CHECK(serve_after(path, rewrite_label, out, sizeof out) == 1);
-    CHECK(strstr(out, "changed while training: image 7 has label 7, outside 0..1") && lines(out) == 1);
+    ServeAfter relabel = {path, rewrite_label};
+    CHECK(check_in_child(serve_after, &relabel, out, sizeof out) == 1);
+    CHECK(strstr(out, "changed while training: image 7 has label 7, outside 0..1") && check_lines(out) == 1);
     printf("  %s", out);
 }
 
