@@ -63,6 +63,8 @@ NVCCFLAGS := $(NVCC_COMMON) -DPRECISION_$(PRECISION)
 CUDA_LIBS := -lcublas -lcublasLt $(NCCL_LIBS) $(STB_LIBS)
 
 BINARIES := train_unet prepare_data check_shapes generate
+# The headers train_unet.cu includes: its own rules, and those of the programs that include it, rebuild when one changes.
+TRAINER_HEADERS := checkpoint.h dataset.h fileio.h loss_plot.h png.h random.h sampler.h unet_api.h
 SHAPES_COUNT := 10000
 SHAPES_SIZE := 64
 SHAPES_SEED := 1
@@ -74,25 +76,25 @@ build/precision: FORCE
 	@mkdir -p build
 	@[ "$$(cat $@ 2>/dev/null)" = "$(PRECISION)" ] || echo $(PRECISION) > $@
 
-train_unet: train_unet.cu loss_plot.h checkpoint.h dataset.h sampler.h unet_api.h build/precision
+train_unet: train_unet.cu $(TRAINER_HEADERS) build/precision
 	$(NVCC) $(NVCCFLAGS) -o $@ $< $(CUDA_LIBS)
 
 # generate: C, calling the model through train_unet.cu's library build (unet_api.h).
-build/unet_api.o: train_unet.cu loss_plot.h checkpoint.h dataset.h sampler.h unet_api.h build/precision
+build/unet_api.o: train_unet.cu $(TRAINER_HEADERS) build/precision
 	@mkdir -p build
 	$(NVCC) $(NVCCFLAGS) -DTRAIN_UNET_LIBRARY -c -o $@ $<
 
-build/generate.o: generate.c sampler.h unet_api.h
+build/generate.o: generate.c sampler.h random.h png.h unet_api.h
 	@mkdir -p build
 	$(CC) $(CFLAGS) $(STB_CFLAGS) -c -o $@ $<
 
 generate: build/generate.o build/unet_api.o
 	$(NVCC) $(GPU_ARCH) -o $@ $^ $(CUDA_LIBS)
 
-prepare_data: prepare_data.c data/shapes.c dataset.h data/shapes.h
+prepare_data: prepare_data.c data/shapes.c dataset.h fileio.h random.h data/shapes.h
 	$(CC) $(CFLAGS) $(STB_CFLAGS) -o $@ prepare_data.c data/shapes.c $(STB_LIBS)
 
-check_shapes: data/check_shapes.c data/shapes.c dataset.h data/shapes.h
+check_shapes: data/check_shapes.c data/shapes.c dataset.h fileio.h random.h data/shapes.h
 	$(CC) $(CFLAGS) $(STB_CFLAGS) -o $@ data/check_shapes.c data/shapes.c $(STB_LIBS)
 
 # The bundled dataset: deterministic, so it is generated rather than committed.
@@ -110,12 +112,12 @@ TESTS_GPU := build/test/test_dataloader_gpu build/test/test_unet_gpu_fp32 build/
              build/test/test_unet_gpu_reference_fp32 build/test/test_unet_gpu_reference_bf16 \
              build/test/test_sampler_gpu_fp32 build/test/test_sampler_gpu_bf16
 
-build/test/test_dataset: dev/test/test_dataset.c dataset.h dev/test/check.h
+build/test/test_dataset: dev/test/test_dataset.c dataset.h fileio.h dev/test/check.h
 	@mkdir -p build/test
 	$(CC) $(CFLAGS) $(ASAN) -o $@ $<
 
 # The checkpoint readers (checkpoint.h) on the corpus, with UBSan findings fatal.
-build/test/test_safetensors: dev/test/test_safetensors.c checkpoint.h dataset.h dev/test/check.h
+build/test/test_safetensors: dev/test/test_safetensors.c checkpoint.h fileio.h dev/test/check.h
 	@mkdir -p build/test
 	$(CC) $(CFLAGS) $(ASAN) -fno-sanitize-recover=undefined -o $@ $< -lm
 
@@ -124,30 +126,30 @@ build/test/test_loss_plot: dev/test/test_loss_plot.c loss_plot.h dev/test/check.
 	@mkdir -p build/test
 	$(CC) $(CFLAGS) $(ASAN) -fno-sanitize-recover=undefined -o $@ $< -lm
 
-build/test/test_shapes: dev/test/test_shapes.c data/shapes.c data/shapes.h dev/test/check.h
+build/test/test_shapes: dev/test/test_shapes.c data/shapes.c data/shapes.h random.h dev/test/check.h
 	@mkdir -p build/test
 	$(CC) $(CFLAGS) $(ASAN) $(STB_CFLAGS) -o $@ dev/test/test_shapes.c data/shapes.c $(STB_LIBS)
 
 # The loader tests compile train_unet.cu itself (library mode, no main): one source of truth.
-build/test/test_dataloader: dev/test/test_dataloader.cu train_unet.cu loss_plot.h checkpoint.h dataset.h dev/test/check.h build/precision
+build/test/test_dataloader: dev/test/test_dataloader.cu train_unet.cu $(TRAINER_HEADERS) dev/test/check.h build/precision
 	@mkdir -p build/test
 	$(NVCC) $(NVCCFLAGS) $(NVCC_ASAN) -o $@ $< $(CUDA_LIBS)
 
-build/test/test_sampler: dev/test/test_sampler.c sampler.h dev/test/check.h
+build/test/test_sampler: dev/test/test_sampler.c sampler.h random.h png.h dev/test/check.h
 	@mkdir -p build/test
 	$(CC) $(CFLAGS) $(ASAN) $(STB_CFLAGS) -o $@ $< $(STB_LIBS)
 
-build/test/test_checkpoint build/test/test_sampler_fixture: build/test/%: dev/test/%.cu train_unet.cu loss_plot.h checkpoint.h sampler.h dataset.h \
+build/test/test_checkpoint build/test/test_sampler_fixture: build/test/%: dev/test/%.cu train_unet.cu $(TRAINER_HEADERS) \
         dev/test/check.h build/precision
 	@mkdir -p build/test
 	$(NVCC) $(NVCCFLAGS) -o $@ $< $(CUDA_LIBS)
 
 # The trainer's host code under AddressSanitizer, for the command-line tests on damaged input.
-build/test/train_unet_asan: train_unet.cu loss_plot.h checkpoint.h dataset.h build/precision
+build/test/train_unet_asan: train_unet.cu $(TRAINER_HEADERS) build/precision
 	@mkdir -p build/test
 	$(NVCC) $(NVCCFLAGS) $(NVCC_ASAN) -o $@ $< $(CUDA_LIBS)
 
-build/test/test_dataloader_gpu: dev/test/test_dataloader_gpu.cu train_unet.cu loss_plot.h checkpoint.h dataset.h dev/test/check.h build/precision
+build/test/test_dataloader_gpu: dev/test/test_dataloader_gpu.cu train_unet.cu $(TRAINER_HEADERS) dev/test/check.h build/precision
 	@mkdir -p build/test
 	$(NVCC) $(NVCCFLAGS) -o $@ $< $(CUDA_LIBS)
 
@@ -155,21 +157,21 @@ build/test/test_dataloader_gpu: dev/test/test_dataloader_gpu.cu train_unet.cu lo
 # model against the PyTorch fixtures. Host code only, so built for one GPU target.
 DEV_REFERENCES := dev/common.h dev/conv2d.cu dev/linear.cu dev/groupnorm.cu dev/attention.cu dev/resample.cu \
                   dev/embedding.cu dev/loss.cu dev/unet.cu
-build/test/test_reference build/test/test_unet_fixtures: build/test/%: dev/test/%.cu $(DEV_REFERENCES) train_unet.cu loss_plot.h checkpoint.h dev/test/check.h
+build/test/test_reference build/test/test_unet_fixtures: build/test/%: dev/test/%.cu $(DEV_REFERENCES) train_unet.cu $(TRAINER_HEADERS) dev/test/check.h
 	@mkdir -p build/test
 	$(NVCC) $(NVCCFLAGS) -o $@ $< $(CUDA_LIBS)
 
 # The whole model against the PyTorch fixtures, in both precisions whatever PRECISION is.
 # The same against the CPU reference on configurations the fixtures do not cover.
-build/test/test_unet_gpu_fp32 build/test/test_unet_gpu_bf16: build/test/test_unet_gpu_%: dev/test/test_unet_gpu.cu train_unet.cu loss_plot.h checkpoint.h \
-        dataset.h dev/test/check.h
+build/test/test_unet_gpu_fp32 build/test/test_unet_gpu_bf16: build/test/test_unet_gpu_%: dev/test/test_unet_gpu.cu train_unet.cu $(TRAINER_HEADERS) \
+        dev/test/check.h
 	@mkdir -p build/test
 	$(NVCC) $(NVCC_COMMON) -DPRECISION_$(shell echo $* | tr a-z A-Z) -o $@ $< $(CUDA_LIBS)
-build/test/test_unet_gpu_reference_%: dev/test/test_unet_gpu_reference.cu train_unet.cu loss_plot.h checkpoint.h $(DEV_REFERENCES) dev/test/check.h
+build/test/test_unet_gpu_reference_%: dev/test/test_unet_gpu_reference.cu train_unet.cu $(TRAINER_HEADERS) $(DEV_REFERENCES) dev/test/check.h
 	@mkdir -p build/test
 	$(NVCC) $(NVCC_COMMON) -DPRECISION_$(shell echo $* | tr a-z A-Z) -o $@ $< $(CUDA_LIBS)
 # The GPU sampling loop against sampler.h's host loop, in both precisions.
-build/test/test_sampler_gpu_%: dev/test/test_sampler_gpu.cu train_unet.cu loss_plot.h checkpoint.h sampler.h dataset.h dev/test/check.h
+build/test/test_sampler_gpu_%: dev/test/test_sampler_gpu.cu train_unet.cu $(TRAINER_HEADERS) dev/test/check.h
 	@mkdir -p build/test
 	$(NVCC) $(NVCC_COMMON) -DPRECISION_$(shell echo $* | tr a-z A-Z) -o $@ $< $(CUDA_LIBS)
 
@@ -180,7 +182,7 @@ build/test/test_sampler_gpu_%: dev/test/test_sampler_gpu.cu train_unet.cu loss_p
 DEV_LAYERS := conv2d bench_conv linear groupnorm attention resample concat embedding loss adamw
 DEV_BINARIES := $(addprefix build/dev/,$(DEV_LAYERS))
 
-$(DEV_BINARIES): build/dev/%: dev/%.cu $(DEV_REFERENCES) train_unet.cu loss_plot.h checkpoint.h dataset.h build/precision
+$(DEV_BINARIES): build/dev/%: dev/%.cu $(DEV_REFERENCES) train_unet.cu $(TRAINER_HEADERS) build/precision
 	@mkdir -p build/dev
 	$(NVCC) $(NVCCFLAGS) -o $@ $< $(CUDA_LIBS)
 

@@ -11,7 +11,7 @@
 #include <math.h>
 #include <stdlib.h>
 
-#include "dataset.h"  // dataset_fail, map_regular_file
+#include "fileio.h"  // error_line, map_regular_file
 
 // ----------------------------------------------------------------------------------------------
 // safetensors: an 8-byte little-endian header length, a JSON header
@@ -196,17 +196,17 @@ static inline int safetensors_entry(JsonCursor *j, SafeTensor *t, char *err, siz
     } while (json_take(j, ','));
     if (!json_expect(j, '}', "',' or '}' in a tensor entry")) return -1;
     if (!have_dtype || !have_shape || !have_offsets)
-        return dataset_fail(err, err_len, "tensor %s lacks its %s", t->name, !have_dtype ? "dtype" : !have_shape ? "shape" : "data_offsets");
+        return error_line(err, err_len, "tensor %s lacks its %s", t->name, !have_dtype ? "dtype" : !have_shape ? "shape" : "data_offsets");
     int size = safetensors_dtype_bytes(t->dtype);
-    if (!size) return dataset_fail(err, err_len, "tensor %s has an unknown dtype", t->name);
+    if (!size) return error_line(err, err_len, "tensor %s has an unknown dtype", t->name);
     t->numel = 1;
     for (int d = 0; d < t->ndim; d++) {
         if (t->shape[d] < 0 || t->shape[d] > SAFETENSORS_MAX_NUMEL || (t->shape[d] && t->numel > SAFETENSORS_MAX_NUMEL / t->shape[d]))
-            return dataset_fail(err, err_len, "tensor %s has an absurd shape", t->name);
+            return error_line(err, err_len, "tensor %s has an absurd shape", t->name);
         t->numel *= t->shape[d];
     }
     if (offsets[0] < 0 || offsets[1] < offsets[0] || offsets[1] - offsets[0] != t->numel * size)
-        return dataset_fail(err, err_len, "tensor %s: data offsets [%lld, %lld] do not hold its %lld %s values", t->name,
+        return error_line(err, err_len, "tensor %s: data offsets [%lld, %lld] do not hold its %lld %s values", t->name,
                             (long long)offsets[0], (long long)offsets[1], (long long)t->numel, t->dtype);
     t->begin = (uint64_t)offsets[0], t->end = (uint64_t)offsets[1];
     return 0;
@@ -256,7 +256,7 @@ static inline int safetensors_sort_metadata(SafeTensorsFile *f, char *err, size_
     if (f->meta_count) qsort(f->meta, f->meta_count, sizeof(MetaPair), safetensors_by_key);
     for (int i = 1; i < f->meta_count; i++)
         if (strcmp(f->meta[i - 1].key, f->meta[i].key) == 0)
-            return dataset_fail(err, err_len, "metadata key \"%s\" appears twice", f->meta[i].key);
+            return error_line(err, err_len, "metadata key \"%s\" appears twice", f->meta[i].key);
     return 0;
 }
 
@@ -264,19 +264,19 @@ static inline int safetensors_sort_metadata(SafeTensorsFile *f, char *err, size_
 // before ends, the first at 0, the last at the end of the data. Then points each at its bytes.
 static inline int safetensors_check_offsets(SafeTensorsFile *f, const uint8_t *data, uint64_t data_bytes, char *err, size_t err_len) {
     SafeTensor **order = (SafeTensor **)malloc((f->count + 1) * sizeof(SafeTensor *));
-    if (!order) return dataset_fail(err, err_len, "out of memory reading the header");
+    if (!order) return error_line(err, err_len, "out of memory reading the header");
     for (int i = 0; i < f->count; i++) order[i] = &f->tensors[i];
     qsort(order, f->count, sizeof *order, safetensors_by_offset);
     uint64_t at = 0;
     int r = 0;
     for (int i = 0; r == 0 && i < f->count; i++) {
         if (order[i]->begin != at)
-            r = dataset_fail(err, err_len, "tensor %s begins at byte %llu of the data, not at %llu where the one before ends "
+            r = error_line(err, err_len, "tensor %s begins at byte %llu of the data, not at %llu where the one before ends "
                              "(overlapping or missing data)", order[i]->name, (unsigned long long)order[i]->begin, (unsigned long long)at);
         at = order[i]->end;
     }
     if (r == 0 && at != data_bytes)
-        r = dataset_fail(err, err_len, "the tensors hold %llu bytes of data but the file has %llu after the header",
+        r = error_line(err, err_len, "the tensors hold %llu bytes of data but the file has %llu after the header",
                          (unsigned long long)at, (unsigned long long)data_bytes);
     for (int i = 0; r == 0 && i < f->count; i++) f->tensors[i].data = data + f->tensors[i].begin;
     free(order);
@@ -288,10 +288,10 @@ static inline int safetensors_check_offsets(SafeTensorsFile *f, const uint8_t *d
 static inline int safetensors_parse(const uint8_t *bytes, uint64_t size, SafeTensorsFile *f, char *err, size_t err_len) {
     memset(f, 0, sizeof *f);
     uint64_t header_bytes = 0;
-    if (size < 8) return dataset_fail(err, err_len, "%llu bytes: too short for a safetensors file", (unsigned long long)size);
+    if (size < 8) return error_line(err, err_len, "%llu bytes: too short for a safetensors file", (unsigned long long)size);
     for (int i = 7; i >= 0; i--) header_bytes = header_bytes << 8 | bytes[i];
     if (header_bytes < 2 || header_bytes > SAFETENSORS_MAX_HEADER || header_bytes > size - 8)
-        return dataset_fail(err, err_len, "header length %llu does not fit the file's %llu bytes: not a safetensors file, or truncated",
+        return error_line(err, err_len, "header length %llu does not fit the file's %llu bytes: not a safetensors file, or truncated",
                             (unsigned long long)header_bytes, (unsigned long long)size);
     const uint8_t *data = bytes + 8 + header_bytes;
     JsonCursor j;
@@ -337,7 +337,7 @@ static inline int safetensors_parse(const uint8_t *bytes, uint64_t size, SafeTen
     if (!why[0]) safetensors_check_offsets(f, data, size - 8 - header_bytes, why, sizeof why);
     if (why[0]) {
         safetensors_close(f);
-        return dataset_fail(err, err_len, "%s", why);
+        return error_line(err, err_len, "%s", why);
     }
     return 0;
 }
@@ -352,7 +352,7 @@ static inline int safetensors_open_at(int dir, const char *path, const char *sho
     char why[400];
     if (safetensors_parse(m.bytes, m.size, f, why, sizeof why) != 0) {
         unmap_file(&m);
-        return dataset_fail(err, err_len, "%s: %s", shown, why);
+        return error_line(err, err_len, "%s: %s", shown, why);
     }
     f->file = m;
     return 0;
@@ -535,28 +535,28 @@ typedef struct {
 // header fields in range, strings terminated and known, the size exact, every moment finite and
 // every second moment non-negative. Returns 0, or -1 with a message.
 static inline int state_check(const uint8_t *bytes, uint64_t size, StateHeader *h, char *err, size_t err_len) {
-    if (size < sizeof *h) return dataset_fail(err, err_len, "%llu bytes: shorter than a training state's header", (unsigned long long)size);
+    if (size < sizeof *h) return error_line(err, err_len, "%llu bytes: shorter than a training state's header", (unsigned long long)size);
     memcpy(h, bytes, sizeof *h);
-    if (memcmp(h->magic, STATE_MAGIC, 8) != 0) return dataset_fail(err, err_len, "not a training state (bad magic)");
-    if (h->version != STATE_VERSION) return dataset_fail(err, err_len, "training state version %u, this build reads %u", h->version, STATE_VERSION);
+    if (memcmp(h->magic, STATE_MAGIC, 8) != 0) return error_line(err, err_len, "not a training state (bad magic)");
+    if (h->version != STATE_VERSION) return error_line(err, err_len, "training state version %u, this build reads %u", h->version, STATE_VERSION);
     if (h->storage < 1 || h->storage > STATE_MAX_STORAGE || h->num_params < 1 || h->num_params > (uint64_t)h->storage)
-        return dataset_fail(err, err_len, "training state of %lld values in %u tensors: out of range", (long long)h->storage, h->num_params);
+        return error_line(err, err_len, "training state of %lld values in %u tensors: out of range", (long long)h->storage, h->num_params);
     if (size != sizeof *h + 2 * (uint64_t)h->storage * sizeof(float))
-        return dataset_fail(err, err_len, "training state is %llu bytes, its header needs %llu: truncated or damaged",
+        return error_line(err, err_len, "training state is %llu bytes, its header needs %llu: truncated or damaged",
                             (unsigned long long)size, (unsigned long long)(sizeof *h + 2 * (uint64_t)h->storage * sizeof(float)));
     if (h->step < 0 || h->seed < 0 || h->batch_size < 1 || h->diffusion_steps < 1 || h->diffusion_steps > 100000 ||
         h->loader_next > UINT32_MAX || h->loader_epoch > (uint64_t)INT64_MAX)
-        return dataset_fail(err, err_len, "training state header holds out-of-range values (step, seed, batch, diffusion steps or data position)");
+        return error_line(err, err_len, "training state header holds out-of-range values (step, seed, batch, diffusion steps or data position)");
     if (!memchr(h->noise_schedule, 0, sizeof h->noise_schedule) || !memchr(h->predict, 0, sizeof h->predict) ||
         (strcmp(h->noise_schedule, "linear") != 0 && strcmp(h->noise_schedule, "cosine") != 0) ||
         (strcmp(h->predict, "eps") != 0 && strcmp(h->predict, "v") != 0))
-        return dataset_fail(err, err_len, "training state names an unknown noise schedule or prediction target");
+        return error_line(err, err_len, "training state names an unknown noise schedule or prediction target");
     const uint8_t *moments = bytes + sizeof *h;
     for (int64_t i = 0; i < 2 * h->storage; i++) {
         float v;
         memcpy(&v, moments + 4 * i, 4);
         if (!isfinite(v) || (i >= h->storage && v < 0))
-            return dataset_fail(err, err_len, "AdamW's %s moment %lld is %g: the training state is damaged", i < h->storage ? "first" : "second",
+            return error_line(err, err_len, "AdamW's %s moment %lld is %g: the training state is damaged", i < h->storage ? "first" : "second",
                                 (long long)(i % h->storage), v);
     }
     return 0;

@@ -12,16 +12,12 @@
 #ifndef DATASET_H
 #define DATASET_H
 
-#include <errno.h>
-#include <fcntl.h>
-#include <stdarg.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/mman.h>
-#include <sys/stat.h>
-#include <unistd.h>
+
+#include "fileio.h"  // error_line, map_regular_file
 
 #define DATASET_MAGIC "UNETDSET"
 #define DATASET_VERSION 1u
@@ -59,56 +55,6 @@ typedef struct {
     const uint8_t *pixels;    // count * image_bytes
 } Dataset;
 
-// Formats an error message into err and returns -1. The message stays one line whatever it quotes
-// from a damaged file: control characters (a newline in a name, say) become '?'.
-static inline int dataset_fail(char *err, size_t err_len, const char *fmt, ...) {
-    va_list args;
-    va_start(args, fmt);
-    vsnprintf(err, err_len, fmt, args);
-    va_end(args);
-    for (char *c = err; err_len && *c; c++)
-        if ((unsigned char)*c < 0x20 || *c == 0x7f) *c = '?';
-    return -1;
-}
-
-// A regular file mapped read-only; an empty file is NULL and 0 bytes.
-typedef struct {
-    const uint8_t *bytes;
-    uint64_t size;
-} MappedFile;
-
-// Maps file `path` of folder `dir` (a handle, or AT_FDCWD), which must be a regular file; `what`
-// and `shown` name it in messages. O_NONBLOCK: opening a FIFO or a device returns at once, to be
-// refused, instead of waiting for a writer; it changes nothing for a regular file. The mapping
-// stays whole when the file is renamed or deleted. Returns 0, or -1 with a message.
-static inline int map_regular_file_at(int dir, const char *path, const char *shown, const char *what, MappedFile *m, char *err,
-                                      size_t err_len) {
-    memset(m, 0, sizeof *m);
-    int fd = openat(dir, path, O_RDONLY | O_NONBLOCK | O_CLOEXEC);
-    if (fd < 0) return dataset_fail(err, err_len, "cannot open %s %s: %s", what, shown, strerror(errno));
-    struct stat st;
-    if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
-        close(fd);
-        return dataset_fail(err, err_len, "%s %s is not a regular file", what, shown);
-    }
-    uint64_t size = (uint64_t)st.st_size;
-    void *map = size ? mmap(NULL, size, PROT_READ, MAP_PRIVATE, fd, 0) : NULL;
-    int map_errno = errno;
-    close(fd);
-    if (map == MAP_FAILED) return dataset_fail(err, err_len, "cannot map %s %s: %s", what, shown, strerror(map_errno));
-    m->bytes = (const uint8_t *)map, m->size = size;
-    return 0;
-}
-
-static inline int map_regular_file(const char *path, const char *what, MappedFile *m, char *err, size_t err_len) {
-    return map_regular_file_at(AT_FDCWD, path, path, what, m, err, err_len);
-}
-
-static inline void unmap_file(MappedFile *m) {
-    if (m->bytes) munmap((void *)m->bytes, m->size);
-    memset(m, 0, sizeof *m);
-}
-
 static inline uint64_t dataset_align(uint64_t x, uint64_t a) { return (x + a - 1) / a * a; }
 
 // Checks the header's own fields and derives the layout. Every product is bounded before it is
@@ -116,27 +62,27 @@ static inline uint64_t dataset_align(uint64_t x, uint64_t a) { return (x + a - 1
 // read. Returns 0, or -1 with a message.
 static inline int dataset_layout(const DatasetHeader *h, DatasetLayout *out, char *err, size_t err_len) {
     if (memcmp(h->magic, DATASET_MAGIC, 8) != 0)
-        return dataset_fail(err, err_len, "not a dataset file (bad magic; expected \"%s\")", DATASET_MAGIC);
+        return error_line(err, err_len, "not a dataset file (bad magic; expected \"%s\")", DATASET_MAGIC);
     if (h->version != DATASET_VERSION)
-        return dataset_fail(err, err_len, "unsupported dataset version %u (this build reads %u)", h->version,
+        return error_line(err, err_len, "unsupported dataset version %u (this build reads %u)", h->version,
                             DATASET_VERSION);
-    if (h->channels != 3) return dataset_fail(err, err_len, "%u channels in header, expected 3 (RGB)", h->channels);
+    if (h->channels != 3) return error_line(err, err_len, "%u channels in header, expected 3 (RGB)", h->channels);
     if (h->height < 1 || h->height > DATASET_MAX_SIDE || h->width < 1 || h->width > DATASET_MAX_SIDE)
-        return dataset_fail(err, err_len, "image size %ux%u in header is out of range (1..%u)", h->width, h->height,
+        return error_line(err, err_len, "image size %ux%u in header is out of range (1..%u)", h->width, h->height,
                             DATASET_MAX_SIDE);
-    if (h->count < 1) return dataset_fail(err, err_len, "header says the dataset holds no images");
+    if (h->count < 1) return error_line(err, err_len, "header says the dataset holds no images");
     if (h->count > DATASET_MAX_COUNT)
-        return dataset_fail(err, err_len, "%llu images in header, more than the limit of %u",
+        return error_line(err, err_len, "%llu images in header, more than the limit of %u",
                             (unsigned long long)h->count, (unsigned)DATASET_MAX_COUNT);
     if (h->num_classes > DATASET_MAX_CLASSES)
-        return dataset_fail(err, err_len, "%u classes in header, more than the limit of %u", h->num_classes,
+        return error_line(err, err_len, "%u classes in header, more than the limit of %u", h->num_classes,
                             DATASET_MAX_CLASSES);
     if ((h->num_classes == 0) != (h->names_bytes == 0) || h->names_bytes > DATASET_MAX_NAMES_BYTES ||
         h->names_bytes < h->num_classes)
-        return dataset_fail(err, err_len, "class-name table of %u bytes does not fit %u classes", h->names_bytes,
+        return error_line(err, err_len, "class-name table of %u bytes does not fit %u classes", h->names_bytes,
                             h->num_classes);
     for (int i = 0; i < 24; i++)
-        if (h->reserved[i] != 0) return dataset_fail(err, err_len, "reserved header bytes are not zero");
+        if (h->reserved[i] != 0) return error_line(err, err_len, "reserved header bytes are not zero");
     // image_bytes <= 2^26 * 3 and count < 2^32, so the file size stays below 2^61: no overflow.
     uint64_t image_bytes = (uint64_t)h->height * h->width * h->channels;
     out->image_bytes = image_bytes;
@@ -174,11 +120,11 @@ static inline const char *dataset_printable_name(const char *name, char out[48])
 // sorted, then compared with their neighbours, O(n log n). Returns 0, or -1 with a message.
 static inline int dataset_check_names(const char *names, uint32_t num_classes, char *err, size_t err_len) {
     DatasetClassName *sorted = (DatasetClassName *)malloc(num_classes * sizeof *sorted);
-    if (!sorted) return dataset_fail(err, err_len, "out of memory checking %u class names", num_classes);
+    if (!sorted) return error_line(err, err_len, "out of memory checking %u class names", num_classes);
     for (uint32_t k = 0; k < num_classes; k++) {
         if (!names[0]) {
             free(sorted);
-            return dataset_fail(err, err_len, "class name %u is empty", k);
+            return error_line(err, err_len, "class name %u is empty", k);
         }
         sorted[k].name = names;
         sorted[k].label = k;
@@ -189,7 +135,7 @@ static inline int dataset_check_names(const char *names, uint32_t num_classes, c
     for (uint32_t k = 1; k < num_classes && result == 0; k++)
         if (strcmp(sorted[k - 1].name, sorted[k].name) == 0) {
             char shown[48];
-            result = dataset_fail(err, err_len, "class name '%s' appears twice (classes %u and %u)",
+            result = error_line(err, err_len, "class name '%s' appears twice (classes %u and %u)",
                                   dataset_printable_name(sorted[k].name, shown), sorted[k - 1].label, sorted[k].label);
         }
     free(sorted);
@@ -201,12 +147,12 @@ static inline int dataset_check_names(const char *names, uint32_t num_classes, c
 static inline int dataset_check(const uint8_t *file, uint64_t file_bytes, DatasetHeader *h, DatasetLayout *layout,
                                 char *err, size_t err_len) {
     if (file_bytes < DATASET_HEADER_BYTES)
-        return dataset_fail(err, err_len, "file is %llu bytes, shorter than the %u-byte header",
+        return error_line(err, err_len, "file is %llu bytes, shorter than the %u-byte header",
                             (unsigned long long)file_bytes, DATASET_HEADER_BYTES);
     memcpy(h, file, sizeof *h);
     if (dataset_layout(h, layout, err, err_len) != 0) return -1;
     if (file_bytes != layout->file_bytes)
-        return dataset_fail(err, err_len,
+        return error_line(err, err_len,
                             "file is %llu bytes but its header (%llu images of %ux%ux%u, %u classes) needs %llu: "
                             "truncated or damaged",
                             (unsigned long long)file_bytes, (unsigned long long)h->count, h->width, h->height,
@@ -215,14 +161,14 @@ static inline int dataset_check(const uint8_t *file, uint64_t file_bytes, Datase
     uint32_t strings = 0;
     for (uint32_t i = 0; i < h->names_bytes; i++) strings += names[i] == '\0';
     if (h->names_bytes && (strings != h->num_classes || names[h->names_bytes - 1] != '\0'))
-        return dataset_fail(err, err_len, "class-name table holds %u names, header says %u classes", strings,
+        return error_line(err, err_len, "class-name table holds %u names, header says %u classes", strings,
                             h->num_classes);
     if (h->num_classes) {
         if (dataset_check_names(names, h->num_classes, err, err_len) != 0) return -1;
         const int32_t *labels = (const int32_t *)(file + layout->labels_offset);
         for (uint64_t i = 0; i < h->count; i++)
             if (labels[i] < 0 || (uint32_t)labels[i] >= h->num_classes)
-                return dataset_fail(err, err_len, "image %llu has label %d, outside 0..%u", (unsigned long long)i,
+                return error_line(err, err_len, "image %llu has label %d, outside 0..%u", (unsigned long long)i,
                                     labels[i], h->num_classes - 1);
     }
     return 0;
@@ -250,7 +196,7 @@ static inline int dataset_open(const char *path, Dataset *ds, char *err, size_t 
     char why[256];
     if (dataset_from_memory(m.bytes, m.size, ds, why, sizeof why) != 0) {
         unmap_file(&m);
-        return dataset_fail(err, err_len, "dataset %s: %s", path, why);
+        return error_line(err, err_len, "dataset %s: %s", path, why);
     }
     return 0;
 }

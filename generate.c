@@ -17,6 +17,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "png.h"
 #include "sampler.h"
 #include "unet_api.h"
 

@@ -1,46 +1,16 @@
 // sampler.h: what train_unet.cu (training, sample grids) and generate.c share about sampling:
-// counter-based random numbers, guided-diffusion's noise schedules and timestep respacing, one
-// step of each sampler as a function of one value (so the GPU kernels and the host sampling loop
-// run the same code), the host sampling loop, and writing sample PNGs and grids.
-// Plain C (C11); in CUDA code the step functions are also device functions.
+// guided-diffusion's noise schedules and timestep respacing, one step of each sampler as a
+// function of one value (so the GPU kernels and the host sampling loop run the same code), and the
+// host sampling loop. Plain C (C11); in CUDA code the step functions are also device functions.
 #ifndef SAMPLER_H
 #define SAMPLER_H
 
-#include <errno.h>
 #include <math.h>
 #include <stdint.h>
-#include <stdio.h>
-#include <unistd.h>
-
-#include <stb_image_write.h>
 #include <stdlib.h>
 #include <string.h>
 
-#ifdef __CUDACC__
-#define HOST_DEVICE __host__ __device__
-#else
-#define HOST_DEVICE
-#endif
-
-// ----------------------------------------------------------------------------------------------
-// Counter-based random numbers: any draw is a pure function of (seed, stream, index).
-
-// splitmix64's finaliser: a bijective mix of 64 bits.
-HOST_DEVICE static inline uint64_t mix64(uint64_t z) {
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
-}
-
-// A random 64-bit value for draw `index` of stream `stream` under `seed`, in two halves: the stream's
-// key, then the draw from it (a loop over one stream's draws computes the key once).
-HOST_DEVICE static inline uint64_t random_key(uint64_t seed, uint64_t stream) {
-    return mix64(seed ^ mix64(stream + 0x9e3779b97f4a7c15ull));
-}
-HOST_DEVICE static inline uint64_t random_draw(uint64_t key, uint64_t index) { return mix64(key + index); }
-HOST_DEVICE static inline uint64_t random_u64(uint64_t seed, uint64_t stream, uint64_t index) {
-    return random_draw(random_key(seed, stream), index);
-}
+#include "random.h"  // HOST_DEVICE, random_u64
 
 // ----------------------------------------------------------------------------------------------
 // guided-diffusion's schedules (gaussian_diffusion.py) for T steps, in double:
@@ -292,35 +262,6 @@ static inline int sample_loop(const SamplePlan *p, SamplerModel model, SamplerNo
     free(out);
     free(x0_last);
     return 0;
-}
-
-// ----------------------------------------------------------------------------------------------
-// Writing samples: PNG files written under a temporary name and renamed (stb_image_write).
-
-// Returns 0, or -1 with errno set.
-static inline int write_png(const char *path, int w, int h, const uint8_t *rgb) {
-    char tmp[4608];
-    if (snprintf(tmp, sizeof tmp, "%s.tmp.%d", path, (int)getpid()) >= (int)sizeof tmp) return errno = ENAMETOOLONG, -1;
-    int ok = stbi_write_png(tmp, w, h, 3, rgb, w * 3) != 0 && rename(tmp, path) == 0;
-    if (!ok) unlink(tmp);
-    return ok ? 0 : -1;
-}
-
-// Writes images ([count][size][size][3]) as one PNG grid, ceil(sqrt(count)) to a row, with a
-// 2-pixel white border; written to a temporary name and renamed. Returns 0, or -1 with errno.
-static inline int write_grid_png(const char *path, const uint8_t *images, int count, int size) {
-    int cols = (int)ceil(sqrt((double)count)), rows = (count + cols - 1) / cols, pad = 2;
-    int W = cols * (size + pad) + pad, H = rows * (size + pad) + pad;
-    uint8_t *grid = (uint8_t *)malloc((size_t)W * H * 3);
-    if (!grid) return -1;
-    memset(grid, 255, (size_t)W * H * 3);
-    for (int i = 0; i < count; i++)
-        for (int y = 0; y < size; y++)
-            memcpy(grid + ((size_t)(pad + (i / cols) * (size + pad) + y) * W + pad + (i % cols) * (size + pad)) * 3,
-                   images + ((size_t)i * size + y) * size * 3, (size_t)size * 3);
-    int r = write_png(path, W, H, grid);
-    free(grid);
-    return r;
 }
 
 #endif  // SAMPLER_H

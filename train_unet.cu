@@ -8,7 +8,8 @@
 // model assembly (guided-diffusion's architecture and state_dict names, forward, backward),
 // initialisation and profiling; diffusion training and the trainer (one step as a CUDA graph);
 // sampling on the GPU; the data loader; checkpoints (metadata, saving, resuming; checkpoint.h
-// reads and writes their files, dataset.h reads the dataset); the command line; the training run;
+// reads and writes their files, dataset.h reads the dataset); run folders (the lock, the checks
+// before anything is written); the command line; the training run;
 // the C API for generate.c (unet_api.h); main. Built with -DTRAIN_UNET_LIBRARY it has no main,
 // command line or training run: tests and dev/ include it, and generate links it.
 //
@@ -42,6 +43,8 @@
 #include "checkpoint.h"
 #include "dataset.h"
 #include "loss_plot.h"
+#include "png.h"
+#include "random.h"
 #include "sampler.h"
 #include "unet_api.h"
 
@@ -120,18 +123,8 @@ static void *malloc_or_die(size_t bytes) {
 }
 
 // ----------------------------------------------------------------------------------------------
-// Random numbers: counter-based (random_u64 in sampler.h), so any draw is a pure function of
-// (seed, stream, index) and the state to save for an exact resume is only the counters.
-
-// A uniform integer in [0, n) without modulo bias (Lemire's multiply-shift, with rejection).
-static inline uint64_t random_below(uint64_t seed, uint64_t stream, uint64_t *counter, uint64_t n) {
-    for (;;) {
-        uint64_t x = random_u64(seed, stream, (*counter)++);
-        __uint128_t m = (__uint128_t)x * n;
-        uint64_t low = (uint64_t)m;
-        if (low >= n || low >= (0 - n) % n) return (uint64_t)(m >> 64);
-    }
-}
+// Random numbers: counter-based (random.h), so any draw is a pure function of (seed, stream,
+// index) and the state to save for an exact resume is only the counters.
 
 // The random streams, all of them: random_u64(seed, stream, index) with stream = purpose << 48 |
 // sub-stream (an epoch, a parameter tensor, a layer, a sampling step, each below 2^48), so that
@@ -3883,24 +3876,24 @@ static int option_from_string(Options *o, const OptionSpec *s, const char *value
     case OPT_INT: {
         long v = strtol(value, &end, 10);
         if (end == value || *end || errno || v < INT32_MIN || v > INT32_MAX)
-            return dataset_fail(err, err_len, "--%s needs a whole number, not '%s'", s->name, value);
+            return error_line(err, err_len, "--%s needs a whole number, not '%s'", s->name, value);
         *(int *)p = (int)v;
         break;
     }
     case OPT_LONG: {
         long long v = strtoll(value, &end, 10);
-        if (end == value || *end || errno) return dataset_fail(err, err_len, "--%s needs a whole number, not '%s'", s->name, value);
+        if (end == value || *end || errno) return error_line(err, err_len, "--%s needs a whole number, not '%s'", s->name, value);
         *(long long *)p = v;
         break;
     }
     case OPT_FLOAT: {
         double v = strtod(value, &end);
-        if (end == value || *end || errno || !isfinite(v)) return dataset_fail(err, err_len, "--%s needs a number, not '%s'", s->name, value);
+        if (end == value || *end || errno || !isfinite(v)) return error_line(err, err_len, "--%s needs a number, not '%s'", s->name, value);
         *(float *)p = (float)v;
         break;
     }
     case OPT_BOOL:
-        if (parse_bool(value, (int *)p) != 0) return dataset_fail(err, err_len, "--%s needs True or False, not '%s'", s->name, value);
+        if (parse_bool(value, (int *)p) != 0) return error_line(err, err_len, "--%s needs True or False, not '%s'", s->name, value);
         break;
     case OPT_STRING: *(const char **)p = value; break;
     case OPT_SWITCH: *(int *)p = 1; break;
@@ -3948,20 +3941,20 @@ static const char *default_channel_mult(int image_size) {
 static int model_config_from_options(Options *o, int label_rows, ModelConfig *out, char *err, size_t err_len) {
     ModelConfig c;
     memset(&c, 0, sizeof c);
-    if (o->image_size < 8 || o->image_size > 4096) return dataset_fail(err, err_len, "--image_size %d is out of range (8..4096)", o->image_size);
+    if (o->image_size < 8 || o->image_size > 4096) return error_line(err, err_len, "--image_size %d is out of range (8..4096)", o->image_size);
     if (o->num_channels < 32 || o->num_channels > 8192 || o->num_channels % 32)
-        return dataset_fail(err, err_len, "--num_channels %d must be a multiple of 32 (GroupNorm uses 32 groups) from 32 to 8192", o->num_channels);
+        return error_line(err, err_len, "--num_channels %d must be a multiple of 32 (GroupNorm uses 32 groups) from 32 to 8192", o->num_channels);
     if (o->num_res_blocks < 0 || o->num_res_blocks > MAX_RES_BLOCKS)
-        return dataset_fail(err, err_len, "--num_res_blocks %d is out of range (0..%d)", o->num_res_blocks, MAX_RES_BLOCKS);
+        return error_line(err, err_len, "--num_res_blocks %d is out of range (0..%d)", o->num_res_blocks, MAX_RES_BLOCKS);
     if (!o->channel_mult[0]) {
         o->channel_mult = default_channel_mult(o->image_size);
-        if (!o->channel_mult) return dataset_fail(err, err_len, "no default --channel_mult for image size %d; give one", o->image_size);
+        if (!o->channel_mult) return error_line(err, err_len, "no default --channel_mult for image size %d; give one", o->image_size);
     }
     double mult[MAX_LEVELS];
     int levels = parse_number_list(o->channel_mult, mult, MAX_LEVELS);
-    if (levels < 1) return dataset_fail(err, err_len, "--channel_mult '%s' must be 1 to %d positive numbers separated by commas", o->channel_mult, MAX_LEVELS);
+    if (levels < 1) return error_line(err, err_len, "--channel_mult '%s' must be 1 to %d positive numbers separated by commas", o->channel_mult, MAX_LEVELS);
     if (o->image_size % (1 << (levels - 1)))
-        return dataset_fail(err, err_len, "--image_size %d must be divisible by 2^%d = %d for %d levels", o->image_size, levels - 1,
+        return error_line(err, err_len, "--image_size %d must be divisible by 2^%d = %d for %d levels", o->image_size, levels - 1,
                     1 << (levels - 1), levels);
     c.image_size = o->image_size;
     c.in_channels = 3;
@@ -3972,37 +3965,37 @@ static int model_config_from_options(Options *o, int label_rows, ModelConfig *ou
         double channels = mult[l] * o->num_channels;
         c.level_channels[l] = channels <= 32768 ? (int)channels : 0;
         if (c.level_channels[l] < 32 || c.level_channels[l] % 32)
-            return dataset_fail(err, err_len, "channel_mult %g x num_channels %d = %g channels at level %d; must be a multiple of 32 from 32 to 32768",
+            return error_line(err, err_len, "channel_mult %g x num_channels %d = %g channels at level %d; must be a multiple of 32 from 32 to 32768",
                         mult[l], o->num_channels, channels, l);
     }
     double res[MAX_LEVELS];
     int num_res = o->attention_resolutions[0] ? parse_number_list(o->attention_resolutions, res, MAX_LEVELS) : 0;
-    if (num_res < 0) return dataset_fail(err, err_len, "--attention_resolutions '%s' must be resolutions separated by commas", o->attention_resolutions);
+    if (num_res < 0) return error_line(err, err_len, "--attention_resolutions '%s' must be resolutions separated by commas", o->attention_resolutions);
     for (int i = 0; i < num_res; i++) {
         int level = -1;
         for (int l = 0; l < levels; l++)
             if (res[i] == (double)(o->image_size >> l)) level = l;
         if (level < 0)
-            return dataset_fail(err, err_len, "attention resolution %g is none of the model's resolutions (%d down to %d)", res[i],
+            return error_line(err, err_len, "attention resolution %g is none of the model's resolutions (%d down to %d)", res[i],
                         o->image_size, o->image_size >> (levels - 1));
         c.level_attention[level] = 1;
     }
     if (o->num_head_channels != -1 && o->num_head_channels < 1)
-        return dataset_fail(err, err_len, "--num_head_channels %d must be positive or -1", o->num_head_channels);
-    if (o->num_heads < 1) return dataset_fail(err, err_len, "--num_heads %d must be positive", o->num_heads);
+        return error_line(err, err_len, "--num_head_channels %d must be positive or -1", o->num_head_channels);
+    if (o->num_heads < 1) return error_line(err, err_len, "--num_heads %d must be positive", o->num_heads);
     if (o->num_heads_upsample == -1) o->num_heads_upsample = o->num_heads;
-    if (o->num_heads_upsample < 1) return dataset_fail(err, err_len, "--num_heads_upsample %d must be positive or -1", o->num_heads_upsample);
+    if (o->num_heads_upsample < 1) return error_line(err, err_len, "--num_heads_upsample %d must be positive or -1", o->num_heads_upsample);
     for (int l = 0; l < levels; l++) {  // every attention block's channels split evenly into heads
         int middle = l == levels - 1, ch = c.level_channels[l];
         if (!c.level_attention[l] && !middle) continue;
         if (o->num_head_channels != -1 && ch % o->num_head_channels)
-            return dataset_fail(err, err_len, "--num_head_channels %d does not divide the %d channels of the attention at resolution %d",
+            return error_line(err, err_len, "--num_head_channels %d does not divide the %d channels of the attention at resolution %d",
                         o->num_head_channels, ch, o->image_size >> l);
         if (o->num_head_channels == -1 && (ch % o->num_heads || ch % o->num_heads_upsample))
-            return dataset_fail(err, err_len, "--num_heads %d (or --num_heads_upsample %d) does not divide the %d channels at resolution %d",
+            return error_line(err, err_len, "--num_heads %d (or --num_heads_upsample %d) does not divide the %d channels at resolution %d",
                         o->num_heads, o->num_heads_upsample, ch, o->image_size >> l);
     }
-    if (!(o->dropout >= 0 && o->dropout < 1)) return dataset_fail(err, err_len, "--dropout %g must be in [0, 1)", o->dropout);
+    if (!(o->dropout >= 0 && o->dropout < 1)) return error_line(err, err_len, "--dropout %g must be in [0, 1)", o->dropout);
     c.num_res_blocks = o->num_res_blocks;
     c.num_heads = o->num_heads;
     c.num_heads_upsample = o->num_heads_upsample;
@@ -4013,7 +4006,7 @@ static int model_config_from_options(Options *o, int label_rows, ModelConfig *ou
     c.use_new_attention_order = o->use_new_attention_order;
     c.dropout = o->dropout;
     if (o->class_cond && label_rows < 1)
-        return dataset_fail(err, err_len, "--class_cond needs a dataset with labels (--data) or --num_classes");
+        return error_line(err, err_len, "--class_cond needs a dataset with labels (--data) or --num_classes");
     c.num_classes = o->class_cond ? label_rows : 0;
     *out = c;
     return 0;
@@ -4045,7 +4038,7 @@ static int model_config_from_metadata(const SafeTensorsFile *f, const char *path
         if (value) r = option_from_string(&o, find_option(model_flags[i], strlen(model_flags[i])), value, why, sizeof why);
     }
     if (r == 0) r = model_config_from_options(&o, o.num_classes, c, why, sizeof why);
-    return r == 0 ? 0 : dataset_fail(err, err_len, "%s: its metadata gives no valid model: %s", path, why);
+    return r == 0 ? 0 : error_line(err, err_len, "%s: its metadata gives no valid model: %s", path, why);
 }
 
 // The diffusion a checkpoint's metadata gives (guided-diffusion's defaults where it says nothing):
@@ -4057,16 +4050,16 @@ static int diffusion_from_metadata(const SafeTensorsFile *f, const char *path, i
     char *end = NULL;
     long n = value ? (errno = 0, strtol(value, &end, 10)) : 1000;
     if (value && (end == value || *end || errno || n < 1 || n > 100000))
-        return dataset_fail(err, err_len, "%s: metadata diffusion_steps '%s' is not a whole number from 1 to 100000", path, value);
+        return error_line(err, err_len, "%s: metadata diffusion_steps '%s' is not a whole number from 1 to 100000", path, value);
     *steps = (int)n;
     *schedule = safetensors_metadata(f, "noise_schedule");
     *predict = safetensors_metadata(f, "predict");
     if (!*schedule) *schedule = "linear";
     if (!*predict) *predict = "eps";
     if (strcmp(*schedule, "linear") != 0 && strcmp(*schedule, "cosine") != 0)
-        return dataset_fail(err, err_len, "%s: metadata noise_schedule '%s' is neither linear nor cosine", path, *schedule);
+        return error_line(err, err_len, "%s: metadata noise_schedule '%s' is neither linear nor cosine", path, *schedule);
     if (strcmp(*predict, "eps") != 0 && strcmp(*predict, "v") != 0)
-        return dataset_fail(err, err_len, "%s: metadata predict '%s' is neither eps nor v", path, *predict);
+        return error_line(err, err_len, "%s: metadata predict '%s' is neither eps nor v", path, *predict);
     return 0;
 }
 
@@ -5966,7 +5959,7 @@ static void loader_shuffle(DataLoader *loader, uint64_t epoch) {
 // Moves to a saved position (epoch, next); next must be at most the image count.
 static int loader_seek(DataLoader *loader, LoaderPosition position, char *err, size_t err_len) {
     if (position.next > loader->data.header.count)
-        return dataset_fail(err, err_len, "data position %" PRIu64 " is past the dataset's %" PRIu64 " images",
+        return error_line(err, err_len, "data position %" PRIu64 " is past the dataset's %" PRIu64 " images",
                             position.next, loader->data.header.count);
     loader->position = position;
     loader_shuffle(loader, position.epoch);
@@ -5986,7 +5979,8 @@ static struct {
 static void on_dataset_fault(int sig, siginfo_t *info, void *) {
     const uint8_t *at = (const uint8_t *)info->si_addr;
     if (at >= watched_dataset.begin && at < watched_dataset.end) {
-        if (write(STDERR_FILENO, watched_dataset.message, watched_dataset.length) < 0) _exit(1);
+        ssize_t written = write(STDERR_FILENO, watched_dataset.message, watched_dataset.length);
+        (void)written;  // nothing more can be done about a failed write here
         _exit(1);
     }
     signal(sig, SIG_DFL);  // the fault comes again on return, with the default action
@@ -6014,7 +6008,7 @@ static int loader_open(DataLoader *loader, const char *path, const DatasetHeader
     if (dataset_open(path, &loader->data, err, err_len) != 0) return -1;
     const DatasetHeader *h = &loader->data.header;  // count <= DATASET_MAX_COUNT: the order's 32-bit indices hold it
     if (checked && memcmp(checked, h, sizeof *h) != 0) {
-        dataset_fail(err, err_len, "dataset %s changed since it was checked (%" PRIu64 " images of %ux%u, %u classes, now %" PRIu64
+        error_line(err, err_len, "dataset %s changed since it was checked (%" PRIu64 " images of %ux%u, %u classes, now %" PRIu64
                      " of %ux%u, %u classes): start again", path, checked->count, checked->width, checked->height,
                      checked->num_classes, h->count, h->width, h->height, h->num_classes);
         dataset_close(&loader->data);
@@ -6258,7 +6252,7 @@ static int compare_with_checkpoint(const SafeTensorsFile *f, const char *path, c
     }
     metadata_free(&defaults);
     if (refused[0])
-        return dataset_fail(err, err_len, "%s was trained with another configuration: %s; resume with the checkpoint's values", path, refused);
+        return error_line(err, err_len, "%s was trained with another configuration: %s; resume with the checkpoint's values", path, refused);
     return 0;
 }
 
@@ -6268,9 +6262,9 @@ static int compare_with_checkpoint(const SafeTensorsFile *f, const char *path, c
 static int check_format_version(const SafeTensorsFile *f, const char *path, char *err, size_t err_len) {
     const char *version = safetensors_metadata(f, "format_version");
     int64_t v = version ? whole_number(version) : -1;
-    if (!version) return dataset_fail(err, err_len, "%s records no format_version: not a checkpoint this trainer can resume", path);
+    if (!version) return error_line(err, err_len, "%s records no format_version: not a checkpoint this trainer can resume", path);
     if (v < 1 || v > CHECKPOINT_FORMAT_VERSION)
-        return dataset_fail(err, err_len, "%s is of checkpoint format_version '%s'; this trainer reads versions 1 to %d (a newer "
+        return error_line(err, err_len, "%s is of checkpoint format_version '%s'; this trainer reads versions 1 to %d (a newer "
                             "trainer wrote it?)", path, version, CHECKPOINT_FORMAT_VERSION);
     return 0;
 }
@@ -6540,10 +6534,10 @@ static int write_checkpoint(const char *run_dir, const CheckpointData *d, int ke
                             size_t err_len) {
     char folder[4096], name[64], tmp_name[96], tmp[4300], path[4400];
     snprintf(folder, sizeof folder, "%s/checkpoints", run_dir);
-    if (make_dir_synced(folder) != 0) return dataset_fail(err, err_len, "cannot create %s: %s", folder, strerror(errno));
+    if (make_dir_synced(folder) != 0) return error_line(err, err_len, "cannot create %s: %s", folder, strerror(errno));
     int checkpoints = open_checkpoints(run_dir);
     if (checkpoints < 0)
-        return dataset_fail(err, err_len, "cannot open %s: %s", folder,
+        return error_line(err, err_len, "cannot open %s: %s", folder,
                             errno == ELOOP || errno == ENOTDIR ? "it (or the run folder) is a symbolic link, which could lead into another run"
                                                                : strerror(errno));
     snprintf(name, sizeof name, "step_%09lld", (long long)d->step);
@@ -6553,7 +6547,7 @@ static int write_checkpoint(const char *run_dir, const CheckpointData *d, int ke
     if (mkdirat(checkpoints, tmp_name, 0777) != 0) {
         int e = errno;
         close(checkpoints);
-        return dataset_fail(err, err_len, "cannot create %s: %s", tmp, strerror(e));
+        return error_line(err, err_len, "cannot create %s: %s", tmp, strerror(e));
     }
     checkpoint_stage("folder created");
     snprintf(path, sizeof path, "%s/model.safetensors", tmp);
@@ -6579,7 +6573,7 @@ static int write_checkpoint(const char *run_dir, const CheckpointData *d, int ke
         int e = errno;
         delete_folder(checkpoints, tmp_name);
         close(checkpoints);
-        return dataset_fail(err, err_len, "cannot write checkpoint %s/%s: %s", folder, name, strerror(e));
+        return error_line(err, err_len, "cannot write checkpoint %s/%s: %s", folder, name, strerror(e));
     }
     checkpoint_stage("in place");
     fsync(checkpoints);
@@ -6647,7 +6641,7 @@ static int match_parameters(const ParamList *params, const SafeTensorsFile *f, c
     }
     if (!count && strict && f->count != params->count)
         count = 1, snprintf(problems, sizeof problems, "it holds %d tensors, the model has %d", f->count, params->count);
-    if (count) return dataset_fail(err, err_len, "%s does not match the model (%d problems): %s", path, count, problems);
+    if (count) return error_line(err, err_len, "%s does not match the model (%d problems): %s", path, count, problems);
     return 0;
 }
 
@@ -6661,7 +6655,7 @@ static int read_tensors(const ParamList *params, const SafeTensorsFile *f, const
         const ParamSpec *p = &params->specs[i];
         float *torch = (float *)malloc_or_die(p->numel * sizeof(float));
         if (safetensors_get_float(safetensors_find(f, p->name), torch) != 0)
-            r = dataset_fail(err, err_len, "%s: tensor %s holds NaN or infinite values", path, p->name);
+            r = error_line(err, err_len, "%s: tensor %s holds NaN or infinite values", path, p->name);
         else if (staged)
             param_layout(p, torch, staged + p->offset, 1);
         free(torch);
@@ -6720,7 +6714,7 @@ static int check_resume(const Options *o, const ModelConfig *c, const ParamList 
     Metadata now = checkpoint_metadata(o, c, 0);
     int r = 0;
     if (!format || strcmp(format, "unet.cu checkpoint") != 0 || !step || (rp->step = whole_number(step)) < 0)
-        r = dataset_fail(err, err_len, "%s is not a checkpoint of this trainer (its metadata lacks format or step): it can be "
+        r = error_line(err, err_len, "%s is not a checkpoint of this trainer (its metadata lacks format or step): it can be "
                          "evaluated or sampled, not resumed", path);
     if (r == 0) r = check_format_version(&f, path, err, err_len);
     if (r == 0) r = compare_with_checkpoint(&f, rp->dir, &now, o->gpus, rp->changes, sizeof rp->changes, err, err_len);
@@ -6745,16 +6739,16 @@ static int check_resume(const Options *o, const ModelConfig *c, const ParamList 
     int64_t emb_bias_offset, storage = param_offsets(&layout, &emb_bias_offset);
     free(layout.specs);
     if (state_check(state.bytes, state.size, &h, why, sizeof why) != 0)
-        r = dataset_fail(err, err_len, "%s: %s", path, why);
+        r = error_line(err, err_len, "%s: %s", path, why);
     else if (h.storage != storage || (int)h.num_params != params->count)
-        r = dataset_fail(err, err_len, "%s holds the state of a model of %lld values in %u tensors, not this one's %lld in %d", path,
+        r = error_line(err, err_len, "%s holds the state of a model of %lld values in %u tensors, not this one's %lld in %d", path,
                          (long long)h.storage, h.num_params, (long long)storage, params->count);
     else if (h.step != rp->step)
-        r = dataset_fail(err, err_len, "%s is of step %lld but the weights beside it are of step %lld", path, (long long)h.step,
+        r = error_line(err, err_len, "%s is of step %lld but the weights beside it are of step %lld", path, (long long)h.step,
                          (long long)rp->step);
     else if (h.batch_size != o->batch_size * o->gpus || h.diffusion_steps != o->diffusion_steps || h.seed != o->seed ||
              strcmp(h.noise_schedule, o->noise_schedule) != 0 || strcmp(h.predict, o->predict) != 0)
-        r = dataset_fail(err, err_len, "%s was trained with %d images a step (--batch_size times the GPUs) --diffusion_steps %d "
+        r = error_line(err, err_len, "%s was trained with %d images a step (--batch_size times the GPUs) --diffusion_steps %d "
                          "--noise_schedule %s --predict %s --seed %lld; resume with the same values", rp->dir, h.batch_size,
                          h.diffusion_steps, h.noise_schedule, h.predict, (long long)h.seed);
     rp->position.epoch = h.loader_epoch, rp->position.next = h.loader_next;
@@ -6779,7 +6773,7 @@ static int load_checkpoint(Trainer *tr, const ResumePoint *rp, char *err, size_t
     if (map_regular_file(path, "training state", &state, err, err_len) != 0) return -1;
     if (state_check(state.bytes, state.size, &h, why, sizeof why) != 0 || h.storage != m->storage) {
         unmap_file(&state);
-        return dataset_fail(err, err_len, "%s changed since it was checked", path);
+        return error_line(err, err_len, "%s changed since it was checked", path);
     }
     cuda_check(cudaMemcpy(m->adam_m, state.bytes + sizeof h, 2 * (size_t)m->storage * sizeof(float), cudaMemcpyHostToDevice));
     unmap_file(&state);
@@ -6849,8 +6843,10 @@ static void lock_run_folder(const char *run_dir, int take) {
         char text[32] = "";
         ssize_t n = pread(fd, text, sizeof text - 1, 0);
         long pid = n > 0 ? (text[n] = '\0', strtol(text, NULL, 10)) : 0;
-        fatal("run folder %s is in use by another trainer (process %ld holds %s): wait for it to end, or choose another --run_dir",
-              run_dir, pid, RUN_LOCK);
+        char holder[48] = "another process";
+        if (pid > 0) snprintf(holder, sizeof holder, "process %ld", pid);
+        fatal("run folder %s is in use by another trainer (%s holds %s): wait for it to end, or choose another --run_dir", run_dir,
+              holder, RUN_LOCK);
     }
     if (!take) {
         close(fd);
@@ -7715,7 +7711,7 @@ extern "C" void unet_usage_error(const char *fmt, ...) {
 // trainer pruning it) is said to have gone away. Returns 0, or -1 with a message.
 static int map_checkpoint_file(const char *path, const char *weights, UnetCheckpoint *ck, char *err, size_t err_len) {
     int dir = open(path, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-    if (dir < 0 && errno != ENOTDIR) return dataset_fail(err, err_len, "cannot open checkpoint %s: %s", path, strerror(errno));
+    if (dir < 0 && errno != ENOTDIR) return error_line(err, err_len, "cannot open checkpoint %s: %s", path, strerror(errno));
     if (dir < 0) {
         snprintf(ck->file, sizeof ck->file, "%s", path);
         return safetensors_open(path, &ck->f, err, err_len);
@@ -7725,7 +7721,7 @@ static int map_checkpoint_file(const char *path, const char *weights, UnetCheckp
     int r = safetensors_open_at(dir, name, ck->file, &ck->f, err, err_len);
     struct stat held, now;
     if (r != 0 && errno == ENOENT && fstat(dir, &held) == 0 && (stat(path, &now) != 0 || now.st_ino != held.st_ino || now.st_dev != held.st_dev))
-        r = dataset_fail(err, err_len, "checkpoint %s went away while it was opened (a trainer's --keep removed it?): choose "
+        r = error_line(err, err_len, "checkpoint %s went away while it was opened (a trainer's --keep removed it?): choose "
                          "another step", path);
     close(dir);
     return r;
@@ -7772,13 +7768,13 @@ extern "C" void unet_checkpoint_close(UnetCheckpoint *ck) {
 static int gpu_available(char *err, size_t err_len) {
     int driver = 0, devices = 0;
     if (cudaDriverGetVersion(&driver) != cudaSuccess || driver == 0)
-        return dataset_fail(err, err_len, "no NVIDIA GPU or driver found (no NVIDIA driver is installed)");
+        return error_line(err, err_len, "no NVIDIA GPU or driver found (no NVIDIA driver is installed)");
     cudaError_t e = cudaGetDeviceCount(&devices);
     if (e == cudaErrorInsufficientDriver)
-        return dataset_fail(err, err_len, "the NVIDIA driver supports CUDA %d.%d, older than the CUDA %d.%d this program was built "
+        return error_line(err, err_len, "the NVIDIA driver supports CUDA %d.%d, older than the CUDA %d.%d this program was built "
                             "with: update the driver", driver / 1000, driver % 1000 / 10, CUDART_VERSION / 1000, CUDART_VERSION % 1000 / 10);
     if (e != cudaSuccess || devices == 0)
-        return dataset_fail(err, err_len, "no NVIDIA GPU or driver found (the CUDA runtime says: %s)",
+        return error_line(err, err_len, "no NVIDIA GPU or driver found (the CUDA runtime says: %s)",
                             e != cudaSuccess ? cudaGetErrorString(e) : "no devices");
     return 0;
 }
@@ -7833,7 +7829,7 @@ extern "C" int unet_sampler_max_batch(const UnetCheckpoint *ck, const SamplePlan
     int64_t budget = (int64_t)(free_bytes * 0.9);
     if (limit > INT32_MAX / pixels) limit = INT32_MAX / pixels;  // unet_plan counts pixels in 32 bits
     if (gpu_sampler_bytes(c, 1, plan, guided) > budget) {
-        dataset_fail(err, err_len, "%s: even one image needs %.2f GiB of GPU memory; %.2f GiB are free", ck->file,
+        error_line(err, err_len, "%s: even one image needs %.2f GiB of GPU memory; %.2f GiB are free", ck->file,
                      gpu_sampler_bytes(c, 1, plan, guided) / 1073741824.0, free_bytes / 1073741824.0);
         return 0;
     }
@@ -7859,25 +7855,25 @@ extern "C" int unet_eval(const UnetCheckpoint *ck, const char *in_path, const ch
     const SafeTensor *x = safetensors_find(&in, "x"), *t = safetensors_find(&in, "t"), *y = safetensors_find(&in, "y");
     int S = c->image_size, N = x && x->ndim == 4 && x->shape[0] <= 65536 ? (int)x->shape[0] : 0, r = -1;
     if (!x || x->ndim != 4 || N < 1 || x->shape[1] != c->in_channels || x->shape[2] != S || x->shape[3] != S)
-        dataset_fail(err, err_len, "%s: x must be [N, %d, %d, %d] (NCHW) with N from 1 to 65536", in_path, c->in_channels, S, S);
+        error_line(err, err_len, "%s: x must be [N, %d, %d, %d] (NCHW) with N from 1 to 65536", in_path, c->in_channels, S, S);
     else if (!t || t->numel != N)
-        dataset_fail(err, err_len, "%s: t must hold N = %d timesteps", in_path, N);
+        error_line(err, err_len, "%s: t must hold N = %d timesteps", in_path, N);
     else if (c->num_classes && (!y || y->numel != N))
-        dataset_fail(err, err_len, "%s: the model is class-conditional: y must hold N = %d labels", in_path, N);
+        error_line(err, err_len, "%s: the model is class-conditional: y must hold N = %d labels", in_path, N);
     else r = 0;
     // Sizes only from here on, once the shapes are known to be sane.
     int64_t *steps = (int64_t *)malloc_or_die(N * sizeof(int64_t)), *labels64 = (int64_t *)malloc_or_die(N * sizeof(int64_t));
     if (r == 0 && (safetensors_get_int64(t, steps) != 0 || (c->num_classes && safetensors_get_int64(y, labels64) != 0)))
-        r = dataset_fail(err, err_len, "%s: t and y must be integers (I64 or I32)", in_path);
+        r = error_line(err, err_len, "%s: t and y must be integers (I64 or I32)", in_path);
     for (int n = 0; r == 0 && n < N; n++) {
         if (steps[n] < 0 || steps[n] >= ck->diffusion_steps)
-            r = dataset_fail(err, err_len, "%s: t[%d] = %lld is outside 0..%d", in_path, n, (long long)steps[n], ck->diffusion_steps - 1);
+            r = error_line(err, err_len, "%s: t[%d] = %lld is outside 0..%d", in_path, n, (long long)steps[n], ck->diffusion_steps - 1);
         else if (c->num_classes && (labels64[n] < 0 || labels64[n] >= c->num_classes))
-            r = dataset_fail(err, err_len, "%s: y[%d] = %lld is outside 0..%d", in_path, n, (long long)labels64[n], c->num_classes - 1);
+            r = error_line(err, err_len, "%s: y[%d] = %lld is outside 0..%d", in_path, n, (long long)labels64[n], c->num_classes - 1);
     }
     float *x_nchw = r == 0 ? (float *)malloc_or_die(x->numel * sizeof(float)) : NULL;
     int got = r == 0 ? safetensors_get_float(x, x_nchw) : 0;
-    if (got) r = dataset_fail(err, err_len, got == -2 ? "%s: x holds NaN or infinite values" : "%s: x must be floating point", in_path);
+    if (got) r = error_line(err, err_len, got == -2 ? "%s: x holds NaN or infinite values" : "%s: x must be floating point", in_path);
     UNet m;
     if (r == 0 && api_gpu_ready(err, err_len) != 0) r = -1;
     if (r == 0) {
@@ -7905,7 +7901,7 @@ extern "C" int unet_eval(const UnetCheckpoint *ck, const char *in_path, const ch
         char tmp[4200];  // written whole under a temporary name, then renamed: never a partial file
         snprintf(tmp, sizeof tmp, "%.4000s.tmp.%d", out_path, (int)getpid());
         if (safetensors_write(tmp, &tensor, 1, meta.entries, meta.count) != 0 || rename(tmp, out_path) != 0) {
-            r = dataset_fail(err, err_len, "cannot write %s: %s", out_path, strerror(errno));
+            r = error_line(err, err_len, "cannot write %s: %s", out_path, strerror(errno));
             unlink(tmp);
         }
         metadata_free(&meta);

@@ -15,6 +15,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "random.h"  // mix64
+
 const char *const shapes_class_names[SHAPES_NUM_CLASSES] = {"circle", "square", "triangle"};
 
 enum { CIRCLE, SQUARE, TRIANGLE };
@@ -55,15 +57,8 @@ static const uint8_t shape_palette[][3] = {
                                   // overlap 0.83, so a blob between the classes fails
 
 // ---------------------------------------------------------------------------------------------
-// Random numbers: splitmix64, a counter-based generator. The stream of image `index` starts from a
-// hash of (seed, index), so every image is independent of the others.
-
-// splitmix64's finaliser: a bijective 64-bit mix.
-static uint64_t mix64(uint64_t z) {
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
-}
+// Random numbers: splitmix64 (random.h's mix64) over a counter. The stream of image `index` starts
+// from a hash of (seed, index), so every image is independent of the others.
 
 // Next 64 random bits: advance the counter by the golden-ratio increment and mix it.
 static uint64_t rng_next(uint64_t *state) { return mix64(*state += 0x9E3779B97F4A7C15ull); }

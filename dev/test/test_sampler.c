@@ -15,6 +15,7 @@
 #include <stb_image.h>
 
 #include "dev/test/check.h"
+#include "png.h"
 #include "sampler.h"
 
 static const double MU = 0.3, SIGMA = 0.4;

@@ -9,6 +9,7 @@
 #include <time.h>
 
 #include "dev/test/check.h"
+#include "random.h"
 
 #define SEED 1234
 #define MAX_SIDE 128
@@ -16,13 +17,8 @@
 static uint8_t image[MAX_SIDE * MAX_SIDE * 3], other[MAX_SIDE * MAX_SIDE * 3];
 static uint64_t rng_state;  // the tests' own noise, fresh each run
 
-// splitmix64: next 64 random bits.
-static uint64_t rng_next(void) {
-    uint64_t z = (rng_state += 0x9E3779B97F4A7C15ull);
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
-}
+// splitmix64 (random.h's mix64 over a counter): next 64 random bits.
+static uint64_t rng_next(void) { return mix64(rng_state += 0x9E3779B97F4A7C15ull); }
 
 // Uniform double in (0, 1).
 static double rng_uniform(void) { return ((rng_next() >> 11) + 0.5) * 0x1.0p-53; }
