@@ -531,10 +531,24 @@ static void channel_sums(const Scratch *s, float *per_sample, int per_sample_ld,
 //   input grad    M = input pixels,  Ng = C_in,     k = (t, co)   A = gathered dy,  B = w
 //   weight grad   M = C_out,         Ng = 9 C_in,   k = pixel     A = dy^T,         B = patches of x
 // Each tensor has its own pixel stride (ld: elements from one pixel to the next), so a kernel reads
-// or writes a channel slice of a wider tensor. The BF16 build runs the products on tensor cores
-// (mma.sync m16n8k16 fed by ldmatrix from a cp.async pipeline); the FP32 build on CUDA cores, one
-// thread per output value. The weight gradient's sum over pixels is split into slices written to
-// scratch, then added in a fixed order: deterministic. A 1x1 convolution is a plain product on x.
+// or writes a channel slice of a wider tensor. The weight gradient's sum over pixels is split into
+// slices written to scratch, then added in a fixed order: deterministic. A 1x1 convolution is a
+// plain product on x (cuBLASLt). The 3x3 products run on these kernels, the first that takes the
+// product in this order (conv3x3_forward, conv3x3_backward_input, conv3x3_backward_weight choose):
+//   kernel            products                    takes                                   GroupNorm sums
+//   image (mma.sync)  forward                     the model's input: 3 channels in          gathered
+//   narrow (mma.sync) forward                     the output head: at most 8 channels out   none
+//   halo (wgmma)      forward, input grad         sm_90a, stride 1, width a multiple of 64, gathered
+//                                                 channels multiples of 64
+//   wgmma / TMA       all three                   sm_90a, operands in 16-byte chunks, k     gathered (forward,
+//                                                 channels multiples of 64; through the     whole tiles)
+//                                                 TMA where its boxes fit (stride 1)
+//   split wgmma       forward, input grad         a grid of at most half a wave: k in       none
+//                                                 slices, added by conv_split_finish_kernel
+//   mma.sync          all three                   anything (scalar loads where unaligned)   none
+//   FP32 build        all three                   one thread per output value (CUDA cores)  none
+// "Gathered": the forward also leaves the channel sums of its output for the GroupNorm that reads
+// it (conv_forward_gathering); where none are gathered, GroupNorm runs a sums pass of its own.
 
 typedef struct {
     int in, out, k, stride;
@@ -2349,7 +2363,7 @@ static int conv3x3_forward(floatX *y, int ldy, const floatX *x, int ldx, const f
     p.vec_store = p.pair_store && ldy % 8 == 0 && conv_aligned16(y);
     p.sums = sums, p.sums_numel = sums_numel;
     bool vec = C_in % 8 == 0 && ldx % 8 == 0 && conv_aligned16(x) && conv_aligned16(w);
-    int sum_slots = 0;  // (the output head's and the mma.sync kernels gather none)
+    int sum_slots = 0;  // (stays 0 where the kernel gathers none: see the table at the section's top)
     if (!conv_try_image(p, &sum_slots) && !conv_try_narrow(p, vec) &&
         !conv_try_halo<CONV_FORWARD>(p, vec, vec, &sum_slots) &&
         !conv_try_wgmma<CONV_FORWARD>(p, vec, vec, split, split_floats, &sum_slots))
@@ -2407,7 +2421,7 @@ static void conv3x3_backward_weight(float *dw, float *scratch, const floatX *dy,
 // y = conv(x) + b (+ residual, a tensor shaped like y, when given; it may be y itself). sums (not
 // NULL): also gather y's channel sums there (sums_numel doubles at most) for the GroupNorm that reads
 // y (group_norm_forward's GatheredSums); returns their slots a sample, or 0 where the kernel that ran
-// gathers none (1x1 products, the FP32 build, the output head's, small or split 3x3 products).
+// gathers none (1x1 products, and the 3x3 kernels the table at the section's top marks "none").
 static int conv_forward_gathering(const Conv *cv, floatX *y, const floatX *x, int N, int H, int W, const floatX *residual,
                                   double *sums, int64_t sums_numel) {
     if (cv->k == 3)
@@ -5447,7 +5461,8 @@ __global__ void ema_kernel(float *ema, const float *params, int64_t n, float rat
 // step's graph averages the gradients over the ranks (NCCL all-reduces captured with the kernels,
 // in buckets beside backward: team_plan_buckets) and then the loss, so every rank takes the same
 // AdamW step and the weights stay equal.
-// How the processes start and find each other: the training run's section (team_join).
+// How the processes start and find each other: "Many GPUs: starting the ranks", after the
+// training run (launch_gpus, team_from_environment, team_join).
 
 #ifdef UNET_NO_NCCL
 typedef void *ncclComm_t;  // built without NCCL (the Makefile found none): one process only
@@ -7314,7 +7329,8 @@ static void loss_chart_add(LossChart *c, int64_t step, double loss, double lr) {
 }
 
 // ----------------------------------------------------------------------------------------------
-// Many GPUs: starting the ranks and joining them (the step's side is in the trainer's section).
+// Many GPUs: starting the ranks and joining them (the step's side: "Many GPUs: one process per GPU",
+// before the trainer).
 // `--gpus N` starts N copies of this command on this machine (launch_gpus); any other launcher
 // (torchrun, mpirun, srun) starts them itself and says which is which in the environment. Every
 // rank then joins one NCCL communicator through a file of the run folder, written by rank 0.
