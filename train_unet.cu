@@ -555,6 +555,7 @@ typedef struct {
     floatX *w, *b;     // [out][k][k][in], [out] (compute copies)
     float *dw, *db;    // fp32 gradients
     const Scratch *scratch;
+    int weight;        // its weight's index in the parameter list, which names it
 } Conv;
 
 // cp.async: 16-byte copies from global to shared memory that hold no registers while in flight
@@ -665,6 +666,198 @@ static int64_t conv3x3_split_scratch_floats(int op, int N, int H, int W, int C_i
     return slices * M * (op == CONV_FORWARD ? C_out : C_in);
 }
 
+// ----------------------------------------------------------------------------------------------
+// Convolution: the planner. Which kernel runs a 3x3 product, with which tile and slices, is one pure
+// host function of the product (its shape, and what its operands allow) and of the GPU: conv_plan.
+// It tries the kernel families in this order and takes the first that takes the product (each
+// family's rule is its case in conv_family_takes; the section's top says what each kernel does):
+//   family   products       why it exists                                    measured gain (H100; dev/NOTES.md)
+//   image    forward        3 input channels: too few for 16-byte loads     input conv 0.206 -> 0.078 ms (2026-11-25 j)
+//   narrow   forward        at most 8 output channels: the input halo read   output head 0.320 -> 0.088 ms (2026-11-25 j)
+//                           once, every tap from shared memory
+//   halo     fwd, dgrad     each input element read into shared memory about training 1.34x / 1.37x -> 1.47x / 1.45x of
+//                           once instead of once a tap                       compiled PyTorch, seed:32 / seed:128 (11-24 e)
+//   split    fwd, dgrad     grids of at most half a wave: k in 4-8 slices    seed:32 11.128 -> 10.710 ms (2026-11-24 f)
+//   wgmma    all three      Hopper's warpgroup products; operands through    seed:32 10.136 -> 9.730 ms for the TMA
+//                           the TMA where its boxes fit                      (2026-11-24 g); wgmma: 2026-11-23 evening
+//   mma      all three      every other GPU and shape (mma.sync)             the base
+//   fp32     all three      the FP32 build: one thread per output value      the reference precision
+// Every family but mma and fp32 is a product the base runs too; each gains on the shapes it takes.
+// A dev tool may force a family by name (conv_dev): the plan then takes that family or refuses.
+
+#define CONV_IMAGE_CHANNELS 3  // the model's input: RGB
+
+enum { CONV_IMAGE, CONV_NARROW, CONV_HALO, CONV_SPLIT, CONV_WGMMA, CONV_MMA, CONV_FP32, CONV_FAMILIES, CONV_NONE = -1 };
+static const char *const conv_family_names[CONV_FAMILIES] = {"image", "narrow", "halo", "split", "wgmma", "mma", "fp32"};
+
+// What the planner knows of one product: its shape, and what its operands and output allow.
+typedef struct {
+    int op, N, H, W, C_in, C_out, stride;
+    bool vec_a, vec_b;          // each operand loads in 16-byte chunks (channels, pixel stride, address)
+    bool pair_store, vec_store; // the output (and a residual) stores 4, and 16, bytes at a time
+    bool out_aligned;           // the output's pixel stride a multiple of 8 elements, its address of 16 bytes
+    bool bias, bias_aligned;    // forward: a bias, on a 4-byte boundary
+    bool residual;              // forward: a residual added
+    int64_t split_floats;       // the scratch a split product may use
+} ConvProblem;
+
+// The GPU as the planner sees it: Hopper's sm_90a kernels, the TMA, the multiprocessors.
+typedef struct {
+    bool sm90a, tma;
+    int sms;
+} ConvTarget;
+
+// The planner's answer: the family, its tile (BM x BN; the halo kernel's rows of output a tile), and
+// the slices of k or of the pixel sum (1: none).
+typedef struct {
+    int family;  // CONV_NONE: the forced family does not take the product
+    int BM, BN, rows, slices, k_per_slice;
+    bool tma;  // wgmma and split: the operands through the TMA
+} ConvPlan;
+
+// What a dev tool may ask (dev/bench_conv.cu): a family forced by name (-1: none), and a GPU of `sms`
+// multiprocessors assumed for plans and persistent grids (0: this GPU's; 1 gives the widest tiles and
+// makes every persistent kernel loop over its tiles).
+static struct {
+    int family, sms;
+} conv_dev = {-1, 0};
+
+#if !defined(PRECISION_FP32)  // (the TMA: the BF16 build's sm_90a kernels only)
+// A box of `pixels` consecutive pixels of N images of H x W, as imgs x rows x cols (box dimensions 3,
+// 2, 1), for tiles and k steps that start at multiples of `pixels`: a segment of one row, whole rows of
+// one image, or whole images. False where none fits.
+static bool conv_pixel_box(int H, int W, int pixels, uint32_t *cols, uint32_t *rows, uint32_t *imgs) {
+    *cols = (uint32_t)(W < pixels ? W : pixels), *rows = *imgs = 1;
+    if (W >= pixels) return W % pixels == 0;
+    if (pixels % W != 0) return false;
+    *rows = (uint32_t)(pixels / W);
+    if (H % (int)*rows == 0) return true;
+    *rows = (uint32_t)H, *imgs = (uint32_t)(pixels / (H * W));
+    return pixels % (H * W) == 0;
+}
+
+// Whether conv3x3_tma_kernel takes this product (given the wgmma tiles, operands in 16-byte chunks):
+// stride 1, 64-channel boxes along k (forward, input gradient) or along each tap's columns (weight
+// gradient), and pixel boxes for the tile (128 rows) or the k step (64 pixels).
+static bool conv_tma_takes(const ConvProblem *q, const ConvTarget *t) {
+    uint32_t cols, rows, imgs;
+    int k_channels = q->op == CONV_INPUT_GRAD ? q->C_out : q->C_in;
+    return t->tma && q->stride == 1 && k_channels % 64 == 0 &&
+           conv_pixel_box(q->H, q->W, q->op == CONV_WEIGHT_GRAD ? 64 : 128, &cols, &rows, &imgs);
+}
+#endif
+
+// Whether family f takes the product, and if so its tile and slices in *plan.
+static bool conv_family_takes(int f, const ConvProblem *q, const ConvTarget *t, ConvPlan *plan) {
+    if (q->op == CONV_WEIGHT_GRAD)
+        plan->slices = conv3x3_weight_grad_slices(q->N, q->H, q->W, q->C_in, q->C_out, q->stride, &plan->k_per_slice);
+#if defined(PRECISION_FP32)
+    (void)t;
+    return f == CONV_FP32;
+#else
+    const int op = q->op, fwd = op == CONV_FORWARD, wgrad = op == CONV_WEIGHT_GRAD;
+    const int Ng = fwd ? q->C_out : op == CONV_INPUT_GRAD ? q->C_in : 9 * q->C_in, k_channels = fwd ? q->C_in : q->C_out;
+    const int64_t M = fwd ? (int64_t)q->N * conv_out_size(q->H, 3, q->stride) * conv_out_size(q->W, 3, q->stride)
+                          : (int64_t)q->N * q->H * q->W;
+    const bool hopper = t->sm90a && q->vec_a && q->vec_b;
+    int wgrad_BM, wgrad_BN;
+    conv_weight_grad_tile(q->C_in, q->C_out, &wgrad_BM, &wgrad_BN);
+    switch (f) {
+    case CONV_IMAGE:  // (shared memory: 42 KB at most)
+        return fwd && q->C_in == CONV_IMAGE_CHANNELS && q->stride == 1 && q->C_out % 64 == 0 && q->C_out <= 256 && !q->residual &&
+               q->bias && q->out_aligned;
+    case CONV_NARROW:
+        return fwd && q->C_out <= 8 && q->C_in % 64 == 0 && q->C_in <= 512 && q->vec_a && q->stride == 1 && !q->residual && q->bias;
+    case CONV_HALO:  // (a pixel's channels stored 16 bytes at a time)
+        if (wgrad || !hopper || q->stride != 1 || q->W % 64 != 0 || q->C_in % 64 != 0 || q->C_out % 64 != 0 || !q->pair_store ||
+            !q->vec_store || (q->bias && !q->bias_aligned))
+            return false;
+        plan->BN = fwd && Ng % 192 == 0 ? 192 : Ng % 128 == 0 ? 128 : 64;
+        plan->rows = plan->BN == 64 ? 8 : 4;
+        return true;
+    case CONV_SPLIT: {
+        if (wgrad || !hopper || Ng < 64 || k_channels % 64 != 0) return false;
+        int k_per_slice, slices = conv3x3_split_slices(op, q->N, q->H, q->W, q->C_in, q->C_out, q->stride, &k_per_slice);
+        if (slices < 2 || (int64_t)slices * M * Ng > q->split_floats) return false;
+        plan->BM = plan->BN = 128, plan->slices = slices, plan->k_per_slice = k_per_slice, plan->tma = conv_tma_takes(q, t);
+        return true;
+    }
+    case CONV_WGMMA:
+        if (wgrad) {  // 32-wide tiles run on mma.sync
+            if (!hopper || q->H >= 32768 || q->W >= 32768 || wgrad_BM == 32 || wgrad_BN == 32) return false;
+            plan->BM = wgrad_BM, plan->BN = 128, plan->tma = conv_tma_takes(q, t);
+            return true;
+        }
+        // 128 x 64 tiles for a product 64 wide, else the width of 128, 192 (forward only: its B tile is
+        // K-major) or 256 that pads the product's width least (the wider on a tie), narrowed to 128
+        // when the wider one leaves multiprocessors idle.
+        if (!hopper || Ng < 64 || k_channels % 64 != 0) return false;
+        plan->BM = 128, plan->BN = 128, plan->tma = conv_tma_takes(q, t);
+        if (Ng == 64) plan->BN = 64;
+        for (int bn = 192; Ng > 64 && bn <= 256; bn += 64)
+            if ((bn != 192 || fwd) && (Ng + bn - 1) / bn * bn <= (Ng + plan->BN - 1) / plan->BN * plan->BN) plan->BN = bn;
+        if (Ng > 64 && (M + 127) / 128 * ((Ng + plan->BN - 1) / plan->BN) < t->sms) plan->BN = 128;
+        return true;
+    case CONV_MMA:
+        if (wgrad) {  // the weight gradient's tile, a 64-row one as two blocks of 64 x 256
+            plan->BM = wgrad_BM, plan->BN = wgrad_BN;
+            if (wgrad_BM == 64) plan->BN = 256;
+        } else {  // 128 x 128 is the fastest, also where its last column of tiles is partly empty (Ng = 192), except at Ng = 64
+            plan->BM = Ng > 32 && Ng <= 64 ? 256 : 128;
+            plan->BN = Ng <= 32 ? 32 : Ng <= 64 ? 64 : 128;
+        }
+        return true;
+    default:
+        return false;
+    }
+#endif
+}
+
+// The plan of a product on a GPU: the first family that takes it, or the one forced (family >= 0),
+// CONV_NONE when that one does not.
+static ConvPlan conv_plan(const ConvProblem *q, const ConvTarget *t, int forced) {
+    for (int f = 0; f < CONV_FAMILIES; f++) {
+        ConvPlan plan = {f, 0, 0, 0, 1, 0, false};
+        if ((forced < 0 || f == forced) && conv_family_takes(f, q, t, &plan)) return plan;
+    }
+    ConvPlan none = {CONV_NONE, 0, 0, 0, 1, 0, false};
+    return none;
+}
+
+// One line for a plan: "halo 4x192", "wgmma 128x256 tma", "split 128x128 x4", "mma 128x32 x3", "fp32".
+static const char *conv_plan_text(const ConvPlan *p, char *out, size_t len) {
+    if (p->family == CONV_NONE) return snprintf(out, len, "none"), out;
+    int n = snprintf(out, len, "%s", conv_family_names[p->family]);
+    if (p->family == CONV_HALO) n += snprintf(out + n, len - n, " %dx%d", p->rows, p->BN);
+    else if (p->BM) n += snprintf(out + n, len - n, " %dx%d", p->BM, p->BN);
+    if (p->tma) n += snprintf(out + n, len - n, " tma");
+    if (p->slices > 1) snprintf(out + n, len - n, " x%d", p->slices);
+    return out;
+}
+
+// A layer's product as the model runs it, for listings and tests: its tensors 16-byte aligned with
+// the channels as pixel strides, a bias and no residual, the split scratch as the plan sizes it.
+static ConvProblem conv_layer_problem(int op, int N, int size, int C_in, int C_out, int stride) {
+    bool vec_in = C_in % 8 == 0, vec_out = C_out % 8 == 0;
+    ConvProblem q = {op, N, size, size, C_in, C_out, stride, false, false, false, false, false, false, false, false, INT64_MAX};
+    if (op == CONV_FORWARD) q.vec_a = q.vec_b = vec_in, q.pair_store = C_out % 2 == 0, q.vec_store = q.out_aligned = vec_out;
+    else if (op == CONV_INPUT_GRAD) q.vec_a = vec_out, q.vec_b = vec_in, q.pair_store = C_in % 2 == 0, q.vec_store = q.out_aligned = vec_in;
+    else q.vec_a = vec_out, q.vec_b = vec_in;
+    q.bias = q.bias_aligned = op == CONV_FORWARD;
+    return q;
+}
+
+// The GPU as the plans see it (a dev tool's multiprocessors where it sets them), and the plan a
+// product runs with, kept for dev tools to check (conv_last_plan).
+static int conv_sms(void) { return conv_dev.sms ? conv_dev.sms : gpu.num_sms; }
+static ConvPlan conv_last_plan;
+
+static ConvPlan conv_choose(const ConvProblem *q, bool tma_available) {
+    ConvTarget t = {gpu.sm90a != 0, tma_available, conv_sms()};
+    conv_last_plan = conv_plan(q, &t, conv_dev.family);
+    return conv_last_plan;
+}
+
 #if defined(PRECISION_FP32)
 // FP32: one thread per output value, on CUDA cores.
 
@@ -733,6 +926,8 @@ static int conv3x3_forward(floatX *y, int ldy, const floatX *x, int ldx, const f
                            const floatX *residual, int ldr, int N, int H, int W, int C_in, int C_out, int stride, float *split,
                            int64_t split_floats, double *sums, int64_t sums_numel) {
     (void)split, (void)split_floats, (void)sums, (void)sums_numel;  // never split; gathers no channel sums
+    ConvProblem q = {CONV_FORWARD, N, H, W, C_in, C_out, stride};
+    conv_choose(&q, false);  // (the FP32 family, recorded for dev tools)
     int Ho = conv_out_size(H, 3, stride), Wo = conv_out_size(W, 3, stride);
     int64_t total = (int64_t)N * Ho * Wo * C_out;
     conv3x3_forward_kernel<<<(unsigned)((total + 255) / 256), 256, 0, gpu.stream>>>(y, ldy, x, ldx, w, bias, residual, ldr, N,
@@ -744,6 +939,8 @@ static int conv3x3_forward(floatX *y, int ldy, const floatX *x, int ldx, const f
 static void conv3x3_backward_input(floatX *dx, int lddx, GradMode mode, const floatX *dy, int lddy, const floatX *w, int N,
                                    int H, int W, int C_in, int C_out, int stride, float *split, int64_t split_floats) {
     (void)split, (void)split_floats;  // never split
+    ConvProblem q = {CONV_INPUT_GRAD, N, H, W, C_in, C_out, stride};
+    conv_choose(&q, false);
     int Ho = conv_out_size(H, 3, stride), Wo = conv_out_size(W, 3, stride);
     int64_t total = (int64_t)N * H * W * C_in;
     conv3x3_backward_input_kernel<<<(unsigned)((total + 255) / 256), 256, 0, gpu.stream>>>(dx, lddx, mode, dy, lddy, w, N, H,
@@ -753,11 +950,12 @@ static void conv3x3_backward_input(floatX *dx, int lddx, GradMode mode, const fl
 
 static void conv3x3_backward_weight(float *dw, float *scratch, const floatX *dy, int lddy, const floatX *x, int ldx, int N,
                                     int H, int W, int C_in, int C_out, int stride) {
-    int Ho = conv_out_size(H, 3, stride), Wo = conv_out_size(W, 3, stride), pixels_per_slice;
-    int slices = conv3x3_weight_grad_slices(N, H, W, C_in, C_out, stride, &pixels_per_slice), total = C_out * 9 * C_in;
+    ConvProblem q = {CONV_WEIGHT_GRAD, N, H, W, C_in, C_out, stride};
+    ConvPlan plan = conv_choose(&q, false);
+    int Ho = conv_out_size(H, 3, stride), Wo = conv_out_size(W, 3, stride), slices = plan.slices, total = C_out * 9 * C_in;
     dim3 grid((total + 255) / 256, slices);
     conv3x3_backward_weight_kernel<<<grid, 256, 0, gpu.stream>>>(slices > 1 ? scratch : dw, dy, lddy, x, ldx, N, H, W, C_in,
-                                                                 C_out, stride, Ho, Wo, pixels_per_slice);
+                                                                 C_out, stride, Ho, Wo, plan.k_per_slice);
     cuda_check_launch();
     if (slices > 1) sum_slices(dw, scratch, slices, total);
 }
@@ -1713,29 +1911,6 @@ static CUtensorMap conv_tensor_map(const floatX *base, int rank, const uint64_t 
     return map;
 }
 
-// A box of `pixels` consecutive pixels of N images of H x W, as imgs x rows x cols (box dimensions 3,
-// 2, 1), for tiles and k steps that start at multiples of `pixels`: a segment of one row, whole rows of
-// one image, or whole images. False where none fits.
-static bool conv_pixel_box(int H, int W, int pixels, uint32_t *cols, uint32_t *rows, uint32_t *imgs) {
-    *cols = (uint32_t)(W < pixels ? W : pixels), *rows = *imgs = 1;
-    if (W >= pixels) return W % pixels == 0;
-    if (pixels % W != 0) return false;
-    *rows = (uint32_t)(pixels / W);
-    if (H % (int)*rows == 0) return true;
-    *rows = (uint32_t)H, *imgs = (uint32_t)(pixels / (H * W));
-    return pixels % (H * W) == 0;
-}
-
-// Whether conv3x3_tma_kernel takes this product (given the wgmma tiles, operands in 16-byte chunks):
-// stride 1, 64-channel boxes along k (forward, input gradient) or along each tap's columns (weight
-// gradient), and pixel boxes for the tile (128 rows) or the k step (64 pixels).
-static bool conv_tma_fits(int op, const ConvGemm &p) {
-    uint32_t cols, rows, imgs;
-    int k_channels = op == CONV_INPUT_GRAD ? p.C_out : p.C_in;
-    return p.stride == 1 && k_channels % 64 == 0 &&
-           conv_pixel_box(p.H, p.W, op == CONV_WEIGHT_GRAD ? 64 : 128, &cols, &rows, &imgs) && conv_tma_available();
-}
-
 // Launches conv3x3_tma_kernel (the slices: the weight gradient's, or a split product's) with its tensor
 // maps: the pixels of x or dy as [N][H][W][C] with their channel stride, dy as [pixels][C_out] (weight
 // gradient), w as [C_out][9 C_in].
@@ -1778,16 +1953,16 @@ static int conv_sum_slots(ConvGemm *q, int tiles_per_image) {
     return 0;
 }
 
-// The forward or input-gradient product on 128 x BN tiles: through the TMA where it fits, else
-// gathered. Returns the slots of the channel sums gathered (a forward's, where a tile, or each half
-// of one, lies inside an image).
+// The forward or input-gradient product on 128 x BN tiles: through the TMA (tma), else gathered.
+// Returns the slots of the channel sums gathered (a forward's, where a tile, or each half of one,
+// lies inside an image).
 template <int OP, int BN>
-static int conv_launch_wgmma_tiles(const ConvGemm &p) {
+static int conv_launch_wgmma_tiles(const ConvGemm &p, bool tma) {
     ConvGemm q = p;
     int HW = p.Ho * p.Wo;
     q.sum_rows = HW % 128 == 0 ? 128 : 64;
     int slots = conv_sum_slots(&q, HW % q.sum_rows == 0 ? HW / q.sum_rows : 0);
-    if (conv_tma_fits(OP, q)) conv_launch_tma<OP, 128, BN>(q, 1);
+    if (tma) conv_launch_tma<OP, 128, BN>(q, 1);
     else conv_launch_wgmma<OP, 128, BN>(q, 1);
     return slots;
 }
@@ -1811,44 +1986,17 @@ __global__ void conv_split_finish_kernel(const ConvGemm p, int slices) {
     *o = (floatX)v;
 }
 
-// The wgmma kernel for a forward or input-gradient product when this GPU runs it, both operands load
-// in 16-byte chunks and the k channels are a multiple of 64: 128 x 64 tiles for a product 64 wide,
-// else the tile width of 128, 192 (forward only: its B tile is K-major) or 256 that pads the
-// product's width Ng least (the wider on a tie), narrowed to 128 when the wider one leaves
-// multiprocessors idle; 128 x 128 tiles in slices of k where the product is split and its partial sums
-// fit in the scratch given (split, split_floats floats). False (nothing launched) for products narrower
-// than 64. *sum_slots: the slots of the channel sums gathered (0 where none; a split product gathers none).
+// A split product (conv3x3_split_slices, planned as CONV_SPLIT): each slice's products of 128 x 128
+// tiles into scratch in fp32, through the TMA (plan->tma) or gathered, then added in order with the
+// bias and residual, or what dx held, by conv_split_finish_kernel. Gathers no channel sums.
 template <int OP>
-static bool conv_try_wgmma(const ConvGemm &p, bool vec_a, bool vec_b, float *split, int64_t split_floats, int *sum_slots) {
-    if (!gpu.sm90a || !vec_a || !vec_b || p.Ng < 64 || (OP == CONV_FORWARD ? p.C_in : p.C_out) % 64 != 0) return false;
-    int k_per_slice, slices = conv3x3_split_slices(OP, p.N, p.H, p.W, p.C_in, p.C_out, p.stride, &k_per_slice);
-    if (slices > 1 && (int64_t)slices * p.M * p.Ng <= split_floats) {
-        ConvGemm q = p;
-        q.k_per_slice = k_per_slice, q.out_f = split, q.pair_store = p.Ng % 2 == 0;  // (scratch is 8-byte aligned)
-        *sum_slots = 0;
-        if (conv_tma_fits(OP, q)) conv_launch_tma<OP, 128, 128, true>(q, slices);
-        else conv_launch_wgmma_kernel<OP, 128, 128, false, true>(q, slices);
-        conv_split_finish_kernel<OP><<<(unsigned)(((int64_t)p.M * p.Ng + 255) / 256), 256, 0, gpu.stream>>>(q, slices);
-        cuda_check_launch();
-        return true;
-    }
-    if (p.Ng == 64) {
-        *sum_slots = conv_launch_wgmma_tiles<OP, 64>(p);
-        return true;
-    }
-    int best = 128;
-    for (int bn = 192; bn <= 256; bn += 64) {
-        if (bn == 192 && OP != CONV_FORWARD) continue;
-        if ((p.Ng + bn - 1) / bn * bn <= (p.Ng + best - 1) / best * best) best = bn;
-    }
-    int64_t blocks = (int64_t)((p.M + 127) / 128) * ((p.Ng + best - 1) / best);
-    if (blocks < gpu.num_sms) best = 128;
-    if (best == 256) *sum_slots = conv_launch_wgmma_tiles<OP, 256>(p);
-    else if constexpr (OP == CONV_FORWARD) {
-        if (best == 192) *sum_slots = conv_launch_wgmma_tiles<OP, 192>(p);
-        else *sum_slots = conv_launch_wgmma_tiles<OP, 128>(p);
-    } else *sum_slots = conv_launch_wgmma_tiles<OP, 128>(p);
-    return true;
+static void conv_launch_split(const ConvGemm &p, const ConvPlan *plan, float *split) {
+    ConvGemm q = p;
+    q.k_per_slice = plan->k_per_slice, q.out_f = split, q.pair_store = p.Ng % 2 == 0;  // (scratch is 8-byte aligned)
+    if (plan->tma) conv_launch_tma<OP, 128, 128, true>(q, plan->slices);
+    else conv_launch_wgmma_kernel<OP, 128, 128, false, true>(q, plan->slices);
+    conv_split_finish_kernel<OP><<<(unsigned)(((int64_t)p.M * p.Ng + 255) / 256), 256, 0, gpu.stream>>>(q, plan->slices);
+    cuda_check_launch();
 }
 
 // The halo kernel (sm_90a): the stride-1 forward and input gradient for images a multiple of 64 pixels
@@ -2049,11 +2197,11 @@ __global__ void __launch_bounds__(CONV_THREADS, (ConvHaloTile<ROWS, BN>::BLOCKS_
 #endif
 }
 
-// The halo kernel when it applies (see above; both operands in 16-byte chunks, output pairs aligned):
-// BN = 192 (forward only: its B tile is K-major) or 128 in 4-row tiles where the output channels
-// allow, else BN = 64 in 8-row tiles; as many blocks as run at once, or one per item when fewer.
-// (H100, dev/bench_conv: 8-row tiles for BN = 64 ran 1.00-1.10x of 4-row ones, BN = 192 1.12-1.18x
-// of BN = 64 on adm64's 192-channel forwards.) Returns the slots of the channel sums gathered.
+// The halo kernel (planned as CONV_HALO where it applies: both operands in 16-byte chunks, output
+// pairs aligned): BN = 192 (forward only: its B tile is K-major) or 128 in 4-row tiles where the
+// output channels allow, else BN = 64 in 8-row tiles; as many blocks as run at once, or one per item
+// when fewer. (H100, dev/bench_conv: 8-row tiles for BN = 64 ran 1.00-1.10x of 4-row ones, BN = 192
+// 1.12-1.18x of BN = 64 on adm64's 192-channel forwards.) Returns the slots of the channel sums gathered.
 template <int OP, int ROWS, int BN>
 static int conv_launch_halo(const ConvGemm &p) {
     typedef ConvHaloTile<ROWS, BN> Tile;
@@ -2063,27 +2211,10 @@ static int conv_launch_halo(const ConvGemm &p) {
     ConvGemm q = p;
     int slots = conv_sum_slots(&q, (p.H + ROWS - 1) / ROWS * (p.W / 64));
     int64_t items = (int64_t)p.N * ((p.H + ROWS - 1) / ROWS) * (p.W / 64) * (p.Ng / BN);
-    int64_t at_once = (int64_t)gpu.num_sms * Tile::BLOCKS_PER_SM;
+    int64_t at_once = (int64_t)conv_sms() * Tile::BLOCKS_PER_SM;
     kernel<<<(int)(items < at_once ? items : at_once), CONV_THREADS, Tile::SMEM, gpu.stream>>>(q);
     cuda_check_launch();
     return slots;
-}
-
-// *sum_slots: the slots of the channel sums gathered (see conv_launch_halo).
-template <int OP>
-static bool conv_try_halo(const ConvGemm &p, bool vec_a, bool vec_b, int *sum_slots) {
-    if (!gpu.sm90a || !vec_a || !vec_b || p.stride != 1 || p.W % 64 != 0 || p.C_in % 64 != 0 || p.C_out % 64 != 0 ||
-        !p.pair_store || !p.vec_store ||             // (a pixel's channels stored 16 bytes at a time)
-        (p.bias && ((uintptr_t)p.bias & 3) != 0))  // (the input gradient has no bias)
-        return false;
-    if constexpr (OP == CONV_FORWARD)
-        if (p.Ng % 192 == 0) {
-            *sum_slots = conv_launch_halo<OP, 4, 192>(p);
-            return true;
-        }
-    if (p.Ng % 128 == 0) *sum_slots = conv_launch_halo<OP, 4, 128>(p);
-    else *sum_slots = conv_launch_halo<OP, 8, 64>(p);
-    return true;
 }
 
 // The model's input convolution (input_blocks.0: 3 image channels in, too few for the other kernels'
@@ -2101,7 +2232,6 @@ static bool conv_try_halo(const ConvGemm &p, bool vec_a, bool vec_b, int *sum_sl
 // stores, 8 pixels apart, cost ~2x (dev/NOTES.md, 2026-11-25 j). Where p.sums is set, the tile's
 // channel sums are gathered from the stored values as the other kernels gather them
 // (conv_warp_sums_8); a slot per 4 x 64 tile of an image.
-#define CONV_IMAGE_CHANNELS 3
 #define CONV_IMAGE_PATCH (6 * 66 * CONV_IMAGE_CHANNELS)                            // values
 #define CONV_IMAGE_FETCH ((CONV_IMAGE_PATCH + CONV_THREADS - 1) / CONV_THREADS)  // of them a thread copies
 #define CONV_IMAGE_LDW 40
@@ -2287,30 +2417,25 @@ __global__ void __launch_bounds__(CONV_THREADS, 3) conv3x3_narrow_kernel(ConvGem
 
 // Takes the forward when it is the output head's: few output channels (at most 8), C_in a multiple
 // of 64 (at most 512: 131 KB of shared memory), x in 16-byte rows, no residual. Gathers no sums.
-static bool conv_try_narrow(const ConvGemm &p, bool vec) {
-    if (p.C_out > 8 || p.C_in % 64 != 0 || p.C_in > 512 || !vec || p.stride != 1 || p.residual || !p.bias) return false;
+static void conv_launch_narrow(const ConvGemm &p) {
     static bool configured = false;
     conv_allow_smem(conv3x3_narrow_kernel, &configured, (CONV_NARROW_HALO + 8 * (9 * 512 + 8)) * sizeof(floatX));
     int smem = (CONV_NARROW_HALO + 8 * (9 * p.C_in + 8)) * (int)sizeof(floatX);
-    int64_t tiles = (int64_t)p.N * ((p.H + 3) / 4) * ((p.W + 63) / 64), at_once = (int64_t)gpu.num_sms * 3;
+    int64_t tiles = (int64_t)p.N * ((p.H + 3) / 4) * ((p.W + 63) / 64), at_once = (int64_t)conv_sms() * 3;
     conv3x3_narrow_kernel<<<(int)(tiles < at_once ? tiles : at_once), CONV_THREADS, smem, gpu.stream>>>(p);
     cuda_check_launch();
-    return true;
 }
 
-// Takes the forward when it is the model's input convolution; *sum_slots as conv_try_halo's.
-static bool conv_try_image(const ConvGemm &p, int *sum_slots) {
-    if (p.C_in != CONV_IMAGE_CHANNELS || p.stride != 1 || p.C_out % 64 != 0 || p.C_out > 256 || p.residual || !p.bias ||
-        p.ldo % 8 != 0 || !conv_aligned16(p.out))
-        return false;
+// The model's input convolution (planned as CONV_IMAGE). Returns the slots of the channel sums gathered.
+static int conv_launch_image(const ConvGemm &p) {
     int smem = p.C_out * (CONV_IMAGE_LDW * (int)sizeof(floatX) + (int)sizeof(float)) + CONV_IMAGE_PATCH * (int)sizeof(floatX);
     ConvGemm q = p;  // (shared memory: 42 KB at most, no opt-in needed)
     int tiles_per_image = (p.H + 3) / 4 * ((p.W + 63) / 64);
-    *sum_slots = conv_sum_slots(&q, tiles_per_image);
-    int64_t tiles = (int64_t)p.N * tiles_per_image * (p.C_out / 64), at_once = (int64_t)gpu.num_sms * 2;
+    int slots = conv_sum_slots(&q, tiles_per_image);
+    int64_t tiles = (int64_t)p.N * tiles_per_image * (p.C_out / 64), at_once = (int64_t)conv_sms() * 2;
     conv3x3_image_kernel<<<(int)(tiles < at_once ? tiles : at_once), CONV_THREADS, smem, gpu.stream>>>(q);
     cuda_check_launch();
-    return true;
+    return slots;
 }
 
 static ConvGemm conv_gemm(int op, int N, int H, int W, int C_in, int C_out, int stride) {
@@ -2345,14 +2470,63 @@ static void conv_launch(const ConvGemm &p, bool vec_a, bool vec_b, int slices) {
     else conv_launch_tile<OP, BM, BN, BK, WARPS_M, WARPS_N, false, false>(p, slices);
 }
 
-// Forward and input gradient: tiles by the width Ng of the product; 128 x 128 is the fastest, also
-// where its last column of tiles is partly empty (Ng = 192: 25% empty), except at Ng = 64.
+// Runs a plan (conv_plan): the family's launcher with the plan's tile and slices; vec_a, vec_b say
+// which mma.sync kernel loads in 16-byte chunks. Returns the slots of the channel sums gathered (0:
+// none). A forced family that does not take the product (CONV_NONE) runs nothing.
 template <int OP>
-static void conv_launch_by_width(const ConvGemm &p, bool vec_a, bool vec_b) {
-    if (p.Ng <= 32) conv_launch<OP, 128, 32, 32, 4, 2>(p, vec_a, vec_b, 1);
-    else if (p.Ng > 64) conv_launch<OP, 128, 128, 64, 2, 4>(p, vec_a, vec_b, 1);
-    else conv_launch<OP, 256, 64, 32, 4, 2>(p, vec_a, vec_b, 1);
+static int conv_run(const ConvPlan *plan, const ConvGemm &p, bool vec_a, bool vec_b, float *split) {
+    const int BM = plan->BM, BN = plan->BN;
+    switch (plan->family) {
+    case CONV_NONE:
+        return 0;
+    case CONV_IMAGE:
+        if constexpr (OP == CONV_FORWARD) return conv_launch_image(p);
+        break;
+    case CONV_NARROW:
+        if constexpr (OP == CONV_FORWARD) return conv_launch_narrow(p), 0;
+        break;
+    case CONV_HALO:
+        if constexpr (OP == CONV_FORWARD)
+            if (BN == 192) return conv_launch_halo<OP, 4, 192>(p);
+        if constexpr (OP != CONV_WEIGHT_GRAD) return BN == 128 ? conv_launch_halo<OP, 4, 128>(p) : conv_launch_halo<OP, 8, 64>(p);
+        break;
+    case CONV_SPLIT:
+        if constexpr (OP != CONV_WEIGHT_GRAD) return conv_launch_split<OP>(p, plan, split), 0;
+        break;
+    case CONV_WGMMA:
+        if constexpr (OP == CONV_WEIGHT_GRAD) {
+            if (plan->tma && BM == 128) conv_launch_tma<OP, 128, 128>(p, plan->slices);
+            else if (plan->tma) conv_launch_tma<OP, 64, 128>(p, plan->slices);
+            else if (BM == 128) conv_launch_wgmma<OP, 128, 128>(p, plan->slices);
+            else conv_launch_wgmma<OP, 64, 128>(p, plan->slices);
+            return 0;
+        } else {
+            if (BN == 64) return conv_launch_wgmma_tiles<OP, 64>(p, plan->tma);
+            if (BN == 256) return conv_launch_wgmma_tiles<OP, 256>(p, plan->tma);
+            if constexpr (OP == CONV_FORWARD)
+                if (BN == 192) return conv_launch_wgmma_tiles<OP, 192>(p, plan->tma);
+            return conv_launch_wgmma_tiles<OP, 128>(p, plan->tma);
+        }
+    case CONV_MMA:
+        if constexpr (OP == CONV_WEIGHT_GRAD) {
+            if (BM == 32) conv_launch<OP, 32, 128, 32, 1, 8>(p, vec_a, vec_b, plan->slices);
+            else if (BN == 32) conv_launch<OP, 128, 32, 32, 4, 2>(p, vec_a, vec_b, plan->slices);
+            else if (BM == 128) conv_launch<OP, 128, 128, 64, 2, 4>(p, vec_a, vec_b, plan->slices);
+            else conv_launch<OP, 64, 256, 32, 2, 4>(p, vec_a, vec_b, plan->slices);
+        } else {
+            if (BN == 32) conv_launch<OP, 128, 32, 32, 4, 2>(p, vec_a, vec_b, 1);
+            else if (BN == 128) conv_launch<OP, 128, 128, 64, 2, 4>(p, vec_a, vec_b, 1);
+            else conv_launch<OP, 256, 64, 32, 4, 2>(p, vec_a, vec_b, 1);
+        }
+        return 0;
+    }
+    static const char *const op_names[3] = {"forward", "input gradient", "weight gradient"};
+    fatal("internal error: the %s kernel has no %s launch", conv_family_names[plan->family], op_names[OP]);
+    return 0;
 }
+
+// The GPU's TMA, for the plans: only asked where the sm_90a kernels run.
+static bool conv_tma_here(void) { return gpu.sm90a && conv_tma_available(); }
 
 static int conv3x3_forward(floatX *y, int ldy, const floatX *x, int ldx, const floatX *w, const floatX *bias,
                            const floatX *residual, int ldr, int N, int H, int W, int C_in, int C_out, int stride, float *split,
@@ -2363,12 +2537,10 @@ static int conv3x3_forward(floatX *y, int ldy, const floatX *x, int ldx, const f
     p.vec_store = p.pair_store && ldy % 8 == 0 && conv_aligned16(y);
     p.sums = sums, p.sums_numel = sums_numel;
     bool vec = C_in % 8 == 0 && ldx % 8 == 0 && conv_aligned16(x) && conv_aligned16(w);
-    int sum_slots = 0;  // (stays 0 where the kernel gathers none: see the table at the section's top)
-    if (!conv_try_image(p, &sum_slots) && !conv_try_narrow(p, vec) &&
-        !conv_try_halo<CONV_FORWARD>(p, vec, vec, &sum_slots) &&
-        !conv_try_wgmma<CONV_FORWARD>(p, vec, vec, split, split_floats, &sum_slots))
-        conv_launch_by_width<CONV_FORWARD>(p, vec, vec);
-    return sum_slots;
+    ConvProblem q = {CONV_FORWARD, N, H, W, C_in, C_out, stride, vec, vec, p.pair_store != 0, p.vec_store != 0,
+                     ldy % 8 == 0 && conv_aligned16(y), bias != NULL, ((uintptr_t)bias & 3) == 0, residual != NULL, split_floats};
+    ConvPlan plan = conv_choose(&q, conv_tma_here());
+    return conv_run<CONV_FORWARD>(&plan, p, vec, vec, split);
 }
 
 // The stride-2 input gradient's rows numbered by parity class (ConvGemm.class_start), for the wgmma
@@ -2389,32 +2561,24 @@ static void conv3x3_backward_input(floatX *dx, int lddx, GradMode mode, const fl
     p.pair_store = lddx % 2 == 0 && ((uintptr_t)dx & 3) == 0;
     p.vec_store = lddx % 8 == 0 && conv_aligned16(dx);
     bool vec_a = C_out % 8 == 0 && lddy % 8 == 0 && conv_aligned16(dy), vec_b = C_in % 8 == 0 && conv_aligned16(w);
-    int no_sums;
-    if (!conv_try_halo<CONV_INPUT_GRAD>(p, vec_a, vec_b, &no_sums) &&
-        !conv_try_wgmma<CONV_INPUT_GRAD>(p, vec_a, vec_b, split, split_floats, &no_sums))
-        conv_launch_by_width<CONV_INPUT_GRAD>(p, vec_a, vec_b);
+    ConvProblem q = {CONV_INPUT_GRAD, N, H, W, C_in, C_out, stride, vec_a, vec_b, p.pair_store != 0, p.vec_store != 0,
+                     p.vec_store != 0, false, false, false, split_floats};
+    ConvPlan plan = conv_choose(&q, conv_tma_here());
+    conv_run<CONV_INPUT_GRAD>(&plan, p, vec_a, vec_b, split);
 }
 
 static void conv3x3_backward_weight(float *dw, float *scratch, const floatX *dy, int lddy, const floatX *x, int ldx, int N,
                                     int H, int W, int C_in, int C_out, int stride) {
     ConvGemm p = conv_gemm(CONV_WEIGHT_GRAD, N, H, W, C_in, C_out, stride);
-    int slices = conv3x3_weight_grad_slices(N, H, W, C_in, C_out, stride, &p.k_per_slice);
-    p.dy = dy, p.lddy = lddy, p.x = x, p.ldx = ldx, p.out_f = slices > 1 ? scratch : dw;
-    p.pair_store = p.Ng % 2 == 0 && ((uintptr_t)p.out_f & 7) == 0;
     bool vec_a = C_out % 8 == 0 && lddy % 8 == 0 && conv_aligned16(dy);
     bool vec_b = C_in % 8 == 0 && ldx % 8 == 0 && conv_aligned16(x);
-    int BM, BN;
-    conv_weight_grad_tile(C_in, C_out, &BM, &BN);
-    bool wgmma = gpu.sm90a && vec_a && vec_b && H < 32768 && W < 32768, tma = wgmma && conv_tma_fits(CONV_WEIGHT_GRAD, p);
-    if (BM == 32) conv_launch<CONV_WEIGHT_GRAD, 32, 128, 32, 1, 8>(p, vec_a, vec_b, slices);
-    else if (BN == 32) conv_launch<CONV_WEIGHT_GRAD, 128, 32, 32, 4, 2>(p, vec_a, vec_b, slices);
-    else if (tma && BM == 128) conv_launch_tma<CONV_WEIGHT_GRAD, 128, 128>(p, slices);
-    else if (tma) conv_launch_tma<CONV_WEIGHT_GRAD, 64, 128>(p, slices);
-    else if (wgmma && BM == 128) conv_launch_wgmma<CONV_WEIGHT_GRAD, 128, 128>(p, slices);
-    else if (wgmma) conv_launch_wgmma<CONV_WEIGHT_GRAD, 64, 128>(p, slices);
-    else if (BM == 128) conv_launch<CONV_WEIGHT_GRAD, 128, 128, 64, 2, 4>(p, vec_a, vec_b, slices);
-    else conv_launch<CONV_WEIGHT_GRAD, 64, 256, 32, 2, 4>(p, vec_a, vec_b, slices);
-    if (slices > 1) sum_slices(dw, scratch, slices, (int64_t)C_out * 9 * C_in);
+    ConvProblem q = {CONV_WEIGHT_GRAD, N, H, W, C_in, C_out, stride, vec_a, vec_b, false, false, false, false, false, false, 0};
+    ConvPlan plan = conv_choose(&q, conv_tma_here());
+    p.k_per_slice = plan.k_per_slice;
+    p.dy = dy, p.lddy = lddy, p.x = x, p.ldx = ldx, p.out_f = plan.slices > 1 ? scratch : dw;
+    p.pair_store = p.Ng % 2 == 0 && ((uintptr_t)p.out_f & 7) == 0;
+    conv_run<CONV_WEIGHT_GRAD>(&plan, p, vec_a, vec_b, NULL);
+    if (plan.slices > 1) sum_slices(dw, scratch, plan.slices, (int64_t)C_out * 9 * C_in);
 }
 #endif
 
@@ -4505,7 +4669,7 @@ static Conv walk_conv(Walk *w, const char *prefix, int in, int out, int k, int s
     int weight_shape[4] = {out, in, k, k}, bias_shape[1] = {out};
     int weight = param_add(w->params, prefix, "weight", 2 + dims, weight_shape);
     param_add(w->params, prefix, "bias", 1, bias_shape);
-    Conv cv = {in, out, k, stride, NULL, NULL, NULL, NULL, w->m ? &w->m->scratch : NULL};
+    Conv cv = {in, out, k, stride, NULL, NULL, NULL, NULL, w->m ? &w->m->scratch : NULL, weight};
     if (w->m && w->m->compute) {
         cv.w = param_compute(w->m, weight), cv.b = param_compute(w->m, weight + 1);
         cv.dw = param_grad(w->m, weight), cv.db = param_grad(w->m, weight + 1);
@@ -4517,7 +4681,7 @@ static Conv walk_linear(Walk *w, const char *prefix, int in, int out) {
     int weight_shape[2] = {out, in}, bias_shape[1] = {out};
     int weight = param_add(w->params, prefix, "weight", 2, weight_shape);
     param_add(w->params, prefix, "bias", 1, bias_shape);
-    Conv cv = {in, out, 1, 1, NULL, NULL, NULL, NULL, w->m ? &w->m->scratch : NULL};
+    Conv cv = {in, out, 1, 1, NULL, NULL, NULL, NULL, w->m ? &w->m->scratch : NULL, weight};
     if (w->m && w->m->compute) {
         cv.w = param_compute(w->m, weight), cv.b = param_compute(w->m, weight + 1);
         cv.dw = param_grad(w->m, weight), cv.db = param_grad(w->m, weight + 1);
@@ -4591,8 +4755,15 @@ static Block *walk_block(Walk *w, BlockKind kind, int out_channels, int out_size
 
 // Notes the scratch a convolution on a size x size input needs: a split 3x3 product's partial sums,
 // and in training its weight gradient's slices and its bias gradient's partial sums.
+// Told of every convolution the walk plans: its weight's name, the batch, its input's side, and
+// whether the model trains. --dry_run lists the kernels of the 3x3 ones with it, and the planner's
+// test checks every preset's shapes. NULL: nobody listens.
+static void (*conv_visitor)(void *ctx, const char *name, const Conv *cv, int N, int size, int training);
+static void *conv_visitor_ctx;
+
 static void walk_conv_scratch(Walk *w, const Conv *cv, int size) {
     UNet *m = w->m;
+    if (conv_visitor) conv_visitor(conv_visitor_ctx, w->params->specs[cv->weight].name, cv, m->batch, size, m->training);
     int N = m->batch, o = conv_out_size(size, cv->k, cv->stride);
     int in = cv->in, out = cv->out, s = cv->stride;
     if (cv->k == 3) note_scratch(&m->conv_split_numel, conv3x3_split_scratch_floats(CONV_FORWARD, N, size, size, in, out, s));
@@ -7150,6 +7321,32 @@ static void print_model_summary(FILE *f, const ModelConfig *c, const ParamList *
     fprintf(f, "parameters: %s\n", with_commas(params->numel, buf, sizeof buf));
 }
 
+// --dry_run: the kernels of each 3x3 convolution of the training step, as conv_plan picks them for an
+// H100 or H200 (sm_90a, the TMA, CONV_PLAN_SMS multiprocessors); 1x1 convolutions are cuBLASLt's.
+static void print_conv_plan(void *, const char *name, const Conv *cv, int N, int size, int training) {
+    if (cv->k != 3) return;
+    ConvTarget hopper = {true, true, CONV_PLAN_SMS};
+    char text[3][48] = {"", "", ""};
+    for (int op = 0; op < (training ? 3 : 1); op++) {
+        ConvProblem q = conv_layer_problem(op, N, size, cv->in, cv->out, cv->stride);
+        ConvPlan plan = conv_plan(&q, &hopper, -1);
+        conv_plan_text(&plan, text[op], sizeof text[op]);
+    }
+    int len = (int)strlen(name) - (int)strlen(".weight");
+    printf("  %-32.*s %4d -> %-4d %3dx%-3d s%d   %-20s %-20s %s\n", len, name, cv->in, cv->out, size, size, cv->stride, text[0],
+           text[1], text[2]);
+}
+
+static void print_conv_plans(const Options *o, const ModelConfig *c) {
+    printf("kernels of the 3x3 convolutions (training, batch %d, as planned for an H100 or H200):\n", o->batch_size);
+    printf("  %-32s %12s %7s %3s   %-20s %-20s %s\n", "layer", "channels", "size", "", "forward", "input grad", "weight grad");
+    UNet plan;
+    conv_visitor = print_conv_plan;
+    unet_plan(&plan, c, o->batch_size, 1);
+    conv_visitor = NULL;
+    unet_destroy(&plan);
+}
+
 // ----------------------------------------------------------------------------------------------
 // The training run: a run folder with config.txt, log.csv and checkpoints/, held by one trainer at a
 // time; a progress line every log_interval steps; checkpoints every save_interval steps and at the
@@ -7977,6 +8174,7 @@ int main(int argc, char **argv) {
         printf("precision: %s\n", PRECISION_NAME);
         print_model_summary(stdout, &model, &params);
         print_run_memory(&o, &model);
+        print_conv_plans(&o, &model);
         if (data.map)
             printf("dataset: %s, %" PRIu64 " images of %ux%u, %u classes\n", o.data, data.header.count,
                    data.header.width, data.header.height, data.header.num_classes);

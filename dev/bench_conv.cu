@@ -5,13 +5,15 @@
 // odd sizes, 3 and 6 channels, stride 2, residuals, wide layers and random shapes. With --bench,
 // their timings on every distinct 3x3 convolution of the seed and adm64 presets at batch 32 and
 // 128, for scripts/bench_conv_torch.py (`make bench-conv` runs both and joins them with cuDNN's).
-//   build/dev/bench_conv                               the checks
-//   build/dev/bench_conv --bench [--mma] [--check]             the timings (after the checks with --check)
-//   build/dev/bench_conv --bench [--mma] N H Cin Cout stride   the timings of one shape (W = H)
-// --mma times the kernels of GPUs before Hopper where the sm_90a (wgmma) ones would run.
-// Check lines: "PASS|FAIL <case> <fp32|bf16> <fwd|dgrad|wgrad> err=... (tol ...)"; the last line is
-// "N passed, N failed". Bench lines: "conv impl=ours op=fwd|dgrad|wgrad N= H= W= Cin= Cout= stride=
-// ms= tflops= precision= presets=". DEV_SEED=<n> repeats a run's random inputs.
+//   build/dev/bench_conv                                         the checks
+//   build/dev/bench_conv --bench [--kernel K] [--check]             the timings (after the checks with --check)
+//   build/dev/bench_conv --bench [--kernel K] N H Cin Cout stride   the timings of one shape (W = H)
+// --kernel K forces the planner's family K (image, narrow, halo, split, wgmma, mma, fp32: see
+// train_unet.cu's "Convolution: the planner"); a shape it does not take is timed as "kernel=none".
+// Check lines: "PASS|FAIL <case> <fp32|bf16> <fwd|dgrad|wgrad> err=... (tol ...) [kernel]", each naming
+// the kernel that ran; the last line is "N passed, N failed". Bench lines: "conv impl=ours
+// op=fwd|dgrad|wgrad N= H= W= Cin= Cout= stride= ms= tflops= precision= presets= kernel=".
+// DEV_SEED=<n> repeats a run's random inputs.
 #define DEV_NO_MAIN
 #include "conv2d.cu"  // the reference: ref_conv2d_forward, ref_conv2d_backward, conv_weight_layout
 
@@ -121,14 +123,29 @@ static double slice_error(const double *got, const double *init, const double *r
     return err;
 }
 
-static const char *kernels = "";  // which of the kernels the checks run: see run_checks
+// The kernel the last product ran (conv_last_plan), as check and bench lines name it; which pass of
+// the checks runs (see run_checks); how often each family ran in it.
+static char kernel_ran[48];
+static const char *pass_name = "";
+static int family_runs[CONV_FAMILIES];
 
-// One check line; err <= tol passes (NaN never does).
+// Notes the plan of the product just run: 0 when it ran, or -1 when the family forced for this pass
+// does not take it (nothing ran: its checks are left out).
+static int note_kernel(void) {
+    conv_plan_text(&conv_last_plan, kernel_ran, sizeof kernel_ran);
+    if (conv_last_plan.family == CONV_NONE) return -1;
+    family_runs[conv_last_plan.family]++;
+    return 0;
+}
+
+// One check line; err <= tol passes (NaN never does). In a pass that forces a family, a product that
+// ran another fails.
 static void report(const char *name, const char *op, double err, double tol, const char *extra) {
-    int ok = err <= tol;
+    int ok = err <= tol && (conv_dev.family < 0 || conv_last_plan.family == conv_dev.family);
     if (ok) dev_checks_passed++;
     else dev_checks_failed++;
-    printf("%s %-28s %-4s %-5s err=%.3g (tol %.0e)%s%s\n", ok ? "PASS" : "FAIL", name, type_name(), op, err, tol, extra, kernels);
+    printf("%s %-28s %-4s %-5s err=%.3g (tol %.0e)%s [%s]%s\n", ok ? "PASS" : "FAIL", name, type_name(), op, err, tol, extra,
+           kernel_ran, pass_name);
     fflush(stdout);
 }
 
@@ -182,8 +199,9 @@ static void check_case(const CheckCase *c) {
     double *sums_gpu = (double *)dev_gpu_poisoned(sums_n * sizeof(double));
     int slots = conv3x3_forward(y + c->y_off, p.ys.ld, x + c->x_off, p.xs.ld, w, bias, res, p.rs.ld, c->N, c->H, c->W, c->C_in,
                                 c->C_out, c->stride, split, split_n, sums_gpu, sums_n);
+    int ran = note_kernel();
     double *got = dev_download_x(y, slab_size(p.ys));
-    report(c->name, "fwd", slice_error(got, p.y_init, p.y_ref, p.ys, 0), DEV_TOLERANCE, "");
+    if (ran == 0) report(c->name, "fwd", slice_error(got, p.y_init, p.y_ref, p.ys, 0), DEV_TOLERANCE, "");
     if (slots) {  // fp32 sums over a tile's pixels: far tighter than the bf16 tolerance
         double *sums = (double *)malloc((size_t)c->N * slots * c->C_out * 2 * sizeof(double)), err;
         cuda_check(cudaMemcpy(sums, sums_gpu, (size_t)c->N * slots * c->C_out * 2 * sizeof(double), cudaMemcpyDeviceToHost));
@@ -197,8 +215,9 @@ static void check_case(const CheckCase *c) {
 
     conv3x3_backward_input(dx + c->dx_off, p.dxs.ld, GRAD_ADD, dy + c->dy_off, p.dys.ld, w, c->N, c->H, c->W, c->C_in, c->C_out,
                            c->stride, split, split_n);
+    ran = note_kernel();
     got = dev_download_x(dx, slab_size(p.dxs));
-    report(c->name, "dgrad", slice_error(got, p.dx_init, p.dx_ref, p.dxs, 1), DEV_TOLERANCE, "");
+    if (ran == 0) report(c->name, "dgrad", slice_error(got, p.dx_init, p.dx_ref, p.dxs, 1), DEV_TOLERANCE, "");
     free(got);
 
     // The weight gradient overwrites dw: twice from poisoned dw and scratch, bit for bit the same.
@@ -208,13 +227,14 @@ static void check_case(const CheckCase *c) {
     for (int run = 0; run < 2; run++) {
         conv3x3_backward_weight(dw, scratch, dy + c->dy_off, p.dys.ld, x + c->x_off, p.xs.ld, c->N, c->H, c->W, c->C_in, c->C_out,
                                 c->stride);
+        ran = note_kernel();
         runs[run] = dev_download_f(dw, nw);
         dev_poison(dw, nw * sizeof(float));
     }
     int same = memcmp(runs[0], runs[1], nw * sizeof(double)) == 0;
     char extra[64];
     snprintf(extra, sizeof extra, " slices=%zu%s", scratch_n ? scratch_n / nw : 1, same ? "" : " NOT DETERMINISTIC");
-    report(c->name, "wgrad", same ? dev_error(runs[0], NULL, p.dw_ref, nw) : NAN, DEV_TOLERANCE, extra);
+    if (ran == 0) report(c->name, "wgrad", same ? dev_error(runs[0], NULL, p.dw_ref, nw) : NAN, DEV_TOLERANCE, extra);
     free(runs[0]), free(runs[1]);
     dev_gpu_free(x, w, bias, dy, y, dx, dw, scratch, split, sums_gpu, res, NULL);  // res last: NULL without a residual
     free_problem(&p);
@@ -292,17 +312,34 @@ static void run_check_cases(void) {
     }
 }
 
-// On a GPU that runs the sm_90a (wgmma) kernels, every case of the BF16 build three times: with their
-// tiles as this GPU picks them, as a GPU with one multiprocessor would (the widest tile everywhere), and
-// with the kernels of other GPUs. (The FP32 build has one family of kernels.)
+// On a GPU that runs the sm_90a (wgmma) kernels, every case of the BF16 build three times: with the
+// kernels and tiles the planner picks; as for a GPU of one multiprocessor (the widest tiles, and every
+// persistent kernel looping over its tiles); and with the mma.sync family forced, as other GPUs run it.
+// Each pass says how often each family ran; the first must have run every family of the build (the
+// fixed cases are chosen so that each takes some of them), or the planner lost one.
+// The families this build runs on this GPU: fp32 alone in the FP32 build; in the BF16 build image,
+// narrow and mma everywhere, and halo, split and wgmma where the sm_90a kernels run.
+static bool family_expected(int f) {
+    if (sizeof(floatX) == 4) return f == CONV_FP32;
+    return f == CONV_IMAGE || f == CONV_NARROW || f == CONV_MMA || (gpu.sm90a && f != CONV_FP32);
+}
+
 static void run_checks(void) {
-    int sm90a = gpu.sm90a && sizeof(floatX) == 2, num_sms = gpu.num_sms;
-    for (int pass = 0; pass < (sm90a ? 3 : 1); pass++) {
-        gpu.sm90a = sm90a && pass < 2, gpu.num_sms = pass == 1 ? 1 : num_sms;
-        kernels = !sm90a ? "" : pass == 0 ? " (sm_90a)" : pass == 1 ? " (sm_90a, widest tiles)" : " (mma.sync)";
+    int passes = gpu.sm90a && sizeof(floatX) == 2 ? 3 : 1;
+    for (int pass = 0; pass < passes; pass++) {
+        conv_dev.sms = pass == 1 ? 1 : 0, conv_dev.family = pass == 2 ? CONV_MMA : -1;
+        pass_name = passes == 1 ? "" : pass == 0 ? " (planned)" : pass == 1 ? " (one multiprocessor)" : " (mma forced)";
+        memset(family_runs, 0, sizeof family_runs);
         run_check_cases();
+        printf("kernels run%s:", pass_name);
+        for (int f = 0; f < CONV_FAMILIES; f++) printf(" %s %d", conv_family_names[f], family_runs[f]);
+        printf("\n");
+        int missing = 0;
+        for (int f = 0; pass == 0 && f < CONV_FAMILIES; f++) missing += family_runs[f] == 0 && family_expected(f);
+        if (pass == 0 && missing) dev_checks_failed++, printf("FAIL %d kernel families never ran%s\n", missing, pass_name);
+        else if (pass == 0) dev_checks_passed++, printf("PASS every kernel family of this build and GPU ran%s\n", pass_name);
     }
-    gpu.sm90a = sm90a, gpu.num_sms = num_sms;
+    conv_dev.sms = 0, conv_dev.family = -1;
 }
 
 // ----------------------------------------------------------------------------------------------
@@ -453,8 +490,11 @@ static void bench_shape(const BenchShape *s, int N) {
     for (int op = 0; op < OPS; op++) {
         r.op = op;
         double ms = bench_time_ms(bench_launch, &r);
-        printf("conv impl=ours op=%s N=%d H=%d W=%d Cin=%d Cout=%d stride=%d ms=%.4f tflops=%.1f precision=%s presets=%s\n",
-               op_names[op], N, r.H, r.W, r.C_in, r.C_out, r.stride, ms, flops / (ms * 1e-3) / 1e12, PRECISION_NAME, s->presets);
+        note_kernel();
+        for (char *c = kernel_ran; *c; c++) *c = *c == ' ' ? '_' : *c;  // one word: key=value lines
+        printf("conv impl=ours op=%s N=%d H=%d W=%d Cin=%d Cout=%d stride=%d ms=%.4f tflops=%.1f precision=%s presets=%s "
+               "kernel=%s\n", op_names[op], N, r.H, r.W, r.C_in, r.C_out, r.stride, ms, flops / (ms * 1e-3) / 1e12, PRECISION_NAME,
+               s->presets, kernel_ran);
         fflush(stdout);
     }
     dev_gpu_free(r.x, r.y, r.dy, r.dx, r.w, r.bias, r.dw, r.scratch, r.split, NULL);
@@ -480,17 +520,21 @@ static void run_bench(const int *only) {
 }
 
 static void usage(void) {
-    fprintf(stderr, "usage: bench_conv                                     the checks\n"
-                    "       bench_conv --bench [--mma] [--check]           the timings (after the checks with --check)\n"
-                    "       bench_conv --bench [--mma] N H Cin Cout stride the timings of one shape\n"
-                    "--mma: time the kernels of GPUs before Hopper (mma.sync) where the sm_90a ones would run\n");
+    fprintf(stderr, "usage: bench_conv                                          the checks\n"
+                    "       bench_conv --bench [--kernel K] [--check]           the timings (after the checks with --check)\n"
+                    "       bench_conv --bench [--kernel K] N H Cin Cout stride the timings of one shape\n"
+                    "--kernel K: time the planner's family K (image, narrow, halo, split, wgmma, mma, fp32) where it applies\n");
     exit(2);
 }
 
 int main(int argc, char **argv) {
-    int bench = argc > 1 && strcmp(argv[1], "--bench") == 0, mma = bench && argc > 2 && strcmp(argv[2], "--mma") == 0;
-    int rest = argc - 2 - mma, check = !bench, one = bench && rest == 5, only[5];
-    char **args = argv + 2 + mma;
+    int bench = argc > 1 && strcmp(argv[1], "--bench") == 0, forced = -1;
+    int named = bench && argc > 3 && strcmp(argv[2], "--kernel") == 0;
+    for (int f = 0; named && f < CONV_FAMILIES; f++)
+        if (strcmp(argv[3], conv_family_names[f]) == 0) forced = f;
+    if (named && forced < 0) usage();
+    int rest = argc - 2 - 2 * named, check = !bench, one = bench && rest == 5, only[5];
+    char **args = argv + 2 + 2 * named;
     if (argc > 1 && !bench) usage();
     if (bench && rest == 1 && strcmp(args[0], "--check") == 0) check = 1;
     else if (bench && rest != 0 && !one) usage();
@@ -500,7 +544,7 @@ int main(int argc, char **argv) {
     }
     dev_begin("bench_conv");
     if (check) run_checks();
-    if (mma) gpu.sm90a = 0;
+    conv_dev.family = forced;
     if (bench) run_bench(one ? only : NULL);
     return dev_end();
 }

@@ -6,7 +6,7 @@ set -u
 mode=${1:-all}
 cpu_tests=(build/test/test_dataset build/test/test_safetensors build/test/test_shapes build/test/test_dataloader
            dev/test/test_prepare_data.sh dev/test/test_train_cli.sh dev/test/test_generate.sh dev/test/test_corpus.sh
-           build/test/test_reference build/test/test_unet_fixtures build/test/test_checkpoint
+           build/test/test_reference build/test/test_unet_fixtures build/test/test_checkpoint build/test/test_conv_plan
            build/test/test_sampler build/test/test_sampler_fixture build/test/test_loss_plot
            scripts/test_unet_safetensors.py)
 gpu_tests=(build/test/test_dataloader_gpu build/test/test_unet_gpu_fp32 build/test/test_unet_gpu_bf16
