@@ -859,6 +859,8 @@ static ConvPlan conv_choose(const ConvProblem *q, bool tma_available) {
 }
 
 #if defined(PRECISION_FP32)
+// ---- 3x3 convolution: the FP32 build (one thread per output value) ----
+
 // FP32: one thread per output value, on CUDA cores.
 
 // y[m][co] = b[co] + sum_{t,ci} patch(m, t)[ci] w[co][t][ci] (+ residual[m][co]).
@@ -961,6 +963,8 @@ static void conv3x3_backward_weight(float *dw, float *scratch, const floatX *dy,
 }
 
 #else
+// ---- 3x3 convolution: mma.sync (every GPU; the BF16 build's base) ----
+
 // BF16: the implicit GEMMs on tensor cores.
 
 #define CONV_PAD 8        // elements added to each shared-memory line: ldmatrix reads 8 lines without bank conflicts
@@ -1335,6 +1339,8 @@ __global__ void __launch_bounds__(CONV_THREADS, 2) conv3x3_igemm_kernel(const Co
             conv_store_pair<OP>(p, m + 8, m + 8, n, acc[mi][ni][2], acc[mi][ni][3]);
         }
 }
+
+// ---- 3x3 convolution: wgmma (sm_90a) ----
 
 // Hopper (sm_90a): the same implicit GEMMs on wgmma, the warpgroup-wide asynchronous tensor-core
 // product that reads both operands straight from shared memory. A block of two warpgroups computes a
@@ -1757,6 +1763,8 @@ static void conv_launch_wgmma(const ConvGemm &p, int slices) {
     conv_launch_wgmma_kernel<OP, BM, BN, false>(p, slices);
 }
 
+// ---- 3x3 convolution: the TMA (sm_90a) ----
+
 // The products through the Tensor Memory Accelerator (TMA, sm_90a). conv3x3_wgmma_kernel spends its
 // issue slots on its loads: every thread works out 8 addresses and border tests a k step (the weight
 // gradient ~290 instructions a step; ncu, H100: the schedulers issue every 1.9 cycles, the tensor cores
@@ -1967,6 +1975,8 @@ static int conv_launch_wgmma_tiles(const ConvGemm &p, bool tma) {
     return slots;
 }
 
+// ---- 3x3 convolution: split products (sm_90a) ----
+
 // A split product's result (see conv3x3_split_slices): out[m][n] = sum over the slices, in order, of
 // out_f[slice][m][n], + bias[n] (+ residual[m][n]) forward, + what dx held when adding.
 template <int OP>
@@ -1998,6 +2008,8 @@ static void conv_launch_split(const ConvGemm &p, const ConvPlan *plan, float *sp
     conv_split_finish_kernel<OP><<<(unsigned)(((int64_t)p.M * p.Ng + 255) / 256), 256, 0, gpu.stream>>>(q, plan->slices);
     cuda_check_launch();
 }
+
+// ---- 3x3 convolution: halo (sm_90a) ----
 
 // The halo kernel (sm_90a): the stride-1 forward and input gradient for images a multiple of 64 pixels
 // wide and channel counts that are multiples of 64, reading each input element into shared memory
@@ -2217,6 +2229,8 @@ static int conv_launch_halo(const ConvGemm &p) {
     return slots;
 }
 
+// ---- 3x3 convolution: image (the input convolution) ----
+
 // The model's input convolution (input_blocks.0: 3 image channels in, too few for the other kernels'
 // 16-byte loads; their scalar path took 214 us of a sampling step at batch 256) as a product of its
 // own on the tensor cores: y = A W^T + bias over k = 27 (3 x 3 taps x 3 channels, padded to 32), row m
@@ -2344,6 +2358,8 @@ __global__ void __launch_bounds__(CONV_THREADS, 2) conv3x3_image_kernel(ConvGemm
     }
 }
 
+// ---- 3x3 convolution: narrow (the output head) ----
+
 // The output head's convolution (C_out = 3 or 6 channels out of 64 or more: the other kernels read
 // each input pixel once per tap, 9 times; theirs took 386 us of a sampling step at batch 256) as a
 // product of its own on the tensor cores: y = A W^T + bias over k = 9 C_in in the weights' order
@@ -2469,6 +2485,8 @@ static void conv_launch(const ConvGemm &p, bool vec_a, bool vec_b, int slices) {
     else if (vec_b) conv_launch_tile<OP, BM, BN, BK, WARPS_M, WARPS_N, false, true>(p, slices);
     else conv_launch_tile<OP, BM, BN, BK, WARPS_M, WARPS_N, false, false>(p, slices);
 }
+
+// ---- 3x3 convolution: running a plan ----
 
 // Runs a plan (conv_plan): the family's launcher with the plan's tile and slices; vec_a, vec_b say
 // which mma.sync kernel loads in 16-byte chunks. Returns the slots of the channel sums gathered (0:
