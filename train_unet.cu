@@ -533,22 +533,13 @@ static void channel_sums(const Scratch *s, float *per_sample, int per_sample_ld,
 // Each tensor has its own pixel stride (ld: elements from one pixel to the next), so a kernel reads
 // or writes a channel slice of a wider tensor. The weight gradient's sum over pixels is split into
 // slices written to scratch, then added in a fixed order: deterministic. A 1x1 convolution is a
-// plain product on x (cuBLASLt). The 3x3 products run on these kernels, the first that takes the
-// product in this order (conv3x3_forward, conv3x3_backward_input, conv3x3_backward_weight choose):
-//   kernel            products                    takes                                   GroupNorm sums
-//   image (mma.sync)  forward                     the model's input: 3 channels in          gathered
-//   narrow (mma.sync) forward                     the output head: at most 8 channels out   none
-//   halo (wgmma)      forward, input grad         sm_90a, stride 1, width a multiple of 64, gathered
-//                                                 channels multiples of 64
-//   wgmma / TMA       all three                   sm_90a, operands in 16-byte chunks, k     gathered (forward,
-//                                                 channels multiples of 64; through the     whole tiles)
-//                                                 TMA where its boxes fit (stride 1)
-//   split wgmma       forward, input grad         a grid of at most half a wave: k in       none
-//                                                 slices, added by conv_split_finish_kernel
-//   mma.sync          all three                   anything (scalar loads where unaligned)   none
-//   FP32 build        all three                   one thread per output value (CUDA cores)  none
-// "Gathered": the forward also leaves the channel sums of its output for the GroupNorm that reads
-// it (conv_forward_gathering); where none are gathered, GroupNorm runs a sums pass of its own.
+// plain product on x (cuBLASLt). The 3x3 products run on seven kernel families, each under a
+// sub-banner below: mma.sync (every GPU), wgmma, the TMA, split products and halo (sm_90a), image
+// and narrow (the model's first and last convolutions), and the FP32 build's. Which one runs a
+// product is the planner's choice (conv_plan, next: its table says what each family takes, why it
+// exists and what it gained). The image, halo and wgmma kernels (the last for whole tiles of a
+// forward) also leave the channel sums of their output for the GroupNorm that reads it
+// (conv_forward_gathering); after the others GroupNorm runs a sums pass of its own.
 
 typedef struct {
     int in, out, k, stride;
@@ -670,7 +661,7 @@ static int64_t conv3x3_split_scratch_floats(int op, int N, int H, int W, int C_i
 // Convolution: the planner. Which kernel runs a 3x3 product, with which tile and slices, is one pure
 // host function of the product (its shape, and what its operands allow) and of the GPU: conv_plan.
 // It tries the kernel families in this order and takes the first that takes the product (each
-// family's rule is its case in conv_family_takes; the section's top says what each kernel does):
+// family's rule, what it takes, is its case in conv_family_takes):
 //   family   products       why it exists                                    measured gain (H100; dev/NOTES.md)
 //   image    forward        3 input channels: too few for 16-byte loads     input conv 0.206 -> 0.078 ms (2026-11-25 j)
 //   narrow   forward        at most 8 output channels: the input halo read   output head 0.320 -> 0.088 ms (2026-11-25 j)
@@ -2603,7 +2594,7 @@ static void conv3x3_backward_weight(float *dw, float *scratch, const floatX *dy,
 // y = conv(x) + b (+ residual, a tensor shaped like y, when given; it may be y itself). sums (not
 // NULL): also gather y's channel sums there (sums_numel doubles at most) for the GroupNorm that reads
 // y (group_norm_forward's GatheredSums); returns their slots a sample, or 0 where the kernel that ran
-// gathers none (1x1 products, and the 3x3 kernels the table at the section's top marks "none").
+// gathers none (1x1 products, and the 3x3 kernels the convolution section's top names).
 static int conv_forward_gathering(const Conv *cv, floatX *y, const floatX *x, int N, int H, int W, const floatX *residual,
                                   double *sums, int64_t sums_numel) {
     if (cv->k == 3)
