@@ -1,17 +1,19 @@
 // train_unet.cu: trains guided-diffusion's UNet on NVIDIA GPUs, in one file.
 //
-// Reading order, in data-flow order: precision and error checks; random streams; the GPU context
-// and matrix products; the kernels, each layer's forward and backward side by side with its math
-// (channel sums, convolution, GroupNorm, attention, resampling, concat, elementwise, embeddings,
-// the loss, AdamW); the configuration (model and options, from the command line or a checkpoint);
-// the blocks (ResBlock, AttentionBlock, ...: each a struct with its forward and backward); the
-// model assembly (guided-diffusion's architecture and state_dict names, forward, backward),
-// initialisation and profiling; diffusion training and the trainer (one step as a CUDA graph);
-// sampling on the GPU; the data loader; checkpoints (metadata, saving, resuming; checkpoint.h
-// reads and writes their files, dataset.h reads the dataset); run folders (the lock, the checks
-// before anything is written); the command line; the training run;
-// the C API for generate.c (unet_api.h); main. Built with -DTRAIN_UNET_LIBRARY it has no main,
-// command line or training run: tests and dev/ include it, and generate links it.
+// Reading order, in data-flow order, each section under a line of dashes: precision and error
+// checks; random streams; host helpers (time, synced files); the GPU context and matrix products;
+// the kernels, each layer's forward and backward side by side with its math (channel sums,
+// convolution with its planner and kernel families, GroupNorm, attention, resampling, concat,
+// elementwise, embeddings, the loss, AdamW); the configuration (model and options, from the command
+// line or a checkpoint); the blocks (ResBlock, AttentionBlock, ...: each a struct with its forward
+// and backward); the model assembly (guided-diffusion's architecture and state_dict names, forward,
+// backward), initialisation and profiling; the data loader; diffusion training; many GPUs (the
+// team's collectives, starting the ranks and joining them); the trainer (one step as a CUDA graph);
+// sampling on the GPU; checkpoints (metadata, saving, resuming; checkpoint.h reads and writes their
+// files, dataset.h reads the dataset); run folders (the lock, the checks before anything is
+// written); the command line; the training run; the C API for generate.c (unet_api.h); main. Built
+// with -DTRAIN_UNET_LIBRARY it has no main, command line or training run: tests and dev/ include it,
+// and generate links it.
 //
 // Activations are NHWC (channels last). PRECISION_BF16 (the default) keeps activations in bf16
 // with fp32 master weights and fp32 accumulation; PRECISION_FP32 is fp32 throughout.
@@ -147,6 +149,46 @@ typedef enum {
 __host__ __device__ inline uint64_t rng_stream(RandomPurpose purpose, uint64_t sub_stream) {
     return (uint64_t)purpose << 48 | sub_stream;
 }
+
+// ----------------------------------------------------------------------------------------------
+// Host helpers: the time, and files and folders made durable (synced) before they are relied on.
+
+static double now_seconds(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return t.tv_sec + 1e-9 * t.tv_nsec;
+}
+
+// Syncs a file or folder by name, so that what was written to it, or renamed into it, is durable.
+static int fsync_path(const char *path) {
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return -1;
+    int r = fsync(fd);
+    close(fd);
+    return r;
+}
+
+// Creates a folder if it is missing and syncs its parent, so that the new name is durable.
+// Returns 0, or -1 with errno set.
+static int make_dir_synced(const char *path) {
+    if (mkdir(path, 0777) != 0) {
+        struct stat st;
+        if (errno != EEXIST) return -1;
+        if (stat(path, &st) == 0 && S_ISDIR(st.st_mode)) return 0;
+        errno = ENOTDIR;
+        return -1;
+    }
+    char parent[4096];
+    snprintf(parent, sizeof parent, "%s", path);
+    for (size_t n = strlen(parent); n > 1 && parent[n - 1] == '/'; n--) parent[n - 1] = '\0';  // "run/" is "run"
+    char *slash = strrchr(parent, '/');
+    if (slash == parent) slash[1] = '\0';
+    else if (slash) *slash = '\0';
+    else snprintf(parent, sizeof parent, ".");
+    return fsync_path(parent);
+}
+
+static int write_all(FILE *f, const void *data, size_t bytes) { return fwrite(data, 1, bytes, f) == bytes ? 0 : -1; }
 
 // ----------------------------------------------------------------------------------------------
 // The GPU context: the stream kernels are launched on, cuBLAS and cuBLASLt handles and their workspace.
@@ -5529,6 +5571,177 @@ static int compare_int64(const void *a, const void *b) {
 }
 
 // ----------------------------------------------------------------------------------------------
+// The data loader: maps a dataset file, serves shuffled batches of uint8 NHWC images and int32
+// labels in host buffers (pinned for fast copies when a GPU is used); the trainer converts them to
+// the model's input on the GPU (images_to_model_input).
+//
+// Order: epoch e visits the images in a Fisher-Yates permutation drawn from (seed, e); image i of
+// that order is flipped horizontally when bit 0 of random(seed, flip stream, e*count + i) is set.
+// Both are pure functions of the position (epoch, next), so saving those two numbers and seeking
+// back to them reproduces every later batch exactly. Batches run on across epoch boundaries.
+//
+// Many GPUs: a step takes the next world * batch_size images of the order, and rank r's batch is
+// the r-th batch_size of them; every rank moves past all of them, so the position stays one.
+
+typedef struct {
+    uint64_t epoch;  // epochs completed
+    uint64_t next;   // index into the epoch's order of the next image to serve
+} LoaderPosition;
+
+typedef struct {
+    Dataset data;
+    const char *path;
+    int batch_size;          // images per batch of this rank
+    int rank, world;         // this rank's batch among the step's world batches
+    int random_flip;
+    uint64_t seed;
+    LoaderPosition position;
+    uint32_t *order;         // the current epoch's permutation of 0..count-1
+    uint8_t *batch_pixels;   // [batch_size][height][width][3]
+    int32_t *batch_labels;   // [batch_size], -1 when the dataset is unlabelled
+    int pinned;              // batch buffers are page-locked (cudaMallocHost)
+} DataLoader;
+
+// Draws epoch `epoch`'s order: a uniform random permutation (Fisher-Yates).
+static void loader_shuffle(DataLoader *loader, uint64_t epoch) {
+    uint64_t n = loader->data.header.count, counter = 0;
+    for (uint64_t i = 0; i < n; i++) loader->order[i] = (uint32_t)i;
+    for (uint64_t i = n - 1; i > 0; i--) {
+        uint64_t j = random_below(loader->seed, rng_stream(RNG_SHUFFLE, epoch), &counter, i + 1);
+        uint32_t t = loader->order[i];
+        loader->order[i] = loader->order[j];
+        loader->order[j] = t;
+    }
+}
+
+// Moves to a saved position (epoch, next); next must be at most the image count.
+static int loader_seek(DataLoader *loader, LoaderPosition position, char *err, size_t err_len) {
+    if (position.next > loader->data.header.count)
+        return error_line(err, err_len, "data position %" PRIu64 " is past the dataset's %" PRIu64 " images",
+                            position.next, loader->data.header.count);
+    loader->position = position;
+    loader_shuffle(loader, position.epoch);
+    return 0;
+}
+
+// A dataset file truncated while it is mapped raises SIGBUS at the first read of a lost page. The
+// handler ends the process with one line instead of a crash; the last checkpoint stays intact (every
+// checkpoint is written whole, then renamed). A fault anywhere else gets the default action. It
+// watches the dataset the last loader_open mapped.
+static struct {
+    const uint8_t *begin, *end;
+    char message[600];
+    size_t length;
+} watched_dataset;
+
+static void on_dataset_fault(int sig, siginfo_t *info, void *) {
+    const uint8_t *at = (const uint8_t *)info->si_addr;
+    if (at >= watched_dataset.begin && at < watched_dataset.end) {
+        ssize_t written = write(STDERR_FILENO, watched_dataset.message, watched_dataset.length);
+        (void)written;  // nothing more can be done about a failed write here
+        _exit(1);
+    }
+    signal(sig, SIG_DFL);  // the fault comes again on return, with the default action
+}
+
+static void watch_dataset(const Dataset *data, const char *path) {
+    watched_dataset.begin = data->map, watched_dataset.end = data->map + data->layout.file_bytes;
+    int n = snprintf(watched_dataset.message, sizeof watched_dataset.message, "%s: error: dataset %.400s changed while training "
+                     "(it was cut short); the last checkpoint is intact\n", program_name, path);
+    watched_dataset.length = n < (int)sizeof watched_dataset.message ? n : sizeof watched_dataset.message - 1;
+    struct sigaction sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_sigaction = on_dataset_fault;
+    sa.sa_flags = SA_SIGINFO;
+    sigaction(SIGBUS, &sa, NULL);
+}
+
+// Opens and checks a dataset, watches its mapping (watch_dataset) and allocates the batch buffers.
+// `checked` is the header the caller checked the file against the run's options with (NULL: none):
+// the file opened here must have the same, or it was replaced in between. Returns 0, or -1 with a
+// message.
+static int loader_open(DataLoader *loader, const char *path, const DatasetHeader *checked, int batch_size, int rank, int world,
+                       int random_flip, uint64_t seed, int pinned, char *err, size_t err_len) {
+    memset(loader, 0, sizeof *loader);
+    if (dataset_open(path, &loader->data, err, err_len) != 0) return -1;
+    const DatasetHeader *h = &loader->data.header;  // count <= DATASET_MAX_COUNT: the order's 32-bit indices hold it
+    if (checked && memcmp(checked, h, sizeof *h) != 0) {
+        error_line(err, err_len, "dataset %s changed since it was checked (%" PRIu64 " images of %ux%u, %u classes, now %" PRIu64
+                     " of %ux%u, %u classes): start again", path, checked->count, checked->width, checked->height,
+                     checked->num_classes, h->count, h->width, h->height, h->num_classes);
+        dataset_close(&loader->data);
+        return -1;
+    }
+    watch_dataset(&loader->data, path);
+    loader->path = path;
+    loader->batch_size = batch_size;
+    loader->rank = rank, loader->world = world;
+    loader->random_flip = random_flip;
+    loader->seed = seed;
+    loader->pinned = pinned;
+    loader->order = (uint32_t *)malloc_or_die(h->count * sizeof(uint32_t));
+    size_t pixel_bytes = (size_t)batch_size * loader->data.layout.image_bytes;
+    size_t label_bytes = (size_t)batch_size * sizeof(int32_t);
+    if (pinned) {
+        cuda_check(cudaMallocHost((void **)&loader->batch_pixels, pixel_bytes));
+        cuda_check(cudaMallocHost((void **)&loader->batch_labels, label_bytes));
+    } else {
+        loader->batch_pixels = (uint8_t *)malloc_or_die(pixel_bytes);
+        loader->batch_labels = (int32_t *)malloc_or_die(label_bytes);
+    }
+    LoaderPosition start = {0, 0};
+    return loader_seek(loader, start, err, err_len);
+}
+
+static void loader_close(DataLoader *loader) {
+    if (loader->pinned) {
+        cudaFreeHost(loader->batch_pixels);
+        cudaFreeHost(loader->batch_labels);
+    } else {
+        free(loader->batch_pixels);
+        free(loader->batch_labels);
+    }
+    free(loader->order);
+    if (watched_dataset.begin == loader->data.map) watched_dataset.begin = watched_dataset.end = NULL;
+    dataset_close(&loader->data);
+    memset(loader, 0, sizeof *loader);
+}
+
+// Fills the batch buffers with this rank's batch_size images (and labels) of the next step and
+// advances the position past the step's images on every rank.
+static void loader_next_batch(DataLoader *loader) {
+    const DatasetHeader *h = &loader->data.header;
+    size_t image_bytes = loader->data.layout.image_bytes, row_bytes = (size_t)h->width * h->channels;
+    for (int64_t i = 0; i < (int64_t)loader->world * loader->batch_size; i++) {
+        if (loader->position.next == h->count) {
+            loader->position.epoch++;
+            loader->position.next = 0;
+            loader_shuffle(loader, loader->position.epoch);
+        }
+        uint64_t slot = loader->position.epoch * h->count + loader->position.next;
+        uint32_t image = loader->order[loader->position.next++];
+        int64_t b = i - (int64_t)loader->rank * loader->batch_size;  // this rank's image b
+        if (b < 0 || b >= loader->batch_size) continue;
+        const uint8_t *src = loader->data.pixels + image * image_bytes;
+        uint8_t *dst = loader->batch_pixels + b * image_bytes;
+        int flip = loader->random_flip && (random_u64(loader->seed, rng_stream(RNG_FLIP, 0), slot) & 1);
+        if (!flip) {
+            memcpy(dst, src, image_bytes);
+        } else {
+            for (uint32_t y = 0; y < h->height; y++)
+                for (uint32_t x = 0; x < h->width; x++)
+                    memcpy(dst + y * row_bytes + x * h->channels, src + y * row_bytes + (h->width - 1 - x) * h->channels,
+                           h->channels);
+        }
+        int32_t label = loader->data.labels ? loader->data.labels[image] : -1;
+        if (loader->data.labels && (label < 0 || (uint32_t)label >= h->num_classes))  // checked at open: rewritten since
+            fatal("dataset %s changed while training: image %u has label %d, outside 0..%u", loader->path, image, label,
+                  h->num_classes - 1);
+        loader->batch_labels[b] = label;
+    }
+}
+
+// ----------------------------------------------------------------------------------------------
 // Diffusion training, on guided-diffusion's schedules (sampler.h): t drawn uniformly in [0, T),
 // noise eps ~ N(0, I), x_t = sqrt(abar_t) x0 + sqrt(1 - abar_t) eps, and the model's output
 // regressed on eps (--predict eps) or on v = sqrt(abar_t) eps - sqrt(1 - abar_t) x0 (--predict v).
@@ -5641,8 +5854,7 @@ __global__ void ema_kernel(float *ema, const float *params, int64_t n, float rat
 // step's graph averages the gradients over the ranks (NCCL all-reduces captured with the kernels,
 // in buckets beside backward: team_plan_buckets) and then the loss, so every rank takes the same
 // AdamW step and the weights stay equal.
-// How the processes start and find each other: "Many GPUs: starting the ranks", after the
-// training run (launch_gpus, team_from_environment, team_join).
+// How the processes start and find each other: below (launch_gpus, team_from_environment, team_join).
 
 #ifdef UNET_NO_NCCL
 typedef void *ncclComm_t;  // built without NCCL (the Makefile found none): one process only
@@ -5742,6 +5954,190 @@ static double team_wait(cudaEvent_t done, double timeout, int64_t step) {
                          (long long)step, waited);
         if (waited > 0.002) usleep(100);
     }
+}
+
+// Starting the ranks and joining them.
+// `--gpus N` starts N copies of this command on this machine (launch_gpus); any other launcher
+// (torchrun, mpirun, srun) starts them itself and says which is which in the environment. Every
+// rank then joins one NCCL communicator through a file of the run folder, written by rank 0.
+
+// The rank of this process when a launcher started it, from the first of these sets whose world
+// size is set: torchrun's (which --gpus sets too), Open MPI's, Slurm's srun. Returns 1 with team
+// filled, or 0 when none is set (a process alone); exits with one line on an incomplete or bad set.
+// A world of one from Open MPI or Slurm is a process alone too (a shell inside `srun --pty` has
+// one); from torchrun's variables it is a team of one rank (which the tests use).
+static int team_from_environment(Team *t) {
+    static const char *const sets[][3] = {{"RANK", "WORLD_SIZE", "LOCAL_RANK"},
+                                          {"OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"},
+                                          {"SLURM_PROCID", "SLURM_STEP_NUM_TASKS", "SLURM_LOCALID"}};
+    for (int k = 0; k < 3; k++) {
+        if (!getenv(sets[k][1])) continue;
+        long v[3];
+        for (int i = 0; i < 3; i++) {
+            const char *text = getenv(sets[k][i]);
+            char *end;
+            v[i] = text ? strtol(text, &end, 10) : -1;
+            if (!text || !*text || *end || v[i] < 0 || v[i] > 1000000)
+                fatal("%s is %s%s%s: a launcher sets %s, %s and %s together, to numbers", sets[k][i], text ? "'" : "unset",
+                      text ? text : "", text ? "'" : "", sets[k][0], sets[k][1], sets[k][2]);
+        }
+        if (v[1] < 1 || v[0] >= v[1]) fatal("%s %ld is not below %s %ld", sets[k][0], v[0], sets[k][1], v[1]);
+        if (k > 0 && v[1] == 1) return 0;
+        t->rank = (int)v[0], t->world = (int)v[1], t->local_rank = (int)v[2];
+        return 1;
+    }
+    return 0;
+}
+
+#ifndef UNET_NO_NCCL
+// The file through which rank 0 hands the others NCCL's id: RUN_DIR/nccl_id, suffixed with the
+// launcher's job name where it gives one, so that no rank can read an earlier run's file.
+static void team_id_path(char *out, size_t len, const char *run_dir) {
+    static const char *const jobs[] = {"TRAIN_UNET_JOB", "TORCHELASTIC_RUN_ID", "SLURM_STEP_ID", "PMIX_NAMESPACE",
+                                       "OMPI_MCA_ess_base_jobid"};
+    const char *slurm_job = getenv("SLURM_JOB_ID");
+    char slurm[64];
+    const char *job = NULL;
+    for (size_t i = 0; i < sizeof jobs / sizeof jobs[0] && !job; i++) {
+        job = getenv(jobs[i]);
+        if (job && strcmp(job, "none") == 0) job = NULL;  // torchrun's default run id names no run
+        if (job && i == 2) snprintf(slurm, sizeof slurm, "%s.%s", slurm_job ? slurm_job : "", job), job = slurm;  // job.step
+    }
+    int n = snprintf(out, len, "%s/nccl_id%s", run_dir, job ? "_" : "");
+    for (const char *c = job; c && *c && n + 1 < (int)len; c++, n++)  // a file name's characters only
+        out[n] = isalnum((unsigned char)*c) || *c == '.' || *c == '-' ? *c : '_', out[n + 1] = '\0';
+}
+#endif
+
+// Joins this rank to the others (team.comm): rank 0 writes NCCL's id into the run folder (under a
+// temporary name, then renamed, so no rank reads half of it), the others wait for it (up to 10
+// minutes: the run folder must be on a file system every machine of the run sees), every rank
+// opens the communicator, and rank 0 removes the file. A file older than this process by more than
+// a minute (the clocks of other machines may differ by some seconds) is a dead run's: not read.
+static void team_join(const char *run_dir) {
+#ifdef UNET_NO_NCCL
+    (void)run_dir;
+    fatal("this train_unet was built without NCCL (the Makefile found no nccl.h), so it trains on one GPU only");
+#else
+    char path[4400], tmp[4500];
+    team_id_path(path, sizeof path, run_dir);
+    ncclUniqueId id;
+    if (team.rank == 0) {
+        if (make_dir_synced(run_dir) != 0) fatal("cannot create run folder %s: %s", run_dir, strerror(errno));
+        nccl_check(ncclGetUniqueId(&id));
+        snprintf(tmp, sizeof tmp, "%s.tmp", path);
+        FILE *f = fopen(tmp, "wb");
+        if (!f || write_all(f, &id, sizeof id) != 0 || fflush(f) != 0 || fsync(fileno(f)) != 0 || fclose(f) != 0 ||
+            rename(tmp, path) != 0)
+            fatal("cannot write %s: %s", path, strerror(errno));
+    } else {
+        time_t started = time(NULL);
+        for (int waited_ms = 0;; waited_ms += 50) {
+            struct stat st;
+            FILE *f = stat(path, &st) == 0 && st.st_mtime >= started - 60 ? fopen(path, "rb") : NULL;
+            size_t got = f ? fread(&id, 1, sizeof id, f) : 0;
+            if (f) fclose(f);
+            if (got == sizeof id) break;
+            if (stop_requested || peer_lost) fatal("stopped while waiting for rank 0's %s", path);
+            if (waited_ms > 600000)
+                fatal("no %s from rank 0 after 10 minutes: is the run folder on a file system every rank sees?", path);
+            usleep(50000);
+        }
+    }
+    nccl_check(ncclCommInitRank(&team.comm, team.world, id, team.rank));
+    if (team.rank == 0) unlink(path);
+    cuda_check(cudaStreamCreate(&team.stream));
+    cuda_check(cudaEventCreateWithFlags(&team.fork, cudaEventDisableTiming));
+    cuda_check(cudaEventCreateWithFlags(&team.join, cudaEventDisableTiming));
+#endif
+}
+
+static void catch_signal(int sig, void (*handler)(int)) {
+    struct sigaction sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_handler = handler;
+    sigaction(sig, &sa, NULL);
+}
+
+// SIGINT, SIGTERM and SIGHUP (the terminal or session closed) go to `handler`.
+static void catch_signals(void (*handler)(int)) {
+    catch_signal(SIGINT, handler);
+    catch_signal(SIGTERM, handler);
+    catch_signal(SIGHUP, handler);
+}
+
+// --gpus N: starts N copies of this command, rank i on GPU i of this machine, with the variables
+// torchrun sets (RANK, WORLD_SIZE, LOCAL_RANK) and a job name for the id file, each in a process
+// group of its own so that a terminal's Ctrl-C reaches only this process, which passes SIGINT and
+// SIGTERM on to all (a second Ctrl-C: they exit at once), and SIGHUP as SIGTERM. Should this
+// process die, the ranks get SIGTERM (PR_SET_PDEATHSIG): they stop after a step and save. When one
+// fails (an error, a signal), the others get SIGUSR1 (they give up at once: no step can finish)
+// and after 15 s SIGKILL. Returns the exit status: 0 when every rank succeeded, else the first
+// failure's.
+static volatile sig_atomic_t launcher_signal;
+static void on_launcher_signal(int sig) { launcher_signal = sig; }
+
+static int launch_gpus(int n, char **argv) {
+    pid_t *pids = (pid_t *)malloc_or_die(n * sizeof(pid_t));
+    char text[32];
+    snprintf(text, sizeof text, "%d", n);
+    setenv("WORLD_SIZE", text, 1);
+    snprintf(text, sizeof text, "gpus-%d", (int)getpid());
+    setenv("TRAIN_UNET_JOB", text, 1);
+    catch_signals(on_launcher_signal);
+    fflush(NULL);
+    pid_t launcher = getpid();
+    for (int i = 0; i < n; i++) {
+        pids[i] = fork();
+        if (pids[i] < 0) fatal("cannot start rank %d: %s", i, strerror(errno));
+        if (pids[i] == 0) {
+            setpgid(0, 0);
+            prctl(PR_SET_PDEATHSIG, SIGTERM);
+            if (getppid() != launcher) _exit(1);  // the launcher died before the line above
+            snprintf(text, sizeof text, "%d", i);
+            setenv("RANK", text, 1);
+            setenv("LOCAL_RANK", text, 1);
+            execv("/proc/self/exe", argv);
+            fprintf(stderr, "%s: error: cannot start rank %d: %s\n", program_name, i, strerror(errno));
+            _exit(127);
+        }
+        setpgid(pids[i], pids[i]);  // also here: whichever of the two runs first
+    }
+    int alive = n, status = 0;
+    double kill_at = 0;
+    while (alive > 0) {
+        int st;
+        pid_t pid = waitpid(-1, &st, WNOHANG);
+        if (pid > 0) {
+            int rank = 0;
+            while (rank < n && pids[rank] != pid) rank++;
+            if (rank == n) continue;
+            pids[rank] = 0, alive--;
+            int failed = WIFSIGNALED(st) ? 128 + WTERMSIG(st) : WEXITSTATUS(st);
+            if (failed && !status) {
+                status = failed;
+                if (alive) {
+                    if (WIFSIGNALED(st)) fprintf(stderr, "%s: error: rank %d was killed by signal %d; stopping the other ranks\n",
+                                                 program_name, rank, WTERMSIG(st));
+                    else fprintf(stderr, "%s: error: rank %d exited with status %d; stopping the other ranks\n", program_name,
+                                 rank, failed);
+                    for (int i = 0; i < n; i++) if (pids[i]) kill(pids[i], SIGUSR1);
+                    kill_at = now_seconds() + 15.0;
+                }
+            }
+            continue;
+        }
+        if (launcher_signal) {
+            int sig = launcher_signal == SIGHUP ? SIGTERM : launcher_signal;
+            for (int i = 0; i < n; i++) if (pids[i]) kill(pids[i], sig);
+            launcher_signal = 0;
+        }
+        if (kill_at > 0 && now_seconds() > kill_at)
+            for (int i = 0; i < n; i++) if (pids[i]) kill(pids[i], SIGKILL);
+        usleep(20000);
+    }
+    free(pids);
+    return status;
 }
 
 // ----------------------------------------------------------------------------------------------
@@ -6108,177 +6504,6 @@ static float gpu_sampler_run(GpuSampler *s, int64_t first, int count, const int 
 }
 
 // ----------------------------------------------------------------------------------------------
-// The data loader: maps a dataset file, serves shuffled batches of uint8 NHWC images and int32
-// labels in host buffers (pinned for fast copies when a GPU is used); the trainer converts them to
-// the model's input on the GPU (images_to_model_input).
-//
-// Order: epoch e visits the images in a Fisher-Yates permutation drawn from (seed, e); image i of
-// that order is flipped horizontally when bit 0 of random(seed, flip stream, e*count + i) is set.
-// Both are pure functions of the position (epoch, next), so saving those two numbers and seeking
-// back to them reproduces every later batch exactly. Batches run on across epoch boundaries.
-//
-// Many GPUs: a step takes the next world * batch_size images of the order, and rank r's batch is
-// the r-th batch_size of them; every rank moves past all of them, so the position stays one.
-
-typedef struct {
-    uint64_t epoch;  // epochs completed
-    uint64_t next;   // index into the epoch's order of the next image to serve
-} LoaderPosition;
-
-typedef struct {
-    Dataset data;
-    const char *path;
-    int batch_size;          // images per batch of this rank
-    int rank, world;         // this rank's batch among the step's world batches
-    int random_flip;
-    uint64_t seed;
-    LoaderPosition position;
-    uint32_t *order;         // the current epoch's permutation of 0..count-1
-    uint8_t *batch_pixels;   // [batch_size][height][width][3]
-    int32_t *batch_labels;   // [batch_size], -1 when the dataset is unlabelled
-    int pinned;              // batch buffers are page-locked (cudaMallocHost)
-} DataLoader;
-
-// Draws epoch `epoch`'s order: a uniform random permutation (Fisher-Yates).
-static void loader_shuffle(DataLoader *loader, uint64_t epoch) {
-    uint64_t n = loader->data.header.count, counter = 0;
-    for (uint64_t i = 0; i < n; i++) loader->order[i] = (uint32_t)i;
-    for (uint64_t i = n - 1; i > 0; i--) {
-        uint64_t j = random_below(loader->seed, rng_stream(RNG_SHUFFLE, epoch), &counter, i + 1);
-        uint32_t t = loader->order[i];
-        loader->order[i] = loader->order[j];
-        loader->order[j] = t;
-    }
-}
-
-// Moves to a saved position (epoch, next); next must be at most the image count.
-static int loader_seek(DataLoader *loader, LoaderPosition position, char *err, size_t err_len) {
-    if (position.next > loader->data.header.count)
-        return error_line(err, err_len, "data position %" PRIu64 " is past the dataset's %" PRIu64 " images",
-                            position.next, loader->data.header.count);
-    loader->position = position;
-    loader_shuffle(loader, position.epoch);
-    return 0;
-}
-
-// A dataset file truncated while it is mapped raises SIGBUS at the first read of a lost page. The
-// handler ends the process with one line instead of a crash; the last checkpoint stays intact (every
-// checkpoint is written whole, then renamed). A fault anywhere else gets the default action. It
-// watches the dataset the last loader_open mapped.
-static struct {
-    const uint8_t *begin, *end;
-    char message[600];
-    size_t length;
-} watched_dataset;
-
-static void on_dataset_fault(int sig, siginfo_t *info, void *) {
-    const uint8_t *at = (const uint8_t *)info->si_addr;
-    if (at >= watched_dataset.begin && at < watched_dataset.end) {
-        ssize_t written = write(STDERR_FILENO, watched_dataset.message, watched_dataset.length);
-        (void)written;  // nothing more can be done about a failed write here
-        _exit(1);
-    }
-    signal(sig, SIG_DFL);  // the fault comes again on return, with the default action
-}
-
-static void watch_dataset(const Dataset *data, const char *path) {
-    watched_dataset.begin = data->map, watched_dataset.end = data->map + data->layout.file_bytes;
-    int n = snprintf(watched_dataset.message, sizeof watched_dataset.message, "%s: error: dataset %.400s changed while training "
-                     "(it was cut short); the last checkpoint is intact\n", program_name, path);
-    watched_dataset.length = n < (int)sizeof watched_dataset.message ? n : sizeof watched_dataset.message - 1;
-    struct sigaction sa;
-    memset(&sa, 0, sizeof sa);
-    sa.sa_sigaction = on_dataset_fault;
-    sa.sa_flags = SA_SIGINFO;
-    sigaction(SIGBUS, &sa, NULL);
-}
-
-// Opens and checks a dataset, watches its mapping (watch_dataset) and allocates the batch buffers.
-// `checked` is the header the caller checked the file against the run's options with (NULL: none):
-// the file opened here must have the same, or it was replaced in between. Returns 0, or -1 with a
-// message.
-static int loader_open(DataLoader *loader, const char *path, const DatasetHeader *checked, int batch_size, int rank, int world,
-                       int random_flip, uint64_t seed, int pinned, char *err, size_t err_len) {
-    memset(loader, 0, sizeof *loader);
-    if (dataset_open(path, &loader->data, err, err_len) != 0) return -1;
-    const DatasetHeader *h = &loader->data.header;  // count <= DATASET_MAX_COUNT: the order's 32-bit indices hold it
-    if (checked && memcmp(checked, h, sizeof *h) != 0) {
-        error_line(err, err_len, "dataset %s changed since it was checked (%" PRIu64 " images of %ux%u, %u classes, now %" PRIu64
-                     " of %ux%u, %u classes): start again", path, checked->count, checked->width, checked->height,
-                     checked->num_classes, h->count, h->width, h->height, h->num_classes);
-        dataset_close(&loader->data);
-        return -1;
-    }
-    watch_dataset(&loader->data, path);
-    loader->path = path;
-    loader->batch_size = batch_size;
-    loader->rank = rank, loader->world = world;
-    loader->random_flip = random_flip;
-    loader->seed = seed;
-    loader->pinned = pinned;
-    loader->order = (uint32_t *)malloc_or_die(h->count * sizeof(uint32_t));
-    size_t pixel_bytes = (size_t)batch_size * loader->data.layout.image_bytes;
-    size_t label_bytes = (size_t)batch_size * sizeof(int32_t);
-    if (pinned) {
-        cuda_check(cudaMallocHost((void **)&loader->batch_pixels, pixel_bytes));
-        cuda_check(cudaMallocHost((void **)&loader->batch_labels, label_bytes));
-    } else {
-        loader->batch_pixels = (uint8_t *)malloc_or_die(pixel_bytes);
-        loader->batch_labels = (int32_t *)malloc_or_die(label_bytes);
-    }
-    LoaderPosition start = {0, 0};
-    return loader_seek(loader, start, err, err_len);
-}
-
-static void loader_close(DataLoader *loader) {
-    if (loader->pinned) {
-        cudaFreeHost(loader->batch_pixels);
-        cudaFreeHost(loader->batch_labels);
-    } else {
-        free(loader->batch_pixels);
-        free(loader->batch_labels);
-    }
-    free(loader->order);
-    if (watched_dataset.begin == loader->data.map) watched_dataset.begin = watched_dataset.end = NULL;
-    dataset_close(&loader->data);
-    memset(loader, 0, sizeof *loader);
-}
-
-// Fills the batch buffers with this rank's batch_size images (and labels) of the next step and
-// advances the position past the step's images on every rank.
-static void loader_next_batch(DataLoader *loader) {
-    const DatasetHeader *h = &loader->data.header;
-    size_t image_bytes = loader->data.layout.image_bytes, row_bytes = (size_t)h->width * h->channels;
-    for (int64_t i = 0; i < (int64_t)loader->world * loader->batch_size; i++) {
-        if (loader->position.next == h->count) {
-            loader->position.epoch++;
-            loader->position.next = 0;
-            loader_shuffle(loader, loader->position.epoch);
-        }
-        uint64_t slot = loader->position.epoch * h->count + loader->position.next;
-        uint32_t image = loader->order[loader->position.next++];
-        int64_t b = i - (int64_t)loader->rank * loader->batch_size;  // this rank's image b
-        if (b < 0 || b >= loader->batch_size) continue;
-        const uint8_t *src = loader->data.pixels + image * image_bytes;
-        uint8_t *dst = loader->batch_pixels + b * image_bytes;
-        int flip = loader->random_flip && (random_u64(loader->seed, rng_stream(RNG_FLIP, 0), slot) & 1);
-        if (!flip) {
-            memcpy(dst, src, image_bytes);
-        } else {
-            for (uint32_t y = 0; y < h->height; y++)
-                for (uint32_t x = 0; x < h->width; x++)
-                    memcpy(dst + y * row_bytes + x * h->channels, src + y * row_bytes + (h->width - 1 - x) * h->channels,
-                           h->channels);
-        }
-        int32_t label = loader->data.labels ? loader->data.labels[image] : -1;
-        if (loader->data.labels && (label < 0 || (uint32_t)label >= h->num_classes))  // checked at open: rewritten since
-            fatal("dataset %s changed while training: image %u has label %d, outside 0..%u", loader->path, image, label,
-                  h->num_classes - 1);
-        loader->batch_labels[b] = label;
-    }
-}
-
-// ----------------------------------------------------------------------------------------------
 // Checkpoint files. A checkpoint is a folder holding model.safetensors (the fp32 weights under
 // guided-diffusion's state_dict names and shapes, the configuration in __metadata__ under its flag
 // names), ema.safetensors (the first EMA rate; ema_<rate>.safetensors for the others) and
@@ -6487,37 +6712,6 @@ static void free_tensors(const UNet *m, float **values) {
     for (int i = 0; i < m->params.count; i++) free(values[i]);
     free(values);
 }
-
-// Syncs a file or folder by name, so that what was written to it, or renamed into it, is durable.
-static int fsync_path(const char *path) {
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
-    if (fd < 0) return -1;
-    int r = fsync(fd);
-    close(fd);
-    return r;
-}
-
-// Creates a folder if it is missing and syncs its parent, so that the new name is durable.
-// Returns 0, or -1 with errno set.
-static int make_dir_synced(const char *path) {
-    if (mkdir(path, 0777) != 0) {
-        struct stat st;
-        if (errno != EEXIST) return -1;
-        if (stat(path, &st) == 0 && S_ISDIR(st.st_mode)) return 0;
-        errno = ENOTDIR;
-        return -1;
-    }
-    char parent[4096];
-    snprintf(parent, sizeof parent, "%s", path);
-    for (size_t n = strlen(parent); n > 1 && parent[n - 1] == '/'; n--) parent[n - 1] = '\0';  // "run/" is "run"
-    char *slash = strrchr(parent, '/');
-    if (slash == parent) slash[1] = '\0';
-    else if (slash) *slash = '\0';
-    else snprintf(parent, sizeof parent, ".");
-    return fsync_path(parent);
-}
-
-static int write_all(FILE *f, const void *data, size_t bytes) { return fwrite(data, 1, bytes, f) == bytes ? 0 : -1; }
 
 // ema.safetensors holds the first EMA rate, ema_<rate>.safetensors each other.
 static void ema_file_name(char *out, size_t len, const char *dir, const float *rates, int i) {
@@ -7497,12 +7691,6 @@ static void find_resume_point(const Options *o, const ModelConfig *c, const Para
     if (check_resume(o, c, params, rp, err, sizeof err) != 0) fatal("%s", err);
 }
 
-static double now_seconds(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return t.tv_sec + 1e-9 * t.tv_nsec;
-}
-
 // run_dir/loss.svg: the loss curve, drawn again at each log interval from every point logged so far
 // (a resumed run starts from the rows log.csv kept). A chart that cannot be written is one warning,
 // not the end of the run.
@@ -7532,192 +7720,6 @@ static void loss_chart_open(LossChart *c, const char *run_dir) {
 static void loss_chart_add(LossChart *c, int64_t step, double loss, double lr) {
     if (loss_log_add(&c->log, step, loss, lr) != 0) fatal("out of host memory");
     loss_chart_draw(c);
-}
-
-// ----------------------------------------------------------------------------------------------
-// Many GPUs: starting the ranks and joining them (the step's side: "Many GPUs: one process per GPU",
-// before the trainer).
-// `--gpus N` starts N copies of this command on this machine (launch_gpus); any other launcher
-// (torchrun, mpirun, srun) starts them itself and says which is which in the environment. Every
-// rank then joins one NCCL communicator through a file of the run folder, written by rank 0.
-
-// The rank of this process when a launcher started it, from the first of these sets whose world
-// size is set: torchrun's (which --gpus sets too), Open MPI's, Slurm's srun. Returns 1 with team
-// filled, or 0 when none is set (a process alone); exits with one line on an incomplete or bad set.
-// A world of one from Open MPI or Slurm is a process alone too (a shell inside `srun --pty` has
-// one); from torchrun's variables it is a team of one rank (which the tests use).
-static int team_from_environment(Team *t) {
-    static const char *const sets[][3] = {{"RANK", "WORLD_SIZE", "LOCAL_RANK"},
-                                          {"OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"},
-                                          {"SLURM_PROCID", "SLURM_STEP_NUM_TASKS", "SLURM_LOCALID"}};
-    for (int k = 0; k < 3; k++) {
-        if (!getenv(sets[k][1])) continue;
-        long v[3];
-        for (int i = 0; i < 3; i++) {
-            const char *text = getenv(sets[k][i]);
-            char *end;
-            v[i] = text ? strtol(text, &end, 10) : -1;
-            if (!text || !*text || *end || v[i] < 0 || v[i] > 1000000)
-                fatal("%s is %s%s%s: a launcher sets %s, %s and %s together, to numbers", sets[k][i], text ? "'" : "unset",
-                      text ? text : "", text ? "'" : "", sets[k][0], sets[k][1], sets[k][2]);
-        }
-        if (v[1] < 1 || v[0] >= v[1]) fatal("%s %ld is not below %s %ld", sets[k][0], v[0], sets[k][1], v[1]);
-        if (k > 0 && v[1] == 1) return 0;
-        t->rank = (int)v[0], t->world = (int)v[1], t->local_rank = (int)v[2];
-        return 1;
-    }
-    return 0;
-}
-
-#ifndef UNET_NO_NCCL
-// The file through which rank 0 hands the others NCCL's id: RUN_DIR/nccl_id, suffixed with the
-// launcher's job name where it gives one, so that no rank can read an earlier run's file.
-static void team_id_path(char *out, size_t len, const char *run_dir) {
-    static const char *const jobs[] = {"TRAIN_UNET_JOB", "TORCHELASTIC_RUN_ID", "SLURM_STEP_ID", "PMIX_NAMESPACE",
-                                       "OMPI_MCA_ess_base_jobid"};
-    const char *slurm_job = getenv("SLURM_JOB_ID");
-    char slurm[64];
-    const char *job = NULL;
-    for (size_t i = 0; i < sizeof jobs / sizeof jobs[0] && !job; i++) {
-        job = getenv(jobs[i]);
-        if (job && strcmp(job, "none") == 0) job = NULL;  // torchrun's default run id names no run
-        if (job && i == 2) snprintf(slurm, sizeof slurm, "%s.%s", slurm_job ? slurm_job : "", job), job = slurm;  // job.step
-    }
-    int n = snprintf(out, len, "%s/nccl_id%s", run_dir, job ? "_" : "");
-    for (const char *c = job; c && *c && n + 1 < (int)len; c++, n++)  // a file name's characters only
-        out[n] = isalnum((unsigned char)*c) || *c == '.' || *c == '-' ? *c : '_', out[n + 1] = '\0';
-}
-#endif
-
-// Joins this rank to the others (team.comm): rank 0 writes NCCL's id into the run folder (under a
-// temporary name, then renamed, so no rank reads half of it), the others wait for it (up to 10
-// minutes: the run folder must be on a file system every machine of the run sees), every rank
-// opens the communicator, and rank 0 removes the file. A file older than this process by more than
-// a minute (the clocks of other machines may differ by some seconds) is a dead run's: not read.
-static void team_join(const char *run_dir) {
-#ifdef UNET_NO_NCCL
-    (void)run_dir;
-    fatal("this train_unet was built without NCCL (the Makefile found no nccl.h), so it trains on one GPU only");
-#else
-    char path[4400], tmp[4500];
-    team_id_path(path, sizeof path, run_dir);
-    ncclUniqueId id;
-    if (team.rank == 0) {
-        if (make_dir_synced(run_dir) != 0) fatal("cannot create run folder %s: %s", run_dir, strerror(errno));
-        nccl_check(ncclGetUniqueId(&id));
-        snprintf(tmp, sizeof tmp, "%s.tmp", path);
-        FILE *f = fopen(tmp, "wb");
-        if (!f || write_all(f, &id, sizeof id) != 0 || fflush(f) != 0 || fsync(fileno(f)) != 0 || fclose(f) != 0 ||
-            rename(tmp, path) != 0)
-            fatal("cannot write %s: %s", path, strerror(errno));
-    } else {
-        time_t started = time(NULL);
-        for (int waited_ms = 0;; waited_ms += 50) {
-            struct stat st;
-            FILE *f = stat(path, &st) == 0 && st.st_mtime >= started - 60 ? fopen(path, "rb") : NULL;
-            size_t got = f ? fread(&id, 1, sizeof id, f) : 0;
-            if (f) fclose(f);
-            if (got == sizeof id) break;
-            if (stop_requested || peer_lost) fatal("stopped while waiting for rank 0's %s", path);
-            if (waited_ms > 600000)
-                fatal("no %s from rank 0 after 10 minutes: is the run folder on a file system every rank sees?", path);
-            usleep(50000);
-        }
-    }
-    nccl_check(ncclCommInitRank(&team.comm, team.world, id, team.rank));
-    if (team.rank == 0) unlink(path);
-    cuda_check(cudaStreamCreate(&team.stream));
-    cuda_check(cudaEventCreateWithFlags(&team.fork, cudaEventDisableTiming));
-    cuda_check(cudaEventCreateWithFlags(&team.join, cudaEventDisableTiming));
-#endif
-}
-
-static void catch_signal(int sig, void (*handler)(int)) {
-    struct sigaction sa;
-    memset(&sa, 0, sizeof sa);
-    sa.sa_handler = handler;
-    sigaction(sig, &sa, NULL);
-}
-
-// SIGINT, SIGTERM and SIGHUP (the terminal or session closed) go to `handler`.
-static void catch_signals(void (*handler)(int)) {
-    catch_signal(SIGINT, handler);
-    catch_signal(SIGTERM, handler);
-    catch_signal(SIGHUP, handler);
-}
-
-// --gpus N: starts N copies of this command, rank i on GPU i of this machine, with the variables
-// torchrun sets (RANK, WORLD_SIZE, LOCAL_RANK) and a job name for the id file, each in a process
-// group of its own so that a terminal's Ctrl-C reaches only this process, which passes SIGINT and
-// SIGTERM on to all (a second Ctrl-C: they exit at once), and SIGHUP as SIGTERM. Should this
-// process die, the ranks get SIGTERM (PR_SET_PDEATHSIG): they stop after a step and save. When one
-// fails (an error, a signal), the others get SIGUSR1 (they give up at once: no step can finish)
-// and after 15 s SIGKILL. Returns the exit status: 0 when every rank succeeded, else the first
-// failure's.
-static volatile sig_atomic_t launcher_signal;
-static void on_launcher_signal(int sig) { launcher_signal = sig; }
-
-static int launch_gpus(int n, char **argv) {
-    pid_t *pids = (pid_t *)malloc_or_die(n * sizeof(pid_t));
-    char text[32];
-    snprintf(text, sizeof text, "%d", n);
-    setenv("WORLD_SIZE", text, 1);
-    snprintf(text, sizeof text, "gpus-%d", (int)getpid());
-    setenv("TRAIN_UNET_JOB", text, 1);
-    catch_signals(on_launcher_signal);
-    fflush(NULL);
-    pid_t launcher = getpid();
-    for (int i = 0; i < n; i++) {
-        pids[i] = fork();
-        if (pids[i] < 0) fatal("cannot start rank %d: %s", i, strerror(errno));
-        if (pids[i] == 0) {
-            setpgid(0, 0);
-            prctl(PR_SET_PDEATHSIG, SIGTERM);
-            if (getppid() != launcher) _exit(1);  // the launcher died before the line above
-            snprintf(text, sizeof text, "%d", i);
-            setenv("RANK", text, 1);
-            setenv("LOCAL_RANK", text, 1);
-            execv("/proc/self/exe", argv);
-            fprintf(stderr, "%s: error: cannot start rank %d: %s\n", program_name, i, strerror(errno));
-            _exit(127);
-        }
-        setpgid(pids[i], pids[i]);  // also here: whichever of the two runs first
-    }
-    int alive = n, status = 0;
-    double kill_at = 0;
-    while (alive > 0) {
-        int st;
-        pid_t pid = waitpid(-1, &st, WNOHANG);
-        if (pid > 0) {
-            int rank = 0;
-            while (rank < n && pids[rank] != pid) rank++;
-            if (rank == n) continue;
-            pids[rank] = 0, alive--;
-            int failed = WIFSIGNALED(st) ? 128 + WTERMSIG(st) : WEXITSTATUS(st);
-            if (failed && !status) {
-                status = failed;
-                if (alive) {
-                    if (WIFSIGNALED(st)) fprintf(stderr, "%s: error: rank %d was killed by signal %d; stopping the other ranks\n",
-                                                 program_name, rank, WTERMSIG(st));
-                    else fprintf(stderr, "%s: error: rank %d exited with status %d; stopping the other ranks\n", program_name,
-                                 rank, failed);
-                    for (int i = 0; i < n; i++) if (pids[i]) kill(pids[i], SIGUSR1);
-                    kill_at = now_seconds() + 15.0;
-                }
-            }
-            continue;
-        }
-        if (launcher_signal) {
-            int sig = launcher_signal == SIGHUP ? SIGTERM : launcher_signal;
-            for (int i = 0; i < n; i++) if (pids[i]) kill(pids[i], sig);
-            launcher_signal = 0;
-        }
-        if (kill_at > 0 && now_seconds() > kill_at)
-            for (int i = 0; i < n; i++) if (pids[i]) kill(pids[i], SIGKILL);
-        usleep(20000);
-    }
-    free(pids);
-    return status;
 }
 
 // A hash of the weights (FNV-1a over the fp32 master values): printed by every rank of a team at
