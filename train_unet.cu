@@ -780,10 +780,8 @@ static bool conv_tma_takes(const ConvProblem *q, const ConvTarget *t) {
 }
 #endif
 
-// Whether family f takes the product, and if so its tile and slices in *plan.
+// Whether family f takes the product, and if so its tile (and a split product's slices) in *plan.
 static bool conv_family_takes(int f, const ConvProblem *q, const ConvTarget *t, ConvPlan *plan) {
-    if (q->op == CONV_WEIGHT_GRAD)
-        plan->slices = conv3x3_weight_grad_slices(q->N, q->H, q->W, q->C_in, q->C_out, q->stride, &plan->k_per_slice);
 #if defined(PRECISION_FP32)
     (void)t;
     return f == CONV_FP32;
@@ -849,8 +847,12 @@ static bool conv_family_takes(int f, const ConvProblem *q, const ConvTarget *t, 
 // The plan of a product on a GPU: the first family that takes it, or the one forced (family >= 0),
 // CONV_NONE when that one does not.
 static ConvPlan conv_plan(const ConvProblem *q, const ConvTarget *t, int forced) {
+    ConvPlan base = {CONV_NONE, 0, 0, 0, 1, 0, false};  // a weight gradient's slices: the same whichever kernel runs it
+    if (q->op == CONV_WEIGHT_GRAD)
+        base.slices = conv3x3_weight_grad_slices(q->N, q->H, q->W, q->C_in, q->C_out, q->stride, &base.k_per_slice);
     for (int f = 0; f < CONV_FAMILIES; f++) {
-        ConvPlan plan = {f, 0, 0, 0, 1, 0, false};
+        ConvPlan plan = base;
+        plan.family = f;
         if ((forced < 0 || f == forced) && conv_family_takes(f, q, t, &plan)) return plan;
     }
     ConvPlan none = {CONV_NONE, 0, 0, 0, 1, 0, false};
