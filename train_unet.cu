@@ -168,6 +168,19 @@ static int fsync_path(const char *path) {
     return r;
 }
 
+// The folder that holds path, into parent: its last component removed, trailing slashes ignored
+// ("run/" -> ".", "/a/b" -> "/a", "/a" -> "/"). Returns the offset of the last component in path.
+static size_t parent_folder(const char *path, char *parent, size_t len) {
+    snprintf(parent, len, "%s", path);
+    for (size_t n = strlen(parent); n > 1 && parent[n - 1] == '/'; n--) parent[n - 1] = '\0';
+    char *slash = strrchr(parent, '/');
+    size_t last = slash ? (size_t)(slash - parent) + 1 : 0;
+    if (slash == parent) slash[1] = '\0';
+    else if (slash) *slash = '\0';
+    else snprintf(parent, len, ".");
+    return last;
+}
+
 // Creates a folder if it is missing and syncs its parent, so that the new name is durable.
 // Returns 0, or -1 with errno set.
 static int make_dir_synced(const char *path) {
@@ -179,12 +192,7 @@ static int make_dir_synced(const char *path) {
         return -1;
     }
     char parent[4096];
-    snprintf(parent, sizeof parent, "%s", path);
-    for (size_t n = strlen(parent); n > 1 && parent[n - 1] == '/'; n--) parent[n - 1] = '\0';  // "run/" is "run"
-    char *slash = strrchr(parent, '/');
-    if (slash == parent) slash[1] = '\0';
-    else if (slash) *slash = '\0';
-    else snprintf(parent, sizeof parent, ".");
+    parent_folder(path, parent, sizeof parent);
     return fsync_path(parent);
 }
 
@@ -7197,19 +7205,14 @@ static int run_folder_contents(const char *run_dir, char *what, size_t len) {
 // itself, not a link).
 static int resume_from_elsewhere(const Options *o) {
     if (!o->resume_checkpoint[0] || strcmp(o->resume_checkpoint, "latest") == 0) return 0;
-    char given[4096], ours[PATH_MAX], theirs[PATH_MAX];
+    char given[4096], parent[4096], checkpoints[4096], ours[PATH_MAX], theirs[PATH_MAX];
     snprintf(given, sizeof given, "%s", o->resume_checkpoint);
-    for (size_t n = strlen(given); n > 1 && given[n - 1] == '/'; n--) given[n - 1] = '\0';
-    char *slash = strrchr(given, '/');
-    const char *step = slash ? slash + 1 : given;
+    for (size_t n = strlen(given); n > 1 && given[n - 1] == '/'; n--) given[n - 1] = '\0';  // the step itself, not what a link leads to
+    const char *step = given + parent_folder(given, parent, sizeof parent);
     struct stat st;
     if (checkpoint_step(step) < 0 || lstat(given, &st) != 0 || !S_ISDIR(st.st_mode)) return 1;
-    if (slash == given) snprintf(given, sizeof given, "/");
-    else if (slash) *slash = '\0';
-    else snprintf(given, sizeof given, ".");
-    char checkpoints[4096];
     snprintf(checkpoints, sizeof checkpoints, "%s/checkpoints", o->run_dir);
-    return !realpath(checkpoints, ours) || !realpath(given, theirs) || strcmp(ours, theirs) != 0;
+    return !realpath(checkpoints, ours) || !realpath(parent, theirs) || strcmp(ours, theirs) != 0;
 }
 
 // One trainer per run folder: it holds an exclusive lock (flock) on RUN/train.lock for its whole run,
@@ -7254,14 +7257,8 @@ static void lock_run_folder(const char *run_dir, int take) {
 static void check_run_folder_writable(const char *run_dir) {
     char where[4096];
     struct stat st;
-    snprintf(where, sizeof where, "%s", run_dir);
-    if (lstat(run_dir, &st) != 0) {  // the parent, which the run would create it in
-        for (size_t n = strlen(where); n > 1 && where[n - 1] == '/'; n--) where[n - 1] = '\0';
-        char *slash = strrchr(where, '/');
-        if (slash == where) slash[1] = '\0';
-        else if (slash) *slash = '\0';
-        else snprintf(where, sizeof where, ".");
-    }
+    if (lstat(run_dir, &st) == 0) snprintf(where, sizeof where, "%s", run_dir);
+    else parent_folder(run_dir, where, sizeof where);  // the folder the run would create it in
     if (faccessat(AT_FDCWD, where, W_OK | X_OK, AT_EACCESS) != 0)
         fatal("run folder %s cannot be written: %s: %s", run_dir, where, strerror(errno));
     snprintf(where, sizeof where, "%s/checkpoints", run_dir);
