@@ -17,6 +17,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "cli.h"
 #include "png.h"
 #include "sampler.h"
 #include "unet_api.h"
@@ -24,26 +25,36 @@
 static const char usage[] =
     "usage: generate --checkpoint DIR|FILE.safetensors [options]\n"
     "\n"
-    "Samples images from a checkpoint of train_unet (or any guided-diffusion UNet saved as safetensors\n"
-    "with its flags in the metadata) and writes one PNG per image and a grid.\n"
+    "Samples images from a checkpoint of train_unet (or any guided-diffusion UNet\n"
+    "saved as safetensors with its flags in the metadata) and writes one PNG per\n"
+    "image and a grid.\n"
     "  --checkpoint PATH   a checkpoint folder, or a .safetensors file\n"
-    "  --weights ema|model the folder's EMA weights (default) or its raw weights\n"
-    "  --sampler S         ddim (default), ddpm (ancestral, every step) or dpm++ (DPM-Solver++ 2M)\n"
-    "  --steps N           sampling steps: ddim 50, dpm++ 20 by default; ddpm uses all diffusion steps\n"
-    "  --eta E             DDIM's noise, 0 (default, deterministic) to 1\n"
-    "  --class K|all       class-conditional models: one class, or all in turn (default all)\n"
-    "  --guidance W        classifier-free guidance scale (1: plain conditional sampling, default)\n"
-    "  --num N             images (default 64)\n"
-    "  --batch B           images per model call (default: the largest that fits in the GPU's free\n"
-    "                      memory, at most --num; give it to get the same bits on another GPU)\n"
-    "  --seed S            (default 0)\n"
-    "  --out DIR           output folder (default samples): 000000.png ... and grid.png\n"
-    "  --bench R           time the sampling of --num images R times after a warm-up, print the median\n"
-    "                      images/s (GPU time) and write no images\n"
+    "  --weights ema|model the folder's EMA weights or its raw weights [ema]\n"
+    "  --sampler S         ddim, ddpm (ancestral, every step) or dpm++ (DPM-Solver++\n"
+    "                      2M) [ddim]\n"
+    "  --steps N           sampling steps: ddim 50, dpm++ 20 by default; ddpm uses\n"
+    "                      all diffusion steps\n"
+    "  --eta E             DDIM's noise, 0 (deterministic) to 1 [0]\n"
+    "  --class K|all       class-conditional models: one class, or all in turn [all]\n"
+    "  --guidance W        classifier-free guidance scale (1: plain conditional\n"
+    "                      sampling) [1]\n"
+    "  --num N             images [64]\n"
+    "  --batch B           images per model call (default: the largest that fits in\n"
+    "                      the GPU's free memory, at most --num; give it to get the\n"
+    "                      same bits on another GPU)\n"
+    "  --seed S            the seed of every image's noise and draws [0]\n"
+    "  --out DIR           output folder: 000000.png ... and grid.png [samples]\n"
+    "  --bench R           time the sampling of --num images R times after a warm-up,\n"
+    "                      print the median images/s (GPU time) and write no images\n"
+    "  --help, -h          this help\n"
+    "  --version           the version and what it was built with\n"
     "\n"
     "       generate --checkpoint PATH --eval IN.safetensors --output OUT.safetensors\n"
-    "runs the model once on IN's x [N,C,H,W] (float, NCHW), t [N] and, class-conditional, y [N], and\n"
-    "writes its raw output out [N,C_out,H,W] (F32, NCHW): for comparing with PyTorch.\n";
+    "runs the model once on IN's x [N,C,H,W] (float, NCHW), t [N] and,\n"
+    "class-conditional, y [N], and writes its raw output out [N,C_out,H,W] (F32,\n"
+    "NCHW): for comparing with PyTorch.\n"
+    "\n"
+    "A hyphen in an option's name may stand for an underscore.\n";
 
 typedef struct {
     const char *checkpoint, *weights, *sampler, *class_name, *out, *eval, *output;
@@ -75,7 +86,8 @@ static double real_option(const char *name, const char *s, double lo, double hi)
     return v;
 }
 
-// Parses the command line (--name VALUE or --name=VALUE); no arguments, -h or --help print the usage.
+// Parses the command line (--name VALUE or --name=VALUE, a hyphen in a name standing for an
+// underscore); no arguments, -h or --help print the usage, --version the version.
 static Options parse_options(int argc, char **argv) {
     static const char *const names[] = {"checkpoint", "weights", "sampler", "class", "out", "eval", "output",
                                         "steps", "num", "batch", "bench", "seed", "eta", "guidance"};
@@ -84,14 +96,17 @@ static Options parse_options(int argc, char **argv) {
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         if (strcmp(a, "--help") == 0 || strcmp(a, "-h") == 0) fputs(usage, stdout), exit(0);
+        if (strcmp(a, "--version") == 0) unet_print_version(), exit(0);
         if (a[0] == '-' && a[1] != '-') unet_usage_error("unknown option %s", a);
         if (strncmp(a, "--", 2) != 0) unet_usage_error("unexpected argument '%s'", a);
         const char *eq = strchr(a, '=');
         size_t len = eq ? (size_t)(eq - a) : strlen(a);  // "--name"
         const char *name = NULL;
-        for (size_t k = 0; k < sizeof names / sizeof *names; k++)
-            if (strlen(names[k]) == len - 2 && strncmp(a + 2, names[k], len - 2) == 0) name = names[k];
-        if (!name) unet_usage_error("unknown option %.*s", (int)len, a);
+        int count = (int)(sizeof names / sizeof *names);
+        for (int k = 0; k < count; k++)
+            if (cli_name_is(a + 2, len - 2, names[k])) name = names[k];
+        char hint[128];
+        if (!name) unet_usage_error("unknown option %.*s%s", (int)len, a, cli_hint(a + 2, len - 2, names, count, hint, sizeof hint));
         if (!eq && i + 1 >= argc) unet_usage_error("--%s needs a value", name);
         const char *v = eq ? eq + 1 : argv[++i];
         char flag[16];
@@ -152,7 +167,6 @@ static int compare_doubles(const void *a, const void *b) {
 }
 
 int main(int argc, char **argv) {
-    unet_set_program_name("generate");
     signal(SIGXFSZ, SIG_IGN);  // a write past the file-size limit fails (EFBIG, "File too large") and is said
     Options o = parse_options(argc, argv);
     char err[1024];

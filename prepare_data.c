@@ -31,6 +31,7 @@
 #include <stb_image_resize.h>
 
 #include "data/shapes.h"
+#include "cli.h"
 #include "dataset.h"
 
 #define MIN_SIDE 8
@@ -38,29 +39,40 @@
 #define MAX_PIXELS (1ull << 26)  // larger input images (more than 8192x8192) are skipped undecoded
 
 static const char usage[] =
-    "usage: prepare_data --input DIR --output FILE.bin [--size N] [--labels] [--keep_duplicates] [--quiet]\n"
-    "       prepare_data --synthetic shapes --output FILE.bin [--count N] [--size N] [--seed K]\n"
+    "usage: prepare_data --input DIR --output FILE.bin [--size N] [--labels]\n"
+    "                    [--keep_duplicates] [--quiet]\n"
+    "       prepare_data --synthetic shapes --output FILE.bin [--count N] [--size N]\n"
+    "                    [--seed K]\n"
     "\n"
     "Writes a dataset file for train_unet.\n"
-    "  --input DIR        folder of images, searched recursively in sorted order (hidden files and\n"
-    "                     folders are skipped); every file stb_image can read is used: JPEG, PNG,\n"
-    "                     BMP, GIF (first frame), TGA, PSD, HDR, PNM. Unreadable files, and images\n"
-    "                     of more than 2^26 pixels (8192x8192), are skipped with a warning. Links\n"
-    "                     are followed; each distinct file and folder is used once: a second path\n"
-    "                     to one (a symbolic or a hard link) is skipped and counted as a duplicate\n"
-    "  --keep_duplicates  use a file once for every path to it, walking linked folders again (a\n"
-    "                     link back to a folder that contains it is still skipped)\n"
-    "  --labels           the class of an image is the name of its first-level folder under DIR\n"
-    "  --synthetic shapes the bundled synthetic dataset (circles, squares, triangles; labelled)\n"
-    "  --count N          synthetic images to write (default 10000)\n"
-    "  --seed K           synthetic dataset seed (default 1)\n"
-    "  --size N           side of the square output images, 8..8192 (default 64): images are\n"
+    "  --input DIR        folder of images, searched recursively in sorted order\n"
+    "                     (hidden files and folders are skipped); every file\n"
+    "                     stb_image can read is used: JPEG, PNG, BMP, GIF (first\n"
+    "                     frame), TGA, PSD, HDR, PNM. Unreadable files, and images of\n"
+    "                     more than 2^26 pixels (8192x8192), are skipped with a\n"
+    "                     warning. Links are followed; each distinct file and folder\n"
+    "                     is used once: a second path to one (a symbolic or a hard\n"
+    "                     link) is skipped and counted as a duplicate\n"
+    "  --keep_duplicates  use a file once for every path to it, walking linked\n"
+    "                     folders again (a link back to a folder that contains it is\n"
+    "                     still skipped)\n"
+    "  --labels           the class of an image is the name of its first-level folder\n"
+    "                     under DIR\n"
+    "  --synthetic shapes the bundled synthetic dataset (circles, squares, triangles;\n"
+    "                     labelled)\n"
+    "  --count N          synthetic images to write [10000]\n"
+    "  --seed K           synthetic dataset seed [1]\n"
+    "  --size N           side of the square output images, 8..8192 [64]: images are\n"
     "                     centre-cropped to a square and resized\n"
-    "  --output FILE.bin  the dataset file, replaced atomically (a regular file, not an input)\n"
+    "  --output FILE.bin  the dataset file, replaced atomically (a regular file, not\n"
+    "                     an input)\n"
     "  --quiet            no progress line\n"
+    "  --help, -h         this help\n"
+    "  --version          the version\n"
     "\n"
-    "Exit status: 0 done (or this help), 1 an error (unreadable input, no usable image, unwritable\n"
-    "output), 2 a usage error (unknown option, bad value).\n";
+    "A hyphen in an option's name may stand for an underscore (--keep-duplicates).\n"
+    "Exit status: 0 done (or this help), 1 an error (unreadable input, no usable\n"
+    "image, unwritable output), 2 a usage error (unknown option, bad value).\n";
 
 // The temporary output file: die() and the signal handler remove it while it exists.
 static char tmp_path[PATH_MAX];
@@ -173,27 +185,38 @@ static uint64_t parse_uint(const char *name, const char *s, uint64_t lo, uint64_
     return v;
 }
 
+// The options, for the hint that follows an unknown one.
+static const char *const option_names[] = {"input", "output", "size", "labels", "keep_duplicates", "quiet",
+                                           "synthetic", "count", "seed"};
+
+// The length of the name in option argument arg ("--name" or "--name=value": up to the '=').
+static size_t name_length(const char *arg) { return strcspn(arg + 2, "="); }
+
+// Whether arg is option `name` ("--name", "--name=..."; a hyphen in it stands for an underscore).
+static bool is_option(const char *arg, const char *name) {
+    return strncmp(arg, "--", 2) == 0 && cli_name_is(arg + 2, name_length(arg), name + 2);
+}
+
 // If argv[*i] is option `name` ("--name value" or "--name=value"), returns its value, advancing *i
 // past it; otherwise returns NULL.
 static const char *option_value(int argc, char **argv, int *i, const char *name) {
-    size_t n = strlen(name);
-    if (strncmp(argv[*i], name, n) != 0) return NULL;
-    if (argv[*i][n] == '=') return argv[*i] + n + 1;
-    if (argv[*i][n] != '\0') return NULL;
+    if (!is_option(argv[*i], name)) return NULL;
+    const char *eq = strchr(argv[*i], '=');
+    if (eq) return eq + 1;
     if (*i + 1 >= argc) usage_error("%s needs a value", name);
     return argv[++*i];
 }
 
 // Whether arg is the switch `name` (an option without a value); "--name=..." is a usage error.
 static bool is_switch(const char *arg, const char *name) {
-    size_t n = strlen(name);
-    if (strncmp(arg, name, n) != 0) return false;
-    if (arg[n] == '=') usage_error("%s takes no value", name);
-    return arg[n] == '\0';
+    if (!is_option(arg, name)) return false;
+    if (strchr(arg, '=')) usage_error("%s takes no value", name);
+    return true;
 }
 
 // Reads the options and checks that they make one consistent request. No arguments, -h or --help
-// (anywhere) print the usage on stdout and exit 0; a usage error exits 2 (usage_error).
+// (anywhere) print the usage on stdout and exit 0, --version the version; a usage error exits 2
+// (usage_error).
 static Options parse_options(int argc, char **argv) {
     Options o = {.count = 10000, .seed = 1, .size = 64};
     bool help = argc < 2;
@@ -202,6 +225,8 @@ static Options parse_options(int argc, char **argv) {
         fputs(usage, stdout);
         exit(0);
     }
+    for (int i = 1; i < argc; i++)
+        if (!strcmp(argv[i], "--version")) cli_print_version("prepare_data", NULL), exit(0);
     for (int i = 1; i < argc; i++) {
         const char *v;
         if (is_switch(argv[i], "--labels")) {
@@ -224,9 +249,13 @@ static Options parse_options(int argc, char **argv) {
         } else if ((v = option_value(argc, argv, &i, "--seed"))) {
             o.seed = parse_uint("--seed", v, 0, UINT64_MAX);
             o.seed_given = true;
+        } else if (strncmp(argv[i], "--", 2) == 0) {
+            char hint[128];
+            size_t len = name_length(argv[i]);
+            usage_error("unknown option %.*s%s", (int)len + 2, argv[i],
+                        cli_hint(argv[i] + 2, len, option_names, sizeof option_names / sizeof *option_names, hint, sizeof hint));
         } else if (argv[i][0] == '-') {
-            const char *eq = strchr(argv[i], '=');  // --name=value: the name alone
-            usage_error("unknown option %.*s", eq ? (int)(eq - argv[i]) : (int)strlen(argv[i]), argv[i]);
+            usage_error("unknown option %s", argv[i]);
         } else {
             usage_error("unexpected argument '%s'", argv[i]);
         }

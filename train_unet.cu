@@ -11,9 +11,9 @@
 // team's collectives, starting the ranks and joining them); the trainer (one step as a CUDA graph);
 // sampling on the GPU; checkpoints (metadata, saving, resuming; checkpoint.h reads and writes their
 // files, dataset.h reads the dataset); run folders (the lock, the checks before anything is
-// written); the command line; the training run; the C API for generate.c (unet_api.h); main. Built
-// with -DTRAIN_UNET_LIBRARY it has no main, command line or training run: tests and dev/ include it,
-// and generate links it.
+// written); the command line; the training run; the C API for generate.c (unet_api.h); main (weak:
+// generate links this object and brings its own). Built with -DTRAIN_UNET_LIBRARY it has no main,
+// command line or training run: tests and dev/ include it so.
 //
 // Activations are NHWC (channels last). PRECISION_BF16 (the default) keeps activations in bf16
 // with fp32 master weights and fp32 accumulation; PRECISION_FP32 is fp32 throughout.
@@ -43,6 +43,7 @@
 #include <unistd.h>
 
 #include "checkpoint.h"
+#include "cli.h"
 #include "dataset.h"
 #include "loss_plot.h"
 #include "png.h"
@@ -51,7 +52,7 @@
 #include "unet_api.h"
 
 // Built with TRAIN_UNET_LIBRARY this file is a library of static functions for the program that
-// includes it (a test, a dev/ check, generate's C API in build/unet_api.o), each of which uses a
+// includes it (a test, a dev/ check), each of which uses a
 // different part of it: there a function that program never calls is expected, so nvcc's "declared
 // but never referenced" (#177) is off for this file's definitions, and back on at its end for the
 // includer's own. The trainer's build keeps it (and library builds leave out main's code).
@@ -80,8 +81,9 @@ typedef struct {
     floatX v[1];
 } Scalar;
 
-// The name error lines start with (generate sets its own through the C API).
-static const char *program_name = "train_unet";
+// The name error lines start with: the program's own (train_unet, generate, a test or a dev/ check),
+// or a rank's ("train_unet rank 1").
+static const char *program_name = program_invocation_short_name;
 
 // Prints one error line, "PROGRAM: error: MESSAGE" and a suffix.
 static void print_error(const char *suffix, const char *fmt, va_list args) {
@@ -241,7 +243,27 @@ static void *gpu_malloc(size_t bytes) {
     return p;
 }
 
+// Whether there is a GPU to run on: 0, or -1 with a message. Without a driver the CUDA runtime
+// says "driver version is insufficient", which misleads: cudaDriverGetVersion gives 0 then.
+static int gpu_available(char *err, size_t err_len) {
+    int driver = 0, devices = 0;
+    if (cudaDriverGetVersion(&driver) != cudaSuccess || driver == 0)
+        return error_line(err, err_len, "no NVIDIA GPU or driver found (no NVIDIA driver is installed)");
+    cudaError_t e = cudaGetDeviceCount(&devices);
+    if (e == cudaErrorInsufficientDriver)
+        return error_line(err, err_len, "the NVIDIA driver supports CUDA %d.%d, older than the CUDA %d.%d this program was built "
+                            "with: update the driver", driver / 1000, driver % 1000 / 10, CUDART_VERSION / 1000, CUDART_VERSION % 1000 / 10);
+    if (e != cudaSuccess || devices == 0)
+        return error_line(err, err_len, "no NVIDIA GPU or driver found (the CUDA runtime says: %s)",
+                            e != cudaSuccess ? cudaGetErrorString(e) : "no devices");
+    return 0;
+}
+
+// Makes GPU `device` ready: its streams, cuBLAS, and whether sm_90a code runs on it. Without a GPU,
+// one error line says so.
 static void gpu_init(int device) {
+    char err[512];
+    if (gpu_available(err, sizeof err) != 0) fatal("%s", err);
     cuda_check(cudaSetDevice(device));
     cuda_check(cudaDeviceGetAttribute(&gpu.num_sms, cudaDevAttrMultiProcessorCount, device));
     cuda_check(cudaStreamCreate(&gpu.main));
@@ -4014,10 +4036,10 @@ typedef struct {
 #define OPT(name, type, help) {#name, type, offsetof(Options, name), help}
 static const OptionSpec option_specs[] = {
     OPT(data, OPT_STRING, "dataset .bin written by prepare_data (required to train)"),
-    OPT(preset, OPT_STRING, "seed | adm64: a model and training configuration to start from (default seed)"),
-    OPT(image_size, OPT_INT, "image side in pixels; must equal the dataset's"),
+    OPT(preset, OPT_STRING, "seed | adm64: a model and training configuration to start from"),
+    OPT(image_size, OPT_INT, "image side in pixels; when not given, the dataset's (without --data the preset's)"),
     OPT(num_channels, OPT_INT, "model channels (multiple of 32)"),
-    OPT(channel_mult, OPT_STRING, "channel multiplier per level, e.g. 1,2,3,4 (\"\": guided-diffusion's default for the image size)"),
+    OPT(channel_mult, OPT_STRING, "channel multiplier per level, e.g. 1,2,3,4; \"\", or not given with an image size from the dataset: guided-diffusion's default for that size"),
     OPT(num_res_blocks, OPT_INT, "residual blocks per level"),
     OPT(attention_resolutions, OPT_STRING, "resolutions with attention, e.g. 16,8 (\"\": none besides the middle block)"),
     OPT(num_heads, OPT_INT, "attention heads (when num_head_channels is -1)"),
@@ -4140,10 +4162,10 @@ static int option_from_string(Options *o, const OptionSpec *s, const char *value
     return 0;
 }
 
+// The option of a name (len characters; a hyphen in it stands for an underscore, cli.h), or NULL.
 static const OptionSpec *find_option(const char *name, size_t len) {
     for (int i = 0; i < NUM_OPTIONS; i++)
-        if (strlen(option_specs[i].name) == len && strncmp(option_specs[i].name, name, len) == 0)
-            return &option_specs[i];
+        if (cli_name_is(name, len, option_specs[i].name)) return &option_specs[i];
     return NULL;
 }
 
@@ -4163,13 +4185,15 @@ static int parse_number_list(const char *s, double *out, int max) {
     return n;
 }
 
-// guided-diffusion's channel_mult when none is given (script_util.create_model).
+// guided-diffusion's channel_mult when none is given (script_util.create_model), and for 32x32
+// improved-diffusion's.
 static const char *default_channel_mult(int image_size) {
     switch (image_size) {
     case 512: return "0.5,1,1,2,2,4,4";
     case 256: return "1,1,2,2,4,4";
     case 128: return "1,1,2,3,4";
     case 64: return "1,2,3,4";
+    case 32: return "1,2,2,2";  // improved-diffusion's (CIFAR-10); guided-diffusion has none
     default: return NULL;
     }
 }
@@ -7359,33 +7383,47 @@ static ModelConfig resolve_model(Options *o, int label_rows) {
 
 static void print_usage(FILE *f) {
     fprintf(f,
-            "usage: train_unet --data FILE.bin [options]      train a UNet on a dataset\n"
-            "       train_unet --dry_run [options]             check and print a configuration\n"
+            "usage: train_unet --data FILE.bin [options]   train a UNet on a dataset\n"
+            "       train_unet --dry_run [options]          check and print a configuration\n"
+            "       train_unet --bench N [options]          time N training steps\n"
             "\n"
-            "Options take a value as --name VALUE or --name=VALUE; booleans accept True/False, 1/0,\n"
-            "yes/no (a boolean given alone means True). Defaults are the seed preset's.\n\n");
+            "Options take a value as --name VALUE or --name=VALUE, under guided-diffusion's\n"
+            "names (a hyphen may stand for an underscore: --batch-size). Booleans accept\n"
+            "True/False, 1/0, yes/no; a boolean given alone means True. Defaults, in\n"
+            "brackets, are the seed preset's.\n\n");
     Options d = preset_seed();
     for (int i = 0; i < NUM_OPTIONS; i++) {
         const OptionSpec *s = &option_specs[i];
-        char value[64] = "";
+        char value[64] = "", help[600];
         const char *p = (const char *)&d + s->offset;
         switch (s->type) {
         case OPT_INT: snprintf(value, sizeof value, "%d", *(const int *)p); break;
         case OPT_LONG: snprintf(value, sizeof value, "%lld", *(const long long *)p); break;
         case OPT_FLOAT: snprintf(value, sizeof value, "%g", *(const float *)p); break;
         case OPT_BOOL: snprintf(value, sizeof value, "%s", *(const int *)p ? "True" : "False"); break;
-        case OPT_STRING: snprintf(value, sizeof value, "\"%s\"", *(const char *const *)p); break;
+        case OPT_STRING: snprintf(value, sizeof value, "%s", *(const char *const *)p); break;
         case OPT_SWITCH: break;
         }
-        fprintf(f, "  --%-24s %s%s%s%s\n", s->name, s->help, value[0] ? " [" : "", value, value[0] ? "]" : "");
+        snprintf(help, sizeof help, "%s%s%s%s", s->help, value[0] ? " [" : "", value, value[0] ? "]" : "");
+        cli_print_wrapped(f, help, fprintf(f, "  --%s", s->name), 28);
     }
-    fprintf(f,
-            "\nPresets: seed = 64x64, 64 channels, mult 1,2,3,4, 2 blocks, attention at 16,8 with 32-channel\n"
-            "heads, no conv resampling; adm64 = guided-diffusion's ImageNet-64 model (192 channels, 3 blocks,\n"
-            "attention at 32,16,8 with 64-channel heads, scale-shift norm, resblock up/down, new attention\n"
-            "order, dropout 0.1, cosine schedule). Training a learned variance (learn_sigma) is not supported:\n"
-            "the model is trained to predict the noise.\n");
+    cli_print_wrapped(f, "this help", fprintf(f, "  --help, -h"), 28);
+    cli_print_wrapped(f, "the version and what it was built with", fprintf(f, "  --version"), 28);
+    fprintf(f, "\nPresets:\n");
+    cli_print_wrapped(f, "64x64, 64 channels, mult 1,2,3,4, 2 blocks, attention at 16,8 with 32-channel heads, no conv "
+                         "resampling, linear schedule", fprintf(f, "  seed"), 10);
+    cli_print_wrapped(f, "guided-diffusion's ImageNet-64 model: 192 channels, 3 blocks, attention at 32,16,8 with "
+                         "64-channel heads, scale-shift norm, resblock up/down, new attention order, dropout 0.1, cosine "
+                         "schedule", fprintf(f, "  adm64"), 10);
+    fprintf(f, "\n");
+    cli_print_wrapped(f, "Training a learned variance (learn_sigma) is not supported: the model is trained to predict "
+                         "the noise (or v).", 0, 0);
 }
+
+// The options given on the command line (the others are the preset's, or the dataset's).
+static unsigned char options_given[NUM_OPTIONS];
+
+static int option_given(const char *name) { return options_given[find_option(name, strlen(name)) - option_specs]; }
 
 static void set_option(Options *o, const OptionSpec *s, const char *value) {
     char err[512];
@@ -7398,6 +7436,7 @@ static Options parse_options(int argc, char **argv) {
     if (argc < 2) print_usage(stdout), exit(0);  // no arguments: the usage, as --help
     for (int i = 1; i < argc; i++) {
         if (strcmp(argv[i], "--help") == 0 || strcmp(argv[i], "-h") == 0) print_usage(stdout), exit(0);
+        if (strcmp(argv[i], "--version") == 0) unet_print_version(), exit(0);
         if (strncmp(argv[i], "--preset=", 9) == 0) preset = argv[i] + 9;
         else if (strcmp(argv[i], "--preset") == 0 && i + 1 < argc) preset = argv[i + 1];
     }
@@ -7411,8 +7450,15 @@ static Options parse_options(int argc, char **argv) {
         if (arg[0] == '-' && arg[1] != '-') usage_error("unknown option %s", arg);
         if (strncmp(arg, "--", 2) != 0) usage_error("unexpected argument '%s'", arg);
         const char *name = arg + 2, *eq = strchr(name, '=');
-        const OptionSpec *s = find_option(name, eq ? (size_t)(eq - name) : strlen(name));
-        if (!s) usage_error("unknown option %.*s", (int)(eq ? eq - arg : (ptrdiff_t)strlen(arg)), arg);
+        size_t len = eq ? (size_t)(eq - name) : strlen(name);
+        const OptionSpec *s = find_option(name, len);
+        if (!s) {
+            const char *names[NUM_OPTIONS];
+            char hint[128];
+            for (int k = 0; k < NUM_OPTIONS; k++) names[k] = option_specs[k].name;
+            usage_error("unknown option --%.*s%s", (int)len, name, cli_hint(name, len, names, NUM_OPTIONS, hint, sizeof hint));
+        }
+        options_given[s - option_specs] = 1;
         const char *value = eq ? eq + 1 : NULL;
         if (s->type == OPT_SWITCH) {
             if (value) usage_error("--%s takes no value", s->name);
@@ -7472,12 +7518,29 @@ static void validate_training(const Options *o) {
     if (o->seed < 0) usage_error("--seed %lld must not be negative", o->seed);
 }
 
-// Checks a dataset (--data) against the options: square images of --image_size, and for
-// --class_cond labels and as many classes as --num_classes, whose value it then takes.
-static void check_dataset(const DatasetHeader *h, Options *o) {
+// Checks a dataset (--data) against the options and takes what the command line leaves to it: square
+// images, of --image_size when given, else of the size the model then takes (and with it
+// guided-diffusion's channel_mult for that size, unless --channel_mult is given or the size is the
+// preset's); for --class_cond labels and as many classes as --num_classes, whose value it then
+// takes. Where the dataset has labels and --class_cond is not given, it says once (when `say`) that
+// the model could be conditioned on them: it is never switched on silently.
+static void check_dataset(const DatasetHeader *h, Options *o, int say) {
     if (h->height != h->width) fatal("dataset %s holds %ux%u images; the model needs square ones", o->data, h->width, h->height);
-    if ((int)h->width != o->image_size)
+    if (option_given("image_size") && (int)h->width != o->image_size)
         fatal("dataset %s holds %ux%u images but --image_size is %d", o->data, h->width, h->height, o->image_size);
+    if (!option_given("image_size") && (int)h->width != o->image_size) {
+        o->image_size = (int)h->width;
+        if (!option_given("channel_mult")) o->channel_mult = "";  // model_config_from_options: the size's default
+        if (say) {
+            const char *mult = o->channel_mult[0] ? o->channel_mult : default_channel_mult(o->image_size);
+            printf("image_size %d from dataset %s", o->image_size, o->data);
+            if (mult && !option_given("channel_mult")) printf(", and the default channel_mult for that size, %s", mult);
+            printf(" (--image_size and --channel_mult choose others)\n");
+        }
+    }
+    if (say && h->num_classes > 0 && !option_given("class_cond"))
+        printf("dataset %s has %u classes; the model is unconditional (--class_cond True conditions it on them)\n", o->data,
+               h->num_classes);
     if (o->class_cond && h->num_classes == 0)
         fatal("--class_cond needs labels, and dataset %s has none (prepare it with --labels)", o->data);
     if (o->class_cond && o->num_classes && o->num_classes != (int)h->num_classes)
@@ -7915,7 +7978,14 @@ struct UnetSampler {
     GpuSampler s;
 };
 
-extern "C" void unet_set_program_name(const char *name) { program_name = name; }
+#ifndef TRAIN_UNET_LIBRARY  // the programs' --version (build/version.o), which tests and dev/ checks do not link
+extern "C" void unet_print_version(void) {
+    char built_with[256];
+    snprintf(built_with, sizeof built_with, "%s, GPU code %s, CUDA %d.%d", PRECISION_NAME, build_gpu_code,
+             CUDART_VERSION / 1000, CUDART_VERSION % 1000 / 10);
+    cli_print_version(program_name, built_with);
+}
+#endif
 
 extern "C" void unet_die(const char *fmt, ...) {
     va_list args;
@@ -7984,22 +8054,6 @@ extern "C" void unet_checkpoint_close(UnetCheckpoint *ck) {
     if (!ck) return;
     safetensors_close(&ck->f);
     free(ck);
-}
-
-// Whether there is a GPU to run on: 0, or -1 with a message. Without a driver the CUDA runtime
-// says "driver version is insufficient", which misleads: cudaDriverGetVersion gives 0 then.
-static int gpu_available(char *err, size_t err_len) {
-    int driver = 0, devices = 0;
-    if (cudaDriverGetVersion(&driver) != cudaSuccess || driver == 0)
-        return error_line(err, err_len, "no NVIDIA GPU or driver found (no NVIDIA driver is installed)");
-    cudaError_t e = cudaGetDeviceCount(&devices);
-    if (e == cudaErrorInsufficientDriver)
-        return error_line(err, err_len, "the NVIDIA driver supports CUDA %d.%d, older than the CUDA %d.%d this program was built "
-                            "with: update the driver", driver / 1000, driver % 1000 / 10, CUDART_VERSION / 1000, CUDART_VERSION % 1000 / 10);
-    if (e != cudaSuccess || devices == 0)
-        return error_line(err, err_len, "no NVIDIA GPU or driver found (the CUDA runtime says: %s)",
-                            e != cudaSuccess ? cudaGetErrorString(e) : "no devices");
-    return 0;
 }
 
 // The GPU made ready for the API's models. Returns 0, or -1 with a message (no GPU).
@@ -8141,7 +8195,8 @@ extern "C" int unet_eval(const UnetCheckpoint *ck, const char *in_path, const ch
 
 #ifndef TRAIN_UNET_LIBRARY
 
-int main(int argc, char **argv) {
+// Weak, so that generate, which links this same object for its C API, brings its own main.
+__attribute__((weak)) int main(int argc, char **argv) {
     signal(SIGXFSZ, SIG_IGN);  // a write past the file-size limit fails (EFBIG, "File too large") and is said
     Options o = parse_options(argc, argv);
     int launched = team_from_environment(&team);  // a rank of a team that a launcher (or --gpus) started
@@ -8149,8 +8204,8 @@ int main(int argc, char **argv) {
         if (o.gpus > 1 && o.gpus != team.world)
             usage_error("--gpus %d starts processes itself; under a launcher (a world of %d) leave it out", o.gpus, team.world);
         o.gpus = team.world;
-        static char name[48];
-        snprintf(name, sizeof name, "train_unet rank %d", team.rank);
+        static char name[64];
+        snprintf(name, sizeof name, "%s rank %d", program_name, team.rank);
         if (team.world > 1) program_name = name;
         if (team.rank != 0 && !freopen("/dev/null", "w", stdout)) fatal("cannot open /dev/null: %s", strerror(errno));
     }
@@ -8158,7 +8213,7 @@ int main(int argc, char **argv) {
     char err[512];
     if (o.data[0]) {  // the dataset decides the image size and the classes
         if (dataset_open(o.data, &data, err, sizeof err) != 0) fatal("%s", err);
-        check_dataset(&data.header, &o);
+        check_dataset(&data.header, &o, launched || o.gpus == 1 || o.dry_run);
     }
     ModelConfig model = resolve_model(&o, o.num_classes ? o.num_classes + 1 : 0);  // + the null class (guidance)
     validate_training(&o);

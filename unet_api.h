@@ -1,6 +1,6 @@
-// unet_api.h: the small C API of train_unet.cu's library build (make builds it into
-// build/unet_api.o): read a checkpoint's configuration, sample images on the GPU, evaluate the
-// model on given inputs. generate.c uses it.
+// unet_api.h: the small C API of train_unet.cu, for generate.c, which links the trainer's object
+// (build/train_unet.o): read a checkpoint's configuration, sample images on the GPU, evaluate the
+// model on given inputs.
 #ifndef UNET_API_H
 #define UNET_API_H
 
@@ -28,8 +28,9 @@ typedef struct {
     char file[4096];      // the safetensors file read
 } UnetInfo;
 
-// Error messages start with this name ("train_unet" unless set).
-void unet_set_program_name(const char *name);
+// --version: the program's name and version, then what the library was built with (the precision,
+// the GPU code, the CUDA version).
+void unet_print_version(void);
 
 // One error line, "NAME: error: MESSAGE", then exit status 1 (a runtime error: a file, the
 // checkpoint, the GPU), or for a bad command line the line ending in " (see --help)" and status 2.

@@ -2,12 +2,13 @@
 // images, and reports how many images are valid shape images, per class. For a labelled dataset it
 // also reports how often the checker's class agrees with the label (matched by class name).
 //
-//   ./check_shapes [--verbose] [--min-pass P] PATH...
+//   ./check_shapes [--verbose] [--min_pass P] [--grid S [--count N]] [--classes_in_turn] PATH...
 //
 // PATH is a dataset .bin (every image is checked), an image file stb_image reads, or a folder (its
-// image files, in name order, not recursive). --verbose prints one line per failing image (and per
-// label disagreement). Exit status: 0 when it ran, 1 when --min-pass P is given and fewer than P
-// percent of the images are valid, 2 on bad arguments or unreadable input (one line on stderr).
+// image files, in name order, not recursive). The command line follows the other programs' (cli.h):
+// usage on stdout for no arguments, -h or --help; one error line "check_shapes: error: ..." on
+// stderr, exit 1 for an error (unreadable input) and 2 for a usage error; exit 3 when the pass rate
+// is below --min_pass.
 #include <dirent.h>
 #include <errno.h>
 #include <stdarg.h>
@@ -18,8 +19,36 @@
 
 #include <stb_image.h>
 
+#include "cli.h"
 #include "data/shapes.h"
 #include "dataset.h"
+
+static const char usage[] =
+    "usage: check_shapes [--verbose] [--min_pass P] [--grid S [--count N]]\n"
+    "                    [--classes_in_turn] PATH...\n"
+    "\n"
+    "Counts the valid shape images (one circle, square or triangle of a palette\n"
+    "colour on a clean plain background) among the images of each PATH: a dataset\n"
+    ".bin, an image file or a folder of images (its image files in name order, not\n"
+    "recursive). For a labelled dataset it also compares class and label.\n"
+    "  --verbose          one line per failing image (and per label disagreement)\n"
+    "  --min_pass P       exit 3 when fewer than P percent of the images are valid\n"
+    "  --grid S           each image is a sample grid of train_unet (SxS tiles,\n"
+    "                     2-pixel borders)\n"
+    "  --count N          with --grid: only the first N tiles\n"
+    "  --classes_in_turn  the images (in the order checked: tiles row by row, a\n"
+    "                     folder's files by name) were asked for as classes 0, 1, 2,\n"
+    "                     0, ... (circle, square, triangle), as generate and\n"
+    "                     train_unet's grids do for a class-conditional model: also\n"
+    "                     compare class and request\n"
+    "  --help, -h         this help\n"
+    "  --version          the version\n"
+    "\n"
+    "A hyphen in an option's name may stand for an underscore (--min-pass). Exit\n"
+    "status: 0 when it ran (and the pass rate reached --min_pass), 1 an error (an\n"
+    "unreadable input, no images), 2 a usage error (unknown option, bad value), 3 a\n"
+    "pass rate below --min_pass.\n";
+
 
 typedef struct {
     int verbose;
@@ -28,16 +57,29 @@ typedef struct {
     long labelled, agree;  // valid images that carry a label, and those whose label agrees
 } Tally;
 
-// Prints one error line and exits with status 2.
+// Prints one error line, "check_shapes: error: MESSAGE" and a suffix, and exits with `status`.
+static void exit_with_error(int status, const char *suffix, const char *fmt, va_list args) __attribute__((noreturn));
+static void exit_with_error(int status, const char *suffix, const char *fmt, va_list args) {
+    fputs("check_shapes: error: ", stderr);
+    vfprintf(stderr, fmt, args);
+    fprintf(stderr, "%s\n", suffix);
+    exit(status);
+}
+
+// An error (an unreadable input): exit status 1.
 static void die(const char *fmt, ...) __attribute__((format(printf, 1, 2), noreturn));
 static void die(const char *fmt, ...) {
     va_list args;
     va_start(args, fmt);
-    fputs("check_shapes: ", stderr);
-    vfprintf(stderr, fmt, args);
-    fputc('\n', stderr);
-    va_end(args);
-    exit(2);
+    exit_with_error(1, "", fmt, args);
+}
+
+// A bad command line: the line ends in "(see --help)", exit status 2.
+static void usage_error(const char *fmt, ...) __attribute__((format(printf, 1, 2), noreturn));
+static void usage_error(const char *fmt, ...) {
+    va_list args;
+    va_start(args, fmt);
+    exit_with_error(2, " (see --help)", fmt, args);
 }
 
 // Checks one image and counts it. label is the dataset's class name for it, or NULL.
@@ -146,50 +188,54 @@ static void check_folder(Tally *t, const char *path) {
     free(files);
 }
 
+// A number in lo..hi given to option `name` (a whole one when `whole`), or a usage error.
+static double number_option(const char *name, const char *value, double lo, double hi, int whole) {
+    char *end;
+    double v = strtod(value, &end);
+    if (*end || end == value || !(v >= lo && v <= hi) || (whole && v != (double)(long)v))
+        usage_error("%s takes a%s number in %g..%g, not '%s'", name, whole ? " whole" : "", lo, hi, value);
+    return v;
+}
+
 int main(int argc, char **argv) {
+    static const char *const names[] = {"verbose", "min_pass", "grid", "count", "classes_in_turn"};
     Tally t = {0};
     double min_pass = -1;
     const char **paths = calloc(argc, sizeof *paths);
     int num_paths = 0;
+    for (int i = 1; i < argc; i++)
+        if (strcmp(argv[i], "--help") == 0 || strcmp(argv[i], "-h") == 0) fputs(usage, stdout), exit(0);
+    if (argc < 2) fputs(usage, stdout), exit(0);
+    for (int i = 1; i < argc; i++)
+        if (strcmp(argv[i], "--version") == 0) cli_print_version("check_shapes", NULL), exit(0);
     for (int i = 1; i < argc; i++) {
-        if (strcmp(argv[i], "--help") == 0 || strcmp(argv[i], "-h") == 0) {
-            printf("usage: check_shapes [--verbose] [--min-pass P] PATH...\n\n"
-                   "Counts the valid shape images (one circle, square or triangle of a palette colour\n"
-                   "on a clean plain background) among the images of each PATH: a dataset .bin, an image\n"
-                   "file or a folder of images. For a labelled dataset it also compares class and label.\n"
-                   "  --verbose     one line per failing image (and per label disagreement)\n"
-                   "  --min-pass P  exit 1 when fewer than P percent of the images are valid\n"
-                   "  --grid S      each image is a sample grid of train_unet (SxS tiles, 2-pixel borders)\n"
-                   "  --count N     with --grid: only the first N tiles\n"
-                   "  --classes-in-turn  the images (in the order checked: tiles row by row, a folder's files\n"
-                   "                by name) were asked for as classes 0, 1, 2, 0, ... (circle, square, triangle),\n"
-                   "                as generate and train_unet's grids do for a class-conditional model:\n"
-                   "                also compare class and request\n");
-            return 0;
-        } else if (strcmp(argv[i], "--verbose") == 0) {
-            t.verbose = 1;
-        } else if (strcmp(argv[i], "--classes-in-turn") == 0) {
-            t.in_turn = 1;
-        } else if (strcmp(argv[i], "--min-pass") == 0) {
-            char *end;
-            if (i + 1 >= argc) die("--min-pass needs a percentage");
-            min_pass = strtod(argv[++i], &end);
-            if (*end || end == argv[i] || !(min_pass >= 0 && min_pass <= 100))
-                die("--min-pass takes a percentage in 0..100, not '%s'", argv[i]);
-        } else if (strcmp(argv[i], "--grid") == 0 || strcmp(argv[i], "--count") == 0) {
-            char *end;
-            if (i + 1 >= argc) die("%s needs a number", argv[i]);
-            long v = strtol(argv[i + 1], &end, 10);
-            if (*end || end == argv[i + 1] || v < 1 || v > 100000) die("%s takes a positive number, not '%s'", argv[i], argv[i + 1]);
-            *(argv[i][2] == 'g' ? &grid_size : &grid_count) = (int)v;
-            i++;
-        } else if (strncmp(argv[i], "--", 2) == 0) {
-            die("unknown option %s (usage: check_shapes [--verbose] [--min-pass P] PATH...)", argv[i]);
-        } else {
-            paths[num_paths++] = argv[i];
+        const char *arg = argv[i];
+        if (arg[0] != '-' || arg[1] == '\0') {  // a path ("-" too, which names a file)
+            paths[num_paths++] = arg;
+            continue;
         }
+        if (arg[1] != '-') usage_error("unknown option %s", arg);
+        const char *eq = strchr(arg, '=');
+        size_t len = eq ? (size_t)(eq - arg - 2) : strlen(arg + 2);
+        const char *name = NULL;
+        for (size_t k = 0; k < sizeof names / sizeof *names; k++)
+            if (cli_name_is(arg + 2, len, names[k])) name = names[k];
+        char hint[128];
+        if (!name) usage_error("unknown option %.*s%s", (int)len + 2, arg, cli_hint(arg + 2, len, names, 5, hint, sizeof hint));
+        int takes_value = strcmp(name, "verbose") != 0 && strcmp(name, "classes_in_turn") != 0;
+        if (!takes_value) {
+            if (eq) usage_error("--%s takes no value", name);
+            if (name[0] == 'v') t.verbose = 1;
+            else t.in_turn = 1;
+            continue;
+        }
+        if (!eq && i + 1 >= argc) usage_error("--%s needs a value", name);
+        const char *value = eq ? eq + 1 : argv[++i];
+        if (strcmp(name, "min_pass") == 0) min_pass = number_option("--min_pass", value, 0, 100, 0);
+        else if (strcmp(name, "grid") == 0) grid_size = (int)number_option("--grid", value, 1, 100000, 1);
+        else grid_count = (int)number_option("--count", value, 1, 100000, 1);
     }
-    if (num_paths == 0) die("usage: check_shapes [--verbose] [--min-pass P] PATH... (dataset .bin, image or folder)");
+    if (num_paths == 0) usage_error("no PATH given (a dataset .bin, an image or a folder)");
 
     for (int i = 0; i < num_paths; i++) {
         struct stat st;
@@ -209,8 +255,8 @@ int main(int argc, char **argv) {
         printf("labels agree with the checker on %ld of %ld valid labelled images (%.2f%%)\n", t.agree, t.labelled,
                100.0 * t.agree / t.labelled);
     if (pct < min_pass) {
-        printf("pass rate %.2f%% is below --min-pass %g%%\n", pct, min_pass);
-        return 1;
+        printf("pass rate %.2f%% is below --min_pass %g%%\n", pct, min_pass);
+        return 3;
     }
     return 0;
 }

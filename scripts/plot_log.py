@@ -3,6 +3,9 @@ as train_unet and train_torch.py write them) in one PNG, and how far apart they 
 
     python3 scripts/plot_log.py OUT.png A.csv[:label] [B.csv[:label] ...] [--smooth N] [--title T]
 
+Needs matplotlib and numpy (Debian: python3-matplotlib). One run's curve needs neither: the trainer
+draws it into RUN/loss.svg.
+
 Each log: the raw loss thin and transparent, its trailing geometric mean over N rows bold;
 log-scale loss against step. Printed per log: mean and std of the loss over the last 20% of
 rows. Each further log is compared with the first: the difference of the means in units of
@@ -16,11 +19,14 @@ import math
 import os
 import sys
 
-import matplotlib
+try:
+    import matplotlib
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+except ImportError as e:
+    sys.exit(f"plot_log: needs matplotlib and numpy ({e}); on Debian: apt-get install python3-matplotlib")
 
 
 def read_log(spec):

@@ -343,6 +343,20 @@ static void run_folder_cases(const char *top, const ParamList *params) {
     printf("  %s\n", err);
 }
 
+static void init_gpu_0(const void *) { gpu_init(0); }
+
+// Every program that starts the GPU (the trainer, generate, the tests', dev/'s) does it through
+// gpu_init: without a GPU or driver that is one error line in the program's own name. On a machine
+// with a GPU there is nothing to see.
+static void no_gpu_case(void) {
+    char err[512], out[1024];
+    if (gpu_available(err, sizeof err) == 0) return;
+    check_case("without a GPU: starting it is one error line, in the program's own name, that says why");
+    CHECK(check_in_child(init_gpu_0, NULL, out, sizeof out) == 1 && check_lines(out) == 1 &&
+          strncmp(out, "test_checkpoint: error: no NVIDIA GPU or driver found", 53) == 0);
+    printf("  %s", out);
+}
+
 int main(void) {
     char run_dir[] = "/tmp/test_checkpoint_XXXXXX";
     if (!mkdtemp(run_dir)) fatal("mkdtemp failed");
@@ -515,6 +529,7 @@ int main(void) {
     printf("  %s\n", err);
 
     run_folder_cases(run_dir, &params);
+    no_gpu_case();
     free(params.specs), free(wider.specs);
     snprintf(path, sizeof path, "rm -rf %s", run_dir);
     CHECK(system(path) == 0);

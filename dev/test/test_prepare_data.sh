@@ -257,10 +257,12 @@ expect_exit 2 "$PD" --input "$T/formats" --synthetic shapes --output "$T/out1/x.
 expect_absent "$T/out1/x.bin"
 [ -s "$LAST_OUT" ] && case_fail "a usage error printed on stdout: $(head -1 "$LAST_OUT")"
 
-case_begin "an unknown option: 'unknown option --x (see --help)', exit status 2"
-for bad in --bogus --bogus=1 -x --Size; do
+case_begin "an unknown option: 'unknown option --x (see --help)', with the nearest known one if any, exit status 2"
+for bad in --bogus --bogus=1 -x --Size:--size; do
+    near=${bad#*:}; bad=${bad%%:*}
+    hint=""; [ "$near" != "$bad" ] && hint="; did you mean $near?"
     expect_exit 2 "$PD" --input "$T/formats" --output "$T/out1/x.bin" "$bad"
-    [ "$(cat "$LAST_ERR")" = "prepare_data: error: unknown option ${bad%%=*} (see --help)" ] ||
+    [ "$(cat "$LAST_ERR")" = "prepare_data: error: unknown option ${bad%%=*}$hint (see --help)" ] ||
         case_fail "for $bad: $(cat "$LAST_ERR")"
 done
 expect_absent "$T/out1/x.bin"

@@ -126,11 +126,30 @@ expect_grep "2147483648 pixels; the kernels count pixels in 32 bits" "$LAST_ERR"
 expect_ok "$TRAIN" --dry_run --image_size 4096 --batch_size 127 --channel_mult 1,1,1,1,1,1,1,1 --attention_resolutions ""
 
 case_begin "dataset and flags must agree"
-expect_fail "$TRAIN" --dry_run --data "$TEST_TMP/good.bin"
-expect_grep 'image_size is 64' "$LAST_ERR"
+expect_fail "$TRAIN" --dry_run --data "$TEST_TMP/good.bin" --image_size 64
+expect_grep 'holds 8x8 images but --image_size is 64' "$LAST_ERR"
 make_bad unlabelled 'b[32:40] = bytes(8); del b[64:128]'
 expect_fail "$TRAIN" --dry_run --data "$TEST_TMP/unlabelled.bin" --image_size 8 --channel_mult 1,2 --attention_resolutions 4 --class_cond
 expect_grep 'needs labels' "$LAST_ERR"
+
+case_begin "without --image_size the dataset's is taken, with the default channel_mult for it, and said"
+./prepare_data --synthetic shapes --size 32 --count 20 --output "$TEST_TMP/s32.bin" --quiet
+expect_ok "$TRAIN" --dry_run --data "$TEST_TMP/s32.bin"
+expect_grep "^image_size 32 from dataset $TEST_TMP/s32.bin, and the default channel_mult for that size, 1,2,2,2 " "$LAST_OUT"
+expect_grep '^image_size +32$' "$LAST_OUT"
+expect_grep '^channel_mult +1,2,2,2$' "$LAST_OUT"
+expect_grep '^class_cond +False$' "$LAST_OUT"
+[ "$(grep -c '^dataset .* has 3 classes; the model is unconditional (--class_cond True conditions it on them)$' "$LAST_OUT")" = 1 ] ||
+    case_fail "not one note that the dataset has labels"
+expect_ok "$TRAIN" --dry_run --data "$TEST_TMP/s32.bin" --class_cond True --channel_mult 1,2,2
+grep -q 'unconditional' "$LAST_OUT" && case_fail "a note on the labels for a class-conditional model"
+expect_grep '^channel_mult +1,2,2$' "$LAST_OUT"
+expect_grep '^image_size 32 from dataset .* \(--image_size and --channel_mult choose others\)$' "$LAST_OUT"
+expect_ok "$TRAIN" --dry_run --data data/shapes.bin --class_cond False  # the preset's size: nothing to say
+grep -q 'from dataset\|unconditional' "$LAST_OUT" && case_fail "a note where the dataset changed nothing"
+./prepare_data --synthetic shapes --size 48 --count 5 --output "$TEST_TMP/s48.bin" --quiet
+expect_exit 2 "$TRAIN" --dry_run --data "$TEST_TMP/s48.bin"
+expect_grep 'no default --channel_mult for image size 48; give one' "$LAST_ERR"
 
 case_begin "the bundled dataset: class-conditional with its 3 classes plus the null class"
 expect_ok "$TRAIN" --dry_run --data data/shapes.bin --class_cond
