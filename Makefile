@@ -17,6 +17,9 @@
 VERSION := 0.1.0
 NPROC := $(shell nproc 2>/dev/null || echo 1)
 MAKEFLAGS += -j$(NPROC)
+ifneq ($(filter clean,$(MAKECMDGOALS)),)
+.NOTPARALLEL:  # `make clean all`: clean first, then the build
+endif
 
 PRECISION ?= BF16
 ifeq ($(filter $(PRECISION),BF16 FP32),)
