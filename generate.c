@@ -27,13 +27,18 @@ static const char usage[] =
     "\n"
     "Samples images from a checkpoint of train_unet (or any guided-diffusion UNet\n"
     "saved as safetensors with its flags in the metadata) and writes one PNG per\n"
-    "image and a grid.\n"
+    "image and a grid. A model with a learned variance (learn_sigma) samples ddpm\n"
+    "with its own variance; ddim and dpm++ use its mean.\n"
     "  --checkpoint PATH   a checkpoint folder, or a .safetensors file\n"
     "  --weights ema|model the folder's EMA weights or its raw weights [ema]\n"
     "  --sampler S         ddim, ddpm (ancestral, every step) or dpm++ (DPM-Solver++\n"
     "                      2M) [ddim]\n"
-    "  --steps N           sampling steps: ddim 50, dpm++ 20 by default; ddpm uses\n"
-    "                      all diffusion steps\n"
+    "  --steps N           sampling steps: ddim 50, dpm++ 20 by default; ddpm all\n"
+    "                      diffusion steps, or N respaced as --respacing N\n"
+    "  --respacing SPEC    ddim and ddpm: guided-diffusion's timestep_respacing:\n"
+    "                      ddimN (every s-th step, N of them) or section counts N or\n"
+    "                      N1,N2,... (N_i evenly spaced steps in each of equal\n"
+    "                      sections)\n"
     "  --eta E             DDIM's noise, 0 (deterministic) to 1 [0]\n"
     "  --class K|all       class-conditional models: one class, or all in turn [all]\n"
     "  --guidance W        classifier-free guidance scale (1: plain conditional\n"
@@ -57,7 +62,7 @@ static const char usage[] =
     "A hyphen in an option's name may stand for an underscore.\n";
 
 typedef struct {
-    const char *checkpoint, *weights, *sampler, *class_name, *out, *eval, *output;
+    const char *checkpoint, *weights, *sampler, *class_name, *out, *eval, *output, *respacing;
     int steps, num, batch, bench;
     double eta, guidance;
     long long seed;
@@ -89,9 +94,9 @@ static double real_option(const char *name, const char *s, double lo, double hi)
 // Parses the command line (--name VALUE or --name=VALUE, a hyphen in a name standing for an
 // underscore); no arguments, -h or --help print the usage, --version the version.
 static Options parse_options(int argc, char **argv) {
-    static const char *const names[] = {"checkpoint", "weights", "sampler", "class", "out", "eval", "output",
+    static const char *const names[] = {"checkpoint", "weights", "sampler", "class", "out", "eval", "output", "respacing",
                                         "steps", "num", "batch", "bench", "seed", "eta", "guidance"};
-    Options o = {NULL, "ema", "ddim", "all", "samples", NULL, NULL, 0, 64, 0, 0, 0.0, 1.0, 0};  // batch 0: the largest that fits
+    Options o = {NULL, "ema", "ddim", "all", "samples", NULL, NULL, "", 0, 64, 0, 0, 0.0, 1.0, 0};  // batch 0: the largest that fits
     if (argc < 2) fputs(usage, stdout), exit(0);
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
@@ -118,6 +123,7 @@ static Options parse_options(int argc, char **argv) {
         else if (strcmp(name, "out") == 0) o.out = v;
         else if (strcmp(name, "eval") == 0) o.eval = v;
         else if (strcmp(name, "output") == 0) o.output = v;
+        else if (strcmp(name, "respacing") == 0) o.respacing = v;
         else if (strcmp(name, "steps") == 0) o.steps = (int)int_option(flag, v, 1, 100000);
         else if (strcmp(name, "num") == 0) o.num = (int)int_option(flag, v, 1, 1000000);
         else if (strcmp(name, "batch") == 0) o.batch = (int)int_option(flag, v, 1, 65536);
@@ -131,6 +137,8 @@ static Options parse_options(int argc, char **argv) {
         unet_usage_error("--weights must be ema or model, not '%s'", o.weights);
     if (strcmp(o.sampler, "ddim") != 0 && strcmp(o.sampler, "ddpm") != 0 && strcmp(o.sampler, "dpm++") != 0)
         unet_usage_error("--sampler must be ddim, ddpm or dpm++, not '%s'", o.sampler);
+    if (o.respacing[0] && (strcmp(o.sampler, "dpm++") == 0 || o.steps))
+        unet_usage_error("--respacing gives ddim's and ddpm's steps: it goes with neither --sampler dpm++ nor --steps");
     if ((o.eval != NULL) != (o.output != NULL))
         unet_usage_error("--eval IN.safetensors and --output OUT.safetensors go together");
     if (o.batch > o.num) o.batch = o.num;
@@ -191,17 +199,23 @@ int main(int argc, char **argv) {
             unet_die("--class takes all or a class in 0..%d of %s, not '%s'", classes - 1, file, o.class_name);
         fixed_class = (int)k;
     }
-    if (info.out_channels != info.in_channels)
-        unet_die("%s predicts a learned variance (learn_sigma): not supported for sampling", file);
+    int learned = info.out_channels == 2 * info.in_channels;  // learn_sigma: the variance half
+    if (!learned && info.out_channels != info.in_channels)
+        unet_die("%s has %d output channels for %d input channels: neither a prediction nor one with a learned variance", file,
+                 info.out_channels, info.in_channels);
 
     NoiseSchedule schedule;
     SamplePlan plan;
     if (noise_schedule_make(&schedule, info.diffusion_steps, info.noise_schedule) != 0)
         unet_die("%s: unknown noise_schedule '%s' in its metadata", file, info.noise_schedule);
     SamplerKind kind = strcmp(o.sampler, "ddpm") == 0 ? SAMPLER_DDPM : strcmp(o.sampler, "dpm++") == 0 ? SAMPLER_DPM_SOLVER_PP : SAMPLER_DDIM;
-    int count = o.steps ? o.steps : kind == SAMPLER_DPM_SOLVER_PP ? 20 : 50;
-    if (sample_plan_make(&plan, &schedule, kind, count, (float)o.eta, strcmp(info.predict, "v") == 0, 1) != 0)
-        unet_die("--steps %d: no even spacing of the %d diffusion steps gives that many", count, info.diffusion_steps);
+    int count = o.steps ? o.steps : kind == SAMPLER_DPM_SOLVER_PP ? 20 : kind == SAMPLER_DDPM ? 0 : 50;
+    if (sample_plan_make(&plan, &schedule, kind, count, o.respacing, (float)o.eta, prediction_from_name(info.predict), 1, learned) != 0) {
+        if (o.respacing[0])
+            unet_die("--respacing '%s' keeps no steps of the %d diffusion steps (ddimN, or section counts N or N1,N2,... each at "
+                             "most the section's length)", o.respacing, info.diffusion_steps);
+        unet_die("--steps %d: no spacing of the %d diffusion steps gives that many", count, info.diffusion_steps);
+    }
     if (!o.batch) {
         o.batch = unet_sampler_max_batch(checkpoint, &plan, (float)o.guidance, o.num, err, sizeof err);
         if (!o.batch) unet_die("%s", err);

@@ -68,7 +68,8 @@ static void loss_log_free(LossLog *log) {
 }
 
 // Appends the rows of a log.csv as train_unet writes it (header
-// step,loss,lr,grad_norm,img_per_s,ms_per_step,gpu_mem_gib, then one row per log interval). Lines
+// step,loss,lr,grad_norm,img_per_s,ms_per_step,gpu_mem_gib,mse,vb, then one row per log interval; only
+// the first three columns are read). Lines
 // that do not start with a step number, a step and two numbers (the header, a line cut short by a
 // crash) are skipped; "nan" and "inf" are read as such and left out when drawn. 0, or -1 with one
 // line in err (cannot open or read the file, out of memory).

@@ -7,6 +7,7 @@
 
 #include <math.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -55,9 +56,12 @@ static inline void noise_schedule_free(NoiseSchedule *d) {
 }
 
 // ----------------------------------------------------------------------------------------------
-// Respacing: guided-diffusion's space_timesteps(T, "ddimN") keeps t = 0, s, 2s, ... with the
-// smallest stride s that gives N steps (N = T keeps every step); the model always sees the
-// original t. Sampling runs k = N-1 .. 0 from abar[k] to abar[k-1], and from abar[0] to 1.
+// Respacing: guided-diffusion's space_timesteps. "ddimN" keeps t = 0, s, 2s, ... with the smallest
+// stride s that gives N steps (N = T keeps every step); section counts "N" or "N1,N2,..." split the
+// T steps into that many equal sections (the first T % sections one longer) and keep N_i steps of
+// section i, evenly spaced from its first step to its last (positions rounded half to even, as
+// Python's round). The model always sees the original t. Sampling runs k = N-1 .. 0 from abar[k]
+// to abar[k-1], and from abar[0] to 1: the respaced schedule's betas are 1 - abar[k] / abar[k-1].
 
 typedef struct {
     int count;       // kept steps
@@ -72,6 +76,11 @@ static inline int respacing_stride(int T, int steps) {
     return 0;
 }
 
+// The steps kept by a respacing spec ("ddimN" or section counts), into s. Returns 0, or -1 for a
+// spec that is not one, asks for no step, or for more steps than a section has (or without
+// memory). Either way *s can be freed.
+static inline int sample_schedule_respaced(const NoiseSchedule *d, const char *spec, SampleSchedule *s);
+
 // Returns 0, or -1 when no stride gives `steps` steps. Either way *s can be freed.
 static inline int sample_schedule_make(const NoiseSchedule *d, int steps, SampleSchedule *s) {
     int stride = respacing_stride(d->steps, steps);
@@ -82,6 +91,35 @@ static inline int sample_schedule_make(const NoiseSchedule *d, int steps, Sample
     s->abar = (double *)malloc(steps * sizeof(double));
     if (!s->timesteps || !s->abar) return -1;
     for (int k = 0; k < steps; k++) s->timesteps[k] = k * stride, s->abar[k] = d->alphas_cumprod[k * stride];
+    return 0;
+}
+
+static inline int sample_schedule_respaced(const NoiseSchedule *d, const char *spec, SampleSchedule *s) {
+    memset(s, 0, sizeof *s);
+    if (strncmp(spec, "ddim", 4) == 0) {
+        char *end;
+        long n = strtol(spec + 4, &end, 10);
+        return spec[4] >= '0' && spec[4] <= '9' && !*end && n >= 1 && n <= d->steps ? sample_schedule_make(d, (int)n, s) : -1;
+    }
+    int sections = 1, total = 0;
+    for (const char *c = spec; *c; c++) sections += *c == ',';
+    if (sections > d->steps) return -1;
+    s->timesteps = (int *)malloc(d->steps * sizeof(int));
+    s->abar = (double *)malloc(d->steps * sizeof(double));
+    if (!s->timesteps || !s->abar) return -1;
+    const char *c = spec;
+    for (int i = 0, start = 0; i < sections; i++) {
+        char *end;
+        long count = (*c >= '0' && *c <= '9') ? strtol(c, &end, 10) : -1;
+        int size = d->steps / sections + (i < d->steps % sections);
+        if (count < 1 || count > size || (*end != ',' && *end != '\0')) return -1;
+        double stride = count > 1 ? (double)(size - 1) / (double)(count - 1) : 1.0, position = 0.0;
+        for (long k = 0; k < count; k++, position += stride) s->timesteps[total++] = start + (int)nearbyint(position);
+        start += size;
+        c = end + (*end == ',');
+    }
+    s->count = total;
+    for (int k = 0; k < total; k++) s->abar[k] = d->alphas_cumprod[s->timesteps[k]];
     return 0;
 }
 
@@ -118,13 +156,21 @@ static inline void sample_schedule_free(SampleSchedule *s) {
 
 // ----------------------------------------------------------------------------------------------
 // One step of a sampler for one value x at abar (from the model's output `out`) to abar_prev.
-// The model predicts eps, or with predict_v v = sqrt(abar) eps - sqrt(1 - abar) x0; both give
+// The model predicts eps, v = sqrt(abar) eps - sqrt(1 - abar) x0, or x0 itself (guided-diffusion's
+// predict_xstart); each gives
 //   x0 = (x - sqrt(1 - abar) eps) / sqrt(abar)  =  sqrt(abar) x - sqrt(1 - abar) v
 // clipped to [-1, 1] when clip is set (guided-diffusion's clip_denoised).
 
-HOST_DEVICE static inline float predict_x0(float x, float out, float abar, int predict_v, int clip) {
+typedef enum { PREDICT_EPS, PREDICT_V, PREDICT_X0 } Prediction;
+
+// The prediction a name gives ("eps", "v", "x0"), or -1.
+static inline int prediction_from_name(const char *name) {
+    return strcmp(name, "eps") == 0 ? PREDICT_EPS : strcmp(name, "v") == 0 ? PREDICT_V : strcmp(name, "x0") == 0 ? PREDICT_X0 : -1;
+}
+
+HOST_DEVICE static inline float predict_x0(float x, float out, float abar, int predict, int clip) {
     float a = sqrtf(abar), b = sqrtf(1.0f - abar);
-    float x0 = predict_v ? a * x - b * out : (x - b * out) / a;
+    float x0 = predict == PREDICT_V ? a * x - b * out : predict == PREDICT_X0 ? out : (x - b * out) / a;
     return clip ? fminf(fmaxf(x0, -1.0f), 1.0f) : x0;
 }
 
@@ -134,8 +180,8 @@ HOST_DEVICE static inline float predict_x0(float x, float out, float abar, int p
 // eta = 0 is deterministic; eta = 1 over all T steps is DDPM's ancestral sampling with the fixed
 // small variance (guided-diffusion's p_sample: the posterior mean and variance of q(x_prev | x, x0)).
 HOST_DEVICE static inline float ddim_update(float x, float out, float abar, float abar_prev, float eta, float z,
-                                            int predict_v, int clip) {
-    float x0 = predict_x0(x, out, abar, predict_v, clip);
+                                            int predict, int clip) {
+    float x0 = predict_x0(x, out, abar, predict, clip);
     float eps = (x - sqrtf(abar) * x0) / sqrtf(1.0f - abar);
     float sigma = eta * sqrtf((1.0f - abar_prev) / (1.0f - abar)) * sqrtf(fmaxf(1.0f - abar / abar_prev, 0.0f));
     return sqrtf(abar_prev) * x0 + sqrtf(fmaxf(1.0f - abar_prev - sigma * sigma, 0.0f)) * eps + sigma * z;
@@ -159,6 +205,17 @@ HOST_DEVICE static inline float dpm_solver_pp_update(float x, float x0, float x0
 // lambda = log(alpha / sigma) of a step (abar < 1).
 static inline double log_snr_half(double abar) { return 0.5 * log(abar / (1.0 - abar)); }
 
+// A learned variance (improved DDPM's LEARNED_RANGE): the model's second output half v in [-1, 1]
+// interpolates the log variance of the step from abar to abar_prev between the posterior's,
+// beta_tilde = (1 - abar_prev) / (1 - abar) beta (log_var_min, clipped at the last step to the next
+// step's value, as guided-diffusion's posterior_log_variance_clipped), and beta = 1 - abar/abar_prev:
+//   log_var = f log beta + (1 - f) log_var_min = log_var_min + f log_var_range,  f = (v + 1) / 2
+// with log_var_range = log beta - log_var_min computed in double: late in a schedule the two logs
+// differ in their fourth digit, and their difference in float would keep only that one.
+HOST_DEVICE static inline float learned_log_variance(float v, float log_var_min, float log_var_range) {
+    return log_var_min + 0.5f * (v + 1.0f) * log_var_range;
+}
+
 // Classifier-free guidance on the model's output: uncond + w (cond - uncond); w = 1 is the
 // conditional output, w = 0 the unconditional.
 HOST_DEVICE static inline float guided_output(float cond, float uncond, float w) { return uncond + w * (cond - uncond); }
@@ -167,7 +224,9 @@ HOST_DEVICE static inline float guided_output(float cond, float uncond, float w)
 // A sampling plan: the steps in the order they run (from the noisiest), each with everything its
 // update needs, so that one function updates any value at any step. The GPU loop of train_unet.cu
 // (sample grids, generate) replays it; sample_loop below runs it on the host (the tests).
-// DDPM is DDIM with eta = 1 on every one of the T steps.
+// DDPM is guided-diffusion's p_sample on every kept step: the posterior mean of q(x_prev | x, x0)
+// from the predicted x0, plus noise of the posterior's variance (DDIM with eta = 1 is the same step)
+// or, with a learned variance, the model's.
 
 typedef enum { SAMPLER_DDPM, SAMPLER_DDIM, SAMPLER_DPM_SOLVER_PP } SamplerKind;
 
@@ -178,23 +237,33 @@ typedef struct {
     int noisy;              // draws z: DDIM with eta > 0, but not the last step (sigma is 0 there)
     float r;                // DPM-Solver++: h_last / h
     int second_order;       // DPM-Solver++: all steps but the first and the last
+    float mean_x0, mean_x;  // DDPM: the posterior mean of q(x_prev | x, x0) is mean_x0 x0 + mean_x x
+    float log_var_min;      // DDPM: the posterior's log variance (clipped: at the last step the one before's)
+    float log_var_range;    // DDPM with a learned variance: log beta - log_var_min (learned_log_variance)
 } SampleStep;
 
 typedef struct {
     SamplerKind kind;
-    int count, predict_v, clip;
+    int count, predict, clip;
+    int learned;        // DDPM draws with the model's variance (its second output half)
     SampleStep *steps;  // [count]
 } SamplePlan;
 
-// The plan for `steps` steps of a sampler (DDPM: all T) on a noise schedule: DDIM and DDPM on
-// guided-diffusion's respacing, DPM-Solver++ on log-SNR spacing. Returns 0, or -1 when no spacing
-// gives that many steps (or without memory).
-static inline int sample_plan_make(SamplePlan *p, const NoiseSchedule *d, SamplerKind kind, int steps, float eta, int predict_v,
-                                   int clip) {
+// The plan for a sampler on a noise schedule: DDIM and DDPM on guided-diffusion's respacing (the
+// spec `respacing`, else "ddimN" for DDIM's `steps` and, for DDPM, section count `steps`, all T
+// when steps is 0 or T), DPM-Solver++ on log-SNR spacing. `learned`: the model predicts a variance,
+// which DDPM uses. Returns 0, or -1 when no spacing gives those steps (or without memory).
+static inline int sample_plan_make(SamplePlan *p, const NoiseSchedule *d, SamplerKind kind, int steps, const char *respacing,
+                                   float eta, int predict, int clip, int learned) {
     SampleSchedule s = {0, NULL, NULL};
-    if (kind == SAMPLER_DDPM) steps = d->steps, eta = 1.0f;
-    int made = kind == SAMPLER_DPM_SOLVER_PP ? sample_schedule_log_snr(d, steps, &s) : sample_schedule_make(d, steps, &s);
-    p->kind = kind, p->count = s.count, p->predict_v = predict_v, p->clip = clip;
+    if (kind == SAMPLER_DDPM) eta = 1.0f;
+    if (kind == SAMPLER_DDPM && !(respacing && respacing[0]) && (steps == 0 || steps == d->steps)) steps = d->steps, respacing = NULL;
+    char counts[16];
+    if (kind == SAMPLER_DDPM && !(respacing && respacing[0]) && steps != d->steps) snprintf(counts, sizeof counts, "%d", steps), respacing = counts;
+    int made = kind == SAMPLER_DPM_SOLVER_PP     ? sample_schedule_log_snr(d, steps, &s)
+               : respacing && respacing[0] ? sample_schedule_respaced(d, respacing, &s)
+                                           : sample_schedule_make(d, steps, &s);
+    p->kind = kind, p->count = s.count, p->predict = predict, p->clip = clip, p->learned = learned && kind == SAMPLER_DDPM;
     p->steps = made == 0 ? (SampleStep *)calloc(s.count, sizeof(SampleStep)) : NULL;
     if (!p->steps) return sample_schedule_free(&s), -1;
     double h_last = 0;
@@ -205,6 +274,14 @@ static inline int sample_plan_make(SamplePlan *p, const NoiseSchedule *d, Sample
         st->abar = (float)s.abar[k], st->abar_prev = k > 0 ? (float)s.abar[k - 1] : 1.0f;
         st->eta = kind == SAMPLER_DPM_SOLVER_PP ? 0.0f : eta;
         st->noisy = st->eta > 0.0f && k > 0;
+        double abar_prev = k > 0 ? s.abar[k - 1] : 1.0, beta = 1.0 - s.abar[k] / abar_prev;
+        st->mean_x0 = (float)(sqrt(abar_prev) * beta / (1.0 - s.abar[k]));
+        st->mean_x = (float)(sqrt(1.0 - beta) * (1.0 - abar_prev) / (1.0 - s.abar[k]));
+        int kv = k > 0 ? k : (s.count > 1 ? 1 : 0);  // the clipped posterior variance: step 1's at step 0
+        double beta_v = 1.0 - s.abar[kv] / (kv > 0 ? s.abar[kv - 1] : 1.0);
+        double posterior = kv > 0 ? (1.0 - s.abar[kv - 1]) / (1.0 - s.abar[kv]) * beta_v : 0.0;
+        st->log_var_min = (float)log(posterior);
+        st->log_var_range = (float)(log(beta) - log(posterior));
         if (kind == SAMPLER_DPM_SOLVER_PP) {
             double h = k > 0 ? log_snr_half(s.abar[k - 1]) - log_snr_half(s.abar[k]) : 0.0;
             st->second_order = j > 0 && k > 0;
@@ -221,12 +298,18 @@ static inline void sample_plan_free(SamplePlan *p) {
     memset(p, 0, sizeof *p);
 }
 
-// One value's update at one step of a plan: x from the model's output (after guidance), z the
-// value's normal draw (when st->noisy); x0_last: DPM-Solver++'s previous x0 of this value, updated.
-HOST_DEVICE static inline float sample_step_value(const SamplePlan *p, const SampleStep *st, float x, float out, float z,
+// One value's update at one step of a plan: x from the model's output (after guidance) and, with a
+// learned variance, the output's variance half v; z the value's normal draw (when st->noisy);
+// x0_last: DPM-Solver++'s previous x0 of this value, updated.
+HOST_DEVICE static inline float sample_step_value(const SamplePlan *p, const SampleStep *st, float x, float out, float v, float z,
                                                   float *x0_last) {
-    if (p->kind != SAMPLER_DPM_SOLVER_PP) return ddim_update(x, out, st->abar, st->abar_prev, st->eta, z, p->predict_v, p->clip);
-    float x0 = predict_x0(x, out, st->abar, p->predict_v, p->clip);
+    if (p->kind == SAMPLER_DDPM) {
+        float mean = st->mean_x0 * predict_x0(x, out, st->abar, p->predict, p->clip) + st->mean_x * x;
+        float log_var = p->learned ? learned_log_variance(v, st->log_var_min, st->log_var_range) : st->log_var_min;
+        return st->noisy ? mean + expf(0.5f * log_var) * z : mean;
+    }
+    if (p->kind != SAMPLER_DPM_SOLVER_PP) return ddim_update(x, out, st->abar, st->abar_prev, st->eta, z, p->predict, p->clip);
+    float x0 = predict_x0(x, out, st->abar, p->predict, p->clip);
     float next = dpm_solver_pp_update(x, x0, *x0_last, st->abar, st->abar_prev, st->r, st->second_order);
     *x0_last = x0;
     return next;
@@ -246,18 +329,20 @@ HOST_DEVICE static inline float normal_sample(uint64_t seed, uint64_t stream, ui
 
 // The plan on the host, for any model: x holds n values of starting noise and is replaced by the
 // samples. model(ctx, x, t, out) writes the model's output for x at timestep t (guidance, if any,
-// inside it); noise(ctx, j, i) draws z for value i at step j of the plan.
+// inside it): n values, and with a learned variance n more, the variance half (value i's at n + i);
+// noise(ctx, j, i) draws z for value i at step j of the plan.
 typedef void (*SamplerModel)(void *ctx, const float *x, int t, float *out);
 typedef float (*SamplerNoise)(void *ctx, int j, size_t i);
 
 // Returns 0, or -1 without memory.
 static inline int sample_loop(const SamplePlan *p, SamplerModel model, SamplerNoise noise, void *ctx, float *x, size_t n) {
-    float *out = (float *)malloc(n * sizeof(float)), *x0_last = (float *)calloc(n, sizeof(float));
+    float *out = (float *)malloc((p->learned ? 2 : 1) * n * sizeof(float)), *x0_last = (float *)calloc(n, sizeof(float));
     if (!out || !x0_last) return free(out), free(x0_last), -1;
     for (int j = 0; j < p->count; j++) {
         const SampleStep *st = &p->steps[j];
         model(ctx, x, st->timestep, out);
-        for (size_t i = 0; i < n; i++) x[i] = sample_step_value(p, st, x[i], out[i], st->noisy ? noise(ctx, j, i) : 0.0f, &x0_last[i]);
+        for (size_t i = 0; i < n; i++)
+            x[i] = sample_step_value(p, st, x[i], out[i], p->learned ? out[n + i] : 0.0f, st->noisy ? noise(ctx, j, i) : 0.0f, &x0_last[i]);
     }
     free(out);
     free(x0_last);

@@ -3949,6 +3949,7 @@ typedef struct {
     uint64_t noise_seed;   // draws of this step: timesteps, noise, label dropout
     int stop;              // this rank was asked to stop; after the step: some rank was (all stop)
     float loss, grad_norm, grad_scale;  // results: loss, norm before clipping, the scale applied
+    float mse, vb;         // the loss's terms: the prediction's MSE, the variational bound's term (0 without)
     int finite;            // loss and gradients finite: parameters and EMA updated
 } StepState;
 
@@ -4007,6 +4008,7 @@ typedef struct {
     // diffusion
     int diffusion_steps;
     const char *noise_schedule, *predict;
+    int use_kl, rescale_learned_sigmas;
     // training
     float lr, weight_decay, beta1, beta2, adam_eps, min_lr, grad_clip, cfg_dropout;
     const char *lr_decay;
@@ -4052,10 +4054,12 @@ static const OptionSpec option_specs[] = {
     OPT(dropout, OPT_FLOAT, "dropout in residual blocks"),
     OPT(class_cond, OPT_BOOL, "condition on the dataset's labels"),
     OPT(num_classes, OPT_INT, "classes, when there is no --data to read them from"),
-    OPT(learn_sigma, OPT_BOOL, "6 output channels (guided-diffusion's learned variance): evaluation only, not trained"),
+    OPT(learn_sigma, OPT_BOOL, "6 output channels: the prediction and guided-diffusion's learned variance, trained with the hybrid loss (MSE + the variational bound's term)"),
     OPT(diffusion_steps, OPT_INT, "diffusion timesteps"),
     OPT(noise_schedule, OPT_STRING, "linear | cosine"),
-    OPT(predict, OPT_STRING, "eps | v: what the model is trained to predict"),
+    OPT(predict, OPT_STRING, "eps | v | x0: what the model is trained to predict (x0: guided-diffusion's predict_xstart)"),
+    OPT(use_kl, OPT_BOOL, "with learn_sigma: the loss is the variational bound alone (guided-diffusion's KL loss), through both halves"),
+    OPT(rescale_learned_sigmas, OPT_BOOL, "scale the bound's term by diffusion_steps/1000 in the hybrid loss, by diffusion_steps with use_kl"),
     OPT(lr, OPT_FLOAT, "AdamW learning rate"),
     OPT(beta1, OPT_FLOAT, "AdamW beta1"),
     OPT(beta2, OPT_FLOAT, "AdamW beta2"),
@@ -4097,7 +4101,7 @@ static Options preset_seed(void) {
     o.num_heads = 4, o.num_head_channels = 32, o.num_heads_upsample = -1;
     o.use_new_attention_order = 0, o.use_scale_shift_norm = 0, o.resblock_updown = 0, o.conv_resample = 0;
     o.dropout = 0.0f, o.class_cond = 0, o.num_classes = 0, o.learn_sigma = 0;
-    o.diffusion_steps = 1000, o.noise_schedule = "linear", o.predict = "eps";
+    o.diffusion_steps = 1000, o.noise_schedule = "linear", o.predict = "eps", o.use_kl = 0, o.rescale_learned_sigmas = 1;
     o.lr = 1e-4f, o.weight_decay = 0.0f, o.beta1 = 0.9f, o.beta2 = 0.999f, o.adam_eps = 1e-8f;
     o.warmup_steps = 0, o.lr_decay = "none", o.min_lr = 0.0f, o.grad_clip = 0.0f, o.cfg_dropout = 0.0f;
     o.batch_size = 32, o.gpus = 1, o.ema_rate = "0.9999";
@@ -4321,8 +4325,8 @@ static int diffusion_from_metadata(const SafeTensorsFile *f, const char *path, i
     if (!*predict) *predict = "eps";
     if (strcmp(*schedule, "linear") != 0 && strcmp(*schedule, "cosine") != 0)
         return error_line(err, err_len, "%s: metadata noise_schedule '%s' is neither linear nor cosine", path, *schedule);
-    if (strcmp(*predict, "eps") != 0 && strcmp(*predict, "v") != 0)
-        return error_line(err, err_len, "%s: metadata predict '%s' is neither eps nor v", path, *predict);
+    if (prediction_from_name(*predict) < 0)
+        return error_line(err, err_len, "%s: metadata predict '%s' is none of eps, v and x0", path, *predict);
     return 0;
 }
 
@@ -5778,7 +5782,9 @@ static void loader_next_batch(DataLoader *loader) {
 // ----------------------------------------------------------------------------------------------
 // Diffusion training, on guided-diffusion's schedules (sampler.h): t drawn uniformly in [0, T),
 // noise eps ~ N(0, I), x_t = sqrt(abar_t) x0 + sqrt(1 - abar_t) eps, and the model's output
-// regressed on eps (--predict eps) or on v = sqrt(abar_t) eps - sqrt(1 - abar_t) x0 (--predict v).
+// regressed on eps (--predict eps), on v = sqrt(abar_t) eps - sqrt(1 - abar_t) x0 (--predict v) or
+// on x0 (--predict x0). A model with a learned variance (learn_sigma) adds the variational bound's
+// term (improved DDPM's hybrid loss, below).
 
 // Model input from a pixel: x = pixel / 127.5 - 1, uint8 [0, 255] -> [-1, 1], in one rounding (fma)
 // so that the host and the device agree to the bit.
@@ -5798,20 +5804,43 @@ static void images_to_model_input(floatX *out, const uint8_t *pixels, size_t n, 
     cuda_check_launch();
 }
 
+// Per timestep t, what the loss needs of guided-diffusion's GaussianDiffusion arrays (computed in
+// double, kept in float): the forward process, the posterior q(x_{t-1} | x_t, x0) and the range of
+// a learned variance.
+typedef struct {
+    float sqrt_abar, sqrt_one_minus_abar;  // x_t = sqrt_abar x0 + sqrt_one_minus_abar eps
+    float mean_x0, mean_xt;                // the posterior's mean: mean_x0 x0 + mean_xt x_t
+    float log_var_min;                     // log beta_tilde_t (at t = 0 beta_tilde_1's: "clipped")
+    float log_var_range;                   // log beta_t - log_var_min (sampler.h's learned_log_variance)
+} TimestepTerms;
+
+// With abar_prev = abar_{t-1} (1 at t = 0): beta_tilde_t = beta_t (1 - abar_prev) / (1 - abar_t),
+// mean_x0 = beta_t sqrt(abar_prev) / (1 - abar_t), mean_xt = (1 - abar_prev) sqrt(1 - beta_t) / (1 - abar_t).
+static TimestepTerms timestep_terms(const NoiseSchedule *d, int t) {
+    const double *abar = d->alphas_cumprod, *beta = d->betas;
+    double prev = t > 0 ? abar[t - 1] : 1.0;
+    int tv = t > 0 || d->steps == 1 ? t : 1;  // the clipped posterior variance
+    double posterior = beta[tv] * (1.0 - (tv > 0 ? abar[tv - 1] : 1.0)) / (1.0 - abar[tv]);
+    TimestepTerms tt;
+    tt.sqrt_abar = (float)sqrt(abar[t]), tt.sqrt_one_minus_abar = (float)sqrt(1.0 - abar[t]);
+    tt.mean_x0 = (float)(beta[t] * sqrt(prev) / (1.0 - abar[t]));
+    tt.mean_xt = (float)((1.0 - prev) * sqrt(1.0 - beta[t]) / (1.0 - abar[t]));
+    double log_var_min = posterior > 0 ? log(posterior) : log(beta[t]);  // T = 1: no posterior variance
+    tt.log_var_min = (float)log_var_min, tt.log_var_range = (float)(log(beta[t]) - log_var_min);
+    return tt;
+}
+
 typedef struct {
     NoiseSchedule schedule;
-    float *sqrt_abar, *sqrt_one_minus_abar;  // [steps], GPU
+    TimestepTerms *terms;  // [steps], GPU
 } Diffusion;
 
-// The two per-timestep coefficients of x_t, on the GPU.
 static void diffusion_create(Diffusion *d, int steps, const char *schedule) {
     if (noise_schedule_make(&d->schedule, steps, schedule) != 0) fatal("unknown noise schedule '%s'", schedule);
-    float *host = (float *)malloc_or_die(2 * steps * sizeof(float));
-    for (int t = 0; t < steps; t++)
-        host[t] = (float)sqrt(d->schedule.alphas_cumprod[t]), host[steps + t] = (float)sqrt(1.0 - d->schedule.alphas_cumprod[t]);
-    d->sqrt_abar = (float *)gpu_malloc(2 * steps * sizeof(float));
-    d->sqrt_one_minus_abar = d->sqrt_abar + steps;
-    cuda_check(cudaMemcpy(d->sqrt_abar, host, 2 * steps * sizeof(float), cudaMemcpyHostToDevice));
+    TimestepTerms *host = (TimestepTerms *)malloc_or_die(steps * sizeof(TimestepTerms));
+    for (int t = 0; t < steps; t++) host[t] = timestep_terms(&d->schedule, t);
+    d->terms = (TimestepTerms *)gpu_malloc(steps * sizeof(TimestepTerms));
+    cuda_check(cudaMemcpy(d->terms, host, steps * sizeof(TimestepTerms), cudaMemcpyHostToDevice));
     free(host);
 }
 
@@ -5832,17 +5861,155 @@ __global__ void diffusion_conditions_kernel(int64_t *t, int *labels, int N, int6
 }
 
 // x_t and the regression target from x0 (all [N][per_sample]).
-__global__ void diffusion_inputs_kernel(floatX *x_t, floatX *target, const floatX *x0, const int64_t *t, const float *sqrt_abar,
-                                        const float *sqrt_one_minus_abar, int predict_v, int64_t per_sample, int64_t n,
-                                        int64_t first_sample, const StepState *s) {
+__global__ void diffusion_inputs_kernel(floatX *x_t, floatX *target, const floatX *x0, const int64_t *t, const TimestepTerms *terms,
+                                        int predict, int64_t per_sample, int64_t n, int64_t first_sample, const StepState *s) {
     for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
-        int64_t step = t[i / per_sample];
-        float a = sqrt_abar[step], b = sqrt_one_minus_abar[step];
+        const TimestepTerms *tt = &terms[t[i / per_sample]];
+        float a = tt->sqrt_abar, b = tt->sqrt_one_minus_abar;
         float eps = normal_sample(s->noise_seed, rng_stream(RNG_NOISE, 0), first_sample * per_sample + i);
         float x = (float)x0[i];
         x_t[i] = (floatX)(a * x + b * eps);
-        target[i] = (floatX)(predict_v ? a * eps - b * x : eps);
+        target[i] = (floatX)(predict == PREDICT_V ? a * eps - b * x : predict == PREDICT_X0 ? x : eps);
     }
+}
+
+// The variational bound's term of one value (improved DDPM, guided-diffusion's _vb_terms_bpd before
+// its mean over the image), in nats, for a model output `out` (its prediction) and `v` (its learned
+// variance, sampler.h's learned_log_variance) at x_t:
+//   x0' from out as predicted;  mean' = mean_x0 x0' + mean_xt x_t;  log_var' = the learned range at v
+//   t > 0:  KL(q(x_{t-1} | x_t, x0) || N(mean', e^log_var'))
+//           = (-1 + log_var' - log_var_q + e^(log_var_q - log_var') + (mean_q - mean')^2 e^-log_var') / 2
+//           (log_var_q: the posterior's, log_var_min)
+//   t = 0:  -log of the discretized Gaussian decoder's likelihood of x0 (decoder_log_likelihood)
+// with its derivatives by out (through mean') and by v (through log_var').
+typedef struct {
+    float value, d_out, d_v;
+} BoundTerm;
+
+// The standard normal CDF as guided-diffusion approximates it, 0.5 (1 + tanh(sqrt(2/pi) (x + 0.044715
+// x^3))), and its derivative in *slope.
+__host__ __device__ inline float approx_normal_cdf(float x, float *slope) {
+    const float k = 0.7978845608f;  // sqrt(2/pi)
+    float g = k * (x + 0.044715f * x * x * x), sech = 1.0f / coshf(g);  // 1 - tanh^2, without its cancellation
+    *slope = 0.5f * sech * sech * k * (1.0f + 3.0f * 0.044715f * x * x);
+    return 0.5f * (1.0f + tanhf(g));
+}
+
+// log p(x) of guided-diffusion's discretized Gaussian decoder (discretized_gaussian_log_likelihood):
+// x, a pixel in [-1, 1], is the bin [x - 1/255, x + 1/255] of N(mean, e^(2 log_scale)), the first and
+// the last bins open-ended; probabilities clamped at 1e-12. Its derivatives by mean and log_scale
+// (zero where the clamp holds) go to *d_mean and *d_log_scale.
+__host__ __device__ inline float decoder_log_likelihood(float x, float mean, float log_scale, float *d_mean, float *d_log_scale) {
+    float inv = expf(-log_scale), centered = x - mean;
+    float plus_in = inv * (centered + 1.0f / 255.0f), min_in = inv * (centered - 1.0f / 255.0f), slope_plus, slope_min;
+    float cdf_plus = approx_normal_cdf(plus_in, &slope_plus), cdf_min = approx_normal_cdf(min_in, &slope_min);
+    float value, by_plus, by_min;  // d value / d cdf_plus, d cdf_min
+    if (x < -0.999f) {
+        value = logf(fmaxf(cdf_plus, 1e-12f)), by_plus = cdf_plus > 1e-12f ? 1.0f / cdf_plus : 0.0f, by_min = 0.0f;
+    } else if (x > 0.999f) {
+        value = logf(fmaxf(1.0f - cdf_min, 1e-12f)), by_plus = 0.0f, by_min = 1.0f - cdf_min > 1e-12f ? -1.0f / (1.0f - cdf_min) : 0.0f;
+    } else {
+        float delta = cdf_plus - cdf_min;
+        value = logf(fmaxf(delta, 1e-12f)), by_plus = delta > 1e-12f ? 1.0f / delta : 0.0f, by_min = -by_plus;
+    }
+    // d plus_in / d mean = -inv, d plus_in / d log_scale = -plus_in (and min_in likewise)
+    *d_mean = -inv * (by_plus * slope_plus + by_min * slope_min);
+    *d_log_scale = -(by_plus * slope_plus * plus_in + by_min * slope_min * min_in);
+    return value;
+}
+
+__host__ __device__ inline BoundTerm bound_term(float x0, float x_t, float out, float v, const TimestepTerms *tt, int first_step,
+                                                int predict) {
+    float x0_by_out = predict == PREDICT_EPS ? -tt->sqrt_one_minus_abar / tt->sqrt_abar : predict == PREDICT_V ? -tt->sqrt_one_minus_abar : 1.0f;
+    float x0_model = predict == PREDICT_EPS ? (x_t - tt->sqrt_one_minus_abar * out) / tt->sqrt_abar
+                   : predict == PREDICT_V   ? tt->sqrt_abar * x_t - tt->sqrt_one_minus_abar * out
+                                            : out;
+    float mean = tt->mean_x0 * x0_model + tt->mean_xt * x_t;
+    float log_var = learned_log_variance(v, tt->log_var_min, tt->log_var_range);
+    BoundTerm b;
+    float d_mean, d_log_var;
+    if (first_step) {
+        float d_log_scale;
+        b.value = -decoder_log_likelihood(x0, mean, 0.5f * log_var, &d_mean, &d_log_scale);
+        d_mean = -d_mean, d_log_var = -0.5f * d_log_scale;
+    } else {
+        // -1 + e^u - u with u = log_var_q - log_var' = -f log_var_range as expm1(u) - u, and the means'
+        // gap as mean_x0 (x0 - x0'): late in the schedule the range is narrow and mean_x0 small, where
+        // the direct forms would cancel most digits (of u^2 / 2, of the mean_xt x_t both means hold)
+        float gap = tt->mean_x0 * (x0 - x0_model), precision = expf(-log_var);
+        float u = -0.5f * (v + 1.0f) * tt->log_var_range;
+        b.value = 0.5f * (expm1f(u) - u + gap * gap * precision);
+        d_mean = -gap * precision;
+        d_log_var = -0.5f * (expm1f(u) + gap * gap * precision);
+    }
+    b.d_out = d_mean * tt->mean_x0 * x0_by_out;
+    b.d_v = d_log_var * 0.5f * tt->log_var_range;
+    return b;
+}
+
+// The loss of a model with a learned variance (guided-diffusion's training_losses), for N samples of
+// D = C H W values, the output [N][H][W][2C] (the prediction's C channels, then the variance's):
+//   L = (1/N) sum_n [ mse_n + s vb_n ],  mse_n = (1/D) sum (out - target)^2,  vb_n = (1/(D ln 2)) sum bound
+// Hybrid (RESCALED_MSE): the mean is frozen in the bound (only the variance half learns from it), s =
+// T/1000 (1 without rescale_learned_sigmas). use_kl (RESCALED_KL): no MSE, the bound through both
+// halves, s = T (1 without rescaling).
+typedef struct {
+    int mse, frozen_mean, predict;
+    float bound_scale;  // s
+} LearnedLoss;
+
+// Blocks (x) of a sample (y): each writes its values' gradient (of the batch's L) whole, and its sums
+// of the squared errors and of the bound's terms into partial[n][block][2].
+__global__ void learned_loss_partial_kernel(float *partial, floatX *d_out, const floatX *out, const floatX *target, const floatX *x0,
+                                            const floatX *x_t, const int64_t *t, const TimestepTerms *terms, int hw, int C,
+                                            LearnedLoss loss) {
+    int n = blockIdx.y, N = gridDim.y, first_step = t[n] == 0;
+    const TimestepTerms tt = terms[t[n]];
+    float per_value = 1.0f / ((float)N * hw * C), per_bound = loss.bound_scale * per_value / (float)M_LN2;
+    float squares = 0.0f, bound = 0.0f;
+    for (int p = blockIdx.x * blockDim.x + threadIdx.x; p < hw; p += gridDim.x * blockDim.x)
+        for (int c = 0; c < C; c++) {
+            int64_t i = ((int64_t)n * hw + p) * C + c, o = ((int64_t)n * hw + p) * 2 * C + c;
+            float prediction = (float)out[o];
+            BoundTerm b = bound_term((float)x0[i], (float)x_t[i], prediction, (float)out[o + C], &tt, first_step, loss.predict);
+            float d = loss.frozen_mean ? 0.0f : per_bound * b.d_out;
+            if (loss.mse) {
+                float diff = prediction - (float)target[i];
+                squares += diff * diff, d += 2.0f * per_value * diff;
+            }
+            bound += b.value;
+            d_out[o] = (floatX)d, d_out[o + C] = (floatX)(per_bound * b.d_v);
+        }
+    squares = block_sum_256(squares);
+    bound = block_sum_256(bound);
+    if (threadIdx.x == 0) partial[2 * ((int64_t)n * gridDim.x + blockIdx.x)] = squares, partial[2 * ((int64_t)n * gridDim.x + blockIdx.x) + 1] = bound;
+}
+
+// One block of 256 threads: the sums in a fixed order, then terms = [L, mean of mse_n, mean of s vb_n].
+__global__ void learned_loss_final_kernel(float *terms, const float *partial, int N, int blocks, float values, LearnedLoss loss) {
+    float squares = 0.0f, bound = 0.0f;
+    for (int n = threadIdx.x; n < N; n += blockDim.x)
+        for (int b = 0; b < blocks; b++) squares += partial[2 * ((int64_t)n * blocks + b)], bound += partial[2 * ((int64_t)n * blocks + b) + 1];
+    squares = block_sum_256(squares);
+    bound = block_sum_256(bound);
+    if (threadIdx.x == 0) {
+        float mse = squares / ((float)N * values), vb = loss.bound_scale * bound / ((float)N * values * (float)M_LN2);
+        terms[0] = (loss.mse ? mse : 0.0f) + vb, terms[1] = mse, terms[2] = vb;
+    }
+}
+
+// The blocks of a sample for learned_loss_partial_kernel: a block per 256 pixels, at most 32.
+static int learned_loss_blocks(int hw) { return (hw + 255) / 256 < 32 ? (hw + 255) / 256 : 32; }
+
+// The loss of N samples of hw pixels: out [N][hw][2C] (its gradient into d_out), target, x0 and
+// x_t [N][hw][C], timesteps t [N]; terms[0..2] = L, mse, s vb; partial: N * learned_loss_blocks(hw)
+// * 2 floats.
+static void learned_loss(float *terms, float *partial, floatX *d_out, const floatX *out, const floatX *target, const floatX *x0,
+                         const floatX *x_t, const int64_t *t, const TimestepTerms *t_terms, int N, int hw, int C, LearnedLoss loss) {
+    int blocks = learned_loss_blocks(hw);
+    learned_loss_partial_kernel<<<dim3(blocks, N), 256, 0, gpu.stream>>>(partial, d_out, out, target, x0, x_t, t, t_terms, hw, C, loss);
+    learned_loss_final_kernel<<<1, 256, 0, gpu.stream>>>(terms, partial, N, blocks, (float)hw * C, loss);
+    cuda_check_launch();
 }
 
 // The global gradient norm, in two fixed-order passes: sums of squares per block, then the total;
@@ -5857,7 +6024,8 @@ __global__ void grad_norm_partial_kernel(double *partial, const float *grads, in
     if (threadIdx.x == 0) partial[blockIdx.x] = s;
 }
 
-__global__ void step_decide_kernel(StepState *s, const double *partial, const float *loss) {
+// terms: the loss, and with a learned variance its MSE and bound terms (learned_loss).
+__global__ void step_decide_kernel(StepState *s, const double *partial, const float *terms, int learned) {
     __shared__ double sums[NORM_BLOCKS];
     for (int i = threadIdx.x; i < NORM_BLOCKS; i += blockDim.x) sums[i] = partial[i];
     __syncthreads();
@@ -5867,9 +6035,10 @@ __global__ void step_decide_kernel(StepState *s, const double *partial, const fl
     }
     if (threadIdx.x == 0) {
         float norm = (float)sqrt(sums[0]);
-        s->loss = *loss;
+        s->loss = terms[0];
+        s->mse = learned ? terms[1] : terms[0], s->vb = learned ? terms[2] : 0.0f;
         s->grad_norm = norm;
-        s->finite = isfinite(norm) && isfinite(*loss);
+        s->finite = isfinite(norm) && isfinite(terms[0]);
         s->grad_scale = s->grad_clip > 0.0f && norm > s->grad_clip ? s->grad_clip / (norm + 1e-6f) : 1.0f;
     }
 }
@@ -6192,6 +6361,10 @@ typedef struct {
     float *ema[8];         // [storage] fp32 each, GPU layout like master
     StepState *host_state, *state;  // pinned, GPU
     double *norm_partial;
+    float *loss_terms;     // GPU [3]: the loss (and with a learned variance its MSE and bound terms)
+    int learned;           // the model learns its variance: learned_loss, with these terms and partial sums
+    LearnedLoss learned_terms;
+    float *learned_partial;
     cudaGraphExec_t graph;
     cudaEvent_t done;      // recorded after each step
     int num_buckets;       // many GPUs: the gradients' all-reduce in pieces (team_plan_buckets)
@@ -6271,6 +6444,15 @@ static void trainer_create(Trainer *tr, const Options *o, const ModelConfig *c, 
     cuda_check(cudaEventCreateWithFlags(&tr->done, cudaEventDisableTiming));
     if (team.comm) team_plan_buckets(tr);
     tr->norm_partial = (double *)gpu_malloc(NORM_BLOCKS * sizeof(double));
+    tr->loss_terms = (float *)gpu_malloc(3 * sizeof(float));
+    cuda_check(cudaMemset(tr->loss_terms, 0, 3 * sizeof(float)));
+    tr->learned = c->out_channels == 2 * c->in_channels;
+    if (tr->learned) {
+        float T = (float)o->diffusion_steps;
+        tr->learned_terms = {!o->use_kl, !o->use_kl, prediction_from_name(o->predict),
+                             o->rescale_learned_sigmas ? (o->use_kl ? T : T / 1000.0f) : 1.0f};
+        tr->learned_partial = (float *)gpu_malloc((size_t)o->batch_size * learned_loss_blocks(c->image_size * c->image_size) * 2 * sizeof(float));
+    }
     int64_t n = act_numel(&tr->m.input);
     tr->d_pixels = (uint8_t *)gpu_malloc(n);
     tr->x0 = (floatX *)gpu_malloc(n * sizeof(floatX));
@@ -6298,15 +6480,18 @@ static void trainer_enqueue_step(Trainer *tr) {
     diffusion_conditions_kernel<<<(N + 127) / 128, 128, 0, gpu.stream>>>(m->timesteps, m->labels, N, first_sample,
         tr->diffusion.schedule.steps, o->cfg_dropout, tr->config.num_classes - 1, tr->state);
     diffusion_inputs_kernel<<<blocks_for(n, 256), 256, 0, gpu.stream>>>(m->input.x, m->target.x, tr->x0, m->timesteps,
-        tr->diffusion.sqrt_abar, tr->diffusion.sqrt_one_minus_abar, strcmp(o->predict, "v") == 0, n / N, n, first_sample, tr->state);
+        tr->diffusion.terms, prediction_from_name(o->predict), n / N, n, first_sample, tr->state);
     cuda_check_launch();
     unet_forward(m, 1);
-    mse_loss(m->loss, m->loss_partial, m->output->dx, m->output->x, m->target.x, act_numel(m->output));
+    if (tr->learned)
+        learned_loss(tr->loss_terms, tr->learned_partial, m->output->dx, m->output->x, m->target.x, tr->x0, m->input.x, m->timesteps,
+                     tr->diffusion.terms, N, m->input.H * m->input.W, m->input.C, tr->learned_terms);
+    else mse_loss(tr->loss_terms, m->loss_partial, m->output->dx, m->output->x, m->target.x, act_numel(m->output));
     unet_backward(m, 1, team.comm ? team_reduce_after_block : NULL, tr);
     if (team.comm) team_reduce_rest(tr);  // the gradient of the loss over every rank's images
-    team_average(m->loss, 1, gpu.stream);
+    team_average(tr->loss_terms, 3, gpu.stream);
     grad_norm_partial_kernel<<<NORM_BLOCKS, 256, 0, gpu.stream>>>(tr->norm_partial, m->grad, m->storage);
-    step_decide_kernel<<<1, 1024, 0, gpu.stream>>>(tr->state, tr->norm_partial, m->loss);
+    step_decide_kernel<<<1, 1024, 0, gpu.stream>>>(tr->state, tr->norm_partial, tr->loss_terms, tr->learned);
     floatX *copy = (void *)m->compute == (void *)m->master ? NULL : m->compute;
     adamw_kernel<<<blocks_for(m->storage, 256), 256, 0, gpu.stream>>>(m->master, copy, m->adam_m, m->adam_v, m->grad,
         m->storage, tr->state, o->beta1, o->beta2, o->adam_eps, o->weight_decay, tr->num_ema ? tr->ema[0] : NULL,
@@ -6334,7 +6519,7 @@ static void team_warm_up(Trainer *tr, int64_t step) {
     team_max(&tr->state->stop, 1, gpu.stream);
     for (int j = tr->num_buckets - 1; j >= 0; j--) team_reduce_bucket(tr, j);
     team_reduce_rest(tr);
-    team_average(tr->m.loss, 1, gpu.stream);
+    team_average(tr->loss_terms, 3, gpu.stream);
     cuda_check(cudaEventRecord(tr->done, gpu.stream));
     team_wait(tr->done, TEAM_START_TIMEOUT, step);
 }
@@ -6418,14 +6603,20 @@ __global__ void sample_timesteps_kernel(int64_t *t, int N, const SampleStep *ste
 }
 
 // One step of the plan for every value, from the model's output (guided: uncond + w (cond -
-// uncond), the second half being the unconditional); x and the next input are written.
-__global__ void sample_step_kernel(float *x, float *x0_last, floatX *input, const floatX *out, int64_t n, int guided, float guidance,
-                                   SamplePlan plan, const SampleStep *steps, const SampleCursor *c, uint64_t seed) {
+// uncond), the second half being the unconditional); x and the next input are written. x has C
+// channels; the output has C (the prediction) or, with a learned variance, 2C: then a value's
+// variance is the conditional output's (as GLIDE's guided sampling keeps it).
+__global__ void sample_step_kernel(float *x, float *x0_last, floatX *input, const floatX *out, int64_t n, int C, int out_channels,
+                                   int guided, float guidance, SamplePlan plan, const SampleStep *steps, const SampleCursor *c,
+                                   uint64_t seed) {
     const SampleStep st = steps[c->step];
+    int64_t n_out = n / C * out_channels;  // the unconditional half's offset
     for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
-        float o = guided ? guided_output((float)out[i], (float)out[n + i], guidance) : (float)out[i];
+        int64_t j = i / C * out_channels + i % C;
+        float o = guided ? guided_output((float)out[j], (float)out[n_out + j], guidance) : (float)out[j];
+        float v = plan.learned ? (float)out[j + C] : 0.0f;
         float z = st.noisy ? normal_sample(seed, rng_stream(RNG_SAMPLE_NOISE, (uint64_t)c->step), c->offset + i) : 0.0f;
-        x[i] = sample_step_value(&plan, &st, x[i], o, z, &x0_last[i]);
+        x[i] = sample_step_value(&plan, &st, x[i], o, v, z, &x0_last[i]);
         input[i] = (floatX)x[i];
         if (guided) input[n + i] = input[i];
     }
@@ -6503,8 +6694,9 @@ static float gpu_sampler_run(GpuSampler *s, int64_t first, int count, const int 
         cuda_check(cudaStreamBeginCapture(gpu.stream, cudaStreamCaptureModeGlobal));
         sample_timesteps_kernel<<<(m->batch + 127) / 128, 128, 0, gpu.stream>>>(m->timesteps, m->batch, s->steps, s->cursor);
         unet_forward(m, 0);
-        sample_step_kernel<<<blocks_for(n, 256), 256, 0, gpu.stream>>>(s->x, s->x0_last, m->input.x, m->output->x, n, s->guided,
-                                                                        s->guidance, s->plan, s->steps, s->cursor, s->seed);
+        sample_step_kernel<<<blocks_for(n, 256), 256, 0, gpu.stream>>>(s->x, s->x0_last, m->input.x, m->output->x, n, m->input.C,
+                                                                        m->output->C, s->guided, s->guidance, s->plan, s->steps,
+                                                                        s->cursor, s->seed);
         sample_advance_kernel<<<1, 1, 0, gpu.stream>>>(s->cursor);
         cuda_check(cudaStreamEndCapture(gpu.stream, &graph));
         cuda_check(cudaGraphInstantiate(&s->graph, graph, 0));
@@ -6634,10 +6826,12 @@ static Metadata checkpoint_metadata(const Options *o, const ModelConfig *c, int6
     meta_add(&m, "class_cond", "%s", truth[c->num_classes > 0]);
     meta_add(&m, "num_classes", "%d", c->num_classes);
     meta_add(&m, "null_class", "%s", truth[c->num_classes > 0]);  // the last label_emb row: unconditional
-    meta_add(&m, "learn_sigma", "False");
+    meta_add(&m, "learn_sigma", "%s", truth[c->out_channels == 2 * c->in_channels]);
     meta_add(&m, "diffusion_steps", "%d", o->diffusion_steps);
     meta_add(&m, "noise_schedule", "%s", o->noise_schedule);
     meta_add(&m, "predict", "%s", o->predict);
+    meta_add(&m, "use_kl", "%s", truth[o->use_kl]);
+    meta_add(&m, "rescale_learned_sigmas", "%s", truth[o->rescale_learned_sigmas]);
     meta_add(&m, "batch_size", "%d", o->batch_size * o->gpus);  // images per step, on all GPUs
     meta_add(&m, "seed", "%lld", o->seed);
     meta_add(&m, "ema_rates", "%s", o->ema_rate);  // every rate; each EMA file names its own as ema_rate
@@ -7415,9 +7609,6 @@ static void print_usage(FILE *f) {
     cli_print_wrapped(f, "guided-diffusion's ImageNet-64 model: 192 channels, 3 blocks, attention at 32,16,8 with "
                          "64-channel heads, scale-shift norm, resblock up/down, new attention order, dropout 0.1, cosine "
                          "schedule", fprintf(f, "  adm64"), 10);
-    fprintf(f, "\n");
-    cli_print_wrapped(f, "Training a learned variance (learn_sigma) is not supported: the model is trained to predict "
-                         "the noise (or v).", 0, 0);
 }
 
 // The options given on the command line (the others are the preset's, or the dataset's).
@@ -7480,10 +7671,10 @@ static void validate_training(const Options *o) {
     if (o->diffusion_steps < 1 || o->diffusion_steps > 100000) usage_error("--diffusion_steps %d is out of range (1..100000)", o->diffusion_steps);
     if (strcmp(o->noise_schedule, "linear") != 0 && strcmp(o->noise_schedule, "cosine") != 0)
         usage_error("--noise_schedule '%s' must be linear or cosine", o->noise_schedule);
-    if (o->learn_sigma) usage_error("--learn_sigma: training a learned variance is not supported (the model predicts noise)");
+    if (o->use_kl && !o->learn_sigma) usage_error("--use_kl needs --learn_sigma True (the bound's variance is the model's)");
     if (!(o->lr > 0)) usage_error("--lr %g must be positive", o->lr);
     if (!(o->weight_decay >= 0)) usage_error("--weight_decay %g must not be negative", o->weight_decay);
-    if (strcmp(o->predict, "eps") != 0 && strcmp(o->predict, "v") != 0) usage_error("--predict '%s' must be eps or v", o->predict);
+    if (prediction_from_name(o->predict) < 0) usage_error("--predict '%s' must be eps, v or x0", o->predict);
     if (!(o->beta1 >= 0 && o->beta1 < 1) || !(o->beta2 >= 0 && o->beta2 < 1)) usage_error("--beta1 and --beta2 must be in [0, 1)");
     if (!(o->adam_eps > 0)) usage_error("--adam_eps %g must be positive", o->adam_eps);
     if (o->warmup_steps < 0) usage_error("--warmup_steps %d must not be negative", o->warmup_steps);
@@ -7648,7 +7839,8 @@ static void write_samples(Trainer *tr, GpuSampler *sampler, const char *run_dir)
     int count = o->sample_count, size = tr->config.image_size;
     if (!sampler->m.blocks) {
         SamplePlan plan;
-        if (sample_plan_make(&plan, &tr->diffusion.schedule, SAMPLER_DDIM, o->sample_steps, 0.0f, strcmp(o->predict, "v") == 0, 1) != 0)
+        if (sample_plan_make(&plan, &tr->diffusion.schedule, SAMPLER_DDIM, o->sample_steps, NULL, 0.0f, prediction_from_name(o->predict), 1,
+                             0) != 0)
             fatal("out of memory");
         gpu_sampler_create(sampler, &tr->config, grid_batch(o), &plan, 1.0f, random_u64((uint64_t)o->seed, rng_stream(RNG_GRID_SEED, 0), 0));
         sample_plan_free(&plan);
@@ -7685,7 +7877,7 @@ static void on_stop_signal(int sig) {
     stop_requested = 1;
 }
 
-#define LOG_HEADER "step,loss,lr,grad_norm,img_per_s,ms_per_step,gpu_mem_gib"
+#define LOG_HEADER "step,loss,lr,grad_norm,img_per_s,ms_per_step,gpu_mem_gib,mse,vb"
 
 // Writes a small file whole under a temporary name, syncs it and renames it into place; exits on
 // an error. `fill` writes the content.
@@ -7848,7 +8040,7 @@ static void run_training(const Options *o, const ModelConfig *config, const Para
                with_commas(params->numel, buf, sizeof buf), o->steps, o->batch_size, o->run_dir);
     GpuSampler sampler;  // made at the first grid
     memset(&sampler, 0, sizeof sampler);
-    double interval_loss = 0, started = now_seconds(), interval_start = started;
+    double interval_loss = 0, interval_mse = 0, interval_vb = 0, started = now_seconds(), interval_start = started;
     int interval_steps = 0, bad_in_row = 0;
     int64_t bad_total = 0, first_step = tr.step;
     int64_t last = o->stop_step > 0 && o->stop_step < o->steps ? o->stop_step : o->steps;
@@ -7870,20 +8062,23 @@ static void run_training(const Options *o, const ModelConfig *config, const Para
             continue;
         }
         bad_in_row = 0;
-        interval_loss += s->loss, interval_steps++;
+        interval_loss += s->loss, interval_mse += s->mse, interval_vb += s->vb, interval_steps++;
         if (lead && (tr.step % o->log_interval == 0 || tr.step == o->steps)) {
             double t = now_seconds(), ms = 1000.0 * (t - interval_start) / fmax(interval_steps, 1);
             double img_s = global_batch * 1000.0 / ms, eta = (o->steps - tr.step) * ms / 1000.0;
             double mem = gpu_bytes_allocated / 1073741824.0;
-            printf("step %lld/%lld  loss %.4f  lr %.3g  grad norm %.3f  %.0f img/s  %.1f ms/step  ETA %.0fh%02.0fm%s\n",
-                   (long long)tr.step, o->steps, interval_loss / interval_steps, s->lr, s->grad_norm, img_s, ms,
+            char terms[64] = "";
+            if (tr.learned)
+                snprintf(terms, sizeof terms, " (mse %.4f, vb %.4f)", interval_mse / interval_steps, interval_vb / interval_steps);
+            printf("step %lld/%lld  loss %.4f%s  lr %.3g  grad norm %.3f  %.0f img/s  %.1f ms/step  ETA %.0fh%02.0fm%s\n",
+                   (long long)tr.step, o->steps, interval_loss / interval_steps, terms, s->lr, s->grad_norm, img_s, ms,
                    floor(eta / 3600), fmod(eta / 60, 60), bad_total ? "  (non-finite steps skipped so far: see warnings)" : "");
-            fprintf(log, "%lld,%.6f,%.6g,%.6f,%.1f,%.3f,%.3f\n", (long long)tr.step, interval_loss / interval_steps, s->lr,
-                    s->grad_norm, img_s, ms, mem);
+            fprintf(log, "%lld,%.6f,%.6g,%.6f,%.1f,%.3f,%.3f,%.6f,%.6f\n", (long long)tr.step, interval_loss / interval_steps, s->lr,
+                    s->grad_norm, img_s, ms, mem, interval_mse / interval_steps, interval_vb / interval_steps);
             fflush(log);
             fflush(stdout);
             loss_chart_add(&chart, tr.step, interval_loss / interval_steps, s->lr);
-            interval_loss = 0, interval_steps = 0, interval_start = t;
+            interval_loss = interval_mse = interval_vb = 0, interval_steps = 0, interval_start = t;
         }
         if (o->sample_count && o->sample_interval && tr.step % o->sample_interval == 0 && tr.step < last) {
             if (lead) write_samples(&tr, &sampler, o->run_dir);

@@ -45,8 +45,10 @@ expect_fail ./generate --checkpoint "$SIGMA" --class 10
 expect_grep "0\.\.9" "$LAST_ERR"
 expect_fail ./generate --checkpoint "$SIGMA" --guidance 2
 expect_grep "no null class" "$LAST_ERR"
-expect_fail ./generate --checkpoint "$SIGMA"
-expect_grep "learn_sigma" "$LAST_ERR"
+expect_fail ./generate --checkpoint "$SIGMA" --sampler ddpm --respacing 600,600
+expect_grep "respacing '600,600' keeps no steps" "$LAST_ERR"
+expect_exit 2 ./generate --checkpoint "$SIGMA" --sampler dpm++ --respacing 10
+expect_grep "goes with neither --sampler dpm\+\+ nor --steps" "$LAST_ERR"
 expect_fail ./generate --checkpoint "$UNCOND" --steps 999
 grep -q 'see --help' "$LAST_ERR" && case_fail "a checkpoint's error reads as a usage error: $(cat "$LAST_ERR")"
 head -c 5000 "$UNCOND" >"$TEST_TMP/cut.safetensors"

@@ -71,7 +71,7 @@ static void check_sampler(const char *name, SamplerKind kind, const char *schedu
     CHECK(noise_schedule_make(&d, 1000, schedule) == 0);
     CHECK((kind == SAMPLER_DPM_SOLVER_PP ? sample_schedule_log_snr(&d, steps, &s) : sample_schedule_make(&d, steps, &s)) == 0);
     SamplePlan plan;
-    CHECK(sample_plan_make(&plan, &d, kind, steps, eta, predict_v, 0) == 0 && plan.count == s.count);
+    CHECK(sample_plan_make(&plan, &d, kind, steps, NULL, eta, predict_v ? PREDICT_V : PREDICT_EPS, 0, 0) == 0 && plan.count == s.count);
     for (int j = 0; j < plan.count; j++) CHECK(plan.steps[j].timestep == s.timesteps[s.count - 1 - j]);
     static float x[N];
     Analytic a = {&d, predict_v, (uint64_t)time(NULL), 0};
@@ -130,15 +130,15 @@ int main(void) {
     check_case("plans: DDPM is DDIM with eta 1 on all T steps; no noise on the last step; DPM-Solver++ first order at the ends");
     SamplePlan plan;
     CHECK(noise_schedule_make(&d, 1000, "linear") == 0);
-    CHECK(sample_plan_make(&plan, &d, SAMPLER_DDPM, 50, 0.0f, 0, 1) == 0 && plan.count == 1000 && plan.steps[0].timestep == 999);
+    CHECK(sample_plan_make(&plan, &d, SAMPLER_DDPM, 0, NULL, 0.0f, PREDICT_EPS, 1, 0) == 0 && plan.count == 1000 && plan.steps[0].timestep == 999);
     CHECK(plan.steps[0].eta == 1.0f && plan.steps[0].noisy && !plan.steps[999].noisy && plan.steps[999].abar_prev == 1.0f);
     CHECK(plan.steps[0].abar == (float)d.alphas_cumprod[999] && plan.steps[0].abar_prev == (float)d.alphas_cumprod[998]);
     sample_plan_free(&plan);
-    CHECK(sample_plan_make(&plan, &d, SAMPLER_DDIM, 50, 0.0f, 0, 1) == 0 && !plan.steps[0].noisy && plan.steps[1].timestep == 960);
+    CHECK(sample_plan_make(&plan, &d, SAMPLER_DDIM, 50, NULL, 0.0f, PREDICT_EPS, 1, 0) == 0 && !plan.steps[0].noisy && plan.steps[1].timestep == 960);
     sample_plan_free(&plan);
-    CHECK(sample_plan_make(&plan, &d, SAMPLER_DDIM, 999, 0.0f, 0, 1) != 0 && !plan.steps);
+    CHECK(sample_plan_make(&plan, &d, SAMPLER_DDIM, 999, NULL, 0.0f, PREDICT_EPS, 1, 0) != 0 && !plan.steps);
     CHECK(respacing_stride(1000, 50) == 20 && respacing_stride(1000, 999) == 0);
-    CHECK(sample_plan_make(&plan, &d, SAMPLER_DPM_SOLVER_PP, 20, 0.0f, 0, 1) == 0 && plan.count == 20);
+    CHECK(sample_plan_make(&plan, &d, SAMPLER_DPM_SOLVER_PP, 20, NULL, 0.0f, PREDICT_EPS, 1, 0) == 0 && plan.count == 20);
     CHECK(!plan.steps[0].second_order && plan.steps[1].second_order && plan.steps[18].second_order && !plan.steps[19].second_order);
     CHECK(!plan.steps[0].noisy && plan.steps[1].r > 0.5f && plan.steps[1].r < 2.0f);
     sample_plan_free(&plan);

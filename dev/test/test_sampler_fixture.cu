@@ -1,15 +1,17 @@
 // test_sampler_fixture.cu: sampler.h against the reference of scripts/make_sampler_fixture.py
 // (guided-diffusion's formulas in float64: beta schedules, space_timesteps, p_sample's posterior,
-// ddim_sample, and DPM-Solver++(2M)'s official second-order update), on the fixture's random
-// cases. Each step is computed in float, so the tolerance is 1e-5 relative per case.
+// ddim_sample, and DPM-Solver++(2M)'s official second-order update), and the learned variance
+// (train_unet.cu's bound_term, sampler.h's respacing and learned DDPM step) against
+// scripts/make_diffusion_fixture.py's (PyTorch, float64, gradients by autograd), on the fixtures'
+// random cases. Each step is computed in float, so the tolerance is 1e-5 relative per case.
 #define TRAIN_UNET_LIBRARY
 #include "../../train_unet.cu"
 #include "check.h"
 
-static SafeTensorsFile fixture;
+static SafeTensorsFile fixture, learned;
 
-static double *tensor(const char *name, int64_t *numel) {
-    const SafeTensor *t = safetensors_find(&fixture, name);
+static double *tensor_of(const SafeTensorsFile *file, const char *name, int64_t *numel) {
+    const SafeTensor *t = safetensors_find(file, name);
     if (!t) fatal("sampler fixture: no tensor %s", name);
     double *out = (double *)malloc_or_die(t->numel * sizeof(double));
     if (strcmp(t->dtype, "F64") == 0) memcpy(out, t->data, t->numel * sizeof(double));
@@ -17,6 +19,62 @@ static double *tensor(const char *name, int64_t *numel) {
     else fatal("sampler fixture: %s is %s", name, t->dtype);
     if (numel) *numel = t->numel;
     return out;
+}
+
+static double *tensor(const char *name, int64_t *numel) { return tensor_of(&fixture, name, numel); }
+
+// ||got - want|| / ||want|| over n values (0 when both are zero).
+static double relative_error(const float *got, const double *want, int n) {
+    double diff = 0, norm = 0;
+    for (int i = 0; i < n; i++) diff += (got[i] - want[i]) * (got[i] - want[i]), norm += want[i] * want[i];
+    return diff == 0 ? 0 : sqrt(diff / norm);
+}
+
+// The bound's term (value, d_out, d_v) of every case; returns the worst relative error of the three.
+static double check_bound_terms(const NoiseSchedule *schedules) {
+    int64_t rows_numel = 0, values_numel = 0;
+    double *cases = tensor_of(&learned, "bound_cases", &rows_numel), *values = tensor_of(&learned, "bound_values", &values_numel);
+    double *expected = tensor_of(&learned, "bound_expected", NULL);
+    int rows = (int)(rows_numel / 3), n = (int)(values_numel / rows / 4);
+    float *got = (float *)malloc_or_die(3 * n * sizeof(float));
+    double worst[3] = {0, 0, 0};
+    for (int r = 0; r < rows; r++) {
+        const double *c = cases + 3 * r, *x = values + (size_t)r * 4 * n, *want = expected + (size_t)r * 3 * n;
+        int t = (int)c[1];
+        TimestepTerms tt = timestep_terms(&schedules[(int)c[0]], t);
+        for (int i = 0; i < n; i++) {
+            BoundTerm b = bound_term((float)x[i], (float)x[n + i], (float)x[2 * n + i], (float)x[3 * n + i], &tt, t == 0, (int)c[2]);
+            got[i] = b.value, got[n + i] = b.d_out, got[2 * n + i] = b.d_v;
+        }
+        for (int k = 0; k < 3; k++) worst[k] = fmax(worst[k], relative_error(got + k * n, want + k * n, n));
+    }
+    printf("  %d cases (t = 0 in every fourth): worst relative error: value %.2e, d_out %.2e, d_v %.2e\n", rows, worst[0], worst[1],
+           worst[2]);
+    free(cases), free(values), free(expected), free(got);
+    return fmax(worst[0], fmax(worst[1], worst[2]));
+}
+
+// p_sample with the learned range on a respaced schedule; returns the worst relative error.
+static double check_learned_ddpm(const NoiseSchedule *schedules, const char *const *specs) {
+    int64_t rows_numel = 0, values_numel = 0;
+    double *cases = tensor_of(&learned, "learned_ddpm_cases", &rows_numel);
+    double *values = tensor_of(&learned, "learned_ddpm_values", &values_numel);
+    double *expected = tensor_of(&learned, "learned_ddpm_expected", NULL);
+    int rows = (int)(rows_numel / 5), n = (int)(values_numel / rows / 4);
+    float *got = (float *)malloc_or_die(n * sizeof(float));
+    double worst = 0;
+    for (int r = 0; r < rows; r++) {
+        const double *c = cases + 5 * r, *x = values + (size_t)r * 4 * n;
+        SamplePlan plan;
+        CHECK(sample_plan_make(&plan, &schedules[(int)c[0]], SAMPLER_DDPM, 0, specs[(int)c[1]], 1.0f, (int)c[3], (int)c[4], 1) == 0);
+        const SampleStep *st = &plan.steps[plan.count - 1 - (int)c[2]];  // kept step k runs at j = count - 1 - k
+        for (int i = 0; i < n; i++) got[i] = sample_step_value(&plan, st, (float)x[i], (float)x[n + i], (float)x[2 * n + i], (float)x[3 * n + i], NULL);
+        worst = fmax(worst, relative_error(got, expected + (size_t)r * n, n));
+        sample_plan_free(&plan);
+    }
+    printf("  %d cases: worst relative error %.2e\n", rows, worst);
+    free(cases), free(values), free(expected), free(got);
+    return worst;
 }
 
 // Runs every case of one kind (ddpm, ddim, dpm) and returns the worst relative error.
@@ -99,7 +157,40 @@ int main(void) {
     CHECK(run_cases("ddim", schedules) <= 1e-5);
     check_case("DPM-Solver++(2M) step equals the official multistep update (first and second order)");
     CHECK(run_cases("dpm", schedules) <= 1e-5);
+
+    if (safetensors_open("dev/fixtures/diffusion/learned.safetensors", &learned, err, sizeof err) != 0) fatal("%s", err);
+    const char *specs_text = safetensors_metadata(&learned, "specs");
+    char specs_copy[256];
+    const char *specs[16];
+    int num_specs = 0;
+    snprintf(specs_copy, sizeof specs_copy, "%s", specs_text ? specs_text : "");
+    for (char *p = strtok(specs_copy, ";"); p && num_specs < 16; p = strtok(NULL, ";")) specs[num_specs++] = p;
+    check_case("respacing: space_timesteps(1000, spec) for section counts and ddimN");
+    CHECK(num_specs == 6);
+    for (int k = 0; k < num_specs; k++) {
+        char name[32];
+        snprintf(name, sizeof name, "respacing_%d", k);
+        int64_t numel = 0;
+        double *want = tensor_of(&learned, name, &numel);
+        SampleSchedule s = {0, NULL, NULL};
+        CHECK(sample_schedule_respaced(&linear, specs[k], &s) == 0 && s.count == numel);
+        for (int i = 0; i < s.count && i < numel; i++) CHECK(s.timesteps[i] == (int)want[i]);
+        printf("  %s: %d steps\n", specs[k], s.count);
+        free(want);
+        sample_schedule_free(&s);
+    }
+    const char *bad_specs[] = {"0", "600,600", "ddim999", "ddim", "10,", ",10", "x", "", "5x", "-3"};
+    for (size_t k = 0; k < sizeof bad_specs / sizeof bad_specs[0]; k++) {
+        SampleSchedule none = {0, NULL, NULL};
+        CHECK(sample_schedule_respaced(&linear, bad_specs[k], &none) != 0);
+        sample_schedule_free(&none);
+    }
+    check_case("the variational bound's term and its gradients (KL at t > 0, the decoder at t = 0) equal guided-diffusion's");
+    CHECK(check_bound_terms(schedules) <= 1e-5);
+    check_case("DDPM with a learned variance on respaced steps equals guided-diffusion's p_sample (LEARNED_RANGE)");
+    CHECK(check_learned_ddpm(schedules, specs) <= 1e-5);
+
     noise_schedule_free(&schedules[0]), noise_schedule_free(&schedules[1]), noise_schedule_free(&linear);
-    safetensors_close(&fixture);
+    safetensors_close(&fixture), safetensors_close(&learned);
     return check_summary();
 }

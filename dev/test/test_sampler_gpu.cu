@@ -3,7 +3,8 @@
 // sampler.h's host loop driving the same model one forward pass at a time, with the same draws.
 // Every sampler (DDPM on a 100-step schedule, DDIM with eta 0 and 1, DPM-Solver++), eps and v
 // prediction, with and without classifier-free guidance, on a small class-conditional model with
-// random weights everywhere (zero-initialised layers too). Tolerance on the final x: FP32 1e-4
+// random weights everywhere (zero-initialised layers too); and DDPM with a learned variance
+// (learn_sigma: the output's second half), respaced. Tolerance on the final x: FP32 1e-4
 // relative (the host's cosf against the GPU's cospif, and other product shapes); BF16 2e-2.
 // Sampling the same batch again gives the same pixels, bit for bit, and a batch's forward pass
 // equals each image's own.
@@ -23,18 +24,27 @@ typedef struct {
     float guidance;
     int labels[IMAGES], null_labels[IMAGES];
     int64_t t[IMAGES];
-    float *uncond;
     int64_t offset;
     uint64_t seed;
+    float *raw;  // the model's output, [IMAGES][H][W][out channels]
+    int learned; // the plan samples with the learned variance: out holds it too
 } Host;
 
+// sample_loop's model: the prediction (guided), and with a learned variance the conditional
+// output's variance half after it.
 static void host_model(void *ctx, const float *x, int t, float *out) {
     Host *h = (Host *)ctx;
+    int64_t n = act_numel(&h->m->input);
+    int C = h->m->input.C, Co = h->m->output->C;
     for (int b = 0; b < IMAGES; b++) h->t[b] = t;
-    forward_nhwc(h->m, x, h->t, h->labels, out);
+    forward_nhwc(h->m, x, h->t, h->labels, h->raw);
+    for (int64_t i = 0; i < n; i++) {
+        out[i] = h->raw[i / C * Co + i % C];
+        if (h->learned) out[n + i] = h->raw[i / C * Co + C + i % C];
+    }
     if (!h->guided) return;
-    forward_nhwc(h->m, x, h->t, h->null_labels, h->uncond);
-    for (int64_t i = 0; i < act_numel(&h->m->input); i++) out[i] = guided_output(out[i], h->uncond[i], h->guidance);
+    forward_nhwc(h->m, x, h->t, h->null_labels, h->raw);
+    for (int64_t i = 0; i < n; i++) out[i] = guided_output(out[i], h->raw[i / C * Co + i % C], h->guidance);
 }
 
 static float host_noise(void *ctx, int j, size_t i) {
@@ -78,7 +88,8 @@ static void test_plan(const char *name, const ModelConfig *c, UNet *weights, Sam
     NoiseSchedule d;
     SamplePlan plan;
     CHECK(noise_schedule_make(&d, 100, "linear") == 0);
-    CHECK(sample_plan_make(&plan, &d, kind, steps, eta, predict_v, 1) == 0);
+    int learned = c->out_channels == 2 * c->in_channels;
+    CHECK(sample_plan_make(&plan, &d, kind, steps, NULL, eta, predict_v ? PREDICT_V : PREDICT_EPS, 1, learned) == 0);
     uint64_t seed = 1234;
     int S = c->image_size;
     int64_t per_image = (int64_t)S * S * c->in_channels, n = IMAGES * per_image;
@@ -101,7 +112,8 @@ static void test_plan(const char *name, const ModelConfig *c, UNet *weights, Sam
     memset(&h, 0, sizeof h);
     h.m = weights, h.guided = guidance != 1.0f, h.guidance = guidance, h.offset = FIRST * per_image, h.seed = seed;
     for (int b = 0; b < IMAGES; b++) h.labels[b] = labels[b], h.null_labels[b] = CLASSES;
-    h.uncond = (float *)malloc_or_die(n * sizeof(float));
+    h.raw = (float *)malloc_or_die(act_numel(weights->output) * sizeof(float));
+    h.learned = plan.learned;
     float *x = (float *)malloc_or_die(n * sizeof(float));
     for (int64_t i = 0; i < n; i++) x[i] = normal_sample(seed, rng_stream(RNG_SAMPLE_START, 0), h.offset + i);
     CHECK(sample_loop(&plan, host_model, host_noise, &h, x, n) == 0);
@@ -119,7 +131,7 @@ static void test_plan(const char *name, const ModelConfig *c, UNet *weights, Sam
     CHECK(pixel_gap <= 1);  // the pixels are the samples, rounded (the host's lrintf may round a tie otherwise)
     CHECK(sqrt(norm / n) > 0.05);  // the samples are not all zero
     gpu_sampler_destroy(&s);
-    free(pixels), free(again), free(gpu_x), free(x), free(h.uncond);
+    free(pixels), free(again), free(gpu_x), free(x), free(h.raw);
     sample_plan_free(&plan);
     noise_schedule_free(&d);
 }
@@ -169,6 +181,15 @@ int main(void) {
     test_plan("DPM-Solver++(2M), 8 steps, v prediction", &c, &m, SAMPLER_DPM_SOLVER_PP, 8, 0.0f, 1, 1.0f);
     test_plan("DDIM, 10 steps, classifier-free guidance 3", &c, &m, SAMPLER_DDIM, 10, 0.0f, 0, 3.0f);
     test_plan("DPM-Solver++(2M), 8 steps, guidance 2, eta ignored", &c, &m, SAMPLER_DPM_SOLVER_PP, 8, 0.5f, 0, 2.0f);
+    unet_destroy(&m);
+
+    o.learn_sigma = 1;
+    ModelConfig learned = resolve_model(&o, CLASSES + 1);
+    unet_create(&m, &learned, IMAGES, 0);
+    random_parameters(&m, 98);
+    test_plan("DDPM with a learned variance, 25 of 100 steps (respaced)", &learned, &m, SAMPLER_DDPM, 25, 0.0f, 0, 1.0f);
+    test_plan("DDPM with a learned variance, all 100 steps, v prediction, guidance 2", &learned, &m, SAMPLER_DDPM, 0, 0.0f, 1, 2.0f);
+    test_plan("DDIM, 10 steps, of a model with a learned variance (its mean)", &learned, &m, SAMPLER_DDIM, 10, 0.0f, 0, 1.0f);
     unet_destroy(&m);
     return check_summary();
 }

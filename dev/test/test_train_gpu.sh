@@ -5,7 +5,7 @@
 # a clear message; sample grids are written; bad checkpoints are refused with one line; a run
 # folder takes one trainer at a time, SIGHUP saves, a save past the file-size limit keeps the
 # previous checkpoint, an older resume sets the later steps aside, a resume from elsewhere starts a
-# new run.
+# new run; a learned variance trains, resumes and samples.
 cd "$(dirname "$0")/../.." || exit 1
 . dev/test/lib.sh
 ./prepare_data --synthetic shapes --count 300 --size 32 --seed 5 --output "$TEST_TMP/s.bin" --quiet >/dev/null
@@ -33,6 +33,24 @@ for run in a b; do  # the loss chart, drawn at each log interval (the resumed on
     grep -q 'id="loss-smoothed"' "$TEST_TMP/$run/loss.svg" && tail -c 16 "$TEST_TMP/$run/loss.svg" | grep -q '</svg>' ||
         case_fail "$run/loss.svg is missing or not a whole chart"
 done
+
+case_begin "a learned variance (hybrid loss, and use_kl) trains, resumes exactly, logs mse and vb, and samples with DDPM"
+expect_ok train --learn_sigma True --steps 20 --stop_step 9 --run_dir "$TEST_TMP/sigma"
+expect_ok train --learn_sigma True --steps 20 --run_dir "$TEST_TMP/sigma" --resume_checkpoint latest
+expect_ok train --learn_sigma True --steps 20 --run_dir "$TEST_TMP/sigma_straight"
+cmp -s "$TEST_TMP/sigma/checkpoints/step_000000020/model.safetensors" "$TEST_TMP/sigma_straight/checkpoints/step_000000020/model.safetensors" ||
+    case_fail "the resumed learned-variance run's weights differ from the straight run's"
+expect_grep '^step,loss,lr,grad_norm,img_per_s,ms_per_step,gpu_mem_gib,mse,vb$' "$TEST_TMP/sigma/log.csv"
+awk -F, 'NR > 1 && !($9 > 0 && $8 > 0 && ($2 - $8 - $9) ^ 2 < 1e-6) { bad = 1 } END { exit bad }' "$TEST_TMP/sigma/log.csv" ||
+    case_fail "log.csv: loss is not mse + vb, or a term is not positive: $(sed -n 2p "$TEST_TMP/sigma/log.csv")"
+expect_grep '^step 20/20  loss [0-9.]+ \(mse [0-9.]+, vb [0-9.]+\)' "$LAST_OUT"
+expect_ok ./train_unet "${ARGS[@]}" --learn_sigma True --use_kl True --predict x0 --steps 5 --run_dir "$TEST_TMP/kl"
+expect_grep 'learn_sigma.*True' "$TEST_TMP/kl/config.txt"
+expect_ok ./generate --checkpoint "$TEST_TMP/sigma/checkpoints/step_000000020" --sampler ddpm --steps 20 --num 6 --out "$TEST_TMP/sigma_samples"
+expect_grep 'ddpm with 20 steps' "$LAST_OUT"
+[ -s "$TEST_TMP/sigma_samples/grid.png" ] || case_fail "no grid from the learned-variance checkpoint"
+expect_ok ./generate --checkpoint "$TEST_TMP/sigma/checkpoints/step_000000020" --respacing 10,5 --sampler ddpm --num 2 --out "$TEST_TMP/sigma_10_5"
+expect_grep 'ddpm with 15 steps' "$LAST_OUT"
 
 case_begin "SIGINT finishes the step, saves a checkpoint, says where and exits 0"
 ./train_unet "${ARGS[@]}" --steps 1000000 --run_dir "$TEST_TMP/c" >"$TEST_TMP/c.out" 2>&1 &  # not through a function: $! is train_unet
