@@ -115,7 +115,7 @@ build/train_unet.o: train_unet.cu $(TRAINER_HEADERS) build/precision
 train_unet: build/train_unet.o build/version.o
 	$(NVCC) $(GPU_ARCH) -o $@ $^ $(CUDA_LIBS)
 
-build/generate.o: generate.c cli.h sampler.h random.h png.h unet_api.h
+build/generate.o: generate.c cli.h dataset.h fileio.h sampler.h random.h png.h unet_api.h
 	@mkdir -p build
 	$(CC) $(CFLAGS) $(STB_CFLAGS) -c -o $@ $<
 

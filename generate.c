@@ -9,6 +9,7 @@
 // then round differently in the last bits). Without --batch, the batch is the largest that fits
 // in the GPU's free memory (at most --num), and a terminal shows a progress bar.
 #include <errno.h>
+#include <math.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -18,6 +19,7 @@
 #include <unistd.h>
 
 #include "cli.h"
+#include "dataset.h"
 #include "png.h"
 #include "sampler.h"
 #include "unet_api.h"
@@ -54,6 +56,11 @@ static const char usage[] =
     "  --help, -h          this help\n"
     "  --version           the version and what it was built with\n"
     "\n"
+    "       generate --checkpoint PATH --nll DATA.bin [--num N] [--respacing SPEC]\n"
+    "prints the likelihood of the first --num images of a dataset under the model in\n"
+    "bits per dimension (guided-diffusion's calc_bpd_loop, clip_denoised): their mean\n"
+    "and its standard error; every diffusion step, or those --respacing keeps.\n"
+    "\n"
     "       generate --checkpoint PATH --eval IN.safetensors --output OUT.safetensors\n"
     "runs the model once on IN's x [N,C,H,W] (float, NCHW), t [N] and,\n"
     "class-conditional, y [N], and writes its raw output out [N,C_out,H,W] (F32,\n"
@@ -62,7 +69,7 @@ static const char usage[] =
     "A hyphen in an option's name may stand for an underscore.\n";
 
 typedef struct {
-    const char *checkpoint, *weights, *sampler, *class_name, *out, *eval, *output, *respacing;
+    const char *checkpoint, *weights, *sampler, *class_name, *out, *eval, *output, *respacing, *nll;
     int steps, num, batch, bench;
     double eta, guidance;
     long long seed;
@@ -94,9 +101,9 @@ static double real_option(const char *name, const char *s, double lo, double hi)
 // Parses the command line (--name VALUE or --name=VALUE, a hyphen in a name standing for an
 // underscore); no arguments, -h or --help print the usage, --version the version.
 static Options parse_options(int argc, char **argv) {
-    static const char *const names[] = {"checkpoint", "weights", "sampler", "class", "out", "eval", "output", "respacing",
+    static const char *const names[] = {"checkpoint", "weights", "sampler", "class", "out", "eval", "output", "respacing", "nll",
                                         "steps", "num", "batch", "bench", "seed", "eta", "guidance"};
-    Options o = {NULL, "ema", "ddim", "all", "samples", NULL, NULL, "", 0, 64, 0, 0, 0.0, 1.0, 0};  // batch 0: the largest that fits
+    Options o = {NULL, "ema", "ddim", "all", "samples", NULL, NULL, "", NULL, 0, 64, 0, 0, 0.0, 1.0, 0};  // batch 0: the largest that fits
     if (argc < 2) fputs(usage, stdout), exit(0);
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
@@ -124,6 +131,7 @@ static Options parse_options(int argc, char **argv) {
         else if (strcmp(name, "eval") == 0) o.eval = v;
         else if (strcmp(name, "output") == 0) o.output = v;
         else if (strcmp(name, "respacing") == 0) o.respacing = v;
+        else if (strcmp(name, "nll") == 0) o.nll = v;
         else if (strcmp(name, "steps") == 0) o.steps = (int)int_option(flag, v, 1, 100000);
         else if (strcmp(name, "num") == 0) o.num = (int)int_option(flag, v, 1, 1000000);
         else if (strcmp(name, "batch") == 0) o.batch = (int)int_option(flag, v, 1, 65536);
@@ -139,6 +147,8 @@ static Options parse_options(int argc, char **argv) {
         unet_usage_error("--sampler must be ddim, ddpm or dpm++, not '%s'", o.sampler);
     if (o.respacing[0] && (strcmp(o.sampler, "dpm++") == 0 || o.steps))
         unet_usage_error("--respacing gives ddim's and ddpm's steps: it goes with neither --sampler dpm++ nor --steps");
+    if (o.nll && (o.eval || o.bench || o.steps || strcmp(o.sampler, "ddim") != 0 || o.guidance != 1.0))
+        unet_usage_error("--nll measures a likelihood: it goes with --num, --batch, --respacing and --seed only");
     if ((o.eval != NULL) != (o.output != NULL))
         unet_usage_error("--eval IN.safetensors and --output OUT.safetensors go together");
     if (o.batch > o.num) o.batch = o.num;
@@ -174,6 +184,46 @@ static int compare_doubles(const void *a, const void *b) {
     return (x > y) - (x < y);
 }
 
+// --nll: bits per dimension of the first --num images of a dataset, their mean and its standard
+// error (and the prior's part of it), one line.
+static int likelihood(const Options *o, UnetCheckpoint *checkpoint, const UnetInfo *info) {
+    Dataset data;
+    char err[1024];
+    if (dataset_open(o->nll, &data, err, sizeof err) != 0) unet_die("%s", err);
+    const DatasetHeader *h = &data.header;
+    if ((int)h->width != info->image_size || (int)h->height != info->image_size || (int)h->channels != info->in_channels)
+        unet_die("dataset %s holds %ux%u images of %u channels; %s's model takes %dx%d of %d", o->nll, h->width, h->height,
+                 h->channels, info->file, info->image_size, info->image_size, info->in_channels);
+    int classes = info->num_classes - info->null_class;
+    if (classes && !data.labels) unet_die("%s is class-conditional, and dataset %s has no labels", info->file, o->nll);
+    if (classes && (int)h->num_classes > classes)
+        unet_die("dataset %s has %u classes; %s's model knows %d", o->nll, h->num_classes, info->file, classes);
+    int count = (uint64_t)o->num < h->count ? o->num : (int)h->count;
+    int *labels = NULL;
+    if (classes) {
+        labels = malloc(count * sizeof(int));
+        if (!labels) unet_die("out of memory");
+        for (int i = 0; i < count; i++) labels[i] = (int)data.labels[i];
+    }
+    int batch = o->batch ? (o->batch < count ? o->batch : count) : (count < 64 ? count : 64);
+    double *bpd = malloc(count * sizeof(double)), *prior = malloc(count * sizeof(double));
+    if (!bpd || !prior) unet_die("out of memory");
+    printf("generate: bits/dim of %d images of %s under %s (%s%s), batches of %d\n", count, o->nll, info->file,
+           o->respacing[0] ? "respaced " : "every step", o->respacing, batch);
+    fflush(stdout);
+    if (unet_nll(checkpoint, data.pixels, labels, count, batch, o->respacing, (uint64_t)o->seed, bpd, prior, err, sizeof err) != 0)
+        unet_die("%s", err);
+    double mean = 0, mean_prior = 0, var = 0;
+    for (int i = 0; i < count; i++) mean += bpd[i] / count, mean_prior += prior[i] / count;
+    for (int i = 0; i < count; i++) var += (bpd[i] - mean) * (bpd[i] - mean) / (count > 1 ? count - 1 : 1);
+    printf("bits/dim %.4f +- %.4f (standard error of the mean over %d images; the prior's part %.6f)\n", mean, sqrt(var / count), count,
+           mean_prior);
+    free(bpd), free(prior), free(labels);
+    dataset_close(&data);
+    unet_checkpoint_close(checkpoint);
+    return 0;
+}
+
 int main(int argc, char **argv) {
     signal(SIGXFSZ, SIG_IGN);  // a write past the file-size limit fails (EFBIG, "File too large") and is said
     Options o = parse_options(argc, argv);
@@ -188,6 +238,7 @@ int main(int argc, char **argv) {
         unet_checkpoint_close(checkpoint);
         return 0;
     }
+    if (o.nll) return likelihood(&o, checkpoint, &info);
     int classes = info.num_classes - info.null_class, fixed_class = -1;
     if (!classes && (strcmp(o.class_name, "all") != 0 || o.guidance != 1.0))
         unet_die("%s is unconditional: --class and --guidance need a class-conditional model", file);

@@ -264,7 +264,7 @@ static inline int sample_plan_make(SamplePlan *p, const NoiseSchedule *d, Sample
                : respacing && respacing[0] ? sample_schedule_respaced(d, respacing, &s)
                                            : sample_schedule_make(d, steps, &s);
     p->kind = kind, p->count = s.count, p->predict = predict, p->clip = clip, p->learned = learned && kind == SAMPLER_DDPM;
-    p->steps = made == 0 ? (SampleStep *)calloc(s.count, sizeof(SampleStep)) : NULL;
+    p->steps = made == 0 && s.count > 0 ? (SampleStep *)calloc((size_t)s.count, sizeof(SampleStep)) : NULL;
     if (!p->steps) return sample_schedule_free(&s), -1;
     double h_last = 0;
     for (int j = 0; j < s.count; j++) {

@@ -146,6 +146,7 @@ typedef enum {
     RNG_SAMPLE_START,  // a sampler's starting noise
     RNG_SAMPLE_NOISE,  // a sampler's noise; sub-stream: the step of the plan
     RNG_BENCH_BATCH,   // --bench's fixed random batch: pixels, then labels
+    RNG_NLL,           // the likelihood's noise; sub-stream: the kept step
 } RandomPurpose;
 
 __host__ __device__ inline uint64_t rng_stream(RandomPurpose purpose, uint64_t sub_stream) {
@@ -5787,10 +5788,11 @@ static void loader_next_batch(DataLoader *loader) {
 // term (improved DDPM's hybrid loss, below).
 
 // Model input from a pixel: x = pixel / 127.5 - 1, uint8 [0, 255] -> [-1, 1], in one rounding (fma)
-// so that the host and the device agree to the bit.
-__host__ __device__ inline floatX pixel_to_model_input(uint8_t pixel) {
-    return (floatX)fmaf((float)pixel, 1.0f / 127.5f, -1.0f);
-}
+// so that the host and the device agree to the bit. The loss's x0 is the float (in the BF16 build
+// the model's input is rounded again: bf16 would move a pixel by up to half the decoder's bin).
+__host__ __device__ inline float pixel_value(uint8_t pixel) { return fmaf((float)pixel, 1.0f / 127.5f, -1.0f); }
+
+__host__ __device__ inline floatX pixel_to_model_input(uint8_t pixel) { return (floatX)pixel_value(pixel); }
 
 __global__ void images_to_model_input_kernel(floatX *out, const uint8_t *pixels, size_t n) {
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
@@ -5881,7 +5883,8 @@ __global__ void diffusion_inputs_kernel(floatX *x_t, floatX *target, const float
 //           = (-1 + log_var' - log_var_q + e^(log_var_q - log_var') + (mean_q - mean')^2 e^-log_var') / 2
 //           (log_var_q: the posterior's, log_var_min)
 //   t = 0:  -log of the discretized Gaussian decoder's likelihood of x0 (decoder_log_likelihood)
-// with its derivatives by out (through mean') and by v (through log_var').
+// with its derivatives by out (through mean') and by v (through log_var'). clip: x0' clipped to [-1,
+// 1] (guided-diffusion's clip_denoised: its likelihood's default; training never clips).
 typedef struct {
     float value, d_out, d_v;
 } BoundTerm;
@@ -5919,11 +5922,12 @@ __host__ __device__ inline float decoder_log_likelihood(float x, float mean, flo
 }
 
 __host__ __device__ inline BoundTerm bound_term(float x0, float x_t, float out, float v, const TimestepTerms *tt, int first_step,
-                                                int predict) {
+                                                int predict, int clip) {
     float x0_by_out = predict == PREDICT_EPS ? -tt->sqrt_one_minus_abar / tt->sqrt_abar : predict == PREDICT_V ? -tt->sqrt_one_minus_abar : 1.0f;
     float x0_model = predict == PREDICT_EPS ? (x_t - tt->sqrt_one_minus_abar * out) / tt->sqrt_abar
                    : predict == PREDICT_V   ? tt->sqrt_abar * x_t - tt->sqrt_one_minus_abar * out
                                             : out;
+    if (clip && fabsf(x0_model) > 1.0f) x0_model = copysignf(1.0f, x0_model), x0_by_out = 0.0f;
     float mean = tt->mean_x0 * x0_model + tt->mean_xt * x_t;
     float log_var = learned_log_variance(v, tt->log_var_min, tt->log_var_range);
     BoundTerm b;
@@ -5960,9 +5964,9 @@ typedef struct {
 
 // Blocks (x) of a sample (y): each writes its values' gradient (of the batch's L) whole, and its sums
 // of the squared errors and of the bound's terms into partial[n][block][2].
-__global__ void learned_loss_partial_kernel(float *partial, floatX *d_out, const floatX *out, const floatX *target, const floatX *x0,
-                                            const floatX *x_t, const int64_t *t, const TimestepTerms *terms, int hw, int C,
-                                            LearnedLoss loss) {
+__global__ void learned_loss_partial_kernel(float *partial, floatX *d_out, const floatX *out, const floatX *target,
+                                            const uint8_t *pixels, const floatX *x_t, const int64_t *t, const TimestepTerms *terms, int hw,
+                                            int C, LearnedLoss loss) {
     int n = blockIdx.y, N = gridDim.y, first_step = t[n] == 0;
     const TimestepTerms tt = terms[t[n]];
     float per_value = 1.0f / ((float)N * hw * C), per_bound = loss.bound_scale * per_value / (float)M_LN2;
@@ -5971,7 +5975,7 @@ __global__ void learned_loss_partial_kernel(float *partial, floatX *d_out, const
         for (int c = 0; c < C; c++) {
             int64_t i = ((int64_t)n * hw + p) * C + c, o = ((int64_t)n * hw + p) * 2 * C + c;
             float prediction = (float)out[o];
-            BoundTerm b = bound_term((float)x0[i], (float)x_t[i], prediction, (float)out[o + C], &tt, first_step, loss.predict);
+            BoundTerm b = bound_term(pixel_value(pixels[i]), (float)x_t[i], prediction, (float)out[o + C], &tt, first_step, loss.predict, 0);
             float d = loss.frozen_mean ? 0.0f : per_bound * b.d_out;
             if (loss.mse) {
                 float diff = prediction - (float)target[i];
@@ -6001,13 +6005,14 @@ __global__ void learned_loss_final_kernel(float *terms, const float *partial, in
 // The blocks of a sample for learned_loss_partial_kernel: a block per 256 pixels, at most 32.
 static int learned_loss_blocks(int hw) { return (hw + 255) / 256 < 32 ? (hw + 255) / 256 : 32; }
 
-// The loss of N samples of hw pixels: out [N][hw][2C] (its gradient into d_out), target, x0 and
-// x_t [N][hw][C], timesteps t [N]; terms[0..2] = L, mse, s vb; partial: N * learned_loss_blocks(hw)
+// The loss of N samples of hw pixels: out [N][hw][2C] (its gradient into d_out), target, x0's pixels
+// and x_t [N][hw][C], timesteps t [N]; terms[0..2] = L, mse, s vb; partial: N * learned_loss_blocks(hw)
 // * 2 floats.
-static void learned_loss(float *terms, float *partial, floatX *d_out, const floatX *out, const floatX *target, const floatX *x0,
+static void learned_loss(float *terms, float *partial, floatX *d_out, const floatX *out, const floatX *target, const uint8_t *pixels,
                          const floatX *x_t, const int64_t *t, const TimestepTerms *t_terms, int N, int hw, int C, LearnedLoss loss) {
     int blocks = learned_loss_blocks(hw);
-    learned_loss_partial_kernel<<<dim3(blocks, N), 256, 0, gpu.stream>>>(partial, d_out, out, target, x0, x_t, t, t_terms, hw, C, loss);
+    learned_loss_partial_kernel<<<dim3(blocks, N), 256, 0, gpu.stream>>>(partial, d_out, out, target, pixels, x_t, t, t_terms, hw, C,
+                                                                         loss);
     learned_loss_final_kernel<<<1, 256, 0, gpu.stream>>>(terms, partial, N, blocks, (float)hw * C, loss);
     cuda_check_launch();
 }
@@ -6484,7 +6489,7 @@ static void trainer_enqueue_step(Trainer *tr) {
     cuda_check_launch();
     unet_forward(m, 1);
     if (tr->learned)
-        learned_loss(tr->loss_terms, tr->learned_partial, m->output->dx, m->output->x, m->target.x, tr->x0, m->input.x, m->timesteps,
+        learned_loss(tr->loss_terms, tr->learned_partial, m->output->dx, m->output->x, m->target.x, tr->d_pixels, m->input.x, m->timesteps,
                      tr->diffusion.terms, N, m->input.H * m->input.W, m->input.C, tr->learned_terms);
     else mse_loss(tr->loss_terms, m->loss_partial, m->output->dx, m->output->x, m->target.x, act_numel(m->output));
     unet_backward(m, 1, team.comm ? team_reduce_after_block : NULL, tr);
@@ -6727,6 +6732,119 @@ static float gpu_sampler_run(GpuSampler *s, int64_t first, int count, const int 
     float ms;
     cuda_check(cudaEventElapsedTime(&ms, s->start, s->stop));
     return ms;
+}
+
+// ----------------------------------------------------------------------------------------------
+// The likelihood in bits per dimension (guided-diffusion's calc_bpd_loop, its image_nll.py): for an
+// image x0, at every kept step k of the (respaced) schedule, x_k = sqrt(abar_k) x0 + sqrt(1 - abar_k)
+// eps with fresh noise, and the variational bound's term of the model's output there (bound_term,
+// x0' clipped as clip_denoised), summed over the steps and the image's D values; plus the prior's,
+// KL(q(x_K | x0) || N(0, I)); all in bits per dimension (divided by D ln 2). A model without a
+// learned variance has guided-diffusion's fixed large one: log beta_k, and at k = 0 log beta_tilde_1
+// (v = 1 of the learned range, and v = -1 at k = 0).
+
+typedef struct {
+    UNet m;                // forward only
+    int steps;             // kept
+    int *timesteps;        // [steps]: the model's t of each
+    TimestepTerms *terms;  // [steps]: of the respaced schedule
+    double abar_last;      // the prior's: the last kept step's
+    int predict;
+    float *x0, *x_t;       // GPU, [batch][H][W][C]
+    float *partial;        // GPU, [batch][learned_loss_blocks(H W)]
+    double *bits;          // GPU, [batch]: each image's sum so far
+} Likelihood;
+
+__global__ void likelihood_inputs_kernel(float *x0, float *x_t, floatX *input, int64_t *t, const uint8_t *pixels, int64_t n,
+                                         int batch, int timestep, TimestepTerms tt, int k, uint64_t seed, int64_t first_value) {
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
+        float x = pixel_value(pixels[i]);
+        float x_k = tt.sqrt_abar * x + tt.sqrt_one_minus_abar * normal_sample(seed, rng_stream(RNG_NLL, (uint64_t)k), first_value + i);
+        x0[i] = x, x_t[i] = x_k, input[i] = (floatX)x_k;
+        if (i < batch) t[i] = timestep;
+    }
+}
+
+// Blocks (x) of an image (y): the bound's terms of its values, summed into partial[n][block].
+__global__ void likelihood_terms_kernel(float *partial, const floatX *out, const float *x0, const float *x_t, TimestepTerms tt,
+                                        int first_step, int hw, int C, int out_channels, int predict) {
+    int n = blockIdx.y;
+    float sum = 0.0f;
+    for (int p = blockIdx.x * blockDim.x + threadIdx.x; p < hw; p += gridDim.x * blockDim.x)
+        for (int c = 0; c < C; c++) {
+            int64_t i = ((int64_t)n * hw + p) * C + c, o = ((int64_t)n * hw + p) * out_channels + c;
+            float v = out_channels == 2 * C ? (float)out[o + C] : first_step ? -1.0f : 1.0f;
+            sum += bound_term(x0[i], x_t[i], (float)out[o], v, &tt, first_step, predict, 1).value;
+        }
+    sum = block_sum_256(sum);
+    if (threadIdx.x == 0) partial[(int64_t)n * gridDim.x + blockIdx.x] = sum;
+}
+
+__global__ void likelihood_add_kernel(double *bits, const float *partial, int batch, int blocks, double per_value) {
+    int n = blockIdx.x * blockDim.x + threadIdx.x;
+    if (n >= batch) return;
+    double s = 0;
+    for (int b = 0; b < blocks; b++) s += partial[(int64_t)n * blocks + b];
+    bits[n] += s * per_value;
+}
+
+// A likelihood run for batches of `batch` images of model c, on the steps `kept` keeps of a schedule
+// (its weights go into l->m.master, then unet_sync_compute).
+static void likelihood_create(Likelihood *l, const ModelConfig *c, int batch, const SampleSchedule *kept, int predict) {
+    memset(l, 0, sizeof *l);
+    unet_create(&l->m, c, batch, 0);
+    NoiseSchedule respaced = {kept->count, (double *)malloc_or_die(kept->count * sizeof(double)),
+                              (double *)malloc_or_die(kept->count * sizeof(double))};
+    for (int k = 0; k < kept->count; k++)  // SpacedDiffusion: the kept steps' betas, 1 - abar_k / abar_(k-1)
+        respaced.alphas_cumprod[k] = kept->abar[k], respaced.betas[k] = 1.0 - kept->abar[k] / (k > 0 ? kept->abar[k - 1] : 1.0);
+    l->steps = kept->count, l->predict = predict, l->abar_last = kept->abar[kept->count - 1];
+    l->timesteps = (int *)malloc_or_die(kept->count * sizeof(int));
+    l->terms = (TimestepTerms *)malloc_or_die(kept->count * sizeof(TimestepTerms));
+    for (int k = 0; k < kept->count; k++) l->timesteps[k] = kept->timesteps[k], l->terms[k] = timestep_terms(&respaced, k);
+    noise_schedule_free(&respaced);
+    int64_t n = act_numel(&l->m.input);
+    l->x0 = (float *)gpu_malloc(2 * n * sizeof(float));
+    l->x_t = l->x0 + n;
+    l->partial = (float *)gpu_malloc((size_t)batch * learned_loss_blocks(c->image_size * c->image_size) * sizeof(float));
+    l->bits = (double *)gpu_malloc(batch * sizeof(double));
+}
+
+static void likelihood_destroy(Likelihood *l) {
+    cudaFree(l->x0), cudaFree(l->partial), cudaFree(l->bits);
+    free(l->timesteps), free(l->terms);
+    unet_destroy(&l->m);
+    memset(l, 0, sizeof *l);
+}
+
+// Bits per dimension of a batch: pixels (GPU, [batch][H][W][C]; labels already in m.labels), images
+// numbered from `first` for their noise; bits[batch] (host) gets the bound's sum, prior excluded.
+static void likelihood_run(Likelihood *l, const uint8_t *pixels, int64_t first, uint64_t seed, double *bits) {
+    UNet *m = &l->m;
+    int N = m->batch, hw = m->input.H * m->input.W, C = m->input.C, blocks = learned_loss_blocks(hw);
+    int64_t n = act_numel(&m->input);
+    cuda_check(cudaMemsetAsync(l->bits, 0, N * sizeof(double), gpu.stream));
+    for (int k = 0; k < l->steps; k++) {
+        likelihood_inputs_kernel<<<blocks_for(n, 256), 256, 0, gpu.stream>>>(l->x0, l->x_t, m->input.x, m->timesteps, pixels, n, N,
+                                                                              l->timesteps[k], l->terms[k], k, seed, first * (n / N));
+        unet_forward(m, 0);
+        likelihood_terms_kernel<<<dim3(blocks, N), 256, 0, gpu.stream>>>(l->partial, m->output->x, l->x0, l->x_t, l->terms[k], k == 0,
+                                                                         hw, C, m->output->C, l->predict);
+        likelihood_add_kernel<<<(N + 127) / 128, 128, 0, gpu.stream>>>(l->bits, l->partial, N, blocks, 1.0 / ((double)n / N * M_LN2));
+        cuda_check_launch();
+    }
+    cuda_check(cudaMemcpyAsync(bits, l->bits, N * sizeof(double), cudaMemcpyDeviceToHost, gpu.stream));
+    cuda_check(cudaStreamSynchronize(gpu.stream));
+}
+
+// The prior's term of an image of `values` pixels, in bits per dimension: KL(N(sqrt(abar) x0, 1 -
+// abar) || N(0, 1)) = (-1 - log(1 - abar) + (1 - abar) + abar x0^2) / 2 per value.
+static double likelihood_prior(const uint8_t *pixels, int64_t values, double abar) {
+    double sum = 0;
+    for (int64_t i = 0; i < values; i++) {
+        double x = pixel_value(pixels[i]);
+        sum += 0.5 * (-1.0 - log(1.0 - abar) + (1.0 - abar) + abar * x * x);
+    }
+    return sum / (values * M_LN2);
 }
 
 // ----------------------------------------------------------------------------------------------
@@ -8167,6 +8285,7 @@ struct UnetCheckpoint {
     char file[4096];  // its path, for messages
     ModelConfig config;
     int diffusion_steps;
+    char noise_schedule[16], predict[8];
 };
 
 struct UnetSampler {
@@ -8242,6 +8361,8 @@ extern "C" UnetCheckpoint *unet_checkpoint_open(const char *path, const char *we
     snprintf(info->predict, sizeof info->predict, "%s", predict);
     snprintf(info->file, sizeof info->file, "%s", ck->file);
     ck->diffusion_steps = info->diffusion_steps;
+    snprintf(ck->noise_schedule, sizeof ck->noise_schedule, "%s", schedule);
+    snprintf(ck->predict, sizeof ck->predict, "%s", predict);
     return ck;
 }
 
@@ -8318,6 +8439,49 @@ extern "C" void unet_sampler_free(UnetSampler *u) {
     if (!u) return;
     gpu_sampler_destroy(&u->s);
     free(u);
+}
+
+extern "C" int unet_nll(const UnetCheckpoint *ck, const uint8_t *pixels, const int *labels, int count, int batch, const char *respacing,
+                        uint64_t seed, double *bpd, double *prior, char *err, size_t err_len) {
+    const ModelConfig *c = &ck->config;
+    if (c->num_classes && !labels) return error_line(err, err_len, "%s is class-conditional: the images need labels", ck->file);
+    NoiseSchedule d;
+    SampleSchedule kept = {0, NULL, NULL};
+    if (noise_schedule_make(&d, ck->diffusion_steps, ck->noise_schedule) != 0) fatal("unknown noise schedule '%s'", ck->noise_schedule);
+    int made = respacing && respacing[0] ? sample_schedule_respaced(&d, respacing, &kept) : sample_schedule_make(&d, d.steps, &kept);
+    noise_schedule_free(&d);
+    if (made != 0) {
+        sample_schedule_free(&kept);
+        return error_line(err, err_len, "--respacing '%s' keeps no steps of the %d diffusion steps", respacing, ck->diffusion_steps);
+    }
+    if (api_gpu_ready(err, err_len) != 0) return sample_schedule_free(&kept), -1;
+    Likelihood l;
+    likelihood_create(&l, c, batch, &kept, prediction_from_name(ck->predict));
+    sample_schedule_free(&kept);
+    if (upload_tensors(&l.m, &ck->f, ck->file, l.m.master, 0, err, err_len) != 0) return likelihood_destroy(&l), -1;
+    unet_sync_compute(&l.m);
+    int64_t per_image = act_numel(&l.m.input) / batch;
+    uint8_t *d_pixels = (uint8_t *)gpu_malloc(batch * per_image);
+    int *batch_labels = (int *)malloc_or_die(batch * sizeof(int));
+    double *bits = (double *)malloc_or_die(batch * sizeof(double));
+    for (int first = 0; first < count; first += batch) {
+        int n = count - first < batch ? count - first : batch;  // the batch's other slots repeat its first image
+        for (int b = 0; b < batch; b++) {
+            int i = first + (b < n ? b : 0);
+            cuda_check(cudaMemcpy(d_pixels + b * per_image, pixels + i * per_image, per_image, cudaMemcpyHostToDevice));
+            batch_labels[b] = labels ? labels[i] : 0;
+        }
+        if (c->num_classes) cuda_check(cudaMemcpy(l.m.labels, batch_labels, batch * sizeof(int), cudaMemcpyHostToDevice));
+        likelihood_run(&l, d_pixels, first, seed, bits);
+        for (int b = 0; b < n; b++) {
+            prior[first + b] = likelihood_prior(pixels + (first + b) * per_image, per_image, l.abar_last);
+            bpd[first + b] = bits[b] + prior[first + b];
+        }
+    }
+    cudaFree(d_pixels);
+    free(batch_labels), free(bits);
+    likelihood_destroy(&l);
+    return 0;
 }
 
 extern "C" int unet_eval(const UnetCheckpoint *ck, const char *in_path, const char *out_path, char *err, size_t err_len) {

@@ -70,6 +70,15 @@ float unet_sample(UnetSampler *sampler, int64_t first, int count, const int *lab
 
 void unet_sampler_free(UnetSampler *sampler);
 
+// --nll: the likelihood of images under a checkpoint's model in bits per dimension
+// (guided-diffusion's calc_bpd_loop, image_nll.py, with clip_denoised): the variational bound's
+// terms on every diffusion step, or those the respacing spec keeps (SpacedDiffusion's schedule),
+// plus the prior's. pixels: [count][H][W][C]; labels: [count] (a class-conditional model's) or NULL.
+// Batches of `batch` images; image i's noise depends only on (seed, i, the step). Writes bpd[count]
+// and prior[count] (the prior's part). Returns 0, or -1 with a message (no GPU, a bad spec).
+int unet_nll(const UnetCheckpoint *checkpoint, const uint8_t *pixels, const int *labels, int count, int batch, const char *respacing,
+             uint64_t seed, double *bpd, double *prior, char *err, size_t err_len);
+
 // --eval: runs a checkpoint's model on the inputs of in_path (x [N][C][H][W] float in PyTorch's
 // NCHW layout, t [N] and, for a class-conditional model, y [N], integers) and writes its raw output
 // to out_path (out [N][C_out][H][W] F32, NCHW). Every input is checked, shapes before sizes, before

@@ -75,8 +75,9 @@ static void check_learned(int N, int H, int W, int predict, int use_kl) {
     for (int t = 0; t < 1000; t++) terms[t] = timestep_terms(&schedule, t);
     int64_t *t = (int64_t *)malloc_or_die(N * sizeof(int64_t));
     for (int i = 0; i < N; i++) t[i] = i == 0 ? 0 : dev_random_int(1000);
-    double *x0 = dev_alloc(n), *x_t = dev_alloc(n), *target = dev_alloc(n), *out = dev_alloc(2 * n), *d_out = dev_alloc(2 * n);
-    for (size_t i = 0; i < n; i++) x0[i] = (double)dev_random_int(256) / 127.5 - 1.0;
+    double *x_t = dev_alloc(n), *target = dev_alloc(n), *out = dev_alloc(2 * n), *d_out = dev_alloc(2 * n);
+    uint8_t *pixels = (uint8_t *)malloc_or_die(n);
+    for (size_t i = 0; i < n; i++) pixels[i] = (uint8_t)dev_random_int(256);
     dev_fill_x(x_t, n, -2, 2), dev_fill_x(target, n, -2, 2), dev_fill_x(out, 2 * n, -1, 1);
     LearnedLoss loss = {!use_kl, !use_kl, predict, use_kl ? 1000.0f : 1.0f};
     // the host's sums, from the values as the GPU holds them (floatX)
@@ -86,7 +87,7 @@ static void check_learned(int N, int H, int W, int predict, int use_kl) {
             for (int c = 0; c < C; c++) {
                 size_t i = ((size_t)s * hw + p) * C + c, o = ((size_t)s * hw + p) * 2 * C + c;
                 float prediction = (float)(floatX)out[o], v = (float)(floatX)out[o + C];
-                BoundTerm b = bound_term((float)(floatX)x0[i], (float)(floatX)x_t[i], prediction, v, &terms[t[s]], t[s] == 0, predict);
+                BoundTerm b = bound_term(pixel_value(pixels[i]), (float)(floatX)x_t[i], prediction, v, &terms[t[s]], t[s] == 0, predict, 0);
                 double diff = prediction - (double)(floatX)target[i];
                 squares += diff * diff, bound += b.value;
                 d_out[o] = (loss.frozen_mean ? 0.0 : per_bound * b.d_out) + (loss.mse ? 2 * per_value * diff : 0.0);
@@ -100,8 +101,10 @@ static void check_learned(int N, int H, int W, int predict, int use_kl) {
     float *result = (float *)dev_gpu_poisoned(3 * sizeof(float));
     float *partial = (float *)dev_gpu_poisoned((size_t)N * learned_loss_blocks(hw) * 2 * sizeof(float));
     floatX *d_out_gpu = (floatX *)dev_gpu_poisoned(2 * n * sizeof(floatX)), *out_gpu = dev_upload_x(out, 2 * n);
-    floatX *x0_gpu = dev_upload_x(x0, n), *x_t_gpu = dev_upload_x(x_t, n), *target_gpu = dev_upload_x(target, n);
-    learned_loss(result, partial, d_out_gpu, out_gpu, target_gpu, x0_gpu, x_t_gpu, t_gpu, terms_gpu, N, hw, C, loss);
+    floatX *x_t_gpu = dev_upload_x(x_t, n), *target_gpu = dev_upload_x(target, n);
+    uint8_t *pixels_gpu = (uint8_t *)gpu_malloc(n);
+    cuda_check(cudaMemcpy(pixels_gpu, pixels, n, cudaMemcpyHostToDevice));
+    learned_loss(result, partial, d_out_gpu, out_gpu, target_gpu, pixels_gpu, x_t_gpu, t_gpu, terms_gpu, N, hw, C, loss);
     cuda_check(cudaStreamSynchronize(gpu.stream));
     double tol = DEV_TOLERANCE, fwd = dev_check_f(result, NULL, want, 3);
     DevErrors e;
@@ -111,8 +114,8 @@ static void check_learned(int N, int H, int W, int predict, int use_kl) {
     const char *predicts[3] = {"eps", "v", "x0"};
     snprintf(shape, sizeof shape, "N%d %dx%d, %s, %s", N, H, W, predicts[predict], use_kl ? "use_kl" : "hybrid");
     dev_row("learned", shape, fwd, tol, &e, -1, -1);
-    dev_gpu_free(terms_gpu, t_gpu, result, partial, d_out_gpu, out_gpu, x0_gpu, x_t_gpu, target_gpu, NULL);
-    free(x0), free(x_t), free(target), free(out), free(d_out), free(terms), free(t);
+    dev_gpu_free(terms_gpu, t_gpu, result, partial, d_out_gpu, out_gpu, pixels_gpu, x_t_gpu, target_gpu, NULL);
+    free(pixels), free(x_t), free(target), free(out), free(d_out), free(terms), free(t);
     noise_schedule_free(&schedule);
 }
 

@@ -104,7 +104,27 @@ expect_fail ./generate --checkpoint "$UNCOND" --eval "$TEST_TMP/huge.safetensors
 expect_grep "x must be \[N, 3, 8, 8\] \(NCHW\) with N from 1 to 65536" "$LAST_ERR"
 rm -f "$TEST_TMP/huge.safetensors"
 
+case_begin "--nll: a dataset that does not fit the model, or a bad request, is one error line, before the GPU"
+./prepare_data --synthetic shapes --size 8 --count 6 --output "$TEST_TMP/s8.bin" --quiet >/dev/null
+./prepare_data --synthetic shapes --size 16 --count 2 --output "$TEST_TMP/s16.bin" --quiet >/dev/null
+expect_fail ./generate --checkpoint "$UNCOND" --nll "$TEST_TMP/missing.bin"
+expect_fail ./generate --checkpoint "$UNCOND" --nll "$TEST_TMP/s16.bin"
+expect_grep "holds 16x16 images of 3 channels; .* takes 8x8 of 3" "$LAST_ERR"
+expect_exit 2 ./generate --checkpoint "$UNCOND" --nll "$TEST_TMP/s8.bin" --sampler ddpm
+expect_grep "nll measures a likelihood" "$LAST_ERR"
+expect_fail ./generate --checkpoint "$UNCOND" --nll "$TEST_TMP/s8.bin" --respacing 600,600
+expect_grep "respacing '600,600' keeps no steps" "$LAST_ERR"
+
 if nvidia-smi -L >/dev/null 2>&1; then
+    case_begin "--nll: bits per dimension and their standard error, the same again for the same seed; respaced; learned variance"
+    expect_ok ./generate --checkpoint "$UNCOND" --nll "$TEST_TMP/s8.bin" --respacing 20 --num 6 --batch 4
+    expect_grep '^bits/dim [0-9]+\.[0-9]+ \+- [0-9]+\.[0-9]+ \(standard error of the mean over 6 images' "$LAST_OUT"
+    grep '^bits/dim' "$LAST_OUT" >"$TEST_TMP/nll_first"
+    expect_ok ./generate --checkpoint "$UNCOND" --nll "$TEST_TMP/s8.bin" --respacing 20 --num 6 --batch 4
+    grep '^bits/dim' "$LAST_OUT" | cmp -s - "$TEST_TMP/nll_first" || case_fail "the same seed gave another likelihood"
+    expect_ok ./generate --checkpoint "$SIGMA" --nll "$TEST_TMP/s8.bin" --num 3
+    expect_grep '^bits/dim [0-9]+\.[0-9]+ \+- ' "$LAST_OUT"
+
     case_begin "samples from the fixture's weights: PNGs and a grid, the same for the same seed and batch"
     for sampler in ddim ddpm dpm++; do
         expect_ok ./generate --checkpoint "$UNCOND" --sampler $sampler --num 5 --batch 2 --out "$TEST_TMP/$sampler"
@@ -136,6 +156,8 @@ else
     expect_absent "$TEST_TMP/out"
     expect_fail ./generate --checkpoint "$UNCOND" --eval "$UNCOND" --output "$TEST_TMP/eval.safetensors"
     expect_absent "$TEST_TMP/eval.safetensors"
+    expect_exit 1 ./generate --checkpoint "$UNCOND" --nll "$TEST_TMP/s8.bin"
+    expect_grep "^generate: error: no NVIDIA GPU or driver found" "$LAST_ERR"
     ls "$TEST_TMP" | grep -q '\.tmp\.' && case_fail "a temporary file was left: $(ls "$TEST_TMP")"
 fi
 case_summary

@@ -43,7 +43,7 @@ static double check_bound_terms(const NoiseSchedule *schedules) {
         int t = (int)c[1];
         TimestepTerms tt = timestep_terms(&schedules[(int)c[0]], t);
         for (int i = 0; i < n; i++) {
-            BoundTerm b = bound_term((float)x[i], (float)x[n + i], (float)x[2 * n + i], (float)x[3 * n + i], &tt, t == 0, (int)c[2]);
+            BoundTerm b = bound_term((float)x[i], (float)x[n + i], (float)x[2 * n + i], (float)x[3 * n + i], &tt, t == 0, (int)c[2], 0);
             got[i] = b.value, got[n + i] = b.d_out, got[2 * n + i] = b.d_v;
         }
         for (int k = 0; k < 3; k++) worst[k] = fmax(worst[k], relative_error(got + k * n, want + k * n, n));

@@ -4,7 +4,8 @@
 // Every sampler (DDPM on a 100-step schedule, DDIM with eta 0 and 1, DPM-Solver++), eps and v
 // prediction, with and without classifier-free guidance, on a small class-conditional model with
 // random weights everywhere (zero-initialised layers too); and DDPM with a learned variance
-// (learn_sigma: the output's second half), respaced. Tolerance on the final x: FP32 1e-4
+// (learn_sigma: the output's second half), respaced. The likelihood's GPU loop (generate --nll)
+// against the same host model and train_unet.cu's bound_term, value by value. Tolerance on the final x: FP32 1e-4
 // relative (the host's cosf against the GPU's cospif, and other product shapes); BF16 2e-2.
 // Sampling the same batch again gives the same pixels, bit for bit, and a batch's forward pass
 // equals each image's own.
@@ -164,6 +165,55 @@ static void test_batch_independence(const ModelConfig *c, UNet *batch_model) {
     free(x), free(out), free(alone);
 }
 
+// The likelihood of IMAGES random images on the steps `spec` keeps: the GPU loop (likelihood_run)
+// against the host's, which noises each image as the GPU does, runs the model one forward pass a
+// step and sums bound_term over the values in double.
+static void test_likelihood(const char *name, const ModelConfig *c, UNet *weights, const char *spec, int predict) {
+    check_case(name);
+    NoiseSchedule d;
+    SampleSchedule kept = {0, NULL, NULL};
+    CHECK(noise_schedule_make(&d, 100, "cosine") == 0 && sample_schedule_respaced(&d, spec, &kept) == 0);
+    Likelihood l;
+    likelihood_create(&l, c, IMAGES, &kept, predict);
+    cuda_check(cudaMemcpy(l.m.master, weights->master, weights->storage * sizeof(float), cudaMemcpyDeviceToDevice));
+    unet_sync_compute(&l.m);
+    int64_t n = act_numel(&l.m.input), per_image = n / IMAGES, n_out = act_numel(weights->output);
+    int C = c->in_channels, Co = c->out_channels, labels[IMAGES] = {2, 0, 1};
+    uint8_t *pixels = (uint8_t *)malloc_or_die(n), *d_pixels = (uint8_t *)gpu_malloc(n);
+    for (int64_t i = 0; i < n; i++) pixels[i] = (uint8_t)(random_u64(77, 0, i) >> 56);
+    cuda_check(cudaMemcpy(d_pixels, pixels, n, cudaMemcpyHostToDevice));
+    cuda_check(cudaMemcpy(l.m.labels, labels, sizeof labels, cudaMemcpyHostToDevice));
+    double gpu_bits[IMAGES], host_bits[IMAGES] = {0, 0, 0};
+    likelihood_run(&l, d_pixels, FIRST, 4321, gpu_bits);
+
+    float *x_t = (float *)malloc_or_die(n * sizeof(float)), *out = (float *)malloc_or_die(n_out * sizeof(float));
+    int64_t t[IMAGES];
+    for (int k = 0; k < l.steps; k++) {
+        const TimestepTerms *tt = &l.terms[k];
+        for (int64_t i = 0; i < n; i++)
+            x_t[i] = tt->sqrt_abar * pixel_value(pixels[i]) +
+                     tt->sqrt_one_minus_abar * normal_sample(4321, rng_stream(RNG_NLL, (uint64_t)k), FIRST * per_image + i);
+        for (int b = 0; b < IMAGES; b++) t[b] = l.timesteps[k];
+        forward_nhwc(weights, x_t, t, labels, out);
+        for (int64_t i = 0; i < n; i++) {
+            int64_t o = i / C * Co + i % C;
+            float v = Co == 2 * C ? out[o + C] : k == 0 ? -1.0f : 1.0f;
+            host_bits[i / per_image] += bound_term(pixel_value(pixels[i]), x_t[i], out[o], v, tt, k == 0, predict, 1).value / (per_image * M_LN2);
+        }
+    }
+    double worst = 0;
+    for (int b = 0; b < IMAGES; b++) worst = fmax(worst, fabs(gpu_bits[b] - host_bits[b]) / host_bits[b]);
+    printf("  %d steps: bits/dim (prior aside) %.4f %.4f %.4f, GPU against the host loop %.2e\n", l.steps, gpu_bits[0], gpu_bits[1],
+           gpu_bits[2], worst);
+    CHECK(worst <= (sizeof(floatX) == 4 ? 1e-4 : 1e-2) && host_bits[0] > 0);
+    CHECK(likelihood_prior(pixels, per_image, l.abar_last) >= 0);
+    likelihood_destroy(&l);
+    cudaFree(d_pixels);
+    free(pixels), free(x_t), free(out);
+    sample_schedule_free(&kept);
+    noise_schedule_free(&d);
+}
+
 int main(void) {
     gpu_init(0);
     Options o = preset_seed();
@@ -190,6 +240,13 @@ int main(void) {
     test_plan("DDPM with a learned variance, 25 of 100 steps (respaced)", &learned, &m, SAMPLER_DDPM, 25, 0.0f, 0, 1.0f);
     test_plan("DDPM with a learned variance, all 100 steps, v prediction, guidance 2", &learned, &m, SAMPLER_DDPM, 0, 0.0f, 1, 2.0f);
     test_plan("DDIM, 10 steps, of a model with a learned variance (its mean)", &learned, &m, SAMPLER_DDIM, 10, 0.0f, 0, 1.0f);
+    test_likelihood("likelihood of a learned variance, 12 of 100 steps (ddim12's), eps", &learned, &m, "ddim12", PREDICT_EPS);
+    test_likelihood("likelihood of a learned variance, section counts 5,3, x0", &learned, &m, "5,3", PREDICT_X0);
+    unet_destroy(&m);
+    o.learn_sigma = 0;
+    unet_create(&m, &c, IMAGES, 0);
+    random_parameters(&m, 97);
+    test_likelihood("likelihood of a fixed (large) variance, 10 of 100 steps, v", &c, &m, "10", PREDICT_V);
     unet_destroy(&m);
     return check_summary();
 }
