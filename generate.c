@@ -41,6 +41,8 @@ static const char usage[] =
     "                      ddimN (every s-th step, N of them) or section counts N or\n"
     "                      N1,N2,... (N_i evenly spaced steps in each of equal\n"
     "                      sections)\n"
+    "  --spacing S         ddim and ddpm: --steps spaced leading (ddimN's), trailing\n"
+    "                      (ending at the last step) or linspace (Lin et al. 2023)\n"
     "  --eta E             DDIM's noise, 0 (deterministic) to 1 [0]\n"
     "  --class K|all       class-conditional models: one class, or all in turn [all]\n"
     "  --guidance W        classifier-free guidance scale (1: plain conditional\n"
@@ -69,7 +71,7 @@ static const char usage[] =
     "A hyphen in an option's name may stand for an underscore.\n";
 
 typedef struct {
-    const char *checkpoint, *weights, *sampler, *class_name, *out, *eval, *output, *respacing, *nll;
+    const char *checkpoint, *weights, *sampler, *class_name, *out, *eval, *output, *respacing, *nll, *spacing;
     int steps, num, batch, bench;
     double eta, guidance;
     long long seed;
@@ -102,8 +104,8 @@ static double real_option(const char *name, const char *s, double lo, double hi)
 // underscore); no arguments, -h or --help print the usage, --version the version.
 static Options parse_options(int argc, char **argv) {
     static const char *const names[] = {"checkpoint", "weights", "sampler", "class", "out", "eval", "output", "respacing", "nll",
-                                        "steps", "num", "batch", "bench", "seed", "eta", "guidance"};
-    Options o = {NULL, "ema", "ddim", "all", "samples", NULL, NULL, "", NULL, 0, 64, 0, 0, 0.0, 1.0, 0};  // batch 0: the largest that fits
+                                        "spacing", "steps", "num", "batch", "bench", "seed", "eta", "guidance"};
+    Options o = {NULL, "ema", "ddim", "all", "samples", NULL, NULL, "", NULL, NULL, 0, 64, 0, 0, 0.0, 1.0, 0};  // batch 0: the largest that fits
     if (argc < 2) fputs(usage, stdout), exit(0);
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
@@ -132,6 +134,7 @@ static Options parse_options(int argc, char **argv) {
         else if (strcmp(name, "output") == 0) o.output = v;
         else if (strcmp(name, "respacing") == 0) o.respacing = v;
         else if (strcmp(name, "nll") == 0) o.nll = v;
+        else if (strcmp(name, "spacing") == 0) o.spacing = v;
         else if (strcmp(name, "steps") == 0) o.steps = (int)int_option(flag, v, 1, 100000);
         else if (strcmp(name, "num") == 0) o.num = (int)int_option(flag, v, 1, 1000000);
         else if (strcmp(name, "batch") == 0) o.batch = (int)int_option(flag, v, 1, 65536);
@@ -145,6 +148,10 @@ static Options parse_options(int argc, char **argv) {
         unet_usage_error("--weights must be ema or model, not '%s'", o.weights);
     if (strcmp(o.sampler, "ddim") != 0 && strcmp(o.sampler, "ddpm") != 0 && strcmp(o.sampler, "dpm++") != 0)
         unet_usage_error("--sampler must be ddim, ddpm or dpm++, not '%s'", o.sampler);
+    if (o.spacing && strcmp(o.spacing, "leading") != 0 && strcmp(o.spacing, "trailing") != 0 && strcmp(o.spacing, "linspace") != 0)
+        unet_usage_error("--spacing must be leading, trailing or linspace, not '%s'", o.spacing);
+    if (o.spacing && (o.respacing[0] || strcmp(o.sampler, "dpm++") == 0))
+        unet_usage_error("--spacing spaces ddim's and ddpm's --steps: it goes with neither --respacing nor --sampler dpm++");
     if (o.respacing[0] && (strcmp(o.sampler, "dpm++") == 0 || o.steps))
         unet_usage_error("--respacing gives ddim's and ddpm's steps: it goes with neither --sampler dpm++ nor --steps");
     if (o.nll && (o.eval || o.bench || o.steps || strcmp(o.sampler, "ddim") != 0 || o.guidance != 1.0))
@@ -261,7 +268,15 @@ int main(int argc, char **argv) {
         unet_die("%s: unknown noise_schedule '%s' in its metadata", file, info.noise_schedule);
     SamplerKind kind = strcmp(o.sampler, "ddpm") == 0 ? SAMPLER_DDPM : strcmp(o.sampler, "dpm++") == 0 ? SAMPLER_DPM_SOLVER_PP : SAMPLER_DDIM;
     int count = o.steps ? o.steps : kind == SAMPLER_DPM_SOLVER_PP ? 20 : kind == SAMPLER_DDPM ? 0 : 50;
+    char spaced[32];
+    if (o.spacing) {  // Lin et al.'s spacings of the steps, as respacing specs (sampler.h)
+        snprintf(spaced, sizeof spaced, "%s%d", o.spacing, count ? count : info.diffusion_steps);
+        o.respacing = spaced;
+    }
     if (sample_plan_make(&plan, &schedule, kind, count, o.respacing, (float)o.eta, prediction_from_name(info.predict), 1, learned) != 0) {
+        if (o.spacing)
+            unet_die("--spacing %s: %d steps do not fit the %d diffusion steps", o.spacing, count ? count : info.diffusion_steps,
+                     info.diffusion_steps);
         if (o.respacing[0])
             unet_die("--respacing '%s' keeps no steps of the %d diffusion steps (ddimN, or section counts N or N1,N2,... each at "
                              "most the section's length)", o.respacing, info.diffusion_steps);

@@ -62,6 +62,10 @@ static inline void noise_schedule_free(NoiseSchedule *d) {
 // section i, evenly spaced from its first step to its last (positions rounded half to even, as
 // Python's round). The model always sees the original t. Sampling runs k = N-1 .. 0 from abar[k]
 // to abar[k-1], and from abar[0] to 1: the respaced schedule's betas are 1 - abar[k] / abar[k-1].
+// Besides guided-diffusion's specs, the spacings of Lin et al. 2023 ("Common diffusion noise
+// schedules and sample steps are flawed", table 2): "leadingN" is ddimN (its noisiest step, T - s,
+// falls short of T - 1, though sampling starts from pure noise), "trailingN" ends at T - 1,
+// t = round(T - i T/N) - 1 for i = 0 .. N-1, and "linspaceN" keeps round(i (T - 1)/(N - 1)).
 
 typedef struct {
     int count;       // kept steps
@@ -96,10 +100,24 @@ static inline int sample_schedule_make(const NoiseSchedule *d, int steps, Sample
 
 static inline int sample_schedule_respaced(const NoiseSchedule *d, const char *spec, SampleSchedule *s) {
     memset(s, 0, sizeof *s);
-    if (strncmp(spec, "ddim", 4) == 0) {
+    static const char *const named[] = {"ddim", "leading", "trailing", "linspace"};
+    for (int k = 0; k < 4; k++) {
+        size_t len = strlen(named[k]);
+        if (strncmp(spec, named[k], len) != 0) continue;
         char *end;
-        long n = strtol(spec + 4, &end, 10);
-        return spec[4] >= '0' && spec[4] <= '9' && !*end && n >= 1 && n <= d->steps ? sample_schedule_make(d, (int)n, s) : -1;
+        long n = strtol(spec + len, &end, 10);
+        if (spec[len] < '0' || spec[len] > '9' || *end || n < 1 || n > d->steps) return -1;
+        if (k < 2) return sample_schedule_make(d, (int)n, s);
+        if (k == 3 && n == 1) return -1;  // linspace needs two ends
+        s->timesteps = (int *)malloc(n * sizeof(int));
+        s->abar = (double *)malloc(n * sizeof(double));
+        if (!s->timesteps || !s->abar) return -1;
+        s->count = (int)n;
+        for (int i = 0; i < n; i++) {  // increasing t
+            int t = k == 2 ? (int)nearbyint(d->steps - (double)(n - 1 - i) * d->steps / n) - 1 : (int)nearbyint((double)i * (d->steps - 1) / (n - 1));
+            s->timesteps[i] = t, s->abar[i] = d->alphas_cumprod[t];
+        }
+        return 0;
     }
     int sections = 1, total = 0;
     for (const char *c = spec; *c; c++) sections += *c == ',';

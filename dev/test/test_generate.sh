@@ -47,6 +47,10 @@ expect_fail ./generate --checkpoint "$SIGMA" --guidance 2
 expect_grep "no null class" "$LAST_ERR"
 expect_fail ./generate --checkpoint "$SIGMA" --sampler ddpm --respacing 600,600
 expect_grep "respacing '600,600' keeps no steps" "$LAST_ERR"
+expect_fail ./generate --checkpoint "$UNCOND" --spacing linspace --steps 1
+expect_grep "spacing linspace: 1 steps do not fit" "$LAST_ERR"
+expect_exit 2 ./generate --checkpoint "$UNCOND" --spacing trailing --respacing 10
+expect_exit 2 ./generate --checkpoint "$UNCOND" --spacing middle
 expect_exit 2 ./generate --checkpoint "$SIGMA" --sampler dpm++ --respacing 10
 expect_grep "goes with neither --sampler dpm\+\+ nor --steps" "$LAST_ERR"
 expect_fail ./generate --checkpoint "$UNCOND" --steps 999

@@ -127,6 +127,28 @@ int main(void) {
     sample_schedule_free(&s);
     noise_schedule_free(&d);
 
+    check_case("spacings: trailingN ends at T - 1, linspaceN spans 0 .. T - 1, leadingN is ddimN (Lin et al. 2023)");
+    CHECK(noise_schedule_make(&d, 10, "linear") == 0);
+    const int trailing[7] = {0, 2, 3, 5, 6, 8, 9}, linspace[7] = {0, 2, 3, 4, 6, 8, 9};  // numpy's, rounding half to even
+    CHECK(sample_schedule_respaced(&d, "trailing7", &s) == 0 && s.count == 7 && memcmp(s.timesteps, trailing, sizeof trailing) == 0);
+    sample_schedule_free(&s);
+    CHECK(sample_schedule_respaced(&d, "linspace7", &s) == 0 && s.count == 7 && memcmp(s.timesteps, linspace, sizeof linspace) == 0);
+    sample_schedule_free(&s);
+    CHECK(sample_schedule_respaced(&d, "leading5", &s) == 0 && s.count == 5 && s.timesteps[1] == 2 && s.timesteps[4] == 8);
+    sample_schedule_free(&s);
+    const char *bad[] = {"trailing0", "trailing11", "linspace1", "leading", "trailing5x"};
+    for (int k = 0; k < 5; k++) {
+        CHECK(sample_schedule_respaced(&d, bad[k], &s) != 0);
+        sample_schedule_free(&s);
+    }
+    noise_schedule_free(&d);
+    CHECK(noise_schedule_make(&d, 1000, "linear") == 0);
+    CHECK(sample_schedule_respaced(&d, "trailing50", &s) == 0 && s.timesteps[0] == 19 && s.timesteps[1] == 39 && s.timesteps[49] == 999);
+    sample_schedule_free(&s);
+    CHECK(sample_schedule_respaced(&d, "linspace50", &s) == 0 && s.timesteps[2] == 41 && s.timesteps[48] == 979 && s.timesteps[49] == 999);
+    sample_schedule_free(&s);
+    noise_schedule_free(&d);
+
     check_case("plans: DDPM is DDIM with eta 1 on all T steps; no noise on the last step; DPM-Solver++ first order at the ends");
     SamplePlan plan;
     CHECK(noise_schedule_make(&d, 1000, "linear") == 0);
