@@ -4042,7 +4042,8 @@ static const OptionSpec option_specs[] = {
     OPT(preset, OPT_STRING, "seed | adm64: a model and training configuration to start from"),
     OPT(image_size, OPT_INT, "image side in pixels; when not given, the dataset's (without --data the preset's)"),
     OPT(num_channels, OPT_INT, "model channels (multiple of 32)"),
-    OPT(channel_mult, OPT_STRING, "channel multiplier per level, e.g. 1,2,3,4; \"\", or not given with an image size from the dataset: guided-diffusion's default for that size"),
+    OPT(channel_mult, OPT_STRING, "channel multiplier per level, e.g. 1,2,3,4; \"\", or not given with an image size from the "
+                                  "dataset: guided-diffusion's default for that size"),
     OPT(num_res_blocks, OPT_INT, "residual blocks per level"),
     OPT(attention_resolutions, OPT_STRING, "resolutions with attention, e.g. 16,8 (\"\": none besides the middle block)"),
     OPT(num_heads, OPT_INT, "attention heads (when num_head_channels is -1)"),
@@ -4055,12 +4056,14 @@ static const OptionSpec option_specs[] = {
     OPT(dropout, OPT_FLOAT, "dropout in residual blocks"),
     OPT(class_cond, OPT_BOOL, "condition on the dataset's labels"),
     OPT(num_classes, OPT_INT, "classes, when there is no --data to read them from"),
-    OPT(learn_sigma, OPT_BOOL, "6 output channels: the prediction and guided-diffusion's learned variance, trained with the hybrid loss (MSE + the variational bound's term)"),
+    OPT(learn_sigma, OPT_BOOL, "6 output channels: the prediction and guided-diffusion's learned variance, trained with the hybrid "
+                               "loss (MSE + the variational bound's term)"),
     OPT(diffusion_steps, OPT_INT, "diffusion timesteps"),
     OPT(noise_schedule, OPT_STRING, "linear | cosine"),
     OPT(predict, OPT_STRING, "eps | v | x0: what the model is trained to predict (x0: guided-diffusion's predict_xstart)"),
     OPT(use_kl, OPT_BOOL, "with learn_sigma: the loss is the variational bound alone (guided-diffusion's KL loss), through both halves"),
-    OPT(rescale_learned_sigmas, OPT_BOOL, "scale the bound's term by diffusion_steps/1000 in the hybrid loss, by diffusion_steps with use_kl"),
+    OPT(rescale_learned_sigmas, OPT_BOOL, "scale the bound's term by diffusion_steps/1000 in the hybrid loss, by diffusion_steps "
+                                          "with use_kl"),
     OPT(lr, OPT_FLOAT, "AdamW learning rate"),
     OPT(beta1, OPT_FLOAT, "AdamW beta1"),
     OPT(beta2, OPT_FLOAT, "AdamW beta2"),
@@ -5923,7 +5926,9 @@ __host__ __device__ inline float decoder_log_likelihood(float x, float mean, flo
 
 __host__ __device__ inline BoundTerm bound_term(float x0, float x_t, float out, float v, const TimestepTerms *tt, int first_step,
                                                 int predict, int clip) {
-    float x0_by_out = predict == PREDICT_EPS ? -tt->sqrt_one_minus_abar / tt->sqrt_abar : predict == PREDICT_V ? -tt->sqrt_one_minus_abar : 1.0f;
+    float x0_by_out = predict == PREDICT_EPS ? -tt->sqrt_one_minus_abar / tt->sqrt_abar
+                    : predict == PREDICT_V   ? -tt->sqrt_one_minus_abar
+                                             : 1.0f;  // d x0' / d out
     float x0_model = predict == PREDICT_EPS ? (x_t - tt->sqrt_one_minus_abar * out) / tt->sqrt_abar
                    : predict == PREDICT_V   ? tt->sqrt_abar * x_t - tt->sqrt_one_minus_abar * out
                                             : out;
@@ -5975,7 +5980,8 @@ __global__ void learned_loss_partial_kernel(float *partial, floatX *d_out, const
         for (int c = 0; c < C; c++) {
             int64_t i = ((int64_t)n * hw + p) * C + c, o = ((int64_t)n * hw + p) * 2 * C + c;
             float prediction = (float)out[o];
-            BoundTerm b = bound_term(pixel_value(pixels[i]), (float)x_t[i], prediction, (float)out[o + C], &tt, first_step, loss.predict, 0);
+            BoundTerm b = bound_term(pixel_value(pixels[i]), (float)x_t[i], prediction, (float)out[o + C], &tt, first_step, loss.predict,
+                                     0);
             float d = loss.frozen_mean ? 0.0f : per_bound * b.d_out;
             if (loss.mse) {
                 float diff = prediction - (float)target[i];
@@ -5986,14 +5992,18 @@ __global__ void learned_loss_partial_kernel(float *partial, floatX *d_out, const
         }
     squares = block_sum_256(squares);
     bound = block_sum_256(bound);
-    if (threadIdx.x == 0) partial[2 * ((int64_t)n * gridDim.x + blockIdx.x)] = squares, partial[2 * ((int64_t)n * gridDim.x + blockIdx.x) + 1] = bound;
+    float *sums = partial + 2 * ((int64_t)n * gridDim.x + blockIdx.x);
+    if (threadIdx.x == 0) sums[0] = squares, sums[1] = bound;
 }
 
 // One block of 256 threads: the sums in a fixed order, then terms = [L, mean of mse_n, mean of s vb_n].
 __global__ void learned_loss_final_kernel(float *terms, const float *partial, int N, int blocks, float values, LearnedLoss loss) {
     float squares = 0.0f, bound = 0.0f;
     for (int n = threadIdx.x; n < N; n += blockDim.x)
-        for (int b = 0; b < blocks; b++) squares += partial[2 * ((int64_t)n * blocks + b)], bound += partial[2 * ((int64_t)n * blocks + b) + 1];
+        for (int b = 0; b < blocks; b++) {
+            const float *sums = partial + 2 * ((int64_t)n * blocks + b);
+            squares += sums[0], bound += sums[1];
+        }
     squares = block_sum_256(squares);
     bound = block_sum_256(bound);
     if (threadIdx.x == 0) {
@@ -6456,7 +6466,8 @@ static void trainer_create(Trainer *tr, const Options *o, const ModelConfig *c, 
         float T = (float)o->diffusion_steps;
         tr->learned_terms = {!o->use_kl, !o->use_kl, prediction_from_name(o->predict),
                              o->rescale_learned_sigmas ? (o->use_kl ? T : T / 1000.0f) : 1.0f};
-        tr->learned_partial = (float *)gpu_malloc((size_t)o->batch_size * learned_loss_blocks(c->image_size * c->image_size) * 2 * sizeof(float));
+        int blocks = learned_loss_blocks(c->image_size * c->image_size);
+        tr->learned_partial = (float *)gpu_malloc((size_t)o->batch_size * blocks * 2 * sizeof(float));
     }
     int64_t n = act_numel(&tr->m.input);
     tr->d_pixels = (uint8_t *)gpu_malloc(n);
