@@ -44,7 +44,7 @@ PY
 }
 case_begin "checkpoint metadata and weights: every value checked before use, one error line"
 for edit in 'diffusion_steps="0"' 'diffusion_steps="-5"' 'diffusion_steps="99999999999"' 'diffusion_steps="12abc"' \
-            'num_channels="2147483616"' 'num_channels="-32"' 'channel_mult="1,2,1e308"' 'predict="x0"' \
+            'num_channels="2147483616"' 'num_channels="-32"' 'channel_mult="1,2,1e308"' 'predict="xstart"' \
             'noise_schedule="quadratic"' 'image_size="abc"' 'num_heads="0"'; do
     key=${edit%%=*} value=${edit#*=}
     edit_fixture bad "h['__metadata__']['$key'] = $value"
