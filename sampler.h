@@ -80,11 +80,6 @@ static inline int respacing_stride(int T, int steps) {
     return 0;
 }
 
-// The steps kept by a respacing spec ("ddimN" or section counts), into s. Returns 0, or -1 for a
-// spec that is not one, asks for no step, or for more steps than a section has (or without
-// memory). Either way *s can be freed.
-static inline int sample_schedule_respaced(const NoiseSchedule *d, const char *spec, SampleSchedule *s);
-
 // Returns 0, or -1 when no stride gives `steps` steps. Either way *s can be freed.
 static inline int sample_schedule_make(const NoiseSchedule *d, int steps, SampleSchedule *s) {
     int stride = respacing_stride(d->steps, steps);
@@ -98,6 +93,9 @@ static inline int sample_schedule_make(const NoiseSchedule *d, int steps, Sample
     return 0;
 }
 
+// The steps kept by a respacing spec ("ddimN", "leadingN", "trailingN", "linspaceN" or section
+// counts), into s. Returns 0, or -1 for a spec that is not one, asks for no step, or for more steps
+// than a section has (or without memory). Either way *s can be freed.
 static inline int sample_schedule_respaced(const NoiseSchedule *d, const char *spec, SampleSchedule *s) {
     memset(s, 0, sizeof *s);
     static const char *const named[] = {"ddim", "leading", "trailing", "linspace"};
@@ -170,6 +168,45 @@ static inline void sample_schedule_free(SampleSchedule *s) {
     free(s->timesteps);
     free(s->abar);
     memset(s, 0, sizeof *s);
+}
+
+// The schedule of the kept steps (guided-diffusion's SpacedDiffusion): their abar, and the betas
+// 1 - abar_k / abar_(k-1) (abar_(-1) = 1). Returns 0, or -1 without memory. Either way *out can be
+// freed.
+static inline int noise_schedule_respaced(const SampleSchedule *kept, NoiseSchedule *out) {
+    out->steps = kept->count;
+    out->betas = (double *)malloc(kept->count * sizeof(double));
+    out->alphas_cumprod = (double *)malloc(kept->count * sizeof(double));
+    if (!out->betas || !out->alphas_cumprod) return -1;
+    for (int k = 0; k < kept->count; k++)
+        out->alphas_cumprod[k] = kept->abar[k], out->betas[k] = 1.0 - kept->abar[k] / (k > 0 ? kept->abar[k - 1] : 1.0);
+    return 0;
+}
+
+// Per timestep t of a schedule, what a step of training, sampling or the likelihood needs of
+// guided-diffusion's GaussianDiffusion arrays (computed in double, kept in float): the forward
+// process, the posterior q(x_{t-1} | x_t, x0) and the range of a learned variance.
+typedef struct {
+    float sqrt_abar, sqrt_one_minus_abar;  // x_t = sqrt_abar x0 + sqrt_one_minus_abar eps
+    float mean_x0, mean_xt;                // the posterior's mean: mean_x0 x0 + mean_xt x_t
+    float log_var_min;                     // log beta_tilde_t (at t = 0 beta_tilde_1's: "clipped")
+    float log_var_range;                   // log beta_t - log_var_min (learned_log_variance)
+} TimestepTerms;
+
+// With abar_prev = abar_{t-1} (1 at t = 0): beta_tilde_t = beta_t (1 - abar_prev) / (1 - abar_t),
+// mean_x0 = beta_t sqrt(abar_prev) / (1 - abar_t), mean_xt = (1 - abar_prev) sqrt(1 - beta_t) / (1 - abar_t).
+static inline TimestepTerms timestep_terms(const NoiseSchedule *d, int t) {
+    const double *abar = d->alphas_cumprod, *beta = d->betas;
+    double prev = t > 0 ? abar[t - 1] : 1.0;
+    int tv = t > 0 || d->steps == 1 ? t : 1;  // the clipped posterior variance
+    double posterior = beta[tv] * (1.0 - (tv > 0 ? abar[tv - 1] : 1.0)) / (1.0 - abar[tv]);
+    TimestepTerms tt;
+    tt.sqrt_abar = (float)sqrt(abar[t]), tt.sqrt_one_minus_abar = (float)sqrt(1.0 - abar[t]);
+    tt.mean_x0 = (float)(beta[t] * sqrt(prev) / (1.0 - abar[t]));
+    tt.mean_xt = (float)((1.0 - prev) * sqrt(1.0 - beta[t]) / (1.0 - abar[t]));
+    double log_var_min = posterior > 0 ? log(posterior) : log(beta[t]);  // T = 1: no posterior variance
+    tt.log_var_min = (float)log_var_min, tt.log_var_range = (float)(log(beta[t]) - log_var_min);
+    return tt;
 }
 
 // ----------------------------------------------------------------------------------------------
@@ -255,9 +292,7 @@ typedef struct {
     int noisy;              // draws z: DDIM with eta > 0, but not the last step (sigma is 0 there)
     float r;                // DPM-Solver++: h_last / h
     int second_order;       // DPM-Solver++: all steps but the first and the last
-    float mean_x0, mean_x;  // DDPM: the posterior mean of q(x_prev | x, x0) is mean_x0 x0 + mean_x x
-    float log_var_min;      // DDPM: the posterior's log variance (clipped: at the last step the one before's)
-    float log_var_range;    // DDPM with a learned variance: log beta - log_var_min (learned_log_variance)
+    TimestepTerms terms;    // DDPM: the posterior and the learned range of the step (of the respaced schedule)
 } SampleStep;
 
 typedef struct {
@@ -282,8 +317,13 @@ static inline int sample_plan_make(SamplePlan *p, const NoiseSchedule *d, Sample
                : respacing && respacing[0] ? sample_schedule_respaced(d, respacing, &s)
                                            : sample_schedule_make(d, steps, &s);
     p->kind = kind, p->count = s.count, p->predict = predict, p->clip = clip, p->learned = learned && kind == SAMPLER_DDPM;
+    NoiseSchedule respaced = {0, NULL, NULL};
     p->steps = made == 0 && s.count > 0 ? (SampleStep *)calloc((size_t)s.count, sizeof(SampleStep)) : NULL;
-    if (!p->steps) return sample_schedule_free(&s), -1;
+    if (!p->steps || noise_schedule_respaced(&s, &respaced) != 0) {
+        free(p->steps), p->steps = NULL;
+        noise_schedule_free(&respaced);
+        return sample_schedule_free(&s), -1;
+    }
     double h_last = 0;
     for (int j = 0; j < s.count; j++) {
         int k = s.count - 1 - j;  // the schedule's index, from the last
@@ -292,14 +332,7 @@ static inline int sample_plan_make(SamplePlan *p, const NoiseSchedule *d, Sample
         st->abar = (float)s.abar[k], st->abar_prev = k > 0 ? (float)s.abar[k - 1] : 1.0f;
         st->eta = kind == SAMPLER_DPM_SOLVER_PP ? 0.0f : eta;
         st->noisy = st->eta > 0.0f && k > 0;
-        double abar_prev = k > 0 ? s.abar[k - 1] : 1.0, beta = 1.0 - s.abar[k] / abar_prev;
-        st->mean_x0 = (float)(sqrt(abar_prev) * beta / (1.0 - s.abar[k]));
-        st->mean_x = (float)(sqrt(1.0 - beta) * (1.0 - abar_prev) / (1.0 - s.abar[k]));
-        int kv = k > 0 ? k : (s.count > 1 ? 1 : 0);  // the clipped posterior variance: step 1's at step 0
-        double beta_v = 1.0 - s.abar[kv] / (kv > 0 ? s.abar[kv - 1] : 1.0);
-        double posterior = kv > 0 ? (1.0 - s.abar[kv - 1]) / (1.0 - s.abar[kv]) * beta_v : 0.0;
-        st->log_var_min = (float)log(posterior);
-        st->log_var_range = (float)(log(beta) - log(posterior));
+        st->terms = timestep_terms(&respaced, k);
         if (kind == SAMPLER_DPM_SOLVER_PP) {
             double h = k > 0 ? log_snr_half(s.abar[k - 1]) - log_snr_half(s.abar[k]) : 0.0;
             st->second_order = j > 0 && k > 0;
@@ -307,6 +340,7 @@ static inline int sample_plan_make(SamplePlan *p, const NoiseSchedule *d, Sample
             h_last = h;
         }
     }
+    noise_schedule_free(&respaced);
     sample_schedule_free(&s);
     return 0;
 }
@@ -322,8 +356,9 @@ static inline void sample_plan_free(SamplePlan *p) {
 HOST_DEVICE static inline float sample_step_value(const SamplePlan *p, const SampleStep *st, float x, float out, float v, float z,
                                                   float *x0_last) {
     if (p->kind == SAMPLER_DDPM) {
-        float mean = st->mean_x0 * predict_x0(x, out, st->abar, p->predict, p->clip) + st->mean_x * x;
-        float log_var = p->learned ? learned_log_variance(v, st->log_var_min, st->log_var_range) : st->log_var_min;
+        const TimestepTerms *tt = &st->terms;
+        float mean = tt->mean_x0 * predict_x0(x, out, st->abar, p->predict, p->clip) + tt->mean_xt * x;
+        float log_var = p->learned ? learned_log_variance(v, tt->log_var_min, tt->log_var_range) : tt->log_var_min;
         return st->noisy ? mean + expf(0.5f * log_var) * z : mean;
     }
     if (p->kind != SAMPLER_DPM_SOLVER_PP) return ddim_update(x, out, st->abar, st->abar_prev, st->eta, z, p->predict, p->clip);

@@ -5809,32 +5809,7 @@ static void images_to_model_input(floatX *out, const uint8_t *pixels, size_t n, 
     cuda_check_launch();
 }
 
-// Per timestep t, what the loss needs of guided-diffusion's GaussianDiffusion arrays (computed in
-// double, kept in float): the forward process, the posterior q(x_{t-1} | x_t, x0) and the range of
-// a learned variance.
-typedef struct {
-    float sqrt_abar, sqrt_one_minus_abar;  // x_t = sqrt_abar x0 + sqrt_one_minus_abar eps
-    float mean_x0, mean_xt;                // the posterior's mean: mean_x0 x0 + mean_xt x_t
-    float log_var_min;                     // log beta_tilde_t (at t = 0 beta_tilde_1's: "clipped")
-    float log_var_range;                   // log beta_t - log_var_min (sampler.h's learned_log_variance)
-} TimestepTerms;
-
-// With abar_prev = abar_{t-1} (1 at t = 0): beta_tilde_t = beta_t (1 - abar_prev) / (1 - abar_t),
-// mean_x0 = beta_t sqrt(abar_prev) / (1 - abar_t), mean_xt = (1 - abar_prev) sqrt(1 - beta_t) / (1 - abar_t).
-static TimestepTerms timestep_terms(const NoiseSchedule *d, int t) {
-    const double *abar = d->alphas_cumprod, *beta = d->betas;
-    double prev = t > 0 ? abar[t - 1] : 1.0;
-    int tv = t > 0 || d->steps == 1 ? t : 1;  // the clipped posterior variance
-    double posterior = beta[tv] * (1.0 - (tv > 0 ? abar[tv - 1] : 1.0)) / (1.0 - abar[tv]);
-    TimestepTerms tt;
-    tt.sqrt_abar = (float)sqrt(abar[t]), tt.sqrt_one_minus_abar = (float)sqrt(1.0 - abar[t]);
-    tt.mean_x0 = (float)(beta[t] * sqrt(prev) / (1.0 - abar[t]));
-    tt.mean_xt = (float)((1.0 - prev) * sqrt(1.0 - beta[t]) / (1.0 - abar[t]));
-    double log_var_min = posterior > 0 ? log(posterior) : log(beta[t]);  // T = 1: no posterior variance
-    tt.log_var_min = (float)log_var_min, tt.log_var_range = (float)(log(beta[t]) - log_var_min);
-    return tt;
-}
-
+// The training schedule, and each timestep's terms (sampler.h's TimestepTerms) on the GPU.
 typedef struct {
     NoiseSchedule schedule;
     TimestepTerms *terms;  // [steps], GPU
@@ -6804,10 +6779,8 @@ __global__ void likelihood_add_kernel(double *bits, const float *partial, int ba
 static void likelihood_create(Likelihood *l, const ModelConfig *c, int batch, const SampleSchedule *kept, int predict) {
     memset(l, 0, sizeof *l);
     unet_create(&l->m, c, batch, 0);
-    NoiseSchedule respaced = {kept->count, (double *)malloc_or_die(kept->count * sizeof(double)),
-                              (double *)malloc_or_die(kept->count * sizeof(double))};
-    for (int k = 0; k < kept->count; k++)  // SpacedDiffusion: the kept steps' betas, 1 - abar_k / abar_(k-1)
-        respaced.alphas_cumprod[k] = kept->abar[k], respaced.betas[k] = 1.0 - kept->abar[k] / (k > 0 ? kept->abar[k - 1] : 1.0);
+    NoiseSchedule respaced;
+    if (noise_schedule_respaced(kept, &respaced) != 0) fatal("out of host memory");
     l->steps = kept->count, l->predict = predict, l->abar_last = kept->abar[kept->count - 1];
     l->timesteps = (int *)malloc_or_die(kept->count * sizeof(int));
     l->terms = (TimestepTerms *)malloc_or_die(kept->count * sizeof(TimestepTerms));
