@@ -9,6 +9,7 @@
 #define CHECKPOINT_H
 
 #include <math.h>
+#include <stddef.h>
 #include <stdlib.h>
 
 #include "fileio.h"  // error_line, map_regular_file
@@ -515,10 +516,13 @@ static inline int safetensors_write(const char *path, const SafeTensorOut *tenso
 
 // ----------------------------------------------------------------------------------------------
 // state.bin, the training state: the StateHeader, then AdamW's m and v as [storage] fp32 each in
-// the GPU layout. Little-endian, as written by the machine that trained.
+// the GPU layout, then the schedule sampler's history if it has one (--schedule_sampler
+// loss-second-moment): [history_steps] int32 counts, then [history_steps][history_length] fp32
+// losses. Little-endian, as written by the machine that trained. Version 1 (no history, a header
+// without its two fields) is still read.
 
 #define STATE_MAGIC "UNETSTAT"
-#define STATE_VERSION 1u
+#define STATE_VERSION 2u
 #define STATE_MAX_STORAGE ((int64_t)1 << 36)  // parameters: far above any model this trains
 
 typedef struct {
@@ -529,35 +533,71 @@ typedef struct {
     uint64_t loader_epoch, loader_next;
     int32_t batch_size, diffusion_steps;
     char noise_schedule[16], predict[8];
+    int32_t history_steps, history_length;  // the schedule sampler's history: both 0 when it has none
 } StateHeader;
+
+// The header's size in a file of this version.
+static inline size_t state_header_size(uint32_t version) {
+    return version == 1 ? offsetof(StateHeader, history_steps) : sizeof(StateHeader);
+}
+
+// Where the moments and the history lie in a checked state.
+static inline const uint8_t *state_moments(const uint8_t *bytes, const StateHeader *h) { return bytes + state_header_size(h->version); }
+static inline const uint8_t *state_history(const uint8_t *bytes, const StateHeader *h) {
+    return state_moments(bytes, h) + 2 * (uint64_t)h->storage * sizeof(float);
+}
 
 // Checks a training state held in memory on its own (the caller compares it with the model):
 // header fields in range, strings terminated and known, the size exact, every moment finite and
 // every second moment non-negative. Returns 0, or -1 with a message.
 static inline int state_check(const uint8_t *bytes, uint64_t size, StateHeader *h, char *err, size_t err_len) {
-    if (size < sizeof *h) return error_line(err, err_len, "%llu bytes: shorter than a training state's header", (unsigned long long)size);
-    memcpy(h, bytes, sizeof *h);
+    memset(h, 0, sizeof *h);
+    if (size < state_header_size(1)) return error_line(err, err_len, "%llu bytes: shorter than a training state's header", (unsigned long long)size);
+    memcpy(h, bytes, state_header_size(1));
     if (memcmp(h->magic, STATE_MAGIC, 8) != 0) return error_line(err, err_len, "not a training state (bad magic)");
-    if (h->version != STATE_VERSION) return error_line(err, err_len, "training state version %u, this build reads %u", h->version, STATE_VERSION);
+    if (h->version != 1 && h->version != STATE_VERSION)
+        return error_line(err, err_len, "training state version %u, this build reads 1 to %u", h->version, STATE_VERSION);
+    if (size < state_header_size(h->version)) return error_line(err, err_len, "%llu bytes: shorter than a training state's header", (unsigned long long)size);
+    memcpy(h, bytes, state_header_size(h->version));
     if (h->storage < 1 || h->storage > STATE_MAX_STORAGE || h->num_params < 1 || h->num_params > (uint64_t)h->storage)
         return error_line(err, err_len, "training state of %lld values in %u tensors: out of range", (long long)h->storage, h->num_params);
-    if (size != sizeof *h + 2 * (uint64_t)h->storage * sizeof(float))
-        return error_line(err, err_len, "training state is %llu bytes, its header needs %llu: truncated or damaged",
-                            (unsigned long long)size, (unsigned long long)(sizeof *h + 2 * (uint64_t)h->storage * sizeof(float)));
     if (h->step < 0 || h->seed < 0 || h->batch_size < 1 || h->diffusion_steps < 1 || h->diffusion_steps > 100000 ||
         h->loader_next > UINT32_MAX || h->loader_epoch > (uint64_t)INT64_MAX)
         return error_line(err, err_len, "training state header holds out-of-range values (step, seed, batch, diffusion steps or data position)");
+    if ((h->history_steps || h->history_length) && (h->history_steps != h->diffusion_steps || h->history_length < 1 || h->history_length > 1000))
+        return error_line(err, err_len, "training state holds a schedule sampler's history of %d timesteps of %d losses: it trained with %d "
+                          "diffusion steps", h->history_steps, h->history_length, h->diffusion_steps);
+    uint64_t history_bytes = (uint64_t)h->history_steps * (sizeof(int32_t) + (uint64_t)h->history_length * sizeof(float));
+    uint64_t expected = state_header_size(h->version) + 2 * (uint64_t)h->storage * sizeof(float) + history_bytes;
+    if (size != expected)
+        return error_line(err, err_len, "training state is %llu bytes, its header needs %llu: truncated or damaged", (unsigned long long)size,
+                          (unsigned long long)expected);
     if (!memchr(h->noise_schedule, 0, sizeof h->noise_schedule) || !memchr(h->predict, 0, sizeof h->predict) ||
         (strcmp(h->noise_schedule, "linear") != 0 && strcmp(h->noise_schedule, "cosine") != 0) ||
-        (strcmp(h->predict, "eps") != 0 && strcmp(h->predict, "v") != 0))
+        (strcmp(h->predict, "eps") != 0 && strcmp(h->predict, "v") != 0 && strcmp(h->predict, "x0") != 0))
         return error_line(err, err_len, "training state names an unknown noise schedule or prediction target");
-    const uint8_t *moments = bytes + sizeof *h;
+    const uint8_t *moments = state_moments(bytes, h);
     for (int64_t i = 0; i < 2 * h->storage; i++) {
         float v;
         memcpy(&v, moments + 4 * i, 4);
         if (!isfinite(v) || (i >= h->storage && v < 0))
             return error_line(err, err_len, "AdamW's %s moment %lld is %g: the training state is damaged", i < h->storage ? "first" : "second",
                                 (long long)(i % h->storage), v);
+    }
+    const uint8_t *history = state_history(bytes, h);
+    for (int32_t t = 0; t < h->history_steps; t++) {
+        int32_t count;
+        memcpy(&count, history + 4 * (uint64_t)t, 4);
+        if (count < 0 || count > h->history_length)
+            return error_line(err, err_len, "the schedule sampler holds %d losses of timestep %d, at most %d: the training state is damaged",
+                              count, t, h->history_length);
+    }
+    const uint8_t *losses = history + 4 * (uint64_t)h->history_steps;
+    for (uint64_t i = 0; i < (uint64_t)h->history_steps * h->history_length; i++) {
+        float v;
+        memcpy(&v, losses + 4 * i, 4);
+        if (!isfinite(v) || v < 0)
+            return error_line(err, err_len, "the schedule sampler's loss %llu is %g: the training state is damaged", (unsigned long long)i, v);
     }
     return 0;
 }

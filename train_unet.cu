@@ -3889,11 +3889,6 @@ __global__ void label_embedding_backward_kernel(float *d_table, const floatX *d_
 }
 
 // ----------------------------------------------------------------------------------------------
-// The loss: L = mean((out - target)^2) over all elements, in fp32 with a fixed-order reduction;
-// d_out = 2 (out - target) / count.
-
-#define LOSS_BLOCKS 256
-
 // The sum of every thread's v in a block of 256 threads, in a fixed order (a tree in shared
 // memory); valid in thread 0. Used by the loss and the gradient norm.
 template <typename T>
@@ -3906,31 +3901,6 @@ __device__ T block_sum_256(T v) {
         __syncthreads();
     }
     return sums[0];
-}
-
-__global__ void mse_partial_kernel(float *partial, floatX *d_out, const floatX *out, const floatX *target, int64_t count) {
-    float s = 0.0f;
-    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < count; i += (int64_t)gridDim.x * blockDim.x) {
-        float diff = (float)out[i] - (float)target[i];
-        s += diff * diff;
-        d_out[i] = (floatX)(2.0f * diff / (float)count);
-    }
-    s = block_sum_256(s);
-    if (threadIdx.x == 0) partial[blockIdx.x] = s;
-}
-
-__global__ void mse_final_kernel(float *loss, const float *partial, int64_t count) {
-    double s = 0.0;
-    for (int i = 0; i < LOSS_BLOCKS; i++) s += partial[i];
-    *loss = (float)(s / (double)count);
-}
-
-// Writes the loss to loss[0] (device) and its gradient to d_out; partial holds LOSS_BLOCKS floats.
-static void mse_loss(float *loss, float *partial, floatX *d_out, const floatX *out, const floatX *target, int64_t count) {
-    mse_partial_kernel<<<LOSS_BLOCKS, 256, 0, gpu.stream>>>(partial, d_out, out, target, count);
-    cuda_check_launch();
-    mse_final_kernel<<<1, 1, 0, gpu.stream>>>(loss, partial, count);
-    cuda_check_launch();
 }
 
 // ----------------------------------------------------------------------------------------------
@@ -3948,9 +3918,11 @@ typedef struct {
     float lr, bias1, bias2;  // AdamW: learning rate, 1 - beta1^step, 1 - beta2^step
     float grad_clip;       // clip the global gradient norm to this (0: off)
     uint64_t noise_seed;   // draws of this step: timesteps, noise, label dropout
+    int weighted_draw;     // timesteps drawn from the schedule sampler's distribution (else uniformly)
     int stop;              // this rank was asked to stop; after the step: some rank was (all stop)
     float loss, grad_norm, grad_scale;  // results: loss, norm before clipping, the scale applied
     float mse, vb;         // the loss's terms: the prediction's MSE, the variational bound's term (0 without)
+    float quarter_loss[4], quarter_count[4];  // per quarter of t: the sum of the samples' weighted losses, their count
     int finite;            // loss and gradients finite: parameters and EMA updated
 } StepState;
 
@@ -4008,7 +3980,7 @@ typedef struct {
     int class_cond, num_classes, learn_sigma;
     // diffusion
     int diffusion_steps;
-    const char *noise_schedule, *predict;
+    const char *noise_schedule, *predict, *schedule_sampler;
     int use_kl, rescale_learned_sigmas;
     // training
     float lr, weight_decay, beta1, beta2, adam_eps, min_lr, grad_clip, cfg_dropout;
@@ -4064,6 +4036,8 @@ static const OptionSpec option_specs[] = {
     OPT(use_kl, OPT_BOOL, "with learn_sigma: the loss is the variational bound alone (guided-diffusion's KL loss), through both halves"),
     OPT(rescale_learned_sigmas, OPT_BOOL, "scale the bound's term by diffusion_steps/1000 in the hybrid loss, by diffusion_steps "
                                           "with use_kl"),
+    OPT(schedule_sampler, OPT_STRING, "uniform | loss-second-moment: how the training timesteps are drawn (guided-diffusion's importance "
+                                      "sampling of t by the losses' second moment, the loss reweighted to stay unbiased)"),
     OPT(lr, OPT_FLOAT, "AdamW learning rate"),
     OPT(beta1, OPT_FLOAT, "AdamW beta1"),
     OPT(beta2, OPT_FLOAT, "AdamW beta2"),
@@ -4106,6 +4080,7 @@ static Options preset_seed(void) {
     o.use_new_attention_order = 0, o.use_scale_shift_norm = 0, o.resblock_updown = 0, o.conv_resample = 0;
     o.dropout = 0.0f, o.class_cond = 0, o.num_classes = 0, o.learn_sigma = 0;
     o.diffusion_steps = 1000, o.noise_schedule = "linear", o.predict = "eps", o.use_kl = 0, o.rescale_learned_sigmas = 1;
+    o.schedule_sampler = "uniform";
     o.lr = 1e-4f, o.weight_decay = 0.0f, o.beta1 = 0.9f, o.beta2 = 0.999f, o.adam_eps = 1e-8f;
     o.warmup_steps = 0, o.lr_decay = "none", o.min_lr = 0.0f, o.grad_clip = 0.0f, o.cfg_dropout = 0.0f;
     o.batch_size = 32, o.gpus = 1, o.ema_rate = "0.9999";
@@ -4719,7 +4694,6 @@ typedef struct {
     Act t_sinusoid, t_hidden, t_hidden_silu, emb, emb_silu;
     BlockEmbedding embedding;  // every ResBlock's timestep projection, [N][emb_total] fp32, and dropout's seed
     floatX *d_emb_out_x;
-    float *loss, *loss_partial;
     Act target;
     uint64_t *zero_seed;     // on the GPU: dropout's seed until the trainer points the embedding at the step's
     Scratch scratch;
@@ -5282,8 +5256,6 @@ static void unet_lay_out(UNet *m) {
     }
     m->timesteps = (int64_t *)arena_take(&m->acts, batch * sizeof(int64_t));
     m->labels = (int *)arena_take(&m->acts, batch * sizeof(int));
-    m->loss = (float *)arena_take(&m->acts, (LOSS_BLOCKS + 1) * sizeof(float));
-    m->loss_partial = m->loss ? m->loss + 1 : NULL;
     m->zero_seed = (uint64_t *)arena_take(&m->acts, sizeof(uint64_t));
 
     Scratch *s = &m->scratch;
@@ -5824,18 +5796,87 @@ static void diffusion_create(Diffusion *d, int steps, const char *schedule) {
     free(host);
 }
 
+// guided-diffusion's LossSecondMomentResampler (--schedule_sampler loss-second-moment): the last
+// LOSS_HISTORY losses of each timestep. Until every t has them, t is drawn uniformly; then
+//   p_t = 0.999 w_t / sum_s w_s + 0.001 / T,  w_t = sqrt(mean of t's losses^2),
+// and each sample's loss is weighted by 1 / (T p_t), which keeps the loss's expectation. Kept on the
+// host in double, as there: after each step every rank adds every rank's (t, loss) in the order of
+// the samples (update_with_all_losses), so all ranks hold the same history; it is saved in state.bin.
+#define LOSS_HISTORY 10
+#define LOSS_HISTORY_UNIFORM 0.001
+
+typedef struct {
+    int steps;         // T
+    int32_t *counts;   // [T]: the losses held of each t
+    float *losses;     // [T][LOSS_HISTORY], oldest first
+} LossHistory;
+
+static void loss_history_create(LossHistory *h, int steps) {
+    h->steps = steps;
+    h->counts = (int32_t *)calloc(steps, sizeof(int32_t));
+    h->losses = (float *)calloc((size_t)steps * LOSS_HISTORY, sizeof(float));
+    if (!h->counts || !h->losses) fatal("out of host memory");
+}
+
+// One sample's loss: appended, the oldest dropped once t holds LOSS_HISTORY.
+static void loss_history_add(LossHistory *h, int t, float loss) {
+    float *row = h->losses + (size_t)t * LOSS_HISTORY;
+    if (h->counts[t] < LOSS_HISTORY) {
+        row[h->counts[t]++] = loss;
+        return;
+    }
+    memmove(row, row + 1, (LOSS_HISTORY - 1) * sizeof(float));
+    row[LOSS_HISTORY - 1] = loss;
+}
+
+// The distribution of the next draws: p[0..T) and its cumulative sums in p[T..2T). Returns 0 (and
+// leaves p alone) while some t lacks its history: then t is drawn uniformly.
+static int loss_history_distribution(const LossHistory *h, double *p) {
+    int T = h->steps;
+    for (int t = 0; t < T; t++)
+        if (h->counts[t] < LOSS_HISTORY) return 0;
+    double total = 0, cumulative = 0;
+    for (int t = 0; t < T; t++) {
+        double squares = 0;
+        for (int k = 0; k < LOSS_HISTORY; k++) squares += (double)h->losses[t * LOSS_HISTORY + k] * h->losses[t * LOSS_HISTORY + k];
+        p[t] = sqrt(squares / LOSS_HISTORY);
+        total += p[t];
+    }
+    if (!(total > 0)) return 0;  // every loss 0: nothing to weight by
+    for (int t = 0; t < T; t++) {
+        p[t] = (1.0 - LOSS_HISTORY_UNIFORM) * p[t] / total + LOSS_HISTORY_UNIFORM / T;
+        cumulative += p[t];
+        p[T + t] = cumulative;
+    }
+    return 1;
+}
+
 
 // The draws are numbered by sample in the step's batch on all GPUs (first_sample: this GPU's first),
 // so that N GPUs at batch B draw what one GPU at batch N B draws.
 
-// Timesteps t ~ U[0, T) and, for classifier-free guidance, labels replaced by the null class
-// with probability cfg_dropout.
-__global__ void diffusion_conditions_kernel(int64_t *t, int *labels, int N, int64_t first_sample, int T, float cfg_dropout,
-                                            int null_label, const StepState *s) {
+// Timesteps t ~ U[0, T), each sample's loss weight 1, or with the schedule sampler's distribution
+// (s->weighted_draw) t ~ p (the first t whose cumulative probability exceeds a uniform draw) and the
+// weight 1 / (T p_t); for classifier-free guidance, labels replaced by the null class with
+// probability cfg_dropout.
+__global__ void diffusion_conditions_kernel(int64_t *t, float *weights, int *labels, int N, int64_t first_sample, int T,
+                                            const double *distribution, float cfg_dropout, int null_label, const StepState *s) {
     int n = blockIdx.x * blockDim.x + threadIdx.x;
     if (n >= N) return;
-    uint64_t draw = (uint64_t)(first_sample + n);
-    t[n] = (int64_t)(random_u64(s->noise_seed, rng_stream(RNG_TIMESTEP, 0), draw) % (uint64_t)T);
+    uint64_t draw = (uint64_t)(first_sample + n), r = random_u64(s->noise_seed, rng_stream(RNG_TIMESTEP, 0), draw);
+    if (s->weighted_draw) {
+        const double *p = distribution, *cdf = distribution + T;
+        double u = (double)(r >> 11) * 0x1p-53 * cdf[T - 1];
+        int lo = 0, hi = T - 1;
+        while (lo < hi) {
+            int mid = (lo + hi) / 2;
+            if (cdf[mid] > u) hi = mid;
+            else lo = mid + 1;
+        }
+        t[n] = lo, weights[n] = (float)(1.0 / (T * p[lo]));
+    } else {
+        t[n] = (int64_t)(r % (uint64_t)T), weights[n] = 1.0f;
+    }
     if (cfg_dropout > 0.0f && (random_u64(s->noise_seed, rng_stream(RNG_LABEL_DROP, 0), draw) >> 40) * (1.0f / 16777216.0f) < cfg_dropout)
         labels[n] = null_label;
 }
@@ -5931,39 +5972,74 @@ __host__ __device__ inline BoundTerm bound_term(float x0, float x_t, float out, 
     return b;
 }
 
-// The loss of a model with a learned variance (guided-diffusion's training_losses), for N samples of
-// D = C H W values, the output [N][H][W][2C] (the prediction's C channels, then the variance's):
-//   L = (1/N) sum_n [ mse_n + s vb_n ],  mse_n = (1/D) sum (out - target)^2,  vb_n = (1/(D ln 2)) sum bound
-// Hybrid (RESCALED_MSE): the mean is frozen in the bound (only the variance half learns from it), s =
-// T/1000 (1 without rescale_learned_sigmas). use_kl (RESCALED_KL): no MSE, the bound through both
-// halves, s = T (1 without rescaling).
+// The training loss (guided-diffusion's training_losses), per sample n of D = H W C values, then
+// over the batch of N with each sample's weight w_n (the schedule sampler's 1 / (T p_t); 1 for t
+// drawn uniformly):
+//   mse_n = (1/D) sum (out - target)^2
+//   vb_n  = (s / (D ln 2)) sum bound_term    (a learned variance: the output [N][H][W][2C] holds the
+//                                             prediction's C channels, then the variance's)
+//   loss_n = mse_n + vb_n;  L = (1/N) sum_n w_n loss_n
+// The prediction alone (eps, v, x0): mse_n. Hybrid (RESCALED_MSE): the mean is frozen in the bound
+// (only the variance half learns from it), s = T/1000 (1 without rescale_learned_sigmas). use_kl
+// (RESCALED_KL): loss_n = vb_n, the bound through both halves, s = T (1 without rescaling).
 typedef struct {
-    int mse, frozen_mean, predict;
+    int learned, mse, frozen_mean, predict;
     float bound_scale;  // s
-} LearnedLoss;
+} LossKind;
+
+// What the loss reads besides the output and the target.
+typedef struct {
+    const uint8_t *pixels;        // x0 as pixels [N][H][W][C] (a learned variance's bound; NULL without)
+    const floatX *x_t;            // [N][H][W][C] (the same)
+    const TimestepTerms *terms;   // [T] (the same)
+    const int64_t *t;             // [N], the samples' timesteps (NULL: all counted in the first quarter)
+    int T;
+    const float *weights;         // [N], w_n (NULL: 1)
+} LossInputs;
+
+// What it writes besides the output's gradient (GPU arrays).
+#define LOSS_TERMS 11
+typedef struct {
+    float *terms;    // [LOSS_TERMS]: L; the means of w_n mse_n and w_n vb_n; for each quarter of t (t < T/4,
+                     // ...; guided-diffusion's loss_q0..q3) the sum of w_n loss_n, then the count of samples
+    float *samples;  // [N][2]: each sample's t and loss_n (unweighted: the schedule sampler's history)
+    float *partial;  // [N][loss_blocks(hw)][2]: scratch
+} LossOutputs;
+
+// The blocks of a sample for loss_partial_kernel: a block per 256 pixels, at most 32.
+static int loss_blocks(int hw) { return (hw + 255) / 256 < 32 ? (hw + 255) / 256 : 32; }
+
+static LossOutputs loss_outputs_create(int N, int hw) {
+    LossOutputs l;
+    l.terms = (float *)gpu_malloc(((size_t)LOSS_TERMS + 2 * N + (size_t)N * loss_blocks(hw) * 2) * sizeof(float));
+    l.samples = l.terms + LOSS_TERMS, l.partial = l.samples + 2 * N;
+    cuda_check(cudaMemset(l.terms, 0, LOSS_TERMS * sizeof(float)));
+    return l;
+}
 
 // Blocks (x) of a sample (y): each writes its values' gradient (of the batch's L) whole, and its sums
 // of the squared errors and of the bound's terms into partial[n][block][2].
-__global__ void learned_loss_partial_kernel(float *partial, floatX *d_out, const floatX *out, const floatX *target,
-                                            const uint8_t *pixels, const floatX *x_t, const int64_t *t, const TimestepTerms *terms, int hw,
-                                            int C, LearnedLoss loss) {
-    int n = blockIdx.y, N = gridDim.y, first_step = t[n] == 0;
-    const TimestepTerms tt = terms[t[n]];
-    float per_value = 1.0f / ((float)N * hw * C), per_bound = loss.bound_scale * per_value / (float)M_LN2;
+__global__ void loss_partial_kernel(float *partial, floatX *d_out, const floatX *out, const floatX *target, LossInputs in, int hw,
+                                    int C, LossKind kind) {
+    int n = blockIdx.y, N = gridDim.y, out_C = kind.learned ? 2 * C : C;
+    float per_value = (in.weights ? in.weights[n] : 1.0f) / ((float)N * hw * C), per_bound = kind.bound_scale * per_value / (float)M_LN2;
     float squares = 0.0f, bound = 0.0f;
     for (int p = blockIdx.x * blockDim.x + threadIdx.x; p < hw; p += gridDim.x * blockDim.x)
         for (int c = 0; c < C; c++) {
-            int64_t i = ((int64_t)n * hw + p) * C + c, o = ((int64_t)n * hw + p) * 2 * C + c;
-            float prediction = (float)out[o];
-            BoundTerm b = bound_term(pixel_value(pixels[i]), (float)x_t[i], prediction, (float)out[o + C], &tt, first_step, loss.predict,
-                                     0);
-            float d = loss.frozen_mean ? 0.0f : per_bound * b.d_out;
-            if (loss.mse) {
+            int64_t i = ((int64_t)n * hw + p) * C + c, o = ((int64_t)n * hw + p) * out_C + c;
+            float prediction = (float)out[o], d = 0.0f;
+            if (kind.mse) {
                 float diff = prediction - (float)target[i];
-                squares += diff * diff, d += 2.0f * per_value * diff;
+                squares += diff * diff, d = 2.0f * per_value * diff;
             }
-            bound += b.value;
-            d_out[o] = (floatX)d, d_out[o + C] = (floatX)(per_bound * b.d_v);
+            if (kind.learned) {
+                BoundTerm b = bound_term(pixel_value(in.pixels[i]), (float)in.x_t[i], prediction, (float)out[o + C], &in.terms[in.t[n]],
+                                         in.t[n] == 0, kind.predict, 0);
+                if (!kind.frozen_mean) d += per_bound * b.d_out;
+                bound += b.value;
+                d_out[o + C] = (floatX)(per_bound * b.d_v);
+            }
+            d_out[o] = (floatX)d;
         }
     squares = block_sum_256(squares);
     bound = block_sum_256(bound);
@@ -5971,34 +6047,32 @@ __global__ void learned_loss_partial_kernel(float *partial, floatX *d_out, const
     if (threadIdx.x == 0) sums[0] = squares, sums[1] = bound;
 }
 
-// One block of 256 threads: the sums in a fixed order, then terms = [L, mean of mse_n, mean of s vb_n].
-__global__ void learned_loss_final_kernel(float *terms, const float *partial, int N, int blocks, float values, LearnedLoss loss) {
-    float squares = 0.0f, bound = 0.0f;
-    for (int n = threadIdx.x; n < N; n += blockDim.x)
-        for (int b = 0; b < blocks; b++) {
-            const float *sums = partial + 2 * ((int64_t)n * blocks + b);
-            squares += sums[0], bound += sums[1];
-        }
-    squares = block_sum_256(squares);
-    bound = block_sum_256(bound);
-    if (threadIdx.x == 0) {
-        float mse = squares / ((float)N * values), vb = loss.bound_scale * bound / ((float)N * values * (float)M_LN2);
-        terms[0] = (loss.mse ? mse : 0.0f) + vb, terms[1] = mse, terms[2] = vb;
+// One block of 256 threads: each sample's terms from its blocks' sums, then the batch's, every sum
+// in a fixed order.
+__global__ void loss_final_kernel(LossOutputs l, LossInputs in, int N, int blocks, float values, LossKind kind) {
+    float sums[LOSS_TERMS] = {0};  // L, mse, vb, the quarters' sums, their counts (before / N)
+    for (int n = threadIdx.x; n < N; n += blockDim.x) {
+        float squares = 0.0f, bound = 0.0f;
+        for (int b = 0; b < blocks; b++) squares += l.partial[2 * (n * blocks + b)], bound += l.partial[2 * (n * blocks + b) + 1];
+        float mse = squares / values, vb = kind.bound_scale * bound / (values * (float)M_LN2), loss = (kind.mse ? mse : 0.0f) + vb;
+        float w = in.weights ? in.weights[n] : 1.0f;
+        int t = in.t ? (int)in.t[n] : 0, quarter = min(4 * t / max(in.T, 1), 3);
+        l.samples[2 * n] = (float)t, l.samples[2 * n + 1] = loss;
+        sums[0] += w * loss, sums[1] += w * mse, sums[2] += w * vb, sums[3 + quarter] += w * loss, sums[7 + quarter] += 1.0f;
+    }
+    for (int k = 0; k < LOSS_TERMS; k++) {
+        float total = block_sum_256(sums[k]);
+        if (threadIdx.x == 0) l.terms[k] = k < 3 ? total / (float)N : total;
     }
 }
 
-// The blocks of a sample for learned_loss_partial_kernel: a block per 256 pixels, at most 32.
-static int learned_loss_blocks(int hw) { return (hw + 255) / 256 < 32 ? (hw + 255) / 256 : 32; }
-
-// The loss of N samples of hw pixels: out [N][hw][2C] (its gradient into d_out), target, x0's pixels
-// and x_t [N][hw][C], timesteps t [N]; terms[0..2] = L, mse, s vb; partial: N * learned_loss_blocks(hw)
-// * 2 floats.
-static void learned_loss(float *terms, float *partial, floatX *d_out, const floatX *out, const floatX *target, const uint8_t *pixels,
-                         const floatX *x_t, const int64_t *t, const TimestepTerms *t_terms, int N, int hw, int C, LearnedLoss loss) {
-    int blocks = learned_loss_blocks(hw);
-    learned_loss_partial_kernel<<<dim3(blocks, N), 256, 0, gpu.stream>>>(partial, d_out, out, target, pixels, x_t, t, t_terms, hw, C,
-                                                                         loss);
-    learned_loss_final_kernel<<<1, 256, 0, gpu.stream>>>(terms, partial, N, blocks, (float)hw * C, loss);
+// The loss of N samples of hw pixels of C channels (the output has 2C with a learned variance); the
+// output's gradient into d_out.
+static void training_loss(const LossOutputs *l, floatX *d_out, const floatX *out, const floatX *target, const LossInputs *in, int N,
+                          int hw, int C, LossKind kind) {
+    int blocks = loss_blocks(hw);
+    loss_partial_kernel<<<dim3(blocks, N), 256, 0, gpu.stream>>>(l->partial, d_out, out, target, *in, hw, C, kind);
+    loss_final_kernel<<<1, 256, 0, gpu.stream>>>(*l, *in, N, blocks, (float)hw * C, kind);
     cuda_check_launch();
 }
 
@@ -6014,8 +6088,8 @@ __global__ void grad_norm_partial_kernel(double *partial, const float *grads, in
     if (threadIdx.x == 0) partial[blockIdx.x] = s;
 }
 
-// terms: the loss, and with a learned variance its MSE and bound terms (learned_loss).
-__global__ void step_decide_kernel(StepState *s, const double *partial, const float *terms, int learned) {
+// terms: the loss's (LossOutputs.terms), averaged over the ranks.
+__global__ void step_decide_kernel(StepState *s, const double *partial, const float *terms) {
     __shared__ double sums[NORM_BLOCKS];
     for (int i = threadIdx.x; i < NORM_BLOCKS; i += blockDim.x) sums[i] = partial[i];
     __syncthreads();
@@ -6025,8 +6099,8 @@ __global__ void step_decide_kernel(StepState *s, const double *partial, const fl
     }
     if (threadIdx.x == 0) {
         float norm = (float)sqrt(sums[0]);
-        s->loss = terms[0];
-        s->mse = learned ? terms[1] : terms[0], s->vb = learned ? terms[2] : 0.0f;
+        s->loss = terms[0], s->mse = terms[1], s->vb = terms[2];
+        for (int q = 0; q < 4; q++) s->quarter_loss[q] = terms[3 + q], s->quarter_count[q] = terms[7 + q];
         s->grad_norm = norm;
         s->finite = isfinite(norm) && isfinite(terms[0]);
         s->grad_scale = s->grad_clip > 0.0f && norm > s->grad_clip ? s->grad_clip / (norm + 1e-6f) : 1.0f;
@@ -6103,6 +6177,17 @@ static void team_average_beside(float *x, size_t n) {
 static void team_join_beside(void) {
     cuda_check(cudaEventRecord(team.join, team.stream));
     cuda_check(cudaStreamWaitEvent(gpu.main, team.join, 0));
+}
+
+// all = every rank's x (n floats each), in the order of the ranks, on the stream; alone a copy.
+static void team_gather(const float *x, float *all, size_t n, cudaStream_t stream) {
+#ifndef UNET_NO_NCCL
+    if (team.comm) {
+        nccl_check(ncclAllGather(x, all, n, ncclFloat32, team.comm, stream));
+        return;
+    }
+#endif
+    cuda_check(cudaMemcpyAsync(all, x, n * sizeof(float), cudaMemcpyDeviceToDevice, stream));
 }
 
 // x = the largest over the ranks of x (n ints, in place), on the stream; nothing alone.
@@ -6351,10 +6436,17 @@ typedef struct {
     float *ema[8];         // [storage] fp32 each, GPU layout like master
     StepState *host_state, *state;  // pinned, GPU
     double *norm_partial;
-    float *loss_terms;     // GPU [3]: the loss (and with a learned variance its MSE and bound terms)
-    int learned;           // the model learns its variance: learned_loss, with these terms and partial sums
-    LearnedLoss learned_terms;
-    float *learned_partial;
+    int learned;           // the model learns its variance
+    LossKind loss_kind;
+    LossOutputs loss;
+    float *sample_weights;  // GPU [batch]: each sample's weight in the loss
+    // --schedule_sampler loss-second-moment: the history, the distribution of the step's draws
+    // (p then its cumulative sums, [2][T], pinned and GPU) and every rank's (t, loss) of the step
+    // ([world][batch][2], GPU and pinned)
+    int weighted_draws;
+    LossHistory history;
+    double *distribution_host, *distribution;
+    float *gathered, *gathered_host;
     cudaGraphExec_t graph;
     cudaEvent_t done;      // recorded after each step
     int num_buckets;       // many GPUs: the gradients' all-reduce in pieces (team_plan_buckets)
@@ -6434,15 +6526,20 @@ static void trainer_create(Trainer *tr, const Options *o, const ModelConfig *c, 
     cuda_check(cudaEventCreateWithFlags(&tr->done, cudaEventDisableTiming));
     if (team.comm) team_plan_buckets(tr);
     tr->norm_partial = (double *)gpu_malloc(NORM_BLOCKS * sizeof(double));
-    tr->loss_terms = (float *)gpu_malloc(3 * sizeof(float));
-    cuda_check(cudaMemset(tr->loss_terms, 0, 3 * sizeof(float)));
     tr->learned = c->out_channels == 2 * c->in_channels;
-    if (tr->learned) {
-        float T = (float)o->diffusion_steps;
-        tr->learned_terms = {!o->use_kl, !o->use_kl, prediction_from_name(o->predict),
-                             o->rescale_learned_sigmas ? (o->use_kl ? T : T / 1000.0f) : 1.0f};
-        int blocks = learned_loss_blocks(c->image_size * c->image_size);
-        tr->learned_partial = (float *)gpu_malloc((size_t)o->batch_size * blocks * 2 * sizeof(float));
+    int T = o->diffusion_steps;
+    float bound_scale = o->rescale_learned_sigmas ? (o->use_kl ? (float)T : (float)T / 1000.0f) : 1.0f;
+    tr->loss_kind = {tr->learned, !(tr->learned && o->use_kl), tr->learned && !o->use_kl, prediction_from_name(o->predict), bound_scale};
+    tr->loss = loss_outputs_create(o->batch_size, c->image_size * c->image_size);
+    tr->sample_weights = (float *)gpu_malloc(o->batch_size * sizeof(float));
+    tr->weighted_draws = strcmp(o->schedule_sampler, "loss-second-moment") == 0;
+    if (tr->weighted_draws) {
+        loss_history_create(&tr->history, T);
+        cuda_check(cudaMallocHost((void **)&tr->distribution_host, 2 * T * sizeof(double)));
+        tr->distribution = (double *)gpu_malloc(2 * T * sizeof(double));
+        size_t gathered = (size_t)team.world * o->batch_size * 2 * sizeof(float);
+        tr->gathered = (float *)gpu_malloc(gathered);
+        cuda_check(cudaMallocHost((void **)&tr->gathered_host, gathered));
     }
     int64_t n = act_numel(&tr->m.input);
     tr->d_pixels = (uint8_t *)gpu_malloc(n);
@@ -6468,21 +6565,27 @@ static void trainer_enqueue_step(Trainer *tr) {
         cuda_check(cudaMemcpyAsync(m->labels, tr->labels, N * sizeof(int), cudaMemcpyHostToDevice, gpu.stream));
     images_to_model_input(tr->x0, tr->d_pixels, n, gpu.stream);
     int64_t first_sample = m->embedding.first_sample;
-    diffusion_conditions_kernel<<<(N + 127) / 128, 128, 0, gpu.stream>>>(m->timesteps, m->labels, N, first_sample,
-        tr->diffusion.schedule.steps, o->cfg_dropout, tr->config.num_classes - 1, tr->state);
+    int T = tr->diffusion.schedule.steps;
+    if (tr->weighted_draws)
+        cuda_check(cudaMemcpyAsync(tr->distribution, tr->distribution_host, 2 * T * sizeof(double), cudaMemcpyHostToDevice, gpu.stream));
+    diffusion_conditions_kernel<<<(N + 127) / 128, 128, 0, gpu.stream>>>(m->timesteps, tr->sample_weights, m->labels, N, first_sample, T,
+        tr->distribution, o->cfg_dropout, tr->config.num_classes - 1, tr->state);
     diffusion_inputs_kernel<<<blocks_for(n, 256), 256, 0, gpu.stream>>>(m->input.x, m->target.x, tr->x0, m->timesteps,
         tr->diffusion.terms, prediction_from_name(o->predict), n / N, n, first_sample, tr->state);
     cuda_check_launch();
     unet_forward(m, 1);
-    if (tr->learned)
-        learned_loss(tr->loss_terms, tr->learned_partial, m->output->dx, m->output->x, m->target.x, tr->d_pixels, m->input.x, m->timesteps,
-                     tr->diffusion.terms, N, m->input.H * m->input.W, m->input.C, tr->learned_terms);
-    else mse_loss(tr->loss_terms, m->loss_partial, m->output->dx, m->output->x, m->target.x, act_numel(m->output));
+    LossInputs inputs = {tr->d_pixels, m->input.x, tr->diffusion.terms, m->timesteps, T, tr->sample_weights};
+    training_loss(&tr->loss, m->output->dx, m->output->x, m->target.x, &inputs, N, m->input.H * m->input.W, m->input.C, tr->loss_kind);
+    if (tr->weighted_draws) {  // every rank's (t, loss), in the order of the samples, for the history
+        team_gather(tr->loss.samples, tr->gathered, 2 * N, gpu.stream);
+        cuda_check(cudaMemcpyAsync(tr->gathered_host, tr->gathered, (size_t)team.world * N * 2 * sizeof(float), cudaMemcpyDeviceToHost,
+                                   gpu.stream));
+    }
     unet_backward(m, 1, team.comm ? team_reduce_after_block : NULL, tr);
     if (team.comm) team_reduce_rest(tr);  // the gradient of the loss over every rank's images
-    team_average(tr->loss_terms, 3, gpu.stream);
+    team_average(tr->loss.terms, LOSS_TERMS, gpu.stream);
     grad_norm_partial_kernel<<<NORM_BLOCKS, 256, 0, gpu.stream>>>(tr->norm_partial, m->grad, m->storage);
-    step_decide_kernel<<<1, 1024, 0, gpu.stream>>>(tr->state, tr->norm_partial, tr->loss_terms, tr->learned);
+    step_decide_kernel<<<1, 1024, 0, gpu.stream>>>(tr->state, tr->norm_partial, tr->loss.terms);
     floatX *copy = (void *)m->compute == (void *)m->master ? NULL : m->compute;
     adamw_kernel<<<blocks_for(m->storage, 256), 256, 0, gpu.stream>>>(m->master, copy, m->adam_m, m->adam_v, m->grad,
         m->storage, tr->state, o->beta1, o->beta2, o->adam_eps, o->weight_decay, tr->num_ema ? tr->ema[0] : NULL,
@@ -6510,7 +6613,8 @@ static void team_warm_up(Trainer *tr, int64_t step) {
     team_max(&tr->state->stop, 1, gpu.stream);
     for (int j = tr->num_buckets - 1; j >= 0; j--) team_reduce_bucket(tr, j);
     team_reduce_rest(tr);
-    team_average(tr->loss_terms, 3, gpu.stream);
+    team_average(tr->loss.terms, LOSS_TERMS, gpu.stream);
+    if (tr->weighted_draws) team_gather(tr->loss.samples, tr->gathered, 2 * tr->m.batch, gpu.stream);
     cuda_check(cudaEventRecord(tr->done, gpu.stream));
     team_wait(tr->done, TEAM_START_TIMEOUT, step);
 }
@@ -6528,6 +6632,7 @@ static void trainer_step(Trainer *tr) {
     h->bias2 = 1.0f - powf(o->beta2, (float)step);
     h->grad_clip = o->grad_clip;
     h->noise_seed = random_u64((uint64_t)o->seed, rng_stream(RNG_STEP_SEED, 0), (uint64_t)step);
+    h->weighted_draw = tr->weighted_draws && loss_history_distribution(&tr->history, tr->distribution_host);
     h->stop = stop_requested;
     int ordinary = tr->graph && !tr->others_wait;
     double timeout = !tr->graph ? TEAM_START_TIMEOUT
@@ -6546,6 +6651,9 @@ static void trainer_step(Trainer *tr) {
     cuda_check(cudaEventRecord(tr->done, gpu.stream));
     double waited = team_wait(tr->done, timeout, step);
     if (ordinary) tr->slowest_wait = fmax(tr->slowest_wait, waited);
+    if (tr->weighted_draws && h->finite)  // (a step that is not finite changes nothing)
+        for (int i = 0; i < team.world * tr->m.batch; i++)
+            loss_history_add(&tr->history, (int)tr->gathered_host[2 * i], tr->gathered_host[2 * i + 1]);
     tr->step = step;
     tr->others_wait = 0;
 }
@@ -6737,7 +6845,7 @@ typedef struct {
     double abar_last;      // the prior's: the last kept step's
     int predict;
     float *x0, *x_t;       // GPU, [batch][H][W][C]
-    float *partial;        // GPU, [batch][learned_loss_blocks(H W)]
+    float *partial;        // GPU, [batch][loss_blocks(H W)]
     double *bits;          // GPU, [batch]: each image's sum so far
 } Likelihood;
 
@@ -6789,7 +6897,7 @@ static void likelihood_create(Likelihood *l, const ModelConfig *c, int batch, co
     int64_t n = act_numel(&l->m.input);
     l->x0 = (float *)gpu_malloc(2 * n * sizeof(float));
     l->x_t = l->x0 + n;
-    l->partial = (float *)gpu_malloc((size_t)batch * learned_loss_blocks(c->image_size * c->image_size) * sizeof(float));
+    l->partial = (float *)gpu_malloc((size_t)batch * loss_blocks(c->image_size * c->image_size) * sizeof(float));
     l->bits = (double *)gpu_malloc(batch * sizeof(double));
 }
 
@@ -6804,7 +6912,7 @@ static void likelihood_destroy(Likelihood *l) {
 // numbered from `first` for their noise; bits[batch] (host) gets the bound's sum, prior excluded.
 static void likelihood_run(Likelihood *l, const uint8_t *pixels, int64_t first, uint64_t seed, double *bits) {
     UNet *m = &l->m;
-    int N = m->batch, hw = m->input.H * m->input.W, C = m->input.C, blocks = learned_loss_blocks(hw);
+    int N = m->batch, hw = m->input.H * m->input.W, C = m->input.C, blocks = loss_blocks(hw);
     int64_t n = act_numel(&m->input);
     cuda_check(cudaMemsetAsync(l->bits, 0, N * sizeof(double), gpu.stream));
     for (int k = 0; k < l->steps; k++) {
@@ -6934,6 +7042,7 @@ static Metadata checkpoint_metadata(const Options *o, const ModelConfig *c, int6
     meta_add(&m, "predict", "%s", o->predict);
     meta_add(&m, "use_kl", "%s", truth[o->use_kl]);
     meta_add(&m, "rescale_learned_sigmas", "%s", truth[o->rescale_learned_sigmas]);
+    meta_add(&m, "schedule_sampler", "%s", o->schedule_sampler);
     meta_add(&m, "batch_size", "%d", o->batch_size * o->gpus);  // images per step, on all GPUs
     meta_add(&m, "seed", "%lld", o->seed);
     meta_add(&m, "ema_rates", "%s", o->ema_rate);  // every rate; each EMA file names its own as ema_rate
@@ -7224,6 +7333,7 @@ typedef struct {
     const StateHeader *header;
     const float *moments;  // AdamW m then v, [2][storage]
     size_t moments_bytes;
+    const LossHistory *history;  // the schedule sampler's, when header->history_steps (else NULL)
 } CheckpointData;
 
 // Puts complete folder `tmp` of the checkpoints folder in place as `name`, replacing a checkpoint
@@ -7283,8 +7393,11 @@ static int write_checkpoint(const char *run_dir, const CheckpointData *d, int ke
         checkpoint_stage("file written");
         snprintf(path, sizeof path, "%s/state.bin", tmp);
         FILE *f = fopen(path, "wb");
-        failed = !f || write_all(f, d->header, sizeof *d->header) || write_all(f, d->moments, d->moments_bytes) ||
-                 fflush(f) != 0 || fsync(fileno(f)) != 0;
+        failed = !f || write_all(f, d->header, sizeof *d->header) || write_all(f, d->moments, d->moments_bytes);
+        if (!failed && d->header->history_steps)
+            failed = write_all(f, d->history->counts, d->header->history_steps * sizeof(int32_t)) ||
+                     write_all(f, d->history->losses, (size_t)d->header->history_steps * d->header->history_length * sizeof(float));
+        failed = failed || fflush(f) != 0 || fsync(fileno(f)) != 0;
         if (f && fclose(f) != 0) failed = 1;
     }
     if (!failed) checkpoint_stage("files written");
@@ -7318,8 +7431,9 @@ static int save_checkpoint(Trainer *tr, const char *run_dir, const LoaderPositio
     h.batch_size = o->batch_size * o->gpus, h.diffusion_steps = o->diffusion_steps;
     snprintf(h.noise_schedule, sizeof h.noise_schedule, "%s", o->noise_schedule);
     snprintf(h.predict, sizeof h.predict, "%s", o->predict);
+    if (tr->weighted_draws) h.history_steps = tr->history.steps, h.history_length = LOSS_HISTORY;
     CheckpointData d = {tr->step, &m->params, download_tensors(m, m->master), tr->num_ema, tr->ema_rates, {0}, &meta, &h, NULL,
-                        2 * (size_t)m->storage * sizeof(float)};
+                        2 * (size_t)m->storage * sizeof(float), tr->weighted_draws ? &tr->history : NULL};
     for (int i = 0; i < tr->num_ema; i++) d.ema[i] = download_tensors(m, tr->ema[i]);
     float *moments = (float *)malloc_or_die(d.moments_bytes);
     cuda_check(cudaMemcpy(moments, m->adam_m, d.moments_bytes, cudaMemcpyDeviceToHost));
@@ -7462,6 +7576,9 @@ static int check_resume(const Options *o, const ModelConfig *c, const ParamList 
     else if (h.storage != storage || (int)h.num_params != params->count)
         r = error_line(err, err_len, "%s holds the state of a model of %lld values in %u tensors, not this one's %lld in %d", path,
                          (long long)h.storage, h.num_params, (long long)storage, params->count);
+    else if (h.history_length && h.history_length != LOSS_HISTORY)
+        r = error_line(err, err_len, "%s holds a schedule sampler's history of %d losses a timestep; this trainer keeps %d", path,
+                       h.history_length, LOSS_HISTORY);
     else if (h.step != rp->step)
         r = error_line(err, err_len, "%s is of step %lld but the weights beside it are of step %lld", path, (long long)h.step,
                          (long long)rp->step);
@@ -7490,11 +7607,17 @@ static int load_checkpoint(Trainer *tr, const ResumePoint *rp, char *err, size_t
     StateHeader h;
     char why[512];
     if (map_regular_file(path, "training state", &state, err, err_len) != 0) return -1;
-    if (state_check(state.bytes, state.size, &h, why, sizeof why) != 0 || h.storage != m->storage) {
+    if (state_check(state.bytes, state.size, &h, why, sizeof why) != 0 || h.storage != m->storage ||
+        (h.history_steps && (h.history_steps != tr->diffusion.schedule.steps || h.history_length != LOSS_HISTORY))) {
         unmap_file(&state);
         return error_line(err, err_len, "%s changed since it was checked", path);
     }
-    cuda_check(cudaMemcpy(m->adam_m, state.bytes + sizeof h, 2 * (size_t)m->storage * sizeof(float), cudaMemcpyHostToDevice));
+    cuda_check(cudaMemcpy(m->adam_m, state_moments(state.bytes, &h), 2 * (size_t)m->storage * sizeof(float), cudaMemcpyHostToDevice));
+    if (tr->weighted_draws && h.history_steps) {  // (a run that changes the sampler starts with an empty history, or drops it)
+        const uint8_t *history = state_history(state.bytes, &h);
+        memcpy(tr->history.counts, history, h.history_steps * sizeof(int32_t));
+        memcpy(tr->history.losses, history + h.history_steps * sizeof(int32_t), (size_t)h.history_steps * LOSS_HISTORY * sizeof(float));
+    }
     unmap_file(&state);
     unet_sync_compute(m);
     tr->step = rp->step;
@@ -7777,6 +7900,8 @@ static void validate_training(const Options *o) {
     if (!(o->lr > 0)) usage_error("--lr %g must be positive", o->lr);
     if (!(o->weight_decay >= 0)) usage_error("--weight_decay %g must not be negative", o->weight_decay);
     if (prediction_from_name(o->predict) < 0) usage_error("--predict '%s' must be eps, v or x0", o->predict);
+    if (strcmp(o->schedule_sampler, "uniform") != 0 && strcmp(o->schedule_sampler, "loss-second-moment") != 0)
+        usage_error("--schedule_sampler '%s' must be uniform or loss-second-moment", o->schedule_sampler);
     if (!(o->beta1 >= 0 && o->beta1 < 1) || !(o->beta2 >= 0 && o->beta2 < 1)) usage_error("--beta1 and --beta2 must be in [0, 1)");
     if (!(o->adam_eps > 0)) usage_error("--adam_eps %g must be positive", o->adam_eps);
     if (o->warmup_steps < 0) usage_error("--warmup_steps %d must not be negative", o->warmup_steps);
@@ -7979,7 +8104,7 @@ static void on_stop_signal(int sig) {
     stop_requested = 1;
 }
 
-#define LOG_HEADER "step,loss,lr,grad_norm,img_per_s,ms_per_step,gpu_mem_gib,mse,vb"
+#define LOG_HEADER "step,loss,lr,grad_norm,img_per_s,ms_per_step,gpu_mem_gib,mse,vb,loss_q0,loss_q1,loss_q2,loss_q3"
 
 // Writes a small file whole under a temporary name, syncs it and renames it into place; exits on
 // an error. `fill` writes the content.
@@ -8143,6 +8268,7 @@ static void run_training(const Options *o, const ModelConfig *config, const Para
     GpuSampler sampler;  // made at the first grid
     memset(&sampler, 0, sizeof sampler);
     double interval_loss = 0, interval_mse = 0, interval_vb = 0, started = now_seconds(), interval_start = started;
+    double interval_quarter[4] = {0}, interval_quarter_count[4] = {0};  // per quarter of t: sums of the weighted losses, counts
     int interval_steps = 0, bad_in_row = 0;
     int64_t bad_total = 0, first_step = tr.step;
     int64_t last = o->stop_step > 0 && o->stop_step < o->steps ? o->stop_step : o->steps;
@@ -8165,6 +8291,7 @@ static void run_training(const Options *o, const ModelConfig *config, const Para
         }
         bad_in_row = 0;
         interval_loss += s->loss, interval_mse += s->mse, interval_vb += s->vb, interval_steps++;
+        for (int q = 0; q < 4; q++) interval_quarter[q] += s->quarter_loss[q], interval_quarter_count[q] += s->quarter_count[q];
         if (lead && (tr.step % o->log_interval == 0 || tr.step == o->steps)) {
             double t = now_seconds(), ms = 1000.0 * (t - interval_start) / fmax(interval_steps, 1);
             double img_s = global_batch * 1000.0 / ms, eta = (o->steps - tr.step) * ms / 1000.0;
@@ -8175,12 +8302,17 @@ static void run_training(const Options *o, const ModelConfig *config, const Para
             printf("step %lld/%lld  loss %.4f%s  lr %.3g  grad norm %.3f  %.0f img/s  %.1f ms/step  ETA %.0fh%02.0fm%s\n",
                    (long long)tr.step, o->steps, interval_loss / interval_steps, terms, s->lr, s->grad_norm, img_s, ms,
                    floor(eta / 3600), fmod(eta / 60, 60), bad_total ? "  (non-finite steps skipped so far: see warnings)" : "");
-            fprintf(log, "%lld,%.6f,%.6g,%.6f,%.1f,%.3f,%.3f,%.6f,%.6f\n", (long long)tr.step, interval_loss / interval_steps, s->lr,
+            fprintf(log, "%lld,%.6f,%.6g,%.6f,%.1f,%.3f,%.3f,%.6f,%.6f", (long long)tr.step, interval_loss / interval_steps, s->lr,
                     s->grad_norm, img_s, ms, mem, interval_mse / interval_steps, interval_vb / interval_steps);
+            for (int q = 0; q < 4; q++)  // (empty when no sample's t fell in the quarter)
+                if (interval_quarter_count[q] > 0) fprintf(log, ",%.6f", interval_quarter[q] / interval_quarter_count[q]);
+                else fputc(',', log);
+            fputc('\n', log);
             fflush(log);
             fflush(stdout);
             loss_chart_add(&chart, tr.step, interval_loss / interval_steps, s->lr);
             interval_loss = interval_mse = interval_vb = 0, interval_steps = 0, interval_start = t;
+            for (int q = 0; q < 4; q++) interval_quarter[q] = interval_quarter_count[q] = 0;
         }
         if (o->sample_count && o->sample_interval && tr.step % o->sample_interval == 0 && tr.step < last) {
             if (lead) write_samples(&tr, &sampler, o->run_dir);

@@ -2,7 +2,8 @@
 losses.py), written from its formulas, in float64: the beta schedules, space_timesteps, the
 arrays of GaussianDiffusion and SpacedDiffusion's respaced ones, p_mean_variance with the learned
 range, the variational bound's terms (normal_kl, discretized_gaussian_log_likelihood) and the
-likelihood's prior; and the project's counter-based normal draws (random.h, sampler.h's
+likelihood's prior; guided-diffusion's LossSecondMomentResampler (resample.py); and the project's
+counter-based normal draws (random.h, sampler.h's
 normal_sample), so that a likelihood computed here sees the noise train_unet.cu's does.
 
 Used by make_diffusion_fixture.py (fixtures for dev/test/test_sampler_fixture.cu) and
@@ -122,6 +123,34 @@ def prior_terms(d, x0):
     """KL(q(x_T | x0) || N(0, I)) of every value, in nats (_prior_bpd before its mean)."""
     a = d.abar[-1]
     return normal_kl(torch.sqrt(a) * x0, torch.log(1 - a), torch.zeros_like(x0), torch.zeros_like(x0))
+
+
+class LossSecondMomentResampler:
+    """resample.py's importance sampling of t: the last `history` losses of each timestep; uniform
+    until every t has them, then p_t proportional to sqrt(mean of t's losses^2), mixed with
+    `uniform` of the uniform distribution."""
+
+    def __init__(self, T, history=10, uniform=0.001):
+        self.history, self.uniform = history, uniform
+        self.losses = torch.zeros(T, history, dtype=F64)
+        self.counts = torch.zeros(T, dtype=torch.int64)
+
+    def weights(self):
+        T = len(self.counts)
+        if not bool((self.counts == self.history).all()):
+            return torch.ones(T, dtype=F64) / T
+        w = torch.sqrt(torch.mean(self.losses ** 2, dim=-1))
+        w = w / w.sum() * (1 - self.uniform) + self.uniform / T
+        return w / w.sum()
+
+    def update_with_all_losses(self, ts, losses):
+        for t, loss in zip(ts, losses):
+            if self.counts[t] == self.history:
+                self.losses[t, :-1] = self.losses[t, 1:].clone()
+                self.losses[t, -1] = loss
+            else:
+                self.losses[t, self.counts[t]] = loss
+                self.counts[t] += 1
 
 
 # The project's counter-based draws (random.h): splitmix64's finaliser over (seed, stream, index).

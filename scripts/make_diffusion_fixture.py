@@ -6,7 +6,8 @@ variance (improved DDPM), by our PyTorch reference (diffusion_ref.py, float64), 
   of the posterior q(x_{t-1} | x_t, x0) and the model's Gaussian at t > 0, the discretized Gaussian
   decoder's negative log-likelihood at t = 0), in nats, and its derivatives by the model's output
   (through the mean) and by its variance half v, by autograd;
-- p_sample with the learned range on a respaced schedule (SpacedDiffusion's betas).
+- p_sample with the learned range on a respaced schedule (SpacedDiffusion's betas);
+- the schedule sampler loss-second-moment: the distribution of t after a sequence of losses.
 
 Written to dev/fixtures/diffusion/learned.safetensors for dev/test/test_sampler_fixture.cu.
 
@@ -20,7 +21,7 @@ import torch
 from safetensors.torch import save_file
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from diffusion_ref import F64, Diffusion, betas_for, bound_terms, respaced, space_timesteps  # noqa: E402
+from diffusion_ref import F64, Diffusion, LossSecondMomentResampler, betas_for, bound_terms, respaced, space_timesteps  # noqa: E402
 
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "dev", "fixtures", "diffusion", "learned.safetensors")
 T = 1000
@@ -89,6 +90,20 @@ def main():
     tensors["learned_ddpm_cases"] = torch.tensor(cases, dtype=F64)
     tensors["learned_ddpm_values"] = torch.stack(values)
     tensors["learned_ddpm_expected"] = torch.stack(expected)
+
+    # The schedule sampler on 8 timesteps: losses [count] (t, loss; t's losses of its own size), and
+    # the distribution of t after the first `after[j]` of them (uniform while some t lacks its 10).
+    resampler, count, after = LossSecondMomentResampler(8), 240, [20, 90, 160, 240]
+    ts = torch.randint(0, 8, (count,), generator=gen)
+    losses = as_float32((ts.double() + 1) * (0.2 + rand(count)))
+    distributions = []
+    for i in range(count):
+        resampler.update_with_all_losses([int(ts[i])], [losses[i]])
+        if i + 1 in after:
+            distributions.append(resampler.weights())
+    tensors["resampler_losses"] = torch.stack([ts.double(), losses], dim=1)
+    tensors["resampler_after"] = torch.tensor(after, dtype=torch.int64)
+    tensors["resampler_p"] = torch.stack(distributions)
 
     os.makedirs(os.path.dirname(OUT), exist_ok=True)
     save_file({k: v.contiguous() for k, v in sorted(tensors.items())}, OUT,

@@ -133,8 +133,8 @@ def run(tmp):
           and unconditional["null_class"] == "False", "unconditional: num_classes 0, no null class")
     check(model_metadata({**SEED_FLAGS, "channel_mult": ""}, 4, 1000, "linear", "eps")["channel_mult"] == "1,2,3,4",
           "an empty channel_mult resolved as train_unet does")
-    expect_raise(lambda: model_metadata({**SEED_FLAGS, "learn_sigma": "True"}, 4, 1000, "linear", "eps"),
-                 "learn_sigma refused")
+    check(model_metadata({**SEED_FLAGS, "learn_sigma": "True"}, 4, 1000, "linear", "eps")["learn_sigma"] == "True",
+          "learn_sigma recorded as train_unet records it")
     expect_raise(lambda: model_metadata(SEED_FLAGS, 4, 1000, "linear", "eps", extra={"num_classes": "9"}),
                  "extra metadata cannot replace a model key")
 

@@ -4,19 +4,24 @@ compared (scripts/compare_training.sh, scripts/plot_log.py).
 
     python3 scripts/train_torch.py --data data/shapes.bin --preset seed --steps 2000 --batch_size 32 \
         --lr 1e-4 --log_interval 10 --csv OUT.csv [--seed 0] [--class_cond False] [--cfg_dropout 0] \
-        [--noise_schedule linear|cosine] [--diffusion_steps 1000] [--predict eps|v] [--device cuda] \
+        [--noise_schedule linear|cosine] [--diffusion_steps 1000] [--predict eps|v] [--learn_sigma False] \
+        [--rescale_learned_sigmas True] [--device cuda] \
         [--bf16 True] [--compile none|default|reduce-overhead] [--warmup_steps 0] [--ema_rate 0.9999]
         [--save FILE.safetensors]
 
 Flags carry train_unet's names; model flags (--num_channels, --dropout, ...) override the preset.
 The step: t ~ U{0..T-1}, x_t = sqrt(ab_t) x0 + sqrt(1 - ab_t) eps, loss = mean squared error of
-model(x_t, t[, y]) against eps (or v = sqrt(ab_t) eps - sqrt(1 - ab_t) x0), AdamW, EMA.
+model(x_t, t[, y]) against eps (or v = sqrt(ab_t) eps - sqrt(1 - ab_t) x0), AdamW, EMA. With
+--learn_sigma True the model has 6 output channels and the loss is guided-diffusion's hybrid
+(RESCALED_MSE): the MSE of the first 3 plus the variational bound's term in bits per dimension
+(the KL of the posterior and the model's Gaussian, the discretized decoder's NLL at t = 0) with the
+mean's output detached and the last 3 interpolating log beta_t and log beta~_t, times T/1000.
 Data: each epoch a fresh seeded permutation, batches run across epoch boundaries, random
 horizontal flips; the same semantics as train_unet's loader, not the same random draws.
 Learning rate: linear warm-up over --warmup_steps (lr * step / warmup_steps at step 1..warmup_steps),
 then constant, as train_unet's (without --lr_decay). EMA for every rate of --ema_rate, starting from
 the initial weights: ema = rate ema + (1 - rate) params after each step, as train_unet's.
-CSV columns: step,loss,lr,grad_norm,img_per_s,ms_per_step,gpu_mem_gib (see --help).
+CSV columns: step,loss,lr,grad_norm,img_per_s,ms_per_step,gpu_mem_gib,mse,vb (see --help).
 --save FILE.safetensors writes, after the last step, the first --ema_rate's EMA weights (what
 ./generate samples from a train_unet checkpoint folder by default: its ema.safetensors) as fp32
 under guided-diffusion's state_dict names, with the model's flags in the metadata as train_unet
@@ -35,6 +40,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_torch import PRESETS  # noqa: E402
+from diffusion_ref import Diffusion, discretized_gaussian_log_likelihood, normal_kl  # noqa: E402
 from unet_ref import DEFAULTS, create_model, str2bool  # noqa: E402
 from unet_safetensors import model_metadata, write_safetensors  # noqa: E402
 
@@ -42,7 +48,7 @@ PRESET_SCHEDULE = {"seed": "linear", "adm64": "cosine"}
 MODEL_FLAGS = ["image_size", "num_channels", "channel_mult", "num_res_blocks", "attention_resolutions",
                "num_heads", "num_head_channels", "num_heads_upsample", "use_new_attention_order",
                "use_scale_shift_norm", "resblock_updown", "conv_resample", "dropout"]
-CSV_HEADER = "step,loss,lr,grad_norm,img_per_s,ms_per_step,gpu_mem_gib"
+CSV_HEADER = "step,loss,lr,grad_norm,img_per_s,ms_per_step,gpu_mem_gib,mse,vb"
 
 # ---------------------------------------------------------------------------------------------
 # Dataset .bin (dataset.h is authoritative): 64-byte header, class names, int32 labels, NHWC uint8.
@@ -166,6 +172,10 @@ def parse_args():
     p.add_argument("--noise_schedule", default=None, choices=["linear", "cosine"],
                    help="default: the preset's (seed linear, adm64 cosine)")
     p.add_argument("--predict", default="eps", choices=["eps", "v"])
+    p.add_argument("--learn_sigma", type=str2bool, default=False,
+                   help="6 output channels trained with guided-diffusion's hybrid loss (MSE + the bound's term)")
+    p.add_argument("--rescale_learned_sigmas", type=str2bool, default=True,
+                   help="with learn_sigma: the bound's term times diffusion_steps/1000")
     p.add_argument("--steps", type=int, default=2000)
     p.add_argument("--batch_size", type=int, default=32)
     p.add_argument("--lr", type=float, default=1e-4)
@@ -207,6 +217,25 @@ def learning_rate(a, step):
     return a.lr
 
 
+def bound_bits(d, x0, x_t, out, v, t, predict):
+    """guided-diffusion's _vb_terms_bpd for a batch (t [n]): the variational bound's term of each
+    sample in bits per dimension, for the prediction `out` and the variance half `v` (LEARNED_RANGE),
+    in float32 with the float64 tables gathered (as _extract_into_tensor)."""
+    def g(table):
+        return table.to(x0.device)[t].float().view(-1, 1, 1, 1)
+    a = g(d.abar)
+    x0_model = torch.sqrt(1 / a) * x_t - torch.sqrt(1 / a - 1) * out if predict == "eps" else \
+        torch.sqrt(a) * x_t - torch.sqrt(1 - a) * out
+    mean = g(d.mean_x0) * x0_model + g(d.mean_xt) * x_t
+    log_var_min, log_var_max = g(d.posterior_log_variance_clipped), g(torch.log(d.betas))
+    frac = (v + 1) / 2
+    log_var = frac * log_var_max + (1 - frac) * log_var_min
+    true_mean = g(d.mean_x0) * x0 + g(d.mean_xt) * x_t
+    kl = normal_kl(true_mean, log_var_min, mean, log_var).mean(dim=(1, 2, 3)) / math.log(2.0)
+    nll = -discretized_gaussian_log_likelihood(x0, mean, 0.5 * log_var).mean(dim=(1, 2, 3)) / math.log(2.0)
+    return torch.where(t == 0, nll, kl)
+
+
 def save_weights(path, model, weights, metadata):
     """Writes `weights` (tensors in the order of model.named_parameters(), e.g. an EMA) under the
     model's parameter names as fp32, C order ([out][in][kh][kw] for convolutions, whatever the
@@ -235,7 +264,7 @@ def main():
     if a.class_cond and labels is None:
         sys.exit(f"--class_cond: dataset {a.data} has no labels")
     num_classes = len(names) if a.class_cond else 0
-    flags.update(class_cond=a.class_cond, num_classes=num_classes + 1)  # + the null class
+    flags.update(class_cond=a.class_cond, num_classes=num_classes + 1, learn_sigma=a.learn_sigma)  # + the null class
     schedule = a.noise_schedule or PRESET_SCHEDULE[a.preset]
 
     model = create_model(flags).to(device).to(memory_format=torch.channels_last)
@@ -261,6 +290,8 @@ def main():
                 "cfg_dropout": f"{a.cfg_dropout:g}", "random_flip": str(a.random_flip), "steps": str(a.steps),
                 "bf16": str(a.bf16), "compile": a.compile})
     alphas_cumprod = np.cumprod(1.0 - get_betas(schedule, T))
+    diffusion = Diffusion(torch.from_numpy(get_betas(schedule, T)))
+    bound_scale = T / 1000.0 if a.rescale_learned_sigmas else 1.0
     # As guided-diffusion's _extract_into_tensor: float64 table, gathered, then float32.
     sqrt_ab = torch.from_numpy(np.sqrt(alphas_cumprod)).to(device)
     sqrt_1mab = torch.from_numpy(np.sqrt(1.0 - alphas_cumprod)).to(device)
@@ -285,7 +316,7 @@ def main():
             torch.cuda.synchronize(device)
 
     sync()
-    interval_start, losses = time.perf_counter(), []
+    interval_start, losses, terms = time.perf_counter(), [], []
     for step in range(1, a.steps + 1):
         lr = learning_rate(a, step)
         for group in opt.param_groups:
@@ -307,7 +338,15 @@ def main():
             extra = (torch.where(drop, torch.full_like(y, num_classes), y),)
         with autocast:
             out = forward(x_t, t, *extra)
-        loss = F.mse_loss(out.float(), target)
+        if a.learn_sigma:  # the hybrid loss: per sample mse + s vb, vb through the variance half alone
+            out, v = out.float()[:, :3], out.float()[:, 3:]
+            mse = ((out - target) ** 2).mean(dim=(1, 2, 3))
+            vb = bound_scale * bound_bits(diffusion, x0, x_t, out.detach(), v, t, a.predict)
+            loss = (mse + vb).mean()
+            terms.append(torch.stack([mse.mean().detach(), vb.mean().detach()]))
+        else:
+            loss = F.mse_loss(out.float(), target)
+            terms.append(torch.stack([loss.detach(), torch.zeros_like(loss.detach())]))
         loss.backward()
         last = step % a.log_interval == 0 or step == a.steps
         if last:  # global L2 norm of all gradients, before any clipping
@@ -324,9 +363,10 @@ def main():
             now = time.perf_counter()
             elapsed, k = now - interval_start, len(losses)
             mean_loss = torch.stack(losses).mean().item()
+            mean_mse, mean_vb = torch.stack(terms).mean(dim=0).tolist()
             mem = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
             row = (f"{step},{mean_loss:.6f},{lr:.6g},{grad_norm:.6f},{k * a.batch_size / elapsed:.2f},"
-                   f"{elapsed / k * 1000:.3f},{mem:.3f}")
+                   f"{elapsed / k * 1000:.3f},{mem:.3f},{mean_mse:.6f},{mean_vb:.6f}")
             if csv:
                 csv.write(row + "\n")
                 csv.flush()
@@ -335,7 +375,7 @@ def main():
                   flush=True)
             if not math.isfinite(mean_loss):
                 sys.exit(f"loss is {mean_loss} at step {step}: stopping")
-            interval_start, losses = time.perf_counter(), []
+            interval_start, losses, terms = time.perf_counter(), [], []
     if csv:
         csv.close()
     if a.save:

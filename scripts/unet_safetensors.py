@@ -63,8 +63,7 @@ def model_metadata(flags, num_classes, diffusion_steps, noise_schedule, predict,
     flags: the model's guided-diffusion flags (strings or native values): image_size,
         num_channels, num_res_blocks, channel_mult, attention_resolutions, num_heads,
         num_head_channels, num_heads_upsample, use_scale_shift_norm, resblock_updown,
-        use_new_attention_order, conv_resample, dropout, class_cond; learn_sigma if any
-        (only False: a 6-channel model cannot be sampled).
+        use_new_attention_order, conv_resample, dropout, class_cond; learn_sigma if any.
     num_classes: rows of label_emb (the dataset's classes + the null class) when class_cond,
         ignored otherwise (0 is written, as train_unet does).
     extra: more string entries (training configuration, step, ...): they may not replace a
@@ -82,8 +81,6 @@ def model_metadata(flags, num_classes, diffusion_steps, noise_schedule, predict,
     if num_heads_upsample == -1:  # train_unet stores the resolved count
         num_heads_upsample = num_heads
     class_cond = str2bool(f.get("class_cond", False))
-    if str2bool(f.get("learn_sigma", False)):
-        raise ValueError("learn_sigma: a 6-channel model is not what this trainer writes")
     if class_cond and int(num_classes) < 2:
         raise ValueError(f"class_cond with {num_classes} label_emb rows: at least one class and the null class")
     if noise_schedule not in ("linear", "cosine"):
@@ -110,7 +107,7 @@ def model_metadata(flags, num_classes, diffusion_steps, noise_schedule, predict,
         "class_cond": truth(class_cond),
         "num_classes": str(int(num_classes) if class_cond else 0),
         "null_class": truth(class_cond),  # the last label_emb row is the unconditional label
-        "learn_sigma": "False",
+        "learn_sigma": truth(str2bool(f.get("learn_sigma", False))),
         "diffusion_steps": str(int(diffusion_steps)),
         "noise_schedule": noise_schedule,
         "predict": predict,

@@ -2,8 +2,9 @@
 // (guided-diffusion's formulas in float64: beta schedules, space_timesteps, p_sample's posterior,
 // ddim_sample, and DPM-Solver++(2M)'s official second-order update), and the learned variance
 // (train_unet.cu's bound_term, sampler.h's respacing and learned DDPM step) against
-// scripts/make_diffusion_fixture.py's (PyTorch, float64, gradients by autograd), on the fixtures'
-// random cases. Each step is computed in float, so the tolerance is 1e-5 relative per case.
+// scripts/make_diffusion_fixture.py's (PyTorch, float64, gradients by autograd), and the schedule
+// sampler's distribution of t (train_unet.cu's LossHistory) against its LossSecondMomentResampler,
+// on the fixtures' random cases. Each step is computed in float, so the tolerance is 1e-5 relative per case.
 #define TRAIN_UNET_LIBRARY
 #include "../../train_unet.cu"
 #include "check.h"
@@ -52,6 +53,35 @@ static double check_bound_terms(const NoiseSchedule *schedules) {
            worst[2]);
     free(cases), free(values), free(expected), free(got);
     return fmax(worst[0], fmax(worst[1], worst[2]));
+}
+
+// The schedule sampler's distribution of t after each of the fixture's prefixes of (t, loss) on 8
+// timesteps; returns the worst relative error, and in *weighted how many were past the uniform start.
+static double check_loss_history(int *weighted, int *prefixes) {
+    int64_t numel = 0, count = 0;
+    double *losses = tensor_of(&learned, "resampler_losses", &numel), *after = tensor_of(&learned, "resampler_after", &count);
+    double *want = tensor_of(&learned, "resampler_p", NULL);
+    enum { T = 8 };
+    LossHistory h;
+    loss_history_create(&h, T);
+    double p[2 * T], worst = 0;
+    int j = 0;
+    *weighted = 0, *prefixes = (int)count;
+    for (int i = 0; i < numel / 2; i++) {
+        loss_history_add(&h, (int)losses[2 * i], (float)losses[2 * i + 1]);
+        if (j >= count || i + 1 != (int)after[j]) continue;
+        if (loss_history_distribution(&h, p)) ++*weighted;
+        else
+            for (int t = 0; t < T; t++) p[t] = 1.0 / T;
+        double diff = 0, norm = 0;
+        for (int t = 0; t < T; t++) diff += (p[t] - want[j * T + t]) * (p[t] - want[j * T + t]), norm += want[j * T + t] * want[j * T + t];
+        worst = fmax(worst, sqrt(diff / norm));
+        j++;
+    }
+    printf("  %d losses on %d timesteps, the distribution after %d prefixes (%d past the uniform start): worst relative error %.2e\n",
+           (int)(numel / 2), T, (int)count, *weighted, worst);
+    free(losses), free(after), free(want), free(h.counts), free(h.losses);
+    return worst;
 }
 
 // p_sample with the learned range on a respaced schedule; returns the worst relative error.
@@ -189,6 +219,10 @@ int main(void) {
     CHECK(check_bound_terms(schedules) <= 1e-5);
     check_case("DDPM with a learned variance on respaced steps equals guided-diffusion's p_sample (LEARNED_RANGE)");
     CHECK(check_learned_ddpm(schedules, specs) <= 1e-5);
+    check_case("the schedule sampler loss-second-moment: uniform until every t has 10 losses, then guided-diffusion's p_t");
+    int weighted = 0, prefixes = 0;
+    CHECK(check_loss_history(&weighted, &prefixes) <= 1e-12);
+    CHECK(weighted > 0 && weighted < prefixes);  // both regimes seen
 
     noise_schedule_free(&schedules[0]), noise_schedule_free(&schedules[1]), noise_schedule_free(&linear);
     safetensors_close(&fixture), safetensors_close(&learned);

@@ -5,7 +5,8 @@
 # a clear message; sample grids are written; bad checkpoints are refused with one line; a run
 # folder takes one trainer at a time, SIGHUP saves, a save past the file-size limit keeps the
 # previous checkpoint, an older resume sets the later steps aside, a resume from elsewhere starts a
-# new run; a learned variance trains, resumes and samples.
+# new run; a learned variance trains, resumes and samples; the schedule sampler loss-second-moment
+# resumes exactly (its history in state.bin) and logs the loss per quarter of t.
 cd "$(dirname "$0")/../.." || exit 1
 . dev/test/lib.sh
 ./prepare_data --synthetic shapes --count 300 --size 32 --seed 5 --output "$TEST_TMP/s.bin" --quiet >/dev/null
@@ -40,7 +41,7 @@ expect_ok train --learn_sigma True --steps 20 --run_dir "$TEST_TMP/sigma" --resu
 expect_ok train --learn_sigma True --steps 20 --run_dir "$TEST_TMP/sigma_straight"
 cmp -s "$TEST_TMP/sigma/checkpoints/step_000000020/model.safetensors" "$TEST_TMP/sigma_straight/checkpoints/step_000000020/model.safetensors" ||
     case_fail "the resumed learned-variance run's weights differ from the straight run's"
-expect_grep '^step,loss,lr,grad_norm,img_per_s,ms_per_step,gpu_mem_gib,mse,vb$' "$TEST_TMP/sigma/log.csv"
+expect_grep '^step,loss,lr,grad_norm,img_per_s,ms_per_step,gpu_mem_gib,mse,vb,loss_q0,loss_q1,loss_q2,loss_q3$' "$TEST_TMP/sigma/log.csv"
 awk -F, 'NR > 1 && !($9 > 0 && $8 > 0 && ($2 - $8 - $9) ^ 2 < 1e-6) { bad = 1 } END { exit bad }' "$TEST_TMP/sigma/log.csv" ||
     case_fail "log.csv: loss is not mse + vb, or a term is not positive: $(sed -n 2p "$TEST_TMP/sigma/log.csv")"
 expect_grep '^step 20/20  loss [0-9.]+ \(mse [0-9.]+, vb [0-9.]+\)' "$LAST_OUT"
@@ -51,6 +52,38 @@ expect_grep 'ddpm with 20 steps' "$LAST_OUT"
 [ -s "$TEST_TMP/sigma_samples/grid.png" ] || case_fail "no grid from the learned-variance checkpoint"
 expect_ok ./generate --checkpoint "$TEST_TMP/sigma/checkpoints/step_000000020" --respacing 10,5 --sampler ddpm --num 2 --out "$TEST_TMP/sigma_10_5"
 expect_grep 'ddpm with 15 steps' "$LAST_OUT"
+
+case_begin "the schedule sampler loss-second-moment: its history resumes exactly, draws by it once full, and the quarters are logged"
+# 20 timesteps at 8 images a step: every t has its 10 losses after a few dozen steps
+LSM=(--learn_sigma True --diffusion_steps 20 --schedule_sampler loss-second-moment --steps 100 --log_interval 5 --sample_steps 10)
+expect_ok train "${LSM[@]}" --run_dir "$TEST_TMP/lsm"
+expect_ok train "${LSM[@]}" --stop_step 70 --run_dir "$TEST_TMP/lsm_resumed"
+expect_ok train "${LSM[@]}" --run_dir "$TEST_TMP/lsm_resumed" --resume_checkpoint latest
+for f in model.safetensors state.bin; do
+    cmp -s "$TEST_TMP/lsm/checkpoints/step_000000100/$f" "$TEST_TMP/lsm_resumed/checkpoints/step_000000100/$f" ||
+        case_fail "$f of the resumed run differs from the straight run's"
+done
+cmp -s <(cut -d, -f1-4,8- "$TEST_TMP/lsm/log.csv") <(cut -d, -f1-4,8- "$TEST_TMP/lsm_resumed/log.csv") ||
+    case_fail "the resumed run's logged losses differ from the straight run's"
+# state.bin (checkpoint.h): version 2, a history of 20 timesteps of 10 losses, every count 10 at step 70
+python3 - "$TEST_TMP/lsm_resumed/checkpoints/step_000000070/state.bin" <<'PY' || case_fail "state.bin at step 70 holds no full history"
+import struct, sys
+b = open(sys.argv[1], "rb").read()
+version, = struct.unpack_from("<I", b, 8)
+steps, length = struct.unpack_from("<ii", b, 88)
+storage, = struct.unpack_from("<q", b, 24)
+counts = struct.unpack_from("<20i", b, 96 + 8 * storage)
+full = version == 2 and (steps, length) == (20, 10) and set(counts) == {10}
+if not full:
+    print(f"  version {version}, history of {steps} x {length}, counts {counts}")
+sys.exit(0 if full else 1)
+PY
+expect_ok train "${LSM[@]}" --schedule_sampler uniform --run_dir "$TEST_TMP/lsm_uniform"
+cmp -s "$TEST_TMP/lsm/checkpoints/step_000000100/model.safetensors" "$TEST_TMP/lsm_uniform/checkpoints/step_000000100/model.safetensors" &&
+    case_fail "the weighted draws changed nothing: the weights equal a uniform run's"
+awk -F, 'NR > 1 { for (q = 10; q <= 13; q++) if ($q != "") seen[q] = 1; if ($10 != "" && !($10 > 0)) bad = 1 }
+         END { exit bad || length(seen) != 4 }' "$TEST_TMP/lsm/log.csv" ||
+    case_fail "log.csv: the quarters' losses are missing or not positive: $(sed -n 2p "$TEST_TMP/lsm/log.csv")"
 
 case_begin "SIGINT finishes the step, saves a checkpoint, says where and exits 0"
 ./train_unet "${ARGS[@]}" --steps 1000000 --run_dir "$TEST_TMP/c" >"$TEST_TMP/c.out" 2>&1 &  # not through a function: $! is train_unet

@@ -4,7 +4,9 @@
 # graph, the id file), and --gpus beyond the machine's GPUs is one error line. With two GPUs or
 # more: 2 GPUs at batch B against 1 GPU at batch 2B (losses, weights equal on both ranks), resume
 # of a 2-GPU checkpoint on 1 GPU, two ranks started by hand (RANK, WORLD_SIZE, LOCAL_RANK), a killed
-# rank stopping the other within 60 s, and Ctrl-C on --gpus saving one checkpoint.
+# rank stopping the other within 60 s, and Ctrl-C on --gpus saving one checkpoint; the schedule
+# sampler loss-second-moment fed every rank's losses (a team of one exactly as alone; two ranks
+# holding the same history).
 cd "$(dirname "$0")/../.." || exit 1
 . dev/test/lib.sh
 gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
@@ -38,6 +40,15 @@ for f in model.safetensors state.bin; do
 done
 ls "$TEST_TMP/team1" | grep -q nccl_id && case_fail "the NCCL id file was left in the run folder"
 
+# The schedule sampler on 20 timesteps: full after a few dozen steps of 8 images.
+LSM=(--diffusion_steps 20 --schedule_sampler loss-second-moment --learn_sigma True --log_interval 5)
+case_begin "loss-second-moment: a team of one (the losses gathered through NCCL) trains exactly as a process alone"
+expect_ok train "${LSM[@]}" --batch_size 8 --steps 60 --run_dir "$TEST_TMP/lsm_alone"
+expect_ok env RANK=0 WORLD_SIZE=1 LOCAL_RANK=0 ./train_unet "${ARGS[@]}" "${LSM[@]}" --batch_size 8 --steps 60 --run_dir "$TEST_TMP/lsm_team1"
+for f in model.safetensors state.bin; do
+    cmp -s "$TEST_TMP/lsm_alone/checkpoints/step_000000060/$f" "$TEST_TMP/lsm_team1/checkpoints/step_000000060/$f" || case_fail "$f differs"
+done
+
 case_begin "--gpus beyond this machine's GPUs: one error line"
 expect_fail train --batch_size 8 --steps 2 --gpus $((gpus + 1)) --run_dir "$TEST_TMP/too_many"
 expect_grep "^train_unet: error: --gpus $((gpus + 1)), but this machine shows $gpus GPU" "$LAST_ERR"
@@ -60,6 +71,14 @@ echo "  largest relative loss difference over 50 steps: $gap"
 below "$gap" 0.02 || case_fail "losses differ by $gap (relative) between 2x8 and 1x16"
 first=$(loss_gap <(head -2 "$TEST_TMP/one/log.csv") <(head -2 "$TEST_TMP/two/log.csv"))
 below "$first" 1e-3 || case_fail "step 1's losses differ by $first (the same images, noise and weights)"
+
+case_begin "loss-second-moment on 2 GPUs: both ranks draw from the same history (equal weights), its losses near 1 GPU's"
+expect_ok train "${LSM[@]}" --batch_size 8 --steps 80 --run_dir "$TEST_TMP/lsm_one"
+expect_ok train "${LSM[@]}" --batch_size 4 --gpus 2 --steps 80 --run_dir "$TEST_TMP/lsm_two"
+[ "$(grep "weights hash" "$LAST_ERR" | awk '{print $6}' | sort -u | wc -l)" = 1 ] || case_fail "the ranks' weights differ"
+first=$(loss_gap <(head -2 "$TEST_TMP/lsm_one/log.csv") <(head -2 "$TEST_TMP/lsm_two/log.csv"))
+echo "  steps 1-5: relative loss difference $first"
+below "$first" 1e-2 || case_fail "the first interval's losses differ by $first (the same draws before the history is full)"
 
 case_begin "a 2-GPU checkpoint resumed on 1 GPU at the same images a step continues the same loss curve"
 expect_ok train --batch_size 8 --gpus 2 --steps 50 --stop_step 30 --run_dir "$TEST_TMP/resumed"

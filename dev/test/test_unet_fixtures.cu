@@ -188,9 +188,9 @@ typedef struct {
     const int64_t *t, *y;
     int N;
     size_t out_n;
-} LossInputs;
+} ModelLossInputs;
 
-static double unet_loss(const LossInputs *in) {
+static double unet_loss(const ModelLossInputs *in) {
     double *out = dev_alloc(in->out_n);
     ref_unet_forward(in->m, in->x, in->t, in->y, out, in->N);
     double loss = ref_mse_forward(out, in->target, in->out_n);
@@ -199,7 +199,7 @@ static double unet_loss(const LossInputs *in) {
 }
 
 // Central difference of the loss in *v.
-static double finite_difference(const LossInputs *in, double *v) {
+static double finite_difference(const ModelLossInputs *in, double *v) {
     double saved = *v;
     *v = saved + FD_STEP;
     double plus = unet_loss(in);
@@ -236,7 +236,7 @@ static void test_finite_differences(void) {
     dev_fill_uniform(x, in_n, -1.7, 1.7);
     dev_fill_uniform(target, out_n, -1.7, 1.7);
     int64_t t[2] = {dev_random_int(1000), dev_random_int(1000)}, y[2] = {dev_random_int(5), dev_random_int(5)};
-    LossInputs in = {&m, x, target, t, y, N, out_n};
+    ModelLossInputs in = {&m, x, target, t, y, N, out_n};
 
     ref_unet_forward(&m, x, t, y, out, N);
     ref_mse_backward(d_out, out, target, out_n);

@@ -89,14 +89,18 @@ static void test_config(const TestConfig *t) {
     cuda_check(cudaMemcpy(m.timesteps, steps, N * sizeof(int64_t), cudaMemcpyHostToDevice));
     cuda_check(cudaMemcpy(m.labels, labels, N * sizeof(int), cudaMemcpyHostToDevice));
     unet_forward(&m, 1);
-    mse_loss(m.loss, m.loss_partial, m.output->dx, m.output->x, m.target.x, out_count);
+    // the MSE over every output channel (the fixture's loss), every sample weighted 1
+    LossOutputs loss_out = loss_outputs_create(N, S * S);
+    LossInputs no_inputs = {NULL, NULL, NULL, NULL, 0, NULL};
+    LossKind mse_only = {0, 1, 0, PREDICT_EPS, 1.0f};
+    training_loss(&loss_out, m.output->dx, m.output->x, m.target.x, &no_inputs, N, S * S, c.out_channels, mse_only);
     unet_backward(&m, 1, NULL, NULL);
     cuda_check(cudaDeviceSynchronize());
 
     check_case(t->name);
     double *gpu_out = dev_download_x(m.output->x, out_count), *gpu_dx = dev_download_x(m.input.dx, in_count);
     float gpu_loss;
-    cuda_check(cudaMemcpy(&gpu_loss, m.loss, sizeof gpu_loss, cudaMemcpyDeviceToHost));
+    cuda_check(cudaMemcpy(&gpu_loss, loss_out.terms, sizeof gpu_loss, cudaMemcpyDeviceToHost));
     double out_err = dev_rel_error(gpu_out, out, out_count), loss_err = fabs(gpu_loss - loss) / loss;
     double dx_err = dev_rel_error(gpu_dx, d_x, in_count), worst = 0;
     const char *worst_name = "";
