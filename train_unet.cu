@@ -7896,6 +7896,10 @@ static void validate_training(const Options *o) {
     if (o->diffusion_steps < 1 || o->diffusion_steps > 100000) usage_error("--diffusion_steps %d is out of range (1..100000)", o->diffusion_steps);
     if (strcmp(o->noise_schedule, "linear") != 0 && strcmp(o->noise_schedule, "cosine") != 0)
         usage_error("--noise_schedule '%s' must be linear or cosine", o->noise_schedule);
+    if (strcmp(o->noise_schedule, "linear") == 0 && o->diffusion_steps <= 20)  // beta_T = 20/T: 1 or more
+        usage_error("--noise_schedule linear with --diffusion_steps %d ends at beta = %g: the last step keeps nothing of the image "
+                    "(its eps prediction divides by zero); use more than 20 steps, or cosine", o->diffusion_steps,
+                    20.0 / o->diffusion_steps);
     if (o->use_kl && !o->learn_sigma) usage_error("--use_kl needs --learn_sigma True (the bound's variance is the model's)");
     if (!(o->lr > 0)) usage_error("--lr %g must be positive", o->lr);
     if (!(o->weight_decay >= 0)) usage_error("--weight_decay %g must not be negative", o->weight_decay);

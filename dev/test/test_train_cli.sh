@@ -49,6 +49,8 @@ done <<'LIST'
 --class_cond True
 --diffusion_steps 0
 --noise_schedule quadratic
+--diffusion_steps 20 --noise_schedule linear
+--schedule_sampler importance
 --lr -1
 --batch_size 0
 --gpus 0

@@ -54,32 +54,33 @@ expect_ok ./generate --checkpoint "$TEST_TMP/sigma/checkpoints/step_000000020" -
 expect_grep 'ddpm with 15 steps' "$LAST_OUT"
 
 case_begin "the schedule sampler loss-second-moment: its history resumes exactly, draws by it once full, and the quarters are logged"
-# 20 timesteps at 8 images a step: every t has its 10 losses after a few dozen steps
-LSM=(--learn_sigma True --diffusion_steps 20 --schedule_sampler loss-second-moment --steps 100 --log_interval 5 --sample_steps 10)
+# 50 timesteps at 16 images a step: every t has its 10 losses after a few dozen steps
+LSM=(--learn_sigma True --diffusion_steps 50 --schedule_sampler loss-second-moment --batch_size 16 --steps 120 --log_interval 5
+     --sample_steps 10)
 expect_ok train "${LSM[@]}" --run_dir "$TEST_TMP/lsm"
-expect_ok train "${LSM[@]}" --stop_step 70 --run_dir "$TEST_TMP/lsm_resumed"
+expect_ok train "${LSM[@]}" --stop_step 90 --run_dir "$TEST_TMP/lsm_resumed"
 expect_ok train "${LSM[@]}" --run_dir "$TEST_TMP/lsm_resumed" --resume_checkpoint latest
 for f in model.safetensors state.bin; do
-    cmp -s "$TEST_TMP/lsm/checkpoints/step_000000100/$f" "$TEST_TMP/lsm_resumed/checkpoints/step_000000100/$f" ||
+    cmp -s "$TEST_TMP/lsm/checkpoints/step_000000120/$f" "$TEST_TMP/lsm_resumed/checkpoints/step_000000120/$f" ||
         case_fail "$f of the resumed run differs from the straight run's"
 done
 cmp -s <(cut -d, -f1-4,8- "$TEST_TMP/lsm/log.csv") <(cut -d, -f1-4,8- "$TEST_TMP/lsm_resumed/log.csv") ||
     case_fail "the resumed run's logged losses differ from the straight run's"
-# state.bin (checkpoint.h): version 2, a history of 20 timesteps of 10 losses, every count 10 at step 70
-python3 - "$TEST_TMP/lsm_resumed/checkpoints/step_000000070/state.bin" <<'PY' || case_fail "state.bin at step 70 holds no full history"
+# state.bin (checkpoint.h): version 2, a history of 50 timesteps of 10 losses, every count 10 at step 90
+python3 - "$TEST_TMP/lsm_resumed/checkpoints/step_000000090/state.bin" <<'PY' || case_fail "state.bin at step 90 holds no full history"
 import struct, sys
 b = open(sys.argv[1], "rb").read()
 version, = struct.unpack_from("<I", b, 8)
 steps, length = struct.unpack_from("<ii", b, 88)
 storage, = struct.unpack_from("<q", b, 24)
-counts = struct.unpack_from("<20i", b, 96 + 8 * storage)
-full = version == 2 and (steps, length) == (20, 10) and set(counts) == {10}
+counts = struct.unpack_from("<50i", b, 96 + 8 * storage)
+full = version == 2 and (steps, length) == (50, 10) and set(counts) == {10}
 if not full:
     print(f"  version {version}, history of {steps} x {length}, counts {counts}")
 sys.exit(0 if full else 1)
 PY
 expect_ok train "${LSM[@]}" --schedule_sampler uniform --run_dir "$TEST_TMP/lsm_uniform"
-cmp -s "$TEST_TMP/lsm/checkpoints/step_000000100/model.safetensors" "$TEST_TMP/lsm_uniform/checkpoints/step_000000100/model.safetensors" &&
+cmp -s "$TEST_TMP/lsm/checkpoints/step_000000120/model.safetensors" "$TEST_TMP/lsm_uniform/checkpoints/step_000000120/model.safetensors" &&
     case_fail "the weighted draws changed nothing: the weights equal a uniform run's"
 awk -F, 'NR > 1 { for (q = 10; q <= 13; q++) if ($q != "") seen[q] = 1; if ($10 != "" && !($10 > 0)) bad = 1 }
          END { exit bad || length(seen) != 4 }' "$TEST_TMP/lsm/log.csv" ||

@@ -40,13 +40,13 @@ for f in model.safetensors state.bin; do
 done
 ls "$TEST_TMP/team1" | grep -q nccl_id && case_fail "the NCCL id file was left in the run folder"
 
-# The schedule sampler on 20 timesteps: full after a few dozen steps of 8 images.
-LSM=(--diffusion_steps 20 --schedule_sampler loss-second-moment --learn_sigma True --log_interval 5)
+# The schedule sampler on 50 timesteps: full after a few dozen steps of 16 images.
+LSM=(--diffusion_steps 50 --schedule_sampler loss-second-moment --learn_sigma True --log_interval 5 --sample_steps 10)
 case_begin "loss-second-moment: a team of one (the losses gathered through NCCL) trains exactly as a process alone"
-expect_ok train "${LSM[@]}" --batch_size 8 --steps 60 --run_dir "$TEST_TMP/lsm_alone"
-expect_ok env RANK=0 WORLD_SIZE=1 LOCAL_RANK=0 ./train_unet "${ARGS[@]}" "${LSM[@]}" --batch_size 8 --steps 60 --run_dir "$TEST_TMP/lsm_team1"
+expect_ok train "${LSM[@]}" --batch_size 16 --steps 80 --run_dir "$TEST_TMP/lsm_alone"
+expect_ok env RANK=0 WORLD_SIZE=1 LOCAL_RANK=0 ./train_unet "${ARGS[@]}" "${LSM[@]}" --batch_size 16 --steps 80 --run_dir "$TEST_TMP/lsm_team1"
 for f in model.safetensors state.bin; do
-    cmp -s "$TEST_TMP/lsm_alone/checkpoints/step_000000060/$f" "$TEST_TMP/lsm_team1/checkpoints/step_000000060/$f" || case_fail "$f differs"
+    cmp -s "$TEST_TMP/lsm_alone/checkpoints/step_000000080/$f" "$TEST_TMP/lsm_team1/checkpoints/step_000000080/$f" || case_fail "$f differs"
 done
 
 case_begin "--gpus beyond this machine's GPUs: one error line"
@@ -73,8 +73,8 @@ first=$(loss_gap <(head -2 "$TEST_TMP/one/log.csv") <(head -2 "$TEST_TMP/two/log
 below "$first" 1e-3 || case_fail "step 1's losses differ by $first (the same images, noise and weights)"
 
 case_begin "loss-second-moment on 2 GPUs: both ranks draw from the same history (equal weights), its losses near 1 GPU's"
-expect_ok train "${LSM[@]}" --batch_size 8 --steps 80 --run_dir "$TEST_TMP/lsm_one"
-expect_ok train "${LSM[@]}" --batch_size 4 --gpus 2 --steps 80 --run_dir "$TEST_TMP/lsm_two"
+expect_ok train "${LSM[@]}" --batch_size 16 --steps 80 --run_dir "$TEST_TMP/lsm_one"
+expect_ok train "${LSM[@]}" --batch_size 8 --gpus 2 --steps 80 --run_dir "$TEST_TMP/lsm_two"
 [ "$(grep "weights hash" "$LAST_ERR" | awk '{print $6}' | sort -u | wc -l)" = 1 ] || case_fail "the ranks' weights differ"
 first=$(loss_gap <(head -2 "$TEST_TMP/lsm_one/log.csv") <(head -2 "$TEST_TMP/lsm_two/log.csv"))
 echo "  steps 1-5: relative loss difference $first"
