@@ -268,7 +268,7 @@ bench-conv: build/dev/bench_conv
 # into build/fuzz/fuzz_X and run for FUZZ_SECONDS from the committed seed corpus dev/test/corpus/X
 # (read only: new inputs go to build/fuzz/corpus_X) by dev/fuzz/run_fuzz.sh, which prints each
 # target's execution count and fails on any crash, leak or sanitizer report.
-FUZZ_TARGETS := dataset safetensors state
+FUZZ_TARGETS := dataset safetensors state pt
 FUZZ_SECONDS ?= 60
 FUZZ_CC ?= clang
 

@@ -343,15 +343,18 @@ static inline int safetensors_parse(const uint8_t *bytes, uint64_t size, SafeTen
     return 0;
 }
 
-// Maps a safetensors file and parses it. Returns 0, or -1 with a message naming the file.
-// Maps and parses file `path` of folder `dir` (a handle, or AT_FDCWD); `shown` names it in messages.
-// Returns 0, or -1 with a message.
+#include "ptfile.h"  // PyTorch's .pt files, into the same SafeTensorsFile
+
+// Maps and parses file `path` of folder `dir` (a handle, or AT_FDCWD): a safetensors file, or a
+// state_dict that torch.save wrote (ptfile.h); `shown` names it in messages. Returns 0, or -1 with
+// a message.
 static inline int safetensors_open_at(int dir, const char *path, const char *shown, SafeTensorsFile *f, char *err, size_t err_len) {
     memset(f, 0, sizeof *f);
     MappedFile m;
-    if (map_regular_file_at(dir, path, shown, "safetensors file", &m, err, err_len) != 0) return -1;
+    if (map_regular_file_at(dir, path, shown, "weights file", &m, err, err_len) != 0) return -1;
     char why[400];
-    if (safetensors_parse(m.bytes, m.size, f, why, sizeof why) != 0) {
+    int torch = pt_is_torch_file(m.bytes, m.size);
+    if ((torch ? pt_parse(m.bytes, m.size, f, why, sizeof why) : safetensors_parse(m.bytes, m.size, f, why, sizeof why)) != 0) {
         unmap_file(&m);
         return error_line(err, err_len, "%s: %s", shown, why);
     }

@@ -1,6 +1,6 @@
 // fuzz_state.c: libFuzzer target for the training-state reader (state.bin, checkpoint.h). Any bytes
-// must be refused with a one-line message, or accepted as a header whose moments fill the rest of
-// the file exactly. A crash, a leak, a sanitizer report or an abort() below is a finding. Built and
+// must be refused with a one-line message, or accepted as a header (of its version's size) whose
+// moments and schedule-sampler history fill the rest of the file exactly. A crash, a leak, a sanitizer report or an abort() below is a finding. Built and
 // run by `make fuzz`.
 #include "checkpoint.h"
 
@@ -11,6 +11,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
         if (!err[0] || strchr(err, '\n')) abort();  // a refusal is one non-empty line
         return 0;
     }
-    if (size != sizeof h + 2 * (uint64_t)h.storage * sizeof(float) || !memchr(h.predict, 0, sizeof h.predict)) abort();
+    uint64_t history = (uint64_t)h.history_steps * (sizeof(int32_t) + (uint64_t)h.history_length * sizeof(float));
+    if (size != state_header_size(h.version) + 2 * (uint64_t)h.storage * sizeof(float) + history || !memchr(h.predict, 0, sizeof h.predict))
+        abort();
     return 0;
 }

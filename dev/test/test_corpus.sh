@@ -29,6 +29,12 @@ for f in dev/test/corpus/safetensors/bad_*; do
     grep -qF "$dir/model.safetensors" "$LAST_ERR" || case_fail "the error for $dir does not name it: $(cat "$LAST_ERR")"
 done
 
+case_begin ".pt corpus: generate refuses every bad_* file with one error line naming it (nothing in it is run)"
+for f in dev/test/corpus/pt/bad_*; do
+    expect_fail ./generate --checkpoint "$f"
+    grep -qF "$f" "$LAST_ERR" || case_fail "the error for $f does not name it: $(cat "$LAST_ERR")"
+done
+
 # A checkpoint with one metadata value or one weight changed: python3 rewrites a fixture's header.
 edit_fixture() {  # edit_fixture OUT PYTHON: runs PYTHON on the header (dict h) and the data (bytearray d)
     python3 - dev/fixtures/unet_conv_resample.safetensors "$TEST_TMP/$1.safetensors" "$2" <<'PY'

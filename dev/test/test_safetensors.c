@@ -62,6 +62,68 @@ int main(void) {
     check_case("corpus: every good safetensors file is read, every bad one refused with one line");
     CHECK(check_corpus("dev/test/corpus/safetensors", 0) == 0);
 
+    check_case("corpus: every good .pt file (torch.save's zip and legacy formats) is read, every bad one refused with one line");
+    CHECK(check_corpus("dev/test/corpus/pt", 0) == 0);
+
+    check_case(".pt: a state_dict's tensors, their dtypes, shapes and values (a view at an offset into its storage)");
+    const char *pt_files[2] = {"dev/test/corpus/pt/good_zip.pt", "dev/test/corpus/pt/good_legacy.pt"};
+    for (int i = 0; i < 2; i++) {
+        float w[6], b[3];
+        CHECK(safetensors_open(pt_files[i], &f, err, sizeof err) == 0 && f.count == 2 && f.meta_count == 0);
+        const SafeTensor *weight = safetensors_find(&f, "a.weight"), *bias = safetensors_find(&f, "a.bias");
+        CHECK(weight && bias && strcmp(weight->dtype, "F32") == 0 && weight->ndim == 2 && weight->shape[0] == 2 && weight->shape[1] == 3 &&
+              strcmp(bias->dtype, "F16") == 0 && bias->ndim == 1 && bias->shape[0] == 3);
+        CHECK(weight && bias && safetensors_get_float(weight, w) == 0 && safetensors_get_float(bias, b) == 0 && w[0] == 0.5f &&
+              w[5] == -0.125f && b[0] == -2.0f && b[2] == 4.0f);  // the bias: storage elements 1..3 of (1, -2, 0.5, 4)
+        safetensors_close(&f);
+    }
+
+    check_case(".pt written by torch.save (zip and legacy): views at offsets into shared storages, a Parameter, fp16 and bf16");
+    const char *torch_files[2] = {"dev/test/corpus/pt/good_torch_views.pt", "dev/test/corpus/pt/good_torch_views_legacy.pt"};
+    for (int i = 0; i < 2; i++) {  // scripts/make_pt_fixtures.py: base = arange(10) * 0.25, each tensor's values from it
+        static const struct { const char *name; int first, count; } views[] = {
+            {"view", 2, 3}, {"whole", 0, 10}, {"row", 5, 5}, {"half", 0, 6}, {"bf16", 0, 4}, {"param", 0, 3}};
+        CHECK(safetensors_open(torch_files[i], &f, err, sizeof err) == 0 && f.count == 6);
+        for (int v = 0; v < 6; v++) {
+            const SafeTensor *t = safetensors_find(&f, views[v].name);
+            float values[10];
+            int ok = t && t->numel == views[v].count && safetensors_get_float(t, values) == 0;
+            for (int j = 0; ok && j < views[v].count; j++) ok = values[j] == 0.25f * (views[v].first + j);
+            if (!ok) printf("  %s: %s differs\n", torch_files[i], views[v].name);
+            CHECK(ok);
+        }
+        safetensors_close(&f);
+    }
+
+    check_case(".pt of the reference model's state_dict (fp32, fp16, bf16; zip and legacy) holds the fixture's weights");
+    const char *models[2] = {"seed", "adm"}, *kinds[5] = {"fp32", "fp32_legacy", "fp16", "fp16_legacy", "bf16"};
+    for (int m = 0; m < 2; m++) {
+        SafeTensorsFile want;
+        snprintf(header, sizeof header, "dev/fixtures/unet_%s.safetensors", models[m]);
+        CHECK(safetensors_open(header, &want, err, sizeof err) == 0);
+        for (int k = 0; k < 5; k++) {
+            char path[256];
+            snprintf(path, sizeof path, "dev/fixtures/pt/unet_%s_%s.pt", models[m], kinds[k]);
+            if (safetensors_open(path, &f, err, sizeof err) != 0) { printf("  %s\n", err); CHECK(0); continue; }
+            double tolerance = k < 2 ? 0 : k < 4 ? 0x1p-11 : 0x1p-8;  // float's rounding to fp16 / bf16 (relative)
+            int same = f.count > 50, compared = 0;
+            for (int i = 0; same && i < f.count; i++) {
+                const SafeTensor *got = &f.tensors[i], *ref = safetensors_find(&want, got->name);
+                same = ref && ref->numel == got->numel && ref->ndim == got->ndim;
+                float *a = (float *)malloc(got->numel * sizeof(float)), *b = (float *)malloc(got->numel * sizeof(float));
+                same = same && a && b && safetensors_get_float(got, a) == 0 && safetensors_get_float(ref, b) == 0;
+                for (int64_t j = 0; same && j < got->numel; j++) same = fabsf(a[j] - b[j]) <= tolerance * fabsf(b[j]) + (k < 2 ? 0 : 1e-7f);
+                if (!same) printf("  %s: %s differs from the fixture's\n", path, got->name);
+                compared += same;
+                free(a), free(b);
+            }
+            if (same) printf("  %s: %d tensors equal the fixture's%s\n", path, compared, k < 2 ? " bit for bit" : " to their rounding");
+            CHECK(same);
+            safetensors_close(&f);
+        }
+        safetensors_close(&want);
+    }
+
     check_case("corpus: every good training state is read, every bad one refused with one line");
     CHECK(check_corpus("dev/test/corpus/state", 1) == 0);
 
