@@ -79,7 +79,7 @@ CUDA_LIBS := -lcublas -lcublasLt $(NCCL_LIBS) $(STB_LIBS)
 
 BINARIES := train_unet prepare_data check_shapes generate
 # The headers train_unet.cu includes: its own rules, and those of the programs that include it, rebuild when one changes.
-TRAINER_HEADERS := checkpoint.h dataset.h fileio.h loss_plot.h png.h random.h sampler.h unet_api.h
+TRAINER_HEADERS := checkpoint.h dataset.h fileio.h loss_plot.h png.h ptfile.h random.h sampler.h unet_api.h
 SHAPES_COUNT := 10000
 SHAPES_SIZE := 64
 SHAPES_SEED := 1
@@ -138,7 +138,7 @@ ASAN := -fsanitize=address,undefined -fno-omit-frame-pointer
 NVCC_ASAN := -Xcompiler -fsanitize=address,-fsanitize=undefined,-fno-omit-frame-pointer -lasan -lubsan
 TESTS_CPU := build/test/test_dataset build/test/test_safetensors build/test/test_shapes build/test/test_dataloader build/test/train_unet_asan \
              build/test/test_reference build/test/test_unet_fixtures build/test/test_checkpoint build/test/test_conv_plan \
-             build/test/test_sampler build/test/test_sampler_fixture build/test/test_loss_plot
+             build/test/test_sampler build/test/test_sampler_fixture build/test/test_loss_plot build/test/test_model_inference
 TESTS_GPU := build/test/test_dataloader_gpu build/test/test_unet_gpu_fp32 build/test/test_unet_gpu_bf16 \
              build/test/test_unet_gpu_reference_fp32 build/test/test_unet_gpu_reference_bf16 \
              build/test/test_sampler_gpu_fp32 build/test/test_sampler_gpu_bf16
@@ -148,7 +148,7 @@ build/test/test_dataset: dev/test/test_dataset.c dataset.h fileio.h dev/test/che
 	$(CC) $(CFLAGS) $(ASAN) -o $@ $<
 
 # The checkpoint readers (checkpoint.h) on the corpus, with UBSan findings fatal.
-build/test/test_safetensors: dev/test/test_safetensors.c checkpoint.h fileio.h dev/test/check.h
+build/test/test_safetensors: dev/test/test_safetensors.c checkpoint.h ptfile.h fileio.h dev/test/check.h
 	@mkdir -p build/test
 	$(CC) $(CFLAGS) $(ASAN) -fno-sanitize-recover=undefined -o $@ $< -lm
 
@@ -171,7 +171,7 @@ build/test/test_sampler: dev/test/test_sampler.c sampler.h random.h png.h dev/te
 	@mkdir -p build/test
 	$(CC) $(CFLAGS) $(ASAN) $(STB_CFLAGS) -o $@ $< $(STB_LIBS)
 
-build/test/test_checkpoint build/test/test_sampler_fixture build/test/test_conv_plan: build/test/%: dev/test/%.cu train_unet.cu $(TRAINER_HEADERS) \
+build/test/test_checkpoint build/test/test_sampler_fixture build/test/test_conv_plan build/test/test_model_inference: build/test/%: dev/test/%.cu train_unet.cu $(TRAINER_HEADERS) \
         dev/test/check.h build/precision
 	@mkdir -p build/test
 	$(NVCC) $(NVCC_HOST_TESTS) -o $@ $< $(CUDA_LIBS)

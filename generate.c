@@ -25,13 +25,14 @@
 #include "unet_api.h"
 
 static const char usage[] =
-    "usage: generate --checkpoint DIR|FILE.safetensors [options]\n"
+    "usage: generate --checkpoint DIR|FILE.safetensors|FILE.pt [options]\n"
     "\n"
     "Samples images from a checkpoint of train_unet (or any guided-diffusion UNet\n"
     "saved as safetensors with its flags in the metadata) and writes one PNG per\n"
     "image and a grid. A model with a learned variance (learn_sigma) samples ddpm\n"
     "with its own variance; ddim and dpm++ use its mean.\n"
-    "  --checkpoint PATH   a checkpoint folder, or a .safetensors file\n"
+    "  --checkpoint PATH   a checkpoint folder, a .safetensors file, or a PyTorch .pt\n"
+    "                      state_dict (read without running its pickle)\n"
     "  --weights ema|model the folder's EMA weights or its raw weights [ema]\n"
     "  --sampler S         ddim, ddpm (ancestral, every step) or dpm++ (DPM-Solver++\n"
     "                      2M) [ddim]\n"
@@ -68,13 +69,30 @@ static const char usage[] =
     "class-conditional, y [N], and writes its raw output out [N,C_out,H,W] (F32,\n"
     "NCHW): for comparing with PyTorch.\n"
     "\n"
+    "A .pt holds no metadata: its tensors give the channels, multipliers, blocks,\n"
+    "attention levels, scale-shift, up/down blocks, classes and learned sigma; give\n"
+    "guided-diffusion's flags for the rest as its README writes them for the model:\n"
+    "--image_size and --num_head_channels (or --num_heads) always,\n"
+    "--use_new_attention_order, --diffusion_steps, --noise_schedule, --predict when\n"
+    "not the defaults (False, 1000, linear, eps). The other model flags are checked\n"
+    "against the tensors; --use_fp16 is accepted and changes nothing.\n"
+    "\n"
     "A hyphen in an option's name may stand for an underscore.\n";
+
+// guided-diffusion's flags for a checkpoint without metadata (a .pt), as its README gives them
+// for each released model; passed on as "name=value".
+static const char *const model_flag_names[] = {"image_size", "num_channels", "num_res_blocks", "channel_mult", "attention_resolutions",
+    "num_heads", "num_head_channels", "num_heads_upsample", "use_new_attention_order", "use_scale_shift_norm", "resblock_updown",
+    "dropout", "class_cond", "learn_sigma", "diffusion_steps", "noise_schedule", "predict", "use_fp16"};
+#define NUM_MODEL_FLAG_NAMES ((int)(sizeof model_flag_names / sizeof *model_flag_names))
 
 typedef struct {
     const char *checkpoint, *weights, *sampler, *class_name, *out, *eval, *output, *respacing, *nll, *spacing;
     int steps, num, batch, bench;
     double eta, guidance;
     long long seed;
+    char *model_flags[NUM_MODEL_FLAG_NAMES];
+    int num_model_flags;
 } Options;
 
 // A whole number in lo..hi into *v: 0, or -1.
@@ -105,7 +123,7 @@ static double real_option(const char *name, const char *s, double lo, double hi)
 static Options parse_options(int argc, char **argv) {
     static const char *const names[] = {"checkpoint", "weights", "sampler", "class", "out", "eval", "output", "respacing", "nll",
                                         "spacing", "steps", "num", "batch", "bench", "seed", "eta", "guidance"};
-    Options o = {NULL, "ema", "ddim", "all", "samples", NULL, NULL, "", NULL, NULL, 0, 64, 0, 0, 0.0, 1.0, 0};  // batch 0: the largest that fits
+    Options o = {NULL, "ema", "ddim", "all", "samples", NULL, NULL, "", NULL, NULL, 0, 64, 0, 0, 0.0, 1.0, 0, {NULL}, 0};  // batch 0: the largest that fits
     if (argc < 2) fputs(usage, stdout), exit(0);
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
@@ -120,12 +138,24 @@ static Options parse_options(int argc, char **argv) {
         for (int k = 0; k < count; k++)
             if (cli_name_is(a + 2, len - 2, names[k])) name = names[k];
         char hint[128];
+        int model_flag = -1;
+        for (int k = 0; !name && k < NUM_MODEL_FLAG_NAMES; k++)
+            if (cli_name_is(a + 2, len - 2, model_flag_names[k])) model_flag = k, name = model_flag_names[k];
         if (!name) unet_usage_error("unknown option %.*s%s", (int)len, a, cli_hint(a + 2, len - 2, names, count, hint, sizeof hint));
         if (!eq && i + 1 >= argc) unet_usage_error("--%s needs a value", name);
         const char *v = eq ? eq + 1 : argv[++i];
         char flag[16];
         snprintf(flag, sizeof flag, "--%s", name);
-        if (strcmp(name, "checkpoint") == 0) o.checkpoint = v;
+        if (model_flag >= 0) {
+            for (int k = 0; k < o.num_model_flags; k++)
+                if (strncmp(o.model_flags[k], name, strlen(name)) == 0 && o.model_flags[k][strlen(name)] == '=')
+                    unet_usage_error("--%s is given twice", name);
+            size_t bytes = strlen(name) + strlen(v) + 2;
+            char *pair = (char *)malloc(bytes);
+            if (!pair) unet_die("out of memory");
+            snprintf(pair, bytes, "%s=%s", name, v);
+            o.model_flags[o.num_model_flags++] = pair;
+        } else if (strcmp(name, "checkpoint") == 0) o.checkpoint = v;
         else if (strcmp(name, "weights") == 0) o.weights = v;
         else if (strcmp(name, "sampler") == 0) o.sampler = v;
         else if (strcmp(name, "class") == 0) o.class_name = v;
@@ -236,8 +266,10 @@ int main(int argc, char **argv) {
     Options o = parse_options(argc, argv);
     char err[1024];
     UnetInfo info;
-    UnetCheckpoint *checkpoint = unet_checkpoint_open(o.checkpoint, o.weights, &info, err, sizeof err);
+    UnetCheckpoint *checkpoint = unet_checkpoint_open(o.checkpoint, o.weights, (const char *const *)o.model_flags, o.num_model_flags,
+                                                      &info, err, sizeof err);
     if (!checkpoint) unet_die("%s", err);
+    if (info.model[0]) printf("%s: %s\n", info.file, info.model);
     const char *file = info.file;
     if (o.eval) {
         if (unet_eval(checkpoint, o.eval, o.output, err, sizeof err) != 0) unet_die("%s", err);

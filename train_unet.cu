@@ -3990,7 +3990,7 @@ typedef struct {
     int gpus;
     const char *ema_rate;
     int log_interval, save_interval, keep, max_bad_steps, sample_interval, sample_count, sample_steps;
-    const char *resume_checkpoint, *run_dir;
+    const char *resume_checkpoint, *run_dir, *init_from;
     // data and run
     const char *data, *preset;
     int random_flip;
@@ -4060,6 +4060,8 @@ static const OptionSpec option_specs[] = {
     OPT(max_bad_steps, OPT_INT, "stop after this many steps in a row with a non-finite loss or gradient"),
     OPT(run_dir, OPT_STRING, "run folder: config.txt, log.csv, checkpoints/"),
     OPT(resume_checkpoint, OPT_STRING, "checkpoint folder to resume from, or latest (the newest in run_dir)"),
+    OPT(init_from, OPT_STRING, "start a new run from these weights (fine-tuning): a checkpoint folder (its EMA), a .safetensors or a "
+                               "PyTorch .pt file of the same model; the EMAs start from them, the optimiser and the step fresh"),
     OPT(overwrite, OPT_SWITCH, "start a new run in a run folder that holds one, removing its checkpoints, samples, log and config"),
     OPT(random_flip, OPT_BOOL, "random horizontal flips of the training images"),
     OPT(steps, OPT_LONG, "training steps (the length of the learning-rate schedule)"),
@@ -4086,7 +4088,7 @@ static Options preset_seed(void) {
     o.batch_size = 32, o.gpus = 1, o.ema_rate = "0.9999";
     o.log_interval = 10, o.save_interval = 10000, o.keep = 0, o.max_bad_steps = 10;
     o.sample_interval = 5000, o.sample_count = 64, o.sample_steps = 50;
-    o.resume_checkpoint = "", o.run_dir = "run";
+    o.resume_checkpoint = "", o.run_dir = "run", o.init_from = "";
     o.data = "", o.preset = "seed", o.random_flip = 1, o.steps = 100000, o.stop_step = 0, o.seed = 0, o.dry_run = 0;
     return o;
 }
@@ -5053,6 +5055,167 @@ static ParamList model_parameters(const ModelConfig *c) {
     ParamList list = {0};
     unet_walk(c, &list, NULL);
     return list;
+}
+
+// The model configuration of a state_dict that carries no metadata (a .pt), from its tensors' names
+// and shapes: the channels, the levels' multipliers, the blocks a level, the levels with attention,
+// scale-shift, ResBlock or convolution up/downsampling, the classes and a learned variance. What
+// shapes cannot say comes from `given` (guided-diffusion's flags): image_size (which turns levels
+// into attention resolutions), the heads (heads_given: whether the command line set them), the
+// attention order and dropout. Every candidate configuration is built and its whole parameter list
+// compared with the file's (each model tensor there, and no other); the first that matches is taken
+// (a model without parameters in its resampling, where conv_resample changes nothing, as
+// guided-diffusion's default). Returns 0, or -1 with a message.
+static int is_model_tensor(const char *name) {
+    static const char *const prefixes[] = {"time_embed.", "label_emb.", "input_blocks.", "middle_block.", "output_blocks.", "out."};
+    for (int i = 0; i < 6; i++)
+        if (strncmp(name, prefixes[i], strlen(prefixes[i])) == 0) return 1;
+    return 0;
+}
+
+static int parameters_match(const ParamList *params, const SafeTensorsFile *f) {
+    int model_tensors = 0;
+    for (int i = 0; i < f->count; i++) model_tensors += is_model_tensor(f->tensors[i].name);
+    if (model_tensors != params->count) return 0;
+    for (int i = 0; i < params->count; i++) {
+        const ParamSpec *p = &params->specs[i];
+        const SafeTensor *t = safetensors_find(f, p->name);
+        if (!t || t->ndim != p->ndim) return 0;
+        for (int d = 0; d < p->ndim; d++)
+            if (t->shape[d] != p->shape[d]) return 0;
+    }
+    return 1;
+}
+
+// The first dimension of tensor `name` (printf-formatted), or 0 when there is none.
+static int64_t tensor_rows(const SafeTensorsFile *f, const char *fmt, int index) {
+    char name[128];
+    snprintf(name, sizeof name, fmt, index);
+    const SafeTensor *t = safetensors_find(f, name);
+    return t && t->ndim >= 1 ? t->shape[0] : 0;
+}
+
+typedef struct {
+    ModelConfig config;
+    Options options;  // given, with the inferred flags (channel_mult and attention_resolutions: the texts below)
+    char channel_mult[128], attention_resolutions[128];
+} InferredModel;
+
+static int infer_model_config(const SafeTensorsFile *f, const Options *given, int heads_given, InferredModel *inferred, char *err,
+                              size_t err_len) {
+    const SafeTensor *first = safetensors_find(f, "input_blocks.0.0.weight"), *last = safetensors_find(f, "out.2.weight");
+    const SafeTensor *time = safetensors_find(f, "time_embed.0.weight");  // [4 model_channels][model_channels]
+    if (!first || !last || !time || first->ndim != 4 || last->ndim != 4 || time->ndim != 2)
+        return error_line(err, err_len, "not a guided-diffusion UNet's state_dict (no input_blocks.0.0.weight, time_embed.0.weight or "
+                          "out.2.weight)");
+    if (given->image_size <= 0)
+        return error_line(err, err_len, "--image_size: a state_dict does not say the images' size; give guided-diffusion's flag");
+    int64_t ch = time->shape[1], in = first->shape[1], out = last->shape[0], label_rows = tensor_rows(f, "label_emb.weight", 0);
+    int outputs = 0, attention = 0;
+    for (int i = 0; i < f->count; i++) {
+        int j;
+        if (sscanf(f->tensors[i].name, "output_blocks.%d.", &j) == 1 && j + 1 > outputs) outputs = j + 1;
+        attention |= strstr(f->tensors[i].name, ".qkv.weight") != NULL;
+    }
+    if (attention && !heads_given)
+        return error_line(err, err_len, "--num_head_channels or --num_heads: a state_dict does not say how its attention splits into "
+                          "heads; give guided-diffusion's flag for this model");
+    if (in != 3 || (out != in && out != 2 * in) || outputs < 1)
+        return error_line(err, err_len, "a UNet of %lld input and %lld output channels: this trainer builds 3 in, 3 or 6 out", (long long)in,
+                          (long long)out);
+    int64_t block_out = tensor_rows(f, "output_blocks.%d.0.in_layers.2.weight", 0);
+    int scale_shift = tensor_rows(f, "output_blocks.%d.0.emb_layers.1.weight", 0) == 2 * block_out;
+    for (int blocks = 0; blocks <= MAX_RES_BLOCKS; blocks++) {
+        int levels = outputs / (blocks + 1);
+        if (outputs % (blocks + 1) || levels > MAX_LEVELS) continue;
+        char mult[128] = "", resolutions[128] = "";
+        int ok = 1;
+        for (int level = 0; level < levels && ok; level++) {  // output block j belongs to level levels - 1 - j / (blocks + 1)
+            int j = (levels - 1 - level) * (blocks + 1), with_attention = 0;
+            int64_t level_ch = tensor_rows(f, "output_blocks.%d.0.in_layers.2.weight", j);
+            for (int k = j; k < j + blocks + 1; k++) with_attention |= tensor_rows(f, "output_blocks.%d.1.qkv.weight", k) != 0;
+            ok = level_ch > 0 && level_ch * 2 % ch == 0;  // multipliers of 0.5 and up
+            snprintf(mult + strlen(mult), sizeof mult - strlen(mult), "%s%g", level ? "," : "", (double)level_ch / (double)ch);
+            if (with_attention)
+                snprintf(resolutions + strlen(resolutions), sizeof resolutions - strlen(resolutions), "%s%d", resolutions[0] ? "," : "",
+                         given->image_size >> level);
+        }
+        for (int k = 0; ok && k < 4; k++) {  // resblock_updown, conv_resample: 0 1, 0 0, 1 1, 1 0
+            Options o = *given;
+            o.num_channels = (int)ch, o.num_res_blocks = blocks, o.channel_mult = mult, o.attention_resolutions = resolutions;
+            o.use_scale_shift_norm = scale_shift, o.resblock_updown = k / 2, o.conv_resample = k % 2 == 0;
+            o.class_cond = label_rows > 0, o.num_classes = (int)label_rows, o.learn_sigma = out == 2 * in;
+            ModelConfig candidate;
+            char why[256];
+            if (model_config_from_options(&o, o.num_classes, &candidate, why, sizeof why) != 0) continue;
+            ParamList params = model_parameters(&candidate);
+            int match = parameters_match(&params, f);
+            free(params.specs);
+            if (match) {
+                inferred->config = candidate, inferred->options = o;
+                snprintf(inferred->channel_mult, sizeof inferred->channel_mult, "%s", mult);
+                snprintf(inferred->attention_resolutions, sizeof inferred->attention_resolutions, "%s", resolutions);
+                inferred->options.channel_mult = inferred->channel_mult;
+                inferred->options.attention_resolutions = inferred->attention_resolutions;
+                return 0;
+            }
+        }
+    }
+    return error_line(err, err_len, "its tensors fit no guided-diffusion UNet this trainer builds (with --image_size %d and the heads given)",
+                      given->image_size);
+}
+
+// The model and diffusion of a weights file without metadata (a .pt), from its tensors and
+// guided-diffusion's flags as its README gives them for each released model ("name=value" each;
+// use_fp16, which says how it ran there, is accepted and left alone). The flags the tensors decide
+// must agree with them; the rest (image_size, the heads, the attention order, dropout, the
+// diffusion) come from the flags, diffusion_steps 1000, linear and eps where they say nothing.
+// *described gets one line of what was inferred and what was given. Returns 0, or -1 with a
+// message naming the file.
+static int model_from_tensors_and_flags(const SafeTensorsFile *f, const char *path, const char *const *flags, int num_flags,
+                                        ModelConfig *c, int *steps, const char **schedule, const char **predict, char *described,
+                                        size_t described_len, char *err, size_t err_len) {
+    Options given = guided_diffusion_defaults();
+    given.image_size = 0;  // none: inference asks for it
+    int heads_given = 0;
+    char why[512], name[64], given_text[512] = "";
+    for (int i = 0; i < num_flags; i++) {
+        const char *eq = strchr(flags[i], '=');
+        snprintf(name, sizeof name, "%.*s", eq ? (int)(eq - flags[i]) : 0, flags[i]);
+        if (!eq || strcmp(name, "use_fp16") == 0) continue;
+        const OptionSpec *spec = find_option(name, strlen(name));
+        if (!spec || option_from_string(&given, spec, eq + 1, why, sizeof why) != 0)
+            return error_line(err, err_len, "--%s %s: %s", name, eq + 1, spec ? why : "not a model or diffusion flag");
+        heads_given |= strcmp(name, "num_heads") == 0 || strcmp(name, "num_head_channels") == 0;
+        snprintf(given_text + strlen(given_text), sizeof given_text - strlen(given_text), " %s %s", name, eq + 1);
+    }
+    InferredModel inferred;
+    if (infer_model_config(f, &given, heads_given, &inferred, why, sizeof why) != 0) return error_line(err, err_len, "%s: %s", path, why);
+    for (int i = 0; i < num_flags; i++) {  // each flag given, put on the inferred model, must leave it as it is
+        const char *eq = strchr(flags[i], '=');
+        snprintf(name, sizeof name, "%.*s", eq ? (int)(eq - flags[i]) : 0, flags[i]);
+        const OptionSpec *spec = find_option(name, strlen(name));
+        if (!spec) continue;
+        Options o = inferred.options;
+        ModelConfig with_flag;
+        if (option_from_string(&o, spec, eq + 1, why, sizeof why) != 0 || model_config_from_options(&o, o.num_classes, &with_flag, why, sizeof why) != 0 ||
+            memcmp(&with_flag, &inferred.config, sizeof with_flag) != 0)
+            return error_line(err, err_len, "%s: --%s %s does not fit its tensors (they are of --num_channels %d --channel_mult %s "
+                              "--num_res_blocks %d --attention_resolutions %s)", path, name, eq + 1, inferred.options.num_channels,
+                              inferred.channel_mult, inferred.options.num_res_blocks, inferred.attention_resolutions);
+    }
+    if (strcmp(given.noise_schedule, "linear") != 0 && strcmp(given.noise_schedule, "cosine") != 0)
+        return error_line(err, err_len, "--noise_schedule %s: linear or cosine", given.noise_schedule);
+    if (prediction_from_name(given.predict) < 0) return error_line(err, err_len, "--predict %s: eps, v or x0", given.predict);
+    if (given.diffusion_steps < 1 || given.diffusion_steps > 100000) return error_line(err, err_len, "--diffusion_steps out of range");
+    const Options *o = &inferred.options;
+    const char *truth[2] = {"False", "True"};
+    snprintf(described, described_len, "inferred from the tensors: num_channels %d channel_mult %s num_res_blocks %d attention_resolutions "
+             "%s use_scale_shift_norm %s resblock_updown %s class_cond %s learn_sigma %s; given:%s", o->num_channels, inferred.channel_mult,
+             o->num_res_blocks, inferred.attention_resolutions, truth[o->use_scale_shift_norm], truth[o->resblock_updown],
+             truth[o->class_cond], truth[o->learn_sigma], given_text[0] ? given_text : " none");
+    *c = inferred.config, *steps = given.diffusion_steps, *schedule = given.noise_schedule, *predict = given.predict;
+    return 0;
 }
 
 // An upper bound on the block count: per level, input blocks make 2 blocks each plus a
@@ -7919,6 +8082,8 @@ static void validate_training(const Options *o) {
     if (!o->run_dir[0] || strlen(o->run_dir) > 3000) usage_error("--run_dir must be 1 to 3000 characters");
     if (strlen(o->resume_checkpoint) > 3000) usage_error("--resume_checkpoint must be at most 3000 characters");
     if (o->overwrite && o->resume_checkpoint[0]) usage_error("--overwrite starts a new run: it does not go with --resume_checkpoint");
+    if (o->init_from[0] && o->resume_checkpoint[0])
+        usage_error("--init_from starts a new run from given weights: it does not go with --resume_checkpoint");
     if (o->sample_interval < 0) usage_error("--sample_interval %d must not be negative", o->sample_interval);
     if (o->sample_count < 0 || o->sample_count > 10000) usage_error("--sample_count %d is out of range (0..10000)", o->sample_count);
     if (o->sample_steps < 1 || o->sample_steps > o->diffusion_steps || !respacing_stride(o->diffusion_steps, o->sample_steps))
@@ -8163,6 +8328,34 @@ static void write_config(const char *run_dir, const Options *o) {
 
 // The checkpoint --resume_checkpoint names ("latest": the newest in the run folder) into rp->dir,
 // and everything in it checked (check_resume). Exits with one line on a problem.
+// --init_from: the weights a new run starts from, checked on the host before the GPU: every
+// parameter of the model in the file with its shape (a file's extra tensors are ignored), except a
+// label_emb of another class count, which stays as initialised (fine-tuning on other classes).
+typedef struct {
+    char file[4400];
+    ParamList loaded;    // the parameters read from it: all, or all but label_emb.weight
+    int label_rows;      // the file's label_emb rows when they differ from the model's (0: same, or none)
+} InitFrom;
+
+static int check_init_from(const Options *o, const ParamList *params, InitFrom *init, char *err, size_t err_len) {
+    struct stat st;
+    memset(init, 0, sizeof *init);
+    snprintf(init->file, sizeof init->file, stat(o->init_from, &st) == 0 && S_ISDIR(st.st_mode) ? "%.4000s/ema.safetensors" : "%.4000s",
+             o->init_from);
+    SafeTensorsFile f;
+    if (safetensors_open(init->file, &f, err, err_len) != 0) return -1;
+    init->loaded.specs = (ParamSpec *)malloc_or_die(params->count * sizeof(ParamSpec));
+    for (int i = 0; i < params->count; i++) {
+        const ParamSpec *p = &params->specs[i];
+        const SafeTensor *t = strcmp(p->name, "label_emb.weight") == 0 ? safetensors_find(&f, p->name) : NULL;
+        if (t && t->ndim == 2 && t->shape[1] == p->shape[1] && t->shape[0] != p->shape[0]) init->label_rows = (int)t->shape[0];
+        else init->loaded.specs[init->loaded.count++] = *p;
+    }
+    int r = read_tensors(&init->loaded, &f, init->file, 0, NULL, err, err_len);
+    safetensors_close(&f);
+    return r;
+}
+
 static void find_resume_point(const Options *o, const ModelConfig *c, const ParamList *params, ResumePoint *rp) {
     char err[2048];
     memset(rp, 0, sizeof *rp);
@@ -8231,7 +8424,7 @@ static void catch_stop_signals(void) {
 // writes, in the run folder it holds (take_run_folder): the run folder's files, sample grids,
 // checkpoints (the same files as one GPU's) and the progress lines.
 static void run_training(const Options *o, const ModelConfig *config, const ParamList *params, const ResumePoint *resume,
-                         const DatasetHeader *checked) {
+                         const InitFrom *init, const DatasetHeader *checked) {
     char err[1024], saved[4400] = "";
     int lead = team.rank == 0;
     if (lead && o->overwrite) clear_run_folder(o->run_dir);  // never with a resume (validate_training)
@@ -8248,6 +8441,15 @@ static void run_training(const Options *o, const ModelConfig *config, const Para
         printf("%s %s at step %lld\n", resume->elsewhere ? "new run started from" : "resumed from", resume->dir, (long long)tr.step);
     } else {
         unet_init_parameters(&tr.m, (uint64_t)o->seed);
+        if (init) {  // the file's weights over the initialised ones (all but a label_emb of other classes)
+            float *staged = (float *)malloc_or_die(tr.m.storage * sizeof(float));
+            cuda_check(cudaMemcpy(staged, tr.m.master, tr.m.storage * sizeof(float), cudaMemcpyDeviceToHost));
+            if (read_parameters(&init->loaded, init->file, 0, staged, err, sizeof err) != 0) fatal("%s", err);
+            cuda_check(cudaMemcpy(tr.m.master, staged, tr.m.storage * sizeof(float), cudaMemcpyHostToDevice));
+            free(staged);
+            unet_sync_compute(&tr.m);
+            printf("new run started from the weights of %s\n", init->file);
+        }
         trainer_reset_ema(&tr);
     }
     FILE *log = NULL;
@@ -8454,14 +8656,22 @@ static int map_checkpoint_file(const char *path, const char *weights, UnetCheckp
     return r;
 }
 
-extern "C" UnetCheckpoint *unet_checkpoint_open(const char *path, const char *weights, UnetInfo *info, char *err, size_t err_len) {
+extern "C" UnetCheckpoint *unet_checkpoint_open(const char *path, const char *weights, const char *const *flags, int num_flags,
+                                                UnetInfo *info, char *err, size_t err_len) {
     UnetCheckpoint *ck = (UnetCheckpoint *)calloc(1, sizeof *ck);
     if (!ck) fatal("out of host memory");
     if (map_checkpoint_file(path, weights, ck, err, err_len) != 0) return free(ck), (UnetCheckpoint *)NULL;
     const char *schedule = "", *predict = "";
     memset(info, 0, sizeof *info);
-    int r = model_config_from_metadata(&ck->f, ck->file, &ck->config, err, err_len);
-    if (r == 0) r = diffusion_from_metadata(&ck->f, ck->file, &info->diffusion_steps, &schedule, &predict, err, err_len);
+    int r, described = ck->f.meta_count == 0;  // no metadata (a .pt): the model from its tensors and the flags
+    if (described)
+        r = model_from_tensors_and_flags(&ck->f, ck->file, flags, num_flags, &ck->config, &info->diffusion_steps, &schedule, &predict,
+                                         info->model, sizeof info->model, err, err_len);
+    else if (num_flags > 0)
+        r = error_line(err, err_len, "%s holds its model's configuration: --%.*s and the other model flags are for files without it (.pt)",
+                       ck->file, (int)(strchr(flags[0], '=') ? strchr(flags[0], '=') - flags[0] : 0), flags[0]);
+    else r = model_config_from_metadata(&ck->f, ck->file, &ck->config, err, err_len);
+    if (r == 0 && !described) r = diffusion_from_metadata(&ck->f, ck->file, &info->diffusion_steps, &schedule, &predict, err, err_len);
     if (r == 0) {
         ParamList params = model_parameters(&ck->config);
         r = read_tensors(&params, &ck->f, ck->file, 0, NULL, err, err_len);  // names, shapes, finite values
@@ -8712,6 +8922,13 @@ __attribute__((weak)) int main(int argc, char **argv) {
                   resume.dir, resume.position.next, data.header.count, o.data);
         if (resume.changes[0] && (launched || o.gpus == 1 || o.dry_run)) printf("resume: changed since the checkpoint: %s\n", resume.changes);
     }
+    InitFrom init;
+    if (!o.bench && o.init_from[0]) {
+        if (check_init_from(&o, &params, &init, err, sizeof err) != 0) fatal("--init_from: %s", err);
+        if (init.label_rows && (launched || o.gpus == 1 || o.dry_run))
+            printf("init_from: %s has %d label_emb rows, this model %d: label_emb starts from its initialisation, the rest from the file\n",
+                   init.file, init.label_rows, model.num_classes);
+    }
 
     if (o.dry_run) {
         print_config(stdout, &o);
@@ -8725,6 +8942,7 @@ __attribute__((weak)) int main(int argc, char **argv) {
         if (o.resume_checkpoint[0])
             printf("resume: %s at step %lld, checked%s\n", resume.dir, (long long)resume.step,
                    resume.elsewhere ? "; from outside the run folder, it starts a new run there" : "");
+        if (o.init_from[0]) printf("init_from: %s, checked: %d tensors start from it\n", init.file, init.loaded.count);
         dataset_close(&data);
         free(params.specs);
         return 0;
@@ -8752,7 +8970,7 @@ __attribute__((weak)) int main(int argc, char **argv) {
     } else {
         DatasetHeader checked = data.header;
         dataset_close(&data);
-        run_training(&o, &model, &params, o.resume_checkpoint[0] ? &resume : NULL, &checked);
+        run_training(&o, &model, &params, o.resume_checkpoint[0] ? &resume : NULL, o.init_from[0] ? &init : NULL, &checked);
     }
     free(params.specs);
     return 0;

@@ -25,7 +25,8 @@ typedef struct {
     int diffusion_steps;
     char noise_schedule[16], predict[8];
     int64_t parameters;
-    char file[4096];      // the safetensors file read
+    char file[4096];      // the weights file read
+    char model[1024];     // a file without metadata (a .pt): what was inferred from its tensors and what the flags gave
 } UnetInfo;
 
 // --version: the program's name and version, then what the library was built with (the precision,
@@ -38,11 +39,15 @@ void unet_die(const char *fmt, ...) __attribute__((format(printf, 1, 2), noretur
 void unet_usage_error(const char *fmt, ...) __attribute__((format(printf, 1, 2), noreturn));
 
 // Opens a checkpoint without a GPU: path is a checkpoint folder (its ema.safetensors, or
-// model.safetensors with weights "model") or a .safetensors file. The file is mapped once and every
+// model.safetensors with weights "model"), a .safetensors file or a PyTorch .pt state_dict. A file
+// without metadata (a .pt) is read with `flags` (num_flags "name=value" strings: guided-diffusion's
+// flags for the model, as its README gives them; the tensors decide the rest and must agree); a
+// file with metadata takes no flags. The file is mapped once and every
 // later call reads that mapping, so a trainer deleting or replacing the file meanwhile changes
 // nothing here. Its configuration and every tensor (names, shapes, finite values) are checked and
 // described in *info. Returns the checkpoint, or NULL with a message.
-UnetCheckpoint *unet_checkpoint_open(const char *path, const char *weights, UnetInfo *info, char *err, size_t err_len);
+UnetCheckpoint *unet_checkpoint_open(const char *path, const char *weights, const char *const *flags, int num_flags, UnetInfo *info,
+                                     char *err, size_t err_len);
 void unet_checkpoint_close(UnetCheckpoint *checkpoint);
 
 // A sampler on the GPU for batches of `batch` images with a checkpoint's weights, running `plan`

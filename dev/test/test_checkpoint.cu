@@ -322,7 +322,7 @@ static void run_folder_cases(const char *top, const ParamList *params) {
     write_step(run, params, 4, 0);
     snprintf(path, sizeof path, "%s/checkpoints/step_000000004", run);
     UnetInfo info;
-    UnetCheckpoint *ck = unet_checkpoint_open(path, "model", &info, err, sizeof err);
+    UnetCheckpoint *ck = unet_checkpoint_open(path, "model", NULL, 0, &info, err, sizeof err);
     CHECK(ck && info.image_size == 8 && strstr(info.file, "step_000000004/model.safetensors"));
     pattern_offset = 0.5f;
     write_step(run, params, 4, 0);  // the same step saved again: replaced
@@ -339,7 +339,7 @@ static void run_folder_cases(const char *top, const ParamList *params) {
     }
     CHECK(same);
     unet_checkpoint_close(ck);
-    CHECK(!unet_checkpoint_open(path, "ema", &info, err, sizeof err) && strstr(err, "cannot open checkpoint") && !strchr(err, '\n'));
+    CHECK(!unet_checkpoint_open(path, "ema", NULL, 0, &info, err, sizeof err) && strstr(err, "cannot open checkpoint") && !strchr(err, '\n'));
     printf("  %s\n", err);
 }
 

@@ -6,6 +6,19 @@ cd "$(dirname "$0")/../.." || exit 1
 UNCOND=dev/fixtures/unet_conv_resample.safetensors  # unconditional, eps
 SIGMA=dev/fixtures/unet_adm.safetensors             # 10 classes (no null class), learned variance
 
+case_begin "a .pt: the flags its tensors cannot give are asked for, those they contradict refused, before the GPU"
+PT=dev/fixtures/pt/unet_adm_fp16.pt
+expect_fail ./generate --checkpoint "$PT" --image_size 8
+expect_grep "num_head_channels or --num_heads: a state_dict does not say" "$LAST_ERR"
+expect_fail ./generate --checkpoint "$PT" --num_head_channels 16
+expect_grep "image_size: a state_dict does not say the images' size" "$LAST_ERR"
+expect_fail ./generate --checkpoint "$PT" --image_size 8 --num_head_channels 16 --num_res_blocks 2
+expect_grep "num_res_blocks 2 does not fit its tensors" "$LAST_ERR"
+expect_fail ./generate --checkpoint "$SIGMA" --image_size 8
+expect_grep "holds its model's configuration: --image_size and the other model flags are for files without it" "$LAST_ERR"
+expect_fail ./generate --checkpoint "$PT" --image_size 8 --image_size 16
+expect_grep "image_size is given twice" "$LAST_ERR"
+
 case_begin "the command-line convention: the usage on stdout and exit 0 for no arguments, -h and --help; README.md's copy is the same"
 expect_usage ./generate --num 3
 expect_grep "^usage: generate --checkpoint" "$TEST_TMP/generate.help"
@@ -152,6 +165,19 @@ ref, out = read(sys.argv[1], "out"), read(sys.argv[2], "out")
 err = math.sqrt(sum((a - b) ** 2 for a, b in zip(out, ref)) / sum(b * b for b in ref))
 print("  %s: relative error %.2e" % (sys.argv[1], err)); sys.exit(0 if len(out) == len(ref) and err <= 2e-2 else 1)
 PY
+    done
+
+    case_begin "--eval of torch.save's .pt of a fixture's weights (zip and legacy) gives the safetensors' output, bit for bit"
+    for name in seed adm; do
+        flags=(--image_size 8 --num_head_channels 16)
+        [ $name = adm ] && flags+=(--use_new_attention_order True --learn_sigma True --class_cond True)
+        expect_ok ./generate --checkpoint "dev/fixtures/unet_$name.safetensors" --eval "dev/fixtures/unet_$name.safetensors" --output "$TEST_TMP/st.safetensors"
+        for kind in fp32 fp32_legacy; do
+            expect_ok ./generate --checkpoint "dev/fixtures/pt/unet_${name}_$kind.pt" "${flags[@]}" --eval "dev/fixtures/unet_$name.safetensors" \
+                --output "$TEST_TMP/pt.safetensors"
+            expect_grep "inferred from the tensors: num_channels 32 channel_mult 1,1" "$LAST_OUT"
+            cmp -s "$TEST_TMP/st.safetensors" "$TEST_TMP/pt.safetensors" || case_fail "unet_${name}_$kind.pt: another output than the safetensors'"
+        done
     done
 else
     case_begin "without a GPU: one clear error line, exit 1, and no output folder or file left"

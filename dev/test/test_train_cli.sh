@@ -269,6 +269,25 @@ expect_grep "^gpus +1$" "$LAST_OUT"
 expect_ok env SLURM_STEP_NUM_TASKS=1 SLURM_PROCID=0 SLURM_LOCALID=0 ./train_unet --dry_run --gpus 2 --run_dir "$TEST_TMP/srun_pty"
 expect_grep "^gpus +2$" "$LAST_OUT"  # a shell inside a one-task srun step is a process alone: --gpus may start ranks
 
+case_begin "--init_from: a .pt or safetensors of the same model is checked by --dry_run; another model's refused naming tensors"
+# the seed fixture's model (dev/fixtures/unet_seed.safetensors), and torch.save's .pt of its weights
+SEED_FIXTURE=(--image_size 8 --num_channels 32 --channel_mult 1,1 --num_res_blocks 0 --attention_resolutions 8,4 --num_head_channels 16
+              --use_scale_shift_norm False)
+for f in dev/fixtures/pt/unet_seed_fp32.pt dev/fixtures/pt/unet_seed_fp16_legacy.pt dev/fixtures/unet_seed.safetensors; do
+    expect_ok "$TRAIN" --dry_run "${SEED_FIXTURE[@]}" --init_from "$f"
+    expect_grep "^init_from: $f, checked: 72 tensors start from it" "$LAST_OUT"
+done
+expect_fail "$TRAIN" --dry_run "${SEED_FIXTURE[@]}" --num_channels 64 --init_from dev/fixtures/pt/unet_seed_fp32.pt
+expect_grep "^train_unet: error: --init_from: .*unet_seed_fp32.pt does not match the model \([0-9]+ problems\): time_embed.0.weight is F16|F32 \[128,32\], expected F32 \[256,64\]" "$LAST_ERR"
+expect_fail "$TRAIN" --dry_run "${SEED_FIXTURE[@]}" --init_from dev/test/corpus/pt/bad_os_system.pt
+expect_grep "os.system, which is not part of a state_dict" "$LAST_ERR"
+expect_exit 2 "$TRAIN" --dry_run "${SEED_FIXTURE[@]}" --init_from dev/fixtures/pt/unet_seed_fp32.pt --resume_checkpoint latest
+# the adm fixture: 10 label_emb rows; a model of 4 classes (+ the null class) keeps its own label_emb
+ADM_FIXTURE=(--image_size 8 --num_channels 32 --channel_mult 1,1 --num_res_blocks 1 --attention_resolutions 4 --num_head_channels 16
+             --use_new_attention_order True --resblock_updown True --use_scale_shift_norm True --learn_sigma True --class_cond True)
+expect_ok "$TRAIN" --dry_run "${ADM_FIXTURE[@]}" --num_classes 4 --init_from dev/fixtures/pt/unet_adm_fp32.pt
+expect_grep "^init_from: .*unet_adm_fp32.pt has 10 label_emb rows, this model 5: label_emb starts from its initialisation" "$LAST_OUT"
+
 case_begin "--help lists every guided-diffusion flag"
 expect_ok "$TRAIN" --help
 for flag in image_size num_channels num_res_blocks channel_mult attention_resolutions num_heads num_head_channels \

@@ -86,6 +86,25 @@ awk -F, 'NR > 1 { for (q = 10; q <= 13; q++) if ($q != "") seen[q] = 1; if ($10 
          END { exit bad || length(seen) != 4 }' "$TEST_TMP/lsm/log.csv" ||
     case_fail "log.csv: the quarters' losses are missing or not positive: $(sed -n 2p "$TEST_TMP/lsm/log.csv")"
 
+case_begin "--init_from: a new run from a trained run's weights continues its loss; a .pt of other classes trains too"
+expect_ok train --steps 60 --run_dir "$TEST_TMP/base"
+expect_ok train --steps 5 --run_dir "$TEST_TMP/tuned" --init_from "$TEST_TMP/base/checkpoints/step_000000060/model.safetensors"
+expect_grep "^new run started from the weights of .*base/checkpoints/step_000000060/model.safetensors" "$LAST_OUT"
+python3 - "$TEST_TMP/base/log.csv" "$TEST_TMP/tuned/log.csv" <<'PY' || case_fail "the fine-tuned run's loss does not continue the base run's"
+import csv, sys
+base, tuned = ([float(r["loss"]) for r in csv.DictReader(open(p))] for p in sys.argv[1:3])
+first, last, now = sum(base[:5]) / 5, sum(base[-5:]) / 5, sum(tuned[:5]) / 5
+print(f"  base run: first 5 steps {first:.4f}, last 5 {last:.4f}; fine-tuned, first 5: {now:.4f}")
+sys.exit(0 if now < 0.5 * first and now < 2 * last else 1)
+PY
+./prepare_data --synthetic shapes --count 40 --size 8 --seed 5 --output "$TEST_TMP/s8.bin" --quiet >/dev/null
+expect_ok ./train_unet --data "$TEST_TMP/s8.bin" --image_size 8 --num_channels 32 --channel_mult 1,1 --num_res_blocks 1 \
+    --attention_resolutions 4 --num_head_channels 16 --use_new_attention_order True --resblock_updown True --use_scale_shift_norm True \
+    --learn_sigma True --class_cond True --batch_size 4 --steps 3 --sample_count 0 --run_dir "$TEST_TMP/from_pt" \
+    --init_from dev/fixtures/pt/unet_adm_fp16_legacy.pt
+expect_grep "has 10 label_emb rows, this model 4: label_emb starts from its initialisation" "$LAST_OUT"
+expect_grep "^done at step 3" "$LAST_OUT"
+
 case_begin "SIGINT finishes the step, saves a checkpoint, says where and exits 0"
 ./train_unet "${ARGS[@]}" --steps 1000000 --run_dir "$TEST_TMP/c" >"$TEST_TMP/c.out" 2>&1 &  # not through a function: $! is train_unet
 pid=$!

@@ -1,0 +1,116 @@
+// test_model_inference.cu: the model configuration inferred from a state_dict's tensors alone
+// (train_unet.cu's infer_model_config, for .pt files, which carry no metadata): for the fixtures'
+// models (their safetensors and torch.save's .pt of the same weights) and for the presets with
+// every option the shapes decide (class-conditional, learned variance, scale-shift, ResBlock or
+// convolution resampling, average pooling, several blocks a level, multipliers of 0.5), the
+// inferred configuration equals the true one; what shapes cannot say is refused with one line
+// naming the flag to give.
+#define TRAIN_UNET_LIBRARY
+#include "../../train_unet.cu"
+#include "check.h"
+
+// A state_dict of the model's parameter names and shapes, without data (what inference reads).
+static SafeTensorsFile shapes_only(const ModelConfig *c) {
+    ParamList params = model_parameters(c);
+    SafeTensorsFile f;
+    memset(&f, 0, sizeof f);
+    f.tensors = (SafeTensor *)calloc(params.count, sizeof(SafeTensor));
+    for (int i = 0; i < params.count; i++) {
+        SafeTensor *t = &f.tensors[f.count++];
+        t->name = strdup(params.specs[i].name);
+        snprintf(t->dtype, sizeof t->dtype, "F32");
+        t->ndim = params.specs[i].ndim, t->numel = params.specs[i].numel;
+        for (int d = 0; d < t->ndim; d++) t->shape[d] = params.specs[i].shape[d];
+    }
+    qsort(f.tensors, f.count, sizeof(SafeTensor), safetensors_by_name);
+    free(params.specs);
+    return f;
+}
+
+// The flags a user gives for a .pt: the image size and the heads (as the model has them).
+static Options given_for(const ModelConfig *c) {
+    Options o = guided_diffusion_defaults();
+    o.image_size = c->image_size, o.num_heads = c->num_heads, o.num_head_channels = c->num_head_channels;
+    o.num_heads_upsample = c->num_heads_upsample, o.use_new_attention_order = c->use_new_attention_order, o.dropout = c->dropout;
+    return o;
+}
+
+static int same_config(const ModelConfig *a, const ModelConfig *b) { return memcmp(a, b, sizeof *a) == 0; }
+
+static int infers(const char *what, const SafeTensorsFile *f, const ModelConfig *truth) {
+    Options given = given_for(truth);
+    InferredModel got;
+    char err[512];
+    if (infer_model_config(f, &given, 1, &got, err, sizeof err) != 0) return printf("  %s: %s\n", what, err), 0;
+    if (!same_config(&got.config, truth)) return printf("  %s: another configuration inferred\n", what), 0;
+    return 1;
+}
+
+int main(void) {
+    char err[512];
+    check_case("the fixtures' models: inferred from their safetensors and from torch.save's .pt of the same weights");
+    const char *names[3] = {"seed", "adm", "conv_resample"};
+    for (int i = 0; i < 3; i++) {
+        char path[256];
+        SafeTensorsFile f;
+        ModelConfig truth;
+        snprintf(path, sizeof path, "dev/fixtures/unet_%s.safetensors", names[i]);
+        CHECK(safetensors_open(path, &f, err, sizeof err) == 0 && model_config_from_metadata(&f, path, &truth, err, sizeof err) == 0);
+        CHECK(infers(path, &f, &truth));
+        safetensors_close(&f);
+        for (int k = 0; i < 2 && k < 2; k++) {
+            snprintf(path, sizeof path, "dev/fixtures/pt/unet_%s_%s.pt", names[i], k ? "fp16_legacy" : "fp32");
+            CHECK(safetensors_open(path, &f, err, sizeof err) == 0 && infers(path, &f, &truth));
+            safetensors_close(&f);
+        }
+    }
+
+    check_case("presets and variations: every flag the shapes decide is inferred");
+    struct { const char *preset, *mult, *attention; int blocks, class_cond, learn_sigma, scale_shift, updown, conv, size; } cases[] = {
+        {"seed", NULL, NULL, -1, 0, 0, -1, -1, -1, 0},      {"adm64", NULL, NULL, -1, 1, 1, -1, -1, -1, 0},
+        {"seed", "1,1,2,3", "16", 3, 1, 0, 0, 1, 1, 0},     {"seed", "1,2", "", 1, 0, 1, 1, 0, 0, 32},
+        {"adm64", "0.5,1,2", "32,16", 2, 0, 0, 1, 1, 0, 0},  {"seed", "1,2,2,2", "16,8", 2, 0, 1, 0, 0, 1, 32},
+        {"seed", "1", "", 4, 1, 1, 1, 0, 1, 16}};
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        Options o = strcmp(cases[i].preset, "adm64") == 0 ? preset_adm64() : preset_seed();
+        if (cases[i].size) o.image_size = cases[i].size;
+        if (cases[i].mult) o.channel_mult = cases[i].mult;
+        if (cases[i].attention) o.attention_resolutions = cases[i].attention;
+        if (cases[i].blocks >= 0) o.num_res_blocks = cases[i].blocks;
+        if (cases[i].scale_shift >= 0) o.use_scale_shift_norm = cases[i].scale_shift;
+        if (cases[i].updown >= 0) o.resblock_updown = cases[i].updown;
+        if (cases[i].conv >= 0) o.conv_resample = cases[i].conv;
+        o.class_cond = cases[i].class_cond, o.num_classes = 11, o.learn_sigma = cases[i].learn_sigma;
+        ModelConfig truth;
+        if (model_config_from_options(&o, o.num_classes, &truth, err, sizeof err) != 0) {
+            printf("  case %zu: %s\n", i, err);
+            CHECK(0);
+            continue;
+        }
+        if (truth.resblock_updown && !truth.conv_resample) truth.conv_resample = 1;  // the same model: inferred as the default
+        SafeTensorsFile f = shapes_only(&truth);
+        char what[64];
+        snprintf(what, sizeof what, "case %zu (%s, mult %s)", i, cases[i].preset, o.channel_mult);
+        CHECK(infers(what, &f, &truth));
+        safetensors_close(&f);
+    }
+
+    check_case("what shapes cannot say, or a file that is no UNet: one line naming what to give");
+    Options o = preset_seed();
+    ModelConfig truth = resolve_model(&o, 0);
+    InferredModel got;
+    SafeTensorsFile f = shapes_only(&truth);
+    Options given = given_for(&truth);
+    CHECK(infer_model_config(&f, &given, 0, &got, err, sizeof err) != 0 && strstr(err, "--num_head_channels") && !strchr(err, '\n'));
+    printf("  %s\n", err);
+    given.image_size = 0;
+    CHECK(infer_model_config(&f, &given, 1, &got, err, sizeof err) != 0 && strstr(err, "--image_size"));
+    printf("  %s\n", err);
+    safetensors_close(&f);
+    CHECK(safetensors_open("dev/test/corpus/pt/good_zip.pt", &f, err, sizeof err) == 0);
+    given = given_for(&truth);
+    CHECK(infer_model_config(&f, &given, 1, &got, err, sizeof err) != 0 && strstr(err, "not a guided-diffusion UNet"));
+    printf("  %s\n", err);
+    safetensors_close(&f);
+    return check_summary();
+}
