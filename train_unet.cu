@@ -8333,7 +8333,7 @@ static void write_config(const char *run_dir, const Options *o) {
 // label_emb of another class count, which stays as initialised (fine-tuning on other classes).
 typedef struct {
     char file[4400];
-    ParamList loaded;    // the parameters read from it: all, or all but label_emb.weight
+    ParamList loaded;    // the parameters read from it: all, or all but label_emb.weight (names and shapes)
     int label_rows;      // the file's label_emb rows when they differ from the model's (0: same, or none)
 } InitFrom;
 
@@ -8443,10 +8443,14 @@ static void run_training(const Options *o, const ModelConfig *config, const Para
         unet_init_parameters(&tr.m, (uint64_t)o->seed);
         if (init) {  // the file's weights over the initialised ones (all but a label_emb of other classes)
             float *staged = (float *)malloc_or_die(tr.m.storage * sizeof(float));
+            ParamList loaded = {(ParamSpec *)malloc_or_die(tr.m.params.count * sizeof(ParamSpec)), 0, 0, 0};  // with the GPU layout's offsets
+            for (int i = 0; i < tr.m.params.count; i++)
+                if (!init->label_rows || strcmp(tr.m.params.specs[i].name, "label_emb.weight") != 0)
+                    loaded.specs[loaded.count++] = tr.m.params.specs[i];
             cuda_check(cudaMemcpy(staged, tr.m.master, tr.m.storage * sizeof(float), cudaMemcpyDeviceToHost));
-            if (read_parameters(&init->loaded, init->file, 0, staged, err, sizeof err) != 0) fatal("%s", err);
+            if (read_parameters(&loaded, init->file, 0, staged, err, sizeof err) != 0) fatal("%s", err);
             cuda_check(cudaMemcpy(tr.m.master, staged, tr.m.storage * sizeof(float), cudaMemcpyHostToDevice));
-            free(staged);
+            free(staged), free(loaded.specs);
             unet_sync_compute(&tr.m);
             printf("new run started from the weights of %s\n", init->file);
         }
