@@ -2,8 +2,9 @@
 // (train_unet.cu's infer_model_config, for .pt files, which carry no metadata): for the fixtures'
 // models (their safetensors and torch.save's .pt of the same weights) and for the presets with
 // every option the shapes decide (class-conditional, learned variance, scale-shift, ResBlock or
-// convolution resampling, average pooling, several blocks a level, multipliers of 0.5), the
-// inferred configuration equals the true one; what shapes cannot say is refused with one line
+// convolution resampling, average pooling, several blocks a level, multipliers of 0.5) and for
+// the configurations of guided-diffusion's released models, the inferred configuration equals the
+// true one; what shapes cannot say is refused with one line
 // naming the flag to give.
 #define TRAIN_UNET_LIBRARY
 #include "../../train_unet.cu"
@@ -92,6 +93,28 @@ int main(void) {
         char what[64];
         snprintf(what, sizeof what, "case %zu (%s, mult %s)", i, cases[i].preset, o.channel_mult);
         CHECK(infers(what, &f, &truth));
+        safetensors_close(&f);
+    }
+
+    check_case("guided-diffusion's released models, with the flags its README gives for each: inferred from their shapes");
+    struct { const char *name; int size, channels, blocks, heads, head_channels, new_order, class_cond; } released[] = {
+        {"64x64_diffusion", 64, 192, 3, 4, 64, 1, 1},     {"128x128_diffusion", 128, 256, 2, 4, -1, 0, 1},
+        {"256x256_diffusion", 256, 256, 2, 4, 64, 0, 1},  {"256x256_diffusion_uncond", 256, 256, 2, 4, 64, 0, 0},
+        {"512x512_diffusion", 512, 256, 2, 4, 64, 0, 1}};
+    for (size_t i = 0; i < sizeof released / sizeof released[0]; i++) {
+        Options r = guided_diffusion_defaults();
+        r.image_size = released[i].size, r.num_channels = released[i].channels, r.num_res_blocks = released[i].blocks;
+        r.num_heads = released[i].heads, r.num_head_channels = released[i].head_channels, r.use_new_attention_order = released[i].new_order;
+        r.attention_resolutions = "32,16,8", r.channel_mult = "", r.learn_sigma = 1, r.resblock_updown = 1, r.use_scale_shift_norm = 1;
+        r.class_cond = released[i].class_cond, r.num_classes = 1000;
+        ModelConfig truth;
+        if (model_config_from_options(&r, r.num_classes, &truth, err, sizeof err) != 0) {
+            printf("  %s: %s\n", released[i].name, err);
+            CHECK(0);
+            continue;
+        }
+        SafeTensorsFile f = shapes_only(&truth);
+        CHECK(infers(released[i].name, &f, &truth));
         safetensors_close(&f);
     }
 
