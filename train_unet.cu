@@ -4011,7 +4011,7 @@ typedef struct {
 #define OPT(name, type, help) {#name, type, offsetof(Options, name), help}
 static const OptionSpec option_specs[] = {
     OPT(data, OPT_STRING, "dataset .bin written by prepare_data (required to train)"),
-    OPT(preset, OPT_STRING, "seed | adm64: a model and training configuration to start from"),
+    OPT(preset, OPT_STRING, "seed | adm64 | adm128 | adm256 | adm256u | adm512: a model and training configuration to start from"),
     OPT(image_size, OPT_INT, "image side in pixels; when not given, the dataset's (without --data the preset's)"),
     OPT(num_channels, OPT_INT, "model channels (multiple of 32)"),
     OPT(channel_mult, OPT_STRING, "channel multiplier per level, e.g. 1,2,3,4; \"\", or not given with an image size from the "
@@ -4100,6 +4100,18 @@ static Options preset_adm64(void) {
     o.num_head_channels = 64, o.use_new_attention_order = 1, o.use_scale_shift_norm = 1;
     o.resblock_updown = 1, o.conv_resample = 1, o.dropout = 0.1f, o.noise_schedule = "cosine";
     o.preset = "adm64";
+    return o;
+}
+
+// guided-diffusion's released ImageNet models at 128, 256 and 512 (its README's flags): learned
+// variance, linear schedule, scale-shift norm, resblock up/down, attention at 32,16,8, the default
+// channel multipliers of the size; class-conditional (the dataset's classes, else 1000) but adm256u.
+static Options preset_adm_large(int size, const char *name) {
+    Options o = preset_seed();
+    o.image_size = size, o.num_channels = 256, o.num_res_blocks = 2, o.channel_mult = "", o.attention_resolutions = "32,16,8";
+    o.num_heads = 4, o.num_head_channels = size == 128 ? -1 : 64, o.use_scale_shift_norm = 1, o.resblock_updown = 1, o.conv_resample = 1;
+    o.learn_sigma = 1, o.class_cond = strcmp(name, "adm256u") != 0, o.num_classes = 1000, o.noise_schedule = "linear";
+    o.preset = name;
     return o;
 }
 
@@ -7997,6 +8009,12 @@ static void print_usage(FILE *f) {
     cli_print_wrapped(f, "guided-diffusion's ImageNet-64 model: 192 channels, 3 blocks, attention at 32,16,8 with "
                          "64-channel heads, scale-shift norm, resblock up/down, new attention order, dropout 0.1, cosine "
                          "schedule", fprintf(f, "  adm64"), 10);
+    cli_print_wrapped(f, "guided-diffusion's ImageNet-128 model: 256 channels, mult 1,1,2,3,4, 2 blocks, attention at 32,16,8 "
+                         "with 4 heads, scale-shift norm, resblock up/down, learned sigma, linear schedule, class-conditional",
+                      fprintf(f, "  adm128"), 10);
+    cli_print_wrapped(f, "its ImageNet-256 model: the same at 256x256, mult 1,1,2,2,4,4, 64-channel heads; adm256u: unconditional",
+                      fprintf(f, "  adm256"), 10);
+    cli_print_wrapped(f, "its ImageNet-512 model: the same at 512x512, mult 0.5,1,1,2,2,4,4", fprintf(f, "  adm512"), 10);
 }
 
 // The options given on the command line (the others are the preset's, or the dataset's).
@@ -8022,7 +8040,9 @@ static Options parse_options(int argc, char **argv) {
     Options o;
     if (strcmp(preset, "seed") == 0) o = preset_seed();
     else if (strcmp(preset, "adm64") == 0) o = preset_adm64();
-    else usage_error("unknown preset '%s' (seed or adm64)", preset);
+    else if (strcmp(preset, "adm128") == 0 || strcmp(preset, "adm256") == 0 || strcmp(preset, "adm256u") == 0 || strcmp(preset, "adm512") == 0)
+        o = preset_adm_large(atoi(preset + 3), preset);
+    else usage_error("unknown preset '%s' (seed, adm64, adm128, adm256, adm256u or adm512)", preset);
 
     for (int i = 1; i < argc; i++) {
         const char *arg = argv[i];

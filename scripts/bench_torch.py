@@ -27,6 +27,15 @@ PRESETS = {
                   attention_resolutions="32,16,8", num_head_channels="64", use_scale_shift_norm="True",
                   resblock_updown="True", conv_resample="True", use_new_attention_order="True", dropout="0.1"),
 }
+# guided-diffusion's released ImageNet models (train_unet's presets of the same names): learned sigma,
+# class-conditional on 1000 classes (+ the null class) but adm256u.
+for _size, _heads in ((128, dict(num_heads="4", num_head_channels="-1")), (256, dict(num_head_channels="64")),
+                      (512, dict(num_head_channels="64"))):
+    PRESETS[f"adm{_size}"] = dict(image_size=str(_size), num_channels="256", channel_mult="", num_res_blocks="2",
+                                  attention_resolutions="32,16,8", use_scale_shift_norm="True", resblock_updown="True",
+                                  conv_resample="True", use_new_attention_order="False", dropout="0.0", learn_sigma="True",
+                                  class_cond="True", num_classes="1001", **_heads)
+PRESETS["adm256u"] = dict(PRESETS["adm256"], class_cond="False")
 
 
 def time_runs(fn, runs):
@@ -54,16 +63,19 @@ def main():
     model = create_model(PRESETS[args.preset]).cuda().to(memory_format=torch.channels_last)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0, fused=True)
     n, size = args.batch_size, int(PRESETS[args.preset]["image_size"])
+    flags = PRESETS[args.preset]
     x = torch.randn(n, 3, size, size, device="cuda").to(memory_format=torch.channels_last)
-    target = torch.randn_like(x)
+    out_channels = 6 if flags.get("learn_sigma") == "True" else 3  # learned sigma: the MSE over all six, a timing proxy
+    target = torch.randn(n, out_channels, size, size, device="cuda").to(memory_format=torch.channels_last)
     t = torch.randint(0, 1000, (n,), device="cuda")
+    labels = (torch.randint(0, int(flags["num_classes"]) - 1, (n,), device="cuda"),) if flags.get("class_cond") == "True" else ()
     forward = model
     if args.mode != "eager":
         forward = torch.compile(model, mode=None if args.mode == "compile" else "reduce-overhead")
 
     def step():
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            out = forward(x, t)
+            out = forward(x, t, *labels)
         loss = torch.nn.functional.mse_loss(out.float(), target)
         loss.backward()
         optimizer.step()

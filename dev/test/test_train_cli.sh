@@ -15,6 +15,10 @@ case_begin "dry_run: parameter counts equal guided-diffusion's"
 [ "$(params)" = 20,494,211 ] || case_fail "seed: $(params)"
 [ "$(params --conv_resample 1)" = 22,080,323 ] || case_fail "seed + conv_resample: $(params --conv_resample 1)"
 [ "$(params --preset adm64)" = 295,131,267 ] || case_fail "adm64: $(params --preset adm64)"
+# guided-diffusion's released ImageNet models (1000 classes, + the null row of 1024)
+for p in adm128=421,530,630 adm256=553,839,110 adm256u=552,814,086 adm512=558,998,662; do
+    [ "$(params --preset "${p%%=*}")" = "${p#*=}" ] || case_fail "${p%%=*}: $(params --preset "${p%%=*}")"
+done
 # class-conditional: label_emb adds (classes + 1 null row) x 4*num_channels
 [ "$(params --class_cond True --num_classes 3)" = 20,495,235 ] || case_fail "seed + 3 classes: $(params --class_cond True --num_classes 3)"
 
@@ -59,7 +63,7 @@ done <<'LIST'
 --log_interval 0
 --steps 0
 --use_scale_shift_norm maybe
---preset adm128
+--preset adm1024
 --no_such_flag 1
 --dry_run=1
 stray
