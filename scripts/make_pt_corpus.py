@@ -7,6 +7,7 @@ can say what torch never would. Python's standard library only.
     python3 scripts/make_pt_corpus.py      # deterministic: the same bytes every time
 """
 
+import io
 import os
 import struct
 import zipfile
@@ -44,16 +45,16 @@ def state_dict(entries, metadata=True):
 
 def zip_file(pickle, storages, name="archive"):
     """torch.save's zip layout: ARCHIVE/data.pkl, ARCHIVE/data/KEY (stored), version, byteorder."""
-    path = "/tmp/_pt_corpus.zip"
+    buffer = io.BytesIO()
     def entry(n):  # a fixed date, so that the files are the same every time
         return zipfile.ZipInfo(n, date_time=(1980, 1, 1, 0, 0, 0))
-    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as z:
+    with zipfile.ZipFile(buffer, "w", zipfile.ZIP_STORED) as z:
         z.writestr(entry(f"{name}/data.pkl"), pickle)
         z.writestr(entry(f"{name}/byteorder"), "little")
         for key, data in storages.items():
             z.writestr(entry(f"{name}/data/{key}"), data)
         z.writestr(entry(f"{name}/version"), "3\n")
-    return open(path, "rb").read()
+    return buffer.getvalue()
 
 
 def local_header(name, data):
