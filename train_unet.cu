@@ -5189,31 +5189,30 @@ static int model_from_tensors_and_flags(const SafeTensorsFile *f, const char *pa
                                         size_t described_len, char *err, size_t err_len) {
     Options given = guided_diffusion_defaults();
     given.image_size = 0;  // none: inference asks for it
-    int heads_given = 0;
-    char why[512], name[64], given_text[512] = "";
-    for (int i = 0; i < num_flags; i++) {
+    int heads_given = 0, used = 0;
+    const OptionSpec *specs[64];
+    const char *values[64];
+    char why[512], given_text[512] = "";
+    for (int i = 0; i < num_flags && used < 64; i++) {
         const char *eq = strchr(flags[i], '=');
-        snprintf(name, sizeof name, "%.*s", eq ? (int)(eq - flags[i]) : 0, flags[i]);
-        if (!eq || strcmp(name, "use_fp16") == 0) continue;
-        const OptionSpec *spec = find_option(name, strlen(name));
+        size_t len = eq ? (size_t)(eq - flags[i]) : 0;
+        if (!eq || (len == 8 && strncmp(flags[i], "use_fp16", 8) == 0)) continue;
+        const OptionSpec *spec = find_option(flags[i], len);
         if (!spec || option_from_string(&given, spec, eq + 1, why, sizeof why) != 0)
-            return error_line(err, err_len, "--%s %s: %s", name, eq + 1, spec ? why : "not a model or diffusion flag");
-        heads_given |= strcmp(name, "num_heads") == 0 || strcmp(name, "num_head_channels") == 0;
-        snprintf(given_text + strlen(given_text), sizeof given_text - strlen(given_text), " %s %s", name, eq + 1);
+            return error_line(err, err_len, "--%.*s %s: %s", (int)len, flags[i], eq + 1, spec ? why : "not a model or diffusion flag");
+        heads_given |= strcmp(spec->name, "num_heads") == 0 || strcmp(spec->name, "num_head_channels") == 0;
+        snprintf(given_text + strlen(given_text), sizeof given_text - strlen(given_text), " %s %s", spec->name, eq + 1);
+        specs[used] = spec, values[used++] = eq + 1;
     }
     InferredModel inferred;
     if (infer_model_config(f, &given, heads_given, &inferred, why, sizeof why) != 0) return error_line(err, err_len, "%s: %s", path, why);
-    for (int i = 0; i < num_flags; i++) {  // each flag given, put on the inferred model, must leave it as it is
-        const char *eq = strchr(flags[i], '=');
-        snprintf(name, sizeof name, "%.*s", eq ? (int)(eq - flags[i]) : 0, flags[i]);
-        const OptionSpec *spec = find_option(name, strlen(name));
-        if (!spec) continue;
+    for (int i = 0; i < used; i++) {  // each flag given, put on the inferred model, must leave it as it is
         Options o = inferred.options;
         ModelConfig with_flag;
-        if (option_from_string(&o, spec, eq + 1, why, sizeof why) != 0 || model_config_from_options(&o, o.num_classes, &with_flag, why, sizeof why) != 0 ||
-            memcmp(&with_flag, &inferred.config, sizeof with_flag) != 0)
+        if (option_from_string(&o, specs[i], values[i], why, sizeof why) != 0 ||
+            model_config_from_options(&o, o.num_classes, &with_flag, why, sizeof why) != 0 || memcmp(&with_flag, &inferred.config, sizeof with_flag) != 0)
             return error_line(err, err_len, "%s: --%s %s does not fit its tensors (they are of --num_channels %d --channel_mult %s "
-                              "--num_res_blocks %d --attention_resolutions %s)", path, name, eq + 1, inferred.options.num_channels,
+                              "--num_res_blocks %d --attention_resolutions %s)", path, specs[i]->name, values[i], inferred.options.num_channels,
                               inferred.channel_mult, inferred.options.num_res_blocks, inferred.attention_resolutions);
     }
     if (strcmp(given.noise_schedule, "linear") != 0 && strcmp(given.noise_schedule, "cosine") != 0)
@@ -8353,13 +8352,17 @@ static void write_config(const char *run_dir, const Options *o) {
 // label_emb of another class count, which stays as initialised (fine-tuning on other classes).
 typedef struct {
     char file[4400];
-    ParamList loaded;    // the parameters read from it: all, or all but label_emb.weight (names and shapes)
+    ParamList loaded;    // the parameters read from it, at the GPU layout's offsets: all, or all but label_emb.weight
     int label_rows;      // the file's label_emb rows when they differ from the model's (0: same, or none)
 } InitFrom;
 
-static int check_init_from(const Options *o, const ParamList *params, InitFrom *init, char *err, size_t err_len) {
+static int check_init_from(const Options *o, const ModelConfig *c, InitFrom *init, char *err, size_t err_len) {
     struct stat st;
     memset(init, 0, sizeof *init);
+    ParamList layout = model_parameters(c);  // with the offsets unet_create gives them
+    int64_t emb_bias_offset;
+    param_offsets(&layout, &emb_bias_offset);
+    const ParamList *params = &layout;
     snprintf(init->file, sizeof init->file, stat(o->init_from, &st) == 0 && S_ISDIR(st.st_mode) ? "%.4000s/ema.safetensors" : "%.4000s",
              o->init_from);
     SafeTensorsFile f;
@@ -8373,6 +8376,7 @@ static int check_init_from(const Options *o, const ParamList *params, InitFrom *
     }
     int r = read_tensors(&init->loaded, &f, init->file, 0, NULL, err, err_len);
     safetensors_close(&f);
+    free(layout.specs);
     return r;
 }
 
@@ -8463,14 +8467,10 @@ static void run_training(const Options *o, const ModelConfig *config, const Para
         unet_init_parameters(&tr.m, (uint64_t)o->seed);
         if (init) {  // the file's weights over the initialised ones (all but a label_emb of other classes)
             float *staged = (float *)malloc_or_die(tr.m.storage * sizeof(float));
-            ParamList loaded = {(ParamSpec *)malloc_or_die(tr.m.params.count * sizeof(ParamSpec)), 0, 0, 0};  // with the GPU layout's offsets
-            for (int i = 0; i < tr.m.params.count; i++)
-                if (!init->label_rows || strcmp(tr.m.params.specs[i].name, "label_emb.weight") != 0)
-                    loaded.specs[loaded.count++] = tr.m.params.specs[i];
             cuda_check(cudaMemcpy(staged, tr.m.master, tr.m.storage * sizeof(float), cudaMemcpyDeviceToHost));
-            if (read_parameters(&loaded, init->file, 0, staged, err, sizeof err) != 0) fatal("%s", err);
+            if (read_parameters(&init->loaded, init->file, 0, staged, err, sizeof err) != 0) fatal("%s", err);
             cuda_check(cudaMemcpy(tr.m.master, staged, tr.m.storage * sizeof(float), cudaMemcpyHostToDevice));
-            free(staged), free(loaded.specs);
+            free(staged);
             unet_sync_compute(&tr.m);
             printf("new run started from the weights of %s\n", init->file);
         }
@@ -8948,7 +8948,7 @@ __attribute__((weak)) int main(int argc, char **argv) {
     }
     InitFrom init;
     if (!o.bench && o.init_from[0]) {
-        if (check_init_from(&o, &params, &init, err, sizeof err) != 0) fatal("--init_from: %s", err);
+        if (check_init_from(&o, &model, &init, err, sizeof err) != 0) fatal("--init_from: %s", err);
         if (init.label_rows && (launched || o.gpus == 1 || o.dry_run))
             printf("init_from: %s has %d label_emb rows, this model %d: label_emb starts from its initialisation, the rest from the file\n",
                    init.file, init.label_rows, model.num_classes);
