@@ -3835,6 +3835,17 @@ __global__ void add_kernel(floatX *y, const floatX *x, int64_t n) {
 // y += x over n elements, 16 bytes at a time where n allows (activations are 256-byte aligned).
 static void add_into(floatX *y, const floatX *x, int64_t n) { LAUNCH_VECTORISED(add_kernel, n, n, y, x, n); }
 
+// y += x over n fp32 values (parameter gradients: the pieces of a step's batch).
+__global__ void add_floats_kernel(float *y, const float *x, int64_t n) {
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) y[i] += x[i];
+}
+
+static void add_floats(float *y, const float *x, int64_t n) {
+    if (n <= 0) return;
+    add_floats_kernel<<<blocks_for(n, 256), 256, 0, gpu.stream>>>(y, x, n);
+    cuda_check_launch();
+}
+
 // y (+)= x over n elements: a gradient passed on unchanged (copied where y has no other producer).
 static void pass_gradient(floatX *y, GradMode mode, const floatX *x, int64_t n) {
     if (mode == GRAD_ADD) add_into(y, x, n);
@@ -3986,7 +3997,7 @@ typedef struct {
     float lr, weight_decay, beta1, beta2, adam_eps, min_lr, grad_clip, cfg_dropout;
     const char *lr_decay;
     int warmup_steps;
-    int batch_size;
+    int batch_size, microbatch, use_checkpoint;
     int gpus;
     const char *ema_rate;
     int log_interval, save_interval, keep, max_bad_steps, sample_interval, sample_count, sample_steps;
@@ -4049,6 +4060,10 @@ static const OptionSpec option_specs[] = {
     OPT(grad_clip, OPT_FLOAT, "clip the global gradient norm to this (0: off); the norm is logged either way"),
     OPT(cfg_dropout, OPT_FLOAT, "probability of replacing a label by the null class (classifier-free guidance)"),
     OPT(batch_size, OPT_INT, "images per step and GPU"),
+    OPT(microbatch, OPT_INT, "run each step's batch through the model in pieces of this many images (dividing --batch_size), "
+                             "their gradients summed into one step: the same step in less memory (-1: the whole batch at once)"),
+    OPT(use_checkpoint, OPT_BOOL, "recompute each block's inner activations in its backward instead of keeping them: the same "
+                                  "gradients in less memory, for a slower step"),
     OPT(gpus, OPT_INT, "GPUs of this machine to train on: a process each, data parallel over NCCL"),
     OPT(ema_rate, OPT_STRING, "EMA decay rates, comma-separated"),
     OPT(log_interval, OPT_INT, "steps between progress lines"),
@@ -4085,7 +4100,7 @@ static Options preset_seed(void) {
     o.schedule_sampler = "uniform";
     o.lr = 1e-4f, o.weight_decay = 0.0f, o.beta1 = 0.9f, o.beta2 = 0.999f, o.adam_eps = 1e-8f;
     o.warmup_steps = 0, o.lr_decay = "none", o.min_lr = 0.0f, o.grad_clip = 0.0f, o.cfg_dropout = 0.0f;
-    o.batch_size = 32, o.gpus = 1, o.ema_rate = "0.9999";
+    o.batch_size = 32, o.microbatch = -1, o.use_checkpoint = 0, o.gpus = 1, o.ema_rate = "0.9999";
     o.log_interval = 10, o.save_interval = 10000, o.keep = 0, o.max_bad_steps = 10;
     o.sample_interval = 5000, o.sample_count = 64, o.sample_steps = 50;
     o.resume_checkpoint = "", o.run_dir = "run", o.init_from = "";
@@ -4496,6 +4511,19 @@ static void res_block_forward(ResBlock *r, const BlockEmbedding *e, const Act *i
     conv_forward_act(&r->conv2, out, r->h2.x, N, Ho, Wo, skip);
 }
 
+// --use_checkpoint (TRAINING_RECOMPUTE): the inner activations that backward reads (h0 or h0r, xr,
+// h1), made again from the input just before backward, as forward made them: the same kernels on
+// the same values, so the same bits (GroupNorm 1 applies the statistics forward kept).
+static void res_block_recompute(ResBlock *r, const Act *in, const Act *out) {
+    int N = in->N, H = in->H, W = in->W;
+    group_norm_recompute(&r->norm1, r->h0.x, r->mean1, r->rstd1, r->cat_a ? r->cat_a->x : in->x, N, H * W, res_block_norm1(r));
+    if (r->resample) {
+        resample_forward(r->resample > 0, r->h0r.x, r->h0.x, N, H, W, in->C);
+        resample_forward(r->resample > 0, r->xr.x, in->x, N, H, W, in->C);
+    }
+    conv_forward(&r->conv1, r->h1.x, r->resample ? r->h0r.x : r->h0.x, N, out->H, out->W, NULL);
+}
+
 static void res_block_backward(ResBlock *r, const BlockEmbedding *e, const Act *in, const Act *out, GradMode in_grad,
                                int training) {
     int N = in->N, H = in->H, W = in->W, Ho = out->H, Wo = out->W;
@@ -4547,6 +4575,14 @@ static void attention_block_forward(AttentionBlock *a, const Act *in, Act *out) 
     conv_forward(&a->qkv, a->h1.x, a->h0.x, N, H, W, NULL);
     attention_forward(&a->attention);
     conv_forward(&a->proj, out->x, a->h2.x, N, H, W, in->x);
+}
+
+// --use_checkpoint: h1 and h2 (and the attention's saved values) again, before backward.
+static void attention_block_recompute(AttentionBlock *a, const Act *in) {
+    int N = in->N, H = in->H, W = in->W;
+    group_norm_recompute(&a->norm, a->h0.x, a->mean, a->rstd, in->x, N, H * W, NORM_PLAIN);
+    conv_forward(&a->qkv, a->h1.x, a->h0.x, N, H, W, NULL);
+    attention_forward(&a->attention);
 }
 
 static void attention_block_backward(AttentionBlock *a, const Act *in, const Act *out, GradMode in_grad) {
@@ -4681,6 +4717,7 @@ typedef struct {
     ModelConfig config;
     int batch;
     int training;     // 0: forward only (no gradients, no AdamW state)
+    int recompute;    // training that recomputes the blocks' inner activations in backward (TRAINING_RECOMPUTE)
     int input_gradient;  // backward computes input.dx (unet_create's default; the trainer's step skips it)
     ParamList params;
     int64_t storage;  // floats per parameter array: the parameters and 256-byte alignment gaps
@@ -4812,9 +4849,20 @@ static Act act_alloc_transient(UNet *m, int N, int H, int W, int C) {
     return a;
 }
 
-// One that its backward reads: values kept (forward only: transient).
+// Where the values inside a block that its backward reads go: kept among the activations, or in the
+// transient region when nobody keeps them (forward only, or a backward that recomputes them first:
+// --use_checkpoint, res_block_recompute and attention_block_recompute).
+static int keeps_inner(const UNet *m) { return m->training && !m->recompute; }
+
 static Act act_alloc_inner(UNet *m, int N, int H, int W, int C) {
-    return m->training ? act_take_inner(m, &m->acts, N, H, W, C) : act_alloc_transient(m, N, H, W, C);
+    return keeps_inner(m) ? act_take_inner(m, &m->acts, N, H, W, C) : act_alloc_transient(m, N, H, W, C);
+}
+
+static void *inner_take(UNet *m, int64_t bytes) {
+    if (keeps_inner(m)) return arena_take(&m->acts, bytes);
+    void *p = arena_take(&m->transient, bytes);
+    note_scratch(&m->transient_size, m->transient.used);
+    return p;
 }
 
 static float *stats_alloc(UNet *m) { return (float *)arena_take(&m->acts, (int64_t)m->batch * GN_GROUPS * sizeof(float)); }
@@ -4938,7 +4986,7 @@ static void walk_attention(Walk *w, const char *prefix, int channels, int heads)
         a->lse = (float *)arena_take(&m->acts, batch * T * sizeof(float));
         if (m->training) a->delta = (float *)arena_take(&m->acts, batch * T * sizeof(float));
     } else {
-        a->probs = (floatX *)arena_take(&m->acts, tt * sizeof(floatX));
+        a->probs = (floatX *)inner_take(m, tt * sizeof(floatX));
         note_scratch(&m->scores_numel, tt);
         void **arrays[] = {(void **)&a->q, (void **)&a->k, (void **)&a->v, (void **)&a->p, (void **)&a->ds, (void **)&a->o,
                            (void **)&a->dq, (void **)&a->dk, (void **)&a->dv, (void **)&a->s, (void **)&a->dp_out, (void **)&a->d_o};
@@ -5374,7 +5422,8 @@ static void plan_block_gradients(UNet *m) {
 //   parameters   fp32 master and compute copy; when training, their gradients and AdamW's two
 //                moments: the whole run.
 //   activations  the input, every block's output and what its backward reads and does not
-//                recompute: from the forward pass to the end of the backward.
+//                recompute (TRAINING_RECOMPUTE: of a ResBlock's or AttentionBlock's inside, only
+//                the GroupNorm statistics): from the forward pass to the end of the backward.
 //   gradients    the gradients of the activations between blocks (when training): each written by
 //                the first block that delivers it (plan_gradient_modes); a block output's only
 //                from that delivery to its own block's backward, in an area they share by lifetime
@@ -5382,8 +5431,9 @@ static void plan_block_gradients(UNet *m) {
 //   inner grads  the gradients of the activations inside a block: while that block's backward runs,
 //                each written by its one producer; every block's start at the same place (the largest
 //                block's size).
-//   transient    the activations inside a block that its backward recomputes (forward only: all of
-//                them): while that block's forward or backward runs; shared as the inner grads are.
+//   transient    the activations inside a block that its backward recomputes (forward only, or
+//                TRAINING_RECOMPUTE: all of them): while that block's forward or backward runs;
+//                shared as the inner grads are.
 //   scratch      the largest weight-gradient slices, partial sums (split 3x3 products' too: also
 //                forward only) and attention scores of any layer: each buffer borrowed by one layer
 //                call at a time (the side stream's weight gradient and the main stream's split
@@ -5445,6 +5495,12 @@ static void unet_lay_out(UNet *m) {
     plan_gathered_sums(m);
 }
 
+// unet_plan's and unet_create's `training`: 0 forward only, 1 training, TRAINING_RECOMPUTE training
+// whose ResBlocks and AttentionBlocks recompute their inner activations in backward instead of
+// keeping them from forward (guided-diffusion's use_checkpoint; res_block_recompute and
+// attention_block_recompute).
+#define TRAINING_RECOMPUTE 2
+
 // The plan of a model for batches of `batch` images, on the host: its parameter list, its blocks
 // and the size of each memory region (nothing on the GPU).
 static void unet_plan(UNet *m, const ModelConfig *c, int batch, int training) {
@@ -5454,9 +5510,10 @@ static void unet_plan(UNet *m, const ModelConfig *c, int batch, int training) {
               batch, c->image_size, c->image_size, (long long)pixels, INT32_MAX);
     memset(m, 0, sizeof *m);
     m->config = *c;
-    m->input_gradient = training;
+    m->input_gradient = training != 0;
     m->batch = batch;
-    m->training = training;
+    m->training = training != 0;
+    m->recompute = training == TRAINING_RECOMPUTE;
     m->capacity = max_blocks(c);
     m->blocks = (Block *)calloc(m->capacity, sizeof(Block));
     if (!m->blocks) fatal("out of host memory");
@@ -5475,6 +5532,30 @@ static void print_memory_plan(FILE *f, const UNet *m, const char *what) {
     fprintf(f, "memory plan (%s, batch %d): parameters %.1f MiB, activations %.1f MiB, gradients %.1f MiB, "
             "scratch %.1f MiB; total %.1f MiB\n", what, m->batch, m->parameters.used / MiB, (m->acts.used + m->transient_size) / MiB,
             (m->grads.used + m->inner_grads_size) / MiB, m->scratch_region.used / MiB, unet_memory_bytes(m) / MiB);
+}
+
+// The training model's batch (--microbatch's pieces) and its unet_create mode (--use_checkpoint).
+static int training_piece(const Options *o) { return o->microbatch > 0 ? o->microbatch : o->batch_size; }
+static int training_mode(const Options *o) { return o->use_checkpoint ? TRAINING_RECOMPUTE : 1; }
+
+// The pieces' gradient sum of --microbatch (Trainer.grad_sum): bytes.
+static int64_t gradient_sum_bytes(const Options *o, const UNet *plan) {
+    return o->batch_size > training_piece(o) ? plan->storage * (int64_t)sizeof(float) : 0;
+}
+
+// The training model's plan for the options (a piece of the batch with --microbatch, recomputing with
+// --use_checkpoint), and its total the other way round (other_bytes; -1: not given).
+static void print_training_plan(FILE *f, const UNet *plan, const Options *o, int64_t other_bytes) {
+    char what[128];
+    int pieces = o->batch_size / plan->batch;
+    snprintf(what, sizeof what, "training%s%s", plan->recompute ? ", recomputing (--use_checkpoint)" : "",
+             pieces > 1 ? ", one piece of the batch (--microbatch)" : "");
+    print_memory_plan(f, plan, what);
+    if (pieces > 1)
+        fprintf(f, "memory plan (gradient sum of the %d pieces): %.1f MiB\n", pieces, gradient_sum_bytes(o, plan) / 1048576.0);
+    if (other_bytes >= 0)
+        fprintf(f, "memory plan (%s --use_checkpoint instead): total %.1f MiB\n", plan->recompute ? "without" : "with",
+                other_bytes / 1048576.0);
 }
 
 // Builds the model: its plan, then the one allocation, then every buffer in it. Parameters start
@@ -5534,6 +5615,8 @@ static void block_forward(UNet *m, Block *b, int training) {
 }
 
 static void block_backward(UNet *m, Block *b, int training) {
+    if (m->recompute && b->kind == BLOCK_RES) res_block_recompute(&b->res, b->in, &b->out);
+    if (m->recompute && b->kind == BLOCK_ATTENTION) attention_block_recompute(&b->attention, b->in);
     switch (b->kind) {
     case BLOCK_CONV:
         conv_block_backward(&b->conv, b->in, &b->out, b->in_grad, b->in != &m->input || m->input_gradient);
@@ -5689,6 +5772,50 @@ static void unet_init_parameters(UNet *m, uint64_t seed) {
 
 // Where a step's time goes: each block's forward and backward timed with events (one eager step),
 // summed by kind of block.
+// A training step's model FLOPs on m's batch, the count model-FLOP utilisation takes: 2 FLOPs per
+// multiply-add of every convolution and matrix product in forward (the 3x3 and 1x1 convolutions, the
+// linear layers, attention's Q K^T and P V), and twice that in backward (input and weight
+// gradients), less the input gradient of the image, which training does not compute. GroupNorm, the
+// elementwise kernels and --use_checkpoint's recomputation are not counted.
+static double conv_flops(const Conv *cv, int N, int out_side) {
+    return 2.0 * N * out_side * out_side * cv->in * cv->out * cv->k * cv->k;
+}
+
+static double unet_training_flops(const UNet *m) {
+    int N = m->batch, channels = m->config.model_channels, D = 4 * channels;
+    double forward = 2.0 * N * ((double)channels * D + (double)D * D + (double)D * m->emb_total), image_gradient = 0.0;
+    for (int i = 0; i < m->num_blocks; i++) {
+        const Block *b = &m->blocks[i];
+        int side = b->out.H;
+        switch (b->kind) {
+        case BLOCK_CONV: forward += image_gradient = conv_flops(&b->conv.conv, N, side); break;
+        case BLOCK_RES:
+            forward += conv_flops(&b->res.conv1, N, side) + conv_flops(&b->res.conv2, N, side);
+            if (b->res.has_skip_conv) forward += conv_flops(&b->res.conv3, N, side);
+            break;
+        case BLOCK_ATTENTION: {
+            double T = (double)side * side;
+            forward += conv_flops(&b->attention.qkv, N, side) + conv_flops(&b->attention.proj, N, side) + 4.0 * N * T * T * b->out.C;
+            break;
+        }
+        case BLOCK_DOWN: if (b->down.has_conv) forward += conv_flops(&b->down.conv, N, side); break;
+        case BLOCK_UP: if (b->up.has_conv) forward += conv_flops(&b->up.conv, N, side); break;
+        case BLOCK_OUT: forward += conv_flops(&b->head.conv, N, side); break;
+        case BLOCK_CONCAT: case NUM_BLOCK_KINDS: break;
+        }
+    }
+    return 3.0 * forward - (m->input_gradient ? 0.0 : image_gradient);
+}
+
+// The dense BF16 tensor-core peak of a GPU, from its data sheet, by its name (TFLOP/s; 0: unknown).
+static double bf16_peak_tflops(const char *name) {
+    if (strstr(name, "H100") && strstr(name, "PCIe")) return 756.0;
+    if (strstr(name, "H100") && strstr(name, "NVL")) return 835.0;
+    if (strstr(name, "H100") || strstr(name, "H200")) return 989.4;
+    if (strstr(name, "A100")) return 312.0;
+    return 0.0;
+}
+
 static void print_profile(UNet *m) {
     float forward[NUM_BLOCK_KINDS] = {0}, backward[NUM_BLOCK_KINDS] = {0}, ms;
     int count[NUM_BLOCK_KINDS] = {0};
@@ -6169,6 +6296,9 @@ typedef struct {
     const int64_t *t;             // [N], the samples' timesteps (NULL: all counted in the first quarter)
     int T;
     const float *weights;         // [N], w_n (NULL: 1)
+    // A step's batch in pieces (--microbatch): these N samples are piece `piece` of the step's
+    // `step_batch` (0: N, one piece), L's divisor; the first piece writes the terms, the others add.
+    int step_batch, piece;
 } LossInputs;
 
 // What it writes besides the output's gradient (GPU arrays).
@@ -6195,7 +6325,7 @@ static LossOutputs loss_outputs_create(int N, int hw) {
 // of the squared errors and of the bound's terms into partial[n][block][2].
 __global__ void loss_partial_kernel(float *partial, floatX *d_out, const floatX *out, const floatX *target, LossInputs in, int hw,
                                     int C, LossKind kind) {
-    int n = blockIdx.y, N = gridDim.y, out_C = kind.learned ? 2 * C : C;
+    int n = blockIdx.y, N = in.step_batch ? in.step_batch : gridDim.y, out_C = kind.learned ? 2 * C : C;
     float per_value = (in.weights ? in.weights[n] : 1.0f) / ((float)N * hw * C), per_bound = kind.bound_scale * per_value / (float)M_LN2;
     float squares = 0.0f, bound = 0.0f;
     for (int p = blockIdx.x * blockDim.x + threadIdx.x; p < hw; p += gridDim.x * blockDim.x)
@@ -6222,7 +6352,7 @@ __global__ void loss_partial_kernel(float *partial, floatX *d_out, const floatX 
 }
 
 // One block of 256 threads: each sample's terms from its blocks' sums, then the batch's, every sum
-// in a fixed order.
+// in a fixed order (a later piece of the step's batch adds its sums to the earlier pieces').
 __global__ void loss_final_kernel(LossOutputs l, LossInputs in, int N, int blocks, float values, LossKind kind) {
     float sums[LOSS_TERMS] = {0};  // L, mse, vb, the quarters' sums, their counts (before / N)
     for (int n = threadIdx.x; n < N; n += blockDim.x) {
@@ -6234,9 +6364,10 @@ __global__ void loss_final_kernel(LossOutputs l, LossInputs in, int N, int block
         l.samples[2 * n] = (float)t, l.samples[2 * n + 1] = loss;
         sums[0] += w * loss, sums[1] += w * mse, sums[2] += w * vb, sums[3 + quarter] += w * loss, sums[7 + quarter] += 1.0f;
     }
+    float divisor = (float)(in.step_batch ? in.step_batch : N);
     for (int k = 0; k < LOSS_TERMS; k++) {
         float total = block_sum_256(sums[k]);
-        if (threadIdx.x == 0) l.terms[k] = k < 3 ? total / (float)N : total;
+        if (threadIdx.x == 0) l.terms[k] = (in.piece ? l.terms[k] : 0.0f) + (k < 3 ? total / divisor : total);
     }
 }
 
@@ -6605,6 +6736,11 @@ typedef struct {
     int32_t *labels;       // [batch], with pixels
     uint8_t *d_pixels;
     floatX *x0;
+    // --microbatch: the model runs on pieces of the batch (m.batch images each), one after the
+    // other; their parameter gradients are summed in grad_sum (GPU [storage] fp32) and the last
+    // piece's are added to it before the optimiser (gradient_accumulate)
+    int pieces;
+    float *grad_sum;
     int num_ema;
     float ema_rates[8];
     float *ema[8];         // [storage] fp32 each, GPU layout like master
@@ -6613,7 +6749,7 @@ typedef struct {
     int learned;           // the model learns its variance
     LossKind loss_kind;
     LossOutputs loss;
-    float *sample_weights;  // GPU [batch]: each sample's weight in the loss
+    float *sample_weights;  // GPU [batch_size]: each sample's weight in the loss
     // --schedule_sampler loss-second-moment: the history, the distribution of the step's draws
     // (p then its cumulative sums, [2][T], pinned and GPU) and every rank's (t, loss) of the step
     // ([world][batch][2], GPU and pinned)
@@ -6660,8 +6796,25 @@ static void team_plan_buckets(Trainer *tr) {
     tr->num_buckets = n;
 }
 
+// Gradient accumulation over the pieces of a step's batch (--microbatch). The backward kernels write
+// the parameter gradients (they never add), so the sum lives apart, in grad_sum: after each piece
+// but the last its gradients go there (the first piece's copied, the others' added), and the last
+// piece's are added to it in place (gradient_add_pieces), with many GPUs bucket by bucket just
+// before each bucket's all-reduce. It costs one more fp32 copy of the parameters and a pass over it
+// per piece.
+static void gradient_accumulate(Trainer *tr, int piece) {
+    if (piece == 0)
+        cuda_check(cudaMemcpyAsync(tr->grad_sum, tr->m.grad, tr->m.storage * sizeof(float), cudaMemcpyDeviceToDevice, gpu.stream));
+    else add_floats(tr->grad_sum, tr->m.grad, tr->m.storage);
+}
+
+static void gradient_add_pieces(Trainer *tr, int64_t from, int64_t to) {
+    if (tr->pieces > 1) add_floats(tr->m.grad + from, tr->grad_sum + from, to - from);
+}
+
 static void team_reduce_bucket(Trainer *tr, int j) {
     int64_t to = j + 1 < tr->num_buckets ? tr->bucket_from[j + 1] : tr->m.storage;
+    gradient_add_pieces(tr, tr->bucket_from[j], to);
     team_average_beside(tr->m.grad + tr->bucket_from[j], to - tr->bucket_from[j]);
 }
 
@@ -6674,7 +6827,9 @@ static void team_reduce_after_block(void *ctx, int block) {
 
 // After backward: the rest of the gradients, and the main stream waits for all of them.
 static void team_reduce_rest(Trainer *tr) {
-    team_average_beside(tr->m.grad, tr->num_buckets ? tr->bucket_from[0] : tr->m.storage);
+    int64_t to = tr->num_buckets ? tr->bucket_from[0] : tr->m.storage;
+    gradient_add_pieces(tr, 0, to);
+    team_average_beside(tr->m.grad, to);
     team_join_beside();
 }
 
@@ -6683,7 +6838,12 @@ static void trainer_create(Trainer *tr, const Options *o, const ModelConfig *c, 
     tr->o = o;
     tr->config = *c;
     tr->pixels = pixels, tr->labels = labels;
-    unet_create(&tr->m, c, o->batch_size, 1);
+    tr->pieces = o->batch_size / training_piece(o);
+    unet_create(&tr->m, c, training_piece(o), training_mode(o));
+    if (tr->pieces > 1) {
+        tr->grad_sum = (float *)gpu_malloc(tr->m.storage * sizeof(float));
+        cuda_check(cudaMemset(tr->grad_sum, 0, tr->m.storage * sizeof(float)));
+    }
     tr->m.input_gradient = 0;  // the noisy images' gradient: a 3-channel input gradient nothing reads
     diffusion_create(&tr->diffusion, o->diffusion_steps, o->noise_schedule);
     double rates[8];
@@ -6715,7 +6875,7 @@ static void trainer_create(Trainer *tr, const Options *o, const ModelConfig *c, 
         tr->gathered = (float *)gpu_malloc(gathered);
         cuda_check(cudaMallocHost((void **)&tr->gathered_host, gathered));
     }
-    int64_t n = act_numel(&tr->m.input);
+    int64_t n = act_numel(&tr->m.input) * tr->pieces;
     tr->d_pixels = (uint8_t *)gpu_malloc(n);
     tr->x0 = (floatX *)gpu_malloc(n * sizeof(floatX));
 }
@@ -6726,37 +6886,50 @@ static void trainer_reset_ema(Trainer *tr) {
         cuda_check(cudaMemcpy(tr->ema[i], tr->m.master, tr->m.storage * sizeof(float), cudaMemcpyDeviceToDevice));
 }
 
-// The kernels of one step, in stream order (captured once as the step's graph).
+// The kernels of one step, in stream order (captured once as the step's graph). With --microbatch
+// the model runs once per piece of the batch, each piece numbered within the step's batch as the
+// whole batch would be (its images, noise, timesteps, labels and dropout the same), the loss of
+// each over the whole batch's count so that the pieces' gradients add up to the whole batch's.
 static void trainer_enqueue_step(Trainer *tr) {
     UNet *m = &tr->m;
     const Options *o = tr->o;
-    int N = m->batch;
-    int64_t n = act_numel(&m->input);
+    int N = m->batch, B = o->batch_size;
+    int64_t n = act_numel(&m->input), per_image = n / N;  // a piece's values
     cuda_check(cudaMemcpyAsync(tr->state, tr->host_state, sizeof(StepState), cudaMemcpyHostToDevice, gpu.stream));
     team_max(&tr->state->stop, 1, gpu.stream);
-    cuda_check(cudaMemcpyAsync(tr->d_pixels, tr->pixels, n, cudaMemcpyHostToDevice, gpu.stream));
-    if (tr->config.num_classes)
-        cuda_check(cudaMemcpyAsync(m->labels, tr->labels, N * sizeof(int), cudaMemcpyHostToDevice, gpu.stream));
-    images_to_model_input(tr->x0, tr->d_pixels, n, gpu.stream);
-    int64_t first_sample = m->embedding.first_sample;
+    cuda_check(cudaMemcpyAsync(tr->d_pixels, tr->pixels, (size_t)B * per_image, cudaMemcpyHostToDevice, gpu.stream));
+    images_to_model_input(tr->x0, tr->d_pixels, (size_t)B * per_image, gpu.stream);
     int T = tr->diffusion.schedule.steps;
     if (tr->weighted_draws)
         cuda_check(cudaMemcpyAsync(tr->distribution, tr->distribution_host, 2 * T * sizeof(double), cudaMemcpyHostToDevice, gpu.stream));
-    diffusion_conditions_kernel<<<(N + 127) / 128, 128, 0, gpu.stream>>>(m->timesteps, tr->sample_weights, m->labels, N, first_sample, T,
-        tr->distribution, o->cfg_dropout, tr->config.num_classes - 1, tr->state);
-    diffusion_inputs_kernel<<<blocks_for(n, 256), 256, 0, gpu.stream>>>(m->input.x, m->target.x, tr->x0, m->timesteps,
-        tr->diffusion.terms, prediction_from_name(o->predict), n / N, n, first_sample, tr->state);
-    cuda_check_launch();
-    unet_forward(m, 1);
-    LossInputs inputs = {tr->d_pixels, m->input.x, tr->diffusion.terms, m->timesteps, T, tr->sample_weights};
-    training_loss(&tr->loss, m->output->dx, m->output->x, m->target.x, &inputs, N, m->input.H * m->input.W, m->input.C, tr->loss_kind);
+    for (int piece = 0; piece < tr->pieces; piece++) {
+        int64_t first = (int64_t)piece * N, first_sample = (int64_t)team.rank * B + first;
+        m->embedding.first_sample = first_sample;  // dropout's numbering, in forward and backward
+        if (tr->config.num_classes)
+            cuda_check(cudaMemcpyAsync(m->labels, tr->labels + first, N * sizeof(int), cudaMemcpyHostToDevice, gpu.stream));
+        float *weights = tr->sample_weights + first;
+        diffusion_conditions_kernel<<<(N + 127) / 128, 128, 0, gpu.stream>>>(m->timesteps, weights, m->labels, N, first_sample, T,
+            tr->distribution, o->cfg_dropout, tr->config.num_classes - 1, tr->state);
+        diffusion_inputs_kernel<<<blocks_for(n, 256), 256, 0, gpu.stream>>>(m->input.x, m->target.x, tr->x0 + first * per_image,
+            m->timesteps, tr->diffusion.terms, prediction_from_name(o->predict), per_image, n, first_sample, tr->state);
+        cuda_check_launch();
+        unet_forward(m, 1);
+        LossInputs inputs = {tr->d_pixels + first * per_image, m->input.x, tr->diffusion.terms, m->timesteps, T, weights, B, piece};
+        LossOutputs outputs = tr->loss;
+        outputs.samples += 2 * first;
+        training_loss(&outputs, m->output->dx, m->output->x, m->target.x, &inputs, N, m->input.H * m->input.W, m->input.C,
+                      tr->loss_kind);
+        int last = piece == tr->pieces - 1;
+        unet_backward(m, 1, last && team.comm ? team_reduce_after_block : NULL, tr);
+        if (!last) gradient_accumulate(tr, piece);
+    }
     if (tr->weighted_draws) {  // every rank's (t, loss), in the order of the samples, for the history
-        team_gather(tr->loss.samples, tr->gathered, 2 * N, gpu.stream);
-        cuda_check(cudaMemcpyAsync(tr->gathered_host, tr->gathered, (size_t)team.world * N * 2 * sizeof(float), cudaMemcpyDeviceToHost,
+        team_gather(tr->loss.samples, tr->gathered, 2 * B, gpu.stream);
+        cuda_check(cudaMemcpyAsync(tr->gathered_host, tr->gathered, (size_t)team.world * B * 2 * sizeof(float), cudaMemcpyDeviceToHost,
                                    gpu.stream));
     }
-    unet_backward(m, 1, team.comm ? team_reduce_after_block : NULL, tr);
     if (team.comm) team_reduce_rest(tr);  // the gradient of the loss over every rank's images
+    else gradient_add_pieces(tr, 0, m->storage);
     team_average(tr->loss.terms, LOSS_TERMS, gpu.stream);
     grad_norm_partial_kernel<<<NORM_BLOCKS, 256, 0, gpu.stream>>>(tr->norm_partial, m->grad, m->storage);
     step_decide_kernel<<<1, 1024, 0, gpu.stream>>>(tr->state, tr->norm_partial, tr->loss.terms);
@@ -6788,7 +6961,7 @@ static void team_warm_up(Trainer *tr, int64_t step) {
     for (int j = tr->num_buckets - 1; j >= 0; j--) team_reduce_bucket(tr, j);
     team_reduce_rest(tr);
     team_average(tr->loss.terms, LOSS_TERMS, gpu.stream);
-    if (tr->weighted_draws) team_gather(tr->loss.samples, tr->gathered, 2 * tr->m.batch, gpu.stream);
+    if (tr->weighted_draws) team_gather(tr->loss.samples, tr->gathered, 2 * tr->o->batch_size, gpu.stream);
     cuda_check(cudaEventRecord(tr->done, gpu.stream));
     team_wait(tr->done, TEAM_START_TIMEOUT, step);
 }
@@ -6826,7 +6999,7 @@ static void trainer_step(Trainer *tr) {
     double waited = team_wait(tr->done, timeout, step);
     if (ordinary) tr->slowest_wait = fmax(tr->slowest_wait, waited);
     if (tr->weighted_draws && h->finite)  // (a step that is not finite changes nothing)
-        for (int i = 0; i < team.world * tr->m.batch; i++)
+        for (int i = 0; i < team.world * o->batch_size; i++)
             loss_history_add(&tr->history, (int)tr->gathered_host[2 * i], tr->gathered_host[2 * i + 1]);
     tr->step = step;
     tr->others_wait = 0;
@@ -8109,6 +8282,9 @@ static void validate_training(const Options *o) {
         usage_error("--sample_steps %d: no even spacing of the %d diffusion steps (--diffusion_steps) gives that many",
                     o->sample_steps, o->diffusion_steps);
     if (o->batch_size < 1 || o->batch_size > 65536) usage_error("--batch_size %d is out of range (1..65536)", o->batch_size);
+    if (o->microbatch != -1 && (o->microbatch < 1 || o->batch_size % o->microbatch != 0))
+        usage_error("--microbatch %d must divide --batch_size %d (pieces of equal size), or be -1 for the whole batch at once",
+                    o->microbatch, o->batch_size);
     if (o->gpus < 1 || o->gpus > 1024) usage_error("--gpus %d is out of range (1..1024)", o->gpus);
     if ((int64_t)o->batch_size * o->gpus > 65536)
         usage_error("--batch_size %d on %d GPUs is over 65536 images a step", o->batch_size, o->gpus);
@@ -8230,20 +8406,37 @@ static int grid_batch(const Options *o) { return o->sample_count < 64 ? o->sampl
 // copies and the forward-only model that draws the sample grids.
 static void print_run_memory(const Options *o, const ModelConfig *c) {
     UNet plan;
-    unet_plan(&plan, c, o->batch_size, 1);
-    print_memory_plan(stdout, &plan, "training");
+    unet_plan(&plan, c, training_piece(o), o->use_checkpoint ? 1 : TRAINING_RECOMPUTE);  // the other way, for comparison
+    int64_t other = unet_memory_bytes(&plan);
+    unet_destroy(&plan);
+    unet_plan(&plan, c, training_piece(o), training_mode(o));
+    print_training_plan(stdout, &plan, o, other);
+    plan.input_gradient = 0;  // as the trainer's
+    printf("model FLOPs: %.1f GFLOP a training step on each GPU (convolutions and matrix products, forward and backward)\n",
+           unet_training_flops(&plan) * (o->batch_size / plan.batch) / 1e9);
     double rates[8];
     int64_t ema = (int64_t)parse_number_list(o->ema_rate, rates, 8) * plan.storage * sizeof(float);
-    int64_t total = unet_memory_bytes(&plan) + ema;
+    int64_t total = unet_memory_bytes(&plan) + ema + gradient_sum_bytes(o, &plan);
     unet_destroy(&plan);
     printf("memory plan (EMA weights): %.1f MiB\n", ema / 1048576.0);
     if (o->sample_count) {
         unet_plan(&plan, c, grid_batch(o), 0);
-        print_memory_plan(stdout, &plan, "sample grids");
+        print_memory_plan(stdout, &plan, "sample grids, at most");
         total += unet_memory_bytes(&plan);
         unet_destroy(&plan);
     }
     printf("memory plan: %.1f MiB in all\n", total / 1048576.0);
+}
+
+// The sample grids' batch when the first grid is drawn: grid_batch's, halved until their forward-only
+// model fits in the GPU memory the training left free (a big model at a large batch leaves little).
+static int grid_batch_that_fits(const Options *o, const ModelConfig *c, const SamplePlan *plan) {
+    size_t free_bytes, total_bytes;
+    cuda_check(cudaMemGetInfo(&free_bytes, &total_bytes));
+    const int64_t margin = 512LL << 20;  // for cuBLAS's workspace and the captured graph's own memory
+    int batch = grid_batch(o);
+    while (batch > 1 && gpu_sampler_bytes(c, batch, plan, 0) + margin > (int64_t)free_bytes) batch /= 2;
+    return batch;
 }
 
 // A grid of sample_count images from the first EMA's weights, DDIM with sample_steps steps and
@@ -8257,7 +8450,7 @@ static void write_samples(Trainer *tr, GpuSampler *sampler, const char *run_dir)
         if (sample_plan_make(&plan, &tr->diffusion.schedule, SAMPLER_DDIM, o->sample_steps, NULL, 0.0f, prediction_from_name(o->predict), 1,
                              0) != 0)
             fatal("out of memory");
-        gpu_sampler_create(sampler, &tr->config, grid_batch(o), &plan, 1.0f, random_u64((uint64_t)o->seed, rng_stream(RNG_GRID_SEED, 0), 0));
+        gpu_sampler_create(sampler, &tr->config, grid_batch_that_fits(o, &tr->config, &plan), &plan, 1.0f, random_u64((uint64_t)o->seed, rng_stream(RNG_GRID_SEED, 0), 0));
         sample_plan_free(&plan);
     }
     cuda_check(cudaMemcpy(sampler->m.master, tr->ema[0], tr->m.storage * sizeof(float), cudaMemcpyDeviceToDevice));
@@ -8585,7 +8778,7 @@ static void run_bench(const Options *o, const ModelConfig *config, const ParamLi
     for (int i = 0; i < o->batch_size; i++) labels[i] = config->num_classes ? (int32_t)(random_u64(1, rng_stream(RNG_BENCH_BATCH, 1), i) % (config->num_classes - 1)) : 0;
     Trainer tr;
     trainer_create(&tr, o, config, pixels, labels);
-    print_memory_plan(stdout, &tr.m, "training");
+    print_training_plan(stdout, &tr.m, o, -1);
     unet_init_parameters(&tr.m, (uint64_t)o->seed);
     trainer_reset_ema(&tr);
     for (int i = 0; i < 10; i++) trainer_step(&tr);
@@ -8614,6 +8807,11 @@ static void run_bench(const Options *o, const ModelConfig *config, const ParamLi
            tr.host_state->loss, 10 + o->bench);
     printf("bench: median %.3f ms/step (min %.3f, max %.3f over %d steps), %.0f img/s, GPU memory %.2f GiB\n", median,
            ms[0], ms[o->bench - 1], o->bench, o->batch_size * team.world / (median / 1000.0), gpu_bytes_allocated / 1073741824.0);
+    double flops = unet_training_flops(&tr.m) * tr.pieces, tflops = flops / (median * 1e-3) / 1e12, peak = bf16_peak_tflops(prop.name);
+    printf("bench: %.1f GFLOP a step on each GPU (the model's convolutions and matrix products, forward and backward), %.1f TFLOP/s",
+           flops / 1e9, tflops);
+    if (peak > 0) printf(", %.1f%% of the %s's dense BF16 peak (%.0f TFLOP/s)", 100.0 * tflops / peak, prop.name, peak);
+    printf("\n");
     free(ms);
     if (getenv("UNET_PROFILE")) print_profile(&tr.m);
 }

@@ -57,6 +57,9 @@ done <<'LIST'
 --schedule_sampler importance
 --lr -1
 --batch_size 0
+--microbatch 5
+--microbatch 0
+--batch_size 8 --microbatch 16
 --gpus 0
 --gpus 4 --batch_size 20000
 --ema_rate 0.9,1.2
@@ -110,15 +113,34 @@ case_begin "dry_run: the memory plan scales with the batch, and its parts add up
     case_fail "dry_run failed"
 a32=$(plan_region "$TEST_TMP/plan32.txt" training activations) a64=$(plan_region "$TEST_TMP/plan64.txt" training activations)
 p32=$(plan_region "$TEST_TMP/plan32.txt" training parameters) p64=$(plan_region "$TEST_TMP/plan64.txt" training parameters)
-g=$(plan_region "$TEST_TMP/plan32.txt" "sample grids" gradients)
+g=$(plan_region "$TEST_TMP/plan32.txt" "sample grids, at most" gradients)
 awk -v a=$a32 -v b=$a64 -v p=$p32 -v q=$p64 -v g=$g \
     'BEGIN { exit !(a > 100 && b > 1.9 * a && b < 2.1 * a && p == q && p > 300 && g == 0) }' ||
     case_fail "activations $a32 -> $a64 MiB, parameters $p32 -> $p64 MiB, sample-grid gradients $g MiB"
 awk '/^memory plan \(training|^memory plan \(sample grids/ { sub(/.*total /, ""); sum += $1 }
-     /^memory plan \(EMA/ { sub(/.*: /, ""); sum += $1 }
+     /^memory plan \(EMA|^memory plan \(gradient sum/ { sub(/.*: /, ""); sum += $1 }
      /^memory plan: .* in all/ { total = $3 }
      END { exit !(total > 0 && sum - total < 0.3 && total - sum < 0.3) }' "$TEST_TMP/plan32.txt" ||
     case_fail "the parts do not add up: $(grep '^memory plan' "$TEST_TMP/plan32.txt")"
+
+case_begin "dry_run: --microbatch plans the model for a piece and adds the gradient sum; --use_checkpoint keeps less"
+expect_ok "$TRAIN" --dry_run --batch_size 32 --microbatch 8
+cp "$LAST_OUT" "$TEST_TMP/plan_pieces.txt"
+expect_grep '^memory plan \(training, one piece of the batch \(--microbatch\), batch 8\)' "$LAST_OUT"
+expect_grep '^memory plan \(gradient sum of the 4 pieces\): [0-9.]+ MiB$' "$LAST_OUT"
+a8=$(plan_region "$TEST_TMP/plan_pieces.txt" "training, one piece of the batch (--microbatch)" activations)
+awk -v a=$a8 -v b=$a32 'BEGIN { exit !(a > 0 && a > 0.2 * b && a < 0.3 * b) }' ||
+    case_fail "a piece of 8 takes $a8 MiB of activations, the batch of 32 $a32 MiB"
+awk '/^memory plan \(training|^memory plan \(sample grids/ { sub(/.*total /, ""); sum += $1 }
+     /^memory plan \(EMA|^memory plan \(gradient sum/ { sub(/.*: /, ""); sum += $1 }
+     /^memory plan: .* in all/ { total = $3 }
+     END { exit !(total > 0 && sum - total < 0.3 && total - sum < 0.3) }' "$TEST_TMP/plan_pieces.txt" ||
+    case_fail "the parts do not add up: $(grep '^memory plan' "$TEST_TMP/plan_pieces.txt")"
+expect_ok "$TRAIN" --dry_run --batch_size 32 --use_checkpoint
+expect_grep '^memory plan \(without --use_checkpoint instead\): total [0-9.]+ MiB$' "$LAST_OUT"
+r32=$(plan_region "$LAST_OUT" "training, recomputing (--use_checkpoint)" activations)
+awk -v a=$r32 -v b=$a32 'BEGIN { exit !(a > 0 && a < 0.6 * b) }' || case_fail "recomputing keeps $r32 MiB of activations, without $a32 MiB"
+grep -q "^memory plan (with --use_checkpoint instead): total" "$TEST_TMP/plan32.txt" || case_fail "no plan with --use_checkpoint beside the plan without"
 
 case_begin "the deepest model the limits allow: 8 levels of 8 residual blocks, clean under AddressSanitizer"
 expect_ok "$TRAIN_ASAN" --dry_run --image_size 128 --channel_mult 1,1,1,1,1,1,1,1 --num_res_blocks 8

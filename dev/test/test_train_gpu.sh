@@ -6,7 +6,8 @@
 # folder takes one trainer at a time, SIGHUP saves, a save past the file-size limit keeps the
 # previous checkpoint, an older resume sets the later steps aside, a resume from elsewhere starts a
 # new run; a learned variance trains, resumes and samples; the schedule sampler loss-second-moment
-# resumes exactly (its history in state.bin) and logs the loss per quarter of t.
+# resumes exactly (its history in state.bin) and logs the loss per quarter of t; --microbatch trains as
+# the whole batch does (to rounding), --use_checkpoint as without it (to the byte).
 cd "$(dirname "$0")/../.." || exit 1
 . dev/test/lib.sh
 ./prepare_data --synthetic shapes --count 300 --size 32 --seed 5 --output "$TEST_TMP/s.bin" --quiet >/dev/null
@@ -196,4 +197,55 @@ rc=$?
     { case_fail "not one error line saying File too large:"; head -3 "$LAST_ERR"; }
 [ "$(ls "$TEST_TMP/g/checkpoints")" = "$last" ] || case_fail "checkpoints after the failed save: $(ls "$TEST_TMP/g/checkpoints")"
 expect_ok train --steps $((stopped + 4)) --run_dir "$TEST_TMP/g" --resume_checkpoint latest --dry_run
+case_begin "--microbatch: the batch in pieces trains as the whole batch (20 steps: losses, gradient norms and weights to rounding)"
+# The differences are rounding's (the pieces' sums in another order; in BF16 also the kernels' choices
+# for another batch size): far below what a gradient of the wrong scale (the loss over a piece, not the
+# batch) or another piece's noise or labels would make. AdamW with an epsilon of 1 steps by about lr
+# times the gradient's running mean: the weights move with the gradients. (With a small epsilon it
+# steps by lr whatever the gradient's size, and gradients that are zero but for rounding, such as
+# attention's key biases, would make the two runs' weights differ by lr a step for no fault of either.)
+[ "$(cat build/precision)" = FP32 ] && tolerance=1e-4 || tolerance=2e-2
+for variant in eps learned; do
+    flags=(--steps 20 --save_interval 10 --lr 0.1 --adam_eps 1)
+    [ $variant = learned ] && flags+=(--learn_sigma True)
+    expect_ok train "${flags[@]}" --run_dir "$TEST_TMP/whole_$variant"
+    expect_ok train "${flags[@]}" --microbatch 2 --run_dir "$TEST_TMP/pieces_$variant"
+    python3 - "$TEST_TMP/whole_$variant" "$TEST_TMP/pieces_$variant" $tolerance <<'PY' || case_fail "$variant: the pieces' run is not the whole batch's"
+import json, math, struct, sys
+whole, pieces, tolerance = sys.argv[1], sys.argv[2], float(sys.argv[3])
+def log(run):  # step -> (loss, grad_norm)
+    rows = [line.split(",") for line in open(run + "/log.csv").read().split("\n")[1:] if line]
+    return {r[0]: (float(r[1]), float(r[3])) for r in rows}
+def weights(run, step):
+    b = open("%s/checkpoints/step_%09d/model.safetensors" % (run, step), "rb").read()
+    n = struct.unpack("<Q", b[:8])[0]
+    return {k: struct.unpack("<%df" % ((t["data_offsets"][1] - t["data_offsets"][0]) // 4), b[8 + n + t["data_offsets"][0]:8 + n + t["data_offsets"][1]])
+            for k, t in json.loads(b[8:8 + n]).items() if k != "__metadata__"}
+a, b = log(whole), log(pieces)
+worst_log = max(abs(a[s][i] - b[s][i]) / abs(a[s][i]) for s in a for i in (0, 1))
+w10, w20, p20 = weights(whole, 10), weights(whole, 20), weights(pieces, 20)
+gap = math.sqrt(sum((x - y) ** 2 for k in w20 for x, y in zip(w20[k], p20[k])))
+moved = math.sqrt(sum((x - y) ** 2 for k in w20 for x, y in zip(w20[k], w10[k])))
+print("  %d steps: losses and gradient norms within %.1e (relative); weights %.1e of their move over steps 11-20" % (len(a), worst_log, gap / moved))
+sys.exit(0 if len(a) == 20 and a.keys() == b.keys() and worst_log <= tolerance and gap / moved <= tolerance else 1)
+PY
+done
+
+case_begin "--use_checkpoint: the gradients bit for bit, so the log, weights, EMA and optimiser state to the byte"
+# ARGS: fused attention (32-channel heads), dropout, labels, skip convolutions read in place; the
+# second: resampling ResBlocks, scale-shift, a learned variance, the unfused attention (128-channel head).
+for variant in base adm; do
+    flags=(--steps 10)
+    [ $variant = adm ] && flags+=(--num_channels 64 --num_head_channels -1 --num_heads 1 --use_scale_shift_norm True
+                                  --resblock_updown True --use_new_attention_order True --learn_sigma True)
+    expect_ok train "${flags[@]}" --run_dir "$TEST_TMP/kept_$variant"
+    expect_ok train "${flags[@]}" --use_checkpoint --run_dir "$TEST_TMP/recomputed_$variant"
+    cmp -s <(cut -d, -f1-4,8- "$TEST_TMP/kept_$variant/log.csv") <(cut -d, -f1-4,8- "$TEST_TMP/recomputed_$variant/log.csv") ||
+        case_fail "$variant: the logged losses or gradient norms differ"
+    for f in model.safetensors ema.safetensors state.bin; do
+        cmp -s "$TEST_TMP/kept_$variant/checkpoints/step_000000010/$f" "$TEST_TMP/recomputed_$variant/checkpoints/step_000000010/$f" ||
+            case_fail "$variant: $f differs"
+    done
+done
+
 case_summary
