@@ -97,6 +97,8 @@ build/precision: FORCE
 GIT_DESCRIBE := $(shell git describe --always --dirty 2>/dev/null)
 BUILD_VERSION := $(VERSION)$(if $(GIT_DESCRIBE), (git $(GIT_DESCRIBE)))
 comma := ,
+empty :=
+space := $(empty) $(empty)
 BUILD_GPU_CODE := $(patsubst code=%,%,$(filter code=%,$(subst $(comma), ,$(GPU_ARCH))))
 build/version.c: FORCE
 	@mkdir -p build
@@ -255,13 +257,15 @@ bench: train_unet generate data/shapes.bin
 	scripts/bench.sh $(BENCH)
 
 # The implicit-GEMM 3x3 convolutions alone (dev/bench_conv.cu): checked against the CPU reference,
-# then timed on every 3x3 convolution shape of the seed and adm64 presets at batch 32 and 128 and
-# joined with cuDNN's times on the same shapes in the same run (scripts/bench_conv_torch.py:
-# PyTorch, channels-last bf16). Our rows are kept in build/bench_conv.txt, cuDNN's in
+# then timed on every 3x3 convolution shape of the seed and adm64 presets at batch 32 and 128 (or,
+# with BENCH_CONV_PRESETS="adm128:16 adm256:8", of those presets at those batches) and joined with
+# cuDNN's times on the same shapes in the same run (scripts/bench_conv_torch.py: PyTorch,
+# channels-last bf16). Our rows are kept in build/bench_conv.txt, cuDNN's in
 # build/bench_conv_cudnn.txt. (`make dev` runs its checks too.)
+BENCH_CONV_PRESETS ?=
 bench-conv: build/dev/bench_conv
 	build/dev/bench_conv
-	build/dev/bench_conv --bench | tee build/bench_conv.txt
+	build/dev/bench_conv --bench $(if $(strip $(BENCH_CONV_PRESETS)),--presets $(subst $(space),$(comma),$(strip $(BENCH_CONV_PRESETS)))) | tee build/bench_conv.txt
 	python3 scripts/bench_conv_torch.py build/bench_conv.txt --save build/bench_conv_cudnn.txt
 
 # Fuzzing with libFuzzer (clang): each dev/fuzz/fuzz_X.c is built with AddressSanitizer and UBSan

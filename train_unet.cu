@@ -4130,6 +4130,16 @@ static Options preset_adm_large(int size, const char *name) {
     return o;
 }
 
+// The options of a preset by its name. Returns 0, or -1 for a name that is none.
+static int preset_options(const char *name, Options *o) {
+    if (strcmp(name, "seed") == 0) *o = preset_seed();
+    else if (strcmp(name, "adm64") == 0) *o = preset_adm64();
+    else if (strcmp(name, "adm128") == 0 || strcmp(name, "adm256") == 0 || strcmp(name, "adm256u") == 0 || strcmp(name, "adm512") == 0)
+        *o = preset_adm_large(atoi(name + 3), name);
+    else return -1;
+    return 0;
+}
+
 // Parses a boolean as guided-diffusion's str2bool does (yes/true/t/y/1, no/false/f/n/0).
 static int parse_bool(const char *s, int *out) {
     static const char *const yes[] = {"yes", "true", "t", "y", "1"}, *const no[] = {"no", "false", "f", "n", "0"};
@@ -8210,11 +8220,7 @@ static Options parse_options(int argc, char **argv) {
         else if (strcmp(argv[i], "--preset") == 0 && i + 1 < argc) preset = argv[i + 1];
     }
     Options o;
-    if (strcmp(preset, "seed") == 0) o = preset_seed();
-    else if (strcmp(preset, "adm64") == 0) o = preset_adm64();
-    else if (strcmp(preset, "adm128") == 0 || strcmp(preset, "adm256") == 0 || strcmp(preset, "adm256u") == 0 || strcmp(preset, "adm512") == 0)
-        o = preset_adm_large(atoi(preset + 3), preset);
-    else usage_error("unknown preset '%s' (seed, adm64, adm128, adm256, adm256u or adm512)", preset);
+    if (preset_options(preset, &o) != 0) usage_error("unknown preset '%s' (seed, adm64, adm128, adm256, adm256u or adm512)", preset);
 
     for (int i = 1; i < argc; i++) {
         const char *arg = argv[i];

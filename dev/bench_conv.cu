@@ -8,6 +8,8 @@
 //   build/dev/bench_conv                                         the checks
 //   build/dev/bench_conv --bench [--kernel K] [--check]             the timings (after the checks with --check)
 //   build/dev/bench_conv --bench [--kernel K] N H Cin Cout stride   the timings of one shape (W = H)
+//   build/dev/bench_conv --bench [--kernel K] --presets P:B,...     the timings of train_unet presets' 3x3
+//                                                                   convolutions at batch B (e.g. adm128:16)
 // --kernel K forces the planner's family K (image, narrow, halo, split, wgmma, mma, fp32: see
 // train_unet.cu's "Convolution: the planner"); a shape it does not take is timed as "kernel=none".
 // Check lines: "PASS|FAIL <case> <fp32|bf16> <fwd|dgrad|wgrad> err=... (tol ...) [kernel]", each naming
@@ -350,6 +352,7 @@ enum { MAX_SHAPES = 128 };
 
 typedef struct {
     int H, C_in, C_out, stride;
+    int N;  // the batch it is timed at (0: 32 and 128)
     char presets[64];
 } BenchShape;
 
@@ -358,10 +361,10 @@ typedef struct {
     int count;
 } BenchShapes;
 
-static void add_shape(BenchShapes *list, const char *preset, int H, int C_in, int C_out, int stride) {
+static void add_shape_at(BenchShapes *list, const char *preset, int N, int H, int C_in, int C_out, int stride) {
     for (int i = 0; i < list->count; i++) {
         BenchShape *s = &list->s[i];
-        if (s->H != H || s->C_in != C_in || s->C_out != C_out || s->stride != stride) continue;
+        if (s->N != N || s->H != H || s->C_in != C_in || s->C_out != C_out || s->stride != stride) continue;
         if (!strstr(s->presets, preset)) {
             size_t at = strlen(s->presets);
             snprintf(s->presets + at, sizeof s->presets - at, ",%s", preset);
@@ -370,8 +373,21 @@ static void add_shape(BenchShapes *list, const char *preset, int H, int C_in, in
     }
     if (list->count == MAX_SHAPES) fatal("more than %d convolution shapes", MAX_SHAPES);
     BenchShape *s = &list->s[list->count++];
-    s->H = H, s->C_in = C_in, s->C_out = C_out, s->stride = stride;
+    s->N = N, s->H = H, s->C_in = C_in, s->C_out = C_out, s->stride = stride;
     snprintf(s->presets, sizeof s->presets, "%s", preset);
+}
+
+static void add_shape(BenchShapes *list, const char *preset, int H, int C_in, int C_out, int stride) {
+    add_shape_at(list, preset, 0, H, C_in, C_out, stride);
+}
+
+// The 3x3 convolutions of train_unet's presets at their batches ("adm128:16,adm256:8"), as the
+// trainer's walk plans them (conv_visitor), the preset's name with its batch in the presets column.
+static char visited_preset[32];
+
+static void visit_conv(void *ctx, const char *name, const Conv *cv, int N, int size, int training) {
+    (void)name, (void)training;
+    if (cv->k == 3) add_shape_at((BenchShapes *)ctx, visited_preset, N, size, cv->in, cv->out, cv->stride);
 }
 
 // The walk: input conv, ResBlocks (conv1 in->out and conv2 out->out at the block's output size), the
@@ -500,14 +516,38 @@ static void bench_shape(const BenchShape *s, int N) {
     dev_gpu_free(r.x, r.y, r.dy, r.dx, r.w, r.bias, r.dw, r.scratch, r.split, NULL);
 }
 
-// The presets' shapes at batch 32 and 128, or the one shape `only` (N H Cin Cout stride).
-static void run_bench(const int *only) {
+static void add_preset_shapes(BenchShapes *list, const char *presets) {
+    char copy[256];
+    snprintf(copy, sizeof copy, "%s", presets);
+    for (char *item = strtok(copy, ","); item; item = strtok(NULL, ",")) {
+        char name[16];
+        int batch;
+        Options o;
+        ModelConfig c;
+        char err[256];
+        if (sscanf(item, "%15[^:]:%d", name, &batch) != 2 || batch < 1 || preset_options(name, &o) != 0)
+            fatal("--presets: '%s' is not PRESET:BATCH with a train_unet preset", item);
+        if (model_config_from_options(&o, o.class_cond ? o.num_classes + 1 : 0, &c, err, sizeof err) != 0) fatal("%s", err);
+        snprintf(visited_preset, sizeof visited_preset, "%s:%d", name, batch);
+        UNet plan;
+        conv_visitor = visit_conv, conv_visitor_ctx = list;
+        unet_plan(&plan, &c, batch, 1);
+        conv_visitor = NULL;
+        unet_destroy(&plan);
+    }
+}
+
+// The presets' shapes at batch 32 and 128, the one shape `only` (N H Cin Cout stride), or the
+// shapes of `presets` (add_preset_shapes).
+static void run_bench(const int *only, const char *presets) {
     static BenchShapes list;
     static const int mult[] = {1, 2, 3, 4};
     int batches[2] = {32, 128}, num_batches = 2;
     if (only) {
         add_shape(&list, "one", only[1], only[2], only[3], only[4]);
         batches[0] = only[0], num_batches = 1;
+    } else if (presets) {
+        add_preset_shapes(&list, presets);
     } else {
         preset_shapes(&list, "seed", 64, mult, 4, 2, 0, 0);
         preset_shapes(&list, "adm64", 192, mult, 4, 3, 1, 1);
@@ -516,13 +556,16 @@ static void run_bench(const int *only) {
         for (int level = 0; level < 3; level++) add_shape(&list, "adm64-s2", 64 >> level, 192 * mult[level], 192 * mult[level], 2);
     }
     for (int b = 0; b < num_batches; b++)
-        for (int i = 0; i < list.count; i++) bench_shape(&list.s[i], batches[b]);
+        for (int i = 0; i < list.count; i++)
+            if (list.s[i].N == 0) bench_shape(&list.s[i], batches[b]);
+            else if (b == 0) bench_shape(&list.s[i], list.s[i].N);
 }
 
 static void usage(void) {
     fprintf(stderr, "usage: bench_conv                                          the checks\n"
                     "       bench_conv --bench [--kernel K] [--check]           the timings (after the checks with --check)\n"
                     "       bench_conv --bench [--kernel K] N H Cin Cout stride the timings of one shape\n"
+                    "       bench_conv --bench [--kernel K] --presets P:B,...   the timings of train_unet presets' shapes at batch B\n"
                     "--kernel K: time the planner's family K (image, narrow, halo, split, wgmma, mma, fp32) where it applies\n");
     exit(2);
 }
@@ -535,8 +578,10 @@ int main(int argc, char **argv) {
     if (named && forced < 0) usage();
     int rest = argc - 2 - 2 * named, check = !bench, one = bench && rest == 5, only[5];
     char **args = argv + 2 + 2 * named;
+    const char *presets = NULL;
     if (argc > 1 && !bench) usage();
     if (bench && rest == 1 && strcmp(args[0], "--check") == 0) check = 1;
+    else if (bench && rest == 2 && strcmp(args[0], "--presets") == 0) presets = args[1];
     else if (bench && rest != 0 && !one) usage();
     for (int i = 0; one && i < 5; i++) {
         only[i] = atoi(args[i]);
@@ -545,6 +590,6 @@ int main(int argc, char **argv) {
     dev_begin("bench_conv");
     if (check) run_checks();
     conv_dev.family = forced;
-    if (bench) run_bench(one ? only : NULL);
+    if (bench) run_bench(one ? only : NULL, presets);
     return dev_end();
 }

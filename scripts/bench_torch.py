@@ -2,22 +2,27 @@
 fixed random batch, timed like `train_unet --bench`: forward under bf16 autocast, MSE loss,
 backward, fused AdamW; CUDA events around each step after warm-up, median of N.
 
-    python3 scripts/bench_torch.py --preset seed|adm64 --batch_size 32 --mode eager|compile|reduce-overhead [--steps 50]
+    python3 scripts/bench_torch.py --preset seed|adm64|... --batch_size 32 --mode eager|compile|reduce-overhead [--steps 50]
+                                   [--use_checkpoint]
 
 Modes: eager; torch.compile (default mode); torch.compile(mode="reduce-overhead"), which adds
-CUDA graphs. The model is channels-last (NHWC), as ours is.
+CUDA graphs. The model is channels-last (NHWC), as ours is. --use_checkpoint: guided-diffusion's
+gradient checkpointing, every ResBlock and AttentionBlock recomputed in backward
+(torch.utils.checkpoint, non-reentrant), as train_unet's --use_checkpoint.
 """
 
 import argparse
+import functools
 import os
 import statistics
 import sys
 import time
 
 import torch
+import torch.utils.checkpoint
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from unet_ref import create_model  # noqa: E402
+from unet_ref import AttentionBlock, ResBlock, create_model  # noqa: E402
 
 PRESETS = {
     "seed": dict(image_size="64", num_channels="64", channel_mult="1,2,3,4", num_res_blocks="2",
@@ -57,10 +62,15 @@ def main():
     parser.add_argument("--batch_size", type=int, default=32)
     parser.add_argument("--mode", default="eager", choices=["eager", "compile", "reduce-overhead"])
     parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--use_checkpoint", action="store_true")
     args = parser.parse_args()
 
     torch.manual_seed(0)
     model = create_model(PRESETS[args.preset]).cuda().to(memory_format=torch.channels_last)
+    if args.use_checkpoint:
+        for module in model.modules():
+            if isinstance(module, (ResBlock, AttentionBlock)):
+                module.forward = functools.partial(torch.utils.checkpoint.checkpoint, module.forward, use_reentrant=False)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0, fused=True)
     n, size = args.batch_size, int(PRESETS[args.preset]["image_size"])
     flags = PRESETS[args.preset]
@@ -89,7 +99,7 @@ def main():
     warmup_s = time.time() - began
     times = time_runs(step, args.steps)
     median = statistics.median(times)
-    print(f"torch {args.mode}: {args.preset} preset, batch {n}: median {median:.3f} ms/step "
+    print(f"torch {args.mode}{' --use_checkpoint' if args.use_checkpoint else ''}: {args.preset} preset, batch {n}: median {median:.3f} ms/step "
           f"(min {min(times):.3f}, max {max(times):.3f} over {args.steps} steps), {n / median * 1000:.0f} img/s, "
           f"peak memory {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB, warm-up {warmup_s:.0f} s")
 

@@ -6,7 +6,8 @@
 # of a 2-GPU checkpoint on 1 GPU, two ranks started by hand (RANK, WORLD_SIZE, LOCAL_RANK), a killed
 # rank stopping the other within 60 s, and Ctrl-C on --gpus saving one checkpoint; the schedule
 # sampler loss-second-moment fed every rank's losses (a team of one exactly as alone; two ranks
-# holding the same history).
+# holding the same history); --microbatch with the all-reduce (a team of one exactly as alone; two
+# ranks as the whole batch).
 cd "$(dirname "$0")/../.." || exit 1
 . dev/test/lib.sh
 gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
@@ -49,6 +50,14 @@ for f in model.safetensors state.bin; do
     cmp -s "$TEST_TMP/lsm_alone/checkpoints/step_000000080/$f" "$TEST_TMP/lsm_team1/checkpoints/step_000000080/$f" || case_fail "$f differs"
 done
 
+case_begin "--microbatch: a team of one (each bucket's pieces summed before its all-reduce) trains exactly as a process alone"
+expect_ok train --batch_size 8 --microbatch 2 --steps 12 --run_dir "$TEST_TMP/pieces_alone"
+expect_ok env RANK=0 WORLD_SIZE=1 LOCAL_RANK=0 ./train_unet "${ARGS[@]}" --batch_size 8 --microbatch 2 --steps 12 --run_dir "$TEST_TMP/pieces_team1"
+cmp -s <(rows "$TEST_TMP/pieces_alone") <(rows "$TEST_TMP/pieces_team1") || case_fail "the logged losses differ"
+for f in model.safetensors state.bin; do
+    cmp -s "$TEST_TMP/pieces_alone/checkpoints/step_000000012/$f" "$TEST_TMP/pieces_team1/checkpoints/step_000000012/$f" || case_fail "$f differs"
+done
+
 case_begin "--gpus beyond this machine's GPUs: one error line"
 expect_fail train --batch_size 8 --steps 2 --gpus $((gpus + 1)) --run_dir "$TEST_TMP/too_many"
 expect_grep "^train_unet: error: --gpus $((gpus + 1)), but this machine shows $gpus GPU" "$LAST_ERR"
@@ -79,6 +88,13 @@ expect_ok train "${LSM[@]}" --batch_size 8 --gpus 2 --steps 80 --run_dir "$TEST_
 first=$(loss_gap <(head -2 "$TEST_TMP/lsm_one/log.csv") <(head -2 "$TEST_TMP/lsm_two/log.csv"))
 echo "  steps 1-5: relative loss difference $first"
 below "$first" 1e-2 || case_fail "the first interval's losses differ by $first (the same draws before the history is full)"
+
+case_begin "--microbatch on 2 GPUs: pieces of 2 train as the whole batch of 8 a GPU (losses within rounding, equal weights on both ranks)"
+expect_ok train --batch_size 8 --microbatch 2 --gpus 2 --steps 50 --run_dir "$TEST_TMP/two_pieces"
+[ "$(grep "weights hash" "$LAST_ERR" | awk '{print $6}' | sort -u | wc -l)" = 1 ] || case_fail "the ranks' weights differ"
+gap=$(loss_gap "$TEST_TMP/two/log.csv" "$TEST_TMP/two_pieces/log.csv")
+echo "  largest relative loss difference over 50 steps: $gap"
+below "$gap" 0.02 || case_fail "losses differ by $gap (relative) between pieces and the whole batch"
 
 case_begin "a 2-GPU checkpoint resumed on 1 GPU at the same images a step continues the same loss curve"
 expect_ok train --batch_size 8 --gpus 2 --steps 50 --stop_step 30 --run_dir "$TEST_TMP/resumed"
