@@ -737,8 +737,9 @@ static int64_t conv3x3_split_scratch_floats(int op, int N, int H, int W, int C_i
 // family's rule, what it takes, is its case in conv_family_takes):
 //   family   products       why it exists                                    measured gain (H100; dev/NOTES.md)
 //   image    forward        3 input channels: too few for 16-byte loads     input conv 0.206 -> 0.078 ms (2026-11-25 j)
-//   narrow   forward        at most 8 output channels: the input halo read   output head 0.320 -> 0.088 ms (2026-11-25 j)
-//                           once, every tap from shared memory
+//   narrow   fwd, dgrad     at most 8 output channels: the input halo read   output head 0.320 -> 0.088 ms (2026-11-25 j);
+//                           once, every tap from shared memory; dgrad on     dgrad 1.023 -> 0.643 ms at adm256:8 (11-26 u)
+//                           CUDA cores
 //   halo     fwd, dgrad     each input element read into shared memory about training 1.34x / 1.37x -> 1.47x / 1.45x of
 //                           once instead of once a tap                       compiled PyTorch, seed:32 / seed:128 (11-24 e)
 //   split    fwd, dgrad     grids of at most half a wave: k in 4-8 slices    seed:32 11.128 -> 10.710 ms (2026-11-24 f)
@@ -828,8 +829,10 @@ static bool conv_family_takes(int f, const ConvProblem *q, const ConvTarget *t, 
     case CONV_IMAGE:  // (shared memory: 42 KB at most)
         return fwd && q->C_in == CONV_IMAGE_CHANNELS && q->stride == 1 && q->C_out % 64 == 0 && q->C_out <= 256 && !q->residual &&
                q->bias && q->out_aligned;
-    case CONV_NARROW:
-        return fwd && q->C_out <= 8 && q->C_in % 64 == 0 && q->C_in <= 512 && q->vec_a && q->stride == 1 && !q->residual && q->bias;
+    case CONV_NARROW:  // (the input gradient: dx stored 16 bytes at a time)
+        if (wgrad || q->C_out > 8 || q->stride != 1) return false;
+        if (fwd) return q->C_in % 64 == 0 && q->C_in <= 512 && q->vec_a && !q->residual && q->bias;
+        return q->C_in % 64 == 0 && q->vec_store;
     case CONV_HALO:  // (a pixel's channels stored 16 bytes at a time)
         if (wgrad || !hopper || q->stride != 1 || q->W % 64 != 0 || q->C_in % 64 != 0 || q->C_out % 64 != 0 || !q->pair_store ||
             !q->vec_store || (q->bias && !q->bias_aligned))
@@ -2508,6 +2511,68 @@ static void conv_launch_narrow(const ConvGemm &p) {
     cuda_check_launch();
 }
 
+// The output head's input gradient on CUDA cores: with CO <= 8 output channels a value is a sum of
+// only 9 CO products, and mma's 128x128 tiles over k = 9 CO ran it at 0.33-0.38x of cuDNN; this runs
+// it 1.5-1.6x faster than they did (H200, dev/NOTES.md 2026-11-26 u). CO is a compile-time bound (3,
+// 6 or 8); channels past C_out are zero in shared memory.
+#define CONV_NARROW_ROW 128  // pixels of one image row a block takes
+
+//   dx[n][h][w][ci] (+)= sum_{kh, kw, co} dy[n][h + 1 - kh][w + 1 - kw][co] w[co][kh][kw][ci]
+// A block takes CONV_NARROW_ROW pixels of one row and 64 channels: dy's three rows around them (zero
+// outside the image) and the 64 channels' weights to shared memory in fp32; a thread takes 4 pixels x
+// 8 channels (a 16-byte store each). dys[r][j] is dy at row h - 1 + r, column w0 - 1 + j.
+template <int CO>
+__global__ void __launch_bounds__(CONV_THREADS) conv3x3_narrow_input_grad_kernel(ConvGemm p) {
+    __shared__ float dys[3][CONV_NARROW_ROW + 2][CO];
+    __shared__ float4 ws[9][CO][16];  // [tap][co][the 64 channels as 16 float4]
+    const int tiles_w = (p.W + CONV_NARROW_ROW - 1) / CONV_NARROW_ROW, tile = blockIdx.x;
+    const int n = tile / (p.H * tiles_w), h = tile / tiles_w % p.H, w0 = tile % tiles_w * CONV_NARROW_ROW, c0 = blockIdx.y * 64;
+    for (int i = threadIdx.x; i < 3 * (CONV_NARROW_ROW + 2) * CO; i += CONV_THREADS) {
+        int co = i % CO, j = i / CO % (CONV_NARROW_ROW + 2), r = i / CO / (CONV_NARROW_ROW + 2), hh = h - 1 + r, ww = w0 - 1 + j;
+        bool inside = co < p.C_out && hh >= 0 && hh < p.H && ww >= 0 && ww < p.W;
+        dys[r][j][co] = inside ? (float)p.dy[((int64_t)(n * p.H + hh) * p.W + ww) * p.lddy + co] : 0.0f;
+    }
+    for (int i = threadIdx.x; i < 9 * CO * 64; i += CONV_THREADS) {
+        int c = i % 64, co = i / 64 % CO, tap = i / 64 / CO;
+        ((float *)ws[tap][co])[c] = co < p.C_out ? (float)p.w[((int64_t)co * 9 + tap) * p.C_in + c0 + c] : 0.0f;
+    }
+    __syncthreads();
+    const int group = threadIdx.x % 8, q0 = 4 * (threadIdx.x / 8);  // channels c0 + 8 group.., pixels w0 + q0..
+    float acc[4][8] = {};
+#pragma unroll 1
+    for (int tap = 0; tap < 9; tap++) {
+        const int r = 2 - tap / 3, shift = 2 - tap % 3;
+#pragma unroll
+        for (int co = 0; co < CO; co++) {
+            float4 a = ws[tap][co][2 * group], b = ws[tap][co][2 * group + 1];
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                float d = dys[r][q0 + i + shift][co];
+                acc[i][0] += d * a.x, acc[i][1] += d * a.y, acc[i][2] += d * a.z, acc[i][3] += d * a.w;
+                acc[i][4] += d * b.x, acc[i][5] += d * b.y, acc[i][6] += d * b.z, acc[i][7] += d * b.w;
+            }
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        int w = w0 + q0 + i;
+        if (w >= p.W) continue;
+        Pack *at = (Pack *)(p.out + ((int64_t)(n * p.H + h) * p.W + w) * p.ldo + c0 + 8 * group), v;
+        if (p.add_out) v = *at;
+        for (int j = 0; j < 8; j++) v.v[j] = (floatX)((p.add_out ? (float)v.v[j] : 0.0f) + acc[i][j]);
+        *at = v;
+    }
+}
+
+// Launches the input gradient with CO the least of 3, 6 and 8 that holds C_out.
+static void conv_launch_narrow_input_grad(const ConvGemm &p) {
+    dim3 grid(p.N * p.H * ((p.W + CONV_NARROW_ROW - 1) / CONV_NARROW_ROW), p.C_in / 64);
+    if (p.C_out <= 3) conv3x3_narrow_input_grad_kernel<3><<<grid, CONV_THREADS, 0, gpu.stream>>>(p);
+    else if (p.C_out <= 6) conv3x3_narrow_input_grad_kernel<6><<<grid, CONV_THREADS, 0, gpu.stream>>>(p);
+    else conv3x3_narrow_input_grad_kernel<8><<<grid, CONV_THREADS, 0, gpu.stream>>>(p);
+    cuda_check_launch();
+}
+
 // The model's input convolution (planned as CONV_IMAGE). Returns the slots of the channel sums gathered.
 static int conv_launch_image(const ConvGemm &p) {
     int smem = p.C_out * (CONV_IMAGE_LDW * (int)sizeof(floatX) + (int)sizeof(float)) + CONV_IMAGE_PATCH * (int)sizeof(floatX);
@@ -2568,6 +2633,7 @@ static int conv_run(const ConvPlan *plan, const ConvGemm &p, bool vec_a, bool ve
         break;
     case CONV_NARROW:
         if constexpr (OP == CONV_FORWARD) return conv_launch_narrow(p), 0;
+        if constexpr (OP == CONV_INPUT_GRAD) return conv_launch_narrow_input_grad(p), 0;
         break;
     case CONV_HALO:
         if constexpr (OP == CONV_FORWARD)
@@ -5780,8 +5846,6 @@ static void unet_init_parameters(UNet *m, uint64_t seed) {
 // ----------------------------------------------------------------------------------------------
 // Profiling a step, block by block.
 
-// Where a step's time goes: each block's forward and backward timed with events (one eager step),
-// summed by kind of block.
 // A training step's model FLOPs on m's batch, the count model-FLOP utilisation takes: 2 FLOPs per
 // multiply-add of every convolution and matrix product in forward (the 3x3 and 1x1 convolutions, the
 // linear layers, attention's Q K^T and P V), and twice that in backward (input and weight
@@ -5826,6 +5890,8 @@ static double bf16_peak_tflops(const char *name) {
     return 0.0;
 }
 
+// Where a step's time goes: each block's forward and backward timed with events (one eager step),
+// summed by kind of block.
 static void print_profile(UNet *m) {
     float forward[NUM_BLOCK_KINDS] = {0}, backward[NUM_BLOCK_KINDS] = {0}, ms;
     int count[NUM_BLOCK_KINDS] = {0};

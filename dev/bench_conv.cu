@@ -259,7 +259,8 @@ static const CheckCase check_cases[] = {
     {"output conv 64->3",       2, 16, 16,   64,    3, 1,  0,  0,  0,  0,  0,  0,  0,  0, 0, 0},
     {"output conv 192->3 odd",  2, 11,  7,  192,    3, 1,  0,  0,  0,  0,  0,  0,  0,  0, 1, 0},
     {"output conv 128->6 slices", 3, 9, 13, 128,    6, 1, 64, 64,  5,  3,  0,  0,  0,  0, 1, 3},
-    // the output head's kernel of its own (conv3x3_narrow_kernel): channel chunks, partial tiles, slices
+    // the output head's kernels of its own (conv3x3_narrow_kernel and conv3x3_narrow_input_grad_kernel):
+    // channel chunks, partial tiles, slices
     {"output conv 192->6 odd",  2, 11, 70,  192,    6, 1,  0,  0,  0,  0,  0,  0,  0,  0, 0, 0},
     {"output conv 128->3 slices", 2, 9, 13, 128,    3, 1, 64, 64,  5,  3,  0,  0,  0,  0, 0, 0},
     {"output conv 64x64 64->3", 1, 64, 64,   64,    3, 1,  0,  0,  0,  0,  0,  0,  0,  0, 0, 0},
