@@ -106,8 +106,17 @@ for bad in magic truncated extended height absurd count label header_only; do
 done
 expect_exit 1 "$TRAIN" --dry_run --data "$TEST_TMP/missing.bin"
 
-# region MiB of a "memory plan (what, batch N): ..." line; plan_total: the "in all" line.
+# region MiB of a "memory plan (what, batch N): ..." line.
 plan_region() { sed -n "s/^memory plan ($2, batch [0-9]*): .*$3 \([0-9.]*\) MiB.*/\1/p" "$1"; }
+# plan_adds_up FILE: the training model's, the sample grids', the EMA's and the gradient sum's memory
+# add up to the "in all" line.
+plan_adds_up() {
+    awk '/^memory plan \(training|^memory plan \(sample grids/ { sub(/.*total /, ""); sum += $1 }
+         /^memory plan \(EMA|^memory plan \(gradient sum/ { sub(/.*: /, ""); sum += $1 }
+         /^memory plan: .* in all/ { total = $3 }
+         END { exit !(total > 0 && sum - total < 0.3 && total - sum < 0.3) }' "$1" ||
+        case_fail "the parts do not add up: $(grep '^memory plan' "$1")"
+}
 case_begin "dry_run: the memory plan scales with the batch, and its parts add up to the total"
 "$TRAIN" --dry_run --batch_size 32 > "$TEST_TMP/plan32.txt" && "$TRAIN" --dry_run --batch_size 64 > "$TEST_TMP/plan64.txt" ||
     case_fail "dry_run failed"
@@ -117,11 +126,7 @@ g=$(plan_region "$TEST_TMP/plan32.txt" "sample grids, at most" gradients)
 awk -v a=$a32 -v b=$a64 -v p=$p32 -v q=$p64 -v g=$g \
     'BEGIN { exit !(a > 100 && b > 1.9 * a && b < 2.1 * a && p == q && p > 300 && g == 0) }' ||
     case_fail "activations $a32 -> $a64 MiB, parameters $p32 -> $p64 MiB, sample-grid gradients $g MiB"
-awk '/^memory plan \(training|^memory plan \(sample grids/ { sub(/.*total /, ""); sum += $1 }
-     /^memory plan \(EMA|^memory plan \(gradient sum/ { sub(/.*: /, ""); sum += $1 }
-     /^memory plan: .* in all/ { total = $3 }
-     END { exit !(total > 0 && sum - total < 0.3 && total - sum < 0.3) }' "$TEST_TMP/plan32.txt" ||
-    case_fail "the parts do not add up: $(grep '^memory plan' "$TEST_TMP/plan32.txt")"
+plan_adds_up "$TEST_TMP/plan32.txt"
 
 case_begin "dry_run: --microbatch plans the model for a piece and adds the gradient sum; --use_checkpoint keeps less"
 expect_ok "$TRAIN" --dry_run --batch_size 32 --microbatch 8
@@ -131,11 +136,7 @@ expect_grep '^memory plan \(gradient sum of the 4 pieces\): [0-9.]+ MiB$' "$LAST
 a8=$(plan_region "$TEST_TMP/plan_pieces.txt" "training, one piece of the batch (--microbatch)" activations)
 awk -v a=$a8 -v b=$a32 'BEGIN { exit !(a > 0 && a > 0.2 * b && a < 0.3 * b) }' ||
     case_fail "a piece of 8 takes $a8 MiB of activations, the batch of 32 $a32 MiB"
-awk '/^memory plan \(training|^memory plan \(sample grids/ { sub(/.*total /, ""); sum += $1 }
-     /^memory plan \(EMA|^memory plan \(gradient sum/ { sub(/.*: /, ""); sum += $1 }
-     /^memory plan: .* in all/ { total = $3 }
-     END { exit !(total > 0 && sum - total < 0.3 && total - sum < 0.3) }' "$TEST_TMP/plan_pieces.txt" ||
-    case_fail "the parts do not add up: $(grep '^memory plan' "$TEST_TMP/plan_pieces.txt")"
+plan_adds_up "$TEST_TMP/plan_pieces.txt"
 expect_ok "$TRAIN" --dry_run --batch_size 32 --use_checkpoint
 expect_grep '^memory plan \(without --use_checkpoint instead\): total [0-9.]+ MiB$' "$LAST_OUT"
 r32=$(plan_region "$LAST_OUT" "training, recomputing (--use_checkpoint)" activations)
