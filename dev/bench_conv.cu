@@ -8,8 +8,8 @@
 //   build/dev/bench_conv                                         the checks
 //   build/dev/bench_conv --bench [--kernel K] [--check]             the timings (after the checks with --check)
 //   build/dev/bench_conv --bench [--kernel K] N H Cin Cout stride   the timings of one shape (W = H)
-//   build/dev/bench_conv --bench [--kernel K] --presets P:B,...     the timings of train_unet presets' 3x3
-//                                                                   convolutions at batch B (e.g. adm128:16)
+//   build/dev/bench_conv --bench [--kernel K] --presets P[:B],...   the timings of train_unet presets' 3x3
+//                                                                   convolutions at batch B (adm128:16), or 32 and 128
 // --kernel K forces the planner's family K (image, narrow, halo, split, wgmma, mma, fp32: see
 // train_unet.cu's "Convolution: the planner"); a shape it does not take is timed as "kernel=none".
 // Check lines: "PASS|FAIL <case> <fp32|bf16> <fwd|dgrad|wgrad> err=... (tol ...) [kernel]", each naming
@@ -346,8 +346,8 @@ static void run_checks(void) {
 }
 
 // ----------------------------------------------------------------------------------------------
-// Benchmark: the 3x3 convolutions of the seed and adm64 presets (the walk of train_unet.cu's
-// unet_walk), each distinct shape once, with the presets it occurs in.
+// Benchmark: the 3x3 convolutions of train_unet's presets, as its walk plans them (unet_walk's
+// conv_visitor), each distinct shape once, with the presets it occurs in.
 
 enum { MAX_SHAPES = 128 };
 
@@ -382,47 +382,13 @@ static void add_shape(BenchShapes *list, const char *preset, int H, int C_in, in
     add_shape_at(list, preset, 0, H, C_in, C_out, stride);
 }
 
-// The 3x3 convolutions of train_unet's presets at their batches ("adm128:16,adm256:8"), as the
-// trainer's walk plans them (conv_visitor), the preset's name with its batch in the presets column.
+// The preset (and batch) add_preset_shapes is walking, for the visitor.
 static char visited_preset[32];
+static int visited_batch;
 
 static void visit_conv(void *ctx, const char *name, const Conv *cv, int N, int size, int training) {
-    (void)name, (void)training;
-    if (cv->k == 3) add_shape_at((BenchShapes *)ctx, visited_preset, N, size, cv->in, cv->out, cv->stride);
-}
-
-// The walk: input conv, ResBlocks (conv1 in->out and conv2 out->out at the block's output size), the
-// resampling ResBlocks or convs between levels, the decoder's concatenated inputs, the output conv.
-static void preset_shapes(BenchShapes *list, const char *preset, int ch0, const int *mult, int levels, int res_blocks,
-                          int updown, int conv_resample) {
-    int size = 64, ch = ch0, skips[64], num_skips = 0;
-    add_shape(list, preset, size, 3, ch, 1);
-    skips[num_skips++] = ch;
-    for (int level = 0; level < levels; level++) {
-        for (int r = 0; r < res_blocks; r++) {
-            int out = ch0 * mult[level];
-            add_shape(list, preset, size, ch, out, 1), add_shape(list, preset, size, out, out, 1);
-            ch = out, skips[num_skips++] = ch;
-        }
-        if (level != levels - 1) {
-            if (updown) add_shape(list, preset, size / 2, ch, ch, 1), add_shape(list, preset, size / 2, ch, ch, 1);
-            else if (conv_resample) add_shape(list, preset, size, ch, ch, 2);
-            size /= 2, skips[num_skips++] = ch;
-        }
-    }
-    for (int i = 0; i < 2; i++) add_shape(list, preset, size, ch, ch, 1), add_shape(list, preset, size, ch, ch, 1);
-    for (int level = levels - 1; level >= 0; level--)
-        for (int r = 0; r <= res_blocks; r++) {
-            int in = ch + skips[--num_skips], out = ch0 * mult[level];
-            add_shape(list, preset, size, in, out, 1), add_shape(list, preset, size, out, out, 1);
-            ch = out;
-            if (level > 0 && r == res_blocks) {
-                if (updown) add_shape(list, preset, 2 * size, ch, ch, 1), add_shape(list, preset, 2 * size, ch, ch, 1);
-                else if (conv_resample) add_shape(list, preset, 2 * size, ch, ch, 1);
-                size *= 2;
-            }
-        }
-    add_shape(list, preset, size, ch, 3, 1);
+    (void)name, (void)N, (void)training;
+    if (cv->k == 3) add_shape_at((BenchShapes *)ctx, visited_preset, visited_batch, size, cv->in, cv->out, cv->stride);
 }
 
 // Uniform values in [-scale, scale), drawn on the GPU (the largest inputs hold 200M values; the
@@ -517,22 +483,26 @@ static void bench_shape(const BenchShape *s, int N) {
     dev_gpu_free(r.x, r.y, r.dy, r.dx, r.w, r.bias, r.dw, r.scratch, r.split, NULL);
 }
 
+// The shapes of a list of presets: "adm128:16,adm256:8" at those batches (the presets column names
+// them with theirs), "seed,adm64" timed at 32 and 128 (BenchShape.N 0).
 static void add_preset_shapes(BenchShapes *list, const char *presets) {
     char copy[256];
     snprintf(copy, sizeof copy, "%s", presets);
     for (char *item = strtok(copy, ","); item; item = strtok(NULL, ",")) {
         char name[16];
-        int batch;
+        int batch = 0, fields = sscanf(item, "%15[^:]:%d", name, &batch);
         Options o;
         ModelConfig c;
         char err[256];
-        if (sscanf(item, "%15[^:]:%d", name, &batch) != 2 || batch < 1 || preset_options(name, &o) != 0)
+        if (fields < 1 || (fields == 2 && batch < 1) || preset_options(name, &o) != 0)
             fatal("--presets: '%s' is not PRESET:BATCH with a train_unet preset", item);
         if (model_config_from_options(&o, o.class_cond ? o.num_classes + 1 : 0, &c, err, sizeof err) != 0) fatal("%s", err);
-        snprintf(visited_preset, sizeof visited_preset, "%s:%d", name, batch);
+        if (batch) snprintf(visited_preset, sizeof visited_preset, "%s:%d", name, batch);
+        else snprintf(visited_preset, sizeof visited_preset, "%s", name);
+        visited_batch = batch;
         UNet plan;
         conv_visitor = visit_conv, conv_visitor_ctx = list;
-        unet_plan(&plan, &c, batch, 1);
+        unet_plan(&plan, &c, batch ? batch : 32, 1);
         conv_visitor = NULL;
         unet_destroy(&plan);
     }
@@ -542,7 +512,7 @@ static void add_preset_shapes(BenchShapes *list, const char *presets) {
 // shapes of `presets` (add_preset_shapes).
 static void run_bench(const int *only, const char *presets) {
     static BenchShapes list;
-    static const int mult[] = {1, 2, 3, 4};
+    static const int mult[] = {1, 2, 3};  // adm64's channel multipliers of its downsampling levels
     int batches[2] = {32, 128}, num_batches = 2;
     if (only) {
         add_shape(&list, "one", only[1], only[2], only[3], only[4]);
@@ -550,8 +520,7 @@ static void run_bench(const int *only, const char *presets) {
     } else if (presets) {
         add_preset_shapes(&list, presets);
     } else {
-        preset_shapes(&list, "seed", 64, mult, 4, 2, 0, 0);
-        preset_shapes(&list, "adm64", 192, mult, 4, 3, 1, 1);
+        add_preset_shapes(&list, "seed,adm64");
         // Neither preset has a stride-2 conv (adm64 resamples in ResBlocks): adm64's Downsample
         // convs as they are with resblock_updown off.
         for (int level = 0; level < 3; level++) add_shape(&list, "adm64-s2", 64 >> level, 192 * mult[level], 192 * mult[level], 2);
@@ -566,7 +535,8 @@ static void usage(void) {
     fprintf(stderr, "usage: bench_conv                                          the checks\n"
                     "       bench_conv --bench [--kernel K] [--check]           the timings (after the checks with --check)\n"
                     "       bench_conv --bench [--kernel K] N H Cin Cout stride the timings of one shape\n"
-                    "       bench_conv --bench [--kernel K] --presets P:B,...   the timings of train_unet presets' shapes at batch B\n"
+                    "       bench_conv --bench [--kernel K] --presets P[:B],... the timings of train_unet presets' shapes\n"
+                    "                                                          (at batch B, else at 32 and 128)\n"
                     "--kernel K: time the planner's family K (image, narrow, halo, split, wgmma, mma, fp32) where it applies\n");
     exit(2);
 }
