@@ -327,8 +327,8 @@ typedef struct {
     int64_t weight_grad_numel; // (0: a 1x1 layer's gradient is one product)
     float *conv_split;         // a split 3x3 forward or input-gradient product's partial sums
     int64_t conv_split_numel;
-    float *channel_sums;       // per-channel partial sums, [N][CHANNEL_SUM_CHUNKS][C]
-    double *gn_partials;       // GroupNorm: forward's channel sums [N][slots][C][2], backward's [N][GN_CHUNKS][4C + 2 groups]
+    float *channel_sums;       // per-channel partial sums, [N][channel_sum_max_chunks(N)][C]
+    double *gn_partials;       // GroupNorm: forward's channel sums [N][slots][C][2], backward's [N][gn_max_chunks(N)][4C + 2 groups]
     int64_t gn_partials_numel; // (doubles)
     float *scores;             // attention, [N*heads][T][T]: S, then dP
     floatX *d_scores;          // attention, [N*heads][T][T]: dS
@@ -513,7 +513,16 @@ static void weight_gradient(const Scratch *s, float *dw, int ldw, const floatX *
 // total[c] = sum over samples (the bias gradient of a layer whose output gradient it is). Two
 // passes in a fixed order, so the result is the same on every run.
 
-#define CHANNEL_SUM_CHUNKS 16
+// A sample's rows in chunks, a block each: 16 chunks a sample, or with fewer than 32 samples about
+// CHANNEL_SUM_BLOCKS blocks over the batch, at most CHANNEL_SUM_CHUNKS a sample (a thread's loads
+// wait for each other, so the memory is kept busy by many blocks: adm256:8's step 1.5% faster with
+// 64 chunks than with 16; seed:32's 0.5% slower with 32; H200, dev/NOTES.md 2026-11-26 v).
+#define CHANNEL_SUM_CHUNKS 64
+#define CHANNEL_SUM_BLOCKS 512
+static int channel_sum_max_chunks(int N) {
+    int chunks = CHANNEL_SUM_BLOCKS / N;
+    return chunks < 16 ? 16 : chunks > CHANNEL_SUM_CHUNKS ? CHANNEL_SUM_CHUNKS : chunks;
+}
 
 // Thread t sums vector (t mod vecs) of its chunk's rows t/vecs, t/vecs + rows_per_pass, ...; then
 // one thread per channel adds up the rows in shared memory. Rows wider than the block (the
@@ -557,7 +566,7 @@ __global__ void channel_sums_partial_kernel(float *partial, const floatX *x, int
 // samples of a slice are summed one after the other: 32 slices keep that chain short.)
 #define REDUCE_SLICES 32
 
-__global__ void channel_sums_final_kernel(float *per_sample, int per_sample_ld, float *total, const float *partial, int N,
+__global__ void __launch_bounds__(32 * REDUCE_SLICES) channel_sums_final_kernel(float *per_sample, int per_sample_ld, float *total, const float *partial, int N,
                                           int chunks, int C) {
     __shared__ float totals[REDUCE_SLICES][32];
     int c = blockIdx.x * 32 + threadIdx.x, slice = threadIdx.y;
@@ -565,9 +574,10 @@ __global__ void channel_sums_final_kernel(float *per_sample, int per_sample_ld, 
     if (c < C)
         for (int n = slice; n < N; n += REDUCE_SLICES) {
             float s = 0.0f;
+            for (int k0 = 0; k0 < chunks; k0 += 16)
 #pragma unroll
-            for (int k = 0; k < CHANNEL_SUM_CHUNKS; k++)  // all the chunks' loads in flight at once
-                if (k < chunks) s += partial[((int64_t)n * chunks + k) * C + c];
+                for (int k = k0; k < k0 + 16; k++)  // 16 chunks' loads in flight at once
+                    if (k < chunks) s += partial[((int64_t)n * chunks + k) * C + c];
             if (per_sample) per_sample[(int64_t)n * per_sample_ld + c] += s;
             all += s;
         }
@@ -580,7 +590,7 @@ __global__ void channel_sums_final_kernel(float *per_sample, int per_sample_ld, 
 }
 
 static void channel_sums(const Scratch *s, float *per_sample, int per_sample_ld, float *total, const floatX *x, int N, int rows_per_sample, int C) {
-    int chunks = rows_per_sample < CHANNEL_SUM_CHUNKS ? rows_per_sample : CHANNEL_SUM_CHUNKS;
+    int chunks = rows_per_sample < channel_sum_max_chunks(N) ? rows_per_sample : channel_sum_max_chunks(N);
     if (C % PACK == 0)
         channel_sums_partial_kernel<Pack><<<dim3(chunks, N), 256, 0, gpu.stream>>>(s->channel_sums, x, rows_per_sample, C);
     else
@@ -741,7 +751,7 @@ static int64_t conv3x3_split_scratch_floats(int op, int N, int H, int W, int C_i
 //                           once, every tap from shared memory; dgrad on     dgrad 1.023 -> 0.643 ms at adm256:8 (11-26 u)
 //                           CUDA cores
 //   halo     fwd, dgrad     each input element read into shared memory about training 1.34x / 1.37x -> 1.47x / 1.45x of
-//                           once instead of once a tap                       compiled PyTorch, seed:32 / seed:128 (11-24 e)
+//            (k <= 9 x 256) once instead of once a tap                       compiled PyTorch, seed:32 / seed:128 (11-24 e)
 //   split    fwd, dgrad     grids of at most half a wave: k in 4-8 slices    seed:32 11.128 -> 10.710 ms (2026-11-24 f)
 //   wgmma    all three      Hopper's warpgroup products; operands through    seed:32 10.136 -> 9.730 ms for the TMA
 //                           the TMA where its boxes fit                      (2026-11-24 g); wgmma: 2026-11-23 evening
@@ -833,9 +843,10 @@ static bool conv_family_takes(int f, const ConvProblem *q, const ConvTarget *t, 
         if (wgrad || q->C_out > 8 || q->stride != 1) return false;
         if (fwd) return q->C_in % 64 == 0 && q->C_in <= 512 && q->vec_a && !q->residual && q->bias;
         return q->C_in % 64 == 0 && q->vec_store;
-    case CONV_HALO:  // (a pixel's channels stored 16 bytes at a time)
+    case CONV_HALO:  // (a pixel's channels stored 16 bytes at a time; k of at most 9 x 256: wgmma's tiles are faster on
+                     // longer ones, 1.03-1.20x at 512-1024 channels, H200, dev/NOTES.md 2026-11-26 v)
         if (wgrad || !hopper || q->stride != 1 || q->W % 64 != 0 || q->C_in % 64 != 0 || q->C_out % 64 != 0 || !q->pair_store ||
-            !q->vec_store || (q->bias && !q->bias_aligned))
+            !q->vec_store || (q->bias && !q->bias_aligned) || k_channels > 256)
             return false;
         plan->BN = fwd && Ng % 192 == 0 ? 192 : Ng % 128 == 0 ? 128 : 64;
         plan->rows = plan->BN == 64 ? 8 : 4;
@@ -2804,7 +2815,8 @@ static void conv_backward(const Conv *cv, floatX *dx, GradMode mode, const float
 
 #define GN_GROUPS 32
 #define GN_EPS 1e-5f
-#define GN_CHUNKS 16
+#define GN_CHUNKS 16       // chunks of a sample's rows at most, with 16 samples or more (gn_chunks)
+#define GN_MAX_CHUNKS 64   // with fewer: at most this many
 #define GN_THREADS 256
 
 typedef struct {
@@ -3096,24 +3108,33 @@ __global__ void __launch_bounds__(GN_THREADS, 5)
     }
 }
 
-// A sample's rows come in chunks of at least 8 row passes of a block, at most GN_CHUNKS of them: few
-// partial sums, and on small images few blocks. More chunks for small images (filling the GPU with
-// blocks of one or two row passes) measured slower: the partial sums' reductions grow with them.
-static int gn_chunks(int HW, int C) {
-    int chunks = HW / (gn_rows(C) * 8);
-    return chunks < 1 ? 1 : chunks > GN_CHUNKS ? GN_CHUNKS : chunks;
+// A sample's rows come in chunks of at least 8 row passes of a block, at most GN_CHUNKS of them, or
+// with fewer than 16 samples up to GN_BLOCKS / N: about GN_BLOCKS blocks over the batch, two on each
+// multiprocessor (the backward kernels' registers allow two). Few partial sums, and on small images
+// few blocks: more chunks for small images (filling the GPU with blocks of one or two row passes)
+// measured slower, the partial sums' reductions growing with them, and so did 512 blocks at batch 16
+// and 32; at batch 8, 256 blocks instead of 128 took about 3.5% off adm256:8's step (H200, dev/NOTES.md
+// 2026-11-26 v).
+// The forward's chunks (statistics and normalise) are never more than GN_BLOCKS blocks over the
+// batch. Once the GPU has a few blocks a multiprocessor, long chunks cost less than many short ones:
+// each block fills its ring and adds up its sums once (sampling at batch 256, against no limit: 306.0
+// -> 320.1 images/s with 512 blocks, 321.8 with 256; seed:128 26.674 -> 26.260 ms with 512;
+// dev/NOTES.md, 2026-11-24 h and i). With many samples the statistics' partial sums are then grouped
+// by the batch size: they round a little differently.
+#define GN_BLOCKS 256
+static int gn_max_chunks(int N) {
+    int chunks = GN_BLOCKS / N;
+    return chunks < GN_CHUNKS ? GN_CHUNKS : chunks > GN_MAX_CHUNKS ? GN_MAX_CHUNKS : chunks;
 }
 
-// The forward's chunks (statistics and normalise): gn_chunks', but about GN_FORWARD_BLOCKS blocks at
-// most over the batch. Once the GPU has a few blocks a multiprocessor, long chunks cost less than many
-// short ones: each block fills its ring and adds up its sums once (sampling at batch 256, against no
-// limit: 306.0 -> 320.1 images/s with 512 blocks, 321.8 with 256; seed:128 26.674 -> 26.260 ms with
-// 512; dev/NOTES.md, 2026-11-24 h and i). With many samples the statistics' partial sums are then
-// grouped by the batch size: they round a little differently.
-#define GN_FORWARD_BLOCKS 256
+static int gn_chunks(int HW, int C, int N) {
+    int chunks = HW / (gn_rows(C) * 8), most = gn_max_chunks(N);
+    return chunks < 1 ? 1 : chunks > most ? most : chunks;
+}
+
 static int gn_forward_chunks(int HW, int C, int N) {
-    int chunks = gn_chunks(HW, C);
-    return N * chunks > GN_FORWARD_BLOCKS ? (GN_FORWARD_BLOCKS + N - 1) / N : chunks;
+    int chunks = gn_chunks(HW, C, N);
+    return N * chunks > GN_BLOCKS ? (GN_BLOCKS + N - 1) / N : chunks;
 }
 
 // Channel sums a producer gathered for GroupNorm's input, or a part of it: [N][slots][channels][2]
@@ -3154,7 +3175,7 @@ static void group_norm_recompute(const Norm *norm, floatX *y, float *mean, float
                                  NormOptions o) {
     int C = norm->channels;
     GnSums kept = {};  // none: the statistics kept
-    group_norm_apply_kernel<<<dim3(gn_chunks(HW, C), N), GN_THREADS, 0, gpu.stream>>>(y, mean, rstd, x, kept, norm->gamma,
+    group_norm_apply_kernel<<<dim3(gn_chunks(HW, C, N), N), GN_THREADS, 0, gpu.stream>>>(y, mean, rstd, x, kept, norm->gamma,
                                                                                       norm->beta, o, HW, C);
     cuda_check_launch();
 }
@@ -3164,7 +3185,9 @@ static void group_norm_recompute(const Norm *norm, floatX *y, float *mean, float
 // elements add up two sums per channel, du and du xhat; the four follow from them, since
 // dz = du (1 + scale) and z = xhat gamma + beta: sum du z = gamma sum du xhat + beta sum du.
 // With y (not NULL) the pass also writes y as forward did, from the x it reads anyway.
-__global__ void group_norm_backward_sums_kernel(double *partial, floatX *__restrict__ y, const floatX *__restrict__ dy,
+// (Both backward passes run two blocks a multiprocessor: __launch_bounds__ lets them keep 128
+// registers a thread; without it seed:128's step was 0.8% slower, H200, dev/NOTES.md 2026-11-26 v.)
+__global__ void __launch_bounds__(GN_THREADS, 2) group_norm_backward_sums_kernel(double *partial, floatX *__restrict__ y, const floatX *__restrict__ dy,
                                                 const floatX *__restrict__ x, const float *mean, const float *rstd,
                                                 const float *gamma, const float *beta, NormOptions o, int HW, int C) {
     __shared__ union {
@@ -3234,7 +3257,7 @@ __global__ void group_norm_backward_sums_kernel(double *partial, floatX *__restr
 // Backward, pass 2: dx' (+)= rstd (g - mean_g(g) - xhat mean_g(g xhat)) for one chunk. With g = dz gamma
 // = du (1 + scale) gamma and xhat = x a + b this is  dx' (+)= du s + x e + f,  e = -rstd a mean_g(g xhat),
 // f = -rstd (mean_g(g) + b mean_g(g xhat)). Its grid is the sums' one.
-__global__ void group_norm_backward_input_kernel(floatX *__restrict__ dx, GradMode mode, const floatX *__restrict__ dy, const floatX *__restrict__ x,
+__global__ void __launch_bounds__(GN_THREADS, 2) group_norm_backward_input_kernel(floatX *__restrict__ dx, GradMode mode, const floatX *__restrict__ dy, const floatX *__restrict__ x,
                                                  const double *partial, const float *mean, const float *rstd, const float *gamma,
                                                  const float *beta, NormOptions o, int HW, int C) {
     __shared__ float mean_g[GN_GROUPS], mean_gx[GN_GROUPS];
@@ -3252,12 +3275,13 @@ __global__ void group_norm_backward_input_kernel(floatX *__restrict__ dx, GradMo
     if (threadIdx.x < GN_GROUPS) {
         const double *groups = partial + (int64_t)gridDim.y * chunks * C * 4;
         double a = 0, b = 0, count = (double)HW * per_group;
+        for (int k0 = 0; k0 < chunks; k0 += GN_CHUNKS)
 #pragma unroll
-        for (int k = 0; k < GN_CHUNKS; k++)
-            if (k < chunks) {
-                a += groups[(((int64_t)n * chunks + k) * GN_GROUPS + threadIdx.x) * 2 + 0];
-                b += groups[(((int64_t)n * chunks + k) * GN_GROUPS + threadIdx.x) * 2 + 1];
-            }
+            for (int k = k0; k < k0 + GN_CHUNKS; k++)  // (unrolled over all GN_MAX_CHUNKS, these loops
+                if (k < chunks) {                      // made seed:128's step 6% slower)
+                    a += groups[(((int64_t)n * chunks + k) * GN_GROUPS + threadIdx.x) * 2 + 0];
+                    b += groups[(((int64_t)n * chunks + k) * GN_GROUPS + threadIdx.x) * 2 + 1];
+                }
         mean_g[threadIdx.x] = (float)(a / count), mean_gx[threadIdx.x] = (float)(b / count);
     }
     __syncthreads();
@@ -3288,7 +3312,7 @@ __global__ void group_norm_backward_input_kernel(floatX *__restrict__ dx, GradMo
 
 // Backward, pass 3: d_gamma, d_beta (over samples and chunks) and d_scale_shift (over chunks), in
 // the fixed order of channel_sums_final_kernel.
-__global__ void group_norm_backward_params_kernel(float *dgamma, float *dbeta, float *d_scale_shift, int ld,
+__global__ void __launch_bounds__(32 * REDUCE_SLICES) group_norm_backward_params_kernel(float *dgamma, float *dbeta, float *d_scale_shift, int ld,
                                                   const double *partial, int N, int chunks, int C) {
     __shared__ double totals[REDUCE_SLICES][32][2];
     int c = blockIdx.x * 32 + threadIdx.x, slice = threadIdx.y;
@@ -3296,12 +3320,13 @@ __global__ void group_norm_backward_params_kernel(float *dgamma, float *dbeta, f
     if (c < C)
         for (int n = slice; n < N; n += REDUCE_SLICES) {
             double du = 0, duz = 0;
+            for (int k0 = 0; k0 < chunks; k0 += GN_CHUNKS)
 #pragma unroll
-            for (int k = 0; k < GN_CHUNKS; k++)  // all the chunks' loads in flight at once
-                if (k < chunks) {
-                    const double *p = partial + (((int64_t)n * chunks + k) * C + c) * 4;
-                    du += p[0], duz += p[1], db += p[2], dg += p[3];
-                }
+                for (int k = k0; k < k0 + GN_CHUNKS; k++)  // GN_CHUNKS chunks' loads in flight at once
+                    if (k < chunks) {
+                        const double *p = partial + (((int64_t)n * chunks + k) * C + c) * 4;
+                        du += p[0], duz += p[1], db += p[2], dg += p[3];
+                    }
             if (d_scale_shift) d_scale_shift[(int64_t)n * ld + c] += (float)duz, d_scale_shift[(int64_t)n * ld + C + c] += (float)du;
         }
     totals[slice][threadIdx.x][0] = dg, totals[slice][threadIdx.x][1] = db;
@@ -3318,7 +3343,7 @@ __global__ void group_norm_backward_params_kernel(float *dgamma, float *dbeta, f
 // work, done by the first pass, which reads x anyway).
 static void group_norm_backward(const Norm *norm, floatX *dx, GradMode mode, float *d_scale_shift, const floatX *dy, const floatX *x,
                                 floatX *y, const float *mean, const float *rstd, int N, int HW, NormOptions o) {
-    int C = norm->channels, chunks = gn_chunks(HW, C);
+    int C = norm->channels, chunks = gn_chunks(HW, C, N);
     double *partials = norm->scratch->gn_partials;
     group_norm_backward_sums_kernel<<<dim3(chunks, N), GN_THREADS, 0, gpu.stream>>>(
         partials, y, dy, x, mean, rstd, norm->gamma, norm->beta, o, HW, C);
@@ -4003,19 +4028,60 @@ typedef struct {
     int finite;            // loss and gradients finite: parameters and EMA updated
 } StepState;
 
+// One parameter's update (the math above), in place.
+__device__ inline void adamw_update(float *p, float *m, float *v, float grad, float lr, float bias1, float bias2, float beta1,
+                                    float beta2, float eps, float weight_decay) {
+    float g = grad, q = *p * (1.0f - lr * weight_decay);
+    float mi = beta1 * *m + (1.0f - beta1) * g, vi = beta2 * *v + (1.0f - beta2) * g * g;
+    q -= lr * (mi / bias1) / (sqrtf(vi / bias2) + eps);
+    *m = mi, *v = vi, *p = q;
+}
+
+// Four parameters a thread per iteration: 16-byte loads and stores (the compute copy's 4 values in
+// one store). The update is bound by memory, 38 bytes a parameter with the EMA: one parameter a
+// thread moved 3.3 TB/s on an H200, four 4.0 (dev/NOTES.md 2026-11-26 v). The last n % 4 one at a time.
+typedef struct __align__(4 * sizeof(floatX)) {
+    floatX v[4];
+} FloatX4;
+
 __global__ void adamw_kernel(float *params, floatX *params_x, float *m, float *v, const float *grads, int64_t n,
                              const StepState *s, float beta1, float beta2, float eps, float weight_decay, float *ema,
                              float ema_rate) {
     if (!s->finite) return;
     float lr = s->lr, bias1 = s->bias1, bias2 = s->bias2, scale = s->grad_scale;
-    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
-        float g = grads[i] * scale, p = params[i] * (1.0f - lr * weight_decay);
-        float mi = beta1 * m[i] + (1.0f - beta1) * g, vi = beta2 * v[i] + (1.0f - beta2) * g * g;
-        p -= lr * (mi / bias1) / (sqrtf(vi / bias2) + eps);
-        m[i] = mi, v[i] = vi, params[i] = p;
-        if (params_x) params_x[i] = (floatX)p;
-        if (ema) ema[i] = ema_rate * ema[i] + (1.0f - ema_rate) * p;
+    int64_t first = blockIdx.x * (int64_t)blockDim.x + threadIdx.x, stride = (int64_t)gridDim.x * blockDim.x;
+    for (int64_t i = first; i < n / 4; i += stride) {
+        float4 g = ((const float4 *)grads)[i], p = ((float4 *)params)[i], mi = ((float4 *)m)[i], vi = ((float4 *)v)[i];
+        adamw_update(&p.x, &mi.x, &vi.x, g.x * scale, lr, bias1, bias2, beta1, beta2, eps, weight_decay);
+        adamw_update(&p.y, &mi.y, &vi.y, g.y * scale, lr, bias1, bias2, beta1, beta2, eps, weight_decay);
+        adamw_update(&p.z, &mi.z, &vi.z, g.z * scale, lr, bias1, bias2, beta1, beta2, eps, weight_decay);
+        adamw_update(&p.w, &mi.w, &vi.w, g.w * scale, lr, bias1, bias2, beta1, beta2, eps, weight_decay);
+        ((float4 *)params)[i] = p, ((float4 *)m)[i] = mi, ((float4 *)v)[i] = vi;
+        if (params_x) {
+            FloatX4 c = {{(floatX)p.x, (floatX)p.y, (floatX)p.z, (floatX)p.w}};
+            ((FloatX4 *)params_x)[i] = c;
+        }
+        if (ema) {
+            float4 e = ((float4 *)ema)[i];
+            e.x = ema_rate * e.x + (1.0f - ema_rate) * p.x, e.y = ema_rate * e.y + (1.0f - ema_rate) * p.y;
+            e.z = ema_rate * e.z + (1.0f - ema_rate) * p.z, e.w = ema_rate * e.w + (1.0f - ema_rate) * p.w;
+            ((float4 *)ema)[i] = e;
+        }
     }
+    for (int64_t i = n / 4 * 4 + first; i < n; i += stride) {
+        adamw_update(&params[i], &m[i], &v[i], grads[i] * scale, lr, bias1, bias2, beta1, beta2, eps, weight_decay);
+        if (params_x) params_x[i] = (floatX)params[i];
+        if (ema) ema[i] = ema_rate * ema[i] + (1.0f - ema_rate) * params[i];
+    }
+}
+
+// AdamW's step over n parameters (every array 16-byte aligned, as gpu_malloc's and the parameter
+// storage's are), with the first EMA (ema not NULL) and the compute copy (params_x not NULL).
+static void adamw_step(float *params, floatX *params_x, float *m, float *v, const float *grads, int64_t n, const StepState *s,
+                       float beta1, float beta2, float eps, float weight_decay, float *ema, float ema_rate) {
+    adamw_kernel<<<blocks_for((size_t)(n + 3) / 4, 256), 256, 0, gpu.stream>>>(params, params_x, m, v, grads, n, s, beta1, beta2,
+                                                                            eps, weight_decay, ema, ema_rate);
+    cuda_check_launch();
 }
 
 // ----------------------------------------------------------------------------------------------
@@ -4980,11 +5046,11 @@ static void walk_conv_scratch(Walk *w, const Conv *cv, int size) {
         int slices = weight_grad_slices(INT64_MAX, N * o * o, cv->out, cv->in);
         if (slices >= 2) note_scratch(&m->weight_grad_numel, (int64_t)slices * cv->out * cv->in);
     }
-    note_scratch(&m->channel_sums_numel, (int64_t)N * CHANNEL_SUM_CHUNKS * cv->out);
+    note_scratch(&m->channel_sums_numel, (int64_t)N * channel_sum_max_chunks(N) * cv->out);
 }
 
 static void walk_norm_scratch(Walk *w, int channels) {
-    note_scratch(&w->m->gn_partials_numel, (int64_t)w->m->batch * GN_CHUNKS * (channels * 4 + GN_GROUPS * 2));
+    note_scratch(&w->m->gn_partials_numel, (int64_t)w->m->batch * gn_max_chunks(w->m->batch) * (channels * 4 + GN_GROUPS * 2));
 }
 
 // The block's output becomes the walk's current activation.
@@ -5528,8 +5594,8 @@ static void unet_lay_out(UNet *m) {
     m->master = (float *)arena_take(&m->parameters, n * sizeof(float));
     if (training) {
         m->grad = (float *)arena_take(&m->parameters, n * sizeof(float));
-        m->adam_m = (float *)arena_take(&m->parameters, 2 * n * sizeof(float));
-        m->adam_v = m->adam_m ? m->adam_m + n : NULL;  // side by side, as state.bin stores them
+        m->adam_m = (float *)arena_take(&m->parameters, n * sizeof(float));  // (each 256-byte aligned for AdamW's vectors;
+        m->adam_v = (float *)arena_take(&m->parameters, n * sizeof(float));  // state.bin stores them side by side)
     }
     if (sizeof(floatX) == sizeof(float)) m->compute = (floatX *)m->master;
     else m->compute = (floatX *)arena_take(&m->parameters, n * sizeof(floatX));
@@ -5552,7 +5618,7 @@ static void unet_lay_out(UNet *m) {
     if (training) {
         m->embedding.d_out = (float *)arena_take(&m->acts, (int64_t)batch * E * sizeof(float));
         m->d_emb_out_x = (floatX *)arena_take(&m->acts, (int64_t)batch * E * sizeof(floatX));
-        note_scratch(&m->channel_sums_numel, (int64_t)batch * CHANNEL_SUM_CHUNKS * (E > emb_dim ? E : emb_dim));
+        note_scratch(&m->channel_sums_numel, (int64_t)batch * channel_sum_max_chunks(batch) * (E > emb_dim ? E : emb_dim));
     }
     m->timesteps = (int64_t *)arena_take(&m->acts, batch * sizeof(int64_t));
     m->labels = (int *)arena_take(&m->acts, batch * sizeof(int));
@@ -7010,9 +7076,8 @@ static void trainer_enqueue_step(Trainer *tr) {
     grad_norm_partial_kernel<<<NORM_BLOCKS, 256, 0, gpu.stream>>>(tr->norm_partial, m->grad, m->storage);
     step_decide_kernel<<<1, 1024, 0, gpu.stream>>>(tr->state, tr->norm_partial, tr->loss.terms);
     floatX *copy = (void *)m->compute == (void *)m->master ? NULL : m->compute;
-    adamw_kernel<<<blocks_for(m->storage, 256), 256, 0, gpu.stream>>>(m->master, copy, m->adam_m, m->adam_v, m->grad,
-        m->storage, tr->state, o->beta1, o->beta2, o->adam_eps, o->weight_decay, tr->num_ema ? tr->ema[0] : NULL,
-        tr->num_ema ? tr->ema_rates[0] : 0.0f);
+    adamw_step(m->master, copy, m->adam_m, m->adam_v, m->grad, m->storage, tr->state, o->beta1, o->beta2, o->adam_eps,
+               o->weight_decay, tr->num_ema ? tr->ema[0] : NULL, tr->num_ema ? tr->ema_rates[0] : 0.0f);
     for (int i = 1; i < tr->num_ema; i++)  // (the first: in AdamW's pass)
         ema_kernel<<<blocks_for(m->storage, 256), 256, 0, gpu.stream>>>(tr->ema[i], m->master, m->storage, tr->ema_rates[i], tr->state);
     cuda_check_launch();
@@ -7859,7 +7924,8 @@ static int save_checkpoint(Trainer *tr, const char *run_dir, const LoaderPositio
                         2 * (size_t)m->storage * sizeof(float), tr->weighted_draws ? &tr->history : NULL};
     for (int i = 0; i < tr->num_ema; i++) d.ema[i] = download_tensors(m, tr->ema[i]);
     float *moments = (float *)malloc_or_die(d.moments_bytes);
-    cuda_check(cudaMemcpy(moments, m->adam_m, d.moments_bytes, cudaMemcpyDeviceToHost));
+    cuda_check(cudaMemcpy(moments, m->adam_m, m->storage * sizeof(float), cudaMemcpyDeviceToHost));
+    cuda_check(cudaMemcpy(moments + m->storage, m->adam_v, m->storage * sizeof(float), cudaMemcpyDeviceToHost));
     d.moments = moments;
     int r = write_checkpoint(run_dir, &d, o->keep, saved, saved_len, err, err_len);
     free(moments);
@@ -8035,7 +8101,9 @@ static int load_checkpoint(Trainer *tr, const ResumePoint *rp, char *err, size_t
         unmap_file(&state);
         return error_line(err, err_len, "%s changed since it was checked", path);
     }
-    cuda_check(cudaMemcpy(m->adam_m, state_moments(state.bytes, &h), 2 * (size_t)m->storage * sizeof(float), cudaMemcpyHostToDevice));
+    const float *moments = (const float *)state_moments(state.bytes, &h);  // m, then v
+    cuda_check(cudaMemcpy(m->adam_m, moments, m->storage * sizeof(float), cudaMemcpyHostToDevice));
+    cuda_check(cudaMemcpy(m->adam_v, moments + m->storage, m->storage * sizeof(float), cudaMemcpyHostToDevice));
     if (tr->weighted_draws && h.history_steps) {  // (a run that changes the sampler starts with an empty history, or drops it)
         const uint8_t *history = state_history(state.bytes, &h);
         memcpy(tr->history.counts, history, h.history_steps * sizeof(int32_t));

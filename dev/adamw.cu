@@ -25,7 +25,7 @@ static void ref_ema(double *ema, const double *p, size_t n, double rate) {
 
 #ifndef DEV_NO_MAIN
 // ----------------------------------------------------------------------------------------------
-// GPU check: the trainer's adamw_kernel, given the step state as a training step gives it. params, m,
+// GPU check: the trainer's adamw_step, given the step state as a training step gives it. params, m,
 // v and the EMA are fp32 in both builds, so they are held to the FP32 tolerance 1e-5 in both; the
 // compute copy params_x (floatX) to the build's.
 
@@ -51,9 +51,7 @@ static void adam_state(AdamRun *r) {
 
 static void adam_run(void *q) {
     AdamRun *r = (AdamRun *)q;
-    adamw_kernel<<<blocks_for(r->n, 256), 256, 0, gpu.stream>>>(r->p, r->px, r->m, r->v, r->g, r->n, r->state, r->beta1,
-                                                               r->beta2, r->eps, r->weight_decay, r->ema, r->ema_rate);
-    cuda_check_launch();
+    adamw_step(r->p, r->px, r->m, r->v, r->g, r->n, r->state, r->beta1, r->beta2, r->eps, r->weight_decay, r->ema, r->ema_rate);
 }
 
 // grad_scale: the gradients' size (small ones put eps to work); step 1 starts from zero moments.
@@ -107,6 +105,7 @@ int main(void) {
     check_adamw(1, 1, 1e-3f, 0.0f, 1, 0.0f);
     check_adamw(1000, 1, 1e-3f, 0.1f, 1, 0.9999f);
     check_adamw(1000, 7, 2e-2f, 0.1f, 1e-6, 0.0f);        // tiny gradients: eps matters
+    check_adamw(1002, 3, 1e-3f, 0.1f, 1, 0.9f);           // n % 4 = 2: the last two one at a time
     check_adamw(1000003, 1000, 1e-3f, 0.01f, 0.1, 0.5f);  // (a fast EMA: its update well above rounding)
     time_adamw();
     return dev_end();

@@ -152,7 +152,7 @@ static void norm_run_backward(void *p) {
 
 // The scratch a model's plan gives this GroupNorm (and the channel sums of the GN_EMB_ADD check).
 static const Scratch *norm_scratch_for(int N, int C) {
-    return dev_scratch(0, (int64_t)N * CHANNEL_SUM_CHUNKS * C, (int64_t)N * GN_CHUNKS * (C * 4 + GN_GROUPS * 2));
+    return dev_scratch(0, (int64_t)N * channel_sum_max_chunks(N) * C, (int64_t)N * gn_max_chunks(N) * (C * 4 + GN_GROUPS * 2));
 }
 
 static void check_norm(int N, int H, int W, int C, int silu, int mode, float dropout) {
@@ -329,6 +329,7 @@ int main(void) {
     check_norm(3, 9, 9, 192, 1, GN_CONCAT, 0);              // in_layers of a decoder ResBlock: [h | skip] in place
     check_norm(2, 4, 4, 96, 1, GN_CONCAT | GN_WRITE, 0);
     check_norm(40, 64, 64, 64, 1, GN_EMB_ADD, 0);            // the forward's chunks limited by the batch: 13 a sample
+    check_norm(2, 128, 128, 64, 1, GN_SCALE_SHIFT, 0);      // a small batch: 64 chunks a sample (GN_BLOCKS / N, at most 64)
     // statistics from sums a convolution gathered: with the embedding's add (out_layers), and far from 0
     check_norm(3, 8, 8, 128, 1, GN_EMB_ADD | GN_GIVEN_SUMS, 0);
     check_norm(2, 16, 16, 96, 0, GN_FAR_MEAN | GN_GIVEN_SUMS, 0);
