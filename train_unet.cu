@@ -327,8 +327,8 @@ typedef struct {
     int64_t weight_grad_numel; // (0: a 1x1 layer's gradient is one product)
     float *conv_split;         // a split 3x3 forward or input-gradient product's partial sums
     int64_t conv_split_numel;
-    float *channel_sums;       // per-channel partial sums, [N][channel_sum_max_chunks(N)][C]
-    double *gn_partials;       // GroupNorm: forward's channel sums [N][slots][C][2], backward's [N][gn_max_chunks(N)][4C + 2 groups]
+    float *channel_sums;       // per-channel partial sums, [N][chunks][C] in channel_sum_slots(N) C floats
+    double *gn_partials;       // GroupNorm: forward's channel sums [N][slots][C][2], backward's [N][chunks][4C + 2 groups]
     int64_t gn_partials_numel; // (doubles)
     float *scores;             // attention, [N*heads][T][T]: S, then dP
     floatX *d_scores;          // attention, [N*heads][T][T]: dS
@@ -523,6 +523,10 @@ static int channel_sum_max_chunks(int N) {
     int chunks = CHANNEL_SUM_BLOCKS / N;
     return chunks < 16 ? 16 : chunks > CHANNEL_SUM_CHUNKS ? CHANNEL_SUM_CHUNKS : chunks;
 }
+
+// The partial sums' room, in (sample, chunk) slots, for any batch up to N (a model runs smaller
+// batches than its plan's, which take more chunks a sample): at most max(CHANNEL_SUM_BLOCKS, 16 N).
+static int64_t channel_sum_slots(int N) { return 16 * (int64_t)N > CHANNEL_SUM_BLOCKS ? 16 * (int64_t)N : CHANNEL_SUM_BLOCKS; }
 
 // Thread t sums vector (t mod vecs) of its chunk's rows t/vecs, t/vecs + rows_per_pass, ...; then
 // one thread per channel adds up the rows in shared memory. Rows wider than the block (the
@@ -3127,6 +3131,10 @@ static int gn_max_chunks(int N) {
     return chunks < GN_CHUNKS ? GN_CHUNKS : chunks > GN_MAX_CHUNKS ? GN_MAX_CHUNKS : chunks;
 }
 
+// The partial sums' room, in (sample, chunk) slots, for any batch up to N (see channel_sum_slots):
+// at most max(GN_BLOCKS, GN_CHUNKS N).
+static int64_t gn_slots(int N) { return GN_CHUNKS * (int64_t)N > GN_BLOCKS ? GN_CHUNKS * (int64_t)N : GN_BLOCKS; }
+
 static int gn_chunks(int HW, int C, int N) {
     int chunks = HW / (gn_rows(C) * 8), most = gn_max_chunks(N);
     return chunks < 1 ? 1 : chunks > most ? most : chunks;
@@ -5046,11 +5054,11 @@ static void walk_conv_scratch(Walk *w, const Conv *cv, int size) {
         int slices = weight_grad_slices(INT64_MAX, N * o * o, cv->out, cv->in);
         if (slices >= 2) note_scratch(&m->weight_grad_numel, (int64_t)slices * cv->out * cv->in);
     }
-    note_scratch(&m->channel_sums_numel, (int64_t)N * channel_sum_max_chunks(N) * cv->out);
+    note_scratch(&m->channel_sums_numel, channel_sum_slots(N) * cv->out);
 }
 
 static void walk_norm_scratch(Walk *w, int channels) {
-    note_scratch(&w->m->gn_partials_numel, (int64_t)w->m->batch * gn_max_chunks(w->m->batch) * (channels * 4 + GN_GROUPS * 2));
+    note_scratch(&w->m->gn_partials_numel, gn_slots(w->m->batch) * (channels * 4 + GN_GROUPS * 2));
 }
 
 // The block's output becomes the walk's current activation.
@@ -5618,7 +5626,7 @@ static void unet_lay_out(UNet *m) {
     if (training) {
         m->embedding.d_out = (float *)arena_take(&m->acts, (int64_t)batch * E * sizeof(float));
         m->d_emb_out_x = (floatX *)arena_take(&m->acts, (int64_t)batch * E * sizeof(floatX));
-        note_scratch(&m->channel_sums_numel, (int64_t)batch * channel_sum_max_chunks(batch) * (E > emb_dim ? E : emb_dim));
+        note_scratch(&m->channel_sums_numel, channel_sum_slots(batch) * (E > emb_dim ? E : emb_dim));
     }
     m->timesteps = (int64_t *)arena_take(&m->acts, batch * sizeof(int64_t));
     m->labels = (int *)arena_take(&m->acts, batch * sizeof(int));

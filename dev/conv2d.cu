@@ -119,7 +119,7 @@ static const Scratch *conv_scratch_for(int N, int H, int W, int Cin, int Cout, i
         int slices = weight_grad_slices(INT64_MAX, N * Ho * Wo, Cout, Cin);
         weight_grad = slices >= 2 ? (int64_t)slices * Cout * Cin : 0;
     }
-    return dev_scratch(weight_grad, (int64_t)N * channel_sum_max_chunks(N) * Cout, 0);
+    return dev_scratch(weight_grad, channel_sum_slots(N) * Cout, 0);
 }
 
 enum { RESIDUAL_NONE, RESIDUAL_SEPARATE, RESIDUAL_IN_PLACE };

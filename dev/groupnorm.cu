@@ -152,7 +152,7 @@ static void norm_run_backward(void *p) {
 
 // The scratch a model's plan gives this GroupNorm (and the channel sums of the GN_EMB_ADD check).
 static const Scratch *norm_scratch_for(int N, int C) {
-    return dev_scratch(0, (int64_t)N * channel_sum_max_chunks(N) * C, (int64_t)N * gn_max_chunks(N) * (C * 4 + GN_GROUPS * 2));
+    return dev_scratch(0, channel_sum_slots(N) * C, gn_slots(N) * (C * 4 + GN_GROUPS * 2));
 }
 
 static void check_norm(int N, int H, int W, int C, int silu, int mode, float dropout) {

@@ -89,7 +89,7 @@ static void check_linear(int N, int in, int out, int with_dx) {
     r.x = dev_upload_x(x, nx), r.dy = dev_upload_x(dy, ny), r.y = (floatX *)dev_gpu_poisoned(ny * sizeof(floatX));
     r.dx = with_dx ? dev_upload_x(dx_before, nx) : NULL;
     r.N = N;
-    r.cv.scratch = dev_scratch(0, (int64_t)N * channel_sum_max_chunks(N) * out, 0);
+    r.cv.scratch = dev_scratch(0, channel_sum_slots(N) * out, 0);
     linear_run_forward(&r);
     linear_run_backward(&r);
 
@@ -138,7 +138,7 @@ static void time_linear(const char *what, int N, int in, int out) {
     r.dx = (floatX *)gpu_malloc(nx * sizeof(floatX));
     cuda_check(cudaMemsetAsync(r.dx, 0, nx * sizeof(floatX), gpu.stream));
     r.N = N;
-    r.cv.scratch = dev_scratch(0, (int64_t)N * channel_sum_max_chunks(N) * out, 0);
+    r.cv.scratch = dev_scratch(0, channel_sum_slots(N) * out, 0);
     double fwd = dev_time_ms(linear_run_forward, &r), bwd = dev_time_ms(linear_run_backward, &r);
     int finite = dev_finite_x(r.y, ny) && dev_finite_x(r.dx, nx) && dev_finite_f(r.cv.dw, nw) && dev_finite_f(r.cv.db, out);
     char shape[96];
