@@ -570,8 +570,8 @@ __global__ void channel_sums_partial_kernel(float *partial, const floatX *x, int
 // samples of a slice are summed one after the other: 32 slices keep that chain short.)
 #define REDUCE_SLICES 32
 
-__global__ void __launch_bounds__(32 * REDUCE_SLICES) channel_sums_final_kernel(float *per_sample, int per_sample_ld, float *total, const float *partial, int N,
-                                          int chunks, int C) {
+__global__ void __launch_bounds__(32 * REDUCE_SLICES)
+    channel_sums_final_kernel(float *per_sample, int per_sample_ld, float *total, const float *partial, int N, int chunks, int C) {
     __shared__ float totals[REDUCE_SLICES][32];
     int c = blockIdx.x * 32 + threadIdx.x, slice = threadIdx.y;
     float all = 0.0f;
@@ -3195,9 +3195,10 @@ static void group_norm_recompute(const Norm *norm, floatX *y, float *mean, float
 // With y (not NULL) the pass also writes y as forward did, from the x it reads anyway.
 // (Both backward passes run two blocks a multiprocessor: __launch_bounds__ lets them keep 128
 // registers a thread; without it seed:128's step was 0.8% slower, H200, dev/NOTES.md 2026-11-26 v.)
-__global__ void __launch_bounds__(GN_THREADS, 2) group_norm_backward_sums_kernel(double *partial, floatX *__restrict__ y, const floatX *__restrict__ dy,
-                                                const floatX *__restrict__ x, const float *mean, const float *rstd,
-                                                const float *gamma, const float *beta, NormOptions o, int HW, int C) {
+__global__ void __launch_bounds__(GN_THREADS, 2)
+    group_norm_backward_sums_kernel(double *partial, floatX *__restrict__ y, const floatX *__restrict__ dy, const floatX *__restrict__ x,
+                                    const float *mean, const float *rstd, const float *gamma, const float *beta, NormOptions o, int HW,
+                                    int C) {
     __shared__ union {
         GnRing ring[2];                                // the rows of x and dy, then (after a barrier)
         __align__(16) float sums[4 * GN_THREADS * PACK];  // [2][threads PACK] floats, then [2][C] doubles
@@ -3265,9 +3266,10 @@ __global__ void __launch_bounds__(GN_THREADS, 2) group_norm_backward_sums_kernel
 // Backward, pass 2: dx' (+)= rstd (g - mean_g(g) - xhat mean_g(g xhat)) for one chunk. With g = dz gamma
 // = du (1 + scale) gamma and xhat = x a + b this is  dx' (+)= du s + x e + f,  e = -rstd a mean_g(g xhat),
 // f = -rstd (mean_g(g) + b mean_g(g xhat)). Its grid is the sums' one.
-__global__ void __launch_bounds__(GN_THREADS, 2) group_norm_backward_input_kernel(floatX *__restrict__ dx, GradMode mode, const floatX *__restrict__ dy, const floatX *__restrict__ x,
-                                                 const double *partial, const float *mean, const float *rstd, const float *gamma,
-                                                 const float *beta, NormOptions o, int HW, int C) {
+__global__ void __launch_bounds__(GN_THREADS, 2)
+    group_norm_backward_input_kernel(floatX *__restrict__ dx, GradMode mode, const floatX *__restrict__ dy, const floatX *__restrict__ x,
+                                     const double *partial, const float *mean, const float *rstd, const float *gamma, const float *beta,
+                                     NormOptions o, int HW, int C) {
     __shared__ float mean_g[GN_GROUPS], mean_gx[GN_GROUPS];
     __shared__ GnRing ring[2];  // the rows of x and dy
     int n = blockIdx.y, chunks = gridDim.x, per_group = C / GN_GROUPS;
@@ -3320,8 +3322,9 @@ __global__ void __launch_bounds__(GN_THREADS, 2) group_norm_backward_input_kerne
 
 // Backward, pass 3: d_gamma, d_beta (over samples and chunks) and d_scale_shift (over chunks), in
 // the fixed order of channel_sums_final_kernel.
-__global__ void __launch_bounds__(32 * REDUCE_SLICES) group_norm_backward_params_kernel(float *dgamma, float *dbeta, float *d_scale_shift, int ld,
-                                                  const double *partial, int N, int chunks, int C) {
+__global__ void __launch_bounds__(32 * REDUCE_SLICES)
+    group_norm_backward_params_kernel(float *dgamma, float *dbeta, float *d_scale_shift, int ld, const double *partial, int N, int chunks,
+                                      int C) {
     __shared__ double totals[REDUCE_SLICES][32][2];
     int c = blockIdx.x * 32 + threadIdx.x, slice = threadIdx.y;
     double dg = 0, db = 0;

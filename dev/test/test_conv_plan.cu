@@ -12,7 +12,7 @@ static const ConvTarget hopper = {true, true, CONV_PLAN_SMS}, ampere = {false, f
 typedef struct {
     int convs, refused, ampere_sm90a, forced_wrong, forced_refused;
     int families[CONV_FAMILIES];
-    int input_image, head_narrow, halo_64;
+    int input_image, head_narrow, forward_64_wrong;
 } Seen;
 
 static void visit(void *ctx, const char *name, const Conv *cv, int N, int size, int training) {
@@ -27,7 +27,8 @@ static void visit(void *ctx, const char *name, const Conv *cv, int N, int size, 
         seen->ampere_sm90a += a.family == CONV_HALO || a.family == CONV_SPLIT || a.family == CONV_WGMMA;
         if (op == CONV_FORWARD && strcmp(name, "input_blocks.0.0.weight") == 0) seen->input_image += h.family == CONV_IMAGE && a.family == CONV_IMAGE;
         if (op == CONV_FORWARD && strcmp(name, "out.2.weight") == 0) seen->head_narrow += h.family == CONV_NARROW;
-        if (op == CONV_FORWARD && size == 64 && cv->stride == 1 && cv->in % 64 == 0 && cv->out % 64 == 0) seen->halo_64 += h.family != CONV_HALO;
+        if (op == CONV_FORWARD && size == 64 && cv->stride == 1 && cv->in % 64 == 0 && cv->out % 64 == 0)  // halo up to k = 9 x 256
+            seen->forward_64_wrong += h.family != (cv->in <= 256 ? CONV_HALO : CONV_WGMMA);
         for (int f = 0; f < CONV_FAMILIES; f++) {  // forced: that family, or refused
             ConvPlan forced = conv_plan(&q, &hopper, f);
             seen->forced_wrong += forced.family != f && forced.family != CONV_NONE;
@@ -65,7 +66,7 @@ int main(void) {
         for (int f = 0; f < CONV_FAMILIES; f++) printf(" %s %d", conv_family_names[f], s.families[f]), families[f] += s.families[f];
         printf("\n");
         CHECK(s.convs > 20 && s.refused == 0 && s.ampere_sm90a == 0);
-        CHECK(s.input_image == 1 && s.head_narrow == 1 && s.halo_64 == 0);
+        CHECK(s.input_image == 1 && s.head_narrow == 1 && s.forward_64_wrong == 0);
         CHECK(s.forced_wrong == 0 && s.forced_refused > 0);
     }
     for (int f = 0; f < CONV_FAMILIES; f++) CHECK(f == CONV_FP32 || families[f] > 0);  // every BF16 family has work
@@ -82,7 +83,7 @@ int main(void) {
     unaligned.vec_a = false;  // a tensor whose pixel stride is not 16 bytes: mma.sync's scalar loads
     CHECK(conv_plan(&unaligned, &hopper, -1).family == CONV_MMA);
 
-    check_case("the rules' tiles: the widest wgmma tile unless it leaves multiprocessors idle; halo rows; slices");
+    check_case("the rules' tiles: the widest wgmma tile unless it leaves multiprocessors idle; halo rows and k; slices");
     ConvProblem adm16 = conv_layer_problem(CONV_FORWARD, 32, 16, 192, 192, 1);  // 64 rows of 128-pixel tiles
     ConvTarget one_sm = hopper;
     one_sm.sms = 1;
@@ -90,6 +91,11 @@ int main(void) {
     CHECK(narrowed.family == CONV_WGMMA && narrowed.BN == 128 && widest.family == CONV_WGMMA && widest.BN == 192);
     ConvPlan halo = conv_plan(&wide, &hopper, -1);
     CHECK(halo.family == CONV_HALO && halo.BN == 64 && halo.rows == 8);
+    // halo while k has at most 9 x 256 channels (the forward's C_in, the input gradient's C_out), wgmma beyond
+    ConvProblem k256 = conv_layer_problem(CONV_FORWARD, 16, 128, 256, 512, 1), k512 = conv_layer_problem(CONV_FORWARD, 16, 128, 512, 256, 1);
+    ConvProblem dk256 = conv_layer_problem(CONV_INPUT_GRAD, 16, 128, 512, 256, 1), dk512 = conv_layer_problem(CONV_INPUT_GRAD, 16, 128, 256, 512, 1);
+    CHECK(conv_plan(&k256, &hopper, -1).family == CONV_HALO && conv_plan(&k512, &hopper, -1).family == CONV_WGMMA);
+    CHECK(conv_plan(&dk256, &hopper, -1).family == CONV_HALO && conv_plan(&dk512, &hopper, -1).family == CONV_WGMMA);
     ConvProblem wgrad = conv_layer_problem(CONV_WEIGHT_GRAD, 32, 64, 64, 64, 1);
     ConvPlan wg = conv_plan(&wgrad, &hopper, -1);
     int per, slices = conv3x3_weight_grad_slices(32, 64, 64, 64, 64, 1, &per);
