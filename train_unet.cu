@@ -513,20 +513,25 @@ static void weight_gradient(const Scratch *s, float *dw, int ldw, const floatX *
 // total[c] = sum over samples (the bias gradient of a layer whose output gradient it is). Two
 // passes in a fixed order, so the result is the same on every run.
 
-// A sample's rows in chunks, a block each: 16 chunks a sample, or with fewer than 32 samples about
-// CHANNEL_SUM_BLOCKS blocks over the batch, at most CHANNEL_SUM_CHUNKS a sample (a thread's loads
-// wait for each other, so the memory is kept busy by many blocks: adm256:8's step 1.5% faster with
-// 64 chunks than with 16; seed:32's 0.5% slower with 32; H200, dev/NOTES.md 2026-11-26 v).
-#define CHANNEL_SUM_CHUNKS 64
-#define CHANNEL_SUM_BLOCKS 512
-static int channel_sum_max_chunks(int N) {
-    int chunks = CHANNEL_SUM_BLOCKS / N;
-    return chunks < 16 ? 16 : chunks > CHANNEL_SUM_CHUNKS ? CHANNEL_SUM_CHUNKS : chunks;
+// The sums passes here and GroupNorm's take a sample's rows in chunks, a block each, and add the
+// chunks' partial sums in a second pass: CHUNKS_LEAST chunks a sample, or with few samples about
+// `blocks` blocks over the batch, at most CHUNKS_MOST a sample (a thread's loads wait for each
+// other, so the memory is kept busy by many blocks). The partial sums' room, in (sample, chunk)
+// slots, must hold any batch up to the plan's N (a model runs smaller batches than its plan's, which
+// take more chunks a sample): at most max(blocks, CHUNKS_LEAST N).
+#define CHUNKS_LEAST 16
+#define CHUNKS_MOST 64
+static int chunks_for_batch(int N, int blocks) {
+    int chunks = blocks / N;
+    return chunks < CHUNKS_LEAST ? CHUNKS_LEAST : chunks > CHUNKS_MOST ? CHUNKS_MOST : chunks;
 }
+static int64_t chunk_slots(int N, int blocks) { return CHUNKS_LEAST * (int64_t)N > blocks ? CHUNKS_LEAST * (int64_t)N : blocks; }
 
-// The partial sums' room, in (sample, chunk) slots, for any batch up to N (a model runs smaller
-// batches than its plan's, which take more chunks a sample): at most max(CHANNEL_SUM_BLOCKS, 16 N).
-static int64_t channel_sum_slots(int N) { return 16 * (int64_t)N > CHANNEL_SUM_BLOCKS ? 16 * (int64_t)N : CHANNEL_SUM_BLOCKS; }
+// The channel sums: about 512 blocks below batch 32 (adm256:8's step 1.5% faster with 64 chunks a
+// sample than with 16; seed:32's 0.5% slower with 32; H200, dev/NOTES.md 2026-11-26 v).
+#define CHANNEL_SUM_BLOCKS 512
+static int channel_sum_max_chunks(int N) { return chunks_for_batch(N, CHANNEL_SUM_BLOCKS); }
+static int64_t channel_sum_slots(int N) { return chunk_slots(N, CHANNEL_SUM_BLOCKS); }
 
 // Thread t sums vector (t mod vecs) of its chunk's rows t/vecs, t/vecs + rows_per_pass, ...; then
 // one thread per channel adds up the rows in shared memory. Rows wider than the block (the
@@ -578,9 +583,9 @@ __global__ void __launch_bounds__(32 * REDUCE_SLICES)
     if (c < C)
         for (int n = slice; n < N; n += REDUCE_SLICES) {
             float s = 0.0f;
-            for (int k0 = 0; k0 < chunks; k0 += 16)
+            for (int k0 = 0; k0 < chunks; k0 += CHUNKS_LEAST)
 #pragma unroll
-                for (int k = k0; k < k0 + 16; k++)  // 16 chunks' loads in flight at once
+                for (int k = k0; k < k0 + CHUNKS_LEAST; k++)  // CHUNKS_LEAST chunks' loads in flight at once
                     if (k < chunks) s += partial[((int64_t)n * chunks + k) * C + c];
             if (per_sample) per_sample[(int64_t)n * per_sample_ld + c] += s;
             all += s;
@@ -2819,8 +2824,6 @@ static void conv_backward(const Conv *cv, floatX *dx, GradMode mode, const float
 
 #define GN_GROUPS 32
 #define GN_EPS 1e-5f
-#define GN_CHUNKS 16       // chunks of a sample's rows at most, with 16 samples or more (gn_chunks)
-#define GN_MAX_CHUNKS 64   // with fewer: at most this many
 #define GN_THREADS 256
 
 typedef struct {
@@ -3112,9 +3115,10 @@ __global__ void __launch_bounds__(GN_THREADS, 5)
     }
 }
 
-// A sample's rows come in chunks of at least 8 row passes of a block, at most GN_CHUNKS of them, or
-// with fewer than 16 samples up to GN_BLOCKS / N: about GN_BLOCKS blocks over the batch, two on each
-// multiprocessor (the backward kernels' registers allow two). Few partial sums, and on small images
+// A sample's rows come in chunks of at least 8 row passes of a block, at most CHUNKS_LEAST of them,
+// or with fewer than 16 samples up to GN_BLOCKS / N (chunks_for_batch): about GN_BLOCKS blocks over
+// the batch, two on each multiprocessor (the backward kernels' registers allow two). Few partial
+// sums, and on small images
 // few blocks: more chunks for small images (filling the GPU with blocks of one or two row passes)
 // measured slower, the partial sums' reductions growing with them, and so did 512 blocks at batch 16
 // and 32; at batch 8, 256 blocks instead of 128 took about 3.5% off adm256:8's step (H200, dev/NOTES.md
@@ -3126,17 +3130,10 @@ __global__ void __launch_bounds__(GN_THREADS, 5)
 // dev/NOTES.md, 2026-11-24 h and i). With many samples the statistics' partial sums are then grouped
 // by the batch size: they round a little differently.
 #define GN_BLOCKS 256
-static int gn_max_chunks(int N) {
-    int chunks = GN_BLOCKS / N;
-    return chunks < GN_CHUNKS ? GN_CHUNKS : chunks > GN_MAX_CHUNKS ? GN_MAX_CHUNKS : chunks;
-}
-
-// The partial sums' room, in (sample, chunk) slots, for any batch up to N (see channel_sum_slots):
-// at most max(GN_BLOCKS, GN_CHUNKS N).
-static int64_t gn_slots(int N) { return GN_CHUNKS * (int64_t)N > GN_BLOCKS ? GN_CHUNKS * (int64_t)N : GN_BLOCKS; }
+static int64_t gn_slots(int N) { return chunk_slots(N, GN_BLOCKS); }
 
 static int gn_chunks(int HW, int C, int N) {
-    int chunks = HW / (gn_rows(C) * 8), most = gn_max_chunks(N);
+    int chunks = HW / (gn_rows(C) * 8), most = chunks_for_batch(N, GN_BLOCKS);
     return chunks < 1 ? 1 : chunks > most ? most : chunks;
 }
 
@@ -3285,9 +3282,9 @@ __global__ void __launch_bounds__(GN_THREADS, 2)
     if (threadIdx.x < GN_GROUPS) {
         const double *groups = partial + (int64_t)gridDim.y * chunks * C * 4;
         double a = 0, b = 0, count = (double)HW * per_group;
-        for (int k0 = 0; k0 < chunks; k0 += GN_CHUNKS)
+        for (int k0 = 0; k0 < chunks; k0 += CHUNKS_LEAST)
 #pragma unroll
-            for (int k = k0; k < k0 + GN_CHUNKS; k++)  // (unrolled over all GN_MAX_CHUNKS, these loops
+            for (int k = k0; k < k0 + CHUNKS_LEAST; k++)  // (unrolled over all CHUNKS_MOST, these loops
                 if (k < chunks) {                      // made seed:128's step 6% slower)
                     a += groups[(((int64_t)n * chunks + k) * GN_GROUPS + threadIdx.x) * 2 + 0];
                     b += groups[(((int64_t)n * chunks + k) * GN_GROUPS + threadIdx.x) * 2 + 1];
@@ -3331,9 +3328,9 @@ __global__ void __launch_bounds__(32 * REDUCE_SLICES)
     if (c < C)
         for (int n = slice; n < N; n += REDUCE_SLICES) {
             double du = 0, duz = 0;
-            for (int k0 = 0; k0 < chunks; k0 += GN_CHUNKS)
+            for (int k0 = 0; k0 < chunks; k0 += CHUNKS_LEAST)
 #pragma unroll
-                for (int k = k0; k < k0 + GN_CHUNKS; k++)  // GN_CHUNKS chunks' loads in flight at once
+                for (int k = k0; k < k0 + CHUNKS_LEAST; k++)  // CHUNKS_LEAST chunks' loads in flight at once
                     if (k < chunks) {
                         const double *p = partial + (((int64_t)n * chunks + k) * C + c) * 4;
                         du += p[0], duz += p[1], db += p[2], dg += p[3];
@@ -4040,9 +4037,9 @@ typedef struct {
 } StepState;
 
 // One parameter's update (the math above), in place.
-__device__ inline void adamw_update(float *p, float *m, float *v, float grad, float lr, float bias1, float bias2, float beta1,
+__device__ inline void adamw_update(float *p, float *m, float *v, float g, float lr, float bias1, float bias2, float beta1,
                                     float beta2, float eps, float weight_decay) {
-    float g = grad, q = *p * (1.0f - lr * weight_decay);
+    float q = *p * (1.0f - lr * weight_decay);
     float mi = beta1 * *m + (1.0f - beta1) * g, vi = beta2 * *v + (1.0f - beta2) * g * g;
     q -= lr * (mi / bias1) / (sqrtf(vi / bias2) + eps);
     *m = mi, *v = vi, *p = q;
