@@ -2906,7 +2906,10 @@ __device__ inline GnThread gn_thread(int HW, int C) {
 // cost blocks a multiprocessor and spilled). Pass i uses slot i % GN_AHEAD; each pass commits one
 // cp.async group per kernel (its streams' copies together), so that waiting for all but the newest
 // GN_AHEAD - 1 groups means pass i's row has arrived. The first passes' copies are started before the
-// kernel gathers its constants. Only this thread reads its slots, so no barrier is needed.
+// kernel gathers its constants. Only this thread reads its slots, so no barrier is needed. The
+// backward passes keep a ring for each tensor they read (x, dy, and dx where the input gradient is
+// added to: read through the ring, not waited for at each row, 1.3% off seed:128's step on an H200;
+// eight slots deep instead of four were no faster, dev/NOTES.md 2026-11-26 w).
 #define GN_AHEAD 4
 typedef Pack GnRing[GN_AHEAD][GN_THREADS];
 
@@ -3185,6 +3188,13 @@ static void group_norm_recompute(const Norm *norm, floatX *y, float *mean, float
     cuda_check_launch();
 }
 
+// The backward passes' dynamic shared memory: `rings` rings of rows (x, dy and, when the input
+// gradient is added to, dx), at least the sums pass's block reduction (4 GN_THREADS PACK floats).
+static size_t gn_backward_smem(int rings) {
+    size_t ring_bytes = rings * sizeof(GnRing), sum_bytes = 4 * GN_THREADS * PACK * sizeof(float);
+    return ring_bytes > sum_bytes ? ring_bytes : sum_bytes;
+}
+
 // Backward, pass 1: per (sample, chunk) the channel sums du, du z, dz, dz xhat and the group sums
 // g, g xhat (g = dz gamma). Layout: channels [n][chunk][c][4], then groups after N*chunks*C*4. The
 // elements add up two sums per channel, du and du xhat; the four follow from them, since
@@ -3196,12 +3206,9 @@ __global__ void __launch_bounds__(GN_THREADS, 2)
     group_norm_backward_sums_kernel(double *partial, floatX *__restrict__ y, const floatX *__restrict__ dy, const floatX *__restrict__ x,
                                     const float *mean, const float *rstd, const float *gamma, const float *beta, NormOptions o, int HW,
                                     int C) {
-    __shared__ union {
-        GnRing ring[2];                                // the rows of x and dy, then (after a barrier)
-        __align__(16) float sums[4 * GN_THREADS * PACK];  // [2][threads PACK] floats, then [2][C] doubles
-    } sh_union;  // 32 KB: the rings' in both builds, the sums' in the BF16 build (FP32: 16 KB)
-    float *shared = sh_union.sums;
-    GnRing *ring = sh_union.ring;
+    extern __shared__ __align__(16) unsigned char gn_smem[];  // gn_backward_smem(2) bytes:
+    GnRing *ring = (GnRing *)gn_smem;  // the rows of x and dy, then (after a barrier) the sums:
+    float *shared = (float *)gn_smem;  // [2][threads PACK] floats, then [2][C] doubles
     GnThread t = gn_thread(HW, C);
     int64_t sample = (int64_t)t.n * HW * C + t.c0;  // y and dy: [N][HW][C]
     int ld;
@@ -3268,16 +3275,20 @@ __global__ void __launch_bounds__(GN_THREADS, 2)
                                      const double *partial, const float *mean, const float *rstd, const float *gamma, const float *beta,
                                      NormOptions o, int HW, int C) {
     __shared__ float mean_g[GN_GROUPS], mean_gx[GN_GROUPS];
-    __shared__ GnRing ring[2];  // the rows of x and dy
+    extern __shared__ __align__(16) unsigned char gn_smem[];  // gn_backward_smem(mode == GRAD_ADD ? 3 : 2) bytes:
+    GnRing *ring = (GnRing *)gn_smem;                          // the rows of x, dy and (when added to) dx
     int n = blockIdx.y, chunks = gridDim.x, per_group = C / GN_GROUPS;
     GnThread t = gn_thread(HW, C);
     int64_t sample = (int64_t)n * HW * C + t.c0;  // dy: [N][HW][C]
     int ld, dx_ld;
     const floatX *column = gn_column(x, o.x2, o.C1, n, HW, C, t.c0, &ld);
     floatX *dx_column = gn_column(dx, o.dx2, o.C1, n, HW, C, t.c0, &dx_ld);
+    bool add = mode == GRAD_ADD;
     for (int i = 0; i < GN_AHEAD; i++) {
         int r = t.first + i * t.rows_per_pass;
-        gn_fetch(ring[0], i, column, r, t.end, ld), gn_fetch(ring[1], i, dy + sample, r, t.end, C), conv_cp_async_commit();
+        gn_fetch(ring[0], i, column, r, t.end, ld), gn_fetch(ring[1], i, dy + sample, r, t.end, C);
+        if (add) gn_fetch(ring[2], i, dx_column, r, t.end, dx_ld);
+        conv_cp_async_commit();
     }
     if (threadIdx.x < GN_GROUPS) {
         const double *groups = partial + (int64_t)gridDim.y * chunks * C * 4;
@@ -3299,21 +3310,22 @@ __global__ void __launch_bounds__(GN_THREADS, 2)
         e[j] = -k.a[j] * k.a[j] * mean_gx[g], f[j] = -k.a[j] * (mean_g[g] + k.b[j] * mean_gx[g]);
     }
     for (int r = t.first, i = 0; r < t.end; r += t.rows_per_pass, i++) {
-        Pack xp = gn_arrived(ring[0], i), dp = ring[1][i % GN_AHEAD][threadIdx.x], out;  // dy: in x's group
+        Pack xp = gn_arrived(ring[0], i), dp = ring[1][i % GN_AHEAD][threadIdx.x], out;  // dy, dx: in x's group
+        if (add) out = ring[2][i % GN_AHEAD][threadIdx.x];
         int64_t at = sample + (int64_t)r * C;
-        Pack *dx_row = (Pack *)&dx_column[(int64_t)r * dx_ld];
-        if (mode == GRAD_ADD) out = *dx_row;
         float keep[PACK];
         group_norm_keep(keep, o, k.dropout_key, at);
         for (int j = 0; j < PACK; j++) {
             float v = (float)xp.v[j], slope;
             group_norm_element(v * k.s[j] + k.t[j], o, keep[j], &slope);
             float d = (float)dp.v[j] * slope * k.s[j] + v * e[j] + f[j];
-            out.v[j] = (floatX)(mode == GRAD_ADD ? (float)out.v[j] + d : d);
+            out.v[j] = (floatX)(add ? (float)out.v[j] + d : d);
         }
-        *dx_row = out;
+        *(Pack *)&dx_column[(int64_t)r * dx_ld] = out;
         int next = r + GN_AHEAD * t.rows_per_pass;
-        gn_fetch(ring[0], i, column, next, t.end, ld), gn_fetch(ring[1], i, dy + sample, next, t.end, C), conv_cp_async_commit();
+        gn_fetch(ring[0], i, column, next, t.end, ld), gn_fetch(ring[1], i, dy + sample, next, t.end, C);
+        if (add) gn_fetch(ring[2], i, dx_column, next, t.end, dx_ld);
+        conv_cp_async_commit();
     }
 }
 
@@ -3353,7 +3365,9 @@ static void group_norm_backward(const Norm *norm, floatX *dx, GradMode mode, flo
                                 floatX *y, const float *mean, const float *rstd, int N, int HW, NormOptions o) {
     int C = norm->channels, chunks = gn_chunks(HW, C, N);
     double *partials = norm->scratch->gn_partials;
-    group_norm_backward_sums_kernel<<<dim3(chunks, N), GN_THREADS, 0, gpu.stream>>>(
+    static bool input_configured;  // three rings are 48 KB in the BF16 build: beyond the default limit with the static part
+    conv_allow_smem(group_norm_backward_input_kernel, &input_configured, gn_backward_smem(3));
+    group_norm_backward_sums_kernel<<<dim3(chunks, N), GN_THREADS, gn_backward_smem(2), gpu.stream>>>(
         partials, y, dy, x, mean, rstd, norm->gamma, norm->beta, o, HW, C);
     cuda_check_launch();
     side_begin();  // the parameter gradients beside the input gradient
@@ -3361,7 +3375,7 @@ static void group_norm_backward(const Norm *norm, floatX *dx, GradMode mode, flo
         norm->dgamma, norm->dbeta, o.scale_shift ? d_scale_shift : NULL, o.scale_shift_ld, partials, N, chunks, C);
     cuda_check_launch();
     side_end();
-    group_norm_backward_input_kernel<<<dim3(chunks, N), GN_THREADS, 0, gpu.stream>>>(
+    group_norm_backward_input_kernel<<<dim3(chunks, N), GN_THREADS, gn_backward_smem(mode == GRAD_ADD ? 3 : 2), gpu.stream>>>(
         dx, mode, dy, x, partials, mean, rstd, norm->gamma, norm->beta, o, HW, C);
     cuda_check_launch();
     side_join();
