@@ -137,7 +137,8 @@ typedef enum {
     RNG_SHUFFLE = 1,   // the data order; sub-stream: the epoch
     RNG_FLIP,          // the flips; index: epoch * count + position
     RNG_INIT,          // initialisation; sub-stream: the parameter tensor
-    RNG_STEP_SEED,     // index: the step; the step's own seed, from which the next four draw
+    RNG_STEP_SEED,     // index: the step; the step's own seed, from which the next four draw (sub-stream 1: the
+                       // seed of a classifier's evaluation after that step)
     RNG_NOISE,         // the training noise eps
     RNG_TIMESTEP,      // the training timesteps
     RNG_LABEL_DROP,    // classifier-free guidance's label dropout
@@ -945,6 +946,16 @@ static ConvPlan conv_choose(const ConvProblem *q, bool tma_available) {
     ConvTarget t = {gpu.sm90a != 0, tma_available, conv_sms()};
     conv_last_plan = conv_plan(q, &t, conv_dev.family);
     return conv_last_plan;
+}
+
+// Raises a kernel's limit of dynamic shared memory to smem bytes at its first launch (configured:
+// its launcher's flag, one a kernel).
+template <typename Kernel>
+static void allow_dynamic_smem(Kernel kernel, bool *configured, size_t smem) {
+    if (!*configured) {
+        cuda_check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+        *configured = true;
+    }
 }
 
 #if defined(PRECISION_FP32)
@@ -1819,21 +1830,11 @@ __global__ void __launch_bounds__(CONV_THREADS, (ConvWgmmaTile<BM, BN>::BLOCKS_P
 #endif
 }
 
-// Raises a kernel's limit of dynamic shared memory to smem bytes at its first launch (configured:
-// its launcher's flag, one a kernel).
-template <typename Kernel>
-static void conv_allow_smem(Kernel kernel, bool *configured, size_t smem) {
-    if (!*configured) {
-        cuda_check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-        *configured = true;
-    }
-}
-
 // Launches a kernel of the 3x3 products with one block a BM x BN tile of the product (and blockIdx.z
 // the slice of k), with smem bytes of dynamic shared memory.
 template <typename Kernel>
 static void conv_launch_grid(Kernel kernel, bool *configured, size_t smem, const ConvGemm &p, int BM, int BN, int slices) {
-    conv_allow_smem(kernel, configured, smem);
+    allow_dynamic_smem(kernel, configured, smem);
     dim3 grid((p.M + BM - 1) / BM, (p.Ng + BN - 1) / BN, slices);
     kernel<<<grid, CONV_THREADS, smem, gpu.stream>>>(p);
     cuda_check_launch();
@@ -2016,7 +2017,7 @@ static void conv_launch_tma(const ConvGemm &p, int slices) {
     typedef ConvWgmmaTile<BM, BN> Tile;
     auto kernel = conv3x3_tma_kernel<OP, BM, BN, SPLIT>;
     static bool configured = false;
-    conv_allow_smem(kernel, &configured, Tile::SMEM);
+    allow_dynamic_smem(kernel, &configured, Tile::SMEM);
     const uint64_t e = sizeof(floatX);
     uint32_t cols, rows, imgs;
     conv_pixel_box(p.H, p.W, OP == CONV_WEIGHT_GRAD ? 64 : 128, &cols, &rows, &imgs);
@@ -2308,7 +2309,7 @@ static int conv_launch_halo(const ConvGemm &p) {
     typedef ConvHaloTile<ROWS, BN> Tile;
     auto kernel = conv3x3_halo_kernel<OP, ROWS, BN>;
     static bool configured = false;
-    conv_allow_smem(kernel, &configured, Tile::SMEM);
+    allow_dynamic_smem(kernel, &configured, Tile::SMEM);
     ConvGemm q = p;
     int slots = conv_sum_slots(&q, (p.H + ROWS - 1) / ROWS * (p.W / 64));
     int64_t items = (int64_t)p.N * ((p.H + ROWS - 1) / ROWS) * (p.W / 64) * (p.Ng / BN);
@@ -2524,7 +2525,7 @@ __global__ void __launch_bounds__(CONV_THREADS, 3) conv3x3_narrow_kernel(ConvGem
 // of 64 (at most 512: 131 KB of shared memory), x in 16-byte rows, no residual. Gathers no sums.
 static void conv_launch_narrow(const ConvGemm &p) {
     static bool configured = false;
-    conv_allow_smem(conv3x3_narrow_kernel, &configured, (CONV_NARROW_HALO + 8 * (9 * 512 + 8)) * sizeof(floatX));
+    allow_dynamic_smem(conv3x3_narrow_kernel, &configured, (CONV_NARROW_HALO + 8 * (9 * 512 + 8)) * sizeof(floatX));
     int smem = (CONV_NARROW_HALO + 8 * (9 * p.C_in + 8)) * (int)sizeof(floatX);
     int64_t tiles = (int64_t)p.N * ((p.H + 3) / 4) * ((p.W + 63) / 64), at_once = (int64_t)conv_sms() * 3;
     conv3x3_narrow_kernel<<<(int)(tiles < at_once ? tiles : at_once), CONV_THREADS, smem, gpu.stream>>>(p);
@@ -3366,7 +3367,7 @@ static void group_norm_backward(const Norm *norm, floatX *dx, GradMode mode, flo
     int C = norm->channels, chunks = gn_chunks(HW, C, N);
     double *partials = norm->scratch->gn_partials;
     static bool input_configured;  // three rings are 48 KB in the BF16 build: beyond the default limit with the static part
-    conv_allow_smem(group_norm_backward_input_kernel, &input_configured, gn_backward_smem(3));
+    allow_dynamic_smem(group_norm_backward_input_kernel, &input_configured, gn_backward_smem(3));
     group_norm_backward_sums_kernel<<<dim3(chunks, N), GN_THREADS, gn_backward_smem(2), gpu.stream>>>(
         partials, y, dy, x, mean, rstd, norm->gamma, norm->beta, o, HW, C);
     cuda_check_launch();
@@ -3814,6 +3815,60 @@ static void attention_backward(const Attention *a) {
 }
 
 // ----------------------------------------------------------------------------------------------
+// The classifier head's tokens (PoolHead): from x [N][HW][C], T tokens a sample,
+//   tokens[n][0][c] = mean_p x[n][p][c] + pos[c][0],   tokens[n][1 + p][c] = x[n][p][c] + pos[c][1 + p]
+// (AttentionPool2d, pos its positional_embedding [C][T], T = 1 + HW), or with T = 1 and no pos the
+// mean alone (the adaptive pool). Backward:
+//   dx[n][p][c] = d tokens[n][0][c] / HW + d tokens[n][1 + p][c],   d pos[c][t] = sum_n d tokens[n][t][c].
+// A thread per (sample, channel) walks the pixels (the heads' maps are small: 8x8 at most in
+// guided-diffusion's classifiers), the sums in a fixed order.
+__global__ void pool_tokens_forward_kernel(floatX *tokens, const floatX *x, const float *pos, int N, int HW, int C, int T) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= N * C) return;
+    int n = i / C, c = i % C;
+    const floatX *column = x + (int64_t)n * HW * C + c;
+    floatX *out = tokens + (int64_t)n * T * C + c;
+    float sum = 0.0f;
+    for (int p = 0; p < HW; p++) sum += (float)column[(int64_t)p * C];
+    out[0] = (floatX)(sum / HW + (pos ? pos[(int64_t)c * T] : 0.0f));
+    if (T > 1)
+        for (int p = 0; p < HW; p++) out[(int64_t)(1 + p) * C] = (floatX)((float)column[(int64_t)p * C] + pos[(int64_t)c * T + 1 + p]);
+}
+
+__global__ void pool_tokens_backward_kernel(floatX *dx, const floatX *d_tokens, int N, int HW, int C, int T) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= N * C) return;
+    int n = i / C, c = i % C;
+    const floatX *d = d_tokens + (int64_t)n * T * C + c;
+    float d_mean = (float)d[0] / HW;
+    for (int p = 0; p < HW; p++)
+        dx[((int64_t)n * HW + p) * C + c] = (floatX)(d_mean + (T > 1 ? (float)d[(int64_t)(1 + p) * C] : 0.0f));
+}
+
+__global__ void pool_positions_backward_kernel(float *d_pos, const floatX *d_tokens, int N, int C, int T) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= T * C) return;
+    int t = i / C, c = i % C;
+    float sum = 0.0f;
+    for (int n = 0; n < N; n++) sum += (float)d_tokens[((int64_t)n * T + t) * C + c];
+    d_pos[(int64_t)c * T + t] = sum;
+}
+
+static void pool_tokens_forward(floatX *tokens, const floatX *x, const float *pos, int N, int HW, int C, int T) {
+    pool_tokens_forward_kernel<<<blocks_for((size_t)N * C, 256), 256, 0, gpu.stream>>>(tokens, x, pos, N, HW, C, T);
+    cuda_check_launch();
+}
+
+// dx written whole; d_pos (attention pool: not NULL) too.
+static void pool_tokens_backward(floatX *dx, float *d_pos, const floatX *d_tokens, int N, int HW, int C, int T) {
+    pool_tokens_backward_kernel<<<blocks_for((size_t)N * C, 256), 256, 0, gpu.stream>>>(dx, d_tokens, N, HW, C, T);
+    cuda_check_launch();
+    if (!d_pos) return;
+    pool_positions_backward_kernel<<<blocks_for((size_t)T * C, 256), 256, 0, gpu.stream>>>(d_pos, d_tokens, N, C, T);
+    cuda_check_launch();
+}
+
+// ----------------------------------------------------------------------------------------------
 // Resampling without weights, NHWC: 2x2 average pooling (down) and nearest-neighbour 2x (up).
 //   pool: y[n][i][j] = (x[2i][2j] + x[2i][2j+1] + x[2i+1][2j] + x[2i+1][2j+1]) / 4;  dx = dy / 4 to each
 //   up:   y[n][i][j] = x[i/2][j/2];                                                 dx = sum of its 4 dy
@@ -4047,6 +4102,7 @@ typedef struct {
     float loss, grad_norm, grad_scale;  // results: loss, norm before clipping, the scale applied
     float mse, vb;         // the loss's terms: the prediction's MSE, the variational bound's term (0 without)
     float quarter_loss[4], quarter_count[4];  // per quarter of t: the sum of the samples' weighted losses, their count
+    float terms[19];       // the loss's terms as LossOutputs.terms holds them (a classifier's log reads them)
     int finite;            // loss and gradients finite: parameters and EMA updated
 } StepState;
 
@@ -4129,7 +4185,14 @@ typedef struct {
     int use_scale_shift_norm, resblock_updown, conv_resample, use_new_attention_order;
     float dropout;
     int num_classes;                      // rows of label_emb (dataset classes + the null class), 0: unconditional
+    int pool;                             // POOL_NONE: the diffusion UNet; else the noisy classifier with this head
 } ModelConfig;
+
+// The noisy classifier (guided-diffusion's EncoderUNetModel): the UNet's time embedding, input
+// blocks and middle block, then a head (its `pool`) that turns the last feature map into one logit
+// a class (out_channels of them); no label embedding, no decoder.
+typedef enum { POOL_NONE, POOL_ADAPTIVE, POOL_ATTENTION, NUM_POOLS } ClassifierPool;
+static const char *const pool_names[NUM_POOLS] = {"", "adaptive", "attention"};
 
 // A run's options under guided-diffusion's flag names (the command line's, a checkpoint's metadata):
 // the table of them, the presets, and each value read and checked. A preset sets a group of them
@@ -4143,6 +4206,13 @@ typedef struct {
     int use_new_attention_order, use_scale_shift_norm, resblock_updown, conv_resample;
     float dropout;
     int class_cond, num_classes, learn_sigma;
+    // what is trained, and the noisy classifier's flags (guided-diffusion's classifier_train.py)
+    const char *model;
+    int classifier_width, classifier_depth;
+    const char *classifier_attention_resolutions, *classifier_pool;
+    int classifier_use_scale_shift_norm, classifier_resblock_updown, noised;
+    const char *val_data;
+    int eval_interval;
     // diffusion
     int diffusion_steps;
     const char *noise_schedule, *predict, *schedule_sampler;
@@ -4195,6 +4265,17 @@ static const OptionSpec option_specs[] = {
     OPT(num_classes, OPT_INT, "classes, when there is no --data to read them from"),
     OPT(learn_sigma, OPT_BOOL, "6 output channels: the prediction and guided-diffusion's learned variance, trained with the hybrid "
                                "loss (MSE + the variational bound's term)"),
+    OPT(model, OPT_STRING, "diffusion | classifier: the UNet, or guided-diffusion's noisy classifier (EncoderUNetModel) trained on "
+                           "the dataset's labels with the classifier_ flags below instead of the model flags above"),
+    OPT(classifier_width, OPT_INT, "classifier: model channels"),
+    OPT(classifier_depth, OPT_INT, "classifier: residual blocks per level"),
+    OPT(classifier_attention_resolutions, OPT_STRING, "classifier: resolutions with attention (64-channel heads)"),
+    OPT(classifier_use_scale_shift_norm, OPT_BOOL, "classifier: timestep embedding as scale and shift of the norm"),
+    OPT(classifier_resblock_updown, OPT_BOOL, "classifier: downsample with residual blocks"),
+    OPT(classifier_pool, OPT_STRING, "classifier: its head, attention | adaptive"),
+    OPT(noised, OPT_BOOL, "classifier: train on images noised at t drawn uniformly (False: the clean images at t = 0)"),
+    OPT(val_data, OPT_STRING, "classifier: a dataset .bin to evaluate on (its loss and accuracy in log.csv's val_ columns)"),
+    OPT(eval_interval, OPT_INT, "classifier: steps between evaluations on --val_data (a batch each)"),
     OPT(diffusion_steps, OPT_INT, "diffusion timesteps"),
     OPT(noise_schedule, OPT_STRING, "linear | cosine"),
     OPT(predict, OPT_STRING, "eps | v | x0: what the model is trained to predict (x0: guided-diffusion's predict_xstart)"),
@@ -4250,6 +4331,9 @@ static Options preset_seed(void) {
     o.num_heads = 4, o.num_head_channels = 32, o.num_heads_upsample = -1;
     o.use_new_attention_order = 0, o.use_scale_shift_norm = 0, o.resblock_updown = 0, o.conv_resample = 0;
     o.dropout = 0.0f, o.class_cond = 0, o.num_classes = 0, o.learn_sigma = 0;
+    o.model = "diffusion", o.classifier_width = 128, o.classifier_depth = 2, o.classifier_attention_resolutions = "32,16,8";
+    o.classifier_use_scale_shift_norm = 1, o.classifier_resblock_updown = 1, o.classifier_pool = "attention", o.noised = 1;
+    o.val_data = "", o.eval_interval = 5;
     o.diffusion_steps = 1000, o.noise_schedule = "linear", o.predict = "eps", o.use_kl = 0, o.rescale_learned_sigmas = 1;
     o.schedule_sampler = "uniform";
     o.lr = 1e-4f, o.weight_decay = 0.0f, o.beta1 = 0.9f, o.beta2 = 0.999f, o.adam_eps = 1e-8f;
@@ -4451,12 +4535,41 @@ static int model_config_from_options(Options *o, int label_rows, ModelConfig *ou
     return 0;
 }
 
+// Turns a model configuration into the classifier of that body with head `pool` (a name of
+// pool_names) and `classes` logits. Returns 0, or -1 with a message.
+static int classifier_config(ModelConfig *c, const char *pool, int classes, char *err, size_t err_len) {
+    c->pool = POOL_NONE;
+    for (int p = 1; p < NUM_POOLS; p++)
+        if (strcmp(pool, pool_names[p]) == 0) c->pool = p;
+    if (c->pool == POOL_NONE) return error_line(err, err_len, "classifier_pool '%s' is none of adaptive and attention", pool);
+    if (classes < 1) return error_line(err, err_len, "a classifier needs num_classes of at least 1, not %d", classes);
+    int ch = c->level_channels[c->num_levels - 1];
+    if (c->pool == POOL_ATTENTION && (c->num_head_channels < 1 || ch % c->num_head_channels))
+        return error_line(err, err_len, "the attention pool needs num_head_channels dividing its %d channels, not %d", ch,
+                          c->num_head_channels);
+    c->out_channels = classes, c->num_classes = 0;
+    return 0;
+}
+
+// --model classifier: the model flags from the classifier's (guided-diffusion's create_classifier:
+// the size's default channel_mult, 64-channel heads in the legacy order, convolution resampling,
+// no dropout, no label embedding), so that everything after (the configuration printed, the
+// checkpoint's metadata) names the model trained. Its classes: the dataset's, or --num_classes, or
+// guided-diffusion's 1000.
+static void classifier_model_flags(Options *o) {
+    o->num_channels = o->classifier_width, o->num_res_blocks = o->classifier_depth, o->channel_mult = "";
+    o->attention_resolutions = o->classifier_attention_resolutions, o->num_head_channels = 64, o->use_new_attention_order = 0;
+    o->use_scale_shift_norm = o->classifier_use_scale_shift_norm, o->resblock_updown = o->classifier_resblock_updown;
+    o->conv_resample = 1, o->dropout = 0.0f, o->class_cond = 0, o->learn_sigma = 0;
+    if (o->num_classes < 1) o->num_classes = 1000;
+}
+
 // guided-diffusion's own defaults (script_util.model_and_diffusion_defaults), for reading a
 // checkpoint whose metadata leaves a flag out; conv_resample is always on there.
 static Options guided_diffusion_defaults(void) {
     Options o = preset_seed();
     o.num_channels = 128, o.channel_mult = "", o.num_head_channels = -1, o.use_scale_shift_norm = 1;
-    o.conv_resample = 1, o.num_classes = 1000;
+    o.conv_resample = 1, o.num_classes = 1000, o.classifier_pool = "";
     return o;
 }
 
@@ -4465,7 +4578,7 @@ static Options guided_diffusion_defaults(void) {
 // with a message naming the file.
 static const char *const model_flags[] = {"image_size", "num_channels", "num_res_blocks", "channel_mult",
     "attention_resolutions", "num_heads", "num_head_channels", "num_heads_upsample", "use_new_attention_order",
-    "use_scale_shift_norm", "resblock_updown", "conv_resample", "dropout", "class_cond", "num_classes", "learn_sigma"};
+    "use_scale_shift_norm", "resblock_updown", "conv_resample", "dropout", "class_cond", "num_classes", "learn_sigma", "classifier_pool"};
 #define NUM_MODEL_FLAGS ((int)(sizeof model_flags / sizeof model_flags[0]))
 
 static int model_config_from_metadata(const SafeTensorsFile *f, const char *path, ModelConfig *c, char *err, size_t err_len) {
@@ -4476,7 +4589,10 @@ static int model_config_from_metadata(const SafeTensorsFile *f, const char *path
         const char *value = safetensors_metadata(f, model_flags[i]);
         if (value) r = option_from_string(&o, find_option(model_flags[i], strlen(model_flags[i])), value, why, sizeof why);
     }
-    if (r == 0) r = model_config_from_options(&o, o.num_classes, c, why, sizeof why);
+    const char *pool = o.classifier_pool;  // "": the diffusion UNet
+    if (r == 0 && pool[0] && o.class_cond) r = error_line(why, sizeof why, "a classifier (classifier_pool %s) has no class_cond", pool);
+    if (r == 0) r = model_config_from_options(&o, pool[0] ? 0 : o.num_classes, c, why, sizeof why);
+    if (r == 0 && pool[0]) r = classifier_config(c, pool, o.num_classes, why, sizeof why);
     return r == 0 ? 0 : error_line(err, err_len, "%s: its metadata gives no valid model: %s", path, why);
 }
 
@@ -4818,6 +4934,51 @@ static void output_head_backward(OutputHead *o, const Act *in, const Act *out, G
     group_norm_backward(&o->norm, in->dx, in_grad, NULL, o->h0.dx, in->x, NULL, o->mean, o->rstd, N, H * W, NORM_SILU);
 }
 
+// The classifier's head (walk_pool_head): h0 = SiLU(GroupNorm(x)), then
+//   adaptive:  tokens = the mean of h0's pixels [N][1][C], out = proj(tokens);
+//   attention: tokens = [mean, h0's pixels] + positions [N][1 + HW][C], qkv_out = qkv(tokens),
+//              attended = attention(qkv_out), token0 = attended's first token, out = proj(token0).
+// Backward needs no h0 (its gradient comes from the tokens'), so h0 is transient.
+typedef struct {
+    int pool;  // POOL_ADAPTIVE or POOL_ATTENTION
+    Norm norm;
+    Conv qkv, proj;                  // (qkv: attention only)
+    float *positions, *d_positions;  // attention: positional_embedding [C][1 + HW] (fp32) and its gradient
+    Act h0, tokens, qkv_out, attended, token0;
+    float *mean, *rstd;
+    Attention attention;  // reads qkv_out, writes attended
+} PoolHead;
+
+static void pool_head_forward(PoolHead *h, const Act *in, Act *out) {
+    int N = in->N, HW = in->H * in->W, C = in->C, T = h->tokens.W;
+    group_norm_forward(&h->norm, h->h0.x, h->mean, h->rstd, in->x, N, HW, NORM_SILU, act_sums(in), NO_SUMS);
+    pool_tokens_forward(h->tokens.x, h->h0.x, h->positions, N, HW, C, T);
+    if (h->pool == POOL_ADAPTIVE) {
+        conv_forward(&h->proj, out->x, h->tokens.x, N, 1, 1, NULL);
+        return;
+    }
+    conv_forward(&h->qkv, h->qkv_out.x, h->tokens.x, N, 1, T, NULL);
+    attention_forward(&h->attention);
+    size_t row = C * sizeof(floatX);
+    cuda_check(cudaMemcpy2DAsync(h->token0.x, row, h->attended.x, T * row, row, N, cudaMemcpyDeviceToDevice, gpu.stream));
+    conv_forward(&h->proj, out->x, h->token0.x, N, 1, 1, NULL);
+}
+
+static void pool_head_backward(PoolHead *h, const Act *in, const Act *out, GradMode in_grad) {
+    int N = in->N, HW = in->H * in->W, C = in->C, T = h->tokens.W;
+    if (h->pool == POOL_ADAPTIVE) conv_backward(&h->proj, h->tokens.dx, GRAD_WRITE, out->dx, h->tokens.x, N, 1, 1, NULL, 0);
+    else {
+        conv_backward(&h->proj, h->token0.dx, GRAD_WRITE, out->dx, h->token0.x, N, 1, 1, NULL, 0);
+        size_t row = C * sizeof(floatX);  // only token 0 has a gradient
+        cuda_check(cudaMemsetAsync(h->attended.dx, 0, (size_t)N * T * row, gpu.stream));
+        cuda_check(cudaMemcpy2DAsync(h->attended.dx, T * row, h->token0.dx, row, row, N, cudaMemcpyDeviceToDevice, gpu.stream));
+        attention_backward(&h->attention);
+        conv_backward(&h->qkv, h->tokens.dx, GRAD_WRITE, h->qkv_out.dx, h->tokens.x, N, 1, T, NULL, 0);
+    }
+    pool_tokens_backward(h->h0.dx, h->d_positions, h->tokens.dx, N, HW, C, T);
+    group_norm_backward(&h->norm, in->dx, in_grad, NULL, h->h0.dx, in->x, NULL, h->mean, h->rstd, N, HW, NORM_SILU);
+}
+
 // ----------------------------------------------------------------------------------------------
 // The model: guided-diffusion's UNetModel assembled from the blocks, in data-flow order.
 //
@@ -4845,9 +5006,9 @@ typedef struct {
     int64_t numel;
 } ParamList;
 
-typedef enum { BLOCK_CONV, BLOCK_CONCAT, BLOCK_RES, BLOCK_ATTENTION, BLOCK_DOWN, BLOCK_UP, BLOCK_OUT, NUM_BLOCK_KINDS } BlockKind;
+typedef enum { BLOCK_CONV, BLOCK_CONCAT, BLOCK_RES, BLOCK_ATTENTION, BLOCK_DOWN, BLOCK_UP, BLOCK_OUT, BLOCK_POOL, NUM_BLOCK_KINDS } BlockKind;
 static const char *const block_kind_names[NUM_BLOCK_KINDS] = {"conv", "concat", "resblock", "attention", "downsample",
-                                                               "upsample", "out"};
+                                                               "upsample", "out", "pool"};
 
 typedef struct {
     BlockKind kind;
@@ -4862,6 +5023,7 @@ typedef struct {
         Downsample down;
         Upsample up;
         OutputHead head;
+        PoolHead pool;
     };
 } Block;
 
@@ -5125,6 +5287,28 @@ static void walk_res_block(Walk *w, const char *prefix, int in, int out, int res
     walk_advance(w, b, out_size);
 }
 
+// An attention core over T tokens of `channels` in `heads` (legacy: QKVAttentionLegacy's order)
+// for the model's batch: what it keeps for backward (the fused kernels' row statistics, or the
+// unfused products' probabilities and pointer arrays; kept: among the activations even when the
+// model recomputes, for a block whose backward does not) and the scores' scratch. unet_create binds
+// it to its tensors (attention_bind).
+static void attention_plan(UNet *m, Attention *a, int T, int channels, int heads, int legacy, int kept) {
+    int N = m->batch;
+    a->N = N, a->T = T, a->C = channels, a->heads = heads, a->legacy = legacy;
+    a->fused = attention_can_fuse(channels / heads);
+    int64_t batch = (int64_t)N * heads, tt = batch * T * T;
+    if (a->fused) {
+        a->lse = (float *)arena_take(&m->acts, batch * T * sizeof(float));
+        if (m->training) a->delta = (float *)arena_take(&m->acts, batch * T * sizeof(float));
+    } else {
+        a->probs = (floatX *)(kept ? arena_take(&m->acts, tt * sizeof(floatX)) : inner_take(m, tt * sizeof(floatX)));
+        note_scratch(&m->scores_numel, tt);
+        void **arrays[] = {(void **)&a->q, (void **)&a->k, (void **)&a->v, (void **)&a->p, (void **)&a->ds, (void **)&a->o,
+                           (void **)&a->dq, (void **)&a->dk, (void **)&a->dv, (void **)&a->s, (void **)&a->dp_out, (void **)&a->d_o};
+        for (size_t i = 0; i < sizeof arrays / sizeof arrays[0]; i++) *arrays[i] = arena_take(&m->acts, batch * sizeof(void *));
+    }
+}
+
 // guided-diffusion's AttentionBlock: GroupNorm, qkv (1x1 conv1d to 3C), attention, proj_out
 // (zero conv1d), residual.
 static void walk_attention(Walk *w, const char *prefix, int channels, int heads) {
@@ -5142,20 +5326,7 @@ static void walk_attention(Walk *w, const char *prefix, int channels, int heads)
     ab->h1 = act_alloc_inner(m, N, size, size, 3 * channels);   // qkv
     ab->h2 = act_alloc_inner(m, N, size, size, channels);       // attention output
     ab->mean = stats_alloc(m), ab->rstd = stats_alloc(m);
-    Attention *a = &ab->attention;
-    a->N = N, a->T = T, a->C = channels, a->heads = heads, a->legacy = !w->c->use_new_attention_order;
-    a->fused = attention_can_fuse(channels / heads);
-    int64_t batch = (int64_t)N * heads, tt = batch * T * T;
-    if (a->fused) {
-        a->lse = (float *)arena_take(&m->acts, batch * T * sizeof(float));
-        if (m->training) a->delta = (float *)arena_take(&m->acts, batch * T * sizeof(float));
-    } else {
-        a->probs = (floatX *)inner_take(m, tt * sizeof(floatX));
-        note_scratch(&m->scores_numel, tt);
-        void **arrays[] = {(void **)&a->q, (void **)&a->k, (void **)&a->v, (void **)&a->p, (void **)&a->ds, (void **)&a->o,
-                           (void **)&a->dq, (void **)&a->dk, (void **)&a->dv, (void **)&a->s, (void **)&a->dp_out, (void **)&a->d_o};
-        for (size_t i = 0; i < sizeof arrays / sizeof arrays[0]; i++) *arrays[i] = arena_take(&m->acts, batch * sizeof(void *));
-    }
+    attention_plan(m, &ab->attention, T, channels, heads, !w->c->use_new_attention_order, 0);
     walk_norm_scratch(w, channels);
     walk_conv_scratch(w, &qkv, size), walk_conv_scratch(w, &proj, size);
     walk_advance(w, b, size);
@@ -5177,6 +5348,48 @@ static void walk_resample(Walk *w, const char *prefix, int channels, int up) {
     }
     if (has_conv) walk_conv_scratch(w, &cv, up ? out_size : size);
     walk_advance(w, b, out_size);
+}
+
+// The classifier's head (EncoderUNetModel.out) on the middle block's `channels`: GroupNorm and
+// SiLU (out.0), then
+//   adaptive:  the mean over the pixels, a 1x1 convolution to the classes (out.3, zero-initialised);
+//   attention: AttentionPool2d (out.2): tokens = [the pixels' mean, the pixels] + positional_embedding
+//              ([C][1 + HW]), qkv_proj (1x1 conv1d to 3C), attention in heads of num_head_channels
+//              (QKVAttention's order), c_proj (1x1 conv1d to the classes) on token 0 alone (the only
+//              one returned).
+static void walk_pool_head(Walk *w, int channels) {
+    const ModelConfig *c = w->c;
+    int size = c->image_size >> (c->num_levels - 1), T = size * size + 1, classes = c->out_channels;  // (w->size: only when building)
+    Norm norm = walk_norm(w, "out.0.", channels);
+    Conv qkv = {0}, proj;
+    int positions = -1;
+    if (c->pool == POOL_ATTENTION) {
+        int shape[2] = {channels, T};
+        positions = param_add(w->params, "out.2.", "positional_embedding", 2, shape);
+        qkv = walk_conv(w, "out.2.qkv_proj.", channels, 3 * channels, 1, 1, 1);
+        proj = walk_conv(w, "out.2.c_proj.", channels, classes, 1, 1, 1);
+    } else proj = walk_conv(w, "out.3.", channels, classes, 1, 1, 2);
+    if (!w->m) return;
+    UNet *m = w->m;
+    int N = m->batch;
+    Block *b = walk_block(w, BLOCK_POOL, classes, 1, 1);
+    PoolHead *h = &b->pool;
+    h->pool = c->pool, h->norm = norm, h->qkv = qkv, h->proj = proj;
+    h->h0 = act_alloc_transient(m, N, size, size, channels);
+    h->mean = stats_alloc(m), h->rstd = stats_alloc(m);
+    walk_norm_scratch(w, channels);
+    // What backward reads is always kept (nothing recomputes it: the head is small).
+    if (c->pool == POOL_ATTENTION) {
+        if (m->compute) h->positions = param_master(m, positions), h->d_positions = param_grad(m, positions);
+        h->tokens = act_take_inner(m, &m->acts, N, 1, T, channels);
+        h->qkv_out = act_take_inner(m, &m->acts, N, 1, T, 3 * channels);
+        h->attended = act_take_inner(m, &m->acts, N, 1, T, channels);
+        h->token0 = act_take_inner(m, &m->acts, N, 1, 1, channels);
+        attention_plan(m, &h->attention, T, channels, channels / c->num_head_channels, 0, 1);
+        walk_conv_scratch(w, &qkv, size);  // (its N (1 + HW) rows as N HW: the scratch only caps the slices)
+    } else h->tokens = act_take_inner(m, &m->acts, N, 1, 1, channels);
+    walk_conv_scratch(w, &proj, 1);
+    walk_advance(w, b, 1);
 }
 
 static int heads_for(const ModelConfig *c, int channels, int decoder) {
@@ -5229,6 +5442,11 @@ static void unet_walk(const ModelConfig *c, ParamList *params, UNet *m) {
     walk_res_block(&w, "middle_block.0.", ch, ch, 0);
     walk_attention(&w, "middle_block.1.", ch, heads_for(c, ch, 0));
     walk_res_block(&w, "middle_block.2.", ch, ch, 0);
+    if (c->pool) {
+        walk_pool_head(&w, ch);
+        if (m) m->emb_total = w.emb_offset;
+        return;
+    }
     block = 0;
     for (int level = c->num_levels - 1; level >= 0; level--) {
         for (int r = 0; r <= c->num_res_blocks; r++, block++) {
@@ -5623,7 +5841,7 @@ static void unet_lay_out(UNet *m) {
     else m->compute = (floatX *)arena_take(&m->parameters, n * sizeof(floatX));
 
     m->input = act_alloc(m, batch, size, size, c->in_channels);
-    m->target = act_alloc(m, batch, size, size, c->out_channels);
+    m->target = c->pool ? act_alloc(m, batch, 1, 1, c->out_channels) : act_alloc(m, batch, size, size, c->out_channels);
     m->t_sinusoid = act_alloc(m, batch, 1, 1, c->model_channels);
     m->t_hidden = act_alloc(m, batch, 1, 1, emb_dim);
     m->t_hidden_silu = act_alloc(m, batch, 1, 1, emb_dim);
@@ -5743,10 +5961,13 @@ static void unet_create(UNet *m, const ModelConfig *c, int batch, int training) 
     if (training) m->emb_all.dw = m->grad, m->emb_all.db = m->grad + m->emb_bias_offset;
     m->emb_all.scratch = &m->scratch;
     for (int i = 0; i < m->num_blocks; i++) {
-        if (m->blocks[i].kind != BLOCK_ATTENTION) continue;
-        AttentionBlock *ab = &m->blocks[i].attention;
-        ab->attention.scores = m->scratch.scores, ab->attention.d_scores = m->scratch.d_scores;
-        attention_bind(&ab->attention, ab->h1.x, ab->h2.x, ab->h1.dx, ab->h2.dx);
+        Block *b = &m->blocks[i];
+        Attention *a = b->kind == BLOCK_ATTENTION ? &b->attention.attention
+                       : b->kind == BLOCK_POOL && b->pool.pool == POOL_ATTENTION ? &b->pool.attention : NULL;
+        if (!a) continue;
+        a->scores = m->scratch.scores, a->d_scores = m->scratch.d_scores;
+        if (b->kind == BLOCK_ATTENTION) attention_bind(a, b->attention.h1.x, b->attention.h2.x, b->attention.h1.dx, b->attention.h2.dx);
+        else attention_bind(a, b->pool.qkv_out.x, b->pool.attended.x, b->pool.qkv_out.dx, b->pool.attended.dx);
     }
 }
 
@@ -5774,6 +5995,7 @@ static void block_forward(UNet *m, Block *b, int training) {
     case BLOCK_DOWN: downsample_forward(&b->down, b->in, &b->out); break;
     case BLOCK_UP: upsample_forward(&b->up, b->in, &b->out); break;
     case BLOCK_OUT: output_head_forward(&b->head, b->in, &b->out); break;
+    case BLOCK_POOL: pool_head_forward(&b->pool, b->in, &b->out); break;
     case NUM_BLOCK_KINDS: break;
     }
 }
@@ -5791,6 +6013,7 @@ static void block_backward(UNet *m, Block *b, int training) {
     case BLOCK_DOWN: downsample_backward(&b->down, b->in, &b->out, b->in_grad); break;
     case BLOCK_UP: upsample_backward(&b->up, b->in, &b->out, b->in_grad); break;
     case BLOCK_OUT: output_head_backward(&b->head, b->in, &b->out, b->in_grad); break;
+    case BLOCK_POOL: pool_head_backward(&b->pool, b->in, &b->out, b->in_grad); break;
     case NUM_BLOCK_KINDS: break;
     }
 }
@@ -5885,7 +6108,8 @@ static void unet_get_parameter(const UNet *m, int index, int gradient, float *ou
 // Initialisation as PyTorch initialises guided-diffusion's UNetModel, from a seed: Conv and Linear
 // weights and biases ~ U(-1/sqrt(fan_in), 1/sqrt(fan_in)) (kaiming_uniform with a = sqrt(5), and
 // the matching bias rule), fan_in = in * k * k; Embedding ~ N(0, 1); GroupNorm weight 1, bias 0;
-// the zero-initialised convs (out_layers.3, proj_out, out.2) zero. Counter-based: parameter i,
+// the zero-initialised convs (out_layers.3, proj_out, out.2; the adaptive classifier's out.3) zero;
+// the attention pool's positional_embedding ~ N(0, 1) / sqrt(C). Counter-based: parameter i,
 // element j is a pure function of (seed, i, j).
 
 static int ends_with(const char *s, const char *suffix) {
@@ -5900,16 +6124,18 @@ static double uniform01(uint64_t seed, uint64_t stream, uint64_t index) {
 static void init_parameter(const ParamSpec *p, int index, uint64_t seed, float *out) {
     int is_norm = strstr(p->name, "in_layers.0.") || strstr(p->name, "out_layers.0.") || strstr(p->name, ".norm.") ||
                   strncmp(p->name, "out.0.", 6) == 0;
-    int is_zero = strstr(p->name, "out_layers.3.") || strstr(p->name, "proj_out.") || strncmp(p->name, "out.2.", 6) == 0;
-    int is_bias = ends_with(p->name, "bias");
+    int is_zero = strstr(p->name, "out_layers.3.") || strstr(p->name, "proj_out.") || strcmp(p->name, "out.2.weight") == 0 ||
+                  strcmp(p->name, "out.2.bias") == 0 || strncmp(p->name, "out.3.", 6) == 0;
+    int is_bias = ends_with(p->name, "bias"), is_positions = strcmp(p->name, "out.2.positional_embedding") == 0;
     if (is_zero || (is_norm && is_bias)) {
         memset(out, 0, p->numel * sizeof(float));
     } else if (is_norm) {
         for (int64_t j = 0; j < p->numel; j++) out[j] = 1.0f;
-    } else if (strncmp(p->name, "label_emb.", 10) == 0) {  // Box-Muller
+    } else if (strncmp(p->name, "label_emb.", 10) == 0 || is_positions) {  // Box-Muller
+        double scale = is_positions ? 1.0 / sqrt((double)p->shape[0]) : 1.0;
         for (int64_t j = 0; j < p->numel; j++) {
             double u1 = uniform01(seed, rng_stream(RNG_INIT, index), 2 * j), u2 = uniform01(seed, rng_stream(RNG_INIT, index), 2 * j + 1);
-            out[j] = (float)(sqrt(-2.0 * log(u1)) * cos(2.0 * M_PI * u2));
+            out[j] = (float)(scale * sqrt(-2.0 * log(u1)) * cos(2.0 * M_PI * u2));
         }
     } else {
         // A bias takes its weight's fan_in: the weight is the previous tensor, [out][in][k...].
@@ -5963,6 +6189,12 @@ static double unet_training_flops(const UNet *m) {
         case BLOCK_DOWN: if (b->down.has_conv) forward += conv_flops(&b->down.conv, N, side); break;
         case BLOCK_UP: if (b->up.has_conv) forward += conv_flops(&b->up.conv, N, side); break;
         case BLOCK_OUT: forward += conv_flops(&b->head.conv, N, side); break;
+        case BLOCK_POOL: {
+            double T = (double)b->pool.tokens.W;
+            forward += conv_flops(&b->pool.proj, N, 1);
+            if (b->pool.pool == POOL_ATTENTION) forward += 2.0 * N * T * b->pool.qkv.in * b->pool.qkv.out + 4.0 * N * T * T * b->pool.qkv.in;
+            break;
+        }
         case BLOCK_CONCAT: case NUM_BLOCK_KINDS: break;
         }
     }
@@ -6346,7 +6578,7 @@ __global__ void diffusion_conditions_kernel(int64_t *t, float *weights, int *lab
         labels[n] = null_label;
 }
 
-// x_t and the regression target from x0 (all [N][per_sample]).
+// x_t and the regression target from x0 (all [N][per_sample]; target NULL: x_t only, for a classifier).
 __global__ void diffusion_inputs_kernel(floatX *x_t, floatX *target, const floatX *x0, const int64_t *t, const TimestepTerms *terms,
                                         int predict, int64_t per_sample, int64_t n, int64_t first_sample, const StepState *s) {
     for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
@@ -6355,7 +6587,7 @@ __global__ void diffusion_inputs_kernel(floatX *x_t, floatX *target, const float
         float eps = normal_sample(s->noise_seed, rng_stream(RNG_NOISE, 0), first_sample * per_sample + i);
         float x = (float)x0[i];
         x_t[i] = (floatX)(a * x + b * eps);
-        target[i] = (floatX)(predict == PREDICT_V ? a * eps - b * x : predict == PREDICT_X0 ? x : eps);
+        if (target) target[i] = (floatX)(predict == PREDICT_V ? a * eps - b * x : predict == PREDICT_X0 ? x : eps);
     }
 }
 
@@ -6466,12 +6698,13 @@ typedef struct {
 } LossInputs;
 
 // What it writes besides the output's gradient (GPU arrays).
-#define LOSS_TERMS 11
+#define LOSS_TERMS 19  // (StepState.terms holds as many)
 typedef struct {
-    float *terms;    // [LOSS_TERMS]: L; the means of w_n mse_n and w_n vb_n; for each quarter of t (t < T/4,
-                     // ...; guided-diffusion's loss_q0..q3) the sum of w_n loss_n, then the count of samples
+    float *terms;    // [LOSS_TERMS]: L; the means of w_n mse_n and w_n vb_n (a classifier's: of acc@1 and acc@k);
+                     // for each quarter of t (t < T/4, ...; guided-diffusion's loss_q0..q3) the sum of w_n loss_n,
+                     // then the count of samples; a classifier's: then the quarters' sums of acc@1, of acc@k
     float *samples;  // [N][2]: each sample's t and loss_n (unweighted: the schedule sampler's history)
-    float *partial;  // [N][loss_blocks(hw)][2]: scratch
+    float *partial;  // [N][loss_blocks(hw)][2], at least [N][3]: scratch
 } LossOutputs;
 
 // The blocks of a sample for loss_partial_kernel: a block per 256 pixels, at most 32.
@@ -6479,7 +6712,8 @@ static int loss_blocks(int hw) { return (hw + 255) / 256 < 32 ? (hw + 255) / 256
 
 static LossOutputs loss_outputs_create(int N, int hw) {
     LossOutputs l;
-    l.terms = (float *)gpu_malloc(((size_t)LOSS_TERMS + 2 * N + (size_t)N * loss_blocks(hw) * 2) * sizeof(float));
+    size_t partial = (size_t)N * (loss_blocks(hw) * 2 > 3 ? loss_blocks(hw) * 2 : 3);
+    l.terms = (float *)gpu_malloc(((size_t)LOSS_TERMS + 2 * N + partial) * sizeof(float));
     l.samples = l.terms + LOSS_TERMS, l.partial = l.samples + 2 * N;
     cuda_check(cudaMemset(l.terms, 0, LOSS_TERMS * sizeof(float)));
     return l;
@@ -6545,6 +6779,54 @@ static void training_loss(const LossOutputs *l, floatX *d_out, const floatX *out
     cuda_check_launch();
 }
 
+// The noisy classifier's loss (guided-diffusion's classifier_train.py): the cross-entropy of each
+// sample's K logits z against its label y, and whether y is its top logit (acc@1) or among its top
+// k = min(5, K) (acc@k; the label's rank is the number of logits above its own):
+//   loss_n = logsumexp(z) - z_y,   L = (1/B) sum_n loss_n,   dL/dz_j = (softmax(z)_j - [j = y]) / B
+// over the step's batch of B. A warp a sample writes its gradient whole and (loss_n, acc@1_n, acc@k_n)
+// into partial[n][3]; then one block adds them up in a fixed order, over the batch and per quarter
+// of t (LossOutputs.terms, the classifier's layout).
+__global__ void classifier_loss_kernel(float *partial, floatX *d_out, const floatX *logits, const int *labels, int N, int K,
+                                       float per_sample) {
+    int n = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (n >= N) return;
+    const floatX *z = logits + (int64_t)n * K;
+    int y = labels[n], above = 0;
+    float zy = (float)z[y], m = -INFINITY, sum = 0.0f;
+    for (int j = lane; j < K; j += 32) m = fmaxf(m, (float)z[j]), above += (float)z[j] > zy;
+    for (int o = 16; o > 0; o /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffff, m, o)), above += __shfl_xor_sync(0xffffffff, above, o);
+    for (int j = lane; j < K; j += 32) sum += expf((float)z[j] - m);
+    for (int o = 16; o > 0; o /= 2) sum += __shfl_xor_sync(0xffffffff, sum, o);
+    for (int j = lane; j < K; j += 32) d_out[(int64_t)n * K + j] = (floatX)((expf((float)z[j] - m) / sum - (j == y)) * per_sample);
+    if (lane == 0)
+        partial[3 * n] = m + logf(sum) - zy, partial[3 * n + 1] = above < 1, partial[3 * n + 2] = above < (K < 5 ? K : 5);
+}
+
+__global__ void classifier_loss_final_kernel(LossOutputs l, LossInputs in, int N) {
+    float sums[LOSS_TERMS] = {0};  // L, acc@1, acc@k, the quarters' loss sums, counts, acc@1 and acc@k sums (before / N)
+    for (int n = threadIdx.x; n < N; n += blockDim.x) {
+        float loss = l.partial[3 * n], top1 = l.partial[3 * n + 1], topk = l.partial[3 * n + 2];
+        int t = (int)in.t[n], quarter = min(4 * t / max(in.T, 1), 3);
+        sums[0] += loss, sums[1] += top1, sums[2] += topk;
+        sums[3 + quarter] += loss, sums[7 + quarter] += 1.0f, sums[11 + quarter] += top1, sums[15 + quarter] += topk;
+    }
+    float divisor = (float)(in.step_batch ? in.step_batch : N);
+    for (int k = 0; k < LOSS_TERMS; k++) {
+        float total = block_sum_256(sums[k]);
+        if (threadIdx.x == 0) l.terms[k] = (in.piece ? l.terms[k] : 0.0f) + (k < 3 ? total / divisor : total);
+    }
+}
+
+// The classifier's loss of N samples' K logits (labels and in->t on the GPU); the logits' gradient
+// into d_out.
+static void classifier_loss(const LossOutputs *l, floatX *d_out, const floatX *logits, const int *labels, const LossInputs *in, int N,
+                            int K) {
+    float per_sample = 1.0f / (float)(in->step_batch ? in->step_batch : N);
+    classifier_loss_kernel<<<(N + 7) / 8, 256, 0, gpu.stream>>>(l->partial, d_out, logits, labels, N, K, per_sample);
+    classifier_loss_final_kernel<<<1, 256, 0, gpu.stream>>>(*l, *in, N);
+    cuda_check_launch();
+}
+
 // The global gradient norm, in two fixed-order passes: sums of squares per block, then the total;
 // the second pass also decides the step: finite (loss and norm) and the clipping scale.
 #define NORM_BLOCKS 1024
@@ -6570,6 +6852,7 @@ __global__ void step_decide_kernel(StepState *s, const double *partial, const fl
         float norm = (float)sqrt(sums[0]);
         s->loss = terms[0], s->mse = terms[1], s->vb = terms[2];
         for (int q = 0; q < 4; q++) s->quarter_loss[q] = terms[3 + q], s->quarter_count[q] = terms[7 + q];
+        for (int k = 0; k < LOSS_TERMS; k++) s->terms[k] = terms[k];
         s->grad_norm = norm;
         s->finite = isfinite(norm) && isfinite(terms[0]);
         s->grad_scale = s->grad_clip > 0.0f && norm > s->grad_clip ? s->grad_clip / (norm + 1e-6f) : 1.0f;
@@ -6911,6 +7194,7 @@ typedef struct {
     StepState *host_state, *state;  // pinned, GPU
     double *norm_partial;
     int learned;           // the model learns its variance
+    int classifier;        // the noisy classifier (--model classifier): its loss, on the labels
     LossKind loss_kind;
     LossOutputs loss;
     float *sample_weights;  // GPU [batch_size]: each sample's weight in the loss
@@ -6923,6 +7207,15 @@ typedef struct {
     float *gathered, *gathered_host;
     cudaGraphExec_t graph;
     cudaEvent_t done;      // recorded after each step
+    // A classifier's evaluations (--val_data): the batch (the validation loader's pinned buffers),
+    // a state of their own (the draws' seed), the loss's outputs and its terms on the host, and the
+    // graph of one evaluation
+    const uint8_t *eval_pixels;
+    const int32_t *eval_labels;
+    StepState *eval_state_host, *eval_state;
+    LossOutputs eval_loss;
+    float *eval_terms;
+    cudaGraphExec_t eval_graph;
     int num_buckets;       // many GPUs: the gradients' all-reduce in pieces (team_plan_buckets)
     int bucket_block[MAX_SKIPS];
     int64_t bucket_from[MAX_SKIPS];
@@ -6942,6 +7235,8 @@ static void team_plan_buckets(Trainer *tr) {
     int n = 0;
     for (int i = 0; i < m->num_blocks; i++)
         if (m->blocks[i].kind == BLOCK_CONCAT) tr->bucket_block[n] = i, tr->bucket_from[n++] = m->storage;
+    tr->num_buckets = 0;
+    if (n == 0) return;  // no decoder (a classifier): the whole all-reduce after backward
     for (int k = 0; k < m->params.count; k++) {
         const ParamSpec *p = &m->params.specs[k];
         int j;
@@ -7024,7 +7319,8 @@ static void trainer_create(Trainer *tr, const Options *o, const ModelConfig *c, 
     cuda_check(cudaEventCreateWithFlags(&tr->done, cudaEventDisableTiming));
     if (team.comm) team_plan_buckets(tr);
     tr->norm_partial = (double *)gpu_malloc(NORM_BLOCKS * sizeof(double));
-    tr->learned = c->out_channels == 2 * c->in_channels;
+    tr->classifier = c->pool != POOL_NONE;
+    tr->learned = !tr->classifier && c->out_channels == 2 * c->in_channels;
     int T = o->diffusion_steps;
     float bound_scale = o->rescale_learned_sigmas ? (o->use_kl ? (float)T : (float)T / 1000.0f) : 1.0f;
     tr->loss_kind = {tr->learned, !(tr->learned && o->use_kl), tr->learned && !o->use_kl, prediction_from_name(o->predict), bound_scale};
@@ -7044,6 +7340,16 @@ static void trainer_create(Trainer *tr, const Options *o, const ModelConfig *c, 
     tr->x0 = (floatX *)gpu_malloc(n * sizeof(floatX));
 }
 
+// A classifier's evaluations on the batches that appear in these buffers (a loader's).
+static void trainer_add_evaluation(Trainer *tr, const uint8_t *pixels, const int32_t *labels) {
+    tr->eval_pixels = pixels, tr->eval_labels = labels;
+    cuda_check(cudaMallocHost((void **)&tr->eval_state_host, sizeof(StepState)));
+    memset(tr->eval_state_host, 0, sizeof(StepState));
+    tr->eval_state = (StepState *)gpu_malloc(sizeof(StepState));
+    tr->eval_loss = loss_outputs_create(tr->o->batch_size, 1);
+    cuda_check(cudaMallocHost((void **)&tr->eval_terms, LOSS_TERMS * sizeof(float)));
+}
+
 // Every EMA starts from the current weights.
 static void trainer_reset_ema(Trainer *tr) {
     for (int i = 0; i < tr->num_ema; i++)
@@ -7054,35 +7360,59 @@ static void trainer_reset_ema(Trainer *tr) {
 // the model runs once per piece of the batch, each piece numbered within the step's batch as the
 // whole batch would be (its images, noise, timesteps, labels and dropout the same), the loss of
 // each over the whole batch's count so that the pieces' gradients add up to the whole batch's.
+// The batch's images from the host (pixels: [batch_size][H][W][3]) into tr->x0, in the model's range.
+static void trainer_enqueue_images(Trainer *tr, const uint8_t *pixels) {
+    size_t bytes = (size_t)tr->o->batch_size * (act_numel(&tr->m.input) / tr->m.batch);
+    cuda_check(cudaMemcpyAsync(tr->d_pixels, pixels, bytes, cudaMemcpyHostToDevice, gpu.stream));
+    images_to_model_input(tr->x0, tr->d_pixels, bytes, gpu.stream);
+}
+
+// Piece `piece` of the batch (tr->x0, labels on the host) into the model's input: its labels, its
+// timesteps and x_t (drawn from the seed in `state`; a classifier without --noised: the clean
+// images at t = 0), and a diffusion model's regression target.
+static void trainer_enqueue_piece(Trainer *tr, int piece, const int32_t *labels, const StepState *state) {
+    UNet *m = &tr->m;
+    const Options *o = tr->o;
+    int N = m->batch;
+    int64_t n = act_numel(&m->input), per_image = n / N, first = (int64_t)piece * N, first_sample = (int64_t)team.rank * o->batch_size + first;
+    m->embedding.first_sample = first_sample;  // dropout's numbering, in forward and backward
+    if (tr->config.num_classes || tr->classifier)
+        cuda_check(cudaMemcpyAsync(m->labels, labels + first, N * sizeof(int), cudaMemcpyHostToDevice, gpu.stream));
+    if (tr->classifier && !o->noised) {
+        cuda_check(cudaMemsetAsync(m->timesteps, 0, N * sizeof(int64_t), gpu.stream));
+        cuda_check(cudaMemcpyAsync(m->input.x, tr->x0 + first * per_image, n * sizeof(floatX), cudaMemcpyDeviceToDevice, gpu.stream));
+        return;
+    }
+    int T = tr->diffusion.schedule.steps;
+    diffusion_conditions_kernel<<<(N + 127) / 128, 128, 0, gpu.stream>>>(m->timesteps, tr->sample_weights + first, m->labels, N,
+        first_sample, T, tr->distribution, o->cfg_dropout, tr->config.num_classes - 1, state);
+    diffusion_inputs_kernel<<<blocks_for(n, 256), 256, 0, gpu.stream>>>(m->input.x, tr->classifier ? NULL : m->target.x,
+        tr->x0 + first * per_image, m->timesteps, tr->diffusion.terms, prediction_from_name(o->predict), per_image, n, first_sample, state);
+    cuda_check_launch();
+}
+
 static void trainer_enqueue_step(Trainer *tr) {
     UNet *m = &tr->m;
     const Options *o = tr->o;
     int N = m->batch, B = o->batch_size;
-    int64_t n = act_numel(&m->input), per_image = n / N;  // a piece's values
+    int64_t per_image = act_numel(&m->input) / N;
     cuda_check(cudaMemcpyAsync(tr->state, tr->host_state, sizeof(StepState), cudaMemcpyHostToDevice, gpu.stream));
     team_max(&tr->state->stop, 1, gpu.stream);
-    cuda_check(cudaMemcpyAsync(tr->d_pixels, tr->pixels, (size_t)B * per_image, cudaMemcpyHostToDevice, gpu.stream));
-    images_to_model_input(tr->x0, tr->d_pixels, (size_t)B * per_image, gpu.stream);
+    trainer_enqueue_images(tr, tr->pixels);
     int T = tr->diffusion.schedule.steps;
     if (tr->weighted_draws)
         cuda_check(cudaMemcpyAsync(tr->distribution, tr->distribution_host, 2 * T * sizeof(double), cudaMemcpyHostToDevice, gpu.stream));
     for (int piece = 0; piece < tr->pieces; piece++) {
-        int64_t first = (int64_t)piece * N, first_sample = (int64_t)team.rank * B + first;
-        m->embedding.first_sample = first_sample;  // dropout's numbering, in forward and backward
-        if (tr->config.num_classes)
-            cuda_check(cudaMemcpyAsync(m->labels, tr->labels + first, N * sizeof(int), cudaMemcpyHostToDevice, gpu.stream));
+        int64_t first = (int64_t)piece * N;
         float *weights = tr->sample_weights + first;
-        diffusion_conditions_kernel<<<(N + 127) / 128, 128, 0, gpu.stream>>>(m->timesteps, weights, m->labels, N, first_sample, T,
-            tr->distribution, o->cfg_dropout, tr->config.num_classes - 1, tr->state);
-        diffusion_inputs_kernel<<<blocks_for(n, 256), 256, 0, gpu.stream>>>(m->input.x, m->target.x, tr->x0 + first * per_image,
-            m->timesteps, tr->diffusion.terms, prediction_from_name(o->predict), per_image, n, first_sample, tr->state);
-        cuda_check_launch();
+        trainer_enqueue_piece(tr, piece, tr->labels, tr->state);
         unet_forward(m, 1);
         LossInputs inputs = {tr->d_pixels + first * per_image, m->input.x, tr->diffusion.terms, m->timesteps, T, weights, B, piece};
         LossOutputs outputs = tr->loss;
         outputs.samples += 2 * first;
-        training_loss(&outputs, m->output->dx, m->output->x, m->target.x, &inputs, N, m->input.H * m->input.W, m->input.C,
-                      tr->loss_kind);
+        if (tr->classifier) classifier_loss(&outputs, m->output->dx, m->output->x, m->labels, &inputs, N, tr->config.out_channels);
+        else training_loss(&outputs, m->output->dx, m->output->x, m->target.x, &inputs, N, m->input.H * m->input.W, m->input.C,
+                           tr->loss_kind);
         int last = piece == tr->pieces - 1;
         unet_backward(m, 1, last && team.comm ? team_reduce_after_block : NULL, tr);
         if (!last) gradient_accumulate(tr, piece);
@@ -7104,6 +7434,23 @@ static void trainer_enqueue_step(Trainer *tr) {
         ema_kernel<<<blocks_for(m->storage, 256), 256, 0, gpu.stream>>>(tr->ema[i], m->master, m->storage, tr->ema_rates[i], tr->state);
     cuda_check_launch();
     cuda_check(cudaMemcpyAsync(tr->host_state, tr->state, sizeof(StepState), cudaMemcpyDeviceToHost, gpu.stream));
+}
+
+// The kernels of a classifier's evaluation: the batch in, noised, the forward pass and the loss
+// (its gradient unused), the terms averaged over the ranks and copied out; no backward, no step.
+static void trainer_enqueue_evaluation(Trainer *tr) {
+    UNet *m = &tr->m;
+    int N = m->batch;
+    cuda_check(cudaMemcpyAsync(tr->eval_state, tr->eval_state_host, sizeof(StepState), cudaMemcpyHostToDevice, gpu.stream));
+    trainer_enqueue_images(tr, tr->eval_pixels);
+    for (int piece = 0; piece < tr->pieces; piece++) {
+        trainer_enqueue_piece(tr, piece, tr->eval_labels, tr->eval_state);
+        unet_forward(m, 0);
+        LossInputs inputs = {NULL, NULL, NULL, m->timesteps, tr->diffusion.schedule.steps, NULL, tr->o->batch_size, piece};
+        classifier_loss(&tr->eval_loss, m->output->dx, m->output->x, m->labels, &inputs, N, tr->config.out_channels);
+    }
+    team_average(tr->eval_loss.terms, LOSS_TERMS, gpu.stream);
+    cuda_check(cudaMemcpyAsync(tr->eval_terms, tr->eval_loss.terms, LOSS_TERMS * sizeof(float), cudaMemcpyDeviceToHost, gpu.stream));
 }
 
 // The learning rate at a step (from 1): linear warm-up over warmup_steps, then constant, or with
@@ -7166,6 +7513,32 @@ static void trainer_step(Trainer *tr) {
             loss_history_add(&tr->history, (int)tr->gathered_host[2 * i], tr->gathered_host[2 * i + 1]);
     tr->step = step;
     tr->others_wait = 0;
+}
+
+// A classifier's evaluation after step tr->step (--val_data, every --eval_interval steps): the
+// index-th batch of the validation data (its position a function of the index, so that a resumed
+// run evaluates on the same batches; no flips), noised with draws of its own (the step seed's
+// sub-stream 1), through the model without backward (guided-diffusion's forward_backward_log with
+// prefix "val"). Returns the loss's terms, averaged over the ranks (host memory, until the next).
+static const float *trainer_evaluate(Trainer *tr, DataLoader *val, int64_t index) {
+    const Options *o = tr->o;
+    uint64_t count = val->data.header.count, seen = (uint64_t)index * team.world * o->batch_size;
+    char err[512];
+    if (loader_seek(val, {seen / count, seen % count}, err, sizeof err) != 0) fatal("%s", err);
+    loader_next_batch(val);
+    tr->eval_state_host->noise_seed = random_u64((uint64_t)o->seed, rng_stream(RNG_STEP_SEED, 1), (uint64_t)tr->step);
+    if (!tr->eval_graph) {
+        cudaGraph_t graph;
+        cuda_check(cudaStreamBeginCapture(gpu.stream, cudaStreamCaptureModeGlobal));
+        trainer_enqueue_evaluation(tr);
+        cuda_check(cudaStreamEndCapture(gpu.stream, &graph));
+        cuda_check(cudaGraphInstantiate(&tr->eval_graph, graph, 0));
+        cuda_check(cudaGraphDestroy(graph));
+    }
+    cuda_check(cudaGraphLaunch(tr->eval_graph, gpu.stream));
+    cuda_check(cudaEventRecord(tr->done, gpu.stream));
+    team_wait(tr->done, TEAM_SLOW_STEP_TIMEOUT, tr->step);
+    return tr->eval_terms;
 }
 
 // ----------------------------------------------------------------------------------------------
@@ -7544,9 +7917,10 @@ static Metadata checkpoint_metadata(const Options *o, const ModelConfig *c, int6
     meta_add(&m, "conv_resample", "%s", truth[c->conv_resample]);
     meta_add(&m, "dropout", "%g", c->dropout);
     meta_add(&m, "class_cond", "%s", truth[c->num_classes > 0]);
-    meta_add(&m, "num_classes", "%d", c->num_classes);
+    meta_add(&m, "num_classes", "%d", c->pool ? c->out_channels : c->num_classes);  // a classifier's: its logits
     meta_add(&m, "null_class", "%s", truth[c->num_classes > 0]);  // the last label_emb row: unconditional
-    meta_add(&m, "learn_sigma", "%s", truth[c->out_channels == 2 * c->in_channels]);
+    meta_add(&m, "learn_sigma", "%s", truth[!c->pool && c->out_channels == 2 * c->in_channels]);
+    meta_add(&m, "classifier_pool", "%s", pool_names[c->pool]);  // "": the diffusion UNet
     meta_add(&m, "diffusion_steps", "%d", o->diffusion_steps);
     meta_add(&m, "noise_schedule", "%s", o->noise_schedule);
     meta_add(&m, "predict", "%s", o->predict);
@@ -8451,8 +8825,12 @@ static void validate_training(const Options *o) {
     if ((int64_t)o->batch_size * o->gpus > 65536)
         usage_error("--batch_size %d on %d GPUs is over 65536 images a step", o->batch_size, o->gpus);
     double rates[8];
-    int n = parse_number_list(o->ema_rate, rates, 8);
-    if (n < 1) usage_error("--ema_rate '%s' must be 1 to 8 rates separated by commas", o->ema_rate);
+    int classifier = strcmp(o->model, "classifier") == 0, n = parse_number_list(o->ema_rate, rates, 8);
+    if (n < (classifier ? 0 : 1))  // (a classifier's may be empty: no EMA, its default)
+        usage_error("--ema_rate '%s' must be 1 to 8 rates separated by commas", o->ema_rate);
+    if (classifier && strcmp(o->schedule_sampler, "uniform") != 0) usage_error("--model classifier draws t uniformly: --schedule_sampler uniform");
+    if (o->val_data[0] && !classifier) usage_error("--val_data evaluates a classifier: it needs --model classifier");
+    if (o->eval_interval < 1) usage_error("--eval_interval %d must be positive", o->eval_interval);
     for (int i = 0; i < n; i++)
         if (rates[i] >= 1) usage_error("EMA rate %g must be below 1", rates[i]);
     if (o->log_interval < 1) usage_error("--log_interval %d must be positive", o->log_interval);
@@ -8482,6 +8860,13 @@ static void check_dataset(const DatasetHeader *h, Options *o, int say) {
             printf(" (--image_size and --channel_mult choose others)\n");
         }
     }
+    if (strcmp(o->model, "classifier") == 0) {
+        if (h->num_classes == 0) fatal("--model classifier needs labels, and dataset %s has none (prepare it with --labels)", o->data);
+        if (option_given("num_classes") && o->num_classes != (int)h->num_classes)
+            fatal("--num_classes %d disagrees with the %u classes of dataset %s", o->num_classes, h->num_classes, o->data);
+        o->num_classes = (int)h->num_classes;
+        return;
+    }
     if (say && h->num_classes > 0 && !option_given("class_cond"))
         printf("dataset %s has %u classes; the model is unconditional (--class_cond True conditions it on them)\n", o->data,
                h->num_classes);
@@ -8490,6 +8875,38 @@ static void check_dataset(const DatasetHeader *h, Options *o, int say) {
     if (o->class_cond && o->num_classes && o->num_classes != (int)h->num_classes)
         fatal("--num_classes %d disagrees with the %u classes of dataset %s", o->num_classes, h->num_classes, o->data);
     if (o->class_cond) o->num_classes = (int)h->num_classes;
+}
+
+// The model a run trains: the diffusion UNet (its label embedding with a row for the null class,
+// classifier-free guidance's), or with --model classifier the noisy classifier of the classifier
+// flags, with classifier_train.py's defaults where the command line leaves them: lr 3e-4, no EMA;
+// and no sample grids (nothing to sample). A bad value ends the program with one usage error line.
+static ModelConfig resolve_run_model(Options *o) {
+    if (strcmp(o->model, "diffusion") == 0) return resolve_model(o, o->num_classes ? o->num_classes + 1 : 0);
+    if (strcmp(o->model, "classifier") != 0) usage_error("--model '%s' must be diffusion or classifier", o->model);
+    static const char *const diffusion_only[] = {"class_cond", "learn_sigma", "cfg_dropout", "use_kl", "predict"};
+    for (int i = 0; i < 5; i++)
+        if (option_given(diffusion_only[i]))
+            usage_error("--%s is a diffusion model's flag: --model classifier does not take it", diffusion_only[i]);
+    if (option_given("sample_count") && o->sample_count) usage_error("--model classifier makes no sample grids: leave out --sample_count");
+    if (!option_given("lr")) o->lr = 3e-4f;
+    if (!option_given("ema_rate")) o->ema_rate = "";
+    o->sample_count = 0;
+    classifier_model_flags(o);
+    ModelConfig c = resolve_model(o, 0);
+    char err[512];
+    if (classifier_config(&c, o->classifier_pool, o->num_classes, err, sizeof err) != 0) usage_error("%s", err);
+    return c;
+}
+
+// Checks a classifier's validation dataset (--val_data) against the model: images of its size,
+// labels of its classes.
+static void check_val_dataset(const DatasetHeader *h, const Options *o) {
+    if ((int)h->width != o->image_size || (int)h->height != o->image_size)
+        fatal("validation dataset %s holds %ux%u images; the classifier takes %dx%d", o->val_data, h->width, h->height, o->image_size,
+              o->image_size);
+    if ((int)h->num_classes != o->num_classes)
+        fatal("validation dataset %s has %u classes; the classifier tells %d apart", o->val_data, h->num_classes, o->num_classes);
 }
 
 // Prints the resolved configuration under guided-diffusion's flag names, one "name value" a line.
@@ -8648,6 +9065,49 @@ static void on_stop_signal(int sig) {
 }
 
 #define LOG_HEADER "step,loss,lr,grad_norm,img_per_s,ms_per_step,gpu_mem_gib,mse,vb,loss_q0,loss_q1,loss_q2,loss_q3"
+#define CLASSIFIER_LOG_HEADER                                                                                            \
+    "step,loss,lr,grad_norm,img_per_s,ms_per_step,gpu_mem_gib,acc1,acc5,loss_q0,loss_q1,loss_q2,loss_q3,acc1_q0,acc1_q1,acc1_q2," \
+    "acc1_q3,acc5_q0,acc5_q1,acc5_q2,acc5_q3,val_loss,val_acc1,val_acc5,val_loss_q0,val_loss_q1,val_loss_q2,val_loss_q3,"     \
+    "val_acc1_q0,val_acc1_q1,val_acc1_q2,val_acc1_q3,val_acc5_q0,val_acc5_q1,val_acc5_q2,val_acc5_q3"
+
+// A classifier's results over a log interval, from the loss's terms (LossOutputs.terms in the
+// classifier's layout) of each step or evaluation: the sums of the batches' means (L, acc@1, acc@k)
+// and of the quarters' sums (loss, acc@1, acc@k) and counts. log.csv gets the means over the
+// interval's batches and per quarter over its samples (empty where there were none: no evaluation
+// in the interval, no t in the quarter); guided-diffusion logs "acc@5", here acc5 is top-min(5, K).
+typedef struct {
+    double mean[3], quarter[3][4], count[4];
+    int batches;
+} ClassifierLog;
+
+static void classifier_log_add(ClassifierLog *l, const float *terms) {
+    for (int k = 0; k < 3; k++) l->mean[k] += terms[k];
+    for (int q = 0; q < 4; q++)
+        l->quarter[0][q] += terms[3 + q], l->count[q] += terms[7 + q], l->quarter[1][q] += terms[11 + q], l->quarter[2][q] += terms[15 + q];
+    l->batches++;
+}
+
+// Its columns: the means from `first` (1: the training steps', whose loss has its own column), then
+// the quarters'.
+static void classifier_log_columns(FILE *f, const ClassifierLog *l, int first) {
+    for (int k = first; k < 3; k++)
+        if (l->batches) fprintf(f, ",%.6f", l->mean[k] / l->batches);
+        else fputc(',', f);
+    for (int k = 0; k < 3; k++)
+        for (int q = 0; q < 4; q++)
+            if (l->count[q] > 0) fprintf(f, ",%.6f", l->quarter[k][q] / l->count[q]);
+            else fputc(',', f);
+}
+
+// The progress line's part: "  acc@1 A  acc@k B", and the evaluations' "  val loss L acc@1 A" when
+// the interval had some.
+static void classifier_log_say(char *out, size_t len, const ClassifierLog *train, const ClassifierLog *val, int classes) {
+    int k = classes < 5 ? classes : 5, n = snprintf(out, len, "  acc@1 %.4f  acc@%d %.4f", train->mean[1] / train->batches, k,
+                                                    train->mean[2] / train->batches);
+    if (val->batches && n > 0 && (size_t)n < len)
+        snprintf(out + n, len - n, "  val loss %.4f acc@1 %.4f acc@%d %.4f", val->mean[0] / val->batches, val->mean[1] / val->batches, k,
+                 val->mean[2] / val->batches);
+}
 
 // Writes a small file whole under a temporary name, syncs it and renames it into place; exits on
 // an error. `fill` writes the content.
@@ -8669,12 +9129,13 @@ static void write_file_atomically(const char *path, void (*fill)(FILE *, const v
 typedef struct {
     const char *old_path;
     int64_t resumed_step;
+    const char *header;
 } LogStart;
 
 static void fill_log(FILE *f, const void *arg) {
     const LogStart *start = (const LogStart *)arg;
     char line[512];
-    fprintf(f, "%s\n", LOG_HEADER);
+    fprintf(f, "%s\n", start->header);
     FILE *old = start->resumed_step > 0 ? fopen(start->old_path, "r") : NULL;
     while (old && fgets(line, sizeof line, old))
         if (line[0] >= '0' && line[0] <= '9' && strtoll(line, NULL, 10) <= start->resumed_step) fputs(line, f);
@@ -8682,10 +9143,10 @@ static void fill_log(FILE *f, const void *arg) {
 }
 
 // Opens log.csv for appending; on resume keeps only the rows up to the resumed step.
-static FILE *open_log(const char *run_dir, int64_t resumed_step) {
+static FILE *open_log(const char *run_dir, int64_t resumed_step, int classifier) {
     char path[4096];
     snprintf(path, sizeof path, "%s/log.csv", run_dir);
-    LogStart start = {path, resumed_step};
+    LogStart start = {path, resumed_step, classifier ? CLASSIFIER_LOG_HEADER : LOG_HEADER};
     write_file_atomically(path, fill_log, &start);
     FILE *f = fopen(path, "a");
     if (!f) fatal("cannot write %s: %s", path, strerror(errno));
@@ -8803,17 +9264,21 @@ static void catch_stop_signals(void) {
 // writes, in the run folder it holds (take_run_folder): the run folder's files, sample grids,
 // checkpoints (the same files as one GPU's) and the progress lines.
 static void run_training(const Options *o, const ModelConfig *config, const ParamList *params, const ResumePoint *resume,
-                         const InitFrom *init, const DatasetHeader *checked) {
+                         const InitFrom *init, const DatasetHeader *checked, const DatasetHeader *val_checked) {
     char err[1024], saved[4400] = "";
     int lead = team.rank == 0;
     if (lead && o->overwrite) clear_run_folder(o->run_dir);  // never with a resume (validate_training)
     if (lead && resume && !resume->elsewhere) set_aside_later_checkpoints(o->run_dir, resume->step);
-    DataLoader loader;
+    DataLoader loader, val_loader, *val = val_checked ? &val_loader : NULL;  // (opened first: the training data is the one
+    if (val && loader_open(val, o->val_data, val_checked, o->batch_size, team.rank, team.world, 0, (uint64_t)o->seed, 1, err,  // watched)
+                           sizeof err) != 0)
+        fatal("%s", err);
     if (loader_open(&loader, o->data, checked, o->batch_size, team.rank, team.world, o->random_flip, (uint64_t)o->seed, 1, err,
                     sizeof err) != 0)
         fatal("%s", err);
     Trainer tr;
     trainer_create(&tr, o, config, loader.batch_pixels, loader.batch_labels);
+    if (val) trainer_add_evaluation(&tr, val->batch_pixels, val->batch_labels);
     if (resume) {
         if (load_checkpoint(&tr, resume, err, sizeof err) != 0) fatal("%s", err);
         if (loader_seek(&loader, resume->position, err, sizeof err) != 0) fatal("%s", err);
@@ -8836,7 +9301,7 @@ static void run_training(const Options *o, const ModelConfig *config, const Para
     if (lead) {
         prune_checkpoints(o->run_dir, 0);  // what a crashed save or removal left
         write_config(o->run_dir, o);
-        log = open_log(o->run_dir, tr.step);
+        log = open_log(o->run_dir, tr.step, tr.classifier);
         loss_chart_open(&chart, o->run_dir);
     }
 
@@ -8854,6 +9319,7 @@ static void run_training(const Options *o, const ModelConfig *config, const Para
     memset(&sampler, 0, sizeof sampler);
     double interval_loss = 0, interval_mse = 0, interval_vb = 0, started = now_seconds(), interval_start = started;
     double interval_quarter[4] = {0}, interval_quarter_count[4] = {0};  // per quarter of t: sums of the weighted losses, counts
+    ClassifierLog train_log = {}, val_log = {};  // a classifier's: its steps', its evaluations'
     int interval_steps = 0, bad_in_row = 0;
     int64_t bad_total = 0, first_step = tr.step;
     int64_t last = o->stop_step > 0 && o->stop_step < o->steps ? o->stop_step : o->steps;
@@ -8877,21 +9343,30 @@ static void run_training(const Options *o, const ModelConfig *config, const Para
         bad_in_row = 0;
         interval_loss += s->loss, interval_mse += s->mse, interval_vb += s->vb, interval_steps++;
         for (int q = 0; q < 4; q++) interval_quarter[q] += s->quarter_loss[q], interval_quarter_count[q] += s->quarter_count[q];
+        if (tr.classifier) classifier_log_add(&train_log, s->terms);
+        if (val && tr.step % o->eval_interval == 0) classifier_log_add(&val_log, trainer_evaluate(&tr, val, tr.step / o->eval_interval - 1));
         if (lead && (tr.step % o->log_interval == 0 || tr.step == o->steps)) {
             double t = now_seconds(), ms = 1000.0 * (t - interval_start) / fmax(interval_steps, 1);
             double img_s = global_batch * 1000.0 / ms, eta = (o->steps - tr.step) * ms / 1000.0;
             double mem = gpu_bytes_allocated / 1073741824.0;
-            char terms[64] = "";
+            char terms[192] = "";
             if (tr.learned)
                 snprintf(terms, sizeof terms, " (mse %.4f, vb %.4f)", interval_mse / interval_steps, interval_vb / interval_steps);
+            if (tr.classifier) classifier_log_say(terms, sizeof terms, &train_log, &val_log, tr.config.out_channels);
             printf("step %lld/%lld  loss %.4f%s  lr %.3g  grad norm %.3f  %.0f img/s  %.1f ms/step  ETA %.0fh%02.0fm%s\n",
                    (long long)tr.step, o->steps, interval_loss / interval_steps, terms, s->lr, s->grad_norm, img_s, ms,
                    floor(eta / 3600), fmod(eta / 60, 60), bad_total ? "  (non-finite steps skipped so far: see warnings)" : "");
-            fprintf(log, "%lld,%.6f,%.6g,%.6f,%.1f,%.3f,%.3f,%.6f,%.6f", (long long)tr.step, interval_loss / interval_steps, s->lr,
-                    s->grad_norm, img_s, ms, mem, interval_mse / interval_steps, interval_vb / interval_steps);
-            for (int q = 0; q < 4; q++)  // (empty when no sample's t fell in the quarter)
-                if (interval_quarter_count[q] > 0) fprintf(log, ",%.6f", interval_quarter[q] / interval_quarter_count[q]);
-                else fputc(',', log);
+            fprintf(log, "%lld,%.6f,%.6g,%.6f,%.1f,%.3f,%.3f", (long long)tr.step, interval_loss / interval_steps, s->lr,
+                    s->grad_norm, img_s, ms, mem);
+            if (tr.classifier) {
+                classifier_log_columns(log, &train_log, 1), classifier_log_columns(log, &val_log, 0);
+                train_log = {}, val_log = {};
+            } else {
+                fprintf(log, ",%.6f,%.6f", interval_mse / interval_steps, interval_vb / interval_steps);
+                for (int q = 0; q < 4; q++)  // (empty when no sample's t fell in the quarter)
+                    if (interval_quarter_count[q] > 0) fprintf(log, ",%.6f", interval_quarter[q] / interval_quarter_count[q]);
+                    else fputc(',', log);
+            }
             fputc('\n', log);
             fflush(log);
             fflush(stdout);
@@ -8924,6 +9399,7 @@ static void run_training(const Options *o, const ModelConfig *config, const Para
         loss_log_free(&chart.log);
     }
     loader_close(&loader);
+    if (val) loader_close(val);
 }
 
 // --bench N: the training step on one fixed random batch (no data loading), as training replays
@@ -8937,7 +9413,8 @@ static void run_bench(const Options *o, const ModelConfig *config, const ParamLi
     cuda_check(cudaMallocHost((void **)&pixels, n));
     cuda_check(cudaMallocHost((void **)&labels, o->batch_size * sizeof(int32_t)));
     for (size_t i = 0; i < n; i++) pixels[i] = (uint8_t)(random_u64(1, rng_stream(RNG_BENCH_BATCH, 0), i) >> 56);
-    for (int i = 0; i < o->batch_size; i++) labels[i] = config->num_classes ? (int32_t)(random_u64(1, rng_stream(RNG_BENCH_BATCH, 1), i) % (config->num_classes - 1)) : 0;
+    int classes = config->pool ? config->out_channels : config->num_classes - 1;  // (a diffusion model's: not the null class)
+    for (int i = 0; i < o->batch_size; i++) labels[i] = classes > 0 ? (int32_t)(random_u64(1, rng_stream(RNG_BENCH_BATCH, 1), i) % classes) : 0;
     Trainer tr;
     trainer_create(&tr, o, config, pixels, labels);
     print_training_plan(stdout, &tr.m, o, -1);
@@ -9055,6 +9532,9 @@ extern "C" UnetCheckpoint *unet_checkpoint_open(const char *path, const char *we
         r = error_line(err, err_len, "%s holds its model's configuration: --%.*s and the other model flags are for files without it (.pt)",
                        ck->file, (int)(strchr(flags[0], '=') ? strchr(flags[0], '=') - flags[0] : 0), flags[0]);
     else r = model_config_from_metadata(&ck->f, ck->file, &ck->config, err, err_len);
+    if (r == 0 && ck->config.pool)
+        r = error_line(err, err_len, "%s is a noisy classifier (classifier_pool %s), not a diffusion model", ck->file,
+                       pool_names[ck->config.pool]);
     if (r == 0 && !described) r = diffusion_from_metadata(&ck->f, ck->file, &info->diffusion_steps, &schedule, &predict, err, err_len);
     if (r == 0) {
         ParamList params = model_parameters(&ck->config);
@@ -9288,8 +9768,13 @@ __attribute__((weak)) int main(int argc, char **argv) {
         if (dataset_open(o.data, &data, err, sizeof err) != 0) fatal("%s", err);
         check_dataset(&data.header, &o, launched || o.gpus == 1 || o.dry_run);
     }
-    ModelConfig model = resolve_model(&o, o.num_classes ? o.num_classes + 1 : 0);  // + the null class (guidance)
+    ModelConfig model = resolve_run_model(&o);
     validate_training(&o);
+    Dataset val_data = {};
+    if (o.val_data[0]) {
+        if (dataset_open(o.val_data, &val_data, err, sizeof err) != 0) fatal("%s", err);
+        check_val_dataset(&val_data.header, &o);
+    }
     if (o.bench < 0) usage_error("--bench %d must be positive", o.bench);
     if (!o.dry_run && !o.bench && !o.data[0]) usage_error("training needs --data FILE.bin (or --dry_run, or --bench N)");
     ParamList params = model_parameters(&model);
@@ -9323,11 +9808,14 @@ __attribute__((weak)) int main(int argc, char **argv) {
         if (data.map)
             printf("dataset: %s, %" PRIu64 " images of %ux%u, %u classes\n", o.data, data.header.count,
                    data.header.width, data.header.height, data.header.num_classes);
+        if (val_data.map)
+            printf("validation dataset: %s, %" PRIu64 " images, evaluated on a batch every %d steps\n", o.val_data,
+                   val_data.header.count, o.eval_interval);
         if (o.resume_checkpoint[0])
             printf("resume: %s at step %lld, checked%s\n", resume.dir, (long long)resume.step,
                    resume.elsewhere ? "; from outside the run folder, it starts a new run there" : "");
         if (o.init_from[0]) printf("init_from: %s, checked: %d tensors start from it\n", init.file, init.loaded.count);
-        dataset_close(&data);
+        dataset_close(&data), dataset_close(&val_data);
         free(params.specs);
         return 0;
     }
@@ -9337,7 +9825,7 @@ __attribute__((weak)) int main(int argc, char **argv) {
     cuda_check(cudaGetDeviceCount(&devices));
     if (!launched && o.gpus > 1) {
         if (o.gpus > devices) fatal("--gpus %d, but this machine shows %d GPU%s", o.gpus, devices, devices == 1 ? "" : "s");
-        dataset_close(&data);
+        dataset_close(&data), dataset_close(&val_data);
         free(params.specs);
         return launch_gpus(o.gpus, argv);
     }
@@ -9352,9 +9840,10 @@ __attribute__((weak)) int main(int argc, char **argv) {
     if (o.bench) {
         run_bench(&o, &model, &params);
     } else {
-        DatasetHeader checked = data.header;
-        dataset_close(&data);
-        run_training(&o, &model, &params, o.resume_checkpoint[0] ? &resume : NULL, o.init_from[0] ? &init : NULL, &checked);
+        DatasetHeader checked = data.header, val_checked = val_data.header;
+        dataset_close(&data), dataset_close(&val_data);
+        run_training(&o, &model, &params, o.resume_checkpoint[0] ? &resume : NULL, o.init_from[0] ? &init : NULL, &checked,
+                     o.val_data[0] ? &val_checked : NULL);
     }
     free(params.specs);
     return 0;

@@ -53,6 +53,28 @@ static void ref_training_loss(double *terms, double *samples, double *d_out, con
     }
 }
 
+// The noisy classifier's loss (classifier_train.py) on the host: per sample the cross-entropy of
+// its K logits z against label y, loss_n = log sum_j exp(z_j) - z_y, and whether y's rank (the
+// logits above z_y) is below 1 and below k = min(5, K); terms in the classifier's layout of
+// LossOutputs.terms (L and the means of acc@1, acc@k; per quarter of t the sums of loss_n, the
+// counts, the sums of acc@1 and of acc@k); d_out = (softmax(z) - onehot(y)) / N.
+static void ref_classifier_loss(double *terms, double *d_out, const double *logits, const int *labels, const int64_t *t, int T,
+                                int N, int K) {
+    memset(terms, 0, LOSS_TERMS * sizeof(double));
+    for (int n = 0; n < N; n++) {
+        const double *z = logits + (size_t)n * K;
+        double top = z[0], sum = 0;
+        int y = labels[n], above = 0;
+        for (int j = 0; j < K; j++) top = fmax(top, z[j]), above += z[j] > z[y];
+        for (int j = 0; j < K; j++) sum += exp(z[j] - top);
+        for (int j = 0; j < K; j++) d_out[(size_t)n * K + j] = (exp(z[j] - top) / sum - (j == y)) / N;
+        double loss = top + log(sum) - z[y], top1 = above < 1, topk = above < (K < 5 ? K : 5);
+        int quarter = (int)(4 * t[n] / T);
+        terms[0] += loss / N, terms[1] += top1 / N, terms[2] += topk / N;
+        terms[3 + quarter] += loss, terms[7 + quarter] += 1, terms[11 + quarter] += top1, terms[15 + quarter] += topk;
+    }
+}
+
 #ifndef DEV_NO_MAIN
 // ----------------------------------------------------------------------------------------------
 // GPU checks: training_loss on random samples (sample 0 at t = 0, the decoder's term), against the
@@ -129,6 +151,38 @@ static void check_loss(int N, int H, int W, int C, LossKind kind, int weighted) 
     noise_schedule_free(&schedule);
 }
 
+// classifier_loss on random logits (bf16-exact, so ties between logits are as likely as on the GPU)
+// and labels, against the host's.
+static void check_classifier_loss(int N, int K) {
+    const int T = 1000;
+    size_t n = (size_t)N * K;
+    double *logits = dev_alloc(n), *d_out = dev_alloc(n), want[LOSS_TERMS];
+    int *labels = (int *)malloc_or_die(N * sizeof(int));
+    int64_t *t = (int64_t *)malloc_or_die(N * sizeof(int64_t));
+    dev_fill_x(logits, n, -4, 4);
+    for (int i = 0; i < N; i++) labels[i] = dev_random_int(K), t[i] = dev_random_int(T);
+    ref_classifier_loss(want, d_out, logits, labels, t, T, N, K);
+    LossOutputs outputs = loss_outputs_create(N, 1);
+    dev_poison(outputs.terms, LOSS_TERMS * sizeof(float));
+    int64_t *t_gpu = (int64_t *)gpu_malloc(N * sizeof(int64_t));
+    int *labels_gpu = (int *)gpu_malloc(N * sizeof(int));
+    cuda_check(cudaMemcpy(t_gpu, t, N * sizeof(int64_t), cudaMemcpyHostToDevice));
+    cuda_check(cudaMemcpy(labels_gpu, labels, N * sizeof(int), cudaMemcpyHostToDevice));
+    LossInputs inputs = {NULL, NULL, NULL, t_gpu, T, NULL};
+    floatX *d_gpu = (floatX *)dev_gpu_poisoned(n * sizeof(floatX)), *logits_gpu = dev_upload_x(logits, n);
+    classifier_loss(&outputs, d_gpu, logits_gpu, labels_gpu, &inputs, N, K);
+    cuda_check(cudaStreamSynchronize(gpu.stream));
+    double tol = DEV_TOLERANCE, fwd = dev_check_f(outputs.terms, NULL, want, LOSS_TERMS);
+    DevErrors e;
+    dev_errors_init(&e);
+    dev_errors_add(&e, "dout", dev_check_x(d_gpu, NULL, d_out, n), tol);
+    char shape[64];
+    snprintf(shape, sizeof shape, "N%d K%d", N, K);
+    dev_row("classifier", shape, fwd, tol, &e, -1, -1);
+    dev_gpu_free(outputs.terms, t_gpu, labels_gpu, d_gpu, logits_gpu, NULL);
+    free(logits), free(d_out), free(labels), free(t);
+}
+
 // The eps model's loss at a trainer's shape (every sample weighted 1, as a uniform draw of t gives).
 static void time_loss(int N, int H, int W, int C) {
     size_t n = (size_t)N * H * W * C;
@@ -159,6 +213,10 @@ int main(void) {
     check_loss(2, 33, 33, 3, {1, 1, 1, PREDICT_X0, 1.0f}, 0);
     check_loss(4, 8, 8, 3, {1, 0, 0, PREDICT_EPS, 1000.0f}, 1);  // use_kl: the bound through both halves
     check_loss(9, 64, 64, 3, {1, 1, 1, PREDICT_EPS, 1.0f}, 1);
+    check_classifier_loss(1, 1);
+    check_classifier_loss(5, 3);     // shapes' three classes (acc@k: all of them)
+    check_classifier_loss(37, 1000);  // ImageNet's, more logits than a warp has lanes
+    check_classifier_loss(300, 10);   // more samples than the final block has threads
     time_loss(32, 64, 64, 3);
     return dev_end();
 }

@@ -1,14 +1,18 @@
 // dev/unet.cu: guided-diffusion's UNetModel on the CPU in double, built from the layer references:
 // what the trainer's whole model is checked against (scripts/unet_ref.py is the PyTorch original).
 //
+// With config.pool set it is instead the noisy classifier, guided-diffusion's EncoderUNetModel: the
+// same time embedding, input blocks and middle block, then a pooling head (out.*) giving logits.
+//
 // The forward pass records a tape. Every activation is a RefTensor (NHWC, [N][H][W][C]; vectors
-// such as the embedding are [N][1][1][C]) and every layer applied is a RefOp naming its input and
-// output tensors and its parameters. The backward pass walks the tape in reverse, calling each
-// layer's backward; a tensor used by several layers (the embedding, a residual input) collects
-// all their gradients because every backward accumulates. The model is assembled the way
-// unet_ref.py's modules call each other, so the builders below read like its forward methods;
-// parameters are looked up by their state_dict names, and every one must be used exactly once,
-// which checks this walk against model_parameters().
+// such as the embedding are [N][1][1][C], the attention pool's T tokens [N][1][T][C]) and every
+// layer applied is a RefOp naming its input and output tensors and its parameters. The backward
+// pass walks the tape in reverse, calling each layer's backward; a tensor used by several layers
+// (the embedding, a residual input) collects all their gradients because every backward
+// accumulates. The model is assembled the way unet_ref.py's modules call each other, so the
+// builders below read like its forward methods; parameters are looked up by their state_dict
+// names, and every one must be used exactly once, which checks this walk against
+// model_parameters().
 // The layer files' own checks (their mains) are not part of the whole model.
 #ifndef DEV_NO_MAIN
 #define DEV_NO_MAIN
@@ -30,16 +34,16 @@ typedef struct {
 
 typedef enum {
     REF_CONV, REF_LINEAR, REF_GROUP_NORM, REF_SILU, REF_ATTENTION, REF_AVGPOOL, REF_UPSAMPLE,
-    REF_EMBEDDING, REF_ADD, REF_ADD_CHANNELS, REF_CONCAT
+    REF_EMBEDDING, REF_ADD, REF_ADD_CHANNELS, REF_CONCAT, REF_POOL_TOKENS, REF_FIRST_TOKEN
 } RefOpType;
 
 typedef struct {
     RefOpType type;
-    int in, in2, out;  // tensor indices; in2: the scale-shift, added or concatenated tensor (-1: none)
-    int weight, bias;  // parameter indices (-1: none)
-    int k, stride;     // REF_CONV
-    int heads;         // REF_ATTENTION
-    int silu;          // REF_GROUP_NORM
+    int in, in2, out;   // tensor indices; in2: the scale-shift, added or concatenated tensor (-1: none)
+    int weight, bias;   // parameter indices (-1: none)
+    int k, stride;      // REF_CONV
+    int heads, legacy;  // REF_ATTENTION: heads, and QKVAttentionLegacy's channel order (else QKVAttention's)
+    int silu;           // REF_GROUP_NORM
 } RefOp;
 
 typedef struct {
@@ -57,8 +61,8 @@ typedef struct {
 } RefUNet;
 
 // ----------------------------------------------------------------------------------------------
-// Layers the model adds to the references: residual sums, the per-channel embedding add and the
-// skip concatenation.
+// Layers the model adds to the references: residual sums, the per-channel embedding add, the
+// skip concatenation and the classifier head's tokens.
 
 // out[i] = a[i] + b[i]; backward: d_a[i] += d_out[i], d_b[i] += d_out[i] (either may be NULL).
 static void ref_add_forward(double *out, const double *a, const double *b, size_t n) {
@@ -100,6 +104,43 @@ static void ref_concat_backward(double *d_a, double *d_b, const double *d_out, s
     }
 }
 
+// The classifier head's tokens from x [N][HW][C] (the SiLU(GroupNorm) of the middle block's output):
+// tokens [N][T][C] with T = 1 + HW (AttentionPool2d: the pixels' mean, then the pixels, plus
+// positional_embedding pos [C][T]), or T = 1 and pos NULL (the adaptive pool: the mean alone):
+//   tokens[n][0][c] = (1/HW) sum_p x[n][p][c] + pos[c][0],   tokens[n][1 + p][c] = x[n][p][c] + pos[c][1 + p]
+// backward: d_x[n][p][c] += d_tokens[n][0][c] / HW + d_tokens[n][1 + p][c] (the second when T > 1),
+//           d_pos[c][t] += sum_n d_tokens[n][t][c]   (d_x, d_pos may be NULL).
+static void ref_pool_tokens_forward(double *tokens, const double *x, const double *pos, int N, int HW, int C, int T) {
+    for (int n = 0; n < N; n++)
+        for (int c = 0; c < C; c++) {
+            const double *xc = x + (size_t)n * HW * C + c;
+            double *tc = tokens + (size_t)n * T * C + c, sum = 0;
+            for (int p = 0; p < HW; p++) sum += xc[(size_t)p * C];
+            tc[0] = sum / HW + (pos ? pos[(size_t)c * T] : 0);
+            for (int p = 0; p + 1 < T; p++) tc[(size_t)(1 + p) * C] = xc[(size_t)p * C] + pos[(size_t)c * T + 1 + p];
+        }
+}
+static void ref_pool_tokens_backward(double *d_x, double *d_pos, const double *d_tokens, int N, int HW, int C, int T) {
+    for (int n = 0; n < N; n++)
+        for (int c = 0; c < C; c++) {
+            const double *dt = d_tokens + (size_t)n * T * C + c;
+            if (d_x)
+                for (int p = 0; p < HW; p++)
+                    d_x[((size_t)n * HW + p) * C + c] += dt[0] / HW + (T > 1 ? dt[(size_t)(1 + p) * C] : 0);
+            if (d_pos)
+                for (int t = 0; t < T; t++) d_pos[(size_t)c * T + t] += dt[(size_t)t * C];
+        }
+}
+
+// out[n][c] = in[n][0][c], the first of T tokens (AttentionPool2d returns token 0 alone);
+// backward: d_in[n][0][c] += d_out[n][c], the other tokens get none.
+static void ref_first_token_forward(double *out, const double *in, int N, int T, int C) {
+    for (int n = 0; n < N; n++) memcpy(out + (size_t)n * C, in + (size_t)n * T * C, C * sizeof(double));
+}
+static void ref_first_token_backward(double *d_in, const double *d_out, int N, int T, int C) {
+    for (int n = 0; n < N; n++) ref_add_backward(d_in + (size_t)n * T * C, NULL, d_out + (size_t)n * C, C);
+}
+
 // ----------------------------------------------------------------------------------------------
 // The tape
 
@@ -125,7 +166,8 @@ static int ref_new_tensor(RefUNet *m, int N, int H, int W, int C) {
 // the use; exits when model_parameters() has no such parameter.
 static int ref_param(RefUNet *m, const char *prefix, const char *leaf) {
     char name[128];
-    snprintf(name, sizeof name, "%s%s", prefix, leaf);
+    if (snprintf(name, sizeof name, "%s%s", prefix, leaf) >= (int)sizeof name)
+        fatal("reference UNet: parameter name %s%s is too long", prefix, leaf);
     for (int i = 0; i < m->params.count; i++)
         if (strcmp(m->params.specs[i].name, name) == 0) return m->uses[i]++, i;
     fatal("reference UNet: no parameter %s in model_parameters()", name);
@@ -159,12 +201,10 @@ static void ref_op_run(RefUNet *m, const RefOp *op, int backward) {
         if (!backward) ref_silu_forward(y->data, x->data, ref_numel(x));
         else if (dx) ref_silu_backward(dx, y->grad, x->data, ref_numel(x));
         break;
-    case REF_ATTENTION: {
-        int legacy = !m->config.use_new_attention_order;
-        if (!backward) ref_attention_forward(y->data, x->data, x->N, x->H * x->W, y->C, op->heads, legacy);
-        else ref_attention_backward(dx, y->grad, x->data, x->N, x->H * x->W, y->C, op->heads, legacy);
+    case REF_ATTENTION:
+        if (!backward) ref_attention_forward(y->data, x->data, x->N, x->H * x->W, y->C, op->heads, op->legacy);
+        else ref_attention_backward(dx, y->grad, x->data, x->N, x->H * x->W, y->C, op->heads, op->legacy);
         break;
-    }
     case REF_AVGPOOL:
         if (!backward) ref_avgpool_forward(y->data, x->data, x->N, x->H, x->W, x->C);
         else if (dx) ref_avgpool_backward(dx, y->grad, x->N, x->H, x->W, x->C);
@@ -189,6 +229,14 @@ static void ref_op_run(RefUNet *m, const RefOp *op, int backward) {
         if (!backward) ref_concat_forward(y->data, x->data, x2->data, (size_t)x->N * x->H * x->W, x->C, x2->C);
         else ref_concat_backward(dx, dx2, y->grad, (size_t)x->N * x->H * x->W, x->C, x2->C);
         break;
+    case REF_POOL_TOKENS:  // y [N][1][T][C]
+        if (!backward) ref_pool_tokens_forward(y->data, x->data, w, x->N, x->H * x->W, x->C, y->W);
+        else ref_pool_tokens_backward(dx, dw, y->grad, x->N, x->H * x->W, x->C, y->W);
+        break;
+    case REF_FIRST_TOKEN:  // x [N][1][T][C], y [N][1][1][C]
+        if (!backward) ref_first_token_forward(y->data, x->data, x->N, x->W, x->C);
+        else if (dx) ref_first_token_backward(dx, y->grad, x->N, x->W, x->C);
+        break;
     }
 }
 
@@ -207,7 +255,7 @@ static int ref_apply(RefUNet *m, RefOp op, int N, int H, int W, int C) {
 
 // An op of the given type on x (and x2) without parameters.
 static RefOp ref_op(RefOpType type, int x, int x2) {
-    RefOp op = {type, x, x2, -1, -1, -1, 0, 0, 0, 0};
+    RefOp op = {type, x, x2, -1, -1, -1, 0, 0, 0, 0, 0};
     return op;
 }
 
@@ -298,18 +346,49 @@ static int ref_heads(const ModelConfig *c, int C, int output_block) {
     return output_block ? c->num_heads_upsample : c->num_heads;
 }
 
+// The attention core on qkv [N][H][W][3C] (the T = H W positions), in `heads`, legacy or new order.
+static int ref_attention(RefUNet *m, int qkv, int heads, int legacy) {
+    RefTensor *t = ref_tensor(m, qkv);
+    RefOp op = ref_op(REF_ATTENTION, qkv, -1);
+    op.heads = heads, op.legacy = legacy;
+    return ref_apply(m, op, t->N, t->H, t->W, t->C / 3);
+}
+
 // AttentionBlock: x + proj_out(attention(qkv(GN(x)))), qkv and proj_out 1x1 convolutions.
 static int ref_attention_block(RefUNet *m, int x, const char *prefix, int heads) {
     char name[128];
-    RefTensor *t = ref_tensor(m, x);
-    int N = t->N, H = t->H, W = t->W, C = t->C;
+    int C = ref_tensor(m, x)->C;
     int h = ref_norm(m, x, ref_join(name, sizeof name, prefix, "norm."), -1, 0);
     h = ref_conv(m, h, ref_join(name, sizeof name, prefix, "qkv."), 3 * C, 1, 1);
-    RefOp op = ref_op(REF_ATTENTION, h, -1);
-    op.heads = heads;
-    h = ref_apply(m, op, N, H, W, C);
+    h = ref_attention(m, h, heads, !m->config.use_new_attention_order);
     h = ref_conv(m, h, ref_join(name, sizeof name, prefix, "proj_out."), C, 1, 1);
     return ref_same_shape(m, REF_ADD, x, h);
+}
+
+// The classifier's head (EncoderUNetModel.out) on the middle block's output x [N][S][S][C]:
+//   h0 = SiLU(GN(x))                                                         out.0, out.1
+//   adaptive:  logits = conv1x1(mean_p h0)                                   out.2 (the pool), out.3
+//   attention: AttentionPool2d (out.2): tokens = [mean_p h0, h0's pixels] + positional_embedding
+//              ([C][T], T = 1 + S S), qkv_proj (1x1 conv1d to 3C), attention in C / num_head_channels
+//              heads, always in QKVAttention's (new) order, logits = c_proj(token 0) (a 1x1 conv1d;
+//              PyTorch applies it to every token and returns token 0: the same numbers)
+// Returns the logits [N][1][1][out_channels].
+static int ref_pool_head(RefUNet *m, int x) {
+    const ModelConfig *c = &m->config;
+    RefTensor *t = ref_tensor(m, x);
+    int N = t->N, HW = t->H * t->W, C = t->C;
+    int h = ref_norm(m, x, "out.0.", -1, 1);
+    RefOp op = ref_op(REF_POOL_TOKENS, h, -1);
+    if (c->pool == POOL_ADAPTIVE) return ref_conv(m, ref_apply(m, op, N, 1, 1, C), "out.3.", c->out_channels, 1, 1);
+    op.weight = ref_param(m, "out.2.", "positional_embedding");
+    const ParamSpec *pos = &m->params.specs[op.weight];
+    if (pos->ndim != 2 || pos->shape[0] != C || pos->shape[1] != 1 + HW)
+        fatal("reference UNet: out.2.positional_embedding is not [%d, %d] (C, 1 + HW)", C, 1 + HW);
+    int tokens = ref_apply(m, op, N, 1, 1 + HW, C);
+    int qkv = ref_conv(m, tokens, "out.2.qkv_proj.", 3 * C, 1, 1);
+    int attended = ref_attention(m, qkv, C / c->num_head_channels, 0);
+    int first = ref_apply(m, ref_op(REF_FIRST_TOKEN, attended, -1), N, 1, 1, C);
+    return ref_conv(m, first, "out.2.c_proj.", c->out_channels, 1, 1);
 }
 
 // ----------------------------------------------------------------------------------------------
@@ -356,12 +435,22 @@ static int ref_unet_find(const RefUNet *m, const char *name) {
     return -1;
 }
 
+// The end of the forward pass: copies the output tensor to out and checks that every parameter
+// was used exactly once.
+static void ref_unet_output(RefUNet *m, double *out) {
+    memcpy(out, m->tensors[m->output].data, ref_numel(&m->tensors[m->output]) * sizeof(double));
+    for (int i = 0; i < m->params.count; i++)
+        if (m->uses[i] != 1) fatal("reference UNet: parameter %s used %d times", m->params.specs[i].name, m->uses[i]);
+}
+
 // out = UNetModel(x, t, y) for N images (unet_ref.py's UNetModel.forward), recording the tape:
 //   emb = time_embed(sinusoid(t)) [+ label_emb(y)]
 //   input_blocks (every output pushed as a skip), middle_block,
 //   output_blocks (each on cat([h, skip.pop()])), out = conv3x3(SiLU(GN(h)))
 // x [N][image][image][in_channels], out [N][image][image][out_channels], t [N], y [N] or NULL
 // (required exactly when the model is class-conditional).
+// A classifier (config.pool: EncoderUNetModel.forward) stops after the middle block and gives
+// out = ref_pool_head(h), the logits [N][1][1][out_channels] (out_channels = its classes; no y).
 static void ref_unet_forward(RefUNet *m, const double *x, const int64_t *t, const int64_t *y, double *out, int N) {
     const ModelConfig *c = &m->config;
     char name[128];
@@ -424,6 +513,11 @@ static void ref_unet_forward(RefUNet *m, const double *x, const int64_t *t, cons
     h = ref_res_block(m, h, silu_emb, "middle_block.0.", ch, REF_SAME);
     h = ref_attention_block(m, h, "middle_block.1.", ref_heads(c, ch, 0));
     h = ref_res_block(m, h, silu_emb, "middle_block.2.", ch, REF_SAME);
+    if (c->pool) {
+        m->output = ref_pool_head(m, h);
+        ref_unet_output(m, out);
+        return;
+    }
 
     block = 0;
     for (int level = c->num_levels - 1; level >= 0; level--) {
@@ -452,12 +546,11 @@ static void ref_unet_forward(RefUNet *m, const double *x, const int64_t *t, cons
 
     h = ref_norm(m, h, "out.0.", -1, 1);
     m->output = ref_conv(m, h, "out.2.", c->out_channels, 3, 1);
-    memcpy(out, m->tensors[m->output].data, ref_numel(&m->tensors[m->output]) * sizeof(double));
-    for (int i = 0; i < m->params.count; i++)
-        if (m->uses[i] != 1) fatal("reference UNet: parameter %s used %d times", m->params.specs[i].name, m->uses[i]);
+    ref_unet_output(m, out);
 }
 
-// Backward of the last forward pass, from d_out = d loss / d out [N][image][image][out_channels]:
+// Backward of the last forward pass, from d_out = d loss / d out [N][image][image][out_channels]
+// (a classifier's: [N][1][1][out_channels]):
 // accumulates d loss / d parameter into m->grad and, when d_x is not NULL, d loss / d x into d_x.
 static void ref_unet_backward(RefUNet *m, const double *d_out, double *d_x) {
     for (int i = 0; i < m->num_tensors; i++) {

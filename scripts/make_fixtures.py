@@ -1,4 +1,5 @@
-"""Whole-model test fixtures for the C/CUDA UNet, from the PyTorch reference (unet_ref.py).
+"""Whole-model test fixtures for the C/CUDA UNet and its noisy classifier, from the PyTorch
+reference (unet_ref.py).
 
 Storage precision (read this first):
     parameters, x, target   BF16 in the file. They are drawn in float64 and rounded to bf16
@@ -30,15 +31,19 @@ One safetensors file per config. Tensors (PyTorch layouts):
     t        [N] int64  timesteps in [0, 1000)
     y        [N] int64  labels in [0, num_classes), class-conditional configs only
     target   [N,C,H,W]  BF16, ~N(0,1), C = 6 with learn_sigma else 3
+                        classifiers: [N,num_classes], ~N(0,1)
     out      [N,C,H,W]  F32, model(x, t, y)
+                        classifiers: [N,num_classes], the logits model(x, t)
     loss     [1]        F32, mean((out - target)^2) over all N*C*H*W elements (with learn_sigma
-                        too: a plain MSE over all six channels, not guided-diffusion's VLB)
+                        too: a plain MSE over all six channels, not guided-diffusion's VLB);
+                        classifiers: over the N*num_classes logits (an MSE, not a cross-entropy)
     grad.<param name>   F32, d loss / d param
     grad.x              F32, d loss / d x
 __metadata__ holds the config under guided-diffusion's flag names, spelled as on its command
-line (plus conv_resample, num_classes when class-conditional, and fixture_seed). Dropout is 0.
+line (plus conv_resample, num_classes when class-conditional or a classifier, classifier_pool
+for a classifier, and fixture_seed). Dropout is 0.
 
-Committed configs (all num_channels 32, channel_mult 1,1, image 8x8, batch 2; ~4 MB together):
+Committed configs (all num_channels 32, channel_mult 1,1, image 8x8, batch 2; ~6 MB together):
     adm            num_res_blocks 1: resblock_updown, use_scale_shift_norm, new attention
                    order with num_head_channels 16 (2 heads) at 4x4 in input, middle and
                    output blocks, class-conditional (10 classes), learn_sigma (6 channels)
@@ -48,6 +53,15 @@ Committed configs (all num_channels 32, channel_mult 1,1, image 8x8, batch 2; ~4
     conv_resample  num_res_blocks 0: conv_resample True (strided-conv down, nearest + conv up),
                    use_scale_shift_norm, legacy attention with num_heads 4 (middle block) and
                    num_heads_upsample 2 (output block at 4x4)
+    classifier_attention   the classifier (EncoderUNetModel), 5 logits, num_res_blocks 1:
+                   resblock_updown, use_scale_shift_norm, legacy attention with
+                   num_head_channels 16 (2 heads) at 4x4 in input and middle blocks; head
+                   classifier_pool attention: GN, SiLU, AttentionPool2d over the final 4x4 (17
+                   tokens: the mean, then the 16 pixels; 2 heads of 16, q-k-v-major order)
+    classifier_adaptive    the classifier, 5 logits, num_res_blocks 1: conv_resample True
+                   (strided-conv down), no scale-shift, legacy attention with
+                   num_head_channels 16 at 4x4; head classifier_pool adaptive: GN, SiLU,
+                   average pool, zero-initialised conv1x1 (random here), flatten
 Why num_res_blocks 0 in two of them: parameters cost 2 bytes and gradients 4, and a two-level
 width-32 model with num_res_blocks 1 has 254k-341k parameters (1.5-2.0 MB); the three
 resampling variants (resblock_updown, conv_resample on, off) need three two-level models, at
@@ -57,12 +71,13 @@ num_res_blocks >= 1 are covered by adm (and by the large fixture).
 Sizes: GroupNorm has 32 groups, so 32 channels is the narrowest model. At width 32 each group
 holds one channel and GroupNorm removes any per-channel constant, so without scale-shift the
 timestep embedding (added as a per-channel constant before a GroupNorm) has no effect in the
-seed fixture; the scale-shift configs exercise the embedding MLP, and the large fixture
-(width 64, two channels per group) exercises the plain add.
+seed and classifier_adaptive fixtures; the scale-shift configs exercise the embedding MLP,
+and the large fixture (width 64, two channels per group) exercises the plain add.
 
 Some gradients are zero in exact arithmetic for the same reason (a bias feeding a GroupNorm
 with one channel per group, e.g. in_layers.2.bias at width 32, or the last output block's
-biases before the final GroupNorm); they are stored as ~1e-17. Compare gradients with an
+biases before the final GroupNorm, or in a classifier the middle block's last biases before
+the head's GroupNorm); they are stored as ~1e-17. Compare gradients with an
 absolute floor, not a pure relative error.
 
 Large fixture (--large): the seed project's config at image 32 instead of 64 (attention
@@ -82,7 +97,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from unet_ref import GroupNorm32, count_parameters, create_model, model_kwargs  # noqa: E402
+from unet_ref import (GroupNorm32, classifier_kwargs, count_parameters, create_model,  # noqa: E402
+                      is_classifier, model_kwargs)
 
 BATCH = 2
 NUM_TIMESTEPS = 1000
@@ -107,6 +123,14 @@ CONFIGS = {
                  attention_resolutions="8,4"),
     "conv_resample": dict(num_res_blocks="0", conv_resample="True", use_scale_shift_norm="True",
                           num_heads="4", num_heads_upsample="2", attention_resolutions="4"),
+    # The noisy classifier (EncoderUNetModel): logits for num_classes classes.
+    "classifier_attention": dict(classifier_pool="attention", num_classes="5",
+                                 num_res_blocks="1", resblock_updown="True",
+                                 use_scale_shift_norm="True", num_head_channels="16",
+                                 attention_resolutions="4"),
+    "classifier_adaptive": dict(classifier_pool="adaptive", num_classes="5", num_res_blocks="1",
+                                conv_resample="True", num_head_channels="16",
+                                attention_resolutions="4"),
 }
 
 LARGE = ("seed_large", dict(
@@ -187,7 +211,8 @@ def random_parameters(model, gen):
 def make_fixture(name, cfg, device):
     cfg = {**cfg, "fixture_seed": str(config_seed(name))}
     gen = torch.Generator().manual_seed(config_seed(name))
-    kw = model_kwargs(cfg)
+    classifier = is_classifier(cfg)
+    kw = classifier_kwargs(cfg) if classifier else model_kwargs(cfg)
     model = create_model(cfg).double()
     params = random_parameters(model, gen)
     # bf16 -> float64 is exact: the float64 model runs on exactly the stored values.
@@ -197,10 +222,14 @@ def make_fixture(name, cfg, device):
     size = kw["image_size"]
     x = to_store(torch.randn(BATCH, 3, size, size, generator=gen, dtype=torch.float64))
     t = torch.randint(0, NUM_TIMESTEPS, (BATCH,), generator=gen)
-    y = (torch.randint(0, kw["num_classes"], (BATCH,), generator=gen)
-         if kw["num_classes"] is not None else None)
-    target = to_store(torch.randn(BATCH, kw["out_channels"], size, size,
-                                  generator=gen, dtype=torch.float64))
+    if classifier:  # logits: no labels in, a target per class
+        y = None
+        target_shape = (BATCH, kw["out_channels"])
+    else:
+        y = (torch.randint(0, kw["num_classes"], (BATCH,), generator=gen)
+             if kw["num_classes"] is not None else None)
+        target_shape = (BATCH, kw["out_channels"], size, size)
+    target = to_store(torch.randn(target_shape, generator=gen, dtype=torch.float64))
 
     x64 = x.double().to(device).requires_grad_(True)
     out = model(x64, t.to(device), None if y is None else y.to(device))

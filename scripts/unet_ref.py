@@ -1,16 +1,24 @@
-"""PyTorch reference of guided-diffusion's UNetModel (openai/guided-diffusion, unet.py).
+"""PyTorch reference of guided-diffusion's UNetModel and of its noisy-image classifier
+EncoderUNetModel (openai/guided-diffusion, unet.py).
 
 Written independently, but with the same constructor arguments, submodule names and
 parameter shapes, so state_dicts move between this module and guided-diffusion with
 load_state_dict(strict=True). Only the 2-D case is implemented (no dims, use_fp16,
 use_checkpoint: they do not change the math or the parameters).
 
+The classifier (EncoderUNetModel) is the UNet's time_embed, input_blocks and middle_block
+(the same blocks, built by the same code), no label_emb and no output_blocks, then a head
+`out` chosen by classifier_pool (adaptive, attention, spatial, spatial_v2) giving logits
+[N, num_classes]; forward(x, t). create_model builds it when the flags have a non-empty
+classifier_pool; its other flags are the UNet's names (see classifier_kwargs).
+
 Precision: in float32 this computes what guided-diffusion computes. In float64
 (model.double()) everything, including the timestep sinusoid, GroupNorm and softmax,
 stays in float64; that is how the test fixtures are made.
 
     python3 scripts/unet_ref.py --image_size 64 --num_channels 64 --channel_mult 1,2,3,4 ...
-prints the parameter count for a config given with guided-diffusion's flag names.
+prints the parameter count for a config given with guided-diffusion's flag names (with
+--classifier_pool attention --num_head_channels 64 --num_classes 1000: the classifier's).
 """
 
 import argparse
@@ -243,6 +251,55 @@ class AttentionBlock(nn.Module):
         return (x + h).reshape(b, c, hgt, wid)
 
 
+def _block_makers(emb_dim, dropout, use_scale_shift_norm, num_head_channels,
+                  use_new_attention_order):
+    """The two block constructors with a model's shared settings:
+    resblock(c_in, c_out, up=/down=) and attention(channels, heads)."""
+
+    def resblock(c_in, c_out, **updown):
+        return ResBlock(c_in, emb_dim, dropout, out_channels=c_out,
+                        use_scale_shift_norm=use_scale_shift_norm, **updown)
+
+    def attention(c, heads):
+        return AttentionBlock(c, num_heads=heads, num_head_channels=num_head_channels,
+                              use_new_attention_order=use_new_attention_order)
+
+    return resblock, attention
+
+
+def _input_and_middle(in_channels, model_channels, channel_mult, num_res_blocks,
+                      attention_resolutions, conv_resample, resblock_updown, num_heads,
+                      resblock, attention):
+    """input_blocks and middle_block, built alike by UNetModel and EncoderUNetModel.
+    Returns (input_blocks, middle_block, chans, ds): chans the output channels of every
+    input block in order (the UNet's skip stack; chans[-1] is also the middle block's), ds
+    the downsampling factor of the last level (2^(levels-1))."""
+    ch = int(channel_mult[0] * model_channels)
+    input_blocks = nn.ModuleList(
+        [TimestepEmbedSequential(nn.Conv2d(in_channels, ch, 3, padding=1))]
+    )
+    chans = [ch]
+    ds = 1
+    for level, mult in enumerate(channel_mult):
+        for _ in range(num_res_blocks):
+            layers = [resblock(ch, int(mult * model_channels))]
+            ch = int(mult * model_channels)
+            if ds in attention_resolutions:
+                layers.append(attention(ch, num_heads))
+            input_blocks.append(TimestepEmbedSequential(*layers))
+            chans.append(ch)
+        if level != len(channel_mult) - 1:
+            down = (resblock(ch, ch, down=True) if resblock_updown
+                    else Downsample(ch, conv_resample, out_channels=ch))
+            input_blocks.append(TimestepEmbedSequential(down))
+            chans.append(ch)
+            ds *= 2
+    middle_block = TimestepEmbedSequential(
+        resblock(ch, ch), attention(ch, num_heads), resblock(ch, ch)
+    )
+    return input_blocks, middle_block, chans, ds
+
+
 class UNetModel(nn.Module):
     """The guided-diffusion UNet.
 
@@ -273,14 +330,8 @@ class UNetModel(nn.Module):
         self.out_channels = out_channels
         self.num_classes = num_classes
         emb_dim = 4 * model_channels
-
-        def resblock(c_in, c_out, **updown):
-            return ResBlock(c_in, emb_dim, dropout, out_channels=c_out,
-                            use_scale_shift_norm=use_scale_shift_norm, **updown)
-
-        def attention(c, heads):
-            return AttentionBlock(c, num_heads=heads, num_head_channels=num_head_channels,
-                                  use_new_attention_order=use_new_attention_order)
+        resblock, attention = _block_makers(emb_dim, dropout, use_scale_shift_norm,
+                                            num_head_channels, use_new_attention_order)
 
         self.time_embed = nn.Sequential(
             nn.Linear(model_channels, emb_dim), nn.SiLU(), nn.Linear(emb_dim, emb_dim)
@@ -288,30 +339,12 @@ class UNetModel(nn.Module):
         if num_classes is not None:
             self.label_emb = nn.Embedding(num_classes, emb_dim)
 
-        ch = input_ch = int(channel_mult[0] * model_channels)
-        self.input_blocks = nn.ModuleList(
-            [TimestepEmbedSequential(nn.Conv2d(in_channels, ch, 3, padding=1))]
-        )
-        skip_chans = [ch]
-        ds = 1
-        for level, mult in enumerate(channel_mult):
-            for _ in range(num_res_blocks):
-                layers = [resblock(ch, int(mult * model_channels))]
-                ch = int(mult * model_channels)
-                if ds in attention_resolutions:
-                    layers.append(attention(ch, num_heads))
-                self.input_blocks.append(TimestepEmbedSequential(*layers))
-                skip_chans.append(ch)
-            if level != len(channel_mult) - 1:
-                down = (resblock(ch, ch, down=True) if resblock_updown
-                        else Downsample(ch, conv_resample, out_channels=ch))
-                self.input_blocks.append(TimestepEmbedSequential(down))
-                skip_chans.append(ch)
-                ds *= 2
-
-        self.middle_block = TimestepEmbedSequential(
-            resblock(ch, ch), attention(ch, num_heads), resblock(ch, ch)
-        )
+        input_blocks, middle_block, skip_chans, ds = _input_and_middle(
+            in_channels, model_channels, channel_mult, num_res_blocks, attention_resolutions,
+            conv_resample, resblock_updown, num_heads, resblock, attention)
+        self.input_blocks = input_blocks
+        self.middle_block = middle_block
+        input_ch, ch = skip_chans[0], skip_chans[-1]
 
         self.output_blocks = nn.ModuleList()
         for level, mult in reversed(list(enumerate(channel_mult))):
@@ -350,16 +383,140 @@ class UNetModel(nn.Module):
         return self.out(h)
 
 
+class AttentionPool2d(nn.Module):
+    """The attention-pool head of the classifier (pool "attention"), on x [B, C, H, W]:
+
+        tokens = [mean over the H*W pixels, pixel 0, ..., pixel H*W-1]   [B, C, T], T = H*W + 1
+        tokens = tokens + positional_embedding                           [C, T] parameter
+        out    = c_proj(QKVAttention(qkv_proj(tokens)))[:, :, 0]          [B, output_dim]
+
+    qkv_proj a 1x1 Conv1d C -> 3C, c_proj a 1x1 Conv1d C -> output_dim; the attention is
+    always the q-k-v-major order (QKVAttention), with C / num_heads_channels heads; only the
+    mean token's output is kept. spacial_dim (guided-diffusion's spelling) is H = W."""
+
+    def __init__(self, spacial_dim, embed_dim, num_heads_channels, output_dim=None):
+        super().__init__()
+        self.positional_embedding = nn.Parameter(
+            torch.randn(embed_dim, spacial_dim ** 2 + 1) / embed_dim ** 0.5
+        )
+        self.qkv_proj = nn.Conv1d(embed_dim, 3 * embed_dim, 1)
+        self.c_proj = nn.Conv1d(embed_dim, output_dim or embed_dim, 1)
+        assert embed_dim % num_heads_channels == 0, (embed_dim, num_heads_channels)
+        self.num_heads = embed_dim // num_heads_channels
+        self.attention = QKVAttention(self.num_heads)
+
+    def forward(self, x):
+        b, c, hgt, wid = x.shape
+        x = x.reshape(b, c, hgt * wid)
+        x = torch.cat([x.mean(dim=-1, keepdim=True), x], dim=-1)
+        x = x + self.positional_embedding[None].to(x.dtype)
+        x = self.c_proj(self.attention(self.qkv_proj(x)))
+        return x[:, :, 0]
+
+
+POOLS = ("adaptive", "attention", "spatial", "spatial_v2")
+
+
+class EncoderUNetModel(nn.Module):
+    """guided-diffusion's noisy-image classifier: the UNet's time_embed, input_blocks and
+    middle_block (built as UNetModel builds them), no label_emb, no output_blocks, and a head
+    `out` chosen by pool, giving logits [N, out_channels]:
+
+    adaptive    out = GN, SiLU, AdaptiveAvgPool2d(1), zero-initialised conv1x1 -> out_channels,
+                Flatten                                  (out.0 GN, out.3 conv)
+    attention   out = GN, SiLU, AttentionPool2d(image_size / ds, ch, num_head_channels,
+                out_channels), ds the last level's downsampling (out.0 GN, out.2 pool);
+                needs num_head_channels != -1
+    spatial     features = [mean over (H, W) of every input block's output, then of the middle
+                block's], concatenated along channels -> [N, sum of their channels];
+                out = Linear(-> 2048), ReLU, Linear(2048 -> out_channels)  (out.0, out.2)
+    spatial_v2  the same features; out = Linear(-> 2048), GN(2048) on [N, 2048] (32 groups of
+                64 features), SiLU, Linear(2048 -> out_channels)     (out.0, out.1 GN, out.3)
+
+    num_heads_upsample is accepted (as guided-diffusion's constructor does) and unused.
+    """
+
+    def __init__(self, image_size, in_channels, model_channels, out_channels, num_res_blocks,
+                 attention_resolutions, dropout=0, channel_mult=(1, 2, 4, 8),
+                 conv_resample=True, num_heads=1, num_head_channels=-1, num_heads_upsample=-1,
+                 use_scale_shift_norm=False, resblock_updown=False,
+                 use_new_attention_order=False, pool="adaptive"):
+        super().__init__()
+        if pool not in POOLS:
+            raise ValueError(f"pool {pool!r}: one of {', '.join(POOLS)}")
+        self.image_size = image_size
+        self.in_channels = in_channels
+        self.model_channels = model_channels
+        self.out_channels = out_channels
+        self.pool = pool
+        emb_dim = 4 * model_channels
+        resblock, attention = _block_makers(emb_dim, dropout, use_scale_shift_norm,
+                                            num_head_channels, use_new_attention_order)
+
+        self.time_embed = nn.Sequential(
+            nn.Linear(model_channels, emb_dim), nn.SiLU(), nn.Linear(emb_dim, emb_dim)
+        )
+        input_blocks, middle_block, chans, ds = _input_and_middle(
+            in_channels, model_channels, channel_mult, num_res_blocks, attention_resolutions,
+            conv_resample, resblock_updown, num_heads, resblock, attention)
+        self.input_blocks = input_blocks
+        self.middle_block = middle_block
+        ch = chans[-1]
+        feature_size = sum(chans) + ch  # the spatial heads' input: every block's mean
+
+        if pool == "adaptive":
+            self.out = nn.Sequential(
+                GroupNorm32(ch), nn.SiLU(), nn.AdaptiveAvgPool2d((1, 1)),
+                zero_module(nn.Conv2d(ch, out_channels, 1)), nn.Flatten(),
+            )
+        elif pool == "attention":
+            assert num_head_channels != -1, "pool attention needs num_head_channels"
+            self.out = nn.Sequential(
+                GroupNorm32(ch), nn.SiLU(),
+                AttentionPool2d(image_size // ds, ch, num_head_channels, out_channels),
+            )
+        elif pool == "spatial":
+            self.out = nn.Sequential(
+                nn.Linear(feature_size, 2048), nn.ReLU(), nn.Linear(2048, out_channels)
+            )
+        else:  # spatial_v2
+            self.out = nn.Sequential(
+                nn.Linear(feature_size, 2048), GroupNorm32(2048), nn.SiLU(),
+                nn.Linear(2048, out_channels),
+            )
+
+    def forward(self, x, timesteps, y=None):
+        """x [N, in_channels, H, W], timesteps [N] -> logits [N, out_channels].
+        y is only there so callers of UNetModel can pass None; the classifier takes none."""
+        assert y is None, "the classifier takes no labels"
+        dtype = self.time_embed[0].weight.dtype
+        emb = self.time_embed(timestep_embedding(timesteps, self.model_channels, dtype=dtype))
+        spatial = self.pool.startswith("spatial")
+        features = []
+        h = x
+        for block in self.input_blocks:
+            h = block(h, emb)
+            if spatial:
+                features.append(h.mean(dim=(2, 3)))
+        h = self.middle_block(h, emb)
+        if spatial:
+            features.append(h.mean(dim=(2, 3)))
+            h = torch.cat(features, dim=-1)
+        return self.out(h)
+
+
 NUM_CLASSES = 1000
 
 # Flag defaults of guided-diffusion's command line (model_and_diffusion_defaults),
-# plus this project's two extensions conv_resample and num_classes.
+# plus this project's extensions conv_resample, num_classes (label_emb's rows, or the
+# classifier's logits) and classifier_pool ("": the diffusion UNet; else the classifier's
+# head, see EncoderUNetModel).
 DEFAULTS = dict(
     image_size=64, num_channels=128, num_res_blocks=2, num_heads=4, num_heads_upsample=-1,
     num_head_channels=-1, attention_resolutions="16,8", channel_mult="", dropout=0.0,
     class_cond=False, use_scale_shift_norm=True, resblock_updown=False,
     use_new_attention_order=False, learn_sigma=False, conv_resample=True,
-    num_classes=NUM_CLASSES,
+    num_classes=NUM_CLASSES, classifier_pool="",
 )
 
 DEFAULT_CHANNEL_MULT = {
@@ -368,8 +525,6 @@ DEFAULT_CHANNEL_MULT = {
     128: (1, 1, 2, 3, 4),
     64: (1, 2, 3, 4),
 }
-
-
 
 
 def model_kwargs(args):
@@ -407,8 +562,39 @@ def model_kwargs(args):
     )
 
 
+def is_classifier(args):
+    """Whether the flags describe the classifier: classifier_pool given and not empty."""
+    return str({**DEFAULTS, **args}["classifier_pool"]).strip() != ""
+
+
+def classifier_kwargs(args):
+    """guided-diffusion flags -> EncoderUNetModel keyword arguments. The UNet's flag names
+    and parsing (model_kwargs: channel_mult's default per image size, attention_resolutions
+    as downsampling factors), plus classifier_pool (the head: adaptive, attention, spatial,
+    spatial_v2) and num_classes (out_channels: the logits, 1000 by default as in
+    guided-diffusion's create_classifier). class_cond and learn_sigma are ignored. Unlike
+    create_classifier, which fixes num_head_channels 64, that flag is read too (it is
+    needed, != -1, for pool attention)."""
+    a = {**DEFAULTS, **args}
+    pool = str(a["classifier_pool"]).strip()
+    if pool not in POOLS:
+        raise ValueError(f"classifier_pool {pool!r}: one of {', '.join(POOLS)}")
+    kw = model_kwargs(args)
+    del kw["num_classes"]
+    kw.update(out_channels=int(a["num_classes"]), pool=pool)
+    return kw
+
+
+def create_classifier(args):
+    """EncoderUNetModel from a dict of guided-diffusion flags (see classifier_kwargs)."""
+    return EncoderUNetModel(**classifier_kwargs(args))
+
+
 def create_model(args):
-    """UNetModel from a dict of guided-diffusion flags (see model_kwargs)."""
+    """From a dict of guided-diffusion flags: UNetModel (see model_kwargs), or the
+    classifier EncoderUNetModel when classifier_pool is set (see classifier_kwargs)."""
+    if is_classifier(args):
+        return create_classifier(args)
     return UNetModel(**model_kwargs(args))
 
 
@@ -417,7 +603,9 @@ def count_parameters(model):
 
 
 def main():
-    parser = argparse.ArgumentParser(description="Parameter count of a guided-diffusion UNet.")
+    parser = argparse.ArgumentParser(
+        description="Parameter count of a guided-diffusion UNet (or, with --classifier_pool, "
+                    "of its classifier).")
     for name, default in DEFAULTS.items():
         parser.add_argument(f"--{name}", default=str(default))
     args = vars(parser.parse_args())

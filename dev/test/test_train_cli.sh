@@ -21,6 +21,8 @@ for p in adm128=421,530,630 adm256=553,839,110 adm256u=552,814,086 adm512=558,99
 done
 # class-conditional: label_emb adds (classes + 1 null row) x 4*num_channels
 [ "$(params --class_cond True --num_classes 3)" = 20,495,235 ] || case_fail "seed + 3 classes: $(params --class_cond True --num_classes 3)"
+# the noisy classifier with guided-diffusion's flags for 256x256 (EncoderUNetModel, attention pool, 1000 classes)
+[ "$(params --model classifier --image_size 256)" = 54,096,360 ] || case_fail "classifier 256: $(params --model classifier --image_size 256)"
 
 case_begin "dry_run: flags override the preset in any order, --flag=value and bare booleans"
 expect_ok "$TRAIN" --num_channels=128 --preset adm64 --dry_run --use_scale_shift_norm False --resblock_updown
@@ -71,6 +73,15 @@ done <<'LIST'
 --dry_run=1
 stray
 --num_res_blocks
+--model gan
+--model classifier --class_cond True
+--model classifier --classifier_pool spatial
+--model classifier --classifier_width 48
+--model classifier --sample_count 4
+--model classifier --schedule_sampler loss-second-moment
+--model classifier --ema_rate 1.5
+--model classifier --eval_interval 0
+--val_data data/shapes.bin
 LIST
 
 make_bad() {  # make_bad NAME PYTHON-EXPR-ON-bytearray-b: a copy of a small valid dataset, damaged
@@ -160,6 +171,13 @@ expect_grep 'holds 8x8 images but --image_size is 64' "$LAST_ERR"
 make_bad unlabelled 'b[32:40] = bytes(8); del b[64:128]'
 expect_fail "$TRAIN" --dry_run --data "$TEST_TMP/unlabelled.bin" --image_size 8 --channel_mult 1,2 --attention_resolutions 4 --class_cond
 expect_grep 'needs labels' "$LAST_ERR"
+expect_fail "$TRAIN" --dry_run --data "$TEST_TMP/unlabelled.bin" --model classifier --classifier_attention_resolutions 4
+expect_grep '^train_unet: error: --model classifier needs labels, and dataset .* has none' "$LAST_ERR"
+expect_ok "$TRAIN" --dry_run --data data/shapes.bin --model classifier
+expect_grep '^num_classes +3$' "$LAST_OUT"
+expect_grep '^ema_rate +$' "$LAST_OUT"
+expect_grep '^lr +0.0003$' "$LAST_OUT"
+expect_grep '^num_channels +128$' "$LAST_OUT"
 
 case_begin "without --image_size the dataset's is taken, with the default channel_mult for it, and said"
 ./prepare_data --synthetic shapes --size 32 --count 20 --output "$TEST_TMP/s32.bin" --quiet
@@ -179,6 +197,11 @@ grep -q 'from dataset\|unconditional' "$LAST_OUT" && case_fail "a note where the
 ./prepare_data --synthetic shapes --size 48 --count 5 --output "$TEST_TMP/s48.bin" --quiet
 expect_exit 2 "$TRAIN" --dry_run --data "$TEST_TMP/s48.bin"
 expect_grep 'no default --channel_mult for image size 48; give one' "$LAST_ERR"
+# a classifier's validation data: the model's size and classes
+expect_ok "$TRAIN" --dry_run --data "$TEST_TMP/s32.bin" --model classifier --val_data "$TEST_TMP/s32.bin" --classifier_attention_resolutions 8
+expect_grep "^validation dataset: $TEST_TMP/s32.bin, 20 images, evaluated on a batch every 5 steps" "$LAST_OUT"
+expect_fail "$TRAIN" --dry_run --data data/shapes.bin --model classifier --val_data "$TEST_TMP/s32.bin"
+expect_grep 'validation dataset .* holds 32x32 images; the classifier takes 64x64' "$LAST_ERR"
 
 case_begin "the bundled dataset: class-conditional with its 3 classes plus the null class"
 expect_ok "$TRAIN" --dry_run --data data/shapes.bin --class_cond

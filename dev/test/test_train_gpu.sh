@@ -7,7 +7,8 @@
 # previous checkpoint, an older resume sets the later steps aside, a resume from elsewhere starts a
 # new run; a learned variance trains, resumes and samples; the schedule sampler loss-second-moment
 # resumes exactly (its history in state.bin) and logs the loss per quarter of t; --microbatch trains as
-# the whole batch does (to rounding), --use_checkpoint as without it (to the byte).
+# the whole batch does (to rounding), --use_checkpoint as without it (to the byte); the noisy
+# classifier trains, evaluates on --val_data, resumes and recomputes to the byte.
 cd "$(dirname "$0")/../.." || exit 1
 . dev/test/lib.sh
 ./prepare_data --synthetic shapes --count 300 --size 32 --seed 5 --output "$TEST_TMP/s.bin" --quiet >/dev/null
@@ -247,5 +248,31 @@ for variant in base adm; do
             case_fail "$variant: $f differs"
     done
 done
+
+case_begin "the noisy classifier (--model classifier): trains on the labels, resumes exactly, logs its accuracy, recomputes to the byte"
+CLS=(--data "$TEST_TMP/s.bin" --model classifier --classifier_width 32 --classifier_depth 1 --classifier_attention_resolutions 8
+     --batch_size 8 --log_interval 1 --seed 4 --steps 12 --val_data "$TEST_TMP/s.bin" --eval_interval 3)
+expect_ok ./train_unet "${CLS[@]}" --run_dir "$TEST_TMP/cls_a"
+expect_grep '^step 12/12  loss [0-9.]+  acc@1 [0-9.]+  acc@3 [0-9.]+  val loss [0-9.]+ acc@1 [0-9.]+ acc@3 [0-9.]+  lr 0.0003 ' "$LAST_OUT"
+awk -F, 'NR > 1 && (($1 % 3 == 0) != ($22 != "")) { bad = 1 } END { exit bad }' "$TEST_TMP/cls_a/log.csv" ||
+    case_fail "log.csv: val_loss is not there exactly at the evaluations (every 3 steps)"
+expect_ok ./train_unet "${CLS[@]}" --stop_step 5 --run_dir "$TEST_TMP/cls_b"
+expect_ok ./train_unet "${CLS[@]}" --run_dir "$TEST_TMP/cls_b" --resume_checkpoint latest
+expect_ok ./train_unet "${CLS[@]}" --use_checkpoint --run_dir "$TEST_TMP/cls_c"
+for run in cls_b cls_c; do
+    cmp -s <(cut -d, -f1-4,8- "$TEST_TMP/cls_a/log.csv") <(cut -d, -f1-4,8- "$TEST_TMP/$run/log.csv") || case_fail "$run: the log differs"
+    for f in model.safetensors state.bin; do
+        cmp -s "$TEST_TMP/cls_a/checkpoints/step_000000012/$f" "$TEST_TMP/$run/checkpoints/step_000000012/$f" || case_fail "$run: $f differs"
+    done
+done
+[ -e "$TEST_TMP/cls_a/checkpoints/step_000000012/ema.safetensors" ] && case_fail "an EMA was kept (a classifier's default is none)"
+expect_grep '^step,loss,lr,grad_norm,img_per_s,ms_per_step,gpu_mem_gib,acc1,acc5,loss_q0,loss_q1,loss_q2,loss_q3,acc1_q0,acc1_q1,acc1_q2,acc1_q3,acc5_q0,acc5_q1,acc5_q2,acc5_q3,val_loss,val_acc1,val_acc5,val_loss_q0,val_loss_q1,val_loss_q2,val_loss_q3,val_acc1_q0,val_acc1_q1,val_acc1_q2,val_acc1_q3,val_acc5_q0,val_acc5_q1,val_acc5_q2,val_acc5_q3$' "$TEST_TMP/cls_a/log.csv"
+awk -F, 'NR > 1 && !($8 >= 0 && $8 <= $9 && $9 == 1) { bad = 1 } END { exit bad || NR != 13 }' "$TEST_TMP/cls_a/log.csv" ||
+    case_fail "log.csv: acc1 outside [0, acc5], or acc5 (of 3 classes: top 3) not 1: $(sed -n 2p "$TEST_TMP/cls_a/log.csv")"
+grep -aq '"classifier_pool":"attention"' "$TEST_TMP/cls_a/checkpoints/step_000000012/model.safetensors" ||
+    case_fail "the checkpoint's metadata does not name the classifier's head"
+expect_ok ./train_unet "${CLS[@]}" --classifier_pool adaptive --noised False --microbatch 4 --val_data "" --run_dir "$TEST_TMP/cls_adaptive"
+awk -F, 'NR > 1 && $11 != "" { bad = 1 } END { exit bad }' "$TEST_TMP/cls_adaptive/log.csv" ||
+    case_fail "--noised False: samples outside the first quarter of t (t = 0)"
 
 case_summary

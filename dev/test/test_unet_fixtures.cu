@@ -1,13 +1,14 @@
 // test_unet_fixtures.cu: the CPU reference UNet (dev/unet.cu) against the whole-model fixtures of
 // scripts/make_fixtures.py (PyTorch's guided-diffusion UNet run in float64), and against finite
-// differences on a configuration the fixtures do not cover.
+// differences on configurations the fixtures do not cover (a UNet and both classifiers).
 //
 //   test_unet_fixtures [DIR]      every DIR/*.safetensors (default dev/fixtures)
 //
 // Per fixture: the parameter names and shapes equal model_parameters()'s; out and loss, and the
 // gradients of the loss (grouped by top-level module, then grad.x), within a relative error of
 // 1e-5. The fixtures store float32 roundings of float64 results, so a correct reference lands
-// within ~6e-8.
+// within ~6e-8. A classifier's fixture (metadata classifier_pool) holds its logits: out and target
+// [N, classes].
 #include "../unet.cu"
 #include "check.h"
 #include <dirent.h>
@@ -99,8 +100,11 @@ static void test_fixture(const char *dir, const char *file) {
     if (!xt || xt->ndim != 4 || xt->shape[1] != config.in_channels || xt->shape[2] != config.image_size ||
         xt->shape[3] != config.image_size)
         fatal("%s: x is not [N, %d, %d, %d]", file, config.in_channels, config.image_size, config.image_size);
+    // The output's side So: the image's, or 1 for a classifier's logits ([N, classes] is NCHW and
+    // NHWC at once).
     int N = (int)xt->shape[0], S = config.image_size, Cin = config.in_channels, Cout = config.out_channels;
-    size_t in_n = (size_t)N * Cin * S * S, out_n = (size_t)N * Cout * S * S;
+    int So = config.pool ? 1 : S;
+    size_t in_n = (size_t)N * Cin * S * S, out_n = (size_t)N * Cout * So * So;
     for (int i = 0; i < m.params.count; i++) dev_load_tensor(&f, m.params.specs[i].name, m.param[i], m.params.specs[i].numel);
     double *x_nchw = load(&f, "x", in_n), *x = dev_alloc(in_n), *target = load(&f, "target", out_n);
     double *want_out = load(&f, "out", out_n), *want_loss = load(&f, "loss", 1), *want_dx = load(&f, "grad.x", in_n);
@@ -116,10 +120,10 @@ static void test_fixture(const char *dir, const char *file) {
     double *out = dev_alloc(out_n), *out_nchw = dev_alloc(out_n), *d_out_nchw = dev_alloc(out_n), *d_out = dev_alloc(out_n);
     double *d_x = dev_alloc(in_n), *d_x_nchw = dev_alloc(in_n);
     ref_unet_forward(&m, x, t, y, out, N);
-    dev_nhwc_to_nchw(out_nchw, out, N, Cout, S, S);
+    dev_nhwc_to_nchw(out_nchw, out, N, Cout, So, So);
     double loss = ref_mse_forward(out_nchw, target, out_n);
     ref_mse_backward(d_out_nchw, out_nchw, target, out_n);
-    dev_nchw_to_nhwc(d_out, d_out_nchw, N, Cout, S, S);
+    dev_nchw_to_nhwc(d_out, d_out_nchw, N, Cout, So, So);
     ref_unet_zero_grad(&m);
     ref_unet_backward(&m, d_out, d_x);
     dev_nhwc_to_nchw(d_x_nchw, d_x, N, Cin, S, S);
@@ -177,10 +181,9 @@ static void test_fixture(const char *dir, const char *file) {
 }
 
 // ----------------------------------------------------------------------------------------------
-// Finite differences on a configuration the fixtures do not cover: width 64 (two channels per
-// group, so the plain embedding add before the GroupNorm matters), no scale-shift, two levels
-// with a channel change (a 1x1 skip conv in the input blocks), conv resampling, new-order
-// attention with num_heads 2 / num_heads_upsample 4, class-conditional, batch 2, image 8.
+// Finite differences on configurations the fixtures do not cover (see main): the loss's gradient
+// in a few random entries of the parameters (and one entry of each of the head's, out.*) and of x,
+// against central differences.
 
 typedef struct {
     RefUNet *m;
@@ -209,17 +212,15 @@ static double finite_difference(const ModelLossInputs *in, double *v) {
     return (plus - minus) / (2 * FD_STEP);
 }
 
-static void test_finite_differences(void) {
-    Options o = guided_diffusion_defaults();
-    o.image_size = 8, o.num_channels = 64, o.channel_mult = "1,2", o.num_res_blocks = 1, o.attention_resolutions = "4";
-    o.num_heads = 2, o.num_head_channels = -1, o.num_heads_upsample = 4, o.use_new_attention_order = 1;
-    o.use_scale_shift_norm = 0, o.resblock_updown = 0, o.conv_resample = 1, o.dropout = 0;
-    o.class_cond = 1, o.learn_sigma = 0;
-    ModelConfig c = resolve_model(&o, 5);
+// The model of the options o (dropout 0, no learned sigma), with `classes` labels when class_cond;
+// or, with pool (adaptive, attention), the classifier of that body with `classes` logits.
+static void test_finite_differences(const char *what, Options o, const char *pool, int classes) {
+    ModelConfig c = resolve_model(&o, classes);
+    char err[256];
+    if (pool && classifier_config(&c, pool, classes, err, sizeof err) != 0) fatal("%s", err);
     RefUNet m;
     ref_unet_init(&m, &c);
-    check_case(dev_name("finite differences: width 64, mult 1,2, no scale-shift, new-order heads 2/4, %d tensors",
-                      m.params.count));
+    check_case(dev_name("finite differences: %s, %d tensors", what, m.params.count));
 
     // Parameters as make_fixtures.py draws them (uniform instead of normal): weights of variance
     // ~1/fan_in, GroupNorm scales ~1, biases ~0.1, label embedding ~1.
@@ -230,26 +231,31 @@ static void test_finite_differences(void) {
         if (strcmp(p->name, "label_emb.weight") == 0) r = 1.7;
         dev_fill_uniform(m.param[i], p->numel, (gn_scale ? 1 : 0) - r, (gn_scale ? 1 : 0) + r);
     }
-    int N = 2, S = c.image_size;
-    size_t in_n = (size_t)N * S * S * c.in_channels, out_n = (size_t)N * S * S * c.out_channels;
+    int N = 2, S = c.image_size, So = c.pool ? 1 : S;
+    size_t in_n = (size_t)N * S * S * c.in_channels, out_n = (size_t)N * So * So * c.out_channels;
     double *x = dev_alloc(in_n), *target = dev_alloc(out_n), *out = dev_alloc(out_n), *d_out = dev_alloc(out_n), *d_x = dev_alloc(in_n);
     dev_fill_uniform(x, in_n, -1.7, 1.7);
     dev_fill_uniform(target, out_n, -1.7, 1.7);
-    int64_t t[2] = {dev_random_int(1000), dev_random_int(1000)}, y[2] = {dev_random_int(5), dev_random_int(5)};
-    ModelLossInputs in = {&m, x, target, t, y, N, out_n};
+    int64_t t[2] = {dev_random_int(1000), dev_random_int(1000)}, y[2] = {0, 0};
+    if (c.num_classes) y[0] = dev_random_int(c.num_classes), y[1] = dev_random_int(c.num_classes);
+    ModelLossInputs in = {&m, x, target, t, c.num_classes ? y : NULL, N, out_n};
 
-    ref_unet_forward(&m, x, t, y, out, N);
+    ref_unet_forward(&m, x, t, in.y, out, N);
     ref_mse_backward(d_out, out, target, out_n);
     ref_unet_zero_grad(&m);
     ref_unet_backward(&m, d_out, d_x);
 
+    // The head's parameters first (one entry each), then random ones.
+    int head[16], heads = 0;
+    for (int i = 0; i < m.params.count && heads < 16; i++)
+        if (strncmp(m.params.specs[i].name, "out.", 4) == 0) head[heads++] = i;
     enum { PARAM_ENTRIES = 24, X_ENTRIES = 6 };
     double analytic[PARAM_ENTRIES + X_ENTRIES], numeric[PARAM_ENTRIES + X_ENTRIES];
-    const char *what[PARAM_ENTRIES + X_ENTRIES];
+    const char *name[PARAM_ENTRIES + X_ENTRIES];
     int64_t where[PARAM_ENTRIES + X_ENTRIES];
     for (int e = 0; e < PARAM_ENTRIES + X_ENTRIES; e++) {
-        int i = e < PARAM_ENTRIES ? (int)dev_random_int(m.params.count) : -1;
-        what[e] = i >= 0 ? m.params.specs[i].name : "x";
+        int i = e >= PARAM_ENTRIES ? -1 : e < heads ? head[e] : (int)dev_random_int(m.params.count);
+        name[e] = i >= 0 ? m.params.specs[i].name : "x";
         where[e] = dev_random_int(i >= 0 ? m.params.specs[i].numel : (int64_t)in_n);
         double *v = i >= 0 ? &m.param[i][where[e]] : &x[where[e]];
         analytic[e] = i >= 0 ? m.grad[i][where[e]] : d_x[where[e]];  // forward passes leave the gradients alone
@@ -261,11 +267,19 @@ static void test_finite_differences(void) {
            X_ENTRIES, e_x);
     if (!(e_param <= FD_TOLERANCE && e_x <= FD_TOLERANCE))
         for (int e = 0; e < PARAM_ENTRIES + X_ENTRIES; e++)
-            printf("  %-44s [%6lld] analytic % .10e numeric % .10e\n", what[e], (long long)where[e], analytic[e], numeric[e]);
+            printf("  %-44s [%6lld] analytic % .10e numeric % .10e\n", name[e], (long long)where[e], analytic[e], numeric[e]);
     CHECK(e_param <= FD_TOLERANCE);
     CHECK(e_x <= FD_TOLERANCE);
     free(x), free(target), free(out), free(d_out), free(d_x);
     ref_unet_free(&m);
+}
+
+// Image 8, batch 2, dropout 0, no learned sigma; the rest as each test gives it.
+static Options fd_options(int num_channels, const char *channel_mult, const char *attention_resolutions) {
+    Options o = guided_diffusion_defaults();
+    o.image_size = 8, o.num_channels = num_channels, o.channel_mult = channel_mult, o.num_res_blocks = 1;
+    o.attention_resolutions = attention_resolutions, o.dropout = 0, o.class_cond = 0, o.learn_sigma = 0;
+    return o;
 }
 
 static int compare_names(const void *a, const void *b) { return strcmp(*(char *const *)a, *(char *const *)b); }
@@ -285,6 +299,27 @@ int main(int argc, char **argv) {
     CHECK(count > 0);
     qsort(files, count, sizeof files[0], compare_names);
     for (int i = 0; i < count; i++) test_fixture(dir, files[i]), free(files[i]);
-    test_finite_differences();
+
+    // The UNet at width 64 (two channels per group, so the plain embedding add before the GroupNorm
+    // matters), no scale-shift, two levels with a channel change (a 1x1 skip conv in the input
+    // blocks), conv resampling, new-order attention with num_heads 2 / num_heads_upsample 4,
+    // class-conditional.
+    Options o = fd_options(64, "1,2", "4");
+    o.num_heads = 2, o.num_head_channels = -1, o.num_heads_upsample = 4, o.use_new_attention_order = 1;
+    o.use_scale_shift_norm = 0, o.resblock_updown = 0, o.conv_resample = 1, o.class_cond = 1;
+    test_finite_differences("width 64, mult 1,2, no scale-shift, new-order heads 2/4", o, NULL, 5);
+    // The attention-pool classifier on 64 channels at 4x4 (T = 17 tokens, 2 heads of 32 in the new
+    // order) after legacy-order attention blocks of the same heads, scale-shift, average-pool
+    // downsampling, 3 classes.
+    o = fd_options(32, "1,2", "4");
+    o.num_heads = 1, o.num_head_channels = 32, o.use_new_attention_order = 0;
+    o.use_scale_shift_norm = 1, o.resblock_updown = 0, o.conv_resample = 0;
+    test_finite_differences("attention-pool classifier, 64 channels at 4x4, legacy blocks", o, "attention", 3);
+    // The adaptive-pool classifier of width 64, attention at 8x8 with 4 heads in the new order,
+    // ResBlock downsampling, no scale-shift, 4 classes.
+    o = fd_options(64, "1,1", "8");
+    o.num_heads = 4, o.num_head_channels = -1, o.use_new_attention_order = 1;
+    o.use_scale_shift_norm = 0, o.resblock_updown = 1, o.conv_resample = 1;
+    test_finite_differences("adaptive-pool classifier, width 64, resblock down, new-order heads 4", o, "adaptive", 4);
     return check_summary();
 }

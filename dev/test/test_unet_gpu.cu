@@ -7,7 +7,8 @@
 // 2026-11-21), and this build lands no further (dev/NOTES.md). A gradient that is zero in exact
 // arithmetic (the fixtures hold rounding noise there: at 32 channels the timestep embedding has no
 // effect without scale-shift) is measured against 1e-2 of the largest gradient norm of the fixture
-// instead of its own norm.
+// instead of its own norm. A classifier's fixture (metadata classifier_pool: EncoderUNetModel) is
+// checked the same way, its output and target the logits [N, classes].
 #include <glob.h>
 
 #define TRAIN_UNET_LIBRARY
@@ -84,7 +85,7 @@ static void test_fixture(const char *path) {
     if (model_config_from_metadata(&f, path, &c, err, sizeof err) != 0) fatal("%s", err);
     const SafeTensor *xt = safetensors_find(&f, "x");
     if (!xt) fatal("%s: no input x", path);
-    int N = (int)xt->shape[0], S = c.image_size;
+    int N = (int)xt->shape[0], S = c.image_size, So = c.pool ? 1 : S;  // So: the output's side (a classifier's: 1)
     UNet m;
     unet_create(&m, &c, N, 1);
 
@@ -109,9 +110,9 @@ static void test_fixture(const char *path) {
     unet_set_parameters(&m, values);
 
     float *x = tensor_floats(&f, "x", (int64_t)N * c.in_channels * S * S);
-    float *target = tensor_floats(&f, "target", (int64_t)N * c.out_channels * S * S);
+    float *target = tensor_floats(&f, "target", (int64_t)N * c.out_channels * So * So);
     upload_act(m.input.x, x, N, c.in_channels, S, S);
-    upload_act(m.target.x, target, N, c.out_channels, S, S);
+    upload_act(m.target.x, target, N, c.out_channels, So, So);
     int64_t t[64], y[64];
     int labels[64];
     if (N > 64) fatal("fixture batch %d is larger than this test's 64", N);
@@ -126,16 +127,16 @@ static void test_fixture(const char *path) {
     unet_forward(&m, 1);
     int64_t count = act_numel(m.output);
     // the MSE over every output channel (the fixture's loss), every sample weighted 1
-    LossOutputs loss_out = loss_outputs_create(N, S * S);
+    LossOutputs loss_out = loss_outputs_create(N, So * So);
     LossInputs no_inputs = {NULL, NULL, NULL, NULL, 0, NULL};
     LossKind mse_only = {0, 1, 0, PREDICT_EPS, 1.0f};
-    training_loss(&loss_out, m.output->dx, m.output->x, m.target.x, &no_inputs, N, S * S, c.out_channels, mse_only);
+    training_loss(&loss_out, m.output->dx, m.output->x, m.target.x, &no_inputs, N, So * So, c.out_channels, mse_only);
     unet_backward(&m, 1, NULL, NULL);
     cuda_check(cudaDeviceSynchronize());
 
     snprintf(name, sizeof name, "%s: output and loss", path);
     check_case(strdup(name));
-    float *out = download_act(m.output->x, N, c.out_channels, S, S), *ref = tensor_floats(&f, "out", count), loss, ref_loss;
+    float *out = download_act(m.output->x, N, c.out_channels, So, So), *ref = tensor_floats(&f, "out", count), loss, ref_loss;
     double out_err = diff2(out, ref, count) / norm2(ref, count);
     cuda_check(cudaMemcpy(&loss, loss_out.terms, sizeof loss, cudaMemcpyDeviceToHost));
     float *ref_loss_p = tensor_floats(&f, "loss", 1);

@@ -1,6 +1,7 @@
 // test_unet_gpu_reference.cu: the trainer's whole model on the GPU against the CPU reference
 // (dev/unet.cu, double) on configurations the fixtures do not cover: 64 and 96 channels, odd image
-// sizes, four levels, every option. (A GroupNorm over a single value, e.g. 32 channels at 1x1,
+// sizes, four levels, every option; and the noisy classifier (EncoderUNetModel) with each pool, its
+// logits [N][classes] under the same MSE loss against a random target. (A GroupNorm over a single value, e.g. 32 channels at 1x1,
 // divides rounding noise by sqrt(eps): the per-layer checks in dev/ cover 1x1 inputs instead.) Random bf16-exact parameters (the zero-initialised
 // layers too), inputs, timesteps and labels, fresh each run (DEV_SEED repeats one). Tolerances
 // as in test_unet_gpu.cu: FP32 1e-5; BF16 2e-2 for the output, 8e-2 for gradients (a gradient
@@ -15,6 +16,7 @@ typedef struct {
     int image_size, num_channels, num_res_blocks, num_heads, num_heads_upsample, num_head_channels;
     const char *channel_mult, *attention_resolutions;
     int use_scale_shift_norm, resblock_updown, conv_resample, use_new_attention_order, classes, batch;
+    const char *pool;  // a classifier's (adaptive, attention; classes: its logits), or NULL: the UNet
 } TestConfig;
 
 static const TestConfig CONFIGS[] = {
@@ -22,6 +24,12 @@ static const TestConfig CONFIGS[] = {
     {"96 channels, 14x14, scale-shift, resblock up/down, new order, 32-channel heads", 14, 96, 2, 4, -1, 32, "1,2", "7", 1, 1, 0, 1, 0, 2},
     {"4 levels down to 2x2, conv resampling, 4 heads down and 2 up, 3 classes", 16, 64, 1, 4, 2, -1, "1,1,1,2", "4,2", 0, 0, 1, 0, 3, 2},
     {"64x64, scale-shift: the sm_90a halo convolutions at 64 pixels wide", 64, 64, 1, 2, -1, -1, "1,2", "32", 1, 0, 0, 0, 0, 1},
+    {"classifier, attention pool: 128 channels at 8x8, 65 tokens in 2 heads of 64, legacy blocks", 16, 64, 1, 1, -1, 64, "1,2",
+     "8", 1, 1, 0, 0, 10, 3, "attention"},
+    {"classifier, attention pool: 64 channels at 4x4, 17 tokens in 2 heads of 32, new-order blocks", 16, 32, 1, 1, -1, 32, "1,2,2",
+     "8,4", 0, 0, 1, 1, 7, 2, "attention"},
+    {"classifier, adaptive pool: 96 channels at 7x7, 3 heads, average-pool down", 14, 96, 2, 3, -1, -1, "1,1", "7", 1, 0, 0, 0, 4, 2,
+     "adaptive"},
 };
 
 static ModelConfig make_config(const TestConfig *t) {
@@ -31,8 +39,11 @@ static ModelConfig make_config(const TestConfig *t) {
     o.channel_mult = t->channel_mult, o.attention_resolutions = t->attention_resolutions;
     o.use_scale_shift_norm = t->use_scale_shift_norm, o.resblock_updown = t->resblock_updown;
     o.conv_resample = t->conv_resample, o.use_new_attention_order = t->use_new_attention_order;
-    o.class_cond = t->classes > 0;
-    return resolve_model(&o, t->classes);
+    o.class_cond = t->classes > 0 && !t->pool;
+    ModelConfig c = resolve_model(&o, t->classes);
+    char err[256];
+    if (t->pool && classifier_config(&c, t->pool, t->classes, err, sizeof err) != 0) fatal("%s", err);
+    return c;
 }
 
 // Parameters of the scale PyTorch's initialisation gives (twice as wide), with the zero-initialised
@@ -53,21 +64,21 @@ static void random_parameters(RefUNet *r) {
 
 static void test_config(const TestConfig *t) {
     ModelConfig c = make_config(t);
-    int N = t->batch, S = c.image_size;
+    int N = t->batch, S = c.image_size, So = c.pool ? 1 : S;  // So: the output's side (a classifier's logits: 1)
     RefUNet r;
     ref_unet_init(&r, &c);
     random_parameters(&r);
-    int64_t in_count = (int64_t)N * S * S * c.in_channels, out_count = (int64_t)N * S * S * c.out_channels;
+    int64_t in_count = (int64_t)N * S * S * c.in_channels, out_count = (int64_t)N * So * So * c.out_channels;
     double *x = dev_alloc(in_count), *target = dev_alloc(out_count), *out = dev_alloc(out_count);
     double *d_out = dev_alloc(out_count), *d_x = dev_alloc(in_count);
     for (int64_t i = 0; i < in_count; i++) x[i] = dev_round_x(dev_uniform(-1, 1));
     for (int64_t i = 0; i < out_count; i++) target[i] = dev_round_x(dev_uniform(-1, 1));
     int64_t steps[16], labels64[16];
     int labels[16];
-    for (int n = 0; n < N; n++) steps[n] = dev_random_int(1000), labels64[n] = t->classes ? dev_random_int(t->classes) : 0, labels[n] = (int)labels64[n];
+    for (int n = 0; n < N; n++) steps[n] = dev_random_int(1000), labels64[n] = c.num_classes ? dev_random_int(c.num_classes) : 0, labels[n] = (int)labels64[n];
 
     // The reference: forward, the MSE loss and its gradient, backward.
-    ref_unet_forward(&r, x, steps, t->classes ? labels64 : NULL, out, N);
+    ref_unet_forward(&r, x, steps, c.num_classes ? labels64 : NULL, out, N);
     double loss = 0;
     for (int64_t i = 0; i < out_count; i++) loss += (out[i] - target[i]) * (out[i] - target[i]), d_out[i] = 2 * (out[i] - target[i]) / out_count;
     loss /= out_count;
@@ -90,10 +101,10 @@ static void test_config(const TestConfig *t) {
     cuda_check(cudaMemcpy(m.labels, labels, N * sizeof(int), cudaMemcpyHostToDevice));
     unet_forward(&m, 1);
     // the MSE over every output channel (the fixture's loss), every sample weighted 1
-    LossOutputs loss_out = loss_outputs_create(N, S * S);
+    LossOutputs loss_out = loss_outputs_create(N, So * So);
     LossInputs no_inputs = {NULL, NULL, NULL, NULL, 0, NULL};
     LossKind mse_only = {0, 1, 0, PREDICT_EPS, 1.0f};
-    training_loss(&loss_out, m.output->dx, m.output->x, m.target.x, &no_inputs, N, S * S, c.out_channels, mse_only);
+    training_loss(&loss_out, m.output->dx, m.output->x, m.target.x, &no_inputs, N, So * So, c.out_channels, mse_only);
     unet_backward(&m, 1, NULL, NULL);
     cuda_check(cudaDeviceSynchronize());
 
