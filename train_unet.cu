@@ -7476,6 +7476,18 @@ static void team_warm_up(Trainer *tr, int64_t step) {
     team_wait(tr->done, TEAM_START_TIMEOUT, step);
 }
 
+// The kernels that enqueue(tr) puts on the stream, captured as a graph to replay.
+static cudaGraphExec_t trainer_capture(Trainer *tr, void (*enqueue)(Trainer *)) {
+    cudaGraph_t graph;
+    cudaGraphExec_t exec;
+    cuda_check(cudaStreamBeginCapture(gpu.stream, cudaStreamCaptureModeGlobal));
+    enqueue(tr);
+    cuda_check(cudaStreamEndCapture(gpu.stream, &graph));
+    cuda_check(cudaGraphInstantiate(&exec, graph, 0));
+    cuda_check(cudaGraphDestroy(graph));
+    return exec;
+}
+
 // Runs step tr->step + 1 (its batch already in tr->pixels) and waits for it; the results are in
 // tr->host_state. The first call captures the step as a graph; every call replays it. A stop asked
 // for by a signal goes in with the step, and comes out as stop when any rank was asked.
@@ -7496,14 +7508,7 @@ static void trainer_step(Trainer *tr) {
                    : !ordinary  ? TEAM_SLOW_STEP_TIMEOUT
                                 : fmax(TEAM_STEP_TIMEOUT, 50.0 * tr->slowest_wait);
     if (!tr->graph && team.comm) team_warm_up(tr, step);
-    if (!tr->graph) {
-        cudaGraph_t graph;
-        cuda_check(cudaStreamBeginCapture(gpu.stream, cudaStreamCaptureModeGlobal));
-        trainer_enqueue_step(tr);
-        cuda_check(cudaStreamEndCapture(gpu.stream, &graph));
-        cuda_check(cudaGraphInstantiate(&tr->graph, graph, 0));
-        cuda_check(cudaGraphDestroy(graph));
-    }
+    if (!tr->graph) tr->graph = trainer_capture(tr, trainer_enqueue_step);
     cuda_check(cudaGraphLaunch(tr->graph, gpu.stream));
     cuda_check(cudaEventRecord(tr->done, gpu.stream));
     double waited = team_wait(tr->done, timeout, step);
@@ -7527,14 +7532,7 @@ static const float *trainer_evaluate(Trainer *tr, DataLoader *val, int64_t index
     if (loader_seek(val, {seen / count, seen % count}, err, sizeof err) != 0) fatal("%s", err);
     loader_next_batch(val);
     tr->eval_state_host->noise_seed = random_u64((uint64_t)o->seed, rng_stream(RNG_STEP_SEED, 1), (uint64_t)tr->step);
-    if (!tr->eval_graph) {
-        cudaGraph_t graph;
-        cuda_check(cudaStreamBeginCapture(gpu.stream, cudaStreamCaptureModeGlobal));
-        trainer_enqueue_evaluation(tr);
-        cuda_check(cudaStreamEndCapture(gpu.stream, &graph));
-        cuda_check(cudaGraphInstantiate(&tr->eval_graph, graph, 0));
-        cuda_check(cudaGraphDestroy(graph));
-    }
+    if (!tr->eval_graph) tr->eval_graph = trainer_capture(tr, trainer_enqueue_evaluation);
     cuda_check(cudaGraphLaunch(tr->eval_graph, gpu.stream));
     cuda_check(cudaEventRecord(tr->done, gpu.stream));
     team_wait(tr->done, TEAM_SLOW_STEP_TIMEOUT, tr->step);
