@@ -4556,12 +4556,30 @@ static int classifier_config(ModelConfig *c, const char *pool, int classes, char
 // no dropout, no label embedding), so that everything after (the configuration printed, the
 // checkpoint's metadata) names the model trained. Its classes: the dataset's, or --num_classes, or
 // guided-diffusion's 1000.
-static void classifier_model_flags(Options *o) {
-    o->num_channels = o->classifier_width, o->num_res_blocks = o->classifier_depth, o->channel_mult = "";
-    o->attention_resolutions = o->classifier_attention_resolutions, o->num_head_channels = 64, o->use_new_attention_order = 0;
+// The classifier flags that have a model flag of their own, onto it.
+static void classifier_flags_onto_model(Options *o) {
+    o->num_channels = o->classifier_width, o->num_res_blocks = o->classifier_depth;
+    o->attention_resolutions = o->classifier_attention_resolutions;
     o->use_scale_shift_norm = o->classifier_use_scale_shift_norm, o->resblock_updown = o->classifier_resblock_updown;
+}
+
+static void classifier_model_flags(Options *o) {
+    classifier_flags_onto_model(o);
+    o->channel_mult = "", o->num_head_channels = 64, o->use_new_attention_order = 0;
     o->conv_resample = 1, o->dropout = 0.0f, o->class_cond = 0, o->learn_sigma = 0;
     if (o->num_classes < 1) o->num_classes = 1000;
+}
+
+// The model configuration of options that name it whole (a checkpoint's metadata, a .pt's inferred
+// flags): a classifier's when classifier_pool names a head (num_classes: its logits), else the
+// UNet's (num_classes: label_emb's rows). Returns 0, or -1 with a message.
+static int named_model_config(const Options *named, ModelConfig *c, char *err, size_t err_len) {
+    Options o = *named;
+    const char *pool = o.classifier_pool;
+    if (!pool[0]) return model_config_from_options(&o, o.num_classes, c, err, err_len);
+    if (o.class_cond) return error_line(err, err_len, "a classifier (classifier_pool %s) has no class_cond", pool);
+    if (model_config_from_options(&o, 0, c, err, err_len) != 0) return -1;
+    return classifier_config(c, pool, o.num_classes, err, err_len);
 }
 
 // guided-diffusion's own defaults (script_util.model_and_diffusion_defaults), for reading a
@@ -4589,10 +4607,7 @@ static int model_config_from_metadata(const SafeTensorsFile *f, const char *path
         const char *value = safetensors_metadata(f, model_flags[i]);
         if (value) r = option_from_string(&o, find_option(model_flags[i], strlen(model_flags[i])), value, why, sizeof why);
     }
-    const char *pool = o.classifier_pool;  // "": the diffusion UNet
-    if (r == 0 && pool[0] && o.class_cond) r = error_line(why, sizeof why, "a classifier (classifier_pool %s) has no class_cond", pool);
-    if (r == 0) r = model_config_from_options(&o, pool[0] ? 0 : o.num_classes, c, why, sizeof why);
-    if (r == 0 && pool[0]) r = classifier_config(c, pool, o.num_classes, why, sizeof why);
+    if (r == 0) r = named_model_config(&o, c, why, sizeof why);
     return r == 0 ? 0 : error_line(err, err_len, "%s: its metadata gives no valid model: %s", path, why);
 }
 
@@ -5543,8 +5558,82 @@ typedef struct {
     char channel_mult[128], attention_resolutions[128];
 } InferredModel;
 
+// Whether a candidate's parameters are the file's; then it is the inferred model (with its flags'
+// texts).
+static int take_if_match(const SafeTensorsFile *f, const Options *o, const ModelConfig *candidate, InferredModel *inferred) {
+    ParamList params = model_parameters(candidate);
+    int match = parameters_match(&params, f);
+    free(params.specs);
+    if (!match) return 0;
+    inferred->config = *candidate, inferred->options = *o;
+    snprintf(inferred->channel_mult, sizeof inferred->channel_mult, "%s", o->channel_mult);
+    snprintf(inferred->attention_resolutions, sizeof inferred->attention_resolutions, "%s", o->attention_resolutions);
+    inferred->options.channel_mult = inferred->channel_mult;
+    inferred->options.attention_resolutions = inferred->attention_resolutions;
+    return 1;
+}
+
+// The noisy classifier's (EncoderUNetModel: input blocks, middle block, a head; infer_model_config
+// sends a state_dict with the head's tensors and no output blocks here): its head from the head's
+// tensors (attention: out.2.positional_embedding, the classes c_proj's rows; adaptive: out.3), the
+// levels from the input blocks (the first conv, per level num_res_blocks ResBlocks and a
+// downsampling but on the last), each level's channels from its first ResBlock, attention where a
+// level's blocks have it; the heads are 64 channels (guided-diffusion's create_classifier) unless
+// given.
+static int infer_classifier_config(const SafeTensorsFile *f, const Options *given, int heads_given, InferredModel *inferred, char *err,
+                                   size_t err_len) {
+    const SafeTensor *time = safetensors_find(f, "time_embed.0.weight"), *positions = safetensors_find(f, "out.2.positional_embedding");
+    const char *pool = positions ? "attention" : "adaptive";
+    int64_t ch = time->shape[1], classes = tensor_rows(f, positions ? "out.2.c_proj.weight" : "out.3.weight", 0), inputs = 0;
+    for (int i = 0; i < f->count; i++) {
+        int j;
+        if (sscanf(f->tensors[i].name, "input_blocks.%d.", &j) == 1 && j + 1 > inputs) inputs = j + 1;
+    }
+    int64_t scale_shift_rows = tensor_rows(f, "input_blocks.%d.0.emb_layers.1.weight", 1);
+    for (int blocks = 1; blocks <= MAX_RES_BLOCKS; blocks++) {
+        int levels = (int)(inputs / (blocks + 1));  // 1 + levels blocks + (levels - 1) input blocks
+        if (inputs % (blocks + 1) || levels < 1 || levels > MAX_LEVELS) continue;
+        char mult[128] = "", resolutions[128] = "";
+        int ok = 1;
+        for (int level = 0; level < levels && ok; level++) {
+            int first = 1 + level * (blocks + 1), with_attention = 0;
+            int64_t level_ch = tensor_rows(f, "input_blocks.%d.0.out_layers.3.weight", first);
+            for (int k = first; k < first + blocks; k++) with_attention |= tensor_rows(f, "input_blocks.%d.1.qkv.weight", k) != 0;
+            ok = level_ch > 0 && level_ch * 2 % ch == 0;
+            snprintf(mult + strlen(mult), sizeof mult - strlen(mult), "%s%g", level ? "," : "", (double)level_ch / (double)ch);
+            if (with_attention)
+                snprintf(resolutions + strlen(resolutions), sizeof resolutions - strlen(resolutions), "%s%d", resolutions[0] ? "," : "",
+                         given->image_size >> level);
+        }
+            for (int updown = 0; ok && updown < 2; updown++) {  // (conv_resample: always, as create_classifier leaves it)
+            Options o = *given;
+            o.num_channels = (int)ch, o.num_res_blocks = blocks, o.channel_mult = mult, o.attention_resolutions = resolutions;
+            o.use_scale_shift_norm = scale_shift_rows == 2 * tensor_rows(f, "input_blocks.%d.0.out_layers.3.weight", 1);
+            o.resblock_updown = updown, o.conv_resample = 1, o.class_cond = 0, o.learn_sigma = 0, o.num_classes = (int)classes;
+            o.classifier_pool = pool, o.classifier_width = o.num_channels, o.classifier_depth = blocks;
+            o.classifier_use_scale_shift_norm = o.use_scale_shift_norm, o.classifier_resblock_updown = updown;
+            if (!heads_given) o.num_head_channels = 64;
+            ModelConfig candidate;
+            char why[256];
+            if (named_model_config(&o, &candidate, why, sizeof why) == 0 && take_if_match(f, &o, &candidate, inferred)) {
+                inferred->options.classifier_attention_resolutions = inferred->attention_resolutions;
+                return 0;
+            }
+        }
+    }
+    return error_line(err, err_len, "its tensors fit no guided-diffusion classifier this trainer builds (with --image_size %d%s)",
+                      given->image_size, heads_given ? " and the heads given" : "");
+}
+
 static int infer_model_config(const SafeTensorsFile *f, const Options *given, int heads_given, InferredModel *inferred, char *err,
                               size_t err_len) {
+    const SafeTensor *time_embed = safetensors_find(f, "time_embed.0.weight"), *norm = safetensors_find(f, "out.0.weight");
+    int head = safetensors_find(f, "out.2.positional_embedding") || safetensors_find(f, "out.3.weight");
+    if (time_embed && time_embed->ndim == 2 && norm && norm->ndim == 1 && head && tensor_rows(f, "output_blocks.%d.0.in_layers.2.weight", 0) == 0) {
+        if (given->image_size <= 0)
+            return error_line(err, err_len, "--image_size: a state_dict does not say the images' size; give guided-diffusion's flag");
+        return infer_classifier_config(f, given, heads_given, inferred, err, err_len);
+    }
     const SafeTensor *first = safetensors_find(f, "input_blocks.0.0.weight"), *last = safetensors_find(f, "out.2.weight");
     const SafeTensor *time = safetensors_find(f, "time_embed.0.weight");  // [4 model_channels][model_channels]
     if (!first || !last || !time || first->ndim != 4 || last->ndim != 4 || time->ndim != 2)
@@ -5589,18 +5678,8 @@ static int infer_model_config(const SafeTensorsFile *f, const Options *given, in
             o.class_cond = label_rows > 0, o.num_classes = (int)label_rows, o.learn_sigma = out == 2 * in;
             ModelConfig candidate;
             char why[256];
-            if (model_config_from_options(&o, o.num_classes, &candidate, why, sizeof why) != 0) continue;
-            ParamList params = model_parameters(&candidate);
-            int match = parameters_match(&params, f);
-            free(params.specs);
-            if (match) {
-                inferred->config = candidate, inferred->options = o;
-                snprintf(inferred->channel_mult, sizeof inferred->channel_mult, "%s", mult);
-                snprintf(inferred->attention_resolutions, sizeof inferred->attention_resolutions, "%s", resolutions);
-                inferred->options.channel_mult = inferred->channel_mult;
-                inferred->options.attention_resolutions = inferred->attention_resolutions;
+            if (model_config_from_options(&o, o.num_classes, &candidate, why, sizeof why) == 0 && take_if_match(f, &o, &candidate, inferred))
                 return 0;
-            }
         }
     }
     return error_line(err, err_len, "its tensors fit no guided-diffusion UNet this trainer builds (with --image_size %d and the heads given)",
@@ -5609,7 +5688,8 @@ static int infer_model_config(const SafeTensorsFile *f, const Options *given, in
 
 // The model and diffusion of a weights file without metadata (a .pt), from its tensors and
 // guided-diffusion's flags as its README gives them for each released model ("name=value" each;
-// use_fp16, which says how it ran there, is accepted and left alone). The flags the tensors decide
+// use_fp16 and classifier_use_fp16, which say how it ran there, are accepted and left alone; a
+// classifier's flags are its classifier_ ones). The flags the tensors decide
 // must agree with them; the rest (image_size, the heads, the attention order, dropout, the
 // diffusion) come from the flags, diffusion_steps 1000, linear and eps where they say nothing.
 // *described gets one line of what was inferred and what was given. Returns 0, or -1 with a
@@ -5626,7 +5706,8 @@ static int model_from_tensors_and_flags(const SafeTensorsFile *f, const char *pa
     for (int i = 0; i < num_flags && used < 64; i++) {
         const char *eq = strchr(flags[i], '=');
         size_t len = eq ? (size_t)(eq - flags[i]) : 0;
-        if (!eq || (len == 8 && strncmp(flags[i], "use_fp16", 8) == 0)) continue;
+        if (!eq || (len == 8 && strncmp(flags[i], "use_fp16", 8) == 0) || (len == 19 && strncmp(flags[i], "classifier_use_fp16", 19) == 0))
+            continue;
         const OptionSpec *spec = find_option(flags[i], len);
         if (!spec || option_from_string(&given, spec, eq + 1, why, sizeof why) != 0)
             return error_line(err, err_len, "--%.*s %s: %s", (int)len, flags[i], eq + 1, spec ? why : "not a model or diffusion flag");
@@ -5639,8 +5720,10 @@ static int model_from_tensors_and_flags(const SafeTensorsFile *f, const char *pa
     for (int i = 0; i < used; i++) {  // each flag given, put on the inferred model, must leave it as it is
         Options o = inferred.options;
         ModelConfig with_flag;
-        if (option_from_string(&o, specs[i], values[i], why, sizeof why) != 0 ||
-            model_config_from_options(&o, o.num_classes, &with_flag, why, sizeof why) != 0 || memcmp(&with_flag, &inferred.config, sizeof with_flag) != 0)
+        int r = option_from_string(&o, specs[i], values[i], why, sizeof why);
+        if (inferred.config.pool) classifier_flags_onto_model(&o);
+        if (r != 0 || named_model_config(&o, &with_flag, why, sizeof why) != 0 ||
+            memcmp(&with_flag, &inferred.config, sizeof with_flag) != 0)
             return error_line(err, err_len, "%s: --%s %s does not fit its tensors (they are of --num_channels %d --channel_mult %s "
                               "--num_res_blocks %d --attention_resolutions %s)", path, specs[i]->name, values[i], inferred.options.num_channels,
                               inferred.channel_mult, inferred.options.num_res_blocks, inferred.attention_resolutions);
@@ -5651,10 +5734,12 @@ static int model_from_tensors_and_flags(const SafeTensorsFile *f, const char *pa
     if (given.diffusion_steps < 1 || given.diffusion_steps > 100000) return error_line(err, err_len, "--diffusion_steps out of range");
     const Options *o = &inferred.options;
     const char *truth[2] = {"False", "True"};
-    snprintf(described, described_len, "inferred from the tensors: num_channels %d channel_mult %s num_res_blocks %d attention_resolutions "
-             "%s use_scale_shift_norm %s resblock_updown %s class_cond %s learn_sigma %s; given:%s", o->num_channels, inferred.channel_mult,
-             o->num_res_blocks, inferred.attention_resolutions, truth[o->use_scale_shift_norm], truth[o->resblock_updown],
-             truth[o->class_cond], truth[o->learn_sigma], given_text[0] ? given_text : " none");
+    char kind[96] = "";
+    if (inferred.config.pool) snprintf(kind, sizeof kind, "a classifier (classifier_pool %s, %d classes): ", o->classifier_pool, o->num_classes);
+    snprintf(described, described_len, "inferred from the tensors: %snum_channels %d channel_mult %s num_res_blocks %d attention_resolutions "
+             "%s use_scale_shift_norm %s resblock_updown %s class_cond %s learn_sigma %s; given:%s", kind, o->num_channels,
+             inferred.channel_mult, o->num_res_blocks, inferred.attention_resolutions, truth[o->use_scale_shift_norm],
+             truth[o->resblock_updown], truth[o->class_cond], truth[o->learn_sigma], given_text[0] ? given_text : " none");
     *c = inferred.config, *steps = given.diffusion_steps, *schedule = given.noise_schedule, *predict = given.predict;
     return 0;
 }

@@ -4,6 +4,8 @@
   model (unet_ref.py) holding the weights of dev/fixtures/unet_{seed,adm}.safetensors, as
   torch.save(model.state_dict()) writes it (fp16/bf16: every tensor cast); the zip format, and the
   legacy one (_use_new_zipfile_serialization=False) for fp32 and fp16;
+- dev/fixtures/pt/unet_classifier_{attention,adaptive}_fp16{,_legacy}.pt: the same for the noisy
+  classifier's fixtures (its EncoderUNetModel), fp16 only;
 - dev/test/corpus/pt/good_torch_views{,_legacy}.pt: a small dict of tensors that share storages
   and start at offsets into them (views), a Parameter, fp16 and bf16 values; values
   arange(n) * 0.25 (see dev/test/test_safetensors.c).
@@ -26,7 +28,8 @@ from unet_ref import create_model  # noqa: E402
 def main():
     out = os.path.join(ROOT, "dev", "fixtures", "pt")
     os.makedirs(out, exist_ok=True)
-    for name in ("seed", "adm"):
+    every = ("fp32", "fp16", "bf16")
+    for name, labels in (("seed", every), ("adm", every), ("classifier_attention", ("fp16",)), ("classifier_adaptive", ("fp16",))):
         path = os.path.join(ROOT, "dev", "fixtures", f"unet_{name}.safetensors")
         with safe_open(path, "pt") as f:
             meta = f.metadata()
@@ -35,6 +38,8 @@ def main():
         model.load_state_dict({k: v for k, v in weights.items() if k in model.state_dict()}, strict=True)
         state = model.state_dict()
         for dtype, label in ((torch.float32, "fp32"), (torch.float16, "fp16"), (torch.bfloat16, "bf16")):
+            if label not in labels:
+                continue
             cast = type(state)((k, v.to(dtype)) for k, v in state.items())
             cast._metadata = state._metadata
             torch.save(cast, os.path.join(out, f"unet_{name}_{label}.pt"))

@@ -118,6 +118,42 @@ int main(void) {
         safetensors_close(&f);
     }
 
+    check_case("the noisy classifier: the fixtures' (their safetensors and a .pt) and guided-diffusion's released ones, its README's flags");
+    const char *heads[2] = {"attention", "adaptive"};
+    for (int i = 0; i < 2; i++) {
+        char path[256];
+        SafeTensorsFile f;
+        ModelConfig truth;
+        snprintf(path, sizeof path, "dev/fixtures/unet_classifier_%s.safetensors", heads[i]);
+        CHECK(safetensors_open(path, &f, err, sizeof err) == 0 && model_config_from_metadata(&f, path, &truth, err, sizeof err) == 0);
+        CHECK(truth.pool != POOL_NONE && infers(path, &f, &truth));
+        safetensors_close(&f);
+        snprintf(path, sizeof path, "dev/fixtures/pt/unet_classifier_%s_fp16.pt", heads[i]);
+        CHECK(safetensors_open(path, &f, err, sizeof err) == 0 && infers(path, &f, &truth));
+        safetensors_close(&f);
+    }
+    for (int size = 64; size <= 512; size *= 2) {  // --classifier_depth 2 --classifier_width 128 --classifier_pool attention, ...
+        Options r = guided_diffusion_defaults();
+        r.image_size = size, r.num_classes = 1000, r.classifier_pool = "attention";
+        classifier_model_flags(&r);
+        ModelConfig truth;
+        char what[64];
+        snprintf(what, sizeof what, "%dx%d_classifier", size, size);
+        if (named_model_config(&r, &truth, err, sizeof err) != 0) {
+            printf("  %s: %s\n", what, err);
+            CHECK(0);
+            continue;
+        }
+        SafeTensorsFile f = shapes_only(&truth);
+        Options given = guided_diffusion_defaults();
+        given.image_size = size;  // the heads: not given (a classifier's are 64 channels)
+        InferredModel got;
+        int ok = infer_model_config(&f, &given, 0, &got, err, sizeof err) == 0 && same_config(&got.config, &truth);
+        if (!ok) printf("  %s: %s\n", what, err);
+        CHECK(ok);
+        safetensors_close(&f);
+    }
+
     check_case("what shapes cannot say, or a file that is no UNet: one line naming what to give");
     Options o = preset_seed();
     ModelConfig truth = resolve_model(&o, 0);
