@@ -3818,31 +3818,36 @@ static void attention_backward(const Attention *a) {
 // The classifier head's tokens (PoolHead): from x [N][HW][C], T tokens a sample,
 //   tokens[n][0][c] = mean_p x[n][p][c] + pos[c][0],   tokens[n][1 + p][c] = x[n][p][c] + pos[c][1 + p]
 // (AttentionPool2d, pos its positional_embedding [C][T], T = 1 + HW), or with T = 1 and no pos the
-// mean alone (the adaptive pool). Backward:
-//   dx[n][p][c] = d tokens[n][0][c] / HW + d tokens[n][1 + p][c],   d pos[c][t] = sum_n d tokens[n][t][c].
+// mean alone (the adaptive pool; the spatial pools' features, a source's C columns of rows ld
+// wide). Backward:
+//   dx[n][p][c] (+)= d tokens[n][0][c] / HW + d tokens[n][1 + p][c],   d pos[c][t] = sum_n d tokens[n][t][c].
 // A thread per (sample, channel) walks the pixels (the heads' maps are small: 8x8 at most in
-// guided-diffusion's classifiers), the sums in a fixed order.
-__global__ void pool_tokens_forward_kernel(floatX *tokens, const floatX *x, const float *pos, int N, int HW, int C, int T) {
+// guided-diffusion's classifiers; the spatial pools' first sources are larger, but one pass over them),
+// the sums in a fixed order. Tokens: rows of ld elements (C but for the spatial pools' features).
+__global__ void pool_tokens_forward_kernel(floatX *tokens, int ld, const floatX *x, const float *pos, int N, int HW, int C, int T) {
     int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= N * C) return;
     int n = i / C, c = i % C;
     const floatX *column = x + (int64_t)n * HW * C + c;
-    floatX *out = tokens + (int64_t)n * T * C + c;
+    floatX *out = tokens + (int64_t)n * T * ld + c;
     float sum = 0.0f;
     for (int p = 0; p < HW; p++) sum += (float)column[(int64_t)p * C];
     out[0] = (floatX)(sum / HW + (pos ? pos[(int64_t)c * T] : 0.0f));
     if (T > 1)
-        for (int p = 0; p < HW; p++) out[(int64_t)(1 + p) * C] = (floatX)((float)column[(int64_t)p * C] + pos[(int64_t)c * T + 1 + p]);
+        for (int p = 0; p < HW; p++) out[(int64_t)(1 + p) * ld] = (floatX)((float)column[(int64_t)p * C] + pos[(int64_t)c * T + 1 + p]);
 }
 
-__global__ void pool_tokens_backward_kernel(floatX *dx, const floatX *d_tokens, int N, int HW, int C, int T) {
+__global__ void pool_tokens_backward_kernel(floatX *dx, GradMode mode, const floatX *d_tokens, int ld, int N, int HW, int C, int T) {
     int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= N * C) return;
     int n = i / C, c = i % C;
-    const floatX *d = d_tokens + (int64_t)n * T * C + c;
+    const floatX *d = d_tokens + (int64_t)n * T * ld + c;
     float d_mean = (float)d[0] / HW;
-    for (int p = 0; p < HW; p++)
-        dx[((int64_t)n * HW + p) * C + c] = (floatX)(d_mean + (T > 1 ? (float)d[(int64_t)(1 + p) * C] : 0.0f));
+    for (int p = 0; p < HW; p++) {
+        floatX *at = dx + ((int64_t)n * HW + p) * C + c;
+        float v = d_mean + (T > 1 ? (float)d[(int64_t)(1 + p) * ld] : 0.0f);
+        *at = (floatX)(mode == GRAD_ADD ? (float)*at + v : v);
+    }
 }
 
 __global__ void pool_positions_backward_kernel(float *d_pos, const floatX *d_tokens, int N, int C, int T) {
@@ -3854,14 +3859,14 @@ __global__ void pool_positions_backward_kernel(float *d_pos, const floatX *d_tok
     d_pos[(int64_t)c * T + t] = sum;
 }
 
-static void pool_tokens_forward(floatX *tokens, const floatX *x, const float *pos, int N, int HW, int C, int T) {
-    pool_tokens_forward_kernel<<<blocks_for((size_t)N * C, 256), 256, 0, gpu.stream>>>(tokens, x, pos, N, HW, C, T);
+static void pool_tokens_forward(floatX *tokens, int ld, const floatX *x, const float *pos, int N, int HW, int C, int T) {
+    pool_tokens_forward_kernel<<<blocks_for((size_t)N * C, 256), 256, 0, gpu.stream>>>(tokens, ld, x, pos, N, HW, C, T);
     cuda_check_launch();
 }
 
-// dx written whole; d_pos (attention pool: not NULL) too.
-static void pool_tokens_backward(floatX *dx, float *d_pos, const floatX *d_tokens, int N, int HW, int C, int T) {
-    pool_tokens_backward_kernel<<<blocks_for((size_t)N * C, 256), 256, 0, gpu.stream>>>(dx, d_tokens, N, HW, C, T);
+// dx (+)= as the mode says; d_pos (attention pool: not NULL) written whole.
+static void pool_tokens_backward(floatX *dx, GradMode mode, float *d_pos, const floatX *d_tokens, int ld, int N, int HW, int C, int T) {
+    pool_tokens_backward_kernel<<<blocks_for((size_t)N * C, 256), 256, 0, gpu.stream>>>(dx, mode, d_tokens, ld, N, HW, C, T);
     cuda_check_launch();
     if (!d_pos) return;
     pool_positions_backward_kernel<<<blocks_for((size_t)T * C, 256), 256, 0, gpu.stream>>>(d_pos, d_tokens, N, C, T);
@@ -4034,6 +4039,17 @@ __global__ void silu_backward_kernel(floatX *dx, const floatX *dy, const floatX 
     }
 }
 
+// y = max(x, 0);  dx = dy where x > 0, else 0 (written).
+__global__ void relu_forward_kernel(floatX *y, const floatX *x, int64_t n) {
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
+        y[i] = (float)x[i] > 0.0f ? x[i] : (floatX)0.0f;
+}
+
+__global__ void relu_backward_kernel(floatX *dx, const floatX *dy, const floatX *x, int64_t n) {
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
+        dx[i] = (float)x[i] > 0.0f ? dy[i] : (floatX)0.0f;
+}
+
 // out = in rounded to the activation type: the weights' compute copy, an fp32 gradient as floatX.
 __global__ void float_to_floatx_kernel(floatX *out, const float *in, int64_t n) {
     for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
@@ -4190,9 +4206,11 @@ typedef struct {
 
 // The noisy classifier (guided-diffusion's EncoderUNetModel): the UNet's time embedding, input
 // blocks and middle block, then a head (its `pool`) that turns the last feature map into one logit
-// a class (out_channels of them); no label embedding, no decoder.
-typedef enum { POOL_NONE, POOL_ADAPTIVE, POOL_ATTENTION, NUM_POOLS } ClassifierPool;
-static const char *const pool_names[NUM_POOLS] = {"", "adaptive", "attention"};
+// a class (out_channels of them); no label embedding, no decoder. The spatial heads' hidden layer
+// has SPATIAL_HIDDEN units (guided-diffusion's).
+#define SPATIAL_HIDDEN 2048
+typedef enum { POOL_NONE, POOL_ADAPTIVE, POOL_ATTENTION, POOL_SPATIAL, POOL_SPATIAL_V2, NUM_POOLS } ClassifierPool;
+static const char *const pool_names[NUM_POOLS] = {"", "adaptive", "attention", "spatial", "spatial_v2"};
 
 // A run's options under guided-diffusion's flag names (the command line's, a checkpoint's metadata):
 // the table of them, the presets, and each value read and checked. A preset sets a group of them
@@ -4272,7 +4290,7 @@ static const OptionSpec option_specs[] = {
     OPT(classifier_attention_resolutions, OPT_STRING, "classifier: resolutions with attention (64-channel heads)"),
     OPT(classifier_use_scale_shift_norm, OPT_BOOL, "classifier: timestep embedding as scale and shift of the norm"),
     OPT(classifier_resblock_updown, OPT_BOOL, "classifier: downsample with residual blocks"),
-    OPT(classifier_pool, OPT_STRING, "classifier: its head, attention | adaptive"),
+    OPT(classifier_pool, OPT_STRING, "classifier: its head, attention | adaptive | spatial | spatial_v2"),
     OPT(noised, OPT_BOOL, "classifier: train on images noised at t drawn uniformly (False: the clean images at t = 0)"),
     OPT(val_data, OPT_STRING, "classifier: a dataset .bin to evaluate on (its loss and accuracy in log.csv's val_ columns)"),
     OPT(eval_interval, OPT_INT, "classifier: steps between evaluations on --val_data (a batch each)"),
@@ -4541,7 +4559,7 @@ static int classifier_config(ModelConfig *c, const char *pool, int classes, char
     c->pool = POOL_NONE;
     for (int p = 1; p < NUM_POOLS; p++)
         if (strcmp(pool, pool_names[p]) == 0) c->pool = p;
-    if (c->pool == POOL_NONE) return error_line(err, err_len, "classifier_pool '%s' is none of adaptive and attention", pool);
+    if (c->pool == POOL_NONE) return error_line(err, err_len, "classifier_pool '%s' is none of adaptive, attention, spatial and spatial_v2", pool);
     if (classes < 1) return error_line(err, err_len, "a classifier needs num_classes of at least 1, not %d", classes);
     int ch = c->level_channels[c->num_levels - 1];
     if (c->pool == POOL_ATTENTION && (c->num_head_channels < 1 || ch % c->num_head_channels))
@@ -4953,21 +4971,45 @@ static void output_head_backward(OutputHead *o, const Act *in, const Act *out, G
 //   adaptive:  tokens = the mean of h0's pixels [N][1][C], out = proj(tokens);
 //   attention: tokens = [mean, h0's pixels] + positions [N][1 + HW][C], qkv_out = qkv(tokens),
 //              attended = attention(qkv_out), token0 = attended's first token, out = proj(token0).
-// Backward needs no h0 (its gradient comes from the tokens'), so h0 is transient.
+// Backward needs no h0 (its gradient comes from the tokens'), so h0 is transient. The spatial
+// pools instead read every input block's output and the middle block's (x, the last source):
+//   features = [the mean of each source's pixels] [N][F], hidden = linear(features) [N][2048],
+//   hidden_act = ReLU(hidden) (spatial) or SiLU(GroupNorm(hidden)) (spatial_v2), out = proj(hidden_act);
+// backward hands x its gradient and each other source its own when backward reaches that source's
+// block (pool_head_source_backward: the source's gradient is whole only then).
 typedef struct {
-    int pool;  // POOL_ADAPTIVE or POOL_ATTENTION
-    Norm norm;
-    Conv qkv, proj;                  // (qkv: attention only)
+    int pool;
+    Norm norm;                       // GroupNorm: out.0 (spatial_v2: out.1, on hidden)
+    Conv qkv, linear, proj;          // (qkv: attention; linear: the spatial pools' first)
     float *positions, *d_positions;  // attention: positional_embedding [C][1 + HW] (fp32) and its gradient
     Act h0, tokens, qkv_out, attended, token0;
+    const Act *sources[MAX_SKIPS + 1];  // spatial pools: every input block's output, then x
+    int source_blocks[MAX_SKIPS], num_sources;  // (the blocks of all but x)
+    Act features, hidden, hidden_act;   // (features' gradient kept until backward reaches the first source)
     float *mean, *rstd;
     Attention attention;  // reads qkv_out, writes attended
 } PoolHead;
 
 static void pool_head_forward(PoolHead *h, const Act *in, Act *out) {
     int N = in->N, HW = in->H * in->W, C = in->C, T = h->tokens.W;
+    if (h->pool == POOL_SPATIAL || h->pool == POOL_SPATIAL_V2) {
+        for (int s = 0, at = 0; s < h->num_sources; at += h->sources[s++]->C) {
+            const Act *a = h->sources[s];
+            pool_tokens_forward(h->features.x + at, h->features.C, a->x, NULL, N, a->H * a->W, a->C, 1);
+        }
+        conv_forward(&h->linear, h->hidden.x, h->features.x, N, 1, 1, NULL);
+        if (h->pool == POOL_SPATIAL_V2)
+            group_norm_forward(&h->norm, h->hidden_act.x, h->mean, h->rstd, h->hidden.x, N, 1, NORM_SILU, NO_SUMS, NO_SUMS);
+        else {
+            relu_forward_kernel<<<blocks_for(act_numel(&h->hidden), 256), 256, 0, gpu.stream>>>(h->hidden_act.x, h->hidden.x,
+                                                                                                 act_numel(&h->hidden));
+            cuda_check_launch();
+        }
+        conv_forward(&h->proj, out->x, h->hidden_act.x, N, 1, 1, NULL);
+        return;
+    }
     group_norm_forward(&h->norm, h->h0.x, h->mean, h->rstd, in->x, N, HW, NORM_SILU, act_sums(in), NO_SUMS);
-    pool_tokens_forward(h->tokens.x, h->h0.x, h->positions, N, HW, C, T);
+    pool_tokens_forward(h->tokens.x, C, h->h0.x, h->positions, N, HW, C, T);
     if (h->pool == POOL_ADAPTIVE) {
         conv_forward(&h->proj, out->x, h->tokens.x, N, 1, 1, NULL);
         return;
@@ -4981,6 +5023,20 @@ static void pool_head_forward(PoolHead *h, const Act *in, Act *out) {
 
 static void pool_head_backward(PoolHead *h, const Act *in, const Act *out, GradMode in_grad) {
     int N = in->N, HW = in->H * in->W, C = in->C, T = h->tokens.W;
+    if (h->pool == POOL_SPATIAL || h->pool == POOL_SPATIAL_V2) {
+        conv_backward(&h->proj, h->hidden_act.dx, GRAD_WRITE, out->dx, h->hidden_act.x, N, 1, 1, NULL, 0);
+        if (h->pool == POOL_SPATIAL_V2)
+            group_norm_backward(&h->norm, h->hidden.dx, GRAD_WRITE, NULL, h->hidden_act.dx, h->hidden.x, NULL, h->mean, h->rstd, N, 1,
+                                NORM_SILU);
+        else {
+            relu_backward_kernel<<<blocks_for(act_numel(&h->hidden), 256), 256, 0, gpu.stream>>>(h->hidden.dx, h->hidden_act.dx, h->hidden.x,
+                                                                                                  act_numel(&h->hidden));
+            cuda_check_launch();
+        }
+        conv_backward(&h->linear, h->features.dx, GRAD_WRITE, h->hidden.dx, h->features.x, N, 1, 1, NULL, 0);
+        pool_tokens_backward(in->dx, in_grad, NULL, h->features.dx + h->features.C - C, h->features.C, N, HW, C, 1);
+        return;
+    }
     if (h->pool == POOL_ADAPTIVE) conv_backward(&h->proj, h->tokens.dx, GRAD_WRITE, out->dx, h->tokens.x, N, 1, 1, NULL, 0);
     else {
         conv_backward(&h->proj, h->token0.dx, GRAD_WRITE, out->dx, h->token0.x, N, 1, 1, NULL, 0);
@@ -4990,8 +5046,18 @@ static void pool_head_backward(PoolHead *h, const Act *in, const Act *out, GradM
         attention_backward(&h->attention);
         conv_backward(&h->qkv, h->tokens.dx, GRAD_WRITE, h->qkv_out.dx, h->tokens.x, N, 1, T, NULL, 0);
     }
-    pool_tokens_backward(h->h0.dx, h->d_positions, h->tokens.dx, N, HW, C, T);
+    pool_tokens_backward(h->h0.dx, GRAD_WRITE, h->d_positions, h->tokens.dx, C, N, HW, C, T);
     group_norm_backward(&h->norm, in->dx, in_grad, NULL, h->h0.dx, in->x, NULL, h->mean, h->rstd, N, HW, NORM_SILU);
+}
+
+// A spatial pool's gradient of the output of `block`, one of its sources, added to what the blocks
+// after it delivered (called as backward reaches the block, before its own backward).
+static void pool_head_source_backward(const PoolHead *h, int block) {
+    for (int s = 0, at = 0; s + 1 < h->num_sources; at += h->sources[s++]->C) {
+        if (h->source_blocks[s] != block) continue;
+        const Act *a = h->sources[s];
+        pool_tokens_backward(a->dx, GRAD_ADD, NULL, h->features.dx + at, h->features.C, a->N, a->H * a->W, a->C, 1);
+    }
 }
 
 // ----------------------------------------------------------------------------------------------
@@ -5248,7 +5314,14 @@ static void walk_conv_scratch(Walk *w, const Conv *cv, int size) {
     note_scratch(&m->channel_sums_numel, channel_sum_slots(N) * cv->out);
 }
 
+// The GroupNorm kernels give a thread PACK channels of a row, a block's threads one row at least:
+// at most GN_THREADS PACK channels (2048 in the BF16 build, 1024 in FP32: there adm512's widest
+// decoder norms and spatial_v2's hidden layer do not fit, and planning them stops with one line).
+static int group_norm_fits(int channels) { return channels / PACK <= GN_THREADS; }
+
 static void walk_norm_scratch(Walk *w, int channels) {
+    if (!group_norm_fits(channels))
+        fatal("GroupNorm over %d channels: the %s build's kernels take at most %d", channels, PRECISION_NAME, GN_THREADS * PACK);
     note_scratch(&w->m->gn_partials_numel, gn_slots(w->m->batch) * (channels * 4 + GN_GROUPS * 2));
 }
 
@@ -5371,29 +5444,53 @@ static void walk_resample(Walk *w, const char *prefix, int channels, int up) {
 //   attention: AttentionPool2d (out.2): tokens = [the pixels' mean, the pixels] + positional_embedding
 //              ([C][1 + HW]), qkv_proj (1x1 conv1d to 3C), attention in heads of num_head_channels
 //              (QKVAttention's order), c_proj (1x1 conv1d to the classes) on token 0 alone (the only
-//              one returned).
-static void walk_pool_head(Walk *w, int channels) {
+//              one returned);
+// or, without GroupNorm first, from the means of every input block's output (the sources: the
+// skips' blocks) and of `channels` (F values a sample):
+//   spatial:    out.0 (Linear F -> SPATIAL_HIDDEN), ReLU, out.2 (Linear to the classes);
+//   spatial_v2: out.0 (Linear F -> SPATIAL_HIDDEN), out.1 (GroupNorm), SiLU, out.3 (Linear).
+static void walk_pool_head(Walk *w, int channels, const int *source_channels, const int *source_blocks, int num_sources) {
     const ModelConfig *c = w->c;
     int size = c->image_size >> (c->num_levels - 1), T = size * size + 1, classes = c->out_channels;  // (w->size: only when building)
-    Norm norm = walk_norm(w, "out.0.", channels);
-    Conv qkv = {0}, proj;
+    int spatial = c->pool == POOL_SPATIAL || c->pool == POOL_SPATIAL_V2, features = channels, hidden = SPATIAL_HIDDEN;
+    for (int s = 0; s < num_sources; s++) features += source_channels[s];
+    Norm norm = {0};
+    Conv qkv = {0}, linear = {0}, proj;
     int positions = -1;
+    if (spatial) {
+        linear = walk_linear(w, "out.0.", features, hidden);
+        if (c->pool == POOL_SPATIAL_V2) norm = walk_norm(w, "out.1.", hidden);
+        proj = walk_linear(w, c->pool == POOL_SPATIAL_V2 ? "out.3." : "out.2.", hidden, classes);
+    } else norm = walk_norm(w, "out.0.", channels);
     if (c->pool == POOL_ATTENTION) {
         int shape[2] = {channels, T};
         positions = param_add(w->params, "out.2.", "positional_embedding", 2, shape);
         qkv = walk_conv(w, "out.2.qkv_proj.", channels, 3 * channels, 1, 1, 1);
         proj = walk_conv(w, "out.2.c_proj.", channels, classes, 1, 1, 1);
-    } else proj = walk_conv(w, "out.3.", channels, classes, 1, 1, 2);
+    } else if (c->pool == POOL_ADAPTIVE) proj = walk_conv(w, "out.3.", channels, classes, 1, 1, 2);
     if (!w->m) return;
     UNet *m = w->m;
     int N = m->batch;
+    const Act *in = w->cur;
     Block *b = walk_block(w, BLOCK_POOL, classes, 1, 1);
     PoolHead *h = &b->pool;
-    h->pool = c->pool, h->norm = norm, h->qkv = qkv, h->proj = proj;
-    h->h0 = act_alloc_transient(m, N, size, size, channels);
+    h->pool = c->pool, h->norm = norm, h->qkv = qkv, h->linear = linear, h->proj = proj;
     h->mean = stats_alloc(m), h->rstd = stats_alloc(m);
-    walk_norm_scratch(w, channels);
+    walk_conv_scratch(w, &proj, 1);
     // What backward reads is always kept (nothing recomputes it: the head is small).
+    if (spatial) {
+        for (int s = 0; s < num_sources; s++) h->sources[s] = &m->blocks[source_blocks[s]].out, h->source_blocks[s] = source_blocks[s];
+        h->sources[num_sources] = in, h->num_sources = num_sources + 1;
+        h->features = act_take(m, &m->acts, &m->acts, N, 1, 1, features);  // (its gradient outlives the block's backward)
+        h->hidden = act_take_inner(m, &m->acts, N, 1, 1, hidden);
+        h->hidden_act = act_take_inner(m, &m->acts, N, 1, 1, hidden);
+        walk_conv_scratch(w, &linear, 1);
+        if (c->pool == POOL_SPATIAL_V2) walk_norm_scratch(w, hidden);
+        walk_advance(w, b, 1);
+        return;
+    }
+    h->h0 = act_alloc_transient(m, N, size, size, channels);
+    walk_norm_scratch(w, channels);
     if (c->pool == POOL_ATTENTION) {
         if (m->compute) h->positions = param_master(m, positions), h->d_positions = param_grad(m, positions);
         h->tokens = act_take_inner(m, &m->acts, N, 1, T, channels);
@@ -5403,7 +5500,6 @@ static void walk_pool_head(Walk *w, int channels) {
         attention_plan(m, &h->attention, T, channels, channels / c->num_head_channels, 0, 1);
         walk_conv_scratch(w, &qkv, size);  // (its N (1 + HW) rows as N HW: the scratch only caps the slices)
     } else h->tokens = act_take_inner(m, &m->acts, N, 1, 1, channels);
-    walk_conv_scratch(w, &proj, 1);
     walk_advance(w, b, 1);
 }
 
@@ -5458,7 +5554,7 @@ static void unet_walk(const ModelConfig *c, ParamList *params, UNet *m) {
     walk_attention(&w, "middle_block.1.", ch, heads_for(c, ch, 0));
     walk_res_block(&w, "middle_block.2.", ch, ch, 0);
     if (c->pool) {
-        walk_pool_head(&w, ch);
+        walk_pool_head(&w, ch, skip_channels, skip_blocks, num_skips);
         if (m) m->emb_total = w.emb_offset;
         return;
     }
@@ -5574,17 +5670,29 @@ static int take_if_match(const SafeTensorsFile *f, const Options *o, const Model
 }
 
 // The noisy classifier's (EncoderUNetModel: input blocks, middle block, a head; infer_model_config
-// sends a state_dict with the head's tensors and no output blocks here): its head from the head's
-// tensors (attention: out.2.positional_embedding, the classes c_proj's rows; adaptive: out.3), the
+// sends a state_dict with a classifier's head and no output blocks here): its head and classes from
+// the head's tensors (classifier_head), the
 // levels from the input blocks (the first conv, per level num_res_blocks ResBlocks and a
 // downsampling but on the last), each level's channels from its first ResBlock, attention where a
 // level's blocks have it; the heads are 64 channels (guided-diffusion's create_classifier) unless
 // given.
+// The head of a classifier's state_dict by its tensors (a pool's name, its classes in *classes), or
+// NULL: no classifier's head (a UNet's out.0 is a GroupNorm and its out.2 a 3x3 convolution).
+static const char *classifier_head(const SafeTensorsFile *f, int64_t *classes) {
+    const SafeTensor *out0 = safetensors_find(f, "out.0.weight"), *out1 = safetensors_find(f, "out.1.weight");
+    const SafeTensor *out2 = safetensors_find(f, "out.2.weight"), *out3 = safetensors_find(f, "out.3.weight");
+    if (safetensors_find(f, "out.2.positional_embedding")) return *classes = tensor_rows(f, "out.2.c_proj.weight", 0), "attention";
+    if (out0 && out0->ndim == 1 && out3 && out3->ndim == 4) return *classes = out3->shape[0], "adaptive";
+    if (out0 && out0->ndim == 2 && out2 && out2->ndim == 2) return *classes = out2->shape[0], "spatial";
+    if (out0 && out0->ndim == 2 && out1 && out1->ndim == 1 && out3 && out3->ndim == 2) return *classes = out3->shape[0], "spatial_v2";
+    return NULL;
+}
+
 static int infer_classifier_config(const SafeTensorsFile *f, const Options *given, int heads_given, InferredModel *inferred, char *err,
                                    size_t err_len) {
-    const SafeTensor *time = safetensors_find(f, "time_embed.0.weight"), *positions = safetensors_find(f, "out.2.positional_embedding");
-    const char *pool = positions ? "attention" : "adaptive";
-    int64_t ch = time->shape[1], classes = tensor_rows(f, positions ? "out.2.c_proj.weight" : "out.3.weight", 0), inputs = 0;
+    const SafeTensor *time = safetensors_find(f, "time_embed.0.weight");
+    int64_t classes = 0, ch = time->shape[1], inputs = 0;
+    const char *pool = classifier_head(f, &classes);
     for (int i = 0; i < f->count; i++) {
         int j;
         if (sscanf(f->tensors[i].name, "input_blocks.%d.", &j) == 1 && j + 1 > inputs) inputs = j + 1;
@@ -5627,9 +5735,9 @@ static int infer_classifier_config(const SafeTensorsFile *f, const Options *give
 
 static int infer_model_config(const SafeTensorsFile *f, const Options *given, int heads_given, InferredModel *inferred, char *err,
                               size_t err_len) {
-    const SafeTensor *time_embed = safetensors_find(f, "time_embed.0.weight"), *norm = safetensors_find(f, "out.0.weight");
-    int head = safetensors_find(f, "out.2.positional_embedding") || safetensors_find(f, "out.3.weight");
-    if (time_embed && time_embed->ndim == 2 && norm && norm->ndim == 1 && head && tensor_rows(f, "output_blocks.%d.0.in_layers.2.weight", 0) == 0) {
+    const SafeTensor *time_embed = safetensors_find(f, "time_embed.0.weight");
+    int64_t classes;
+    if (time_embed && time_embed->ndim == 2 && classifier_head(f, &classes) && tensor_rows(f, "output_blocks.%d.0.in_layers.2.weight", 0) == 0) {
         if (given->image_size <= 0)
             return error_line(err, err_len, "--image_size: a state_dict does not say the images' size; give guided-diffusion's flag");
         return infer_classifier_config(f, given, heads_given, inferred, err, err_len);
@@ -6143,7 +6251,10 @@ static void unet_backward(UNet *m, int training, void (*after_block)(void *ctx, 
     cuda_check(cudaMemsetAsync(m->emb.dx, 0, act_numel(&m->emb) * sizeof(floatX), gpu.stream));
     cuda_check(cudaMemsetAsync(m->t_hidden.dx, 0, act_numel(&m->t_hidden) * sizeof(floatX), gpu.stream));
     cuda_check(cudaMemsetAsync(m->embedding.d_out, 0, (size_t)N * E * sizeof(float), gpu.stream));
+    const Block *last = &m->blocks[m->num_blocks - 1];
+    int spatial = last->kind == BLOCK_POOL && (last->pool.pool == POOL_SPATIAL || last->pool.pool == POOL_SPATIAL_V2);
     for (int i = m->num_blocks - 1; i >= 0; i--) {
+        if (spatial) pool_head_source_backward(&last->pool, i);
         block_backward(m, &m->blocks[i], training);
         if (after_block) after_block(ctx, i);
     }
@@ -6193,7 +6304,8 @@ static void unet_get_parameter(const UNet *m, int index, int gradient, float *ou
 // Initialisation as PyTorch initialises guided-diffusion's UNetModel, from a seed: Conv and Linear
 // weights and biases ~ U(-1/sqrt(fan_in), 1/sqrt(fan_in)) (kaiming_uniform with a = sqrt(5), and
 // the matching bias rule), fan_in = in * k * k; Embedding ~ N(0, 1); GroupNorm weight 1, bias 0;
-// the zero-initialised convs (out_layers.3, proj_out, out.2; the adaptive classifier's out.3) zero;
+// the zero-initialised convs (out_layers.3, proj_out, the UNet's out.2 and the adaptive classifier's
+// out.3: 2D convolutions of the head; the spatial classifiers' Linear layers are not) zero;
 // the attention pool's positional_embedding ~ N(0, 1) / sqrt(C). Counter-based: parameter i,
 // element j is a pure function of (seed, i, j).
 
@@ -6207,11 +6319,15 @@ static double uniform01(uint64_t seed, uint64_t stream, uint64_t index) {
 }
 
 static void init_parameter(const ParamSpec *p, int index, uint64_t seed, float *out) {
-    int is_norm = strstr(p->name, "in_layers.0.") || strstr(p->name, "out_layers.0.") || strstr(p->name, ".norm.") ||
-                  strncmp(p->name, "out.0.", 6) == 0;
-    int is_zero = strstr(p->name, "out_layers.3.") || strstr(p->name, "proj_out.") || strcmp(p->name, "out.2.weight") == 0 ||
-                  strcmp(p->name, "out.2.bias") == 0 || strncmp(p->name, "out.3.", 6) == 0;
     int is_bias = ends_with(p->name, "bias"), is_positions = strcmp(p->name, "out.2.positional_embedding") == 0;
+    const ParamSpec *layer_weight = is_bias ? p - 1 : p;  // (a bias follows its layer's weight)
+    // The output head's (out.*, the UNet's or a classifier's) GroupNorms are the layers whose weight
+    // is a vector (a classifier's out.0, out.2 and out.3 may be Linear layers).
+    int head = strncmp(p->name, "out.", 4) == 0;
+    int is_norm = strstr(p->name, "in_layers.0.") || strstr(p->name, "out_layers.0.") || strstr(p->name, ".norm.") ||
+                  (head && layer_weight->ndim == 1);
+    int is_zero = strstr(p->name, "out_layers.3.") || strstr(p->name, "proj_out.") ||
+                  ((strncmp(p->name, "out.2.", 6) == 0 || strncmp(p->name, "out.3.", 6) == 0) && layer_weight->ndim == 4);
     if (is_zero || (is_norm && is_bias)) {
         memset(out, 0, p->numel * sizeof(float));
     } else if (is_norm) {
@@ -6276,7 +6392,7 @@ static double unet_training_flops(const UNet *m) {
         case BLOCK_OUT: forward += conv_flops(&b->head.conv, N, side); break;
         case BLOCK_POOL: {
             double T = (double)b->pool.tokens.W;
-            forward += conv_flops(&b->pool.proj, N, 1);
+            forward += conv_flops(&b->pool.proj, N, 1) + (b->pool.linear.out ? conv_flops(&b->pool.linear, N, 1) : 0.0);
             if (b->pool.pool == POOL_ATTENTION) forward += 2.0 * N * T * b->pool.qkv.in * b->pool.qkv.out + 4.0 * N * T * T * b->pool.qkv.in;
             break;
         }

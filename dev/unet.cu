@@ -2,17 +2,19 @@
 // what the trainer's whole model is checked against (scripts/unet_ref.py is the PyTorch original).
 //
 // With config.pool set it is instead the noisy classifier, guided-diffusion's EncoderUNetModel: the
-// same time embedding, input blocks and middle block, then a pooling head (out.*) giving logits.
+// same time embedding, input blocks and middle block, then a pooling head (out.*) giving logits: on
+// the middle block's output (adaptive, attention), or on the means of every input block's output
+// and the middle block's (spatial, spatial_v2).
 //
 // The forward pass records a tape. Every activation is a RefTensor (NHWC, [N][H][W][C]; vectors
-// such as the embedding are [N][1][1][C], the attention pool's T tokens [N][1][T][C]) and every
-// layer applied is a RefOp naming its input and output tensors and its parameters. The backward
-// pass walks the tape in reverse, calling each layer's backward; a tensor used by several layers
-// (the embedding, a residual input) collects all their gradients because every backward
-// accumulates. The model is assembled the way unet_ref.py's modules call each other, so the
-// builders below read like its forward methods; parameters are looked up by their state_dict
-// names, and every one must be used exactly once, which checks this walk against
-// model_parameters().
+// such as the embedding and the spatial heads' features are [N][1][1][C], the attention pool's T
+// tokens [N][1][T][C]) and every layer applied is a RefOp naming its input and output tensors and
+// its parameters. The backward pass walks the tape in reverse, calling each layer's backward; a
+// tensor used by several layers (the embedding, a residual input, an input block's output that a
+// spatial head also pools) collects all their gradients because every backward accumulates. The
+// model is assembled the way unet_ref.py's modules call each other, so the builders below read like
+// its forward methods; parameters are looked up by their state_dict names, and every one must be
+// used exactly once, which checks this walk against model_parameters().
 // The layer files' own checks (their mains) are not part of the whole model.
 #ifndef DEV_NO_MAIN
 #define DEV_NO_MAIN
@@ -34,7 +36,7 @@ typedef struct {
 
 typedef enum {
     REF_CONV, REF_LINEAR, REF_GROUP_NORM, REF_SILU, REF_ATTENTION, REF_AVGPOOL, REF_UPSAMPLE,
-    REF_EMBEDDING, REF_ADD, REF_ADD_CHANNELS, REF_CONCAT, REF_POOL_TOKENS, REF_FIRST_TOKEN
+    REF_EMBEDDING, REF_ADD, REF_ADD_CHANNELS, REF_CONCAT, REF_POOL_TOKENS, REF_FIRST_TOKEN, REF_RELU
 } RefOpType;
 
 typedef struct {
@@ -62,7 +64,7 @@ typedef struct {
 
 // ----------------------------------------------------------------------------------------------
 // Layers the model adds to the references: residual sums, the per-channel embedding add, the
-// skip concatenation and the classifier head's tokens.
+// skip concatenation, the classifier heads' tokens and the spatial head's ReLU.
 
 // out[i] = a[i] + b[i]; backward: d_a[i] += d_out[i], d_b[i] += d_out[i] (either may be NULL).
 static void ref_add_forward(double *out, const double *a, const double *b, size_t n) {
@@ -139,6 +141,16 @@ static void ref_first_token_forward(double *out, const double *in, int N, int T,
 }
 static void ref_first_token_backward(double *d_in, const double *d_out, int N, int T, int C) {
     for (int n = 0; n < N; n++) ref_add_backward(d_in + (size_t)n * T * C, NULL, d_out + (size_t)n * C, C);
+}
+
+// out[i] = max(in[i], 0) (nn.ReLU, the spatial head's); backward: d_in[i] += d_out[i] where in[i] > 0,
+// nothing where in[i] <= 0 (PyTorch's gradient at exactly 0 is 0 too).
+static void ref_relu_forward(double *out, const double *in, size_t n) {
+    for (size_t i = 0; i < n; i++) out[i] = in[i] > 0 ? in[i] : 0;
+}
+static void ref_relu_backward(double *d_in, const double *d_out, const double *in, size_t n) {
+    for (size_t i = 0; i < n; i++)
+        if (in[i] > 0) d_in[i] += d_out[i];
 }
 
 // ----------------------------------------------------------------------------------------------
@@ -237,6 +249,10 @@ static void ref_op_run(RefUNet *m, const RefOp *op, int backward) {
         if (!backward) ref_first_token_forward(y->data, x->data, x->N, x->W, x->C);
         else if (dx) ref_first_token_backward(dx, y->grad, x->N, x->W, x->C);
         break;
+    case REF_RELU:
+        if (!backward) ref_relu_forward(y->data, x->data, ref_numel(x));
+        else if (dx) ref_relu_backward(dx, y->grad, x->data, ref_numel(x));
+        break;
     }
 }
 
@@ -270,10 +286,16 @@ static int ref_conv(RefUNet *m, int x, const char *name, int out_channels, int k
     return ref_apply(m, op, t->N, ref_conv2d_out_size(t->H, k, stride), ref_conv2d_out_size(t->W, k, stride), out_channels);
 }
 
+// nn.Linear on x [N][1][1][in] -> [N][1][1][out_features]; exits unless model_parameters() gives the
+// weight as [out_features, in] and the bias as [out_features].
 static int ref_linear(RefUNet *m, int x, const char *name, int out_features) {
     RefOp op = ref_op(REF_LINEAR, x, -1);
     op.weight = ref_param(m, name, "weight"), op.bias = ref_param(m, name, "bias");
-    return ref_apply(m, op, ref_tensor(m, x)->N, 1, 1, out_features);
+    RefTensor *t = ref_tensor(m, x);
+    const ParamSpec *w = &m->params.specs[op.weight], *b = &m->params.specs[op.bias];
+    if (t->H != 1 || t->W != 1 || w->ndim != 2 || w->shape[0] != out_features || w->shape[1] != t->C || b->numel != out_features)
+        fatal("reference UNet: %sweight is not [%d, %d] or its input not [N][1][1][%d]", name, out_features, t->C, t->C);
+    return ref_apply(m, op, t->N, 1, 1, out_features);
 }
 
 // GroupNorm32 (name: its module), then * (1 + scale) + shift when scale_shift >= 0 (a tensor
@@ -285,7 +307,7 @@ static int ref_norm(RefUNet *m, int x, const char *name, int scale_shift, int si
     return ref_apply(m, op, t->N, t->H, t->W, t->C);
 }
 
-// Same-shape ops without parameters: SiLU, x + x2, x + x2 per channel.
+// Same-shape ops without parameters: SiLU, ReLU, x + x2, x + x2 per channel.
 static int ref_same_shape(RefUNet *m, RefOpType type, int x, int x2) {
     RefTensor *t = ref_tensor(m, x);
     return ref_apply(m, ref_op(type, x, x2), t->N, t->H, t->W, t->C);
@@ -372,11 +394,28 @@ static int ref_attention_block(RefUNet *m, int x, const char *prefix, int heads)
 //              ([C][T], T = 1 + S S), qkv_proj (1x1 conv1d to 3C), attention in C / num_head_channels
 //              heads, always in QKVAttention's (new) order, logits = c_proj(token 0) (a 1x1 conv1d;
 //              PyTorch applies it to every token and returns token 0: the same numbers)
+// The spatial heads instead take the mean over the pixels of each of the input blocks' outputs
+// (inputs[0..num_inputs): input_blocks.0's convolution, then every input block in order) and of x,
+// concatenated along the channels: features [N][F], F the sum of their channels (no GroupNorm first):
+//   spatial:    logits = Linear(ReLU(Linear(features)))                      out.0 (F -> 2048), out.2
+//   spatial_v2: logits = Linear(SiLU(GN(Linear(features))))                  out.0, out.1 (GroupNorm32
+//              on [N][2048]: 32 groups of 64 values, no pixels), out.3
 // Returns the logits [N][1][1][out_channels].
-static int ref_pool_head(RefUNet *m, int x) {
+static int ref_pool_head(RefUNet *m, int x, const int *inputs, int num_inputs) {
     const ModelConfig *c = &m->config;
     RefTensor *t = ref_tensor(m, x);
     int N = t->N, HW = t->H * t->W, C = t->C;
+    if (c->pool == POOL_SPATIAL || c->pool == POOL_SPATIAL_V2) {
+        int features = -1;
+        for (int i = 0; i <= num_inputs; i++) {
+            int source = i < num_inputs ? inputs[i] : x;  // the mean over its pixels: one token, no positions
+            int mean = ref_apply(m, ref_op(REF_POOL_TOKENS, source, -1), N, 1, 1, ref_tensor(m, source)->C);
+            features = features < 0 ? mean : ref_concat(m, features, mean);
+        }
+        int h = ref_linear(m, features, "out.0.", SPATIAL_HIDDEN);
+        if (c->pool == POOL_SPATIAL) return ref_linear(m, ref_same_shape(m, REF_RELU, h, -1), "out.2.", c->out_channels);
+        return ref_linear(m, ref_norm(m, h, "out.1.", -1, 1), "out.3.", c->out_channels);
+    }
     int h = ref_norm(m, x, "out.0.", -1, 1);
     RefOp op = ref_op(REF_POOL_TOKENS, h, -1);
     if (c->pool == POOL_ADAPTIVE) return ref_conv(m, ref_apply(m, op, N, 1, 1, C), "out.3.", c->out_channels, 1, 1);
@@ -450,7 +489,8 @@ static void ref_unet_output(RefUNet *m, double *out) {
 // x [N][image][image][in_channels], out [N][image][image][out_channels], t [N], y [N] or NULL
 // (required exactly when the model is class-conditional).
 // A classifier (config.pool: EncoderUNetModel.forward) stops after the middle block and gives
-// out = ref_pool_head(h), the logits [N][1][1][out_channels] (out_channels = its classes; no y).
+// out = ref_pool_head(h, skips), the logits [N][1][1][out_channels] (out_channels = its classes;
+// no y): skips, every input block's output in order, are what the spatial heads pool.
 static void ref_unet_forward(RefUNet *m, const double *x, const int64_t *t, const int64_t *y, double *out, int N) {
     const ModelConfig *c = &m->config;
     char name[128];
@@ -514,7 +554,7 @@ static void ref_unet_forward(RefUNet *m, const double *x, const int64_t *t, cons
     h = ref_attention_block(m, h, "middle_block.1.", ref_heads(c, ch, 0));
     h = ref_res_block(m, h, silu_emb, "middle_block.2.", ch, REF_SAME);
     if (c->pool) {
-        m->output = ref_pool_head(m, h);
+        m->output = ref_pool_head(m, h, skips, num_skips);
         ref_unet_output(m, out);
         return;
     }
@@ -562,4 +602,36 @@ static void ref_unet_backward(RefUNet *m, const double *d_out, double *d_x) {
     memcpy(out->grad, d_out, ref_numel(out) * sizeof(double));
     for (int i = m->num_ops - 1; i >= 0; i--) ref_op_run(m, &m->ops[i], 1);
     if (d_x) ref_add_backward(d_x, NULL, in->grad, ref_numel(in));
+}
+
+// The spatial head's ReLU has a kink at 0: a hidden unit that a sample leaves just above or below 0
+// passes a gradient or none on a change too small to matter elsewhere (a finite difference's step,
+// the GPU's rounding). Tests move the units away from it: after a forward pass, every out.0.bias[j]
+// whose unit j is within margin = fraction * (the RMS of the ReLU's inputs) of 0 in some sample is
+// moved by a multiple of margin (then rounded by round_to, when not NULL: to the stored precision)
+// until every sample's input j is at least margin from 0. Returns how many biases moved (0 for any
+// other head); the caller runs the forward pass again.
+static int ref_unet_relu_margin(RefUNet *m, double fraction, double (*round_to)(double)) {
+    if (m->config.pool != POOL_SPATIAL) return 0;
+    const RefTensor *z = NULL;
+    for (int i = 0; i < m->num_ops && !z; i++)
+        if (m->ops[i].type == REF_RELU) z = &m->tensors[m->ops[i].in];
+    int bias = ref_unet_find(m, "out.0.bias");
+    if (!z || bias < 0) fatal("reference UNet: no forward pass of the spatial head to move its ReLU's inputs");
+    int N = z->N, H = z->C, moved = 0;
+    double *b = m->param[bias], margin = fraction * dev_norm(z->data, ref_numel(z)) / sqrt((double)ref_numel(z));
+    for (int j = 0; j < H; j++) {
+        // candidates b, b + margin, b - margin, b + 2 margin, ...: each sample's open interval of
+        // width 2 margin rules out at most two of them
+        int found = 0;
+        for (int k = 0; k < 4 * N + 4 && !found; k++) {
+            double v = b[j] + (k + 1) / 2 * margin * (k % 2 ? 1 : -1);
+            if (round_to) v = round_to(v);
+            found = 1;
+            for (int n = 0; n < N; n++) found &= fabs(z->data[(size_t)n * H + j] - b[j] + v) >= margin;
+            if (found && v != b[j]) b[j] = v, moved++;
+        }
+        if (!found) fatal("reference UNet: found no out.0.bias[%d] that leaves its unit %g from 0", j, margin);
+    }
+    return moved;
 }

@@ -26,7 +26,9 @@ the last float32 bit, and the inputs (drawn on the CPU) are identical.
 
 One safetensors file per config. Tensors (PyTorch layouts):
     <param name>        BF16, every parameter under its guided-diffusion state_dict name, random
-                        and non-zero (also the zero-initialised convs and the GroupNorm affines)
+                        and non-zero (also the zero-initialised convs and the GroupNorm affines);
+                        classifier_spatial's out.0.bias then moved where needed to keep every
+                        ReLU input 0.1 of their RMS or more from 0 (see keep_off_relu_kink)
     x        [N,3,H,W]  BF16 input, ~N(0,1)
     t        [N] int64  timesteps in [0, 1000)
     y        [N] int64  labels in [0, num_classes), class-conditional configs only
@@ -43,7 +45,8 @@ __metadata__ holds the config under guided-diffusion's flag names, spelled as on
 line (plus conv_resample, num_classes when class-conditional or a classifier, classifier_pool
 for a classifier, and fixture_seed). Dropout is 0.
 
-Committed configs (all num_channels 32, channel_mult 1,1, image 8x8, batch 2; ~6 MB together):
+Committed configs (all num_channels 32, channel_mult 1,1, image 8x8, batch 2; 11.72 MB together,
+5.70 MB of it the two spatial classifiers):
     adm            num_res_blocks 1: resblock_updown, use_scale_shift_norm, new attention
                    order with num_head_channels 16 (2 heads) at 4x4 in input, middle and
                    output blocks, class-conditional (10 classes), learn_sigma (6 channels)
@@ -62,23 +65,34 @@ Committed configs (all num_channels 32, channel_mult 1,1, image 8x8, batch 2; ~6
                    (strided-conv down), no scale-shift, legacy attention with
                    num_head_channels 16 at 4x4; head classifier_pool adaptive: GN, SiLU,
                    average pool, zero-initialised conv1x1 (random here), flatten
+    classifier_spatial     classifier_adaptive's body (130,464 parameters), head classifier_pool
+                   spatial: the means over the pixels of input_blocks.0 to .3's outputs and the
+                   middle block's (5 x 32 = 160 features), Linear(160, 2048), ReLU,
+                   Linear(2048, 5): 470,437 parameters, 2.84 MB
+    classifier_spatial_v2  the same with classifier_pool spatial_v2: Linear(160, 2048),
+                   GroupNorm32 on [N, 2048] (32 groups of 64), SiLU, Linear(2048, 5):
+                   474,533 parameters, 2.86 MB
 Why num_res_blocks 0 in two of them: parameters cost 2 bytes and gradients 4, and a two-level
 width-32 model with num_res_blocks 1 has 254k-341k parameters (1.5-2.0 MB); the three
 resampling variants (resblock_updown, conv_resample on, off) need three two-level models, at
 least 5.2 MB with num_res_blocks 1. The input-block attention and the per-level ResBlocks of
-num_res_blocks >= 1 are covered by adm (and by the large fixture).
+num_res_blocks >= 1 are covered by adm (and by the large fixture). The spatial heads are large
+for their body because guided-diffusion fixes their hidden width: Linear(160, 2048) and
+Linear(2048, 5) are 340k parameters, 2.04 MB with their gradients.
 
 Sizes: GroupNorm has 32 groups, so 32 channels is the narrowest model. At width 32 each group
 holds one channel and GroupNorm removes any per-channel constant, so without scale-shift the
 timestep embedding (added as a per-channel constant before a GroupNorm) has no effect in the
-seed and classifier_adaptive fixtures; the scale-shift configs exercise the embedding MLP,
-and the large fixture (width 64, two channels per group) exercises the plain add.
+seed, classifier_adaptive and both spatial classifier fixtures; the scale-shift configs
+exercise the embedding MLP, and the large fixture (width 64, two channels per group) exercises
+the plain add.
 
 Some gradients are zero in exact arithmetic for the same reason (a bias feeding a GroupNorm
 with one channel per group, e.g. in_layers.2.bias at width 32, or the last output block's
-biases before the final GroupNorm, or in a classifier the middle block's last biases before
-the head's GroupNorm); they are stored as ~1e-17. Compare gradients with an
-absolute floor, not a pure relative error.
+biases before the final GroupNorm, or in the adaptive and attention classifiers the middle
+block's last biases before the head's GroupNorm; the spatial heads have no GroupNorm first);
+they are stored as ~1e-17. Compare gradients with an absolute floor, not a pure relative
+error.
 
 Large fixture (--large): the seed project's config at image 32 instead of 64 (attention
 resolutions 16,8 at 64 become 8,4 at 32: the same levels, 8x8 and 4x4 tokens), num_channels
@@ -131,6 +145,14 @@ CONFIGS = {
     "classifier_adaptive": dict(classifier_pool="adaptive", num_classes="5", num_res_blocks="1",
                                 conv_resample="True", num_head_channels="16",
                                 attention_resolutions="4"),
+    # classifier_adaptive's body with the spatial heads (each config draws from its own seed,
+    # so adding these leaves every other file as it was).
+    "classifier_spatial": dict(classifier_pool="spatial", num_classes="5", num_res_blocks="1",
+                               conv_resample="True", num_head_channels="16",
+                               attention_resolutions="4"),
+    "classifier_spatial_v2": dict(classifier_pool="spatial_v2", num_classes="5",
+                                  num_res_blocks="1", conv_resample="True",
+                                  num_head_channels="16", attention_resolutions="4"),
 }
 
 LARGE = ("seed_large", dict(
@@ -208,6 +230,48 @@ def random_parameters(model, gen):
     return values
 
 
+# The spatial head's ReLU inputs are kept at least this fraction of their RMS from 0 (see
+# keep_off_relu_kink).
+RELU_MARGIN = 0.1
+
+
+def keep_off_relu_kink(model, params, x, t):
+    """The spatial head's ReLU (out.1) has a kink at 0: a hidden unit that a sample leaves just
+    above or below it passes its whole gradient or none, so a model computing in bf16 (errors
+    ~1e-2 of the units' scale) puts some units on the other side and gets whole rows of
+    out.0.weight's gradient, and all that flows through them, different (PyTorch's own bf16
+    autocast, on the CPU, lands 0.18 from this fixture's gradients without this, 0.017 with
+    it). Runs the model on x, t and moves each out.0.bias entry whose unit is within
+    RELU_MARGIN of the RMS of the ReLU's inputs from 0 in some sample, by multiples of that
+    margin rounded to bf16 (the nearest that clears every sample), to at least that far; draws
+    nothing from the generator. Updates params and the model; returns how many entries moved."""
+    hidden = []
+    hook = model.out[0].register_forward_hook(lambda module, inp, out: hidden.append(out.detach()))
+    with torch.no_grad():
+        model(x.double(), t)
+    hook.remove()
+    z = hidden[0].cpu()  # [N, 2048]
+    bias = params["out.0.bias"].double()
+    margin = RELU_MARGIN * z.pow(2).mean().sqrt().item()
+    without = z - bias
+    new, moved = bias.clone(), 0
+    for j in range(bias.numel()):
+        # candidates b, b + margin, b - margin, b + 2 margin, ...: a sample rules out two at most
+        for k in range(4 * z.shape[0] + 4):
+            v = float(bias[j]) + (k + 1) // 2 * margin * (1 if k % 2 else -1)
+            v = torch.tensor(v, dtype=torch.float64).to(STORE).double()
+            if v != 0 and bool(((without[:, j] + v).abs() >= margin).all()):
+                moved += int(v != bias[j])
+                new[j] = v
+                break
+        else:
+            raise RuntimeError(f"no out.0.bias[{j}] leaves its unit {margin} from 0")
+    params["out.0.bias"] = to_store(new)
+    with torch.no_grad():
+        model.out[0].bias.copy_(params["out.0.bias"].double())
+    return moved
+
+
 def make_fixture(name, cfg, device):
     cfg = {**cfg, "fixture_seed": str(config_seed(name))}
     gen = torch.Generator().manual_seed(config_seed(name))
@@ -230,6 +294,8 @@ def make_fixture(name, cfg, device):
              if kw["num_classes"] is not None else None)
         target_shape = (BATCH, kw["out_channels"], size, size)
     target = to_store(torch.randn(target_shape, generator=gen, dtype=torch.float64))
+    if classifier and kw["pool"] == "spatial":
+        keep_off_relu_kink(model, params, x.to(device), t.to(device))
 
     x64 = x.double().to(device).requires_grad_(True)
     out = model(x64, t.to(device), None if y is None else y.to(device))

@@ -132,13 +132,16 @@ int main(void) {
         CHECK(safetensors_open(path, &f, err, sizeof err) == 0 && infers(path, &f, &truth));
         safetensors_close(&f);
     }
-    for (int size = 64; size <= 512; size *= 2) {  // --classifier_depth 2 --classifier_width 128 --classifier_pool attention, ...
+    // --classifier_depth 2 --classifier_width 128 --classifier_pool attention, ... at 64, 128, 256 and 512; then the other heads at 64
+    const char *pools[7] = {"attention", "attention", "attention", "attention", "adaptive", "spatial", "spatial_v2"};
+    for (int i = 0; i < 7; i++) {
+        int size = i < 4 ? 64 << i : 64;
         Options r = guided_diffusion_defaults();
-        r.image_size = size, r.num_classes = 1000, r.classifier_pool = "attention";
+        r.image_size = size, r.num_classes = 1000, r.classifier_pool = pools[i];
         classifier_model_flags(&r);
         ModelConfig truth;
         char what[64];
-        snprintf(what, sizeof what, "%dx%d_classifier", size, size);
+        snprintf(what, sizeof what, "%dx%d_classifier, %s", size, size, pools[i]);
         if (named_model_config(&r, &truth, err, sizeof err) != 0) {
             printf("  %s: %s\n", what, err);
             CHECK(0);

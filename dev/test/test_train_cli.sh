@@ -75,7 +75,7 @@ stray
 --num_res_blocks
 --model gan
 --model classifier --class_cond True
---model classifier --classifier_pool spatial
+--model classifier --classifier_pool pyramid
 --model classifier --classifier_width 48
 --model classifier --sample_count 4
 --model classifier --schedule_sampler loss-second-moment

@@ -274,5 +274,13 @@ grep -aq '"classifier_pool":"attention"' "$TEST_TMP/cls_a/checkpoints/step_00000
 expect_ok ./train_unet "${CLS[@]}" --classifier_pool adaptive --noised False --microbatch 4 --val_data "" --run_dir "$TEST_TMP/cls_adaptive"
 awk -F, 'NR > 1 && $11 != "" { bad = 1 } END { exit bad }' "$TEST_TMP/cls_adaptive/log.csv" ||
     case_fail "--noised False: samples outside the first quarter of t (t = 0)"
+pools="spatial spatial_v2"  # (the FP32 build's GroupNorm takes at most 1024 channels: not spatial_v2's 2048)
+[ "$(cat build/precision)" = FP32 ] && pools=spatial
+for pool in $pools; do  # the means of every input block's output: their gradients added as backward reaches them
+    expect_ok ./train_unet "${CLS[@]}" --classifier_pool $pool --steps 6 --run_dir "$TEST_TMP/cls_$pool"
+    expect_ok ./train_unet "${CLS[@]}" --classifier_pool $pool --steps 6 --use_checkpoint --run_dir "$TEST_TMP/cls_${pool}_recomputed"
+    cmp -s "$TEST_TMP/cls_$pool/checkpoints/step_000000006/model.safetensors" "$TEST_TMP/cls_${pool}_recomputed/checkpoints/step_000000006/model.safetensors" ||
+        case_fail "$pool: the weights differ with --use_checkpoint"
+done
 
 case_summary

@@ -1,6 +1,6 @@
 // test_unet_fixtures.cu: the CPU reference UNet (dev/unet.cu) against the whole-model fixtures of
 // scripts/make_fixtures.py (PyTorch's guided-diffusion UNet run in float64), and against finite
-// differences on configurations the fixtures do not cover (a UNet and both classifiers).
+// differences on configurations the fixtures do not cover (a UNet and a classifier of each head).
 //
 //   test_unet_fixtures [DIR]      every DIR/*.safetensors (default dev/fixtures)
 //
@@ -19,8 +19,8 @@
 // without scale-shift also the whole timestep MLP); PyTorch's float64 and ours both leave rounding
 // noise there. Each gradient is therefore compared as ||a - b|| / max(||b||, FLOOR G), G the norm
 // of all the fixture's gradients together. In the committed fixtures the zero gradients are
-// <= 6e-18 G and our difference from them <= 6e-17 G, while every real gradient tensor is
-// >= 2e-3 G: with FLOOR = 1e-8 a zero gradient may be off by 1e-5 FLOOR G = 1e-13 G (~2000 times
+// <= 4e-17 G and our difference from them <= 6e-17 G, while every real gradient tensor is
+// >= 1.5e-3 G: with FLOOR = 1e-8 a zero gradient may be off by 1e-5 FLOOR G = 1e-13 G (~2000 times
 // the noise, far below any real gradient), and every real one is compared purely relatively.
 #define FLOOR 1e-8
 #define FD_STEP 1e-5
@@ -213,7 +213,8 @@ static double finite_difference(const ModelLossInputs *in, double *v) {
 }
 
 // The model of the options o (dropout 0, no learned sigma), with `classes` labels when class_cond;
-// or, with pool (adaptive, attention), the classifier of that body with `classes` logits.
+// or, with pool (adaptive, attention, spatial, spatial_v2), the classifier of that body with
+// `classes` logits.
 static void test_finite_differences(const char *what, Options o, const char *pool, int classes) {
     ModelConfig c = resolve_model(&o, classes);
     char err[256];
@@ -241,6 +242,9 @@ static void test_finite_differences(const char *what, Options o, const char *poo
     ModelLossInputs in = {&m, x, target, t, c.num_classes ? y : NULL, N, out_n};
 
     ref_unet_forward(&m, x, t, in.y, out, N);
+    // The spatial head's ReLU inputs moved (by out.0.bias) 1e-2 of their RMS or more from its kink,
+    // so that no step of FD_STEP crosses it (each moves them by ~1e-5).
+    if (ref_unet_relu_margin(&m, 1e-2, NULL)) ref_unet_forward(&m, x, t, in.y, out, N);
     ref_mse_backward(d_out, out, target, out_n);
     ref_unet_zero_grad(&m);
     ref_unet_backward(&m, d_out, d_x);
@@ -321,5 +325,19 @@ int main(int argc, char **argv) {
     o.num_heads = 4, o.num_head_channels = -1, o.use_new_attention_order = 1;
     o.use_scale_shift_norm = 0, o.resblock_updown = 1, o.conv_resample = 1;
     test_finite_differences("adaptive-pool classifier, width 64, resblock down, new-order heads 4", o, "adaptive", 4);
+    // The spatial classifiers: features of five sources (input_blocks.0's conv, a ResBlock with
+    // attention at 8x8, the downsampling, a ResBlock at 4x4 that changes the channels, the middle
+    // block; 32 + 32 + 32 + 64 + 64 = 224 channels), Linear(224, 2048), then ReLU (spatial) or
+    // GroupNorm and SiLU on [N, 2048] (spatial_v2), Linear(2048, classes).
+    o = fd_options(32, "1,2", "8");
+    o.num_heads = 2, o.num_head_channels = -1, o.use_new_attention_order = 0;
+    o.use_scale_shift_norm = 1, o.resblock_updown = 0, o.conv_resample = 1;
+    test_finite_differences("spatial-pool classifier, mult 1,2, scale-shift, strided-conv down", o, "spatial", 3);
+    // spatial_v2 on width 64 (two channels per group), ResBlock downsampling, no scale-shift,
+    // attention at 4x4 (64 + 64 + 64 + 64 + 64 = 320 features).
+    o = fd_options(64, "1,1", "4");
+    o.num_heads = 1, o.num_head_channels = 32, o.use_new_attention_order = 1;
+    o.use_scale_shift_norm = 0, o.resblock_updown = 1, o.conv_resample = 1;
+    test_finite_differences("spatial_v2-pool classifier, width 64, resblock down, new-order heads", o, "spatial_v2", 4);
     return check_summary();
 }
