@@ -5829,7 +5829,7 @@ static int model_from_tensors_and_flags(const SafeTensorsFile *f, const char *pa
         Options o = inferred.options;
         ModelConfig with_flag;
         int r = option_from_string(&o, specs[i], values[i], why, sizeof why);
-        if (inferred.config.pool) classifier_flags_onto_model(&o);
+        if (inferred.config.pool && strncmp(specs[i]->name, "classifier_", 11) == 0) classifier_flags_onto_model(&o);
         if (r != 0 || named_model_config(&o, &with_flag, why, sizeof why) != 0 ||
             memcmp(&with_flag, &inferred.config, sizeof with_flag) != 0)
             return error_line(err, err_len, "%s: --%s %s does not fit its tensors (they are of --num_channels %d --channel_mult %s "

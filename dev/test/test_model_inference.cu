@@ -4,8 +4,9 @@
 // every option the shapes decide (class-conditional, learned variance, scale-shift, ResBlock or
 // convolution resampling, average pooling, several blocks a level, multipliers of 0.5) and for
 // the configurations of guided-diffusion's released models, the inferred configuration equals the
-// true one; what shapes cannot say is refused with one line
-// naming the flag to give.
+// true one; likewise for the noisy classifier (its fixtures, a .pt of one, each head, guided-diffusion's
+// released classifiers' configurations), whose flags given with a .pt are checked against the
+// tensors; what shapes cannot say is refused with one line naming the flag to give.
 #define TRAIN_UNET_LIBRARY
 #include "../../train_unet.cu"
 #include "check.h"
@@ -154,6 +155,30 @@ int main(void) {
         int ok = infer_model_config(&f, &given, 0, &got, err, sizeof err) == 0 && same_config(&got.config, &truth);
         if (!ok) printf("  %s: %s\n", what, err);
         CHECK(ok);
+        safetensors_close(&f);
+    }
+
+    check_case("a classifier's .pt with guided-diffusion's flags: its classifier_ flags and the model flags checked against the tensors");
+    {
+        SafeTensorsFile f;
+        const char *path = "dev/fixtures/pt/unet_classifier_attention_fp16.pt";
+        CHECK(safetensors_open(path, &f, err, sizeof err) == 0);
+        struct { const char *flags[4]; int fits; } uses[] = {
+            {{"image_size=8", "num_head_channels=16", "classifier_width=32", "classifier_use_fp16=True"}, 1},
+            {{"image_size=8", "num_head_channels=16", "classifier_pool=attention", "classifier_depth=1"}, 1},
+            {{"image_size=8", "num_head_channels=16", "classifier_width=64", NULL}, 0},
+            {{"image_size=8", "num_head_channels=16", "num_channels=64", NULL}, 0},
+            {{"image_size=8", "num_head_channels=16", "classifier_pool=adaptive", NULL}, 0}};
+        for (size_t i = 0; i < sizeof uses / sizeof uses[0]; i++) {
+            int n = uses[i].flags[3] ? 4 : 3, steps;
+            ModelConfig c;
+            const char *schedule, *predict;
+            char described[1024];
+            int r = model_from_tensors_and_flags(&f, path, uses[i].flags, n, &c, &steps, &schedule, &predict, described, sizeof described,
+                                                 err, sizeof err);
+            printf("  %s %s: %s\n", uses[i].flags[2], n == 4 ? uses[i].flags[3] : "", r == 0 ? described : err);
+            CHECK((r == 0) == uses[i].fits && (r != 0 || c.pool == POOL_ATTENTION));
+        }
         safetensors_close(&f);
     }
 
