@@ -3122,9 +3122,8 @@ __global__ void __launch_bounds__(GN_THREADS, 5)
 // A sample's rows come in chunks of at least 8 row passes of a block, at most CHUNKS_LEAST of them,
 // or with fewer than 16 samples up to GN_BLOCKS / N (chunks_for_batch): about GN_BLOCKS blocks over
 // the batch, two on each multiprocessor (the backward kernels' registers allow two). Few partial
-// sums, and on small images
-// few blocks: more chunks for small images (filling the GPU with blocks of one or two row passes)
-// measured slower, the partial sums' reductions growing with them, and so did 512 blocks at batch 16
+// sums, and on small images few blocks: more chunks for small images (filling the GPU with blocks
+// of one or two row passes) measured slower, the partial sums' reductions growing with them, and so did 512 blocks at batch 16
 // and 32; at batch 8, 256 blocks instead of 128 took about 3.5% off adm256:8's step (H200, dev/NOTES.md
 // 2026-11-26 v).
 // The forward's chunks (statistics and normalise) are never more than GN_BLOCKS blocks over the
@@ -6899,7 +6898,8 @@ typedef struct {
 } LossInputs;
 
 // What it writes besides the output's gradient (GPU arrays).
-#define LOSS_TERMS 19  // (StepState.terms holds as many)
+#define LOSS_TERMS 19
+static_assert(sizeof(((StepState *)0)->terms) == LOSS_TERMS * sizeof(float), "StepState.terms holds the loss's terms");
 typedef struct {
     float *terms;    // [LOSS_TERMS]: L; the means of w_n mse_n and w_n vb_n (a classifier's: of acc@1 and acc@k);
                      // for each quarter of t (t < T/4, ...; guided-diffusion's loss_q0..q3) the sum of w_n loss_n,
