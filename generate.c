@@ -7,7 +7,8 @@
 // Image i's starting noise and every draw it needs depend only on (--seed, i): the same seed and
 // --batch give the same images (another --batch gives the same noise; the model's products may
 // then round differently in the last bits). Without --batch, the batch is the largest that fits
-// in the GPU's free memory (at most --num), and a terminal shows a progress bar.
+// in the GPU's free memory (at most --num), and a terminal shows a progress bar. --classifier
+// guides the sampling with a noisy classifier's gradient (guided-diffusion's classifier_sample.py).
 #include <errno.h>
 #include <math.h>
 #include <signal.h>
@@ -48,6 +49,13 @@ static const char usage[] =
     "  --class K|all       class-conditional models: one class, or all in turn [all]\n"
     "  --guidance W        classifier-free guidance scale (1: plain conditional\n"
     "                      sampling) [1]\n"
+    "  --classifier PATH   classifier guidance by a noisy classifier (train_unet\n"
+    "                      --model classifier: a checkpoint folder or its\n"
+    "                      .safetensors; or guided-diffusion's classifier .pt): each\n"
+    "                      step adds s grad log p(y|x_t) for the image's class y, to\n"
+    "                      ddpm's mean times its variance, to ddim's and dpm++'s eps\n"
+    "                      times -sqrt(1 - abar); with --guidance too, both\n"
+    "  --classifier_scale S  the scale s of classifier guidance [1]\n"
     "  --num N             images [64]\n"
     "  --batch B           images per model call (default: the largest that fits in\n"
     "                      the GPU's free memory, at most --num; give it to get the\n"
@@ -75,7 +83,11 @@ static const char usage[] =
     "--image_size and --num_head_channels (or --num_heads) always,\n"
     "--use_new_attention_order, --diffusion_steps, --noise_schedule, --predict when\n"
     "not the defaults (False, 1000, linear, eps). The other model flags are checked\n"
-    "against the tensors; --use_fp16 is accepted and changes nothing.\n"
+    "against the tensors; --use_fp16 is accepted and changes nothing. A classifier\n"
+    ".pt takes guided-diffusion's --classifier_width, --classifier_depth,\n"
+    "--classifier_attention_resolutions, --classifier_use_scale_shift_norm,\n"
+    "--classifier_resblock_updown and --classifier_pool the same way (its image size\n"
+    "is the model's; --classifier_use_fp16 changes nothing).\n"
     "\n"
     "A hyphen in an option's name may stand for an underscore.\n";
 
@@ -85,14 +97,19 @@ static const char *const model_flag_names[] = {"image_size", "num_channels", "nu
     "num_heads", "num_head_channels", "num_heads_upsample", "use_new_attention_order", "use_scale_shift_norm", "resblock_updown",
     "dropout", "class_cond", "learn_sigma", "diffusion_steps", "noise_schedule", "predict", "use_fp16"};
 #define NUM_MODEL_FLAG_NAMES ((int)(sizeof model_flag_names / sizeof *model_flag_names))
+// guided-diffusion's classifier flags, for a classifier .pt.
+static const char *const classifier_flag_names[] = {"classifier_width", "classifier_depth", "classifier_attention_resolutions",
+    "classifier_use_scale_shift_norm", "classifier_resblock_updown", "classifier_pool", "classifier_use_fp16"};
+#define NUM_CLASSIFIER_FLAG_NAMES ((int)(sizeof classifier_flag_names / sizeof *classifier_flag_names))
 
 typedef struct {
-    const char *checkpoint, *weights, *sampler, *class_name, *out, *eval, *output, *respacing, *nll, *spacing;
+    const char *checkpoint, *weights, *sampler, *class_name, *out, *eval, *output, *respacing, *nll, *spacing, *classifier;
     int steps, num, batch, bench;
-    double eta, guidance;
+    double eta, guidance, classifier_scale;
+    int classifier_scale_given;
     long long seed;
-    char *model_flags[NUM_MODEL_FLAG_NAMES];
-    int num_model_flags;
+    char *model_flags[NUM_MODEL_FLAG_NAMES], *classifier_flags[NUM_CLASSIFIER_FLAG_NAMES];  // "name=value"
+    int num_model_flags, num_classifier_flags;
 } Options;
 
 // A whole number in lo..hi into *v: 0, or -1.
@@ -122,8 +139,12 @@ static double real_option(const char *name, const char *s, double lo, double hi)
 // underscore); no arguments, -h or --help print the usage, --version the version.
 static Options parse_options(int argc, char **argv) {
     static const char *const names[] = {"checkpoint", "weights", "sampler", "class", "out", "eval", "output", "respacing", "nll",
-                                        "spacing", "steps", "num", "batch", "bench", "seed", "eta", "guidance"};
-    Options o = {NULL, "ema", "ddim", "all", "samples", NULL, NULL, "", NULL, NULL, 0, 64, 0, 0, 0.0, 1.0, 0, {NULL}, 0};  // batch 0: the largest that fits
+                                        "spacing", "classifier", "steps", "num", "batch", "bench", "seed", "eta", "classifier_scale",
+                                        "guidance"};
+    Options o;
+    memset(&o, 0, sizeof o);  // batch 0: the largest that fits
+    o.weights = "ema", o.sampler = "ddim", o.class_name = "all", o.out = "samples", o.respacing = "", o.num = 64;
+    o.guidance = 1.0, o.classifier_scale = 1.0;
     if (argc < 2) fputs(usage, stdout), exit(0);
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
@@ -138,23 +159,26 @@ static Options parse_options(int argc, char **argv) {
         for (int k = 0; k < count; k++)
             if (cli_name_is(a + 2, len - 2, names[k])) name = names[k];
         char hint[128];
-        int model_flag = -1;
+        int model_flag = -1, classifier_flag = -1;
         for (int k = 0; !name && k < NUM_MODEL_FLAG_NAMES; k++)
             if (cli_name_is(a + 2, len - 2, model_flag_names[k])) model_flag = k, name = model_flag_names[k];
+        for (int k = 0; !name && k < NUM_CLASSIFIER_FLAG_NAMES; k++)
+            if (cli_name_is(a + 2, len - 2, classifier_flag_names[k])) classifier_flag = k, name = classifier_flag_names[k];
         if (!name) unet_usage_error("unknown option %.*s%s", (int)len, a, cli_hint(a + 2, len - 2, names, count, hint, sizeof hint));
         if (!eq && i + 1 >= argc) unet_usage_error("--%s needs a value", name);
         const char *v = eq ? eq + 1 : argv[++i];
-        char flag[16];
+        char flag[40];
         snprintf(flag, sizeof flag, "--%s", name);
-        if (model_flag >= 0) {
-            for (int k = 0; k < o.num_model_flags; k++)
-                if (strncmp(o.model_flags[k], name, strlen(name)) == 0 && o.model_flags[k][strlen(name)] == '=')
-                    unet_usage_error("--%s is given twice", name);
+        if (model_flag >= 0 || classifier_flag >= 0) {
+            char **pairs = model_flag >= 0 ? o.model_flags : o.classifier_flags;
+            int *count = model_flag >= 0 ? &o.num_model_flags : &o.num_classifier_flags;
+            for (int k = 0; k < *count; k++)
+                if (strncmp(pairs[k], name, strlen(name)) == 0 && pairs[k][strlen(name)] == '=') unet_usage_error("--%s is given twice", name);
             size_t bytes = strlen(name) + strlen(v) + 2;
             char *pair = (char *)malloc(bytes);
             if (!pair) unet_die("out of memory");
             snprintf(pair, bytes, "%s=%s", name, v);
-            o.model_flags[o.num_model_flags++] = pair;
+            pairs[(*count)++] = pair;
         } else if (strcmp(name, "checkpoint") == 0) o.checkpoint = v;
         else if (strcmp(name, "weights") == 0) o.weights = v;
         else if (strcmp(name, "sampler") == 0) o.sampler = v;
@@ -165,12 +189,14 @@ static Options parse_options(int argc, char **argv) {
         else if (strcmp(name, "respacing") == 0) o.respacing = v;
         else if (strcmp(name, "nll") == 0) o.nll = v;
         else if (strcmp(name, "spacing") == 0) o.spacing = v;
+        else if (strcmp(name, "classifier") == 0) o.classifier = v;
         else if (strcmp(name, "steps") == 0) o.steps = (int)int_option(flag, v, 1, 100000);
         else if (strcmp(name, "num") == 0) o.num = (int)int_option(flag, v, 1, 1000000);
         else if (strcmp(name, "batch") == 0) o.batch = (int)int_option(flag, v, 1, 65536);
         else if (strcmp(name, "bench") == 0) o.bench = (int)int_option(flag, v, 1, 1000);
         else if (strcmp(name, "seed") == 0) o.seed = int_option(flag, v, 0, (1ll << 62));
         else if (strcmp(name, "eta") == 0) o.eta = real_option(flag, v, 0, 1);
+        else if (strcmp(name, "classifier_scale") == 0) o.classifier_scale = real_option(flag, v, -1000, 1000), o.classifier_scale_given = 1;
         else o.guidance = real_option(flag, v, 0, 100);  // the last of names
     }
     if (!o.checkpoint) unet_usage_error("--checkpoint is required");
@@ -184,10 +210,14 @@ static Options parse_options(int argc, char **argv) {
         unet_usage_error("--spacing spaces ddim's and ddpm's --steps: it goes with neither --respacing nor --sampler dpm++");
     if (o.respacing[0] && (strcmp(o.sampler, "dpm++") == 0 || o.steps))
         unet_usage_error("--respacing gives ddim's and ddpm's steps: it goes with neither --sampler dpm++ nor --steps");
-    if (o.nll && (o.eval || o.bench || o.steps || strcmp(o.sampler, "ddim") != 0 || o.guidance != 1.0))
+    if (o.nll && (o.eval || o.bench || o.steps || strcmp(o.sampler, "ddim") != 0 || o.guidance != 1.0 || o.classifier))
         unet_usage_error("--nll measures a likelihood: it goes with --num, --batch, --respacing and --seed only");
     if ((o.eval != NULL) != (o.output != NULL))
         unet_usage_error("--eval IN.safetensors and --output OUT.safetensors go together");
+    if (o.eval && o.classifier) unet_usage_error("--eval runs the model alone: it goes without --classifier");
+    if (!o.classifier && (o.classifier_scale_given || o.num_classifier_flags))
+        unet_usage_error("--%s is classifier guidance's: it needs --classifier",
+                         o.classifier_scale_given ? "classifier_scale" : o.classifier_flags[0]);
     if (o.batch > o.num) o.batch = o.num;
     return o;
 }
@@ -279,8 +309,21 @@ int main(int argc, char **argv) {
     }
     if (o.nll) return likelihood(&o, checkpoint, &info);
     int classes = info.num_classes - info.null_class, fixed_class = -1;
+    UnetCheckpoint *classifier = NULL;
+    if (o.classifier) {  // its classes are the labels asked for: the model's too, when it has them
+        UnetInfo classifier_info;
+        classifier = unet_classifier_open(o.classifier, (const char *const *)o.classifier_flags, o.num_classifier_flags, info.image_size,
+                                          &classifier_info, err, sizeof err);
+        if (!classifier) unet_die("%s", err);
+        if (classifier_info.model[0]) printf("%s: %s\n", classifier_info.file, classifier_info.model);
+        if (classes && classes != classifier_info.num_classes)
+            unet_die("%s knows %d classes and the classifier %s %d: they must be the same classes", file, classes, classifier_info.file,
+                     classifier_info.num_classes);
+        if (o.guidance != 1.0 && !classes) unet_die("%s is unconditional: --guidance needs a class-conditional model", file);
+        classes = classifier_info.num_classes;
+    }
     if (!classes && (strcmp(o.class_name, "all") != 0 || o.guidance != 1.0))
-        unet_die("%s is unconditional: --class and --guidance need a class-conditional model", file);
+        unet_die("%s is unconditional: --class and --guidance need a class-conditional model (or --classifier)", file);
     if (o.guidance != 1.0 && !info.null_class)
         unet_die("%s has no null class (trained without --cfg_dropout's label): classifier-free guidance needs one", file);
     long long k;
@@ -314,11 +357,12 @@ int main(int argc, char **argv) {
                              "most the section's length)", o.respacing, info.diffusion_steps);
         unet_die("--steps %d: no spacing of the %d diffusion steps gives that many", count, info.diffusion_steps);
     }
+    UnetGuidance guidance = {(float)o.guidance, classifier, (float)o.classifier_scale};
     if (!o.batch) {
-        o.batch = unet_sampler_max_batch(checkpoint, &plan, (float)o.guidance, o.num, err, sizeof err);
+        o.batch = unet_sampler_max_batch(checkpoint, &plan, &guidance, o.num, err, sizeof err);
         if (!o.batch) unet_die("%s", err);
     }
-    UnetSampler *sampler = unet_sampler_create(checkpoint, o.batch, &plan, (float)o.guidance, (uint64_t)o.seed, err, sizeof err);
+    UnetSampler *sampler = unet_sampler_create(checkpoint, o.batch, &plan, &guidance, (uint64_t)o.seed, err, sizeof err);
     if (!sampler) unet_die("%s", err);
     // The output folder only once the model is on the GPU: a run that cannot sample leaves none.
     if (!o.bench && mkdir(o.out, 0777) != 0 && errno != EEXIST) unet_die("cannot create %s: %s", o.out, strerror(errno));
@@ -328,8 +372,12 @@ int main(int argc, char **argv) {
     int *labels = malloc((size_t)o.num * sizeof(int));
     if (!images || !labels) unet_die("out of memory");
     for (int i = 0; i < o.num; i++) labels[i] = fixed_class >= 0 ? fixed_class : classes ? i % classes : 0;
+    char guided[96] = "";
+    if (o.guidance != 1.0) snprintf(guided, sizeof guided, ", classifier-free guidance %g", o.guidance);
+    if (classifier)
+        snprintf(guided + strlen(guided), sizeof guided - strlen(guided), ", classifier guidance %g", o.classifier_scale);
     printf("generate: %d images of %dx%d from %s (%lld parameters), %s with %d steps%s, batches of %d\n", o.num, S, S, file,
-           (long long)info.parameters, o.sampler, plan.count, o.guidance != 1.0 ? ", classifier-free guidance" : "", o.batch);
+           (long long)info.parameters, o.sampler, plan.count, guided, o.batch);
     int runs = o.bench ? o.bench + 1 : 1;  // --bench: a warm-up, then the timed runs
     double *seconds = malloc(runs * sizeof(double));
     if (!seconds) unet_die("out of memory");
@@ -348,6 +396,7 @@ int main(int argc, char **argv) {
     if (progress.shown) fputc('\n', stderr);
     unet_sampler_free(sampler);
     unet_checkpoint_close(checkpoint);
+    unet_checkpoint_close(classifier);
     if (o.bench) {
         qsort(seconds + 1, o.bench, sizeof(double), compare_doubles);
         double median = seconds[1 + o.bench / 2];

@@ -191,6 +191,8 @@ typedef struct {
     float mean_x0, mean_xt;                // the posterior's mean: mean_x0 x0 + mean_xt x_t
     float log_var_min;                     // log beta_tilde_t (at t = 0 beta_tilde_1's: "clipped")
     float log_var_range;                   // log beta_t - log_var_min (learned_log_variance)
+    float posterior_variance;              // beta_tilde_t, not clipped (0 at t = 0): classifier guidance's
+                                           // variance for a model without a learned one
 } TimestepTerms;
 
 // With abar_prev = abar_{t-1} (1 at t = 0): beta_tilde_t = beta_t (1 - abar_prev) / (1 - abar_t),
@@ -206,6 +208,7 @@ static inline TimestepTerms timestep_terms(const NoiseSchedule *d, int t) {
     tt.mean_xt = (float)((1.0 - prev) * sqrt(1.0 - beta[t]) / (1.0 - abar[t]));
     double log_var_min = posterior > 0 ? log(posterior) : log(beta[t]);  // T = 1: no posterior variance
     tt.log_var_min = (float)log_var_min, tt.log_var_range = (float)(log(beta[t]) - log_var_min);
+    tt.posterior_variance = (float)(beta[t] * (1.0 - prev) / (1.0 - abar[t]));
     return tt;
 }
 
@@ -234,12 +237,24 @@ HOST_DEVICE static inline float predict_x0(float x, float out, float abar, int p
 //   x_prev = sqrt(abar_prev) x0 + sqrt(1 - abar_prev - sigma^2) eps + sigma z
 // eta = 0 is deterministic; eta = 1 over all T steps is DDPM's ancestral sampling with the fixed
 // small variance (guided-diffusion's p_sample: the posterior mean and variance of q(x_prev | x, x0)).
-HOST_DEVICE static inline float ddim_update(float x, float out, float abar, float abar_prev, float eta, float z,
-                                            int predict, int clip) {
-    float x0 = predict_x0(x, out, abar, predict, clip);
+HOST_DEVICE static inline float ddim_from_x0(float x, float x0, float abar, float abar_prev, float eta, float z) {
     float eps = (x - sqrtf(abar) * x0) / sqrtf(1.0f - abar);
     float sigma = eta * sqrtf((1.0f - abar_prev) / (1.0f - abar)) * sqrtf(fmaxf(1.0f - abar / abar_prev, 0.0f));
     return sqrtf(abar_prev) * x0 + sqrtf(fmaxf(1.0f - abar_prev - sigma * sigma, 0.0f)) * eps + sigma * z;
+}
+
+HOST_DEVICE static inline float ddim_update(float x, float out, float abar, float abar_prev, float eta, float z,
+                                            int predict, int clip) {
+    return ddim_from_x0(x, predict_x0(x, out, abar, predict, clip), abar, abar_prev, eta, z);
+}
+
+// Classifier guidance (Dhariwal & Nichol, guided-diffusion's cond_fn) with a value's score
+// g = s d log p(y | x_t) / dx_t (s: the classifier scale). DDPM moves the step's mean by its
+// variance times g (condition_mean); DDIM and DPM-Solver++ move eps by -sqrt(1 - abar) g
+// (condition_score, after x0's clipping, not clipped again), which moves x0 by
+//   x0' = (x - sqrt(1 - abar) (eps - sqrt(1 - abar) g)) / sqrt(abar) = x0 + (1 - abar) / sqrt(abar) g
+HOST_DEVICE static inline float score_guided_x0(float x0, float abar, float score) {
+    return x0 + (1.0f - abar) / sqrtf(abar) * score;
 }
 
 // DPM-Solver++(2M) (Lu et al. 2022), data prediction, multistep, with lambda = log(alpha/sigma),
@@ -350,19 +365,22 @@ static inline void sample_plan_free(SamplePlan *p) {
     memset(p, 0, sizeof *p);
 }
 
-// One value's update at one step of a plan: x from the model's output (after guidance) and, with a
-// learned variance, the output's variance half v; z the value's normal draw (when st->noisy);
-// x0_last: DPM-Solver++'s previous x0 of this value, updated.
-HOST_DEVICE static inline float sample_step_value(const SamplePlan *p, const SampleStep *st, float x, float out, float v, float z,
-                                                  float *x0_last) {
+// One value's update at one step of a plan: x from the model's output (after classifier-free
+// guidance) and, with a learned variance, the output's variance half v; score: classifier guidance's
+// g (0: none; see score_guided_x0); z the value's normal draw (when st->noisy); x0_last:
+// DPM-Solver++'s previous x0 of this value, updated.
+HOST_DEVICE static inline float sample_step_value(const SamplePlan *p, const SampleStep *st, float x, float out, float v, float score,
+                                                  float z, float *x0_last) {
+    float x0 = predict_x0(x, out, st->abar, p->predict, p->clip);
     if (p->kind == SAMPLER_DDPM) {
         const TimestepTerms *tt = &st->terms;
-        float mean = tt->mean_x0 * predict_x0(x, out, st->abar, p->predict, p->clip) + tt->mean_xt * x;
         float log_var = p->learned ? learned_log_variance(v, tt->log_var_min, tt->log_var_range) : tt->log_var_min;
+        float variance = p->learned ? expf(log_var) : tt->posterior_variance;
+        float mean = tt->mean_x0 * x0 + tt->mean_xt * x + variance * score;
         return st->noisy ? mean + expf(0.5f * log_var) * z : mean;
     }
-    if (p->kind != SAMPLER_DPM_SOLVER_PP) return ddim_update(x, out, st->abar, st->abar_prev, st->eta, z, p->predict, p->clip);
-    float x0 = predict_x0(x, out, st->abar, p->predict, p->clip);
+    x0 = score_guided_x0(x0, st->abar, score);
+    if (p->kind != SAMPLER_DPM_SOLVER_PP) return ddim_from_x0(x, x0, st->abar, st->abar_prev, st->eta, z);
     float next = dpm_solver_pp_update(x, x0, *x0_last, st->abar, st->abar_prev, st->r, st->second_order);
     *x0_last = x0;
     return next;
@@ -381,21 +399,26 @@ HOST_DEVICE static inline float normal_sample(uint64_t seed, uint64_t stream, ui
 }
 
 // The plan on the host, for any model: x holds n values of starting noise and is replaced by the
-// samples. model(ctx, x, t, out) writes the model's output for x at timestep t (guidance, if any,
-// inside it): n values, and with a learned variance n more, the variance half (value i's at n + i);
-// noise(ctx, j, i) draws z for value i at step j of the plan.
+// samples. model(ctx, x, t, out) writes the model's output for x at timestep t (classifier-free
+// guidance, if any, inside it): n values, and with a learned variance n more, the variance half
+// (value i's at n + i); `scored`: then n more, classifier guidance's score g of each value (see
+// score_guided_x0). noise(ctx, j, i) draws z for value i at step j of the plan.
 typedef void (*SamplerModel)(void *ctx, const float *x, int t, float *out);
 typedef float (*SamplerNoise)(void *ctx, int j, size_t i);
 
 // Returns 0, or -1 without memory.
-static inline int sample_loop(const SamplePlan *p, SamplerModel model, SamplerNoise noise, void *ctx, float *x, size_t n) {
-    float *out = (float *)malloc((p->learned ? 2 : 1) * n * sizeof(float)), *x0_last = (float *)calloc(n, sizeof(float));
+static inline int sample_loop(const SamplePlan *p, SamplerModel model, int scored, SamplerNoise noise, void *ctx, float *x, size_t n) {
+    const float *v = NULL, *score = NULL;
+    float *out = (float *)malloc((1 + (p->learned != 0) + (scored != 0)) * n * sizeof(float)), *x0_last = (float *)calloc(n, sizeof(float));
     if (!out || !x0_last) return free(out), free(x0_last), -1;
+    if (p->learned) v = out + n;
+    if (scored) score = out + (p->learned ? 2 : 1) * n;
     for (int j = 0; j < p->count; j++) {
         const SampleStep *st = &p->steps[j];
         model(ctx, x, st->timestep, out);
         for (size_t i = 0; i < n; i++)
-            x[i] = sample_step_value(p, st, x[i], out[i], p->learned ? out[n + i] : 0.0f, st->noisy ? noise(ctx, j, i) : 0.0f, &x0_last[i]);
+            x[i] = sample_step_value(p, st, x[i], out[i], v ? v[i] : 0.0f, score ? score[i] : 0.0f, st->noisy ? noise(ctx, j, i) : 0.0f,
+                                     &x0_last[i]);
     }
     free(out);
     free(x0_last);

@@ -209,6 +209,7 @@ typedef struct {
     cudaStream_t stream;      // where kernels go now: main, or side between side_begin and side_end
     cudaStream_t main, side;  // the side stream runs work beside the main stream's (side_begin)
     cudaEvent_t fork, join;
+    int side_pending;         // side work ended and not yet joined
     cublasHandle_t blas;
     cublasLtHandle_t lt;
     void *workspace;
@@ -288,8 +289,8 @@ static void gpu_init(int device) {
 // Work beside the main stream, as a fork and a join (also inside a captured graph): between
 // side_begin() and side_end() kernels go to the side stream, which starts after everything launched
 // on the main stream so far; what the main stream launches next runs beside them, until side_join()
-// makes it wait for them. Only our own kernels go to the side stream: cuBLAS, its handle and its
-// workspace stay on the main stream.
+// makes it wait for them (a join with nothing begun since the last one is nothing). Only our own
+// kernels go to the side stream: cuBLAS, its handle and its workspace stay on the main stream.
 static void side_begin(void) {
     cuda_check(cudaEventRecord(gpu.fork, gpu.main));
     cuda_check(cudaStreamWaitEvent(gpu.side, gpu.fork, 0));
@@ -299,9 +300,13 @@ static void side_begin(void) {
 static void side_end(void) {
     cuda_check(cudaEventRecord(gpu.join, gpu.side));
     gpu.stream = gpu.main;
+    gpu.side_pending = 1;
 }
 
-static void side_join(void) { cuda_check(cudaStreamWaitEvent(gpu.main, gpu.join, 0)); }
+static void side_join(void) {
+    if (gpu.side_pending) cuda_check(cudaStreamWaitEvent(gpu.main, gpu.join, 0));
+    gpu.side_pending = 0;
+}
 
 static int blocks_for(size_t n, int threads) {
     size_t blocks = (n + threads - 1) / threads;
@@ -461,7 +466,8 @@ static void matmul_batched(void *const *d, cudaDataType d_type, int ldd, const f
 // The weight gradient of a layer, dW[out][K] = dy^T[out][M] x[M][K] (fp32), a reduction over all M
 // rows of the batch. A single product would run on a handful of output tiles for M ~ 10^5, so
 // the rows are split into slices computed as one batched product into scratch, then summed in a
-// fixed order; rows left over after the slices are added by one more product.
+// fixed order; rows left over after the slices are added by one more product. A model that computes
+// no parameter gradients (TRAINING_INPUT_GRADIENT) has no dw: nothing is done.
 
 #define WEIGHT_GRAD_SLICE_ROWS 4096
 #define WEIGHT_GRAD_MAX_SLICES 64
@@ -491,6 +497,7 @@ static void sum_slices_strided(float *out, int cols, int ld, const float *slices
 static void sum_slices(float *out, const float *slices, int count, int64_t n) { sum_slices_strided(out, 1, 1, slices, count, n); }
 
 static void weight_gradient(const Scratch *s, float *dw, int ldw, const floatX *dy, const floatX *x, int M, int out, int K) {
+    if (!dw) return;
     int slices = weight_grad_slices(s->weight_grad_numel, M, out, K);
     if (slices < 2) {
         matmul({.M = out, .N = K, .K = M, .a = dy, .lda = out, .trans_a = 1, .b = x, .ldb = K, .d = dw, .ldd = ldw, .d_fp32 = 1});
@@ -2772,9 +2779,10 @@ static void conv_forward(const Conv *cv, floatX *y, const floatX *x, int N, int 
 }
 
 // The 3x3 weight gradient and the bias gradient (d_bias_per_sample: also per sample), begun on the
-// side stream; the next side_join() waits for them.
+// side stream; the next side_join() waits for them. Nothing without parameter gradients (no dw).
 static void conv_backward_params_side(const Conv *cv, const floatX *dy, const floatX *x, int N, int H, int W,
                                       float *d_bias_per_sample, int per_sample_ld) {
+    if (!cv->dw) return;
     int Ho = conv_out_size(H, cv->k, cv->stride), Wo = conv_out_size(W, cv->k, cv->stride);
     side_begin();
     if (cv->k == 3)
@@ -3370,11 +3378,13 @@ static void group_norm_backward(const Norm *norm, floatX *dx, GradMode mode, flo
     group_norm_backward_sums_kernel<<<dim3(chunks, N), GN_THREADS, gn_backward_smem(2), gpu.stream>>>(
         partials, y, dy, x, mean, rstd, norm->gamma, norm->beta, o, HW, C);
     cuda_check_launch();
-    side_begin();  // the parameter gradients beside the input gradient
-    group_norm_backward_params_kernel<<<(C + 31) / 32, dim3(32, REDUCE_SLICES), 0, gpu.stream>>>(
-        norm->dgamma, norm->dbeta, o.scale_shift ? d_scale_shift : NULL, o.scale_shift_ld, partials, N, chunks, C);
-    cuda_check_launch();
-    side_end();
+    if (norm->dgamma) {  // the parameter gradients (when the model has them) beside the input gradient
+        side_begin();
+        group_norm_backward_params_kernel<<<(C + 31) / 32, dim3(32, REDUCE_SLICES), 0, gpu.stream>>>(
+            norm->dgamma, norm->dbeta, o.scale_shift ? d_scale_shift : NULL, o.scale_shift_ld, partials, N, chunks, C);
+        cuda_check_launch();
+        side_end();
+    }
     group_norm_backward_input_kernel<<<dim3(chunks, N), GN_THREADS, gn_backward_smem(mode == GRAD_ADD ? 3 : 2), gpu.stream>>>(
         dx, mode, dy, x, partials, mean, rstd, norm->gamma, norm->beta, o, HW, C);
     cuda_check_launch();
@@ -4851,15 +4861,16 @@ static void res_block_backward(ResBlock *r, const BlockEmbedding *e, const Act *
     } else pass_gradient(dskip, skip_mode, out->dx, act_numel(out));
     // GroupNorm 2's backward recomputes h2 for conv2's weight gradient, which then runs beside conv1's
     // backward.
-    group_norm_backward(&r->norm2, r->h1.dx, GRAD_WRITE, e->d_out + r->emb_offset, r->h2.dx, r->h1.x, r->h2.x, r->mean2,
-                        r->rstd2, N, Ho * Wo, res_block_norm2(r, e, training));
+    float *d_emb = e->d_out ? e->d_out + r->emb_offset : NULL;  // (none without parameter gradients)
+    group_norm_backward(&r->norm2, r->h1.dx, GRAD_WRITE, d_emb, r->h2.dx, r->h1.x, r->h2.x, r->mean2, r->rstd2, N, Ho * Wo,
+                        res_block_norm2(r, e, training));
     conv_backward_params_side(&r->conv2, out->dx, r->h2.x, N, Ho, Wo, NULL, 0);
-    if (r->has_skip_conv) {
+    if (r->has_skip_conv && r->conv3.db) {
         side_begin();
         cuda_check(cudaMemcpyAsync(r->conv3.db, r->conv2.db, r->conv2.out * sizeof(float), cudaMemcpyDeviceToDevice, gpu.stream));
         side_end();
     }
-    float *d_add = e->scale_shift ? NULL : e->d_out + r->emb_offset;
+    float *d_add = e->scale_shift ? NULL : d_emb;
     const floatX *x = r->cat_a ? r->cat_a->x : in->x;
     floatX *dx = r->cat_a ? r->cat_a->dx : in->dx;
     NormOptions o1 = res_block_norm1(r);
@@ -5124,6 +5135,7 @@ typedef struct {
     int batch;
     int training;     // 0: forward only (no gradients, no AdamW state)
     int recompute;    // training that recomputes the blocks' inner activations in backward (TRAINING_RECOMPUTE)
+    int parameter_gradients;  // backward computes the parameters' gradients (not with TRAINING_INPUT_GRADIENT)
     int input_gradient;  // backward computes input.dx (unet_create's default; the trainer's step skips it)
     ParamList params;
     int64_t storage;  // floats per parameter array: the parameters and 256-byte alignment gaps
@@ -5303,10 +5315,10 @@ static void walk_conv_scratch(Walk *w, const Conv *cv, int size) {
     int in = cv->in, out = cv->out, s = cv->stride;
     if (cv->k == 3) note_scratch(&m->conv_split_numel, conv3x3_split_scratch_floats(CONV_FORWARD, N, size, size, in, out, s));
     if (!m->training) return;
-    if (cv->k == 3) {
-        note_scratch(&m->conv_split_numel, conv3x3_split_scratch_floats(CONV_INPUT_GRAD, N, size, size, in, out, s));
-        note_scratch(&m->weight_grad_numel, conv3x3_weight_grad_scratch_floats(N, size, size, cv->in, cv->out, cv->stride));
-    } else {
+    if (cv->k == 3) note_scratch(&m->conv_split_numel, conv3x3_split_scratch_floats(CONV_INPUT_GRAD, N, size, size, in, out, s));
+    if (!m->parameter_gradients) return;
+    if (cv->k == 3) note_scratch(&m->weight_grad_numel, conv3x3_weight_grad_scratch_floats(N, size, size, cv->in, cv->out, cv->stride));
+    else {
         int slices = weight_grad_slices(INT64_MAX, N * o * o, cv->out, cv->in);
         if (slices >= 2) note_scratch(&m->weight_grad_numel, (int64_t)slices * cv->out * cv->in);
     }
@@ -6024,7 +6036,7 @@ static void unet_lay_out(UNet *m) {
 
     int64_t n = m->storage;
     m->master = (float *)arena_take(&m->parameters, n * sizeof(float));
-    if (training) {
+    if (m->parameter_gradients) {
         m->grad = (float *)arena_take(&m->parameters, n * sizeof(float));
         m->adam_m = (float *)arena_take(&m->parameters, n * sizeof(float));  // (each 256-byte aligned for AdamW's vectors;
         m->adam_v = (float *)arena_take(&m->parameters, n * sizeof(float));  // state.bin stores them side by side)
@@ -6047,7 +6059,7 @@ static void unet_lay_out(UNet *m) {
     plan_block_gradients(m);
     int64_t E = m->emb_total;
     m->embedding.out = (float *)arena_take(&m->acts, (int64_t)batch * E * sizeof(float));
-    if (training) {
+    if (m->parameter_gradients) {
         m->embedding.d_out = (float *)arena_take(&m->acts, (int64_t)batch * E * sizeof(float));
         m->d_emb_out_x = (floatX *)arena_take(&m->acts, (int64_t)batch * E * sizeof(floatX));
         note_scratch(&m->channel_sums_numel, channel_sum_slots(batch) * (E > emb_dim ? E : emb_dim));
@@ -6072,8 +6084,11 @@ static void unet_lay_out(UNet *m) {
 // unet_plan's and unet_create's `training`: 0 forward only, 1 training, TRAINING_RECOMPUTE training
 // whose ResBlocks and AttentionBlocks recompute their inner activations in backward instead of
 // keeping them from forward (guided-diffusion's use_checkpoint; res_block_recompute and
-// attention_block_recompute).
+// attention_block_recompute), TRAINING_INPUT_GRADIENT a backward pass for the input's gradient
+// alone (classifier guidance): the activations kept as for training, no parameter gradients, no
+// AdamW state; every layer's weight-gradient work finds no dw and does nothing.
 #define TRAINING_RECOMPUTE 2
+#define TRAINING_INPUT_GRADIENT 3
 
 // The plan of a model for batches of `batch` images, on the host: its parameter list, its blocks
 // and the size of each memory region (nothing on the GPU).
@@ -6088,6 +6103,7 @@ static void unet_plan(UNet *m, const ModelConfig *c, int batch, int training) {
     m->batch = batch;
     m->training = training != 0;
     m->recompute = training == TRAINING_RECOMPUTE;
+    m->parameter_gradients = training == 1 || training == TRAINING_RECOMPUTE;
     m->capacity = max_blocks(c);
     m->blocks = (Block *)calloc(m->capacity, sizeof(Block));
     if (!m->blocks) fatal("out of host memory");
@@ -6150,7 +6166,7 @@ static void unet_create(UNet *m, const ModelConfig *c, int batch, int training) 
     m->embedding.dropout = c->dropout, m->embedding.dropout_seed = m->zero_seed;
     m->emb_all.in = 4 * c->model_channels, m->emb_all.out = (int)m->emb_total, m->emb_all.k = 1, m->emb_all.stride = 1;
     m->emb_all.w = m->compute, m->emb_all.b = m->compute + m->emb_bias_offset;
-    if (training) m->emb_all.dw = m->grad, m->emb_all.db = m->grad + m->emb_bias_offset;
+    if (m->grad) m->emb_all.dw = m->grad, m->emb_all.db = m->grad + m->emb_bias_offset;
     m->emb_all.scratch = &m->scratch;
     for (int i = 0; i < m->num_blocks; i++) {
         Block *b = &m->blocks[i];
@@ -6238,8 +6254,8 @@ static void unet_forward(UNet *m, int training) {
     for (int i = 0; i < m->num_blocks; i++) block_forward(m, &m->blocks[i], training);
 }
 
-// The backward pass from m->output->dx: every parameter gradient into m->grad, and m->input.dx
-// (if m->input_gradient).
+// The backward pass from m->output->dx: every parameter gradient into m->grad (when the model has
+// them), and m->input.dx (if m->input_gradient).
 // after_block(ctx, i), when given, runs after block i's backward (blocks go last to first): many
 // GPUs start averaging the gradients that are final while the rest of backward runs.
 static void unet_backward(UNet *m, int training, void (*after_block)(void *ctx, int block), void *ctx) {
@@ -6247,9 +6263,11 @@ static void unet_backward(UNet *m, int training, void (*after_block)(void *ctx, 
     int N = m->batch, D = 4 * c->model_channels, E = (int)m->emb_total;
     // The blocks write their gradients (see Block.in_grad); the embedding MLP's SiLU backward adds
     // into its input's (silu_backward_kernel), and the ResBlocks add their projections' per sample.
-    cuda_check(cudaMemsetAsync(m->emb.dx, 0, act_numel(&m->emb) * sizeof(floatX), gpu.stream));
-    cuda_check(cudaMemsetAsync(m->t_hidden.dx, 0, act_numel(&m->t_hidden) * sizeof(floatX), gpu.stream));
-    cuda_check(cudaMemsetAsync(m->embedding.d_out, 0, (size_t)N * E * sizeof(float), gpu.stream));
+    if (m->parameter_gradients) {
+        cuda_check(cudaMemsetAsync(m->emb.dx, 0, act_numel(&m->emb) * sizeof(floatX), gpu.stream));
+        cuda_check(cudaMemsetAsync(m->t_hidden.dx, 0, act_numel(&m->t_hidden) * sizeof(floatX), gpu.stream));
+        cuda_check(cudaMemsetAsync(m->embedding.d_out, 0, (size_t)N * E * sizeof(float), gpu.stream));
+    }
     const Block *last = &m->blocks[m->num_blocks - 1];
     int spatial = last->kind == BLOCK_POOL && (last->pool.pool == POOL_SPATIAL || last->pool.pool == POOL_SPATIAL_V2);
     for (int i = m->num_blocks - 1; i >= 0; i--) {
@@ -6257,6 +6275,7 @@ static void unet_backward(UNet *m, int training, void (*after_block)(void *ctx, 
         block_backward(m, &m->blocks[i], training);
         if (after_block) after_block(ctx, i);
     }
+    if (!m->parameter_gradients) return;  // the embedding's gradients reach parameters only
     // The timestep projections of all ResBlocks at once, then the embedding MLP.
     float_to_floatx_kernel<<<blocks_for((int64_t)N * E, 256), 256, 0, gpu.stream>>>(m->d_emb_out_x, m->embedding.d_out, (int64_t)N * E);
     cuda_check_launch();
@@ -7745,8 +7764,10 @@ static const float *trainer_evaluate(Trainer *tr, DataLoader *val, int64_t index
 // captured as a CUDA graph and replayed once per step, no host work in between. The plan's step
 // index lives on the GPU, so each replay reads its own timestep and coefficients. With
 // classifier-free guidance the model runs on twice the batch: the images with their labels,
-// then the same images with the null class. Image i's starting noise and every draw it needs
-// depend only on (seed, i): the same seed and batch size give the same images.
+// then the same images with the null class. With classifier guidance a noisy classifier's
+// forward and backward passes give each step the score s d log p(y | x_t) / dx_t of the asked
+// labels (sampler.h's score_guided_x0). Image i's starting noise and every draw it needs depend
+// only on (seed, i): the same seed and batch size give the same images.
 
 
 typedef struct {
@@ -7758,6 +7779,10 @@ typedef struct {
     UNet m;                 // forward only; batch: images, twice that when guided
     int images, guided, null_label;
     float guidance;
+    UNet classifier;        // classifier guidance: the noisy classifier (batch: images), input gradient
+    int classifier_guided;  // only (TRAINING_INPUT_GRADIENT); its weights go into classifier.master
+    float classifier_scale;
+    float *classifier_partial;  // classifier_loss_kernel's per-image values, unread
     uint64_t seed;
     SamplePlan plan;        // its steps also on the GPU:
     SampleStep *steps;
@@ -7769,25 +7794,33 @@ typedef struct {
     cudaGraphExec_t graph;  // one step of the plan
 } GpuSampler;
 
-// The starting noise: x, and the model's input (both halves when guided).
-__global__ void sample_start_kernel(float *x, floatX *input, int64_t n, int guided, uint64_t seed, const SampleCursor *c) {
-    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
+__global__ void sample_start_kernel(float *x, int64_t n, uint64_t seed, const SampleCursor *c) {
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
         x[i] = normal_sample(seed, rng_stream(RNG_SAMPLE_START, 0), c->offset + i);
-        input[i] = (floatX)x[i];
-        if (guided) input[n + i] = input[i];
+}
+
+// A step's inputs: x (n values) as the model's input (both halves when guided) and the
+// classifier's (when given), and the step's timestep for every image of either batch (n is more
+// than both).
+__global__ void sample_inputs_kernel(floatX *input, int64_t *t, int batch, floatX *classifier_input, int64_t *classifier_t,
+                                     int classifier_batch, const float *x, int64_t n, int guided, const SampleStep *steps,
+                                     const SampleCursor *c) {
+    int timestep = steps[c->step].timestep;
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
+        floatX v = (floatX)x[i];
+        input[i] = v;
+        if (guided) input[n + i] = v;
+        if (classifier_input) classifier_input[i] = v;
+        if (i < batch) t[i] = timestep;
+        if (i < classifier_batch) classifier_t[i] = timestep;
     }
 }
 
-__global__ void sample_timesteps_kernel(int64_t *t, int N, const SampleStep *steps, const SampleCursor *c) {
-    int i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < N) t[i] = steps[c->step].timestep;
-}
-
 // One step of the plan for every value, from the model's output (guided: uncond + w (cond -
-// uncond), the second half being the unconditional); x and the next input are written. x has C
-// channels; the output has C (the prediction) or, with a learned variance, 2C: then a value's
-// variance is the conditional output's (as GLIDE's guided sampling keeps it).
-__global__ void sample_step_kernel(float *x, float *x0_last, floatX *input, const floatX *out, int64_t n, int C, int out_channels,
+// uncond), the second half being the unconditional) and classifier guidance's score (NULL: none);
+// x is written. x has C channels; the output has C (the prediction) or, with a learned variance,
+// 2C: then a value's variance is the conditional output's (as GLIDE's guided sampling keeps it).
+__global__ void sample_step_kernel(float *x, float *x0_last, const floatX *out, const floatX *score, int64_t n, int C, int out_channels,
                                    int guided, float guidance, SamplePlan plan, const SampleStep *steps, const SampleCursor *c,
                                    uint64_t seed) {
     const SampleStep st = steps[c->step];
@@ -7795,11 +7828,9 @@ __global__ void sample_step_kernel(float *x, float *x0_last, floatX *input, cons
     for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
         int64_t j = i / C * out_channels + i % C;
         float o = guided ? guided_output((float)out[j], (float)out[n_out + j], guidance) : (float)out[j];
-        float v = plan.learned ? (float)out[j + C] : 0.0f;
+        float v = plan.learned ? (float)out[j + C] : 0.0f, g = score ? (float)score[i] : 0.0f;
         float z = st.noisy ? normal_sample(seed, rng_stream(RNG_SAMPLE_NOISE, (uint64_t)c->step), c->offset + i) : 0.0f;
-        x[i] = sample_step_value(&plan, &st, x[i], o, v, z, &x0_last[i]);
-        input[i] = (floatX)x[i];
-        if (guided) input[n + i] = input[i];
+        x[i] = sample_step_value(&plan, &st, x[i], o, v, g, z, &x0_last[i]);
     }
 }
 
@@ -7810,23 +7841,49 @@ __global__ void to_pixels_kernel(uint8_t *pixels, const float *x, int64_t n) {
         pixels[i] = (uint8_t)lrintf(fminf(fmaxf((x[i] + 1.0f) * 127.5f, 0.0f), 255.0f));
 }
 
+// Classifier guidance's score of the classifier's input x_t (its timesteps and labels y set), into
+// classifier.input.dx: g = s d log p(y | x_t) / dx_t by its forward pass, the logits z's gradient
+// d (s log softmax(z)_y) / dz = s (onehot(y) - softmax(z)) (classifier_loss_kernel's cross-entropy
+// gradient times -s) and its backward pass, which computes no parameter gradients.
+static void classifier_score(GpuSampler *s) {
+    UNet *c = &s->classifier;
+    unet_forward(c, 0);
+    classifier_loss_kernel<<<(c->batch + 7) / 8, 256, 0, gpu.stream>>>(s->classifier_partial, c->output->dx, c->output->x, c->labels,
+                                                                         c->batch, c->output->C, -s->classifier_scale);
+    cuda_check_launch();
+    unet_backward(c, 0, NULL, NULL);
+}
+
 // The GPU memory gpu_sampler_create takes for batches of `images`: the forward-only model's plan
-// (twice the batch when guided) and the sampler's own buffers.
-static int64_t gpu_sampler_bytes(const ModelConfig *c, int images, const SamplePlan *plan, int guided) {
+// (twice the batch when guided), the classifier's (classifier guidance), and the sampler's own buffers.
+static int64_t gpu_sampler_bytes(const ModelConfig *c, int images, const SamplePlan *plan, int guided, const ModelConfig *classifier) {
     UNet m;
     unet_plan(&m, c, guided ? 2 * images : images, 0);
     int64_t n = (int64_t)images * c->image_size * c->image_size * c->in_channels;
     int64_t bytes = unet_memory_bytes(&m) + 2 * n * (int64_t)sizeof(float) + n + plan->count * (int64_t)sizeof(SampleStep);
     unet_destroy(&m);
+    if (classifier) {
+        unet_plan(&m, classifier, images, TRAINING_INPUT_GRADIENT);
+        bytes += unet_memory_bytes(&m) + 3 * images * (int64_t)sizeof(float);
+        unet_destroy(&m);
+    }
     return bytes;
 }
 
 // A sampler for batches of `images` images of the model c (its weights go into s->m.master, then
-// unet_sync_compute). guidance != 1 needs the model's null class (its last label row).
-static void gpu_sampler_create(GpuSampler *s, const ModelConfig *c, int images, const SamplePlan *plan, float guidance, uint64_t seed) {
+// unet_sync_compute). guidance != 1 needs the model's null class (its last label row). classifier
+// (nullable): classifier guidance by that noisy classifier with scale classifier_scale (its weights
+// go into s->classifier.master, then unet_sync_compute).
+static void gpu_sampler_create(GpuSampler *s, const ModelConfig *c, int images, const SamplePlan *plan, float guidance,
+                               const ModelConfig *classifier, float classifier_scale, uint64_t seed) {
     memset(s, 0, sizeof *s);
     s->images = images, s->guided = guidance != 1.0f, s->guidance = guidance, s->null_label = c->num_classes - 1, s->seed = seed;
     unet_create(&s->m, c, s->guided ? 2 * images : images, 0);
+    if (classifier) {
+        s->classifier_guided = 1, s->classifier_scale = classifier_scale;
+        unet_create(&s->classifier, classifier, images, TRAINING_INPUT_GRADIENT);
+        s->classifier_partial = (float *)gpu_malloc(3 * images * sizeof(float));
+    }
     s->plan = *plan;
     s->plan.steps = NULL;  // the host's copy stays with the caller
     s->steps = (SampleStep *)gpu_malloc(plan->count * sizeof(SampleStep));
@@ -7846,46 +7903,47 @@ static void gpu_sampler_destroy(GpuSampler *s) {
     for (int j = 0; s->step_done && j < s->plan.count; j++) cudaEventDestroy(s->step_done[j]);
     free(s->step_done);
     cudaEventDestroy(s->start), cudaEventDestroy(s->stop);
-    cudaFree(s->steps), cudaFree(s->cursor), cudaFree(s->x), cudaFree(s->pixels);
+    cudaFree(s->steps), cudaFree(s->cursor), cudaFree(s->x), cudaFree(s->pixels), cudaFree(s->classifier_partial);
     unet_destroy(&s->m);
+    if (s->classifier_guided) unet_destroy(&s->classifier);
     memset(s, 0, sizeof *s);
 }
 
-// Samples images first .. first + count - 1 (count <= s->images; the batch's other slots sample
-// copies of labels[0]) into pixels (host, [count][H][W][C]); labels: [count], NULL when the model
-// is unconditional. progress (nullable) is called as each step finishes on the GPU (an event
-// after every step, polled while the steps are queued). Returns the GPU time of the batch in ms
-// (events around the whole loop).
-static float gpu_sampler_run(GpuSampler *s, int64_t first, int count, const int *labels, uint8_t *pixels, UnetProgress progress,
-                             void *ctx) {
+// Readies a batch of images first .. first + count - 1 (count <= s->images; the batch's other slots
+// sample copies of labels[0]; labels: [count], NULL when neither model takes labels): the cursor at
+// the plan's first step, the labels on the GPU, the step's graph captured (the first time).
+static void gpu_sampler_begin(GpuSampler *s, int64_t first, int count, const int *labels) {
     UNet *m = &s->m;
     int B = s->images;
     int64_t per_image = act_numel(&m->input) / m->batch, n = B * per_image;
     SampleCursor cursor = {0, first * per_image};
     cuda_check(cudaMemcpy(s->cursor, &cursor, sizeof cursor, cudaMemcpyHostToDevice));
-    if (m->config.num_classes) {
-        int *batch_labels = (int *)malloc_or_die(m->batch * sizeof(int));
-        for (int b = 0; b < B; b++) batch_labels[b] = labels ? labels[b < count ? b : 0] : 0;
-        for (int b = B; b < m->batch; b++) batch_labels[b] = s->null_label;
-        cuda_check(cudaMemcpy(m->labels, batch_labels, m->batch * sizeof(int), cudaMemcpyHostToDevice));
-        free(batch_labels);
-    }
-    if (!s->graph) {
-        cudaGraph_t graph;
-        cuda_check(cudaStreamBeginCapture(gpu.stream, cudaStreamCaptureModeGlobal));
-        sample_timesteps_kernel<<<(m->batch + 127) / 128, 128, 0, gpu.stream>>>(m->timesteps, m->batch, s->steps, s->cursor);
-        unet_forward(m, 0);
-        sample_step_kernel<<<blocks_for(n, 256), 256, 0, gpu.stream>>>(s->x, s->x0_last, m->input.x, m->output->x, n, m->input.C,
-                                                                        m->output->C, s->guided, s->guidance, s->plan, s->steps,
-                                                                        s->cursor, s->seed);
-        sample_advance_kernel<<<1, 1, 0, gpu.stream>>>(s->cursor);
-        cuda_check(cudaStreamEndCapture(gpu.stream, &graph));
-        cuda_check(cudaGraphInstantiate(&s->graph, graph, 0));
-        cuda_check(cudaGraphDestroy(graph));
-    }
-    cuda_check(cudaEventRecord(s->start, gpu.stream));
-    sample_start_kernel<<<blocks_for(n, 256), 256, 0, gpu.stream>>>(s->x, m->input.x, n, s->guided, s->seed, s->cursor);
-    cuda_check_launch();
+    int *batch_labels = (int *)malloc_or_die(m->batch * sizeof(int));
+    for (int b = 0; b < B; b++) batch_labels[b] = labels ? labels[b < count ? b : 0] : 0;
+    for (int b = B; b < m->batch; b++) batch_labels[b] = s->null_label;
+    if (m->config.num_classes) cuda_check(cudaMemcpy(m->labels, batch_labels, m->batch * sizeof(int), cudaMemcpyHostToDevice));
+    if (s->classifier_guided) cuda_check(cudaMemcpy(s->classifier.labels, batch_labels, B * sizeof(int), cudaMemcpyHostToDevice));
+    free(batch_labels);
+    if (s->graph) return;
+    UNet *c = s->classifier_guided ? &s->classifier : NULL;
+    cudaGraph_t graph;
+    cuda_check(cudaStreamBeginCapture(gpu.stream, cudaStreamCaptureModeGlobal));
+    sample_inputs_kernel<<<blocks_for(n, 256), 256, 0, gpu.stream>>>(m->input.x, m->timesteps, m->batch, c ? c->input.x : NULL,
+                                                                      c ? c->timesteps : NULL, c ? B : 0, s->x, n, s->guided, s->steps,
+                                                                      s->cursor);
+    unet_forward(m, 0);
+    if (c) classifier_score(s);
+    sample_step_kernel<<<blocks_for(n, 256), 256, 0, gpu.stream>>>(s->x, s->x0_last, m->output->x, c ? c->input.dx : NULL, n, m->input.C,
+                                                                    m->output->C, s->guided, s->guidance, s->plan, s->steps, s->cursor,
+                                                                    s->seed);
+    sample_advance_kernel<<<1, 1, 0, gpu.stream>>>(s->cursor);
+    cuda_check(cudaStreamEndCapture(gpu.stream, &graph));
+    cuda_check(cudaGraphInstantiate(&s->graph, graph, 0));
+    cuda_check(cudaGraphDestroy(graph));
+}
+
+// Runs the plan's steps from s->x (progress as in gpu_sampler_run).
+static void gpu_sampler_steps(GpuSampler *s, UnetProgress progress, void *ctx) {
     if (progress && !s->step_done) {
         s->step_done = (cudaEvent_t *)malloc_or_die(s->plan.count * sizeof(cudaEvent_t));
         for (int j = 0; j < s->plan.count; j++) cuda_check(cudaEventCreateWithFlags(&s->step_done[j], cudaEventDisableTiming));
@@ -7901,6 +7959,20 @@ static float gpu_sampler_run(GpuSampler *s, int64_t first, int count, const int 
         cuda_check(cudaEventSynchronize(s->step_done[reported]));
         progress(ctx, reported + 1, s->plan.count);
     }
+}
+
+// Samples images first .. first + count - 1 (as gpu_sampler_begin) into pixels (host,
+// [count][H][W][C]). progress (nullable) is called as each step finishes on the GPU (an event
+// after every step, polled while the steps are queued). Returns the GPU time of the batch in ms
+// (events around the whole loop).
+static float gpu_sampler_run(GpuSampler *s, int64_t first, int count, const int *labels, uint8_t *pixels, UnetProgress progress,
+                             void *ctx) {
+    gpu_sampler_begin(s, first, count, labels);
+    int64_t per_image = act_numel(&s->m.input) / s->m.batch, n = s->images * per_image;
+    cuda_check(cudaEventRecord(s->start, gpu.stream));
+    sample_start_kernel<<<blocks_for(n, 256), 256, 0, gpu.stream>>>(s->x, n, s->seed, s->cursor);
+    cuda_check_launch();
+    gpu_sampler_steps(s, progress, ctx);
     to_pixels_kernel<<<blocks_for(n, 256), 256, 0, gpu.stream>>>(s->pixels, s->x, n);
     cuda_check_launch();
     cuda_check(cudaEventRecord(s->stop, gpu.stream));
@@ -9213,7 +9285,7 @@ static int grid_batch_that_fits(const Options *o, const ModelConfig *c, const Sa
     cuda_check(cudaMemGetInfo(&free_bytes, &total_bytes));
     const int64_t margin = 512LL << 20;  // for cuBLAS's workspace and the captured graph's own memory
     int batch = grid_batch(o);
-    while (batch > 1 && gpu_sampler_bytes(c, batch, plan, 0) + margin > (int64_t)free_bytes) batch /= 2;
+    while (batch > 1 && gpu_sampler_bytes(c, batch, plan, 0, NULL) + margin > (int64_t)free_bytes) batch /= 2;
     return batch;
 }
 
@@ -9228,7 +9300,8 @@ static void write_samples(Trainer *tr, GpuSampler *sampler, const char *run_dir)
         if (sample_plan_make(&plan, &tr->diffusion.schedule, SAMPLER_DDIM, o->sample_steps, NULL, 0.0f, prediction_from_name(o->predict), 1,
                              0) != 0)
             fatal("out of memory");
-        gpu_sampler_create(sampler, &tr->config, grid_batch_that_fits(o, &tr->config, &plan), &plan, 1.0f, random_u64((uint64_t)o->seed, rng_stream(RNG_GRID_SEED, 0), 0));
+        gpu_sampler_create(sampler, &tr->config, grid_batch_that_fits(o, &tr->config, &plan), &plan, 1.0f, NULL, 0.0f,
+                           random_u64((uint64_t)o->seed, rng_stream(RNG_GRID_SEED, 0), 0));
         sample_plan_free(&plan);
     }
     cuda_check(cudaMemcpy(sampler->m.master, tr->ema[0], tr->m.storage * sizeof(float), cudaMemcpyDeviceToDevice));
@@ -9716,14 +9789,24 @@ static int map_checkpoint_file(const char *path, const char *weights, UnetCheckp
     return r;
 }
 
-extern "C" UnetCheckpoint *unet_checkpoint_open(const char *path, const char *weights, const char *const *flags, int num_flags,
-                                                UnetInfo *info, char *err, size_t err_len) {
+// unet_checkpoint_open, and with classifier_size > 0 unet_classifier_open: a noisy classifier of
+// images of that size is asked for instead of a diffusion model.
+static UnetCheckpoint *checkpoint_open(const char *path, const char *weights, const char *const *flags, int num_flags,
+                                       int classifier_size, UnetInfo *info, char *err, size_t err_len) {
     UnetCheckpoint *ck = (UnetCheckpoint *)calloc(1, sizeof *ck);
     if (!ck) fatal("out of host memory");
     if (map_checkpoint_file(path, weights, ck, err, err_len) != 0) return free(ck), (UnetCheckpoint *)NULL;
     const char *schedule = "", *predict = "";
     memset(info, 0, sizeof *info);
     int r, described = ck->f.meta_count == 0;  // no metadata (a .pt): the model from its tensors and the flags
+    const char *with_size[65];  // a classifier's: its image size is the diffusion model's
+    char size_flag[32];
+    snprintf(size_flag, sizeof size_flag, "image_size=%d", classifier_size);
+    if (described && classifier_size && num_flags < 64) {
+        with_size[0] = size_flag;
+        for (int i = 0; i < num_flags; i++) with_size[i + 1] = flags[i];
+        flags = with_size, num_flags++;
+    }
     if (described)
         r = model_from_tensors_and_flags(&ck->f, ck->file, flags, num_flags, &ck->config, &info->diffusion_steps, &schedule, &predict,
                                          info->model, sizeof info->model, err, err_len);
@@ -9731,9 +9814,15 @@ extern "C" UnetCheckpoint *unet_checkpoint_open(const char *path, const char *we
         r = error_line(err, err_len, "%s holds its model's configuration: --%.*s and the other model flags are for files without it (.pt)",
                        ck->file, (int)(strchr(flags[0], '=') ? strchr(flags[0], '=') - flags[0] : 0), flags[0]);
     else r = model_config_from_metadata(&ck->f, ck->file, &ck->config, err, err_len);
-    if (r == 0 && ck->config.pool)
+    if (r == 0 && ck->config.pool && !classifier_size)
         r = error_line(err, err_len, "%s is a noisy classifier (classifier_pool %s), not a diffusion model", ck->file,
                        pool_names[ck->config.pool]);
+    if (r == 0 && !ck->config.pool && classifier_size)
+        r = error_line(err, err_len, "%s is a diffusion model, not a noisy classifier (train one with train_unet --model classifier)",
+                       ck->file);
+    if (r == 0 && classifier_size && ck->config.image_size != classifier_size)
+        r = error_line(err, err_len, "%s classifies %dx%d images; the diffusion model makes %dx%d", ck->file, ck->config.image_size,
+                       ck->config.image_size, classifier_size, classifier_size);
     if (r == 0 && !described) r = diffusion_from_metadata(&ck->f, ck->file, &info->diffusion_steps, &schedule, &predict, err, err_len);
     if (r == 0) {
         ParamList params = model_parameters(&ck->config);
@@ -9757,6 +9846,16 @@ extern "C" UnetCheckpoint *unet_checkpoint_open(const char *path, const char *we
     snprintf(ck->noise_schedule, sizeof ck->noise_schedule, "%s", schedule);
     snprintf(ck->predict, sizeof ck->predict, "%s", predict);
     return ck;
+}
+
+extern "C" UnetCheckpoint *unet_checkpoint_open(const char *path, const char *weights, const char *const *flags, int num_flags,
+                                                UnetInfo *info, char *err, size_t err_len) {
+    return checkpoint_open(path, weights, flags, num_flags, 0, info, err, err_len);
+}
+
+extern "C" UnetCheckpoint *unet_classifier_open(const char *path, const char *const *flags, int num_flags, int image_size, UnetInfo *info,
+                                                char *err, size_t err_len) {
+    return checkpoint_open(path, "model", flags, num_flags, image_size, info, err, err_len);
 }
 
 extern "C" void unet_checkpoint_close(UnetCheckpoint *ck) {
@@ -9787,16 +9886,20 @@ static void forward_nhwc(UNet *m, const float *x, const int64_t *t, const int *y
     free(staged);
 }
 
-extern "C" UnetSampler *unet_sampler_create(const UnetCheckpoint *ck, int batch, const SamplePlan *plan, float guidance, uint64_t seed,
-                                            char *err, size_t err_len) {
+extern "C" UnetSampler *unet_sampler_create(const UnetCheckpoint *ck, int batch, const SamplePlan *plan, const UnetGuidance *guidance,
+                                            uint64_t seed, char *err, size_t err_len) {
     if (api_gpu_ready(err, err_len) != 0) return NULL;
     UnetSampler *u = (UnetSampler *)malloc_or_die(sizeof(UnetSampler));
-    gpu_sampler_create(&u->s, &ck->config, batch, plan, guidance, seed);
-    if (upload_tensors(&u->s.m, &ck->f, ck->file, u->s.m.master, 0, err, err_len) != 0) {
+    const UnetCheckpoint *classifier = guidance->classifier;
+    gpu_sampler_create(&u->s, &ck->config, batch, plan, guidance->scale, classifier ? &classifier->config : NULL,
+                       guidance->classifier_scale, seed);
+    if (upload_tensors(&u->s.m, &ck->f, ck->file, u->s.m.master, 0, err, err_len) != 0 ||
+        (classifier && upload_tensors(&u->s.classifier, &classifier->f, classifier->file, u->s.classifier.master, 0, err, err_len) != 0)) {
         unet_sampler_free(u);
         return NULL;
     }
     unet_sync_compute(&u->s.m);
+    if (classifier) unet_sync_compute(&u->s.classifier);
     return u;
 }
 
@@ -9805,24 +9908,24 @@ extern "C" float unet_sample(UnetSampler *u, int64_t first, int count, const int
     return gpu_sampler_run(&u->s, first, count, labels, pixels, progress, ctx);
 }
 
-extern "C" int unet_sampler_max_batch(const UnetCheckpoint *ck, const SamplePlan *plan, float guidance, int limit, char *err,
-                                      size_t err_len) {
+extern "C" int unet_sampler_max_batch(const UnetCheckpoint *ck, const SamplePlan *plan, const UnetGuidance *guidance, int limit,
+                                      char *err, size_t err_len) {
     if (api_gpu_ready(err, err_len) != 0) return 0;
-    const ModelConfig *c = &ck->config;
+    const ModelConfig *c = &ck->config, *classifier = guidance->classifier ? &guidance->classifier->config : NULL;
     size_t free_bytes, total_bytes;
     cuda_check(cudaMemGetInfo(&free_bytes, &total_bytes));
-    int guided = guidance != 1.0f, pixels = c->image_size * c->image_size * (guided ? 2 : 1);
+    int guided = guidance->scale != 1.0f, pixels = c->image_size * c->image_size * (guided ? 2 : 1);
     int64_t budget = (int64_t)(free_bytes * 0.9);
     if (limit > INT32_MAX / pixels) limit = INT32_MAX / pixels;  // unet_plan counts pixels in 32 bits
-    if (gpu_sampler_bytes(c, 1, plan, guided) > budget) {
+    if (gpu_sampler_bytes(c, 1, plan, guided, classifier) > budget) {
         error_line(err, err_len, "%s: even one image needs %.2f GiB of GPU memory; %.2f GiB are free", ck->file,
-                     gpu_sampler_bytes(c, 1, plan, guided) / 1073741824.0, free_bytes / 1073741824.0);
+                     gpu_sampler_bytes(c, 1, plan, guided, classifier) / 1073741824.0, free_bytes / 1073741824.0);
         return 0;
     }
     int lo = 1, hi = limit;  // lo fits; find the largest that does
     while (lo < hi) {
         int mid = lo + (hi - lo + 1) / 2;
-        if (gpu_sampler_bytes(c, mid, plan, guided) <= budget) lo = mid;
+        if (gpu_sampler_bytes(c, mid, plan, guided, classifier) <= budget) lo = mid;
         else hi = mid - 1;
     }
     return lo;

@@ -1,6 +1,7 @@
 // unet_api.h: the small C API of train_unet.cu, for generate.c, which links the trainer's object
-// (build/train_unet.o): read a checkpoint's configuration, sample images on the GPU, evaluate the
-// model on given inputs.
+// (build/train_unet.o): read a checkpoint's configuration (a diffusion model's or a noisy
+// classifier's), sample images on the GPU (guided by either or both ways), evaluate the model on
+// given inputs.
 #ifndef UNET_API_H
 #define UNET_API_H
 
@@ -19,7 +20,7 @@ typedef struct UnetSampler UnetSampler;
 // What a checkpoint's metadata says about its model and diffusion.
 typedef struct {
     int image_size, in_channels, out_channels;
-    int num_classes;      // label_emb rows, 0: unconditional
+    int num_classes;      // label_emb rows, 0: unconditional; a noisy classifier's: its logits
     int null_class;       // the last row is the null class of classifier-free guidance (train_unet's
                           // checkpoints); guided-diffusion's own have none: every row is a class
     int diffusion_steps;
@@ -50,24 +51,44 @@ UnetCheckpoint *unet_checkpoint_open(const char *path, const char *weights, cons
                                      char *err, size_t err_len);
 void unet_checkpoint_close(UnetCheckpoint *checkpoint);
 
-// A sampler on the GPU for batches of `batch` images with a checkpoint's weights, running `plan`
-// (copied) with classifier-free guidance scale `guidance` (1: none; otherwise the model's last label
-// row is the null class) and starting noise and draws from `seed`. NULL with a message on error
-// (no GPU).
-UnetSampler *unet_sampler_create(const UnetCheckpoint *checkpoint, int batch, const SamplePlan *plan, float guidance, uint64_t seed,
-                                 char *err, size_t err_len);
+// Opens a noisy classifier (train_unet --model classifier, or guided-diffusion's classifier .pt) for
+// guiding a diffusion model of images of image_size: path is a checkpoint folder (its
+// model.safetensors: classifiers train without an EMA by default), a .safetensors file or a .pt
+// state_dict, read with `flags` (guided-diffusion's classifier_ flags, "name=value"; the image size
+// is image_size) when it has no metadata. Its classes are info->num_classes. NULL with a message,
+// also for a diffusion model or a classifier of another image size.
+UnetCheckpoint *unet_classifier_open(const char *path, const char *const *flags, int num_flags, int image_size, UnetInfo *info,
+                                     char *err, size_t err_len);
 
-// The largest batch, at most `limit`, whose sampler (as unet_sampler_create would make it; guided,
-// the model runs on twice the batch) fits in the GPU's free memory, with a tenth of it to spare.
+// How a sampler guides: classifier-free guidance with scale `scale` (1: none; otherwise the model's
+// last label row is the null class), and classifier guidance (Dhariwal & Nichol) by a noisy
+// classifier (NULL: none) with scale `classifier_scale`: every step adds the score
+// s d log p(y | x_t) / dx_t of the image's label y (sampler.h's score_guided_x0). Both may be on.
+typedef struct {
+    float scale;
+    const UnetCheckpoint *classifier;
+    float classifier_scale;
+} UnetGuidance;
+
+// A sampler on the GPU for batches of `batch` images with a checkpoint's weights, running `plan`
+// (copied) guided as `guidance` says, with starting noise and draws from `seed`. NULL with a
+// message on error (no GPU).
+UnetSampler *unet_sampler_create(const UnetCheckpoint *checkpoint, int batch, const SamplePlan *plan, const UnetGuidance *guidance,
+                                 uint64_t seed, char *err, size_t err_len);
+
+// The largest batch, at most `limit`, whose sampler (as unet_sampler_create would make it; with
+// classifier-free guidance the model runs on twice the batch; with a classifier, it runs too,
+// keeping what its backward pass reads) fits in the GPU's free memory, with a tenth of it to spare.
 // Returns it, or 0 with a message (no GPU, not even one image fits).
-int unet_sampler_max_batch(const UnetCheckpoint *checkpoint, const SamplePlan *plan, float guidance, int limit, char *err,
+int unet_sampler_max_batch(const UnetCheckpoint *checkpoint, const SamplePlan *plan, const UnetGuidance *guidance, int limit, char *err,
                            size_t err_len);
 
 // Called by unet_sample as the GPU finishes each step of the plan: step 1 .. steps.
 typedef void (*UnetProgress)(void *ctx, int step, int steps);
 
 // Samples images first .. first + count - 1 (count <= batch) of the seed with their labels
-// ([count], ignored by an unconditional model) into pixels ([count][H][W][C], 0..255). Image i
+// ([count]: the classes asked of a class-conditional model or of the classifier; ignored without
+// either) into pixels ([count][H][W][C], 0..255). Image i
 // depends only on (seed, i, its label) and the batch size. progress (nullable) hears of every
 // step. Returns the GPU time taken, in ms.
 float unet_sample(UnetSampler *sampler, int64_t first, int count, const int *labels, uint8_t *pixels, UnetProgress progress,

@@ -1,7 +1,7 @@
 """The samplers' reference: guided-diffusion's own formulas (gaussian_diffusion.py: the beta
 schedules, space_timesteps, p_sample with the fixed-small variance, ddim_sample) and
-DPM-Solver++(2M)'s second-order multistep update as the DPM-Solver authors write it, in float64
-numpy, on random inputs; written to dev/fixtures/samplers/steps.safetensors for
+DPM-Solver++(2M)'s second-order multistep update as the DPM-Solver authors write it, and classifier
+guidance's condition_mean (p_sample) and condition_score (ddim_sample), in float64 numpy, on random inputs; written to dev/fixtures/samplers/steps.safetensors for
 dev/test/test_sampler_fixture.cu, which runs sampler.h's functions on the same inputs.
 
     python3 scripts/make_sampler_fixture.py          # deterministic: the same bytes every time
@@ -115,6 +115,60 @@ def main():
     tensors["dpm_cases"] = np.array(cases, dtype=np.float64)
     tensors["dpm_values"] = np.array(values)
     tensors["dpm_expected"] = np.array(expected)
+
+    # Classifier guidance with a score g = s grad log p(y | x_t) per value: p_sample with
+    # condition_mean (the mean moves by the model's variance times g: the posterior's variance, not
+    # clipped, or exp of the learned log variance) and ddim_sample with condition_score (eps from the
+    # clipped x0, eps -= sqrt(1 - abar) g, x0 again from eps, not clipped).
+    # guided_ddpm rows: [schedule, t, learned, predict_v, clip, 0]; values x, out, v, z, g.
+    # guided_ddim rows: [schedule, t, t_prev (-1: clean), eta, predict_v, clip]; values x, out, 0, z, g.
+    for kind in ("guided_ddpm", "guided_ddim"):
+        cases, values, expected = [], [], []
+        for r in range(24):
+            s = int(rng.integers(2))
+            betas = named_beta_schedule(("linear", "cosine")[s], 1000)
+            ab = np.cumprod(1 - betas)
+            ab_prev_all = np.append(1.0, ab[:-1])
+            predict_v, clip = int(rng.integers(2)), int(rng.integers(2))
+            x, out, z = rng.standard_normal(n) * 1.5, rng.standard_normal(n), rng.standard_normal(n)
+            v, g = rng.uniform(-1, 1, n), rng.standard_normal(n) * 3
+            if kind == "guided_ddpm":
+                t, learned = (0 if r % 6 == 0 else int(rng.integers(1, 1000))), r % 2
+                x0 = x0_from_output(x, out, ab[t], predict_v, clip)
+                posterior_variance = betas * (1 - ab_prev_all) / (1 - ab)
+                log_clipped = np.log(np.append(posterior_variance[1], posterior_variance[1:]))
+                mean = (betas[t] * np.sqrt(ab_prev_all[t]) / (1 - ab[t])) * x0 + \
+                       ((1 - ab_prev_all[t]) * np.sqrt(1 - betas[t]) / (1 - ab[t])) * x
+                if learned:
+                    frac = (v + 1) / 2
+                    log_var = frac * np.log(betas[t]) + (1 - frac) * log_clipped[t]
+                    variance = np.exp(log_var)
+                else:
+                    log_var, variance = np.full(n, log_clipped[t]), np.full(n, posterior_variance[t])
+                mean = mean + variance * g  # condition_mean
+                result = mean + (t != 0) * np.exp(0.5 * log_var) * z
+                cases.append([s, t, learned, predict_v, clip, 0])
+            else:
+                steps = space_timesteps(1000, int(rng.choice([50, 7, 20])))
+                k = int(rng.integers(len(steps)))
+                t, t_prev, eta = steps[k], steps[k - 1] if k > 0 else -1, float(rng.choice([0.0, 0.5, 1.0]))
+                ab_prev = ab[t_prev] if t_prev >= 0 else 1.0
+                x0 = x0_from_output(x, out, ab[t], predict_v, clip)
+                eps = (math.sqrt(1 / ab[t]) * x - x0) / math.sqrt(1 / ab[t] - 1)
+                eps = eps - math.sqrt(1 - ab[t]) * g  # condition_score
+                x0 = math.sqrt(1 / ab[t]) * x - math.sqrt(1 / ab[t] - 1) * eps
+                eps = (math.sqrt(1 / ab[t]) * x - x0) / math.sqrt(1 / ab[t] - 1)
+                sigma = eta * math.sqrt((1 - ab_prev) / (1 - ab[t])) * math.sqrt(1 - ab[t] / ab_prev)
+                result = x0 * math.sqrt(ab_prev) + math.sqrt(1 - ab_prev - sigma ** 2) * eps + (sigma * z if t_prev >= 0 else 0)
+                v = np.zeros(n)
+                if t_prev < 0:
+                    z = np.zeros(n)
+                cases.append([s, t, t_prev, eta, predict_v, clip])
+            values.append(np.stack([x, out, v, z, g]))
+            expected.append(result)
+        tensors[f"{kind}_cases"] = np.array(cases, dtype=np.float64)
+        tensors[f"{kind}_values"] = np.array(values)
+        tensors[f"{kind}_expected"] = np.array(expected)
 
     os.makedirs(os.path.dirname(OUT), exist_ok=True)
     save_file({k: np.ascontiguousarray(v) for k, v in sorted(tensors.items())}, OUT,

@@ -76,7 +76,7 @@ static void check_sampler(const char *name, SamplerKind kind, const char *schedu
     static float x[N];
     Analytic a = {&d, predict_v, (uint64_t)time(NULL), 0};
     for (size_t i = 0; i < N; i++) x[i] = (float)gaussian(a.seed, 1, i);
-    CHECK(sample_loop(&plan, analytic_model, analytic_noise, &a, x, N) == 0);
+    CHECK(sample_loop(&plan, analytic_model, 0, analytic_noise, &a, x, N) == 0);
     CHECK(a.calls == (size_t)s.count);
     sample_plan_free(&plan);
     double sum = 0, sum2 = 0, want_mean = MU, want_sd = SIGMA;

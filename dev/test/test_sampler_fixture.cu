@@ -98,7 +98,7 @@ static double check_learned_ddpm(const NoiseSchedule *schedules, const char *con
         SamplePlan plan;
         CHECK(sample_plan_make(&plan, &schedules[(int)c[0]], SAMPLER_DDPM, 0, specs[(int)c[1]], 1.0f, (int)c[3], (int)c[4], 1) == 0);
         const SampleStep *st = &plan.steps[plan.count - 1 - (int)c[2]];  // kept step k runs at j = count - 1 - k
-        for (int i = 0; i < n; i++) got[i] = sample_step_value(&plan, st, (float)x[i], (float)x[n + i], (float)x[2 * n + i], (float)x[3 * n + i], NULL);
+        for (int i = 0; i < n; i++) got[i] = sample_step_value(&plan, st, (float)x[i], (float)x[n + i], (float)x[2 * n + i], 0.0f, (float)x[3 * n + i], NULL);
         worst = fmax(worst, relative_error(got, expected + (size_t)r * n, n));
         sample_plan_free(&plan);
     }
@@ -135,6 +135,53 @@ static double run_cases(const char *kind, const NoiseSchedule *schedules) {
     }
     free(cases), free(values), free(expected);
     printf("  %s: %d cases, worst relative error %.2e\n", kind, rows, worst);
+    return worst;
+}
+
+// Classifier guidance's cases (guided_ddpm: p_sample with condition_mean on all 1000 steps, the
+// fixed or the learned variance; guided_ddim: ddim_sample with condition_score, respaced): each
+// through sample_step_value with the score g. Returns the worst relative error.
+static double run_guided_cases(const char *kind, const NoiseSchedule *schedules) {
+    char name[64];
+    int64_t rows_numel = 0, values_numel = 0;
+    snprintf(name, sizeof name, "%s_cases", kind);
+    double *cases = tensor(name, &rows_numel);
+    snprintf(name, sizeof name, "%s_values", kind);
+    double *values = tensor(name, &values_numel);
+    snprintf(name, sizeof name, "%s_expected", kind);
+    double *expected = tensor(name, NULL);
+    int rows = (int)(rows_numel / 6), n = (int)(values_numel / rows / 5), ddpm = strcmp(kind, "guided_ddpm") == 0;
+    float *got = (float *)malloc_or_die(n * sizeof(float));
+    double worst = 0, moved = INFINITY;  // moved: the smallest share of a case's result that g accounts for (t > 0)
+    for (int r = 0; r < rows; r++) {
+        const double *c = cases + 6 * r, *x = values + (size_t)r * 5 * n, *out = x + n, *v = x + 2 * n, *z = x + 3 * n, *g = x + 4 * n;
+        const NoiseSchedule *d = &schedules[(int)c[0]];
+        SamplePlan plan;
+        SampleStep own, *st = &own;
+        if (ddpm) {
+            CHECK(sample_plan_make(&plan, d, SAMPLER_DDPM, 0, NULL, 1.0f, (int)c[3] ? PREDICT_V : PREDICT_EPS, (int)c[4], (int)c[2]) == 0);
+            st = &plan.steps[plan.count - 1 - (int)c[1]];
+        } else {
+            memset(&own, 0, sizeof own);
+            own.abar = (float)d->alphas_cumprod[(int)c[1]], own.abar_prev = c[2] < 0 ? 1.0f : (float)d->alphas_cumprod[(int)c[2]];
+            own.eta = (float)c[3], own.noisy = c[3] > 0 && c[2] >= 0;
+            plan.kind = SAMPLER_DDIM, plan.count = 1, plan.predict = (int)c[4] ? PREDICT_V : PREDICT_EPS, plan.clip = (int)c[5];
+            plan.learned = 0, plan.steps = NULL;
+        }
+        double diff = 0, norm = 0, shift = 0;
+        for (int i = 0; i < n; i++) {
+            got[i] = sample_step_value(&plan, st, (float)x[i], (float)out[i], (float)v[i], (float)g[i], st->noisy ? (float)z[i] : 0.0f, NULL);
+            float unguided = sample_step_value(&plan, st, (float)x[i], (float)out[i], (float)v[i], 0.0f, st->noisy ? (float)z[i] : 0.0f, NULL);
+            double want = expected[(size_t)r * n + i];
+            diff += (got[i] - want) * (got[i] - want), norm += want * want, shift += (got[i] - unguided) * (got[i] - unguided);
+        }
+        worst = fmax(worst, sqrt(diff / norm));
+        if ((int)c[1] > 0 || (ddpm && (int)c[2])) moved = fmin(moved, sqrt(shift / norm));  // (t = 0: a vanishing variance or 1 - abar)
+        if (ddpm) sample_plan_free(&plan);
+    }
+    printf("  %s: %d cases, worst relative error %.2e; the score moves each result by %.1e of its norm or more\n", kind, rows, worst, moved);
+    CHECK(moved > 1e-4);  // the guidance is seen: the check would fail without it
+    free(cases), free(values), free(expected), free(got);
     return worst;
 }
 
@@ -187,6 +234,10 @@ int main(void) {
     CHECK(run_cases("ddim", schedules) <= 1e-5);
     check_case("DPM-Solver++(2M) step equals the official multistep update (first and second order)");
     CHECK(run_cases("dpm", schedules) <= 1e-5);
+    check_case("classifier guidance in DDPM (fixed and learned variance, t = 0 too) equals p_sample with condition_mean");
+    CHECK(run_guided_cases("guided_ddpm", schedules) <= 1e-5);
+    check_case("classifier guidance in DDIM (eta 0, 0.5, 1; respaced; down to clean) equals ddim_sample with condition_score");
+    CHECK(run_guided_cases("guided_ddim", schedules) <= 1e-5);
 
     if (safetensors_open("dev/fixtures/diffusion/learned.safetensors", &learned, err, sizeof err) != 0) fatal("%s", err);
     const char *specs_text = safetensors_metadata(&learned, "specs");

@@ -4,7 +4,11 @@
 // Every sampler (DDPM on a 100-step schedule, DDIM with eta 0 and 1, DPM-Solver++), eps and v
 // prediction, with and without classifier-free guidance, on a small class-conditional model with
 // random weights everywhere (zero-initialised layers too); and DDPM with a learned variance
-// (learn_sigma: the output's second half), respaced. The likelihood's GPU loop (generate --nll)
+// (learn_sigma: the output's second half), respaced. Classifier guidance (a noisy classifier's
+// input gradient by its backward pass without parameter gradients, inside the step's graph) against
+// the host loop's score from the classifier's training model (parameter gradients and all) and a
+// host softmax, on a class-conditional and an unconditional model, with DDPM, DDIM and
+// DPM-Solver++, with and without classifier-free guidance. The likelihood's GPU loop (generate --nll)
 // against the same host model and train_unet.cu's bound_term, value by value. Tolerance on the final x: FP32 1e-4
 // relative (the host's cosf against the GPU's cospif, and other product shapes); BF16 2e-2.
 // Sampling the same batch again gives the same pixels, bit for bit, and a batch's forward pass
@@ -21,6 +25,8 @@ enum { IMAGES = 3, CLASSES = 3, FIRST = 5 };  // the batch samples images FIRST 
 // The host loop's model: forward passes of m (batch IMAGES), guided like the GPU's.
 typedef struct {
     UNet *m;
+    UNet *classifier;  // classifier guidance (NULL: none): a training model of the classifier
+    float classifier_scale;
     int guided;
     float guidance;
     int labels[IMAGES], null_labels[IMAGES];
@@ -31,8 +37,30 @@ typedef struct {
     int learned; // the plan samples with the learned variance: out holds it too
 } Host;
 
+// Classifier guidance's score g = s d log p(y | x) / dx of the classifier c (a training model: it
+// computes the parameters' gradients too) on x at timesteps t: its forward pass, the logits'
+// gradient s (onehot(y) - softmax(z)) computed here in double, and its backward pass.
+static void host_score(UNet *c, const float *x, const int64_t *t, const int *y, float s, float *g) {
+    int K = c->output->C;
+    int64_t n = act_numel(&c->input);
+    float *logits = (float *)malloc_or_die(IMAGES * K * sizeof(float));
+    forward_nhwc(c, x, t, y, logits);
+    floatX *staged = (floatX *)malloc_or_die((n > IMAGES * K ? n : IMAGES * K) * sizeof(floatX));
+    for (int b = 0; b < IMAGES; b++) {
+        double top = -INFINITY, sum = 0;
+        for (int k = 0; k < K; k++) top = fmax(top, logits[b * K + k]);
+        for (int k = 0; k < K; k++) sum += exp(logits[b * K + k] - top);
+        for (int k = 0; k < K; k++) staged[b * K + k] = (floatX)(s * ((k == y[b]) - exp(logits[b * K + k] - top) / sum));
+    }
+    cuda_check(cudaMemcpy(c->output->dx, staged, IMAGES * K * sizeof(floatX), cudaMemcpyHostToDevice));
+    unet_backward(c, 0, NULL, NULL);
+    cuda_check(cudaMemcpy(staged, c->input.dx, n * sizeof(floatX), cudaMemcpyDeviceToHost));
+    for (int64_t i = 0; i < n; i++) g[i] = (float)staged[i];
+    free(logits), free(staged);
+}
+
 // sample_loop's model: the prediction (guided), and with a learned variance the conditional
-// output's variance half after it.
+// output's variance half after it, and with a classifier its score after them.
 static void host_model(void *ctx, const float *x, int t, float *out) {
     Host *h = (Host *)ctx;
     int64_t n = act_numel(&h->m->input);
@@ -43,9 +71,11 @@ static void host_model(void *ctx, const float *x, int t, float *out) {
         out[i] = h->raw[i / C * Co + i % C];
         if (h->learned) out[n + i] = h->raw[i / C * Co + C + i % C];
     }
-    if (!h->guided) return;
-    forward_nhwc(h->m, x, h->t, h->null_labels, h->raw);
-    for (int64_t i = 0; i < n; i++) out[i] = guided_output(out[i], h->raw[i / C * Co + i % C], h->guidance);
+    if (h->guided) {
+        forward_nhwc(h->m, x, h->t, h->null_labels, h->raw);
+        for (int64_t i = 0; i < n; i++) out[i] = guided_output(out[i], h->raw[i / C * Co + i % C], h->guidance);
+    }
+    if (h->classifier) host_score(h->classifier, x, h->t, h->labels, h->classifier_scale, out + (h->learned ? 2 : 1) * n);
 }
 
 static float host_noise(void *ctx, int j, size_t i) {
@@ -83,8 +113,10 @@ static void log_progress(void *ctx, int step, int steps) {
     p->calls++, p->last = step;
 }
 
+// The GPU loop against the host loop on one plan. classifier (NULL: none): classifier guidance with
+// scale classifier_scale by that classifier's training model (its weights are copied to the sampler's).
 static void test_plan(const char *name, const ModelConfig *c, UNet *weights, SamplerKind kind, int steps, float eta,
-                      int predict_v, float guidance) {
+                      int predict_v, float guidance, UNet *classifier = NULL, float classifier_scale = 0.0f) {
     check_case(name);
     NoiseSchedule d;
     SamplePlan plan;
@@ -97,9 +129,14 @@ static void test_plan(const char *name, const ModelConfig *c, UNet *weights, Sam
     int labels[IMAGES] = {2, 0, 1};
 
     GpuSampler s;
-    gpu_sampler_create(&s, c, IMAGES, &plan, guidance, seed);
+    gpu_sampler_create(&s, c, IMAGES, &plan, guidance, classifier ? &classifier->config : NULL, classifier_scale, seed);
     cuda_check(cudaMemcpy(s.m.master, weights->master, weights->storage * sizeof(float), cudaMemcpyDeviceToDevice));
     unet_sync_compute(&s.m);
+    if (classifier) {
+        cuda_check(cudaMemcpy(s.classifier.master, classifier->master, classifier->storage * sizeof(float), cudaMemcpyDeviceToDevice));
+        unet_sync_compute(&s.classifier);
+        CHECK(!s.classifier.grad && !s.classifier.adam_m);  // the sampler's classifier keeps no parameter gradients
+    }
     uint8_t *pixels = (uint8_t *)malloc_or_die(n), *again = (uint8_t *)malloc_or_die(n);
     float ms = gpu_sampler_run(&s, FIRST, IMAGES, labels, pixels, NULL, NULL);
     float *gpu_x = (float *)malloc_or_die(n * sizeof(float));
@@ -112,12 +149,13 @@ static void test_plan(const char *name, const ModelConfig *c, UNet *weights, Sam
     Host h;
     memset(&h, 0, sizeof h);
     h.m = weights, h.guided = guidance != 1.0f, h.guidance = guidance, h.offset = FIRST * per_image, h.seed = seed;
+    h.classifier = classifier, h.classifier_scale = classifier_scale;
     for (int b = 0; b < IMAGES; b++) h.labels[b] = labels[b], h.null_labels[b] = CLASSES;
     h.raw = (float *)malloc_or_die(act_numel(weights->output) * sizeof(float));
     h.learned = plan.learned;
     float *x = (float *)malloc_or_die(n * sizeof(float));
     for (int64_t i = 0; i < n; i++) x[i] = normal_sample(seed, rng_stream(RNG_SAMPLE_START, 0), h.offset + i);
-    CHECK(sample_loop(&plan, host_model, host_noise, &h, x, n) == 0);
+    CHECK(sample_loop(&plan, host_model, classifier != NULL, host_noise, &h, x, n) == 0);
 
     double diff = 0, norm = 0;
     int pixel_gap = 0;
@@ -128,6 +166,18 @@ static void test_plan(const char *name, const ModelConfig *c, UNet *weights, Sam
     }
     double err = sqrt(diff / norm);
     printf("  %d steps, GPU against the host loop %.2e, x's RMS %.3f, %.2f ms\n", plan.count, err, sqrt(norm / n), ms);
+    if (classifier) {  // the score moves the samples far more than the two loops differ: the check sees it
+        float *plain = (float *)malloc_or_die(n * sizeof(float));
+        for (int64_t i = 0; i < n; i++) plain[i] = normal_sample(seed, rng_stream(RNG_SAMPLE_START, 0), h.offset + i);
+        h.classifier = NULL;
+        CHECK(sample_loop(&plan, host_model, 0, host_noise, &h, plain, n) == 0);
+        double moved = 0;
+        for (int64_t i = 0; i < n; i++) moved += (double)(plain[i] - x[i]) * (plain[i] - x[i]);
+        moved = sqrt(moved / norm);
+        printf("  classifier guidance moves the samples by %.2e of their norm\n", moved);
+        CHECK(moved > 10 * err && moved > 1e-2);
+        free(plain);
+    }
     CHECK(err <= TOLERANCE * (fabs(1.0 - guidance) + fabs(guidance)));
     CHECK(pixel_gap <= 1);  // the pixels are the samples, rounded (the host's lrintf may round a tie otherwise)
     CHECK(sqrt(norm / n) > 0.05);  // the samples are not all zero
@@ -231,6 +281,27 @@ int main(void) {
     test_plan("DPM-Solver++(2M), 8 steps, v prediction", &c, &m, SAMPLER_DPM_SOLVER_PP, 8, 0.0f, 1, 1.0f);
     test_plan("DDIM, 10 steps, classifier-free guidance 3", &c, &m, SAMPLER_DDIM, 10, 0.0f, 0, 3.0f);
     test_plan("DPM-Solver++(2M), 8 steps, guidance 2, eta ignored", &c, &m, SAMPLER_DPM_SOLVER_PP, 8, 0.5f, 0, 2.0f);
+
+    // The noisy classifier of the same images: 3 classes, the attention pool over the 8x8 tokens.
+    Options co = o;
+    co.class_cond = 0, co.num_head_channels = 32;
+    ModelConfig cc;
+    char err[256];
+    if (model_config_from_options(&co, 0, &cc, err, sizeof err) != 0 || classifier_config(&cc, "attention", CLASSES, err, sizeof err) != 0)
+        fatal("%s", err);
+    UNet classifier;
+    unet_create(&classifier, &cc, IMAGES, 1);
+    random_parameters(&classifier, 96);
+    test_plan("DDPM, all 100 steps, classifier guidance 4", &c, &m, SAMPLER_DDPM, 0, 0.0f, 0, 1.0f, &classifier, 4.0f);
+    test_plan("DDIM, 10 steps, classifier-free guidance 3 and classifier guidance 6", &c, &m, SAMPLER_DDIM, 10, 0.0f, 0, 3.0f,
+              &classifier, 6.0f);
+    unet_destroy(&m);
+    co = o, co.class_cond = 0;
+    ModelConfig unconditional = resolve_model(&co, 0);
+    unet_create(&m, &unconditional, IMAGES, 0);
+    random_parameters(&m, 95);
+    test_plan("DPM-Solver++(2M), 8 steps, an unconditional model, classifier guidance 6", &unconditional, &m, SAMPLER_DPM_SOLVER_PP, 8,
+              0.0f, 0, 1.0f, &classifier, 6.0f);
     unet_destroy(&m);
 
     o.learn_sigma = 1;
@@ -240,6 +311,8 @@ int main(void) {
     test_plan("DDPM with a learned variance, 25 of 100 steps (respaced)", &learned, &m, SAMPLER_DDPM, 25, 0.0f, 0, 1.0f);
     test_plan("DDPM with a learned variance, all 100 steps, v prediction, guidance 2", &learned, &m, SAMPLER_DDPM, 0, 0.0f, 1, 2.0f);
     test_plan("DDIM, 10 steps, of a model with a learned variance (its mean)", &learned, &m, SAMPLER_DDIM, 10, 0.0f, 0, 1.0f);
+    test_plan("DDPM with a learned variance, 25 of 100 steps, classifier guidance 4 (times the learned variance)", &learned, &m,
+              SAMPLER_DDPM, 25, 0.0f, 0, 1.0f, &classifier, 4.0f);
     test_likelihood("likelihood of a learned variance, 12 of 100 steps (ddim12's), eps", &learned, &m, "ddim12", PREDICT_EPS);
     test_likelihood("likelihood of a learned variance, section counts 5,3, x0", &learned, &m, "5,3", PREDICT_X0);
     unet_destroy(&m);
@@ -248,5 +321,6 @@ int main(void) {
     random_parameters(&m, 97);
     test_likelihood("likelihood of a fixed (large) variance, 10 of 100 steps, v", &c, &m, "10", PREDICT_V);
     unet_destroy(&m);
+    unet_destroy(&classifier);
     return check_summary();
 }
