@@ -216,7 +216,8 @@ static Options parse_options(int argc, char **argv) {
         unet_usage_error("--eval IN.safetensors and --output OUT.safetensors go together");
     if (o.eval && o.classifier) unet_usage_error("--eval runs the model alone: it goes without --classifier");
     if (!o.classifier && (o.classifier_scale_given || o.num_classifier_flags))
-        unet_usage_error("--%s is classifier guidance's: it needs --classifier",
+        unet_usage_error("--%.*s is classifier guidance's: it needs --classifier",
+                         o.classifier_scale_given ? 16 : (int)strcspn(o.classifier_flags[0], "="),
                          o.classifier_scale_given ? "classifier_scale" : o.classifier_flags[0]);
     if (o.batch > o.num) o.batch = o.num;
     return o;
@@ -307,6 +308,9 @@ int main(int argc, char **argv) {
         unet_checkpoint_close(checkpoint);
         return 0;
     }
+    if (info.classifier_pool[0])
+        unet_die("%s is a noisy classifier (classifier_pool %s), not a diffusion model: give it with --classifier", file,
+                 info.classifier_pool);
     if (o.nll) return likelihood(&o, checkpoint, &info);
     int classes = info.num_classes - info.null_class, fixed_class = -1;
     UnetCheckpoint *classifier = NULL;

@@ -9789,8 +9789,8 @@ static int map_checkpoint_file(const char *path, const char *weights, UnetCheckp
     return r;
 }
 
-// unet_checkpoint_open, and with classifier_size > 0 unet_classifier_open: a noisy classifier of
-// images of that size is asked for instead of a diffusion model.
+// unet_checkpoint_open (classifier_size 0: either model), and with classifier_size > 0
+// unet_classifier_open: a noisy classifier of images of that size.
 static UnetCheckpoint *checkpoint_open(const char *path, const char *weights, const char *const *flags, int num_flags,
                                        int classifier_size, UnetInfo *info, char *err, size_t err_len) {
     UnetCheckpoint *ck = (UnetCheckpoint *)calloc(1, sizeof *ck);
@@ -9814,9 +9814,6 @@ static UnetCheckpoint *checkpoint_open(const char *path, const char *weights, co
         r = error_line(err, err_len, "%s holds its model's configuration: --%.*s and the other model flags are for files without it (.pt)",
                        ck->file, (int)(strchr(flags[0], '=') ? strchr(flags[0], '=') - flags[0] : 0), flags[0]);
     else r = model_config_from_metadata(&ck->f, ck->file, &ck->config, err, err_len);
-    if (r == 0 && ck->config.pool && !classifier_size)
-        r = error_line(err, err_len, "%s is a noisy classifier (classifier_pool %s), not a diffusion model", ck->file,
-                       pool_names[ck->config.pool]);
     if (r == 0 && !ck->config.pool && classifier_size)
         r = error_line(err, err_len, "%s is a diffusion model, not a noisy classifier (train one with train_unet --model classifier)",
                        ck->file);
@@ -9836,7 +9833,8 @@ static UnetCheckpoint *checkpoint_open(const char *path, const char *weights, co
     }
     const ModelConfig *c = &ck->config;
     info->image_size = c->image_size, info->in_channels = c->in_channels, info->out_channels = c->out_channels;
-    info->num_classes = c->num_classes;
+    info->num_classes = c->pool ? c->out_channels : c->num_classes;
+    snprintf(info->classifier_pool, sizeof info->classifier_pool, "%s", c->pool ? pool_names[c->pool] : "");
     const char *null_class = safetensors_metadata(&ck->f, "null_class");
     info->null_class = c->num_classes > 0 && null_class && strcmp(null_class, "True") == 0;
     snprintf(info->noise_schedule, sizeof info->noise_schedule, "%s", schedule);
@@ -10015,18 +10013,18 @@ extern "C" int unet_eval(const UnetCheckpoint *ck, const char *in_path, const ch
         else unet_sync_compute(&m);
     }
     if (r == 0) {
-        int C = c->in_channels, Co = c->out_channels, HW = S * S;
-        float *x_nhwc = (float *)malloc_or_die((size_t)N * C * HW * sizeof(float)), *out = (float *)malloc_or_die((size_t)N * Co * HW * sizeof(float));
-        float *out_nchw = (float *)malloc_or_die((size_t)N * Co * HW * sizeof(float));
+        int C = c->in_channels, Co = c->out_channels, HW = S * S, HWo = c->pool ? 1 : HW;  // a classifier's out: [N, classes]
+        float *x_nhwc = (float *)malloc_or_die((size_t)N * C * HW * sizeof(float)), *out = (float *)malloc_or_die((size_t)N * Co * HWo * sizeof(float));
+        float *out_nchw = (float *)malloc_or_die((size_t)N * Co * HWo * sizeof(float));
         int *labels = (int *)calloc(N, sizeof(int));
         for (int n = 0; n < N; n++) labels[n] = (int)labels64[n];
         for (size_t i = 0; i < (size_t)N * C * HW; i++)  // i walks NCHW
             x_nhwc[(i / (C * HW) * HW + i % HW) * C + i / HW % C] = x_nchw[i];
         forward_nhwc(&m, x_nhwc, steps, labels, out);
-        for (size_t i = 0; i < (size_t)N * Co * HW; i++)
-            out_nchw[i] = out[(i / (Co * HW) * HW + i % HW) * Co + i / HW % Co];
+        for (size_t i = 0; i < (size_t)N * Co * HWo; i++)
+            out_nchw[i] = out[(i / (Co * HWo) * HWo + i % HWo) * Co + i / HWo % Co];
         int shape[4] = {N, Co, S, S};
-        SafeTensorOut tensor = {"out", 4, shape, (int64_t)N * Co * HW, out_nchw};
+        SafeTensorOut tensor = {"out", c->pool ? 2 : 4, shape, (int64_t)N * Co * HWo, out_nchw};
         Metadata meta;
         memset(&meta, 0, sizeof meta);
         meta_add(&meta, "checkpoint", "%s", ck->file);

@@ -26,6 +26,7 @@ typedef struct {
     int diffusion_steps;
     char noise_schedule[16], predict[8];
     int64_t parameters;
+    char classifier_pool[16];  // a noisy classifier's pool (EncoderUNetModel), "" for a diffusion model
     char file[4096];      // the weights file read
     char model[1024];     // a file without metadata (a .pt): what was inferred from its tensors and what the flags gave
 } UnetInfo;
@@ -40,7 +41,8 @@ void unet_die(const char *fmt, ...) __attribute__((format(printf, 1, 2), noretur
 void unet_usage_error(const char *fmt, ...) __attribute__((format(printf, 1, 2), noreturn));
 
 // Opens a checkpoint without a GPU: path is a checkpoint folder (its ema.safetensors, or
-// model.safetensors with weights "model"), a .safetensors file or a PyTorch .pt state_dict. A file
+// model.safetensors with weights "model"), a .safetensors file or a PyTorch .pt state_dict, of a
+// diffusion model or (for unet_eval; info->classifier_pool says so) a noisy classifier. A file
 // without metadata (a .pt) is read with `flags` (num_flags "name=value" strings: guided-diffusion's
 // flags for the model, as its README gives them; the tensors decide the rest and must agree); a
 // file with metadata takes no flags. The file is mapped once and every
@@ -107,7 +109,7 @@ int unet_nll(const UnetCheckpoint *checkpoint, const uint8_t *pixels, const int 
 
 // --eval: runs a checkpoint's model on the inputs of in_path (x [N][C][H][W] float in PyTorch's
 // NCHW layout, t [N] and, for a class-conditional model, y [N], integers) and writes its raw output
-// to out_path (out [N][C_out][H][W] F32, NCHW). Every input is checked, shapes before sizes, before
+// to out_path (out [N][C_out][H][W] F32, NCHW; a classifier's logits [N][classes]). Every input is checked, shapes before sizes, before
 // the GPU is used. Returns 0, or -1 with a message.
 int unet_eval(const UnetCheckpoint *checkpoint, const char *in_path, const char *out_path, char *err, size_t err_len);
 

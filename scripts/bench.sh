@@ -7,8 +7,10 @@
 # of the weights included, which PyTorch's loop does not keep). Default: seed:32 seed:128.
 # BENCH_MODES="eager compile reduce-overhead" picks the PyTorch modes; BENCH_STEPS the steps timed.
 # Then sampling: DDIM with 50 steps, 256 images of the seed preset in one batch, `generate --bench`
-# against scripts/sample_torch.py in the same modes (images/s: above 1 means we are faster), plain
-# and with classifier-free guidance 3 on a class-conditional model (the model on 512 a step).
+# against scripts/sample_torch.py in the same modes (images/s: above 1 means we are faster), plain,
+# with classifier-free guidance 3 on a class-conditional model (the model on 512 a step), and with
+# classifier guidance 1 (an unconditional model and train_unet's default noisy classifier, whose
+# forward and backward passes run every step).
 # BENCH_SAMPLE=0 leaves it out. BENCH_GPUS=N (N > 1) adds a scaling table: each configuration
 # trained with --gpus N at the same batch per GPU, its images/s against one GPU's (ideal: N x).
 # Each program's output goes to stderr as it runs (what a run cut
@@ -56,22 +58,28 @@ for config in "${configs[@]}"; do
     rows+=("$row")
     memory_cells+=("${memory:-?} / ${torch_memory:-?}")
 done
-# sample_rows: "ours mode=theirs ..." per sampling row: plain, then guided (classifier-free
-# guidance 3 on a class-conditional seed model of the 3 shapes classes; both sides run the model on
-# the doubled batch, labels then the null class).
+# sample_rows: "ours mode=theirs ..." per sampling row: plain; guided (classifier-free guidance 3 on
+# a class-conditional seed model of the 3 shapes classes; both sides run the model on the doubled
+# batch, labels then the null class); classifier-guided (scale 1, the classes in turn).
 sample_rows=()
 if [ "${BENCH_SAMPLE:-1}" != 0 ]; then
     mkdir -p build
-    for guidance in 1 3; do
+    ./train_unet --data data/shapes.bin --model classifier --steps 1 --run_dir build/bench_run_classifier >&2
+    for guidance in 1 3 classifier; do
         run=build/bench_run_g$guidance  # one training step of the seed preset: a checkpoint to sample from
         rm -rf "$run"
-        cond=(); [ "$guidance" = 1 ] || cond=(--class_cond)
+        cond=() ours_flags=(--guidance "$guidance") torch_flags=(--guidance "$guidance")
+        [ "$guidance" = 3 ] && cond=(--class_cond)
+        if [ "$guidance" = classifier ]; then
+            ours_flags=(--classifier build/bench_run_classifier/checkpoints/step_000000001 --classifier_scale 1)
+            torch_flags=(--classifier_scale 1)
+        fi
         ./train_unet --data data/shapes.bin "${cond[@]}" --steps 1 --run_dir "$run" >&2
         ours=$(./generate --checkpoint "$run/checkpoints/step_000000001" --num 256 --batch 256 --steps 50 --bench 5 \
-               --guidance "$guidance" | tee -a /dev/stderr | sed -n 's/.*(\([0-9.]*\) images\/s.*/\1/p')
+               "${ours_flags[@]}" | tee -a /dev/stderr | sed -n 's/.*(\([0-9.]*\) images\/s.*/\1/p')
         row="$ours"
         for mode in $modes; do
-            theirs=$(python3 scripts/sample_torch.py --num 256 --steps 50 --mode "$mode" --guidance "$guidance" --classes 3 2>&1 |
+            theirs=$(python3 scripts/sample_torch.py --num 256 --steps 50 --mode "$mode" "${torch_flags[@]}" --classes 3 2>&1 |
                      tee -a /dev/stderr | sed -n 's/.*(\([0-9.]*\) images\/s.*/\1/p')
             row="$row $mode=${theirs:-failed}"
         done
@@ -103,7 +111,7 @@ if [ ${#sample_rows[@]} -gt 0 ]; then
     printf '%-26s %12s' "sampling: DDIM-50, 256" "ours img/s"
     for mode in $modes; do printf ' %26s' "$mode img/s (ratio)"; done
     echo
-    names=("seed preset, batch 256" "class-cond., guidance 3")
+    names=("seed preset, batch 256" "class-cond., guidance 3" "classifier guidance 1")
     for i in "${!sample_rows[@]}"; do
         set -- ${sample_rows[$i]}
         printf '%-26s %12s' "${names[$i]}" "$1"

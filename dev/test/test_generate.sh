@@ -58,6 +58,27 @@ expect_fail ./generate --checkpoint "$SIGMA" --class 10
 expect_grep "0\.\.9" "$LAST_ERR"
 expect_fail ./generate --checkpoint "$SIGMA" --guidance 2
 expect_grep "no null class" "$LAST_ERR"
+
+case_begin "classifier guidance: a bad pairing or flag is one error line, before the GPU"
+CLASSIFIER=dev/fixtures/unet_classifier_attention.safetensors  # 5 classes, 8x8
+expect_exit 2 ./generate --checkpoint "$UNCOND" --classifier_scale 3
+expect_grep "classifier_scale is classifier guidance's: it needs --classifier" "$LAST_ERR"
+expect_exit 2 ./generate --checkpoint "$UNCOND" --classifier_depth 2
+expect_grep "classifier_depth is classifier guidance's: it needs --classifier" "$LAST_ERR"
+expect_exit 2 ./generate --checkpoint "$UNCOND" --classifier "$CLASSIFIER" --nll "$TEST_TMP/none.bin"
+expect_fail ./generate --checkpoint "$CLASSIFIER"
+expect_grep "is a noisy classifier \(classifier_pool attention\), not a diffusion model: give it with --classifier" "$LAST_ERR"
+expect_fail ./generate --checkpoint "$UNCOND" --classifier "$UNCOND"
+expect_grep "is a diffusion model, not a noisy classifier" "$LAST_ERR"
+expect_fail ./generate --checkpoint "$SIGMA" --classifier "$CLASSIFIER"
+expect_grep "knows 10 classes and the classifier .* 5: they must be the same classes" "$LAST_ERR"
+expect_fail ./generate --checkpoint "$UNCOND" --classifier "$CLASSIFIER" --class 5
+expect_grep "class in 0\.\.4" "$LAST_ERR"
+expect_fail ./generate --checkpoint "$UNCOND" --classifier "$CLASSIFIER" --classifier_pool adaptive
+expect_grep "holds its model's configuration" "$LAST_ERR"
+expect_fail ./generate --checkpoint "$UNCOND" --classifier "$CLASSIFIER" --guidance 2
+expect_grep "unconditional: --guidance needs a class-conditional model" "$LAST_ERR"
+expect_absent samples/grid.png
 expect_fail ./generate --checkpoint "$SIGMA" --sampler ddpm --respacing 600,600
 expect_grep "respacing '600,600' keeps no steps" "$LAST_ERR"
 expect_fail ./generate --checkpoint "$UNCOND" --spacing linspace --steps 1
@@ -152,6 +173,17 @@ if nvidia-smi -L >/dev/null 2>&1; then
     expect_ok ./generate --checkpoint "$UNCOND" --num 4 --batch 2 --bench 2 --out "$TEST_TMP/bench"
     expect_grep "images/s" "$LAST_OUT"
     expect_absent "$TEST_TMP/bench"
+
+    case_begin "classifier guidance: samples of an unconditional model guided to the classes in turn; scale 0 samples as unguided"
+    for sampler in ddpm ddim dpm++; do
+        expect_ok ./generate --checkpoint "$UNCOND" --classifier "$CLASSIFIER" --classifier_scale 10 --sampler $sampler --num 5 \
+            --batch 3 --out "$TEST_TMP/guided_$sampler"
+        expect_grep "classifier guidance 10" "$LAST_OUT"
+        [ -f "$TEST_TMP/guided_$sampler/000004.png" ] || case_fail "$sampler: files missing"
+    done
+    cmp -s "$TEST_TMP/ddim/000003.png" "$TEST_TMP/guided_ddim/000003.png" && case_fail "classifier guidance changed nothing"
+    expect_ok ./generate --checkpoint "$UNCOND" --classifier "$CLASSIFIER" --classifier_scale 0 --num 5 --batch 2 --out "$TEST_TMP/scale0"
+    cmp -s "$TEST_TMP/ddim/000003.png" "$TEST_TMP/scale0/000003.png" || case_fail "scale 0 gave another image than no classifier"
 
     case_begin "--eval on a fixture's inputs reproduces PyTorch's output (BF16 build: 2e-2)"
     for fixture in dev/fixtures/*.safetensors; do

@@ -182,6 +182,29 @@ int main(void) {
         safetensors_close(&f);
     }
 
+    check_case("classifier guidance's open: a classifier's .pt takes the model's image size; a diffusion model, or a classifier of "
+               "another size, is one line each");
+    {
+        UnetInfo info;
+        const char *flags[1] = {"num_head_channels=16"};
+        UnetCheckpoint *ck = unet_classifier_open("dev/fixtures/pt/unet_classifier_attention_fp16.pt", flags, 1, 8, &info, err, sizeof err);
+        CHECK(ck && info.num_classes == 5 && strcmp(info.classifier_pool, "attention") == 0 && strstr(info.model, "image_size 8"));
+        if (ck) printf("  %s\n", info.model);
+        unet_checkpoint_close(ck);
+        ck = unet_classifier_open("dev/fixtures/unet_classifier_adaptive.safetensors", NULL, 0, 8, &info, err, sizeof err);
+        CHECK(ck && info.num_classes == 5 && strcmp(info.classifier_pool, "adaptive") == 0);
+        unet_checkpoint_close(ck);
+        CHECK(!unet_classifier_open("dev/fixtures/unet_classifier_adaptive.safetensors", NULL, 0, 16, &info, err, sizeof err) &&
+              strstr(err, "classifies 8x8 images; the diffusion model makes 16x16") && !strchr(err, '\n'));
+        printf("  %s\n", err);
+        CHECK(!unet_classifier_open("dev/fixtures/unet_seed.safetensors", NULL, 0, 8, &info, err, sizeof err) &&
+              strstr(err, "is a diffusion model, not a noisy classifier"));
+        printf("  %s\n", err);
+        ck = unet_checkpoint_open("dev/fixtures/unet_classifier_attention.safetensors", "ema", NULL, 0, &info, err, sizeof err);
+        CHECK(ck && strcmp(info.classifier_pool, "attention") == 0 && info.num_classes == 5);  // (for --eval)
+        unet_checkpoint_close(ck);
+    }
+
     check_case("what shapes cannot say, or a file that is no UNet: one line naming what to give");
     Options o = preset_seed();
     ModelConfig truth = resolve_model(&o, 0);
