@@ -7,7 +7,7 @@
 # rank stopping the other within 60 s, and Ctrl-C on --gpus saving one checkpoint; the schedule
 # sampler loss-second-moment fed every rank's losses (a team of one exactly as alone; two ranks
 # holding the same history); --microbatch with the all-reduce (a team of one exactly as alone; two
-# ranks as the whole batch).
+# ranks as the whole batch); the noisy classifier on 2 GPUs and in pieces, as its whole batch.
 cd "$(dirname "$0")/../.." || exit 1
 . dev/test/lib.sh
 gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
@@ -94,6 +94,22 @@ expect_ok train --batch_size 8 --microbatch 2 --gpus 2 --steps 50 --run_dir "$TE
 [ "$(grep "weights hash" "$LAST_ERR" | awk '{print $6}' | sort -u | wc -l)" = 1 ] || case_fail "the ranks' weights differ"
 gap=$(loss_gap "$TEST_TMP/two/log.csv" "$TEST_TMP/two_pieces/log.csv")
 echo "  largest relative loss difference over 50 steps: $gap"
+below "$gap" 0.02 || case_fail "losses differ by $gap (relative) between pieces and the whole batch"
+
+case_begin "the noisy classifier on 2 GPUs at batch 8 equals 1 GPU at batch 16 (equal weights on both ranks); --microbatch 4 the whole batch"
+CLS=(--data "$TEST_TMP/s.bin" --image_size 32 --model classifier --classifier_width 32 --classifier_depth 1
+     --classifier_attention_resolutions 16 --lr 1e-3 --log_interval 1 --seed 3)
+expect_ok ./train_unet "${CLS[@]}" --batch_size 16 --steps 30 --run_dir "$TEST_TMP/cls_one"
+expect_ok ./train_unet "${CLS[@]}" --batch_size 8 --gpus 2 --steps 30 --run_dir "$TEST_TMP/cls_two"
+[ "$(grep "weights hash" "$LAST_ERR" | awk '{print $6}' | sort -u | wc -l)" = 1 ] || case_fail "the ranks' weights differ"
+gap=$(loss_gap "$TEST_TMP/cls_one/log.csv" "$TEST_TMP/cls_two/log.csv")
+first=$(loss_gap <(head -2 "$TEST_TMP/cls_one/log.csv") <(head -2 "$TEST_TMP/cls_two/log.csv"))
+echo "  largest relative loss difference over 30 steps: $gap (step 1: $first)"
+below "$gap" 0.02 || case_fail "losses differ by $gap (relative) between 2x8 and 1x16"
+below "$first" 1e-3 || case_fail "step 1's losses differ by $first (the same images, noise and weights)"
+expect_ok ./train_unet "${CLS[@]}" --batch_size 16 --microbatch 4 --steps 30 --run_dir "$TEST_TMP/cls_pieces"
+gap=$(loss_gap "$TEST_TMP/cls_one/log.csv" "$TEST_TMP/cls_pieces/log.csv")
+echo "  --microbatch 4 against the whole batch of 16: largest relative loss difference $gap"
 below "$gap" 0.02 || case_fail "losses differ by $gap (relative) between pieces and the whole batch"
 
 case_begin "a 2-GPU checkpoint resumed on 1 GPU at the same images a step continues the same loss curve"
