@@ -107,16 +107,18 @@ static double check_learned_ddpm(const NoiseSchedule *schedules, const char *con
     return worst;
 }
 
+// A kind's tensor of the steps fixture: KIND_PART (cases, values, expected).
+static double *kind_tensor(const char *kind, const char *part, int64_t *numel) {
+    char name[64];
+    snprintf(name, sizeof name, "%s_%s", kind, part);
+    return tensor(name, numel);
+}
+
 // Runs every case of one kind (ddpm, ddim, dpm) and returns the worst relative error.
 static double run_cases(const char *kind, const NoiseSchedule *schedules) {
-    char name[64];
     int64_t rows_numel = 0, values_numel = 0;
-    snprintf(name, sizeof name, "%s_cases", kind);
-    double *cases = tensor(name, &rows_numel);
-    snprintf(name, sizeof name, "%s_values", kind);
-    double *values = tensor(name, &values_numel);
-    snprintf(name, sizeof name, "%s_expected", kind);
-    double *expected = tensor(name, NULL);
+    double *cases = kind_tensor(kind, "cases", &rows_numel), *values = kind_tensor(kind, "values", &values_numel);
+    double *expected = kind_tensor(kind, "expected", NULL);
     int rows = (int)(rows_numel / 6), n = (int)(values_numel / rows / 3);
     double worst = 0;
     for (int r = 0; r < rows; r++) {
@@ -142,14 +144,9 @@ static double run_cases(const char *kind, const NoiseSchedule *schedules) {
 // fixed or the learned variance; guided_ddim: ddim_sample with condition_score, respaced): each
 // through sample_step_value with the score g. Returns the worst relative error.
 static double run_guided_cases(const char *kind, const NoiseSchedule *schedules) {
-    char name[64];
     int64_t rows_numel = 0, values_numel = 0;
-    snprintf(name, sizeof name, "%s_cases", kind);
-    double *cases = tensor(name, &rows_numel);
-    snprintf(name, sizeof name, "%s_values", kind);
-    double *values = tensor(name, &values_numel);
-    snprintf(name, sizeof name, "%s_expected", kind);
-    double *expected = tensor(name, NULL);
+    double *cases = kind_tensor(kind, "cases", &rows_numel), *values = kind_tensor(kind, "values", &values_numel);
+    double *expected = kind_tensor(kind, "expected", NULL);
     int rows = (int)(rows_numel / 6), n = (int)(values_numel / rows / 5), ddpm = strcmp(kind, "guided_ddpm") == 0;
     float *got = (float *)malloc_or_die(n * sizeof(float));
     double worst = 0, moved = INFINITY;  // moved: the smallest share of a case's result that g accounts for (t > 0)
