@@ -64,6 +64,7 @@ done
 sample_rows=()
 if [ "${BENCH_SAMPLE:-1}" != 0 ]; then
     mkdir -p build
+    rm -rf build/bench_run_classifier  # one training step of the default noisy classifier
     ./train_unet --data data/shapes.bin --model classifier --steps 1 --run_dir build/bench_run_classifier >&2
     for guidance in 1 3 classifier; do
         run=build/bench_run_g$guidance  # one training step of the seed preset: a checkpoint to sample from
