@@ -311,6 +311,8 @@ int main(int argc, char **argv) {
     if (info.classifier_pool[0])
         unet_die("%s is a noisy classifier (classifier_pool %s), not a diffusion model: give it with --classifier", file,
                  info.classifier_pool);
+    if (info.small_size)
+        unet_die("%s is an upsampler (SuperResModel, small_size %d): sampling it is not built yet (--eval runs it)", file, info.small_size);
     if (o.nll) return likelihood(&o, checkpoint, &info);
     int classes = info.num_classes - info.null_class, fixed_class = -1;
     UnetCheckpoint *classifier = NULL;

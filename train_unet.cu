@@ -3959,6 +3959,31 @@ static void resample_backward(int up, floatX *dx, GradMode mode, const floatX *d
     else LAUNCH_VECTORISED(avg_pool_backward_kernel, in, C, dx, mode, dy, N, H, W, C);
 }
 
+// SuperResModel's conditioning: the low-resolution image lo [N][s][s][C] bilinearly upsampled to
+// S x S, as PyTorch's F.interpolate(mode="bilinear") (align_corners=False): output row i samples the
+// input at u = max((i + 1/2) s/S - 1/2, 0), between rows u0 = floor(u) and min(u0 + 1, s - 1)
+// with weights 1 - (u - u0) and u - u0; columns the same way. Written into channels [at, at + C) of
+// y [N][S][S][ld]. Forward only: the low-resolution image is data (no gradient reaches it).
+__global__ void upsample_bilinear_kernel(floatX *y, int ld, int at, const floatX *lo, int N, int s, int S, int C) {
+    float scale = (float)s / (float)S;
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < (int64_t)N * S * S * C; i += (int64_t)gridDim.x * blockDim.x) {
+        int c = (int)(i % C), col = (int)(i / C % S), row = (int)(i / C / S % S);
+        int64_t n = i / C / S / S;
+        float u = fmaxf((row + 0.5f) * scale - 0.5f, 0.0f), v = fmaxf((col + 0.5f) * scale - 0.5f, 0.0f);
+        int u0 = (int)u, v0 = (int)v, u1 = u0 + (u0 < s - 1), v1 = v0 + (v0 < s - 1);
+        float lu = u - u0, lv = v - v0;
+        const floatX *p = lo + n * s * s * C + c;
+        float top = (1.0f - lv) * (float)p[((int64_t)u0 * s + v0) * C] + lv * (float)p[((int64_t)u0 * s + v1) * C];
+        float bottom = (1.0f - lv) * (float)p[((int64_t)u1 * s + v0) * C] + lv * (float)p[((int64_t)u1 * s + v1) * C];
+        y[(i / C) * ld + at + c] = (floatX)((1.0f - lu) * top + lu * bottom);
+    }
+}
+
+static void upsample_bilinear(floatX *y, int ld, int at, const floatX *lo, int N, int s, int S, int C) {
+    upsample_bilinear_kernel<<<blocks_for((size_t)N * S * S * C, 256), 256, 0, gpu.stream>>>(y, ld, at, lo, N, s, S, C);
+    cuda_check_launch();
+}
+
 // ----------------------------------------------------------------------------------------------
 // Channel concatenation of the skip connections: y[p] = [a[p] (Ca channels) | b[p] (Cb)];
 // backward splits dy into da (+)= and db (+)= (each with its own GradMode). A thread moves one V at a time: a Pack of 16 bytes when
@@ -4211,7 +4236,12 @@ typedef struct {
     float dropout;
     int num_classes;                      // rows of label_emb (dataset classes + the null class), 0: unconditional
     int pool;                             // POOL_NONE: the diffusion UNet; else the noisy classifier with this head
+    int low_res;                          // SuperResModel (the upsampler): the low-resolution image's side, 0: none
 } ModelConfig;
+
+// The model's input channels: the image's, and for SuperResModel the low-resolution image's after
+// them (bilinearly upsampled to the image's size: upsample_bilinear).
+static int model_input_channels(const ModelConfig *c) { return c->low_res ? 2 * c->in_channels : c->in_channels; }
 
 // The noisy classifier (guided-diffusion's EncoderUNetModel): the UNet's time embedding, input
 // blocks and middle block, then a head (its `pool`) that turns the last feature map into one logit
@@ -4233,6 +4263,7 @@ typedef struct {
     int use_new_attention_order, use_scale_shift_norm, resblock_updown, conv_resample;
     float dropout;
     int class_cond, num_classes, learn_sigma;
+    int super_res;  // SuperResModel's low-resolution side (guided-diffusion's small_size; the image size is its large_size)
     // what is trained, and the noisy classifier's flags (guided-diffusion's classifier_train.py)
     const char *model;
     int classifier_width, classifier_depth;
@@ -4292,6 +4323,8 @@ static const OptionSpec option_specs[] = {
     OPT(num_classes, OPT_INT, "classes, when there is no --data to read them from"),
     OPT(learn_sigma, OPT_BOOL, "6 output channels: the prediction and guided-diffusion's learned variance, trained with the hybrid "
                                "loss (MSE + the variational bound's term)"),
+    OPT(super_res, OPT_INT, "the upsampler: guided-diffusion's SuperResModel, conditioned on the image downsampled to this "
+                            "side (its small_size; --image_size is its large_size), 0: none"),
     OPT(model, OPT_STRING, "diffusion | classifier: the UNet, or guided-diffusion's noisy classifier (EncoderUNetModel) trained on "
                            "the dataset's labels with the classifier_ flags below instead of the model flags above"),
     OPT(classifier_width, OPT_INT, "classifier: model channels"),
@@ -4508,6 +4541,10 @@ static int model_config_from_options(Options *o, int label_rows, ModelConfig *ou
                     1 << (levels - 1), levels);
     c.image_size = o->image_size;
     c.in_channels = 3;
+    if (o->super_res && (o->super_res < 1 || o->super_res >= o->image_size || o->image_size % o->super_res))
+        return error_line(err, err_len, "--super_res %d must be a side from 1 below the image size %d that divides it", o->super_res,
+                          o->image_size);
+    c.low_res = o->super_res;
     c.out_channels = o->learn_sigma ? 6 : 3;
     c.model_channels = o->num_channels;
     c.num_levels = levels;
@@ -4605,6 +4642,7 @@ static int named_model_config(const Options *named, ModelConfig *c, char *err, s
     const char *pool = o.classifier_pool;
     if (!pool[0]) return model_config_from_options(&o, o.num_classes, c, err, err_len);
     if (o.class_cond) return error_line(err, err_len, "a classifier (classifier_pool %s) has no class_cond", pool);
+    if (o.super_res) return error_line(err, err_len, "a classifier (classifier_pool %s) has no super_res", pool);
     if (model_config_from_options(&o, 0, c, err, err_len) != 0) return -1;
     return classifier_config(c, pool, o.num_classes, err, err_len);
 }
@@ -4634,6 +4672,8 @@ static int model_config_from_metadata(const SafeTensorsFile *f, const char *path
         const char *value = safetensors_metadata(f, model_flags[i]);
         if (value) r = option_from_string(&o, find_option(model_flags[i], strlen(model_flags[i])), value, why, sizeof why);
     }
+    const char *small_size = safetensors_metadata(f, "small_size");  // SuperResModel (guided-diffusion's sr flags)
+    if (r == 0 && small_size) r = option_from_string(&o, find_option("super_res", 9), small_size, why, sizeof why);
     if (r == 0) r = named_model_config(&o, c, why, sizeof why);
     return r == 0 ? 0 : error_line(err, err_len, "%s: its metadata gives no valid model: %s", path, why);
 }
@@ -5156,6 +5196,7 @@ typedef struct {
     Block *blocks;
     int num_blocks, capacity;
     Act input, *output;
+    Act low_res;                // SuperResModel: the low-resolution images, upsampled into input's last channels
     int64_t *timesteps;         // [N]
     int *labels;                // [N]
     Conv time_embed0, time_embed2, emb_all;
@@ -5535,7 +5576,7 @@ static void unet_walk(const ModelConfig *c, ParamList *params, UNet *m) {
     }
     char name[128];
     int ch = c->level_channels[0], skip_channels[MAX_SKIPS], skip_blocks[MAX_SKIPS], num_skips = 0, block = 1;
-    Conv conv_in = walk_conv(&w, "input_blocks.0.0.", c->in_channels, ch, 3, 1, 2);
+    Conv conv_in = walk_conv(&w, "input_blocks.0.0.", model_input_channels(c), ch, 3, 1, 2);
     if (m) {
         Block *b = walk_block(&w, BLOCK_CONV, ch, w.size, 1);
         b->conv.conv = conv_in;
@@ -6044,7 +6085,8 @@ static void unet_lay_out(UNet *m) {
     if (sizeof(floatX) == sizeof(float)) m->compute = (floatX *)m->master;
     else m->compute = (floatX *)arena_take(&m->parameters, n * sizeof(floatX));
 
-    m->input = act_alloc(m, batch, size, size, c->in_channels);
+    m->input = act_alloc(m, batch, size, size, model_input_channels(c));
+    if (c->low_res) m->low_res = act_take(m, &m->acts, NULL, batch, c->low_res, c->low_res, c->in_channels);
     m->target = c->pool ? act_alloc(m, batch, 1, 1, c->out_channels) : act_alloc(m, batch, size, size, c->out_channels);
     m->t_sinusoid = act_alloc(m, batch, 1, 1, c->model_channels);
     m->t_hidden = act_alloc(m, batch, 1, 1, emb_dim);
@@ -6231,10 +6273,12 @@ __global__ void add_rows_kernel(float *y, const floatX *bias, int N, int E) {
     if (i < N * E) y[i] += (float)bias[i % E];
 }
 
-// The forward pass on m->input (NHWC), m->timesteps and m->labels; the result is m->output.
+// The forward pass on m->input (NHWC), m->timesteps and m->labels (and SuperResModel's
+// m->low_res, upsampled into the input's last channels first); the result is m->output.
 static void unet_forward(UNet *m, int training) {
     const ModelConfig *c = &m->config;
     int N = m->batch, D = 4 * c->model_channels;
+    if (c->low_res) upsample_bilinear(m->input.x, m->input.C, c->in_channels, m->low_res.x, N, c->low_res, c->image_size, c->in_channels);
     timestep_embedding_kernel<<<(N * c->model_channels + 255) / 256, 256, 0, gpu.stream>>>(m->t_sinusoid.x, m->timesteps, N, c->model_channels);
     cuda_check_launch();
     conv_forward(&m->time_embed0, m->t_hidden.x, m->t_sinusoid.x, N, 1, 1, NULL);
@@ -8192,6 +8236,7 @@ static Metadata checkpoint_metadata(const Options *o, const ModelConfig *c, int6
     meta_add(&m, "null_class", "%s", truth[c->num_classes > 0]);  // the last label_emb row: unconditional
     meta_add(&m, "learn_sigma", "%s", truth[!c->pool && c->out_channels == 2 * c->in_channels]);
     meta_add(&m, "classifier_pool", "%s", pool_names[c->pool]);  // "": the diffusion UNet
+    if (c->low_res) meta_add(&m, "large_size", "%d", c->image_size), meta_add(&m, "small_size", "%d", c->low_res);
     meta_add(&m, "diffusion_steps", "%d", o->diffusion_steps);
     meta_add(&m, "noise_schedule", "%s", o->noise_schedule);
     meta_add(&m, "predict", "%s", o->predict);
@@ -9153,10 +9198,12 @@ static void check_dataset(const DatasetHeader *h, Options *o, int say) {
 // flags, with classifier_train.py's defaults where the command line leaves them: lr 3e-4, no EMA;
 // and no sample grids (nothing to sample). A bad value ends the program with one usage error line.
 static ModelConfig resolve_run_model(Options *o) {
+    if (o->super_res && !o->dry_run)
+        usage_error("--super_res: the upsampler's model is built (--dry_run plans it, generate --eval runs it), its training not yet");
     if (strcmp(o->model, "diffusion") == 0) return resolve_model(o, o->num_classes ? o->num_classes + 1 : 0);
     if (strcmp(o->model, "classifier") != 0) usage_error("--model '%s' must be diffusion or classifier", o->model);
-    static const char *const diffusion_only[] = {"class_cond", "learn_sigma", "cfg_dropout", "use_kl", "predict"};
-    for (int i = 0; i < 5; i++)
+    static const char *const diffusion_only[] = {"class_cond", "learn_sigma", "cfg_dropout", "use_kl", "predict", "super_res"};
+    for (int i = 0; i < 6; i++)
         if (option_given(diffusion_only[i]))
             usage_error("--%s is a diffusion model's flag: --model classifier does not take it", diffusion_only[i]);
     if (option_given("sample_count") && o->sample_count) usage_error("--model classifier makes no sample grids: leave out --sample_count");
@@ -9834,6 +9881,7 @@ static UnetCheckpoint *checkpoint_open(const char *path, const char *weights, co
     const ModelConfig *c = &ck->config;
     info->image_size = c->image_size, info->in_channels = c->in_channels, info->out_channels = c->out_channels;
     info->num_classes = c->pool ? c->out_channels : c->num_classes;
+    info->small_size = c->low_res;
     snprintf(info->classifier_pool, sizeof info->classifier_pool, "%s", c->pool ? pool_names[c->pool] : "");
     const char *null_class = safetensors_metadata(&ck->f, "null_class");
     info->null_class = c->num_classes > 0 && null_class && strcmp(null_class, "True") == 0;
@@ -9869,7 +9917,7 @@ static int api_gpu_ready(char *err, size_t err_len) {
     return 0;
 }
 
-// The model's output for x [batch][H][W][in_channels] (NHWC, float), timesteps t [batch] and labels
+// The model's output for x [batch][H][W][model_input_channels] (NHWC, float), timesteps t [batch] and labels
 // y [batch] (ignored when unconditional): out [batch][H][W][out_channels].
 static void forward_nhwc(UNet *m, const float *x, const int64_t *t, const int *y, float *out) {
     int64_t n_in = act_numel(&m->input), n_out = act_numel(m->output);
@@ -9983,13 +10031,16 @@ extern "C" int unet_eval(const UnetCheckpoint *ck, const char *in_path, const ch
     SafeTensorsFile in;
     if (safetensors_open(in_path, &in, err, err_len) != 0) return -1;
     const SafeTensor *x = safetensors_find(&in, "x"), *t = safetensors_find(&in, "t"), *y = safetensors_find(&in, "y");
-    int S = c->image_size, N = x && x->ndim == 4 && x->shape[0] <= 65536 ? (int)x->shape[0] : 0, r = -1;
+    const SafeTensor *low = safetensors_find(&in, "low_res");
+    int S = c->image_size, s = c->low_res, N = x && x->ndim == 4 && x->shape[0] <= 65536 ? (int)x->shape[0] : 0, r = -1;
     if (!x || x->ndim != 4 || N < 1 || x->shape[1] != c->in_channels || x->shape[2] != S || x->shape[3] != S)
         error_line(err, err_len, "%s: x must be [N, %d, %d, %d] (NCHW) with N from 1 to 65536", in_path, c->in_channels, S, S);
     else if (!t || t->numel != N)
         error_line(err, err_len, "%s: t must hold N = %d timesteps", in_path, N);
     else if (c->num_classes && (!y || y->numel != N))
         error_line(err, err_len, "%s: the model is class-conditional: y must hold N = %d labels", in_path, N);
+    else if (s && (!low || low->ndim != 4 || low->shape[0] != N || low->shape[1] != c->in_channels || low->shape[2] != s || low->shape[3] != s))
+        error_line(err, err_len, "%s: the model is an upsampler: low_res must be [%d, %d, %d, %d] (NCHW)", in_path, N, c->in_channels, s, s);
     else r = 0;
     // Sizes only from here on, once the shapes are known to be sane.
     int64_t *steps = (int64_t *)malloc_or_die(N * sizeof(int64_t)), *labels64 = (int64_t *)malloc_or_die(N * sizeof(int64_t));
@@ -10002,8 +10053,11 @@ extern "C" int unet_eval(const UnetCheckpoint *ck, const char *in_path, const ch
             r = error_line(err, err_len, "%s: y[%d] = %lld is outside 0..%d", in_path, n, (long long)labels64[n], c->num_classes - 1);
     }
     float *x_nchw = r == 0 ? (float *)malloc_or_die(x->numel * sizeof(float)) : NULL;
+    float *low_nchw = r == 0 && s ? (float *)malloc_or_die(low->numel * sizeof(float)) : NULL;
     int got = r == 0 ? safetensors_get_float(x, x_nchw) : 0;
     if (got) r = error_line(err, err_len, got == -2 ? "%s: x holds NaN or infinite values" : "%s: x must be floating point", in_path);
+    got = r == 0 && s ? safetensors_get_float(low, low_nchw) : 0;
+    if (got) r = error_line(err, err_len, got == -2 ? "%s: low_res holds NaN or infinite values" : "%s: low_res must be floating point", in_path);
     UNet m;
     if (r == 0 && api_gpu_ready(err, err_len) != 0) r = -1;
     if (r == 0) {
@@ -10013,13 +10067,22 @@ extern "C" int unet_eval(const UnetCheckpoint *ck, const char *in_path, const ch
         else unet_sync_compute(&m);
     }
     if (r == 0) {
-        int C = c->in_channels, Co = c->out_channels, HW = S * S, HWo = c->pool ? 1 : HW;  // a classifier's out: [N, classes]
-        float *x_nhwc = (float *)malloc_or_die((size_t)N * C * HW * sizeof(float)), *out = (float *)malloc_or_die((size_t)N * Co * HWo * sizeof(float));
+        // a classifier's out: [N, classes]; an upsampler's input: x, then the upsampled low_res (unet_forward's)
+        int C = c->in_channels, Ci = model_input_channels(c), Co = c->out_channels, HW = S * S, HWo = c->pool ? 1 : HW;
+        float *x_nhwc = (float *)calloc((size_t)N * Ci * HW, sizeof(float)), *out = (float *)malloc_or_die((size_t)N * Co * HWo * sizeof(float));
         float *out_nchw = (float *)malloc_or_die((size_t)N * Co * HWo * sizeof(float));
         int *labels = (int *)calloc(N, sizeof(int));
+        if (!x_nhwc || !labels) fatal("out of host memory");
         for (int n = 0; n < N; n++) labels[n] = (int)labels64[n];
         for (size_t i = 0; i < (size_t)N * C * HW; i++)  // i walks NCHW
-            x_nhwc[(i / (C * HW) * HW + i % HW) * C + i / HW % C] = x_nchw[i];
+            x_nhwc[(i / (C * HW) * HW + i % HW) * Ci + i / HW % C] = x_nchw[i];
+        if (s) {
+            size_t n_low = (size_t)N * C * s * s;
+            floatX *low_nhwc = (floatX *)malloc_or_die(n_low * sizeof(floatX));
+            for (size_t i = 0; i < n_low; i++) low_nhwc[(i / (C * s * s) * s * s + i % (s * s)) * C + i / (s * s) % C] = (floatX)low_nchw[i];
+            cuda_check(cudaMemcpy(m.low_res.x, low_nhwc, n_low * sizeof(floatX), cudaMemcpyHostToDevice));
+            free(low_nhwc);
+        }
         forward_nhwc(&m, x_nhwc, steps, labels, out);
         for (size_t i = 0; i < (size_t)N * Co * HWo; i++)
             out_nchw[i] = out[(i / (Co * HWo) * HWo + i % HWo) * Co + i / HWo % Co];
@@ -10038,7 +10101,7 @@ extern "C" int unet_eval(const UnetCheckpoint *ck, const char *in_path, const ch
         free(x_nhwc), free(out), free(out_nchw), free(labels);
         unet_destroy(&m);
     }
-    free(steps), free(labels64), free(x_nchw);
+    free(steps), free(labels64), free(x_nchw), free(low_nchw);
     safetensors_close(&in);
     return r;
 }

@@ -26,6 +26,7 @@ typedef struct {
     int diffusion_steps;
     char noise_schedule[16], predict[8];
     int64_t parameters;
+    int small_size;            // an upsampler's (SuperResModel) low-resolution side, 0: none
     char classifier_pool[16];  // a noisy classifier's pool (EncoderUNetModel), "" for a diffusion model
     char file[4096];      // the weights file read
     char model[1024];     // a file without metadata (a .pt): what was inferred from its tensors and what the flags gave
@@ -109,7 +110,8 @@ int unet_nll(const UnetCheckpoint *checkpoint, const uint8_t *pixels, const int 
 
 // --eval: runs a checkpoint's model on the inputs of in_path (x [N][C][H][W] float in PyTorch's
 // NCHW layout, t [N] and, for a class-conditional model, y [N], integers) and writes its raw output
-// to out_path (out [N][C_out][H][W] F32, NCHW; a classifier's logits [N][classes]). Every input is checked, shapes before sizes, before
+// to out_path (out [N][C_out][H][W] F32, NCHW; a classifier's logits [N][classes]); an upsampler
+// (SuperResModel) reads low_res [N][C][small][small] too. Every input is checked, shapes before sizes, before
 // the GPU is used. Returns 0, or -1 with a message.
 int unet_eval(const UnetCheckpoint *checkpoint, const char *in_path, const char *out_path, char *err, size_t err_len);
 

@@ -1,7 +1,7 @@
 // dev/resample.cu: the UNet's weightless resampling, NHWC: 2x2 average pooling with stride 2
 // (Downsample without conv, and the down ResBlock) and nearest-neighbour 2x upsampling (Upsample
-// before its optional conv, and the up ResBlock). H, W are the input's sides. CPU reference in
-// double.
+// before its optional conv, and the up ResBlock), H, W the input's sides; and the upsampler's
+// (SuperResModel's) bilinear upsampling of its low-resolution image. CPU reference in double.
 #include "common.h"
 
 // out[n][y][x][c] = (in[n][2y][2x][c] + in[n][2y][2x+1][c] + in[n][2y+1][2x][c] + in[n][2y+1][2x+1][c]) / 4,
@@ -46,6 +46,46 @@ static void ref_upsample_backward(double *d_in, const double *d_out, int N, int 
             for (int x = 0; x < 2 * W; x++)
                 for (int c = 0; c < C; c++)
                     d_in[(((size_t)n * H + y / 2) * W + x / 2) * C + c] += d_out[(((size_t)n * 2 * H + y) * 2 * W + x) * C + c];
+}
+
+// PyTorch's F.interpolate(mode="bilinear", align_corners=False) from s x s to S x S: output row i
+// reads input rows u0 = floor(u) and u1 = min(u0 + 1, s - 1) at u = max((i + 1/2) s/S - 1/2, 0),
+// weighted 1 - (u - u0) and u - u0; columns alike. out [N][S][S][C] from in [N][s][s][C].
+static void ref_bilinear_taps(int i, int s, int S, int *t0, int *t1, double *w1) {
+    double u = fmax((i + 0.5) * s / S - 0.5, 0.0);
+    *t0 = (int)u, *t1 = *t0 + (*t0 < s - 1), *w1 = u - *t0;
+}
+
+static void ref_upsample_bilinear_forward(double *out, const double *in, int N, int s, int S, int C) {
+    for (int n = 0; n < N; n++)
+        for (int i = 0; i < S; i++)
+            for (int j = 0; j < S; j++) {
+                int u0, u1, v0, v1;
+                double lu, lv;
+                ref_bilinear_taps(i, s, S, &u0, &u1, &lu), ref_bilinear_taps(j, s, S, &v0, &v1, &lv);
+                const double *p = in + (size_t)n * s * s * C;
+                for (int c = 0; c < C; c++)
+                    out[(((size_t)n * S + i) * S + j) * C + c] =
+                        (1 - lu) * ((1 - lv) * p[((size_t)u0 * s + v0) * C + c] + lv * p[((size_t)u0 * s + v1) * C + c]) +
+                        lu * ((1 - lv) * p[((size_t)u1 * s + v0) * C + c] + lv * p[((size_t)u1 * s + v1) * C + c]);
+            }
+}
+
+// d_in += the transpose: each output's gradient back to its four taps with the same weights.
+static void ref_upsample_bilinear_backward(double *d_in, const double *d_out, int N, int s, int S, int C) {
+    for (int n = 0; n < N; n++)
+        for (int i = 0; i < S; i++)
+            for (int j = 0; j < S; j++) {
+                int u0, u1, v0, v1;
+                double lu, lv;
+                ref_bilinear_taps(i, s, S, &u0, &u1, &lu), ref_bilinear_taps(j, s, S, &v0, &v1, &lv);
+                double *p = d_in + (size_t)n * s * s * C;
+                for (int c = 0; c < C; c++) {
+                    double g = d_out[(((size_t)n * S + i) * S + j) * C + c];
+                    p[((size_t)u0 * s + v0) * C + c] += (1 - lu) * (1 - lv) * g, p[((size_t)u0 * s + v1) * C + c] += (1 - lu) * lv * g;
+                    p[((size_t)u1 * s + v0) * C + c] += lu * (1 - lv) * g, p[((size_t)u1 * s + v1) * C + c] += lu * lv * g;
+                }
+            }
 }
 
 #ifndef DEV_NO_MAIN
@@ -110,8 +150,41 @@ static void time_resample(const char *what, int up, int N, int H, int W, int C) 
     dev_gpu_free(r.y, r.x, r.dx, r.dy, NULL);
 }
 
+// The trainer's upsample_bilinear (forward only: the upsampler's conditioning) from s x s to S x S,
+// into channels [C, 2C) of a 2C-channel tensor (as the model's input) whose first C stay as they were.
+static void check_bilinear(int N, int s, int S, int C) {
+    size_t n_lo = (size_t)N * s * s * C, n_up = (size_t)N * S * S * C;
+    double *lo = dev_alloc(n_lo), *up = dev_alloc(n_up), *both = dev_alloc(2 * n_up), *want = dev_alloc(2 * n_up);
+    dev_fill_x(lo, n_lo, -1, 1), dev_fill_x(both, 2 * n_up, -1, 1);
+    ref_upsample_bilinear_forward(up, lo, N, s, S, C);
+    for (size_t p = 0; p < n_up / C; p++)
+        for (int c = 0; c < 2 * C; c++) want[p * 2 * C + c] = c < C ? both[p * 2 * C + c] : up[p * C + c - C];
+    floatX *y = dev_upload_x(both, 2 * n_up), *x = dev_upload_x(lo, n_lo);
+    upsample_bilinear(y, 2 * C, C, x, N, s, S, C);
+    double err = dev_check_x(y, NULL, want, 2 * n_up);
+    // The reference's backward (the whole model's, dev/unet.cu) is the forward's transpose:
+    // <up(lo), g> = <lo, up^T(g)> for a random g.
+    double *g = dev_alloc(n_up), *d_lo = dev_alloc(n_lo), left = 0, right = 0;
+    dev_fill_x(g, n_up, -1, 1);
+    ref_upsample_bilinear_backward(d_lo, g, N, s, S, C);
+    for (size_t i = 0; i < n_up; i++) left += up[i] * g[i];
+    for (size_t i = 0; i < n_lo; i++) right += lo[i] * d_lo[i];
+    DevErrors e;
+    dev_errors_init(&e);
+    dev_errors_add(&e, "adjoint", fabs(left - right) / fabs(left), 1e-12);
+    free(g), free(d_lo);
+    char shape[96];
+    snprintf(shape, sizeof shape, "N%d %dx%d -> %dx%d C%d, into channels %d..%d of %d", N, s, s, S, S, C, C, 2 * C - 1, 2 * C);
+    dev_row("bilinear", shape, err, DEV_TOLERANCE, &e, -1, -1);
+    dev_gpu_free(y, x, NULL);
+    free(lo), free(up), free(both), free(want);
+}
+
 int main(void) {
     dev_begin("resample");
+    check_bilinear(2, 4, 8, 3);    // the fixture's upsampler
+    check_bilinear(1, 64, 256, 3); // guided-diffusion's 64 -> 256
+    check_bilinear(2, 5, 8, 3);    // a side that does not divide (PyTorch's rule holds for any)
     check_resample(0, 3, 8, 8, 96, GRAD_ADD);
     check_resample(0, 3, 2, 2, 160, GRAD_ADD);   // to 1x1
     check_resample(1, 3, 1, 1, 96, GRAD_ADD);    // 1x1 up to 2x2

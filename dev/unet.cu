@@ -1,6 +1,8 @@
 // dev/unet.cu: guided-diffusion's UNetModel on the CPU in double, built from the layer references:
 // what the trainer's whole model is checked against (scripts/unet_ref.py is the PyTorch original).
 //
+// With config.low_res set it is the upsampler, guided-diffusion's SuperResModel: the UNet on x and,
+// after its channels, the low-resolution image (m->low_res) bilinearly upsampled to x's size.
 // With config.pool set it is instead the noisy classifier, guided-diffusion's EncoderUNetModel: the
 // same time embedding, input blocks and middle block, then a pooling head (out.*) giving logits: on
 // the middle block's output (adaptive, attention), or on the means of every input block's output
@@ -36,7 +38,7 @@ typedef struct {
 
 typedef enum {
     REF_CONV, REF_LINEAR, REF_GROUP_NORM, REF_SILU, REF_ATTENTION, REF_AVGPOOL, REF_UPSAMPLE,
-    REF_EMBEDDING, REF_ADD, REF_ADD_CHANNELS, REF_CONCAT, REF_POOL_TOKENS, REF_FIRST_TOKEN, REF_RELU
+    REF_EMBEDDING, REF_ADD, REF_ADD_CHANNELS, REF_CONCAT, REF_POOL_TOKENS, REF_FIRST_TOKEN, REF_RELU, REF_BILINEAR
 } RefOpType;
 
 typedef struct {
@@ -54,6 +56,7 @@ typedef struct {
     double **param, **grad;  // [params.count], PyTorch layouts; the backward pass accumulates into grad
     int *uses;               // how often the last forward pass used each parameter
     int64_t *labels;         // the last forward pass's y, read by REF_EMBEDDING
+    const double *low_res;   // an upsampler's low-resolution images [N][s][s][C], set by the caller before forward
     // the tape of the last forward pass: the activations the backward pass needs
     RefTensor *tensors;
     int num_tensors, tensor_capacity;
@@ -252,6 +255,10 @@ static void ref_op_run(RefUNet *m, const RefOp *op, int backward) {
     case REF_RELU:
         if (!backward) ref_relu_forward(y->data, x->data, ref_numel(x));
         else if (dx) ref_relu_backward(dx, y->grad, x->data, ref_numel(x));
+        break;
+    case REF_BILINEAR:  // x [N][s][s][C] -> y [N][S][S][C]
+        if (!backward) ref_upsample_bilinear_forward(y->data, x->data, x->N, x->H, y->H, x->C);
+        else if (dx) ref_upsample_bilinear_backward(dx, y->grad, x->N, x->H, y->H, x->C);
         break;
     }
 }
@@ -520,9 +527,17 @@ static void ref_unet_forward(RefUNet *m, const double *x, const int64_t *t, cons
     m->input = ref_new_tensor(m, N, c->image_size, c->image_size, c->in_channels);
     m->tensors[m->input].leaf = 1;
     memcpy(m->tensors[m->input].data, x, ref_numel(&m->tensors[m->input]) * sizeof(double));
+    int h = m->input;
+    if (c->low_res) {  // SuperResModel: cat([x, F.interpolate(low_res, x's size, "bilinear")], channels)
+        if (!m->low_res) fatal("reference UNet: an upsampler needs its low-resolution images (m->low_res)");
+        int lo = ref_new_tensor(m, N, c->low_res, c->low_res, c->in_channels);
+        m->tensors[lo].leaf = 1;
+        memcpy(m->tensors[lo].data, m->low_res, ref_numel(&m->tensors[lo]) * sizeof(double));
+        h = ref_concat(m, h, ref_apply(m, ref_op(REF_BILINEAR, lo, -1), N, c->image_size, c->image_size, c->in_channels));
+    }
 
     int skips[4 * MAX_LEVELS * 8], num_skips = 0, block = 1;
-    int h = ref_conv(m, m->input, "input_blocks.0.0.", c->level_channels[0], 3, 1);
+    h = ref_conv(m, h, "input_blocks.0.0.", c->level_channels[0], 3, 1);
     skips[num_skips++] = h;
     for (int level = 0; level < c->num_levels; level++) {
         for (int r = 0; r < c->num_res_blocks; r++, block++) {

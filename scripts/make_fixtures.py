@@ -32,6 +32,7 @@ One safetensors file per config. Tensors (PyTorch layouts):
     x        [N,3,H,W]  BF16 input, ~N(0,1)
     t        [N] int64  timesteps in [0, 1000)
     y        [N] int64  labels in [0, num_classes), class-conditional configs only
+    low_res  [N,3,h,w]  BF16, ~N(0,1), the upsampler's low-resolution input (super_res only)
     target   [N,C,H,W]  BF16, ~N(0,1), C = 6 with learn_sigma else 3
                         classifiers: [N,num_classes], ~N(0,1)
     out      [N,C,H,W]  F32, model(x, t, y)
@@ -45,7 +46,7 @@ __metadata__ holds the config under guided-diffusion's flag names, spelled as on
 line (plus conv_resample, num_classes when class-conditional or a classifier, classifier_pool
 for a classifier, and fixture_seed). Dropout is 0.
 
-Committed configs (all num_channels 32, channel_mult 1,1, image 8x8, batch 2; 11.72 MB together,
+Committed configs (all num_channels 32, channel_mult 1,1, image 8x8, batch 2; 13.05 MB together,
 5.70 MB of it the two spatial classifiers):
     adm            num_res_blocks 1: resblock_updown, use_scale_shift_norm, new attention
                    order with num_head_channels 16 (2 heads) at 4x4 in input, middle and
@@ -69,6 +70,10 @@ Committed configs (all num_channels 32, channel_mult 1,1, image 8x8, batch 2; 11
                    spatial: the means over the pixels of input_blocks.0 to .3's outputs and the
                    middle block's (5 x 32 = 160 features), Linear(160, 2048), ReLU,
                    Linear(2048, 5): 470,437 parameters, 2.84 MB
+    super_res      the upsampler (SuperResModel) from 4x4 to 8x8: num_res_blocks 0, resblock_updown,
+                   use_scale_shift_norm, legacy attention with num_head_channels 16 at 4x4,
+                   class-conditional (10 classes), learn_sigma; 6 input channels (x, then
+                   low_res bilinearly upsampled): 218,150 parameters, 1.33 MB
     classifier_spatial_v2  the same with classifier_pool spatial_v2: Linear(160, 2048),
                    GroupNorm32 on [N, 2048] (32 groups of 64), SiLU, Linear(2048, 5):
                    474,533 parameters, 2.86 MB
@@ -112,7 +117,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from unet_ref import (GroupNorm32, classifier_kwargs, count_parameters, create_model,  # noqa: E402
-                      is_classifier, model_kwargs)
+                      is_classifier, is_super_res, model_kwargs)
 
 BATCH = 2
 NUM_TIMESTEPS = 1000
@@ -153,6 +158,10 @@ CONFIGS = {
     "classifier_spatial_v2": dict(classifier_pool="spatial_v2", num_classes="5",
                                   num_res_blocks="1", conv_resample="True",
                                   num_head_channels="16", attention_resolutions="4"),
+    # The upsampler (SuperResModel): x and the 4x4 low-resolution image, bilinearly upsampled, in.
+    "super_res": dict(small_size="4", large_size="8", num_res_blocks="0", resblock_updown="True",
+                      use_scale_shift_norm="True", num_head_channels="16", attention_resolutions="4",
+                      class_cond="True", num_classes="10", learn_sigma="True"),
 }
 
 LARGE = ("seed_large", dict(
@@ -294,11 +303,19 @@ def make_fixture(name, cfg, device):
              if kw["num_classes"] is not None else None)
         target_shape = (BATCH, kw["out_channels"], size, size)
     target = to_store(torch.randn(target_shape, generator=gen, dtype=torch.float64))
+    low_res = None
+    if is_super_res(cfg):  # drawn last: the other configs' draws stay as they were
+        small = int(cfg["small_size"])
+        low_res = to_store(torch.randn(BATCH, 3, small, small, generator=gen, dtype=torch.float64))
     if classifier and kw["pool"] == "spatial":
         keep_off_relu_kink(model, params, x.to(device), t.to(device))
 
     x64 = x.double().to(device).requires_grad_(True)
-    out = model(x64, t.to(device), None if y is None else y.to(device))
+    y_in = None if y is None else y.to(device)
+    if low_res is not None:
+        out = model(x64, t.to(device), low_res.double().to(device), y_in)
+    else:
+        out = model(x64, t.to(device), y_in)
     loss = ((out - target.double().to(device)) ** 2).mean()
     loss.backward()
 
@@ -307,6 +324,8 @@ def make_fixture(name, cfg, device):
                    loss=loss.detach().to(RESULT).cpu().reshape(1))
     if y is not None:
         tensors["y"] = y
+    if low_res is not None:
+        tensors["low_res"] = low_res
     for pname, p in model.named_parameters():
         tensors[f"grad.{pname}"] = p.grad.to(RESULT).cpu()
     tensors["grad.x"] = x64.grad.to(RESULT).cpu()
@@ -321,6 +340,7 @@ def main():
         help="output directory (default dev/fixtures)")
     parser.add_argument("--large", action="store_true",
                         help="write only the large seed-config fixture (not committed)")
+    parser.add_argument("--only", metavar="NAME", help="write only this committed config's fixture (e.g. super_res)")
     args = parser.parse_args()
     if args.device.startswith("cuda"):
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
@@ -330,7 +350,7 @@ def main():
         torch.backends.cudnn.allow_tf32 = False
         torch.use_deterministic_algorithms(True, warn_only=True)
     os.makedirs(args.out, exist_ok=True)
-    jobs = [LARGE] if args.large else [(n, {**BASE, **o}) for n, o in CONFIGS.items()]
+    jobs = [LARGE] if args.large else [(n, {**BASE, **o}) for n, o in CONFIGS.items() if args.only in (None, n)]
     total = 0
     for name, cfg in jobs:
         start = time.time()

@@ -27,10 +27,11 @@ FIXTURES = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file_
 COMMITTED = ["unet_adm.safetensors", "unet_classifier_adaptive.safetensors",
              "unet_classifier_attention.safetensors", "unet_classifier_spatial.safetensors",
              "unet_classifier_spatial_v2.safetensors", "unet_conv_resample.safetensors",
-             "unet_seed.safetensors"]
-# 11.72 MB: 6.02 MB for the first five, 2.84 + 2.86 MB for the spatial classifiers (their
-# Linear(160, 2048) and Linear(2048, 5), 340k parameters, are 2.04 MB with the gradients).
-COMMITTED_BYTES = 12.5e6
+             "unet_seed.safetensors", "unet_super_res.safetensors"]
+# 13.05 MB: 6.02 MB for the first five, 2.84 + 2.86 MB for the spatial classifiers (their
+# Linear(160, 2048) and Linear(2048, 5), 340k parameters, are 2.04 MB with the gradients), 1.33 MB
+# for the upsampler.
+COMMITTED_BYTES = 13.5e6
 
 SEED = dict(image_size="64", num_channels="64", channel_mult="1,2,3,4", num_res_blocks="2",
             attention_resolutions="16,8", num_head_channels="32",
@@ -118,7 +119,10 @@ def test_state_dict_names():
 def run(model, d, dtype):
     model = model.to(dtype)
     x = d["x"].to(dtype).requires_grad_(True)
-    out = model(x, d["t"], d.get("y"))
+    if "low_res" in d:  # the upsampler
+        out = model(x, d["t"], d["low_res"].to(dtype), d.get("y"))
+    else:
+        out = model(x, d["t"], d.get("y"))
     loss = ((out - d["target"].to(dtype)) ** 2).mean()
     loss.backward()
     grads = {n: p.grad for n, p in model.named_parameters()}
@@ -157,7 +161,7 @@ def test_fixtures(directory):
         # Inputs exactly bf16 (stored as BF16, so widening to float32/64 is exact), results
         # float32, indices int64 -- both in the file header and as loaded.
         header = dtype_of(path)
-        want = {k: "BF16" for k in names + ["x", "target"]}
+        want = {k: "BF16" for k in names + ["x", "target"] + (["low_res"] if "low_res" in d else [])}
         want.update({k: "F32" for k in d if k.startswith("grad.") or k in ("out", "loss")})
         want.update({k: "I64" for k in ("t", "y") if k in d})
         bad = sorted(k for k in d if header.get(k) != want.get(k))

@@ -383,6 +383,22 @@ class UNetModel(nn.Module):
         return self.out(h)
 
 
+class SuperResModel(UNetModel):
+    """guided-diffusion's upsampler: a UNet of twice the image channels in, the second half the
+    low-resolution image bilinearly upsampled to the image's size (F.interpolate, align_corners
+    False).
+
+    forward(x [N, C, H, W], timesteps, low_res [N, C, h, w], y) = UNetModel(cat([x, up(low_res)]), ...)
+    """
+
+    def __init__(self, image_size, in_channels, *args, **kwargs):
+        super().__init__(image_size, in_channels * 2, *args, **kwargs)
+
+    def forward(self, x, timesteps, low_res=None, y=None):
+        upsampled = F.interpolate(low_res, x.shape[2:], mode="bilinear")
+        return super().forward(torch.cat([x, upsampled], dim=1), timesteps, y)
+
+
 class AttentionPool2d(nn.Module):
     """The attention-pool head of the classifier (pool "attention"), on x [B, C, H, W]:
 
@@ -516,7 +532,7 @@ DEFAULTS = dict(
     num_head_channels=-1, attention_resolutions="16,8", channel_mult="", dropout=0.0,
     class_cond=False, use_scale_shift_norm=True, resblock_updown=False,
     use_new_attention_order=False, learn_sigma=False, conv_resample=True,
-    num_classes=NUM_CLASSES, classifier_pool="",
+    num_classes=NUM_CLASSES, classifier_pool="", small_size="",
 )
 
 DEFAULT_CHANNEL_MULT = {
@@ -590,11 +606,20 @@ def create_classifier(args):
     return EncoderUNetModel(**classifier_kwargs(args))
 
 
+def is_super_res(args):
+    """Whether the flags describe the upsampler: small_size given and not empty (image_size is
+    then its large_size)."""
+    return str({**DEFAULTS, **args}["small_size"]).strip() != ""
+
+
 def create_model(args):
-    """From a dict of guided-diffusion flags: UNetModel (see model_kwargs), or the
-    classifier EncoderUNetModel when classifier_pool is set (see classifier_kwargs)."""
+    """From a dict of guided-diffusion flags: UNetModel (see model_kwargs), the upsampler
+    SuperResModel when small_size is set (its image_size the large size), or the classifier
+    EncoderUNetModel when classifier_pool is set (see classifier_kwargs)."""
     if is_classifier(args):
         return create_classifier(args)
+    if is_super_res(args):
+        return SuperResModel(**model_kwargs(args))
     return UNetModel(**model_kwargs(args))
 
 

@@ -79,6 +79,11 @@ expect_grep "holds its model's configuration" "$LAST_ERR"
 expect_fail ./generate --checkpoint "$UNCOND" --classifier "$CLASSIFIER" --guidance 2
 expect_grep "unconditional: --guidance needs a class-conditional model" "$LAST_ERR"
 expect_absent samples/grid.png
+
+case_begin "an upsampler (SuperResModel): sampling it is one line (not built yet)"
+UPSAMPLER=dev/fixtures/unet_super_res.safetensors
+expect_fail ./generate --checkpoint "$UPSAMPLER" --num 2
+expect_grep "is an upsampler \(SuperResModel, small_size 4\): sampling it is not built yet" "$LAST_ERR"
 expect_fail ./generate --checkpoint "$SIGMA" --sampler ddpm --respacing 600,600
 expect_grep "respacing '600,600' keeps no steps" "$LAST_ERR"
 expect_fail ./generate --checkpoint "$UNCOND" --spacing linspace --steps 1
@@ -123,6 +128,9 @@ done
 expect_grep "outside 0..999" "$LAST_ERR"
 expect_fail ./generate --checkpoint "$SIGMA" --eval "$TEST_TMP/no_y.safetensors" --output "$TEST_TMP/out.safetensors"
 expect_grep "y must hold" "$LAST_ERR"
+write_inputs "$TEST_TMP/no_low.safetensors" x=F32:2,3,8,8:0.5 t=I64:2:5 y=I64:2:1
+expect_fail ./generate --checkpoint "$UPSAMPLER" --eval "$TEST_TMP/no_low.safetensors" --output "$TEST_TMP/out.safetensors"
+expect_grep "the model is an upsampler: low_res must be \[2, 3, 4, 4\] \(NCHW\)" "$LAST_ERR"
 expect_fail ./generate --checkpoint "$UNCOND" --eval "$TEST_TMP/no_y.safetensors"
 expect_absent "$TEST_TMP/out.safetensors"
 

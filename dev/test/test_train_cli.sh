@@ -23,6 +23,14 @@ done
 [ "$(params --class_cond True --num_classes 3)" = 20,495,235 ] || case_fail "seed + 3 classes: $(params --class_cond True --num_classes 3)"
 # the noisy classifier with guided-diffusion's flags for 256x256 (EncoderUNetModel, attention pool, 1000 classes)
 [ "$(params --model classifier --image_size 256)" = 54,096,360 ] || case_fail "classifier 256: $(params --model classifier --image_size 256)"
+# the upsampler, guided-diffusion's 64_256_upsampler.pt flags (SuperResModel: 6 input channels; its
+# PyTorch count 311,795,910, plus our null class's row of 768)
+UP=(--image_size 256 --super_res 64 --num_channels 192 --num_res_blocks 2 --attention_resolutions 32,16,8 --num_heads 4
+    --num_head_channels -1 --use_scale_shift_norm True --resblock_updown True --learn_sigma True --class_cond True --num_classes 1000
+    --conv_resample True --channel_mult "")
+[ "$(params "${UP[@]}")" = 311,796,678 ] || case_fail "upsampler 64 -> 256: $(params "${UP[@]}")"
+expect_exit 2 "$TRAIN" --data data/shapes.bin --super_res 16
+expect_grep "super_res: the upsampler's model is built .*, its training not yet" "$LAST_ERR"
 
 case_begin "dry_run: flags override the preset in any order, --flag=value and bare booleans"
 expect_ok "$TRAIN" --num_channels=128 --preset adm64 --dry_run --use_scale_shift_norm False --resblock_updown
@@ -48,6 +56,9 @@ done <<'LIST'
 --channel_mult 1,2,x
 --channel_mult 1,0.3
 --attention_resolutions 12
+--super_res 24
+--super_res 64
+--model classifier --super_res 16
 --num_head_channels 48
 --num_head_channels -1 --num_heads 5
 --num_heads 0

@@ -28,8 +28,8 @@
 
 // The fixture's tensors that are not parameters or their gradients.
 static int is_data_tensor(const char *name) {
-    static const char *const data[] = {"x", "t", "y", "target", "out", "loss", "grad.x"};
-    for (int i = 0; i < 7; i++)
+    static const char *const data[] = {"x", "t", "y", "low_res", "target", "out", "loss", "grad.x"};
+    for (int i = 0; i < 8; i++)
         if (strcmp(name, data[i]) == 0) return 1;
     return 0;
 }
@@ -115,6 +115,15 @@ static void test_fixture(const char *dir, const char *file) {
         if (safetensors_get_int64(safetensors_find(&f, "y"), y) != 0) fatal("%s: y is not an integer tensor", file);
     }
     dev_nchw_to_nhwc(x, x_nchw, N, Cin, S, S);
+    double *low = NULL;
+    if (config.low_res) {  // the upsampler's low-resolution input
+        size_t n_low = (size_t)N * Cin * config.low_res * config.low_res;
+        double *low_nchw = load(&f, "low_res", n_low);
+        low = dev_alloc(n_low);
+        dev_nchw_to_nhwc(low, low_nchw, N, Cin, config.low_res, config.low_res);
+        free(low_nchw);
+    }
+    m.low_res = low;
 
     // Forward, loss and backward; the loss and its gradient in NCHW like the fixture.
     double *out = dev_alloc(out_n), *out_nchw = dev_alloc(out_n), *d_out_nchw = dev_alloc(out_n), *d_out = dev_alloc(out_n);
@@ -174,7 +183,7 @@ static void test_fixture(const char *dir, const char *file) {
            "zero grads max |err|/G %.1e (G %.2e)\n",
            file, m.params.count, e_out, e_loss, e_dx, worst, worst_name, worst_zero, scale);
 
-    free(x_nchw), free(x), free(target), free(want_out), free(want_loss), free(want_dx), free(t), free(y);
+    free(x_nchw), free(x), free(target), free(want_out), free(want_loss), free(want_dx), free(t), free(y), free(low);
     free(out), free(out_nchw), free(d_out_nchw), free(d_out), free(d_x), free(d_x_nchw);
     ref_unet_free(&m);
     safetensors_close(&f);

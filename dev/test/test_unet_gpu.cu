@@ -8,7 +8,8 @@
 // arithmetic (the fixtures hold rounding noise there: at 32 channels the timestep embedding has no
 // effect without scale-shift) is measured against 1e-2 of the largest gradient norm of the fixture
 // instead of its own norm. A classifier's fixture (metadata classifier_pool: EncoderUNetModel) is
-// checked the same way, its output and target the logits [N, classes].
+// checked the same way, its output and target the logits [N, classes]; an upsampler's (metadata
+// small_size: SuperResModel) takes its low_res too, and its input gradient is x's channels'.
 #include <glob.h>
 
 #define TRAIN_UNET_LIBRARY
@@ -101,6 +102,7 @@ static void test_fixture(const char *path) {
     int fixture_params = 0;
     for (int i = 0; i < f.count; i++) fixture_params += strcmp(f.tensors[i].name, "x") && strcmp(f.tensors[i].name, "t") &&
         strcmp(f.tensors[i].name, "y") && strcmp(f.tensors[i].name, "target") && strcmp(f.tensors[i].name, "out") &&
+        strcmp(f.tensors[i].name, "low_res") &&
         strcmp(f.tensors[i].name, "loss") && strncmp(f.tensors[i].name, "grad.", 5);
     CHECK(fixture_params == m.params.count);
     for (int i = 0; i < m.params.count; i++) {
@@ -114,9 +116,19 @@ static void test_fixture(const char *path) {
     }
     unet_set_parameters(&m, values);
 
-    float *x = tensor_floats(&f, "x", (int64_t)N * c.in_channels * S * S);
+    // An upsampler's input has x's channels, then the low-resolution image's (upsampled by
+    // unet_forward): x goes into the first, zeros into the others (NCHW: per sample, C then C planes).
+    int C = c.in_channels, Ci = model_input_channels(&c);
+    int64_t plane = (int64_t)S * S, n_x = (int64_t)N * C * plane;
+    float *x = tensor_floats(&f, "x", n_x), *x_in = (float *)calloc((size_t)N * Ci * plane, sizeof(float));
     float *target = tensor_floats(&f, "target", (int64_t)N * c.out_channels * So * So);
-    upload_act(m.input.x, x, N, c.in_channels, S, S);
+    for (int64_t i = 0; i < n_x; i++) x_in[i / (C * plane) * Ci * plane + i % (C * plane)] = x[i];
+    upload_act(m.input.x, x_in, N, Ci, S, S);
+    if (c.low_res) {
+        float *low = tensor_floats(&f, "low_res", (int64_t)N * C * c.low_res * c.low_res);
+        upload_act(m.low_res.x, low, N, C, c.low_res, c.low_res);
+        free(low);
+    }
     upload_act(m.target.x, target, N, c.out_channels, So, So);
     int64_t t[64], y[64];
     int labels[64];
@@ -171,13 +183,16 @@ static void test_fixture(const char *path) {
         free(g);
         free(ref_grads[i]);
     }
-    float *dx = download_act(m.input.dx, N, c.in_channels, S, S), *ref_dx = tensor_floats(&f, "grad.x", act_numel(&m.input));
-    double dx_err = diff2(dx, ref_dx, act_numel(&m.input)) / norm2(ref_dx, act_numel(&m.input));
+    float *dx_in = download_act(m.input.dx, N, Ci, S, S), *dx = (float *)malloc_or_die(n_x * sizeof(float));
+    float *ref_dx = tensor_floats(&f, "grad.x", n_x);
+    for (int64_t i = 0; i < n_x; i++) dx[i] = dx_in[i / (C * plane) * Ci * plane + i % (C * plane)];  // x's channels
+    double dx_err = diff2(dx, ref_dx, n_x) / norm2(ref_dx, n_x);
     printf("  worst parameter gradient %.2e (%s), input gradient %.2e\n", worst, worst_name, dx_err);
     CHECK(worst <= TOLERANCE_GRAD);
     CHECK(dx_err <= TOLERANCE_GRAD);
     for (int i = 0; i < m.params.count; i++) free(values[i]);
-    free(values), free(ref_grads), free(x), free(target), free(out), free(ref), free(ref_loss_p), free(dx), free(ref_dx);
+    free(values), free(ref_grads), free(x), free(x_in), free(target), free(out), free(ref), free(ref_loss_p), free(dx), free(dx_in),
+        free(ref_dx);
     safetensors_close(&f);
 }
 
