@@ -3984,6 +3984,25 @@ static void upsample_bilinear(floatX *y, int ld, int at, const floatX *lo, int N
     cuda_check_launch();
 }
 
+// The upsampler's training input (guided-diffusion's load_superres_data: F.interpolate(mode="area")):
+// x [N][S][S][C] downsampled to lo [N][s][s][C] by the mean of each f x f block, f = S / s (s divides S).
+__global__ void downsample_area_kernel(floatX *lo, const floatX *x, int N, int S, int s, int C) {
+    int f = S / s;
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < (int64_t)N * s * s * C; i += (int64_t)gridDim.x * blockDim.x) {
+        int c = (int)(i % C), col = (int)(i / C % s), row = (int)(i / C / s % s);
+        const floatX *p = x + ((i / C / s / s * S + (int64_t)row * f) * S + (int64_t)col * f) * C + c;
+        float sum = 0.0f;
+        for (int a = 0; a < f; a++)
+            for (int b = 0; b < f; b++) sum += (float)p[((int64_t)a * S + b) * C];
+        lo[i] = (floatX)(sum / (float)(f * f));
+    }
+}
+
+static void downsample_area(floatX *lo, const floatX *x, int N, int S, int s, int C) {
+    downsample_area_kernel<<<blocks_for((size_t)N * s * s * C, 256), 256, 0, gpu.stream>>>(lo, x, N, S, s, C);
+    cuda_check_launch();
+}
+
 // ----------------------------------------------------------------------------------------------
 // Channel concatenation of the skip connections: y[p] = [a[p] (Ca channels) | b[p] (Cb)];
 // backward splits dy into da (+)= and db (+)= (each with its own GradMode). A thread moves one V at a time: a Pack of 16 bytes when
@@ -6154,6 +6173,10 @@ static void unet_plan(UNet *m, const ModelConfig *c, int batch, int training) {
     unet_lay_out(m);
 }
 
+// The values of the batch's images (an upsampler's input holds as many again: the low-resolution
+// image upsampled).
+static int64_t image_values(const UNet *m) { return (int64_t)m->batch * m->input.H * m->input.W * m->config.in_channels; }
+
 static int64_t unet_memory_bytes(const UNet *m) {
     return m->parameters.used + m->acts.used + m->transient_size + m->grads.used + m->inner_grads_size + m->scratch_region.used;
 }
@@ -6841,15 +6864,17 @@ __global__ void diffusion_conditions_kernel(int64_t *t, float *weights, int *lab
         labels[n] = null_label;
 }
 
-// x_t and the regression target from x0 (all [N][per_sample]; target NULL: x_t only, for a classifier).
-__global__ void diffusion_inputs_kernel(floatX *x_t, floatX *target, const floatX *x0, const int64_t *t, const TimestepTerms *terms,
-                                        int predict, int64_t per_sample, int64_t n, int64_t first_sample, const StepState *s) {
+// x_t and the regression target from x0 (all [N][per_sample] of C channels; target NULL: x_t only, for a
+// classifier). x_t's pixels are ld values apart (ld = C, or an upsampler's input of 2C: x_t first).
+__global__ void diffusion_inputs_kernel(floatX *x_t, int C, int ld, floatX *target, const floatX *x0, const int64_t *t,
+                                        const TimestepTerms *terms, int predict, int64_t per_sample, int64_t n, int64_t first_sample,
+                                        const StepState *s) {
     for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
         const TimestepTerms *tt = &terms[t[i / per_sample]];
         float a = tt->sqrt_abar, b = tt->sqrt_one_minus_abar;
         float eps = normal_sample(s->noise_seed, rng_stream(RNG_NOISE, 0), first_sample * per_sample + i);
         float x = (float)x0[i];
-        x_t[i] = (floatX)(a * x + b * eps);
+        x_t[i / C * ld + i % C] = (floatX)(a * x + b * eps);
         if (target) target[i] = (floatX)(predict == PREDICT_V ? a * eps - b * x : predict == PREDICT_X0 ? x : eps);
     }
 }
@@ -6958,6 +6983,7 @@ typedef struct {
     // A step's batch in pieces (--microbatch): these N samples are piece `piece` of the step's
     // `step_batch` (0: N, one piece), L's divisor; the first piece writes the terms, the others add.
     int step_batch, piece;
+    int x_t_ld;                   // x_t's values a pixel (0: C; an upsampler's input: 2C, the low-resolution image's after)
 } LossInputs;
 
 // What it writes besides the output's gradient (GPU arrays).
@@ -6999,7 +7025,8 @@ __global__ void loss_partial_kernel(float *partial, floatX *d_out, const floatX 
                 squares += diff * diff, d = 2.0f * per_value * diff;
             }
             if (kind.learned) {
-                BoundTerm b = bound_term(pixel_value(in.pixels[i]), (float)in.x_t[i], prediction, (float)out[o + C], &in.terms[in.t[n]],
+                int64_t xi = ((int64_t)n * hw + p) * (in.x_t_ld ? in.x_t_ld : C) + c;
+                BoundTerm b = bound_term(pixel_value(in.pixels[i]), (float)in.x_t[xi], prediction, (float)out[o + C], &in.terms[in.t[n]],
                                          in.t[n] == 0, kind.predict, 0);
                 if (!kind.frozen_mean) d += per_bound * b.d_out;
                 bound += b.value;
@@ -7584,7 +7611,7 @@ static void trainer_create(Trainer *tr, const Options *o, const ModelConfig *c, 
     if (team.comm) team_plan_buckets(tr);
     tr->norm_partial = (double *)gpu_malloc(NORM_BLOCKS * sizeof(double));
     tr->classifier = c->pool != POOL_NONE;
-    tr->learned = !tr->classifier && c->out_channels == 2 * c->in_channels;
+    tr->learned = !tr->classifier && c->out_channels == 2 * c->in_channels;  // (in_channels: the image's)
     int T = o->diffusion_steps;
     float bound_scale = o->rescale_learned_sigmas ? (o->use_kl ? (float)T : (float)T / 1000.0f) : 1.0f;
     tr->loss_kind = {tr->learned, !(tr->learned && o->use_kl), tr->learned && !o->use_kl, prediction_from_name(o->predict), bound_scale};
@@ -7599,7 +7626,7 @@ static void trainer_create(Trainer *tr, const Options *o, const ModelConfig *c, 
         tr->gathered = (float *)gpu_malloc(gathered);
         cuda_check(cudaMallocHost((void **)&tr->gathered_host, gathered));
     }
-    int64_t n = act_numel(&tr->m.input) * tr->pieces;
+    int64_t n = image_values(&tr->m) * tr->pieces;
     tr->d_pixels = (uint8_t *)gpu_malloc(n);
     tr->x0 = (floatX *)gpu_malloc(n * sizeof(floatX));
 }
@@ -7626,7 +7653,7 @@ static void trainer_reset_ema(Trainer *tr) {
 // each over the whole batch's count so that the pieces' gradients add up to the whole batch's.
 // The batch's images from the host (pixels: [batch_size][H][W][3]) into tr->x0, in the model's range.
 static void trainer_enqueue_images(Trainer *tr, const uint8_t *pixels) {
-    size_t bytes = (size_t)tr->o->batch_size * (act_numel(&tr->m.input) / tr->m.batch);
+    size_t bytes = (size_t)tr->o->batch_size * (image_values(&tr->m) / tr->m.batch);
     cuda_check(cudaMemcpyAsync(tr->d_pixels, pixels, bytes, cudaMemcpyHostToDevice, gpu.stream));
     images_to_model_input(tr->x0, tr->d_pixels, bytes, gpu.stream);
 }
@@ -7638,7 +7665,7 @@ static void trainer_enqueue_piece(Trainer *tr, int piece, const int32_t *labels,
     UNet *m = &tr->m;
     const Options *o = tr->o;
     int N = m->batch;
-    int64_t n = act_numel(&m->input), per_image = n / N, first = (int64_t)piece * N, first_sample = (int64_t)team.rank * o->batch_size + first;
+    int64_t n = image_values(m), per_image = n / N, first = (int64_t)piece * N, first_sample = (int64_t)team.rank * o->batch_size + first;
     m->embedding.first_sample = first_sample;  // dropout's numbering, in forward and backward
     if (tr->config.num_classes || tr->classifier)
         cuda_check(cudaMemcpyAsync(m->labels, labels + first, N * sizeof(int), cudaMemcpyHostToDevice, gpu.stream));
@@ -7650,16 +7677,19 @@ static void trainer_enqueue_piece(Trainer *tr, int piece, const int32_t *labels,
     int T = tr->diffusion.schedule.steps;
     diffusion_conditions_kernel<<<(N + 127) / 128, 128, 0, gpu.stream>>>(m->timesteps, tr->sample_weights + first, m->labels, N,
         first_sample, T, tr->distribution, o->cfg_dropout, tr->config.num_classes - 1, state);
-    diffusion_inputs_kernel<<<blocks_for(n, 256), 256, 0, gpu.stream>>>(m->input.x, tr->classifier ? NULL : m->target.x,
-        tr->x0 + first * per_image, m->timesteps, tr->diffusion.terms, prediction_from_name(o->predict), per_image, n, first_sample, state);
+    const ModelConfig *c = &tr->config;
+    diffusion_inputs_kernel<<<blocks_for(n, 256), 256, 0, gpu.stream>>>(m->input.x, c->in_channels, m->input.C,
+        tr->classifier ? NULL : m->target.x, tr->x0 + first * per_image, m->timesteps, tr->diffusion.terms,
+        prediction_from_name(o->predict), per_image, n, first_sample, state);
     cuda_check_launch();
+    if (c->low_res) downsample_area(m->low_res.x, tr->x0 + first * per_image, N, c->image_size, c->low_res, c->in_channels);
 }
 
 static void trainer_enqueue_step(Trainer *tr) {
     UNet *m = &tr->m;
     const Options *o = tr->o;
     int N = m->batch, B = o->batch_size;
-    int64_t per_image = act_numel(&m->input) / N;
+    int64_t per_image = image_values(m) / N;
     cuda_check(cudaMemcpyAsync(tr->state, tr->host_state, sizeof(StepState), cudaMemcpyHostToDevice, gpu.stream));
     team_max(&tr->state->stop, 1, gpu.stream);
     trainer_enqueue_images(tr, tr->pixels);
@@ -7671,12 +7701,13 @@ static void trainer_enqueue_step(Trainer *tr) {
         float *weights = tr->sample_weights + first;
         trainer_enqueue_piece(tr, piece, tr->labels, tr->state);
         unet_forward(m, 1);
-        LossInputs inputs = {tr->d_pixels + first * per_image, m->input.x, tr->diffusion.terms, m->timesteps, T, weights, B, piece};
+        LossInputs inputs = {tr->d_pixels + first * per_image, m->input.x, tr->diffusion.terms, m->timesteps, T, weights, B, piece,
+                             m->input.C};
         LossOutputs outputs = tr->loss;
         outputs.samples += 2 * first;
         if (tr->classifier) classifier_loss(&outputs, m->output->dx, m->output->x, m->labels, &inputs, N, tr->config.out_channels);
-        else training_loss(&outputs, m->output->dx, m->output->x, m->target.x, &inputs, N, m->input.H * m->input.W, m->input.C,
-                           tr->loss_kind);
+        else training_loss(&outputs, m->output->dx, m->output->x, m->target.x, &inputs, N, m->input.H * m->input.W,
+                           tr->config.in_channels, tr->loss_kind);
         int last = piece == tr->pieces - 1;
         unet_backward(m, 1, last && team.comm ? team_reduce_after_block : NULL, tr);
         if (!last) gradient_accumulate(tr, piece);
@@ -9198,8 +9229,11 @@ static void check_dataset(const DatasetHeader *h, Options *o, int say) {
 // flags, with classifier_train.py's defaults where the command line leaves them: lr 3e-4, no EMA;
 // and no sample grids (nothing to sample). A bad value ends the program with one usage error line.
 static ModelConfig resolve_run_model(Options *o) {
-    if (o->super_res && !o->dry_run)
-        usage_error("--super_res: the upsampler's model is built (--dry_run plans it, generate --eval runs it), its training not yet");
+    if (o->super_res) {  // the upsampler's sample grids need its sampling: not built yet
+        if (option_given("sample_count") && o->sample_count)
+            usage_error("--super_res: an upsampler's sample grids are not built yet: leave out --sample_count");
+        o->sample_count = 0;
+    }
     if (strcmp(o->model, "diffusion") == 0) return resolve_model(o, o->num_classes ? o->num_classes + 1 : 0);
     if (strcmp(o->model, "classifier") != 0) usage_error("--model '%s' must be diffusion or classifier", o->model);
     static const char *const diffusion_only[] = {"class_cond", "learn_sigma", "cfg_dropout", "use_kl", "predict", "super_res"};

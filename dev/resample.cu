@@ -1,7 +1,8 @@
 // dev/resample.cu: the UNet's weightless resampling, NHWC: 2x2 average pooling with stride 2
 // (Downsample without conv, and the down ResBlock) and nearest-neighbour 2x upsampling (Upsample
 // before its optional conv, and the up ResBlock), H, W the input's sides; and the upsampler's
-// (SuperResModel's) bilinear upsampling of its low-resolution image. CPU reference in double.
+// (SuperResModel's) bilinear upsampling of its low-resolution image and the area downsampling that
+// makes that image in training. CPU reference in double.
 #include "common.h"
 
 // out[n][y][x][c] = (in[n][2y][2x][c] + in[n][2y][2x+1][c] + in[n][2y+1][2x][c] + in[n][2y+1][2x+1][c]) / 4,
@@ -86,6 +87,20 @@ static void ref_upsample_bilinear_backward(double *d_in, const double *d_out, in
                     p[((size_t)u1 * s + v0) * C + c] += lu * (1 - lv) * g, p[((size_t)u1 * s + v1) * C + c] += lu * lv * g;
                 }
             }
+}
+
+// F.interpolate(mode="area") from S x S to s x s (s divides S): the mean of each f x f block, f = S / s.
+static void ref_downsample_area(double *lo, const double *x, int N, int S, int s, int C) {
+    int f = S / s;
+    for (int n = 0; n < N; n++)
+        for (int i = 0; i < s; i++)
+            for (int j = 0; j < s; j++)
+                for (int c = 0; c < C; c++) {
+                    double sum = 0;
+                    for (int a = 0; a < f; a++)
+                        for (int b = 0; b < f; b++) sum += x[(((size_t)n * S + i * f + a) * S + j * f + b) * C + c];
+                    lo[(((size_t)n * s + i) * s + j) * C + c] = sum / (f * f);
+                }
 }
 
 #ifndef DEV_NO_MAIN
@@ -180,8 +195,28 @@ static void check_bilinear(int N, int s, int S, int C) {
     free(lo), free(up), free(both), free(want);
 }
 
+// The trainer's downsample_area (the upsampler's low-resolution input in training), S x S to s x s.
+static void check_area(int N, int S, int s, int C) {
+    size_t n_x = (size_t)N * S * S * C, n_lo = (size_t)N * s * s * C;
+    double *x = dev_alloc(n_x), *lo = dev_alloc(n_lo);
+    dev_fill_x(x, n_x, -1, 1);
+    ref_downsample_area(lo, x, N, S, s, C);
+    floatX *d_x = dev_upload_x(x, n_x), *d_lo = (floatX *)dev_gpu_poisoned(n_lo * sizeof(floatX));
+    downsample_area(d_lo, d_x, N, S, s, C);
+    DevErrors e;
+    dev_errors_init(&e);
+    char shape[96];
+    snprintf(shape, sizeof shape, "N%d %dx%d -> %dx%d C%d", N, S, S, s, s, C);
+    dev_row("area", shape, dev_check_x(d_lo, NULL, lo, n_lo), DEV_TOLERANCE, &e, -1, -1);
+    dev_gpu_free(d_x, d_lo, NULL);
+    free(x), free(lo);
+}
+
 int main(void) {
     dev_begin("resample");
+    check_area(2, 8, 4, 3);
+    check_area(3, 256, 64, 3);
+    check_area(1, 12, 12, 3);  // f = 1: a copy
     check_bilinear(2, 4, 8, 3);    // the fixture's upsampler
     check_bilinear(1, 64, 256, 3); // guided-diffusion's 64 -> 256
     check_bilinear(2, 5, 8, 3);    // a side that does not divide (PyTorch's rule holds for any)

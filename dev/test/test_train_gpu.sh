@@ -232,6 +232,19 @@ sys.exit(0 if len(a) == 20 and a.keys() == b.keys() and worst_log <= tolerance a
 PY
 done
 
+case_begin "the upsampler (--super_res 16: 32x32 from 16x16) with a learned variance: trains, resumes exactly, names its sizes"
+UPS=(--super_res 16 --learn_sigma True --steps 20)
+expect_ok train "${UPS[@]}" --run_dir "$TEST_TMP/up_a"
+expect_ok train "${UPS[@]}" --stop_step 9 --run_dir "$TEST_TMP/up_b"
+expect_ok train "${UPS[@]}" --run_dir "$TEST_TMP/up_b" --resume_checkpoint latest
+cmp -s <(cut -d, -f1-4 "$TEST_TMP/up_a/log.csv") <(cut -d, -f1-4 "$TEST_TMP/up_b/log.csv") || case_fail "the resumed run's losses differ"
+for f in model.safetensors ema.safetensors state.bin; do
+    cmp -s "$TEST_TMP/up_a/checkpoints/step_000000020/$f" "$TEST_TMP/up_b/checkpoints/step_000000020/$f" || case_fail "$f differs"
+done
+head -c 20000 "$TEST_TMP/up_a/checkpoints/step_000000020/model.safetensors" | grep -aq '"large_size":"32".*"small_size":"16"\|"small_size":"16".*"large_size":"32"' ||
+    case_fail "the checkpoint's metadata names no large_size 32 and small_size 16"
+[ -d "$TEST_TMP/up_a/samples" ] && case_fail "an upsampler's run made sample grids"
+
 case_begin "--use_checkpoint: the gradients bit for bit, so the log, weights, EMA and optimiser state to the byte"
 # ARGS: fused attention (32-channel heads), dropout, labels, skip convolutions read in place; the
 # second: resampling ResBlocks, scale-shift, a learned variance, the unfused attention (128-channel head).
