@@ -56,6 +56,10 @@ static const char usage[] =
     "                      ddpm's mean times its variance, to ddim's and dpm++'s eps\n"
     "                      times -sqrt(1 - abar); with --guidance too, both\n"
     "  --classifier_scale S  the scale s of classifier guidance [1]\n"
+    "  --low_res FILE.bin  an upsampler (train_unet --super_res): the images to\n"
+    "                      upsample, a dataset .bin of its small size; the first\n"
+    "                      --num of them, each with its label when the model is\n"
+    "                      class-conditional and --class is not given\n"
     "  --num N             images [64]\n"
     "  --batch B           images per model call (default: the largest that fits in\n"
     "                      the GPU's free memory, at most --num; give it to get the\n"
@@ -103,7 +107,7 @@ static const char *const classifier_flag_names[] = {"classifier_width", "classif
 #define NUM_CLASSIFIER_FLAG_NAMES ((int)(sizeof classifier_flag_names / sizeof *classifier_flag_names))
 
 typedef struct {
-    const char *checkpoint, *weights, *sampler, *class_name, *out, *eval, *output, *respacing, *nll, *spacing, *classifier;
+    const char *checkpoint, *weights, *sampler, *class_name, *out, *eval, *output, *respacing, *nll, *spacing, *classifier, *low_res;
     int steps, num, batch, bench;
     double eta, guidance, classifier_scale;
     int classifier_scale_given;
@@ -139,7 +143,7 @@ static double real_option(const char *name, const char *s, double lo, double hi)
 // underscore); no arguments, -h or --help print the usage, --version the version.
 static Options parse_options(int argc, char **argv) {
     static const char *const names[] = {"checkpoint", "weights", "sampler", "class", "out", "eval", "output", "respacing", "nll",
-                                        "spacing", "classifier", "steps", "num", "batch", "bench", "seed", "eta", "classifier_scale",
+                                        "spacing", "classifier", "low_res", "steps", "num", "batch", "bench", "seed", "eta", "classifier_scale",
                                         "guidance"};
     Options o;
     memset(&o, 0, sizeof o);  // batch 0: the largest that fits
@@ -190,6 +194,7 @@ static Options parse_options(int argc, char **argv) {
         else if (strcmp(name, "nll") == 0) o.nll = v;
         else if (strcmp(name, "spacing") == 0) o.spacing = v;
         else if (strcmp(name, "classifier") == 0) o.classifier = v;
+        else if (strcmp(name, "low_res") == 0) o.low_res = v;
         else if (strcmp(name, "steps") == 0) o.steps = (int)int_option(flag, v, 1, 100000);
         else if (strcmp(name, "num") == 0) o.num = (int)int_option(flag, v, 1, 1000000);
         else if (strcmp(name, "batch") == 0) o.batch = (int)int_option(flag, v, 1, 65536);
@@ -214,7 +219,9 @@ static Options parse_options(int argc, char **argv) {
         unet_usage_error("--nll measures a likelihood: it goes with --num, --batch, --respacing and --seed only");
     if ((o.eval != NULL) != (o.output != NULL))
         unet_usage_error("--eval IN.safetensors and --output OUT.safetensors go together");
-    if (o.eval && o.classifier) unet_usage_error("--eval runs the model alone: it goes without --classifier");
+    if (o.eval && (o.classifier || o.low_res))
+        unet_usage_error("--eval runs the model on its file's inputs: it goes without --classifier and --low_res");
+    if (o.nll && o.low_res) unet_usage_error("--nll measures a likelihood: it goes with --num, --batch, --respacing and --seed only");
     if (!o.classifier && (o.classifier_scale_given || o.num_classifier_flags))
         unet_usage_error("--%.*s is classifier guidance's: it needs --classifier",
                          o.classifier_scale_given ? 16 : (int)strcspn(o.classifier_flags[0], "="),
@@ -311,9 +318,23 @@ int main(int argc, char **argv) {
     if (info.classifier_pool[0])
         unet_die("%s is a noisy classifier (classifier_pool %s), not a diffusion model: give it with --classifier", file,
                  info.classifier_pool);
-    if (info.small_size)
-        unet_die("%s is an upsampler (SuperResModel, small_size %d): sampling it is not built yet (--eval runs it)", file, info.small_size);
+    if (info.small_size && o.nll) unet_die("%s is an upsampler: --nll of one is not built yet", file);
+    if (info.small_size && !o.low_res)
+        unet_die("%s is an upsampler (SuperResModel, %dx%d to %dx%d): give the images to upsample with --low_res FILE.bin", file,
+                 info.small_size, info.small_size, info.image_size, info.image_size);
+    if (!info.small_size && o.low_res) unet_die("--low_res is for an upsampler; %s is none (no small_size)", file);
     if (o.nll) return likelihood(&o, checkpoint, &info);
+    Dataset low;  // an upsampler's low-resolution images
+    memset(&low, 0, sizeof low);
+    if (o.low_res) {
+        if (dataset_open(o.low_res, &low, err, sizeof err) != 0) unet_die("%s", err);
+        const DatasetHeader *h = &low.header;
+        if ((int)h->width != info.small_size || (int)h->height != info.small_size || (int)h->channels != info.in_channels)
+            unet_die("--low_res %s holds %ux%u images of %u channels; %s upsamples %dx%d of %d", o.low_res, h->width, h->height,
+                     h->channels, file, info.small_size, info.small_size, info.in_channels);
+        if ((uint64_t)o.num > h->count) o.num = (int)h->count;
+        if (o.batch > o.num) o.batch = o.num;
+    }
     int classes = info.num_classes - info.null_class, fixed_class = -1;
     UnetCheckpoint *classifier = NULL;
     if (o.classifier) {  // its classes are the labels asked for: the model's too, when it has them
@@ -378,6 +399,12 @@ int main(int argc, char **argv) {
     int *labels = malloc((size_t)o.num * sizeof(int));
     if (!images || !labels) unet_die("out of memory");
     for (int i = 0; i < o.num; i++) labels[i] = fixed_class >= 0 ? fixed_class : classes ? i % classes : 0;
+    if (low.labels && classes && fixed_class < 0) {  // each low-resolution image's own class
+        if ((int)low.header.num_classes > classes)
+            unet_die("--low_res %s has %u classes; %s knows %d", o.low_res, low.header.num_classes, file, classes);
+        for (int i = 0; i < o.num; i++) labels[i] = (int)low.labels[i];
+    }
+    size_t per_low = (size_t)info.small_size * info.small_size * info.in_channels;
     char guided[96] = "";
     if (o.guidance != 1.0) snprintf(guided, sizeof guided, ", classifier-free guidance %g", o.guidance);
     if (classifier)
@@ -393,7 +420,7 @@ int main(int argc, char **argv) {
         for (int first = 0; first < o.num; first += o.batch) {
             int n = o.num - first < o.batch ? o.num - first : o.batch;
             progress.done = first, progress.batch_images = n;
-            ms += unet_sample(sampler, first, n, labels + first, images + (size_t)first * per_image,
+            ms += unet_sample(sampler, first, n, labels + first, o.low_res ? low.pixels + first * per_low : NULL, images + (size_t)first * per_image,
                               progress.tty ? show_progress : NULL, &progress);
             if (!o.bench && !progress.shown) printf("generate: %d/%d images\n", first + n, o.num), fflush(stdout);
         }
@@ -421,6 +448,7 @@ int main(int argc, char **argv) {
                o.num / seconds[0]);
     }
     free(images), free(labels), free(seconds);
+    if (o.low_res) dataset_close(&low);
     noise_schedule_free(&schedule);
     sample_plan_free(&plan);
     return 0;

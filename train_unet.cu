@@ -7841,8 +7841,10 @@ static const float *trainer_evaluate(Trainer *tr, DataLoader *val, int64_t index
 // classifier-free guidance the model runs on twice the batch: the images with their labels,
 // then the same images with the null class. With classifier guidance a noisy classifier's
 // forward and backward passes give each step the score s d log p(y | x_t) / dx_t of the asked
-// labels (sampler.h's score_guided_x0). Image i's starting noise and every draw it needs depend
-// only on (seed, i): the same seed and batch size give the same images.
+// labels (sampler.h's score_guided_x0). An upsampler (SuperResModel) is given each batch's
+// low-resolution images, which its forward pass upsamples into its input's last channels. Image
+// i's starting noise and every draw it needs depend only on (seed, i): the same seed and batch size
+// give the same images.
 
 
 typedef struct {
@@ -7864,6 +7866,7 @@ typedef struct {
     SampleCursor *cursor;   // GPU
     float *x, *x0_last;     // GPU, [images][H][W][C]
     uint8_t *pixels;        // GPU
+    uint8_t *low_pixels;    // GPU: an upsampler's low-resolution images of the batch, [images][s][s][C]
     cudaEvent_t start, stop;
     cudaEvent_t *step_done; // [plan.count], made when progress is first asked for
     cudaGraphExec_t graph;  // one step of the plan
@@ -7874,17 +7877,19 @@ __global__ void sample_start_kernel(float *x, int64_t n, uint64_t seed, const Sa
         x[i] = normal_sample(seed, rng_stream(RNG_SAMPLE_START, 0), c->offset + i);
 }
 
-// A step's inputs: x (n values) as the model's input (both halves when guided) and the
-// classifier's (when given), and the step's timestep for every image of either batch (n is more
-// than both).
-__global__ void sample_inputs_kernel(floatX *input, int64_t *t, int batch, floatX *classifier_input, int64_t *classifier_t,
+// A step's inputs: x (n values of C channels) as the model's input (both halves when guided; its
+// pixels ld values apart: an upsampler's hold the low-resolution image's channels after x's) and
+// the classifier's (when given), and the step's timestep for every image of either batch (n is
+// more than both).
+__global__ void sample_inputs_kernel(floatX *input, int C, int ld, int64_t *t, int batch, floatX *classifier_input, int64_t *classifier_t,
                                      int classifier_batch, const float *x, int64_t n, int guided, const SampleStep *steps,
                                      const SampleCursor *c) {
     int timestep = steps[c->step].timestep;
     for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
         floatX v = (floatX)x[i];
-        input[i] = v;
-        if (guided) input[n + i] = v;
+        int64_t at = i / C * ld + i % C;
+        input[at] = v;
+        if (guided) input[n / C * ld + at] = v;
         if (classifier_input) classifier_input[i] = v;
         if (i < batch) t[i] = timestep;
         if (i < classifier_batch) classifier_t[i] = timestep;
@@ -7935,7 +7940,8 @@ static int64_t gpu_sampler_bytes(const ModelConfig *c, int images, const SampleP
     UNet m;
     unet_plan(&m, c, guided ? 2 * images : images, 0);
     int64_t n = (int64_t)images * c->image_size * c->image_size * c->in_channels;
-    int64_t bytes = unet_memory_bytes(&m) + 2 * n * (int64_t)sizeof(float) + n + plan->count * (int64_t)sizeof(SampleStep);
+    int64_t low = (int64_t)images * c->low_res * c->low_res * c->in_channels;  // an upsampler's low-resolution images
+    int64_t bytes = unet_memory_bytes(&m) + 2 * n * (int64_t)sizeof(float) + n + low + plan->count * (int64_t)sizeof(SampleStep);
     unet_destroy(&m);
     if (classifier) {
         unet_plan(&m, classifier, images, TRAINING_INPUT_GRADIENT);
@@ -7969,6 +7975,7 @@ static void gpu_sampler_create(GpuSampler *s, const ModelConfig *c, int images, 
     s->x0_last = s->x + n;
     cuda_check(cudaMemset(s->x, 0, 2 * n * sizeof(float)));
     s->pixels = (uint8_t *)gpu_malloc(n);
+    if (c->low_res) s->low_pixels = (uint8_t *)gpu_malloc((size_t)images * c->low_res * c->low_res * c->in_channels);
     cuda_check(cudaEventCreate(&s->start));
     cuda_check(cudaEventCreate(&s->stop));
 }
@@ -7978,19 +7985,28 @@ static void gpu_sampler_destroy(GpuSampler *s) {
     for (int j = 0; s->step_done && j < s->plan.count; j++) cudaEventDestroy(s->step_done[j]);
     free(s->step_done);
     cudaEventDestroy(s->start), cudaEventDestroy(s->stop);
-    cudaFree(s->steps), cudaFree(s->cursor), cudaFree(s->x), cudaFree(s->pixels), cudaFree(s->classifier_partial);
+    cudaFree(s->steps), cudaFree(s->cursor), cudaFree(s->x), cudaFree(s->pixels), cudaFree(s->classifier_partial), cudaFree(s->low_pixels);
     unet_destroy(&s->m);
     if (s->classifier_guided) unet_destroy(&s->classifier);
     memset(s, 0, sizeof *s);
 }
 
 // Readies a batch of images first .. first + count - 1 (count <= s->images; the batch's other slots
-// sample copies of labels[0]; labels: [count], NULL when neither model takes labels): the cursor at
-// the plan's first step, the labels on the GPU, the step's graph captured (the first time).
-static void gpu_sampler_begin(GpuSampler *s, int64_t first, int count, const int *labels) {
+// sample copies of labels[0] and low_res's first image; labels: [count], NULL when neither model
+// takes labels; low_res: an upsampler's low-resolution images [count][s][s][C], else NULL): the
+// cursor at the plan's first step, the labels and low-resolution images on the GPU, the step's
+// graph captured (the first time).
+static void gpu_sampler_begin(GpuSampler *s, int64_t first, int count, const int *labels, const uint8_t *low_res) {
     UNet *m = &s->m;
+    const ModelConfig *mc = &m->config;
     int B = s->images;
-    int64_t per_image = act_numel(&m->input) / m->batch, n = B * per_image;
+    int64_t per_image = image_values(m) / m->batch, n = B * per_image;
+    if (mc->low_res) {  // as model inputs, in both halves when guided
+        size_t per_low = (size_t)mc->low_res * mc->low_res * mc->in_channels;
+        for (int b = 0; b < B; b++)
+            cuda_check(cudaMemcpy(s->low_pixels + b * per_low, low_res + (b < count ? b : 0) * per_low, per_low, cudaMemcpyHostToDevice));
+        for (int half = 0; half < m->batch / B; half++) images_to_model_input(m->low_res.x + half * B * per_low, s->low_pixels, B * per_low, gpu.stream);
+    }
     SampleCursor cursor = {0, first * per_image};
     cuda_check(cudaMemcpy(s->cursor, &cursor, sizeof cursor, cudaMemcpyHostToDevice));
     int *batch_labels = (int *)malloc_or_die(m->batch * sizeof(int));
@@ -8003,12 +8019,13 @@ static void gpu_sampler_begin(GpuSampler *s, int64_t first, int count, const int
     UNet *c = s->classifier_guided ? &s->classifier : NULL;
     cudaGraph_t graph;
     cuda_check(cudaStreamBeginCapture(gpu.stream, cudaStreamCaptureModeGlobal));
-    sample_inputs_kernel<<<blocks_for(n, 256), 256, 0, gpu.stream>>>(m->input.x, m->timesteps, m->batch, c ? c->input.x : NULL,
+    sample_inputs_kernel<<<blocks_for(n, 256), 256, 0, gpu.stream>>>(m->input.x, mc->in_channels, m->input.C, m->timesteps, m->batch,
+                                                                      c ? c->input.x : NULL,
                                                                       c ? c->timesteps : NULL, c ? B : 0, s->x, n, s->guided, s->steps,
                                                                       s->cursor);
     unet_forward(m, 0);
     if (c) classifier_score(s);
-    sample_step_kernel<<<blocks_for(n, 256), 256, 0, gpu.stream>>>(s->x, s->x0_last, m->output->x, c ? c->input.dx : NULL, n, m->input.C,
+    sample_step_kernel<<<blocks_for(n, 256), 256, 0, gpu.stream>>>(s->x, s->x0_last, m->output->x, c ? c->input.dx : NULL, n, mc->in_channels,
                                                                     m->output->C, s->guided, s->guidance, s->plan, s->steps, s->cursor,
                                                                     s->seed);
     sample_advance_kernel<<<1, 1, 0, gpu.stream>>>(s->cursor);
@@ -8040,10 +8057,10 @@ static void gpu_sampler_steps(GpuSampler *s, UnetProgress progress, void *ctx) {
 // [count][H][W][C]). progress (nullable) is called as each step finishes on the GPU (an event
 // after every step, polled while the steps are queued). Returns the GPU time of the batch in ms
 // (events around the whole loop).
-static float gpu_sampler_run(GpuSampler *s, int64_t first, int count, const int *labels, uint8_t *pixels, UnetProgress progress,
-                             void *ctx) {
-    gpu_sampler_begin(s, first, count, labels);
-    int64_t per_image = act_numel(&s->m.input) / s->m.batch, n = s->images * per_image;
+static float gpu_sampler_run(GpuSampler *s, int64_t first, int count, const int *labels, const uint8_t *low_res, uint8_t *pixels,
+                             UnetProgress progress, void *ctx) {
+    gpu_sampler_begin(s, first, count, labels, low_res);
+    int64_t per_image = image_values(&s->m) / s->m.batch, n = s->images * per_image;
     cuda_check(cudaEventRecord(s->start, gpu.stream));
     sample_start_kernel<<<blocks_for(n, 256), 256, 0, gpu.stream>>>(s->x, n, s->seed, s->cursor);
     cuda_check_launch();
@@ -9396,7 +9413,7 @@ static void write_samples(Trainer *tr, GpuSampler *sampler, const char *run_dir)
     uint8_t *pixels = (uint8_t *)malloc_or_die(count * per_image);
     for (int first = 0; first < count; first += sampler->images) {
         int n = count - first < sampler->images ? count - first : sampler->images;
-        gpu_sampler_run(sampler, first, n, labels ? labels + first : NULL, pixels + first * per_image, NULL, NULL);
+        gpu_sampler_run(sampler, first, n, labels ? labels + first : NULL, NULL, pixels + first * per_image, NULL, NULL);
     }
     char path[4096];
     snprintf(path, sizeof path, "%s/samples", run_dir);
@@ -9983,9 +10000,9 @@ extern "C" UnetSampler *unet_sampler_create(const UnetCheckpoint *ck, int batch,
     return u;
 }
 
-extern "C" float unet_sample(UnetSampler *u, int64_t first, int count, const int *labels, uint8_t *pixels, UnetProgress progress,
-                             void *ctx) {
-    return gpu_sampler_run(&u->s, first, count, labels, pixels, progress, ctx);
+extern "C" float unet_sample(UnetSampler *u, int64_t first, int count, const int *labels, const uint8_t *low_res, uint8_t *pixels,
+                             UnetProgress progress, void *ctx) {
+    return gpu_sampler_run(&u->s, first, count, labels, low_res, pixels, progress, ctx);
 }
 
 extern "C" int unet_sampler_max_batch(const UnetCheckpoint *ck, const SamplePlan *plan, const UnetGuidance *guidance, int limit,

@@ -91,11 +91,12 @@ typedef void (*UnetProgress)(void *ctx, int step, int steps);
 
 // Samples images first .. first + count - 1 (count <= batch) of the seed with their labels
 // ([count]: the classes asked of a class-conditional model or of the classifier; ignored without
-// either) into pixels ([count][H][W][C], 0..255). Image i
+// either) and, for an upsampler, their low-resolution images (low_res: [count][s][s][C], 0..255;
+// NULL for other models) into pixels ([count][H][W][C], 0..255). Image i
 // depends only on (seed, i, its label) and the batch size. progress (nullable) hears of every
 // step. Returns the GPU time taken, in ms.
-float unet_sample(UnetSampler *sampler, int64_t first, int count, const int *labels, uint8_t *pixels, UnetProgress progress,
-                  void *ctx);
+float unet_sample(UnetSampler *sampler, int64_t first, int count, const int *labels, const uint8_t *low_res, uint8_t *pixels,
+                  UnetProgress progress, void *ctx);
 
 void unet_sampler_free(UnetSampler *sampler);
 

@@ -58,6 +58,20 @@ expect_fail ./generate --checkpoint "$SIGMA" --class 10
 expect_grep "0\.\.9" "$LAST_ERR"
 expect_fail ./generate --checkpoint "$SIGMA" --guidance 2
 expect_grep "no null class" "$LAST_ERR"
+expect_fail ./generate --checkpoint "$SIGMA" --sampler ddpm --respacing 600,600
+expect_grep "respacing '600,600' keeps no steps" "$LAST_ERR"
+expect_fail ./generate --checkpoint "$UNCOND" --spacing linspace --steps 1
+expect_grep "spacing linspace: 1 steps do not fit" "$LAST_ERR"
+expect_exit 2 ./generate --checkpoint "$UNCOND" --spacing trailing --respacing 10
+expect_exit 2 ./generate --checkpoint "$UNCOND" --spacing middle
+expect_exit 2 ./generate --checkpoint "$SIGMA" --sampler dpm++ --respacing 10
+expect_grep "goes with neither --sampler dpm\+\+ nor --steps" "$LAST_ERR"
+expect_fail ./generate --checkpoint "$UNCOND" --steps 999
+grep -q 'see --help' "$LAST_ERR" && case_fail "a checkpoint's error reads as a usage error: $(cat "$LAST_ERR")"
+head -c 5000 "$UNCOND" >"$TEST_TMP/cut.safetensors"
+expect_fail ./generate --checkpoint "$TEST_TMP/cut.safetensors"
+expect_grep "truncated" "$LAST_ERR"
+expect_absent samples/grid.png
 
 case_begin "classifier guidance: a bad pairing or flag is one error line, before the GPU"
 CLASSIFIER=dev/fixtures/unet_classifier_attention.safetensors  # 5 classes, 8x8
@@ -80,24 +94,16 @@ expect_fail ./generate --checkpoint "$UNCOND" --classifier "$CLASSIFIER" --guida
 expect_grep "unconditional: --guidance needs a class-conditional model" "$LAST_ERR"
 expect_absent samples/grid.png
 
-case_begin "an upsampler (SuperResModel): sampling it is one line (not built yet)"
-UPSAMPLER=dev/fixtures/unet_super_res.safetensors
+case_begin "an upsampler (SuperResModel): --low_res missing, of the wrong size, or given to another model is one line"
+UPSAMPLER=dev/fixtures/unet_super_res.safetensors  # 8x8 from 4x4
+./prepare_data --synthetic shapes --size 8 --count 3 --output "$TEST_TMP/low8.bin" --quiet >/dev/null
 expect_fail ./generate --checkpoint "$UPSAMPLER" --num 2
-expect_grep "is an upsampler \(SuperResModel, small_size 4\): sampling it is not built yet" "$LAST_ERR"
-expect_fail ./generate --checkpoint "$SIGMA" --sampler ddpm --respacing 600,600
-expect_grep "respacing '600,600' keeps no steps" "$LAST_ERR"
-expect_fail ./generate --checkpoint "$UNCOND" --spacing linspace --steps 1
-expect_grep "spacing linspace: 1 steps do not fit" "$LAST_ERR"
-expect_exit 2 ./generate --checkpoint "$UNCOND" --spacing trailing --respacing 10
-expect_exit 2 ./generate --checkpoint "$UNCOND" --spacing middle
-expect_exit 2 ./generate --checkpoint "$SIGMA" --sampler dpm++ --respacing 10
-expect_grep "goes with neither --sampler dpm\+\+ nor --steps" "$LAST_ERR"
-expect_fail ./generate --checkpoint "$UNCOND" --steps 999
-grep -q 'see --help' "$LAST_ERR" && case_fail "a checkpoint's error reads as a usage error: $(cat "$LAST_ERR")"
-head -c 5000 "$UNCOND" >"$TEST_TMP/cut.safetensors"
-expect_fail ./generate --checkpoint "$TEST_TMP/cut.safetensors"
-expect_grep "truncated" "$LAST_ERR"
-expect_absent samples/grid.png
+expect_grep "is an upsampler \(SuperResModel, 4x4 to 8x8\): give the images to upsample with --low_res FILE.bin" "$LAST_ERR"
+expect_fail ./generate --checkpoint "$UPSAMPLER" --low_res "$TEST_TMP/low8.bin"
+expect_grep "holds 8x8 images of 3 channels; .* upsamples 4x4 of 3" "$LAST_ERR"
+expect_fail ./generate --checkpoint "$UNCOND" --low_res "$TEST_TMP/low8.bin"
+expect_grep "low_res is for an upsampler; .* is none" "$LAST_ERR"
+expect_exit 2 ./generate --checkpoint "$UPSAMPLER" --low_res "$TEST_TMP/low8.bin" --eval x.safetensors --output y.safetensors
 
 # safetensors files for --eval, written with the standard library: NAME=DTYPE:SHAPE:VALUE ...
 write_inputs() {

@@ -8,7 +8,8 @@
 // input gradient by its backward pass without parameter gradients, inside the step's graph) against
 // the host loop's score from the classifier's training model (parameter gradients and all) and a
 // host softmax, on a class-conditional and an unconditional model, with DDPM, DDIM and
-// DPM-Solver++, with and without classifier-free guidance; and one classifier-guided step against
+// DPM-Solver++, with and without classifier-free guidance; an upsampler's plans (its low-resolution
+// images in every step's input); and one classifier-guided step against
 // guided-diffusion's cond_fn with p_sample and with ddim_sample in float64 PyTorch
 // (scripts/make_guidance_fixture.py, on the committed fixtures' models: FP32 1e-5). The likelihood's GPU loop (generate --nll)
 // against the same host model and train_unet.cu's bound_term, value by value. Tolerance on the final x: FP32 1e-4
@@ -36,6 +37,7 @@ typedef struct {
     int64_t offset;
     uint64_t seed;
     float *raw;  // the model's output, [IMAGES][H][W][out channels]
+    float *wide; // an upsampler's input [IMAGES][H][W][2C]: x, then room for the low-resolution image (its forward pass's)
     int learned; // the plan samples with the learned variance: out holds it too
 } Host;
 
@@ -65,9 +67,13 @@ static void host_score(UNet *c, const float *x, const int64_t *t, const int *y, 
 // output's variance half after it, and with a classifier its score after them.
 static void host_model(void *ctx, const float *x, int t, float *out) {
     Host *h = (Host *)ctx;
-    int64_t n = act_numel(&h->m->input);
-    int C = h->m->input.C, Co = h->m->output->C;
+    int64_t n = image_values(h->m);
+    int C = h->m->config.in_channels, Co = h->m->output->C;
     for (int b = 0; b < IMAGES; b++) h->t[b] = t;
+    if (h->wide) {
+        for (int64_t i = 0; i < n; i++) h->wide[i / C * 2 * C + i % C] = x[i];
+        x = h->wide;
+    }
     forward_nhwc(h->m, x, h->t, h->labels, h->raw);
     for (int64_t i = 0; i < n; i++) {
         out[i] = h->raw[i / C * Co + i % C];
@@ -140,11 +146,22 @@ static void test_plan(const char *name, const ModelConfig *c, UNet *weights, Sam
         CHECK(!s.classifier.grad && !s.classifier.adam_m);  // the sampler's classifier keeps no parameter gradients
     }
     uint8_t *pixels = (uint8_t *)malloc_or_die(n), *again = (uint8_t *)malloc_or_die(n);
-    float ms = gpu_sampler_run(&s, FIRST, IMAGES, labels, pixels, NULL, NULL);
+    // An upsampler's low-resolution images: random pixels, the same on the GPU and in the host's model.
+    uint8_t *low = NULL;
+    int s_low = c->low_res;
+    if (s_low) {
+        size_t n_low = (size_t)IMAGES * s_low * s_low * c->in_channels;
+        low = (uint8_t *)malloc_or_die(n_low);
+        floatX *staged = (floatX *)malloc_or_die(n_low * sizeof(floatX));
+        for (size_t i = 0; i < n_low; i++) low[i] = (uint8_t)(random_u64(31, 0, i) >> 56), staged[i] = (floatX)pixel_value(low[i]);
+        cuda_check(cudaMemcpy(weights->low_res.x, staged, n_low * sizeof(floatX), cudaMemcpyHostToDevice));
+        free(staged);
+    }
+    float ms = gpu_sampler_run(&s, FIRST, IMAGES, labels, low, pixels, NULL, NULL);
     float *gpu_x = (float *)malloc_or_die(n * sizeof(float));
     cuda_check(cudaMemcpy(gpu_x, s.x, n * sizeof(float), cudaMemcpyDeviceToHost));
     ProgressLog log = {0, 0, 1, plan.count};  // the same images, with every step reported once, in order
-    gpu_sampler_run(&s, FIRST, IMAGES, labels, again, log_progress, &log);
+    gpu_sampler_run(&s, FIRST, IMAGES, labels, low, again, log_progress, &log);
     CHECK(memcmp(pixels, again, n) == 0);
     CHECK(log.in_order && log.calls == plan.count);
 
@@ -155,6 +172,7 @@ static void test_plan(const char *name, const ModelConfig *c, UNet *weights, Sam
     for (int b = 0; b < IMAGES; b++) h.labels[b] = labels[b], h.null_labels[b] = CLASSES;
     h.raw = (float *)malloc_or_die(act_numel(weights->output) * sizeof(float));
     h.learned = plan.learned;
+    h.wide = s_low ? (float *)calloc((size_t)2 * n, sizeof(float)) : NULL;
     float *x = (float *)malloc_or_die(n * sizeof(float));
     for (int64_t i = 0; i < n; i++) x[i] = normal_sample(seed, rng_stream(RNG_SAMPLE_START, 0), h.offset + i);
     CHECK(sample_loop(&plan, host_model, classifier != NULL, host_noise, &h, x, n) == 0);
@@ -184,7 +202,7 @@ static void test_plan(const char *name, const ModelConfig *c, UNet *weights, Sam
     CHECK(pixel_gap <= 1);  // the pixels are the samples, rounded (the host's lrintf may round a tie otherwise)
     CHECK(sqrt(norm / n) > 0.05);  // the samples are not all zero
     gpu_sampler_destroy(&s);
-    free(pixels), free(again), free(gpu_x), free(x), free(h.raw);
+    free(pixels), free(again), free(gpu_x), free(x), free(h.raw), free(h.wide), free(low);
     sample_plan_free(&plan);
     noise_schedule_free(&d);
 }
@@ -325,7 +343,7 @@ static void test_guided_step(const SafeTensorsFile *fx, const char *name, const 
         fatal("%s", err);
     unet_sync_compute(&s.m);
     unet_sync_compute(&s.classifier);
-    gpu_sampler_begin(&s, 0, N, labels);
+    gpu_sampler_begin(&s, 0, N, labels, NULL);
     float *x_nhwc = (float *)malloc_or_die(n * sizeof(float)), *got = (float *)malloc_or_die(n * sizeof(float));
     for (int64_t i = 0; i < n; i++)  // NCHW -> NHWC: value i is (b, h, w, c)
         x_nhwc[i] = (float)x[((i / (S * S * C) * C + i % C) * S + i / C % (S * S) / S) * S + i / C % S];
@@ -409,6 +427,17 @@ int main(void) {
     test_likelihood("likelihood of a fixed (large) variance, 10 of 100 steps, v", &c, &m, "10", PREDICT_V);
     unet_destroy(&m);
     unet_destroy(&classifier);
+
+    // The upsampler (SuperResModel, 16x16 from 8x8): the low-resolution images reach every step's
+    // forward pass, in both halves when guided.
+    o.learn_sigma = 1, o.super_res = 8;
+    ModelConfig up = resolve_model(&o, CLASSES + 1);
+    unet_create(&m, &up, IMAGES, 0);
+    random_parameters(&m, 94);
+    test_plan("an upsampler from 8x8, DDIM, 10 steps", &up, &m, SAMPLER_DDIM, 10, 0.0f, 0, 1.0f);
+    test_plan("an upsampler from 8x8 with a learned variance, DDPM, 25 of 100 steps, guidance 2", &up, &m, SAMPLER_DDPM, 25, 0.0f, 0,
+              2.0f);
+    unet_destroy(&m);
 
     SafeTensorsFile fixture;
     if (safetensors_open("dev/fixtures/samplers/guided_step.safetensors", &fixture, err, sizeof err) != 0) fatal("%s", err);

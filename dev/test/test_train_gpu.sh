@@ -232,7 +232,7 @@ sys.exit(0 if len(a) == 20 and a.keys() == b.keys() and worst_log <= tolerance a
 PY
 done
 
-case_begin "the upsampler (--super_res 16: 32x32 from 16x16) with a learned variance: trains, resumes exactly, names its sizes"
+case_begin "the upsampler (--super_res 16: 32x32 from 16x16) with a learned variance: trains, resumes exactly, names its sizes, upsamples"
 UPS=(--super_res 16 --learn_sigma True --steps 20)
 expect_ok train "${UPS[@]}" --run_dir "$TEST_TMP/up_a"
 expect_ok train "${UPS[@]}" --stop_step 9 --run_dir "$TEST_TMP/up_b"
@@ -244,6 +244,15 @@ done
 head -c 20000 "$TEST_TMP/up_a/checkpoints/step_000000020/model.safetensors" | grep -aq '"large_size":"32".*"small_size":"16"\|"small_size":"16".*"large_size":"32"' ||
     case_fail "the checkpoint's metadata names no large_size 32 and small_size 16"
 [ -d "$TEST_TMP/up_a/samples" ] && case_fail "an upsampler's run made sample grids"
+./prepare_data --synthetic shapes --size 16 --count 3 --output "$TEST_TMP/low16.bin" --quiet >/dev/null
+expect_ok ./generate --checkpoint "$TEST_TMP/up_a/checkpoints/step_000000020" --low_res "$TEST_TMP/low16.bin" --num 5 --batch 2 \
+    --sampler ddpm --steps 10 --out "$TEST_TMP/up_samples"
+expect_grep "generate: 3 images of 32x32" "$LAST_OUT"  # --num: at most the file's images
+python3 - "$TEST_TMP/up_samples/000002.png" <<'PY' || case_fail "the upsampled images are not 32x32 PNGs"
+import struct, sys
+b = open(sys.argv[1], "rb").read(24)
+sys.exit(0 if b[:8] == b"\x89PNG\r\n\x1a\n" and struct.unpack(">II", b[16:24]) == (32, 32) else 1)
+PY
 
 case_begin "--use_checkpoint: the gradients bit for bit, so the log, weights, EMA and optimiser state to the byte"
 # ARGS: fused attention (32-channel heads), dropout, labels, skip convolutions read in place; the
