@@ -57,36 +57,34 @@ static void ref_bilinear_taps(int i, int s, int S, int *t0, int *t1, double *w1)
     *t0 = (int)u, *t1 = *t0 + (*t0 < s - 1), *w1 = u - *t0;
 }
 
-static void ref_upsample_bilinear_forward(double *out, const double *in, int N, int s, int S, int C) {
+// forward: up = the weighted sum of each output's four taps in lo; backward (its transpose):
+// lo += each output's gradient in up, back to its taps with the same weights.
+static void ref_upsample_bilinear(double *lo, double *up, int N, int s, int S, int C, int backward) {
     for (int n = 0; n < N; n++)
         for (int i = 0; i < S; i++)
             for (int j = 0; j < S; j++) {
                 int u0, u1, v0, v1;
                 double lu, lv;
                 ref_bilinear_taps(i, s, S, &u0, &u1, &lu), ref_bilinear_taps(j, s, S, &v0, &v1, &lv);
-                const double *p = in + (size_t)n * s * s * C;
-                for (int c = 0; c < C; c++)
-                    out[(((size_t)n * S + i) * S + j) * C + c] =
-                        (1 - lu) * ((1 - lv) * p[((size_t)u0 * s + v0) * C + c] + lv * p[((size_t)u0 * s + v1) * C + c]) +
-                        lu * ((1 - lv) * p[((size_t)u1 * s + v0) * C + c] + lv * p[((size_t)u1 * s + v1) * C + c]);
+                size_t tap[4] = {(size_t)u0 * s + v0, (size_t)u0 * s + v1, (size_t)u1 * s + v0, (size_t)u1 * s + v1};
+                double weight[4] = {(1 - lu) * (1 - lv), (1 - lu) * lv, lu * (1 - lv), lu * lv};
+                double *p = lo + (size_t)n * s * s * C, *q = up + (((size_t)n * S + i) * S + j) * C;
+                for (int c = 0; c < C; c++) {
+                    if (!backward) q[c] = 0;
+                    for (int k = 0; k < 4; k++) {
+                        if (backward) p[tap[k] * C + c] += weight[k] * q[c];
+                        else q[c] += weight[k] * p[tap[k] * C + c];
+                    }
+                }
             }
 }
 
-// d_in += the transpose: each output's gradient back to its four taps with the same weights.
+static void ref_upsample_bilinear_forward(double *out, const double *in, int N, int s, int S, int C) {
+    ref_upsample_bilinear((double *)in, out, N, s, S, C, 0);
+}
+
 static void ref_upsample_bilinear_backward(double *d_in, const double *d_out, int N, int s, int S, int C) {
-    for (int n = 0; n < N; n++)
-        for (int i = 0; i < S; i++)
-            for (int j = 0; j < S; j++) {
-                int u0, u1, v0, v1;
-                double lu, lv;
-                ref_bilinear_taps(i, s, S, &u0, &u1, &lu), ref_bilinear_taps(j, s, S, &v0, &v1, &lv);
-                double *p = d_in + (size_t)n * s * s * C;
-                for (int c = 0; c < C; c++) {
-                    double g = d_out[(((size_t)n * S + i) * S + j) * C + c];
-                    p[((size_t)u0 * s + v0) * C + c] += (1 - lu) * (1 - lv) * g, p[((size_t)u0 * s + v1) * C + c] += (1 - lu) * lv * g;
-                    p[((size_t)u1 * s + v0) * C + c] += lu * (1 - lv) * g, p[((size_t)u1 * s + v1) * C + c] += lu * lv * g;
-                }
-            }
+    ref_upsample_bilinear(d_in, (double *)d_out, N, s, S, C, 1);
 }
 
 // F.interpolate(mode="area") from S x S to s x s (s divides S): the mean of each f x f block, f = S / s.
