@@ -60,6 +60,12 @@ static const char usage[] =
     "                      upsample, a dataset .bin of its small size; the first\n"
     "                      --num of them, each with its label when the model is\n"
     "                      class-conditional and --class is not given\n"
+    "  --upsampler PATH    the cascade: the images sampled, then upsampled by this\n"
+    "                      upsampler (its --weights as the model's; no guidance),\n"
+    "                      which must take the model's size as its small size; the\n"
+    "                      images written are the upsampler's, and base_grid.png\n"
+    "                      the model's\n"
+    "  --up_steps N        the upsampler's steps with --sampler (default as --steps)\n"
     "  --num N             images [64]\n"
     "  --batch B           images per model call (default: the largest that fits in\n"
     "                      the GPU's free memory, at most --num; give it to get the\n"
@@ -107,8 +113,8 @@ static const char *const classifier_flag_names[] = {"classifier_width", "classif
 #define NUM_CLASSIFIER_FLAG_NAMES ((int)(sizeof classifier_flag_names / sizeof *classifier_flag_names))
 
 typedef struct {
-    const char *checkpoint, *weights, *sampler, *class_name, *out, *eval, *output, *respacing, *nll, *spacing, *classifier, *low_res;
-    int steps, num, batch, bench;
+    const char *checkpoint, *weights, *sampler, *class_name, *out, *eval, *output, *respacing, *nll, *spacing, *classifier, *low_res, *upsampler;
+    int steps, up_steps, num, batch, bench;
     double eta, guidance, classifier_scale;
     int classifier_scale_given;
     long long seed;
@@ -143,7 +149,7 @@ static double real_option(const char *name, const char *s, double lo, double hi)
 // underscore); no arguments, -h or --help print the usage, --version the version.
 static Options parse_options(int argc, char **argv) {
     static const char *const names[] = {"checkpoint", "weights", "sampler", "class", "out", "eval", "output", "respacing", "nll",
-                                        "spacing", "classifier", "low_res", "steps", "num", "batch", "bench", "seed", "eta", "classifier_scale",
+                                        "spacing", "classifier", "low_res", "upsampler", "steps", "up_steps", "num", "batch", "bench", "seed", "eta", "classifier_scale",
                                         "guidance"};
     Options o;
     memset(&o, 0, sizeof o);  // batch 0: the largest that fits
@@ -195,6 +201,8 @@ static Options parse_options(int argc, char **argv) {
         else if (strcmp(name, "spacing") == 0) o.spacing = v;
         else if (strcmp(name, "classifier") == 0) o.classifier = v;
         else if (strcmp(name, "low_res") == 0) o.low_res = v;
+        else if (strcmp(name, "upsampler") == 0) o.upsampler = v;
+        else if (strcmp(name, "up_steps") == 0) o.up_steps = (int)int_option(flag, v, 1, 100000);
         else if (strcmp(name, "steps") == 0) o.steps = (int)int_option(flag, v, 1, 100000);
         else if (strcmp(name, "num") == 0) o.num = (int)int_option(flag, v, 1, 1000000);
         else if (strcmp(name, "batch") == 0) o.batch = (int)int_option(flag, v, 1, 65536);
@@ -221,6 +229,9 @@ static Options parse_options(int argc, char **argv) {
         unet_usage_error("--eval IN.safetensors and --output OUT.safetensors go together");
     if (o.eval && (o.classifier || o.low_res))
         unet_usage_error("--eval runs the model on its file's inputs: it goes without --classifier and --low_res");
+    if (o.up_steps && !o.upsampler) unet_usage_error("--up_steps is the cascade's: it needs --upsampler");
+    if (o.upsampler && (o.eval || o.nll || o.low_res))
+        unet_usage_error("--upsampler upsamples the images sampled: it goes without --eval, --nll and --low_res");
     if (o.nll && o.low_res) unet_usage_error("--nll measures a likelihood: it goes with --num, --batch, --respacing and --seed only");
     if (!o.classifier && (o.classifier_scale_given || o.num_classifier_flags))
         unet_usage_error("--%.*s is classifier guidance's: it needs --classifier",
@@ -252,6 +263,50 @@ static void show_progress(void *ctx, int step, int steps) {
     fprintf(stderr, "\rgenerate: [%.*s%*s] %3.0f%%  %d/%d images  %.0f s", filled, "##############################", 30 - filled,
             "", 100 * share, finished, p->num, now - p->start);
     p->shown = 1, p->drawn = now;
+}
+
+// Samples images 0 .. num - 1 in batches of `batch` with a sampler, labels [num] and, for an
+// upsampler, their low-resolution images low [num][per_low values] (else NULL), into images
+// [num][per_image values]; says each batch on stdout unless `quiet` or the progress bar shows.
+// Returns the GPU time in ms.
+static double sample_batches(UnetSampler *sampler, int num, int batch, const int *labels, const uint8_t *low, size_t per_low,
+                             uint8_t *images, size_t per_image, int quiet, Progress *progress) {
+    double ms = 0;
+    progress->num = num, progress->start = now_seconds(), progress->shown = 0;
+    for (int first = 0; first < num; first += batch) {
+        int n = num - first < batch ? num - first : batch;
+        progress->done = first, progress->batch_images = n;
+        ms += unet_sample(sampler, first, n, labels + first, low ? low + first * per_low : NULL, images + (size_t)first * per_image,
+                          progress->tty ? show_progress : NULL, progress);
+        if (!quiet && !progress->shown) printf("generate: %d/%d images\n", first + n, num), fflush(stdout);
+    }
+    if (progress->shown) fputc('\n', stderr);
+    return ms;
+}
+
+// The cascade's second stage, before the GPU is used: the upsampler --upsampler, checked against
+// the base model (its small size is the base's size; a class-conditional one needs the base's
+// classes), and its plan (the sampler's kind and eta, --up_steps or the sampler's default).
+static UnetCheckpoint *upsampler_open(const Options *o, const UnetInfo *base, int classes, SamplerKind kind, UnetInfo *info,
+                                      NoiseSchedule *schedule, SamplePlan *plan) {
+    char err[1024];
+    UnetCheckpoint *ck = unet_checkpoint_open(o->upsampler, o->weights, NULL, 0, info, err, sizeof err);
+    if (!ck) unet_die("%s", err);
+    if (!info->small_size)
+        unet_die("--upsampler %s is no upsampler (no small_size: train one with train_unet --super_res)", info->file);
+    if (info->small_size != base->image_size || info->in_channels != base->in_channels)
+        unet_die("--upsampler %s upsamples %dx%d images; %s makes %dx%d", info->file, info->small_size, info->small_size, base->file,
+                 base->image_size, base->image_size);
+    int up_classes = info->num_classes - info->null_class;
+    if (up_classes && up_classes != classes)
+        unet_die("--upsampler %s is conditioned on %d classes; the images sampled have %d", info->file, up_classes, classes);
+    if (noise_schedule_make(schedule, info->diffusion_steps, info->noise_schedule) != 0)
+        unet_die("%s: unknown noise_schedule '%s' in its metadata", info->file, info->noise_schedule);
+    int count = o->up_steps ? o->up_steps : kind == SAMPLER_DPM_SOLVER_PP ? 20 : kind == SAMPLER_DDPM ? 0 : 50;
+    if (sample_plan_make(plan, schedule, kind, count, NULL, (float)o->eta, prediction_from_name(info->predict), 1,
+                         info->out_channels == 2 * info->in_channels) != 0)
+        unet_die("--up_steps %d: no spacing of the upsampler's %d diffusion steps gives that many", count, info->diffusion_steps);
+    return ck;
 }
 
 static int compare_doubles(const void *a, const void *b) {
@@ -384,6 +439,11 @@ int main(int argc, char **argv) {
                              "most the section's length)", o.respacing, info.diffusion_steps);
         unet_die("--steps %d: no spacing of the %d diffusion steps gives that many", count, info.diffusion_steps);
     }
+    UnetCheckpoint *up_checkpoint = NULL;
+    UnetInfo up_info;
+    NoiseSchedule up_schedule;
+    SamplePlan up_plan;
+    if (o.upsampler) up_checkpoint = upsampler_open(&o, &info, classes, kind, &up_info, &up_schedule, &up_plan);
     UnetGuidance guidance = {(float)o.guidance, classifier, (float)o.classifier_scale};
     if (!o.batch) {
         o.batch = unet_sampler_max_batch(checkpoint, &plan, &guidance, o.num, err, sizeof err);
@@ -391,6 +451,15 @@ int main(int argc, char **argv) {
     }
     UnetSampler *sampler = unet_sampler_create(checkpoint, o.batch, &plan, &guidance, (uint64_t)o.seed, err, sizeof err);
     if (!sampler) unet_die("%s", err);
+    UnetSampler *up_sampler = NULL;  // the cascade's upsampler (no guidance; draws from a seed made from --seed)
+    int up_batch = o.batch;
+    if (up_checkpoint) {
+        UnetGuidance none = {1.0f, NULL, 0.0f};
+        if (!up_batch) up_batch = unet_sampler_max_batch(up_checkpoint, &up_plan, &none, o.num, err, sizeof err);
+        if (!up_batch) unet_die("%s", err);
+        up_sampler = unet_sampler_create(up_checkpoint, up_batch, &up_plan, &none, random_u64((uint64_t)o.seed, 1, 0), err, sizeof err);
+        if (!up_sampler) unet_die("%s", err);
+    }
     // The output folder only once the model is on the GPU: a run that cannot sample leaves none.
     if (!o.bench && mkdir(o.out, 0777) != 0 && errno != EEXIST) unet_die("cannot create %s: %s", o.out, strerror(errno));
     int S = info.image_size;
@@ -411,25 +480,33 @@ int main(int argc, char **argv) {
         snprintf(guided + strlen(guided), sizeof guided - strlen(guided), ", classifier guidance %g", o.classifier_scale);
     printf("generate: %d images of %dx%d from %s (%lld parameters), %s with %d steps%s, batches of %d\n", o.num, S, S, file,
            (long long)info.parameters, o.sampler, plan.count, guided, o.batch);
+    uint8_t *base_images = NULL;  // the cascade: the base model's images, which the upsampler's become
+    if (up_sampler) {
+        printf("generate: then upsampled to %dx%d by %s (%lld parameters), %s with %d steps, batches of %d\n", up_info.image_size,
+               up_info.image_size, up_info.file, (long long)up_info.parameters, o.sampler, up_plan.count, up_batch);
+        base_images = images, S = up_info.image_size;
+        images = malloc((size_t)o.num * S * S * info.in_channels);
+        if (!images) unet_die("out of memory");
+    }
     int runs = o.bench ? o.bench + 1 : 1;  // --bench: a warm-up, then the timed runs
     double *seconds = malloc(runs * sizeof(double));
     if (!seconds) unet_die("out of memory");
     Progress progress = {!o.bench && isatty(STDERR_FILENO), 0, o.num, 0, 0, now_seconds(), 0.0};
     for (int run = 0; run < runs; run++) {
-        double ms = 0;
-        for (int first = 0; first < o.num; first += o.batch) {
-            int n = o.num - first < o.batch ? o.num - first : o.batch;
-            progress.done = first, progress.batch_images = n;
-            ms += unet_sample(sampler, first, n, labels + first, o.low_res ? low.pixels + first * per_low : NULL, images + (size_t)first * per_image,
-                              progress.tty ? show_progress : NULL, &progress);
-            if (!o.bench && !progress.shown) printf("generate: %d/%d images\n", first + n, o.num), fflush(stdout);
-        }
+        const uint8_t *low_images = o.low_res ? low.pixels : NULL;
+        double ms = sample_batches(sampler, o.num, o.batch, labels, low_images, per_low, base_images ? base_images : images, per_image,
+                                   o.bench, &progress);
+        if (up_sampler)  // the base images as the upsampler's low-resolution ones
+            ms += sample_batches(up_sampler, o.num, up_batch, labels, base_images, per_image, images, (size_t)S * S * info.in_channels,
+                                 o.bench, &progress);
         seconds[run] = ms / 1000.0;
     }
-    if (progress.shown) fputc('\n', stderr);
+    per_image = (size_t)S * S * info.in_channels;
     unet_sampler_free(sampler);
+    unet_sampler_free(up_sampler);
     unet_checkpoint_close(checkpoint);
     unet_checkpoint_close(classifier);
+    unet_checkpoint_close(up_checkpoint);
     if (o.bench) {
         qsort(seconds + 1, o.bench, sizeof(double), compare_doubles);
         double median = seconds[1 + o.bench / 2];
@@ -442,13 +519,18 @@ int main(int argc, char **argv) {
             if (write_png(path, S, S, images + (size_t)i * per_image) != 0)
                 unet_die("cannot write %s: %s", path, strerror(errno));
         }
+        if (base_images) {
+            snprintf(path, sizeof path, "%s/base_grid.png", o.out);
+            if (write_grid_png(path, base_images, o.num, info.image_size) != 0) unet_die("cannot write %s: %s", path, strerror(errno));
+        }
         snprintf(path, sizeof path, "%s/grid.png", o.out);
         if (write_grid_png(path, images, o.num, S) != 0) unet_die("cannot write %s: %s", path, strerror(errno));
         printf("generate: wrote %d images and %s; sampling took %.2f s on the GPU (%.1f images/s)\n", o.num, path, seconds[0],
                o.num / seconds[0]);
     }
-    free(images), free(labels), free(seconds);
+    free(images), free(labels), free(seconds), free(base_images);
     if (o.low_res) dataset_close(&low);
+    if (up_checkpoint) noise_schedule_free(&up_schedule), sample_plan_free(&up_plan);
     noise_schedule_free(&schedule);
     sample_plan_free(&plan);
     return 0;

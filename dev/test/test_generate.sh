@@ -94,7 +94,7 @@ expect_fail ./generate --checkpoint "$UNCOND" --classifier "$CLASSIFIER" --guida
 expect_grep "unconditional: --guidance needs a class-conditional model" "$LAST_ERR"
 expect_absent samples/grid.png
 
-case_begin "an upsampler (SuperResModel): --low_res missing, of the wrong size, or given to another model is one line"
+case_begin "an upsampler (SuperResModel): --low_res or --upsampler missing, of the wrong size, or of another model is one line"
 UPSAMPLER=dev/fixtures/unet_super_res.safetensors  # 8x8 from 4x4
 ./prepare_data --synthetic shapes --size 8 --count 3 --output "$TEST_TMP/low8.bin" --quiet >/dev/null
 expect_fail ./generate --checkpoint "$UPSAMPLER" --num 2
@@ -104,6 +104,13 @@ expect_grep "holds 8x8 images of 3 channels; .* upsamples 4x4 of 3" "$LAST_ERR"
 expect_fail ./generate --checkpoint "$UNCOND" --low_res "$TEST_TMP/low8.bin"
 expect_grep "low_res is for an upsampler; .* is none" "$LAST_ERR"
 expect_exit 2 ./generate --checkpoint "$UPSAMPLER" --low_res "$TEST_TMP/low8.bin" --eval x.safetensors --output y.safetensors
+expect_exit 2 ./generate --checkpoint "$UNCOND" --up_steps 10
+expect_grep "up_steps is the cascade's: it needs --upsampler" "$LAST_ERR"
+expect_exit 2 ./generate --checkpoint "$UPSAMPLER" --upsampler "$UPSAMPLER" --low_res "$TEST_TMP/low8.bin"
+expect_fail ./generate --checkpoint "$UNCOND" --upsampler "$UNCOND"
+expect_grep "is no upsampler \(no small_size" "$LAST_ERR"
+expect_fail ./generate --checkpoint "$UNCOND" --upsampler "$UPSAMPLER"
+expect_grep "upsamples 4x4 images; .* makes 8x8" "$LAST_ERR"
 
 # safetensors files for --eval, written with the standard library: NAME=DTYPE:SHAPE:VALUE ...
 write_inputs() {

@@ -232,7 +232,7 @@ sys.exit(0 if len(a) == 20 and a.keys() == b.keys() and worst_log <= tolerance a
 PY
 done
 
-case_begin "the upsampler (--super_res 16: 32x32 from 16x16) with a learned variance: trains, resumes exactly, names its sizes, upsamples"
+case_begin "the upsampler (--super_res 16: 32x32 from 16x16) with a learned variance: trains, resumes exactly, names its sizes, upsamples, cascades"
 UPS=(--super_res 16 --learn_sigma True --steps 20)
 expect_ok train "${UPS[@]}" --run_dir "$TEST_TMP/up_a"
 expect_ok train "${UPS[@]}" --stop_step 9 --run_dir "$TEST_TMP/up_b"
@@ -249,6 +249,19 @@ expect_ok ./generate --checkpoint "$TEST_TMP/up_a/checkpoints/step_000000020" --
     --sampler ddpm --steps 10 --out "$TEST_TMP/up_samples"
 expect_grep "generate: 3 images of 32x32" "$LAST_OUT"  # --num: at most the file's images
 python3 - "$TEST_TMP/up_samples/000002.png" <<'PY' || case_fail "the upsampled images are not 32x32 PNGs"
+import struct, sys
+b = open(sys.argv[1], "rb").read(24)
+sys.exit(0 if b[:8] == b"\x89PNG\r\n\x1a\n" and struct.unpack(">II", b[16:24]) == (32, 32) else 1)
+PY
+# the cascade: a 16x16 model of the same classes, then the upsampler
+./prepare_data --synthetic shapes --size 16 --count 40 --output "$TEST_TMP/s16.bin" --quiet >/dev/null
+expect_ok ./train_unet --data "$TEST_TMP/s16.bin" --image_size 16 --num_channels 32 --channel_mult 1,2 --num_res_blocks 1 \
+    --attention_resolutions 8 --class_cond --batch_size 8 --steps 5 --sample_count 0 --run_dir "$TEST_TMP/base16"
+expect_ok ./generate --checkpoint "$TEST_TMP/base16/checkpoints/step_000000005" --upsampler "$TEST_TMP/up_a/checkpoints/step_000000020" \
+    --num 3 --sampler ddpm --steps 10 --up_steps 8 --out "$TEST_TMP/cascade"
+expect_grep "then upsampled to 32x32 .* ddpm with 8 steps" "$LAST_OUT"
+[ -f "$TEST_TMP/cascade/base_grid.png" ] || case_fail "the cascade wrote no base_grid.png"
+python3 - "$TEST_TMP/cascade/000002.png" <<'PY' || case_fail "the cascade's images are not 32x32 PNGs"
 import struct, sys
 b = open(sys.argv[1], "rb").read(24)
 sys.exit(0 if b[:8] == b"\x89PNG\r\n\x1a\n" and struct.unpack(">II", b[16:24]) == (32, 32) else 1)
