@@ -92,7 +92,8 @@ static const char usage[] =
     "guided-diffusion's flags for the rest as its README writes them for the model:\n"
     "--image_size and --num_head_channels (or --num_heads) always,\n"
     "--use_new_attention_order, --diffusion_steps, --noise_schedule, --predict when\n"
-    "not the defaults (False, 1000, linear, eps). The other model flags are checked\n"
+    "not the defaults (False, 1000, linear, eps); an upsampler's .pt --large_size and\n"
+    "--small_size instead of --image_size. The other model flags are checked\n"
     "against the tensors; --use_fp16 is accepted and changes nothing. A classifier\n"
     ".pt takes guided-diffusion's --classifier_width, --classifier_depth,\n"
     "--classifier_attention_resolutions, --classifier_use_scale_shift_norm,\n"
@@ -105,7 +106,7 @@ static const char usage[] =
 // for each released model; passed on as "name=value".
 static const char *const model_flag_names[] = {"image_size", "num_channels", "num_res_blocks", "channel_mult", "attention_resolutions",
     "num_heads", "num_head_channels", "num_heads_upsample", "use_new_attention_order", "use_scale_shift_norm", "resblock_updown",
-    "dropout", "class_cond", "learn_sigma", "diffusion_steps", "noise_schedule", "predict", "use_fp16"};
+    "dropout", "class_cond", "learn_sigma", "diffusion_steps", "noise_schedule", "predict", "use_fp16", "large_size", "small_size"};
 #define NUM_MODEL_FLAG_NAMES ((int)(sizeof model_flag_names / sizeof *model_flag_names))
 // guided-diffusion's classifier flags, for a classifier .pt.
 static const char *const classifier_flag_names[] = {"classifier_width", "classifier_depth", "classifier_attention_resolutions",

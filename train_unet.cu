@@ -4526,6 +4526,11 @@ static int parse_number_list(const char *s, double *out, int max) {
 
 // guided-diffusion's channel_mult when none is given (script_util.create_model), and for 32x32
 // improved-diffusion's.
+// An upsampler's (guided-diffusion's sr_create_model): another set, by its large size.
+static const char *super_res_channel_mult(int image_size) {
+    return image_size == 512 || image_size == 256 ? "1,1,2,2,4,4" : image_size == 64 ? "1,2,3,4" : NULL;
+}
+
 static const char *default_channel_mult(int image_size) {
     switch (image_size) {
     case 512: return "0.5,1,1,2,2,4,4";
@@ -4549,7 +4554,7 @@ static int model_config_from_options(Options *o, int label_rows, ModelConfig *ou
     if (o->num_res_blocks < 0 || o->num_res_blocks > MAX_RES_BLOCKS)
         return error_line(err, err_len, "--num_res_blocks %d is out of range (0..%d)", o->num_res_blocks, MAX_RES_BLOCKS);
     if (!o->channel_mult[0]) {
-        o->channel_mult = default_channel_mult(o->image_size);
+        o->channel_mult = o->super_res ? super_res_channel_mult(o->image_size) : default_channel_mult(o->image_size);
         if (!o->channel_mult) return error_line(err, err_len, "no default --channel_mult for image size %d; give one", o->image_size);
     }
     double mult[MAX_LEVELS];
@@ -5830,9 +5835,13 @@ static int infer_model_config(const SafeTensorsFile *f, const Options *given, in
     if (attention && !heads_given)
         return error_line(err, err_len, "--num_head_channels or --num_heads: a state_dict does not say how its attention splits into "
                           "heads; give guided-diffusion's flag for this model");
-    if (in != 3 || (out != in && out != 2 * in) || outputs < 1)
-        return error_line(err, err_len, "a UNet of %lld input and %lld output channels: this trainer builds 3 in, 3 or 6 out", (long long)in,
-                          (long long)out);
+    if (in == 6 && !given->super_res)
+        return error_line(err, err_len, "--large_size and --small_size: a UNet of 6 input channels is an upsampler (SuperResModel); give "
+                          "guided-diffusion's flags for its sizes");
+    int64_t image_in = given->super_res ? in / 2 : in;  // an upsampler's input: the image's channels, then the low-resolution image's
+    if (image_in != 3 || in != (given->super_res ? 6 : 3) || (out != image_in && out != 2 * image_in) || outputs < 1)
+        return error_line(err, err_len, "a UNet of %lld input and %lld output channels: this trainer builds 3 in (6 for an upsampler), 3 "
+                          "or 6 out", (long long)in, (long long)out);
     int64_t block_out = tensor_rows(f, "output_blocks.%d.0.in_layers.2.weight", 0);
     int scale_shift = tensor_rows(f, "output_blocks.%d.0.emb_layers.1.weight", 0) == 2 * block_out;
     for (int blocks = 0; blocks <= MAX_RES_BLOCKS; blocks++) {
@@ -5854,7 +5863,7 @@ static int infer_model_config(const SafeTensorsFile *f, const Options *given, in
             Options o = *given;
             o.num_channels = (int)ch, o.num_res_blocks = blocks, o.channel_mult = mult, o.attention_resolutions = resolutions;
             o.use_scale_shift_norm = scale_shift, o.resblock_updown = k / 2, o.conv_resample = k % 2 == 0;
-            o.class_cond = label_rows > 0, o.num_classes = (int)label_rows, o.learn_sigma = out == 2 * in;
+            o.class_cond = label_rows > 0, o.num_classes = (int)label_rows, o.learn_sigma = out == 2 * image_in;
             ModelConfig candidate;
             char why[256];
             if (model_config_from_options(&o, o.num_classes, &candidate, why, sizeof why) == 0 && take_if_match(f, &o, &candidate, inferred))
@@ -5887,7 +5896,10 @@ static int model_from_tensors_and_flags(const SafeTensorsFile *f, const char *pa
         size_t len = eq ? (size_t)(eq - flags[i]) : 0;
         if (!eq || (len == 8 && strncmp(flags[i], "use_fp16", 8) == 0) || (len == 19 && strncmp(flags[i], "classifier_use_fp16", 19) == 0))
             continue;
-        const OptionSpec *spec = find_option(flags[i], len);
+        // guided-diffusion's upsampler flags: large_size is the image size, small_size our super_res
+        const OptionSpec *spec = len == 10 && strncmp(flags[i], "large_size", 10) == 0   ? find_option("image_size", 10)
+                                 : len == 10 && strncmp(flags[i], "small_size", 10) == 0 ? find_option("super_res", 9)
+                                                                                       : find_option(flags[i], len);
         if (!spec || option_from_string(&given, spec, eq + 1, why, sizeof why) != 0)
             return error_line(err, err_len, "--%.*s %s: %s", (int)len, flags[i], eq + 1, spec ? why : "not a model or diffusion flag");
         heads_given |= strcmp(spec->name, "num_heads") == 0 || strcmp(spec->name, "num_head_channels") == 0;
@@ -5915,6 +5927,8 @@ static int model_from_tensors_and_flags(const SafeTensorsFile *f, const char *pa
     const char *truth[2] = {"False", "True"};
     char kind[96] = "";
     if (inferred.config.pool) snprintf(kind, sizeof kind, "a classifier (classifier_pool %s, %d classes): ", o->classifier_pool, o->num_classes);
+    if (inferred.config.low_res)
+        snprintf(kind, sizeof kind, "an upsampler (SuperResModel, %dx%d to %dx%d): ", o->super_res, o->super_res, o->image_size, o->image_size);
     snprintf(described, described_len, "inferred from the tensors: %snum_channels %d channel_mult %s num_res_blocks %d attention_resolutions "
              "%s use_scale_shift_norm %s resblock_updown %s class_cond %s learn_sigma %s; given:%s", kind, o->num_channels,
              inferred.channel_mult, o->num_res_blocks, inferred.attention_resolutions, truth[o->use_scale_shift_norm],

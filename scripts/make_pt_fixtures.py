@@ -5,12 +5,14 @@
   torch.save(model.state_dict()) writes it (fp16/bf16: every tensor cast); the zip format, and the
   legacy one (_use_new_zipfile_serialization=False) for fp32 and fp16;
 - dev/fixtures/pt/unet_classifier_{attention,adaptive}_fp16{,_legacy}.pt: the same for the noisy
-  classifier's fixtures (its EncoderUNetModel), fp16 only;
+  classifier's fixtures (its EncoderUNetModel), fp16 only; unet_super_res_fp16{,_legacy}.pt for
+  the upsampler's (SuperResModel);
 - dev/test/corpus/pt/good_torch_views{,_legacy}.pt: a small dict of tensors that share storages
   and start at offsets into them (views), a Parameter, fp16 and bf16 values; values
   arange(n) * 0.25 (see dev/test/test_safetensors.c).
 
     python3 scripts/make_pt_fixtures.py      # needs PyTorch and safetensors
+    python3 scripts/make_pt_fixtures.py super_res   # only that fixture's files
 """
 
 import os
@@ -29,7 +31,11 @@ def main():
     out = os.path.join(ROOT, "dev", "fixtures", "pt")
     os.makedirs(out, exist_ok=True)
     every = ("fp32", "fp16", "bf16")
-    for name, labels in (("seed", every), ("adm", every), ("classifier_attention", ("fp16",)), ("classifier_adaptive", ("fp16",))):
+    only = sys.argv[1] if len(sys.argv) > 1 else None
+    for name, labels in (("seed", every), ("adm", every), ("classifier_attention", ("fp16",)), ("classifier_adaptive", ("fp16",)),
+                         ("super_res", ("fp16",))):
+        if only not in (None, name):
+            continue
         path = os.path.join(ROOT, "dev", "fixtures", f"unet_{name}.safetensors")
         with safe_open(path, "pt") as f:
             meta = f.metadata()
@@ -45,6 +51,8 @@ def main():
             torch.save(cast, os.path.join(out, f"unet_{name}_{label}.pt"))
             if label != "bf16":
                 torch.save(cast, os.path.join(out, f"unet_{name}_{label}_legacy.pt"), _use_new_zipfile_serialization=False)
+    if only:
+        return
     base = torch.arange(10, dtype=torch.float32) * 0.25
     views = {"view": base[2:5], "whole": base, "row": base.view(2, 5)[1],
              "half": (torch.arange(6, dtype=torch.float32) * 0.25).half().view(2, 3),

@@ -543,6 +543,10 @@ DEFAULT_CHANNEL_MULT = {
 }
 
 
+# guided-diffusion's sr_create_model: the upsampler's, by its large size.
+SUPER_RES_CHANNEL_MULT = {512: (1, 1, 2, 2, 4, 4), 256: (1, 1, 2, 2, 4, 4), 64: (1, 2, 3, 4)}
+
+
 def model_kwargs(args):
     """guided-diffusion flags (strings or native values; missing ones take DEFAULTS;
     unknown ones, e.g. diffusion flags, are ignored) -> UNetModel keyword arguments."""
@@ -550,9 +554,10 @@ def model_kwargs(args):
     image_size = int(a["image_size"])
     mult = str(a["channel_mult"]).strip()
     if mult == "":
-        if image_size not in DEFAULT_CHANNEL_MULT:
+        defaults = SUPER_RES_CHANNEL_MULT if is_super_res(args) else DEFAULT_CHANNEL_MULT
+        if image_size not in defaults:
             raise ValueError(f"no default channel_mult for image_size {image_size}")
-        channel_mult = DEFAULT_CHANNEL_MULT[image_size]
+        channel_mult = defaults[image_size]
     else:
         channel_mult = tuple(int(m) for m in mult.split(","))
     attention_ds = tuple(image_size // int(r)

@@ -6,7 +6,7 @@ cd "$(dirname "$0")/../.." || exit 1
 UNCOND=dev/fixtures/unet_conv_resample.safetensors  # unconditional, eps
 SIGMA=dev/fixtures/unet_adm.safetensors             # 10 classes (no null class), learned variance
 
-case_begin "a .pt: the flags its tensors cannot give are asked for, those they contradict refused, before the GPU"
+case_begin "a .pt: the flags its tensors cannot give are asked for, those they contradict refused, before the GPU (an upsampler's sizes too)"
 PT=dev/fixtures/pt/unet_adm_fp16.pt
 expect_fail ./generate --checkpoint "$PT" --image_size 8
 expect_grep "num_head_channels or --num_heads: a state_dict does not say" "$LAST_ERR"
@@ -18,6 +18,12 @@ expect_fail ./generate --checkpoint "$SIGMA" --image_size 8
 expect_grep "holds its model's configuration: --image_size and the other model flags are for files without it" "$LAST_ERR"
 expect_fail ./generate --checkpoint "$PT" --image_size 8 --image_size 16
 expect_grep "image_size is given twice" "$LAST_ERR"
+UP_PT=dev/fixtures/pt/unet_super_res_fp16.pt
+expect_fail ./generate --checkpoint "$UP_PT" --image_size 8 --num_head_channels 16
+expect_grep "large_size and --small_size: a UNet of 6 input channels is an upsampler" "$LAST_ERR"
+expect_fail ./generate --checkpoint "$UP_PT" --large_size 8 --small_size 4 --num_head_channels 16
+expect_grep "an upsampler \(SuperResModel, 4x4 to 8x8\)" "$LAST_OUT"
+expect_grep "give the images to upsample with --low_res FILE.bin" "$LAST_ERR"
 
 case_begin "the command-line convention: the usage on stdout and exit 0 for no arguments, -h and --help; README.md's copy is the same"
 expect_usage ./generate --num 3

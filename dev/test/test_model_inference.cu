@@ -6,7 +6,9 @@
 // the configurations of guided-diffusion's released models, the inferred configuration equals the
 // true one; likewise for the noisy classifier (its fixtures, a .pt of one, each head, guided-diffusion's
 // released classifiers' configurations), whose flags given with a .pt are checked against the
-// tensors; what shapes cannot say is refused with one line naming the flag to give.
+// tensors; the upsampler (its fixture, a .pt of it, guided-diffusion's released upsamplers'
+// configurations) with its sizes given as guided-diffusion's --large_size and --small_size; what
+// shapes cannot say is refused with one line naming the flag to give.
 #define TRAIN_UNET_LIBRARY
 #include "../../train_unet.cu"
 #include "check.h"
@@ -34,6 +36,7 @@ static Options given_for(const ModelConfig *c) {
     Options o = guided_diffusion_defaults();
     o.image_size = c->image_size, o.num_heads = c->num_heads, o.num_head_channels = c->num_head_channels;
     o.num_heads_upsample = c->num_heads_upsample, o.use_new_attention_order = c->use_new_attention_order, o.dropout = c->dropout;
+    o.super_res = c->low_res;  // an upsampler's small size (its .pt's --small_size)
     return o;
 }
 
@@ -67,6 +70,25 @@ int main(void) {
         }
     }
 
+    check_case("the upsampler (SuperResModel): its fixture and a .pt of it with --large_size/--small_size; 6 channels without them refused");
+    {
+        SafeTensorsFile f;
+        ModelConfig truth;
+        const char *path = "dev/fixtures/unet_super_res.safetensors", *pt = "dev/fixtures/pt/unet_super_res_fp16.pt";
+        CHECK(safetensors_open(path, &f, err, sizeof err) == 0 && model_config_from_metadata(&f, path, &truth, err, sizeof err) == 0);
+        CHECK(truth.low_res == 4 && infers(path, &f, &truth));
+        safetensors_close(&f);
+        UnetInfo info;
+        const char *flags[3] = {"large_size=8", "small_size=4", "num_head_channels=16"};
+        UnetCheckpoint *ck = unet_checkpoint_open(pt, "ema", flags, 3, &info, err, sizeof err);
+        CHECK(ck && info.small_size == 4 && info.image_size == 8 && strstr(info.model, "an upsampler (SuperResModel, 4x4 to 8x8)"));
+        if (ck) printf("  %s\n", info.model);
+        unet_checkpoint_close(ck);
+        const char *no_sizes[2] = {"image_size=8", "num_head_channels=16"};
+        CHECK(!unet_checkpoint_open(pt, "ema", no_sizes, 2, &info, err, sizeof err) && strstr(err, "--large_size and --small_size"));
+        printf("  %s\n", err);
+    }
+
     check_case("presets and variations: every flag the shapes decide is inferred");
     struct { const char *preset, *mult, *attention; int blocks, class_cond, learn_sigma, scale_shift, updown, conv, size; } cases[] = {
         {"seed", NULL, NULL, -1, 0, 0, -1, -1, -1, 0},      {"adm64", NULL, NULL, -1, 1, 1, -1, -1, -1, 0},
@@ -94,6 +116,25 @@ int main(void) {
         char what[64];
         snprintf(what, sizeof what, "case %zu (%s, mult %s)", i, cases[i].preset, o.channel_mult);
         CHECK(infers(what, &f, &truth));
+        safetensors_close(&f);
+    }
+
+    check_case("guided-diffusion's released upsamplers (64_256, 128_512), with its README's flags: inferred from their shapes");
+    struct { const char *name; int large, small, heads, head_channels; const char *attention; } upsamplers[] = {
+        {"64_256_upsampler", 256, 64, 4, -1, "32,16,8"}, {"128_512_upsampler", 512, 128, 4, 64, "32,16"}};
+    for (size_t i = 0; i < sizeof upsamplers / sizeof upsamplers[0]; i++) {
+        Options r = guided_diffusion_defaults();
+        r.image_size = upsamplers[i].large, r.super_res = upsamplers[i].small, r.num_channels = 192, r.num_res_blocks = 2;
+        r.num_heads = upsamplers[i].heads, r.num_head_channels = upsamplers[i].head_channels, r.attention_resolutions = upsamplers[i].attention;
+        r.channel_mult = "", r.learn_sigma = 1, r.resblock_updown = 1, r.use_scale_shift_norm = 1, r.class_cond = 1, r.num_classes = 1000;
+        ModelConfig truth;
+        if (model_config_from_options(&r, r.num_classes, &truth, err, sizeof err) != 0) {
+            printf("  %s: %s\n", upsamplers[i].name, err);
+            CHECK(0);
+            continue;
+        }
+        SafeTensorsFile f = shapes_only(&truth);
+        CHECK(infers(upsamplers[i].name, &f, &truth));
         safetensors_close(&f);
     }
 

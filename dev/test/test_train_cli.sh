@@ -29,6 +29,11 @@ UP=(--image_size 256 --super_res 64 --num_channels 192 --num_res_blocks 2 --atte
     --num_head_channels -1 --use_scale_shift_norm True --resblock_updown True --learn_sigma True --class_cond True --num_classes 1000
     --conv_resample True --channel_mult "")
 [ "$(params "${UP[@]}")" = 311,796,678 ] || case_fail "upsampler 64 -> 256: $(params "${UP[@]}")"
+# and its 128_512_upsampler.pt's (the upsampler's own channel_mult at 512: 1,1,2,2,4,4; PyTorch 308,835,270)
+UP512=(--image_size 512 --super_res 128 --num_channels 192 --num_res_blocks 2 --attention_resolutions 32,16 --num_head_channels 64
+       --use_scale_shift_norm True --resblock_updown True --learn_sigma True --class_cond True --num_classes 1000 --conv_resample True
+       --channel_mult "")
+[ "$(params "${UP512[@]}")" = 308,836,038 ] || case_fail "upsampler 128 -> 512: $(params "${UP512[@]}")"
 expect_exit 2 "$TRAIN" --data data/shapes.bin --super_res 16 --sample_count 4
 expect_grep "super_res: an upsampler's sample grids are not built yet: leave out --sample_count" "$LAST_ERR"
 
