@@ -224,7 +224,7 @@ static Options parse_options(int argc, char **argv) {
         unet_usage_error("--spacing spaces ddim's and ddpm's --steps: it goes with neither --respacing nor --sampler dpm++");
     if (o.respacing[0] && (strcmp(o.sampler, "dpm++") == 0 || o.steps))
         unet_usage_error("--respacing gives ddim's and ddpm's steps: it goes with neither --sampler dpm++ nor --steps");
-    if (o.nll && (o.eval || o.bench || o.steps || strcmp(o.sampler, "ddim") != 0 || o.guidance != 1.0 || o.classifier))
+    if (o.nll && (o.eval || o.bench || o.steps || strcmp(o.sampler, "ddim") != 0 || o.guidance != 1.0 || o.classifier || o.low_res))
         unet_usage_error("--nll measures a likelihood: it goes with --num, --batch, --respacing and --seed only");
     if ((o.eval != NULL) != (o.output != NULL))
         unet_usage_error("--eval IN.safetensors and --output OUT.safetensors go together");
@@ -233,7 +233,6 @@ static Options parse_options(int argc, char **argv) {
     if (o.up_steps && !o.upsampler) unet_usage_error("--up_steps is the cascade's: it needs --upsampler");
     if (o.upsampler && (o.eval || o.nll || o.low_res))
         unet_usage_error("--upsampler upsamples the images sampled: it goes without --eval, --nll and --low_res");
-    if (o.nll && o.low_res) unet_usage_error("--nll measures a likelihood: it goes with --num, --batch, --respacing and --seed only");
     if (!o.classifier && (o.classifier_scale_given || o.num_classifier_flags))
         unet_usage_error("--%.*s is classifier guidance's: it needs --classifier",
                          o.classifier_scale_given ? 16 : (int)strcspn(o.classifier_flags[0], "="),

@@ -3886,6 +3886,8 @@ static void pool_tokens_backward(floatX *dx, GradMode mode, float *d_pos, const 
 // Resampling without weights, NHWC: 2x2 average pooling (down) and nearest-neighbour 2x (up).
 //   pool: y[n][i][j] = (x[2i][2j] + x[2i][2j+1] + x[2i+1][2j] + x[2i+1][2j+1]) / 4;  dx = dy / 4 to each
 //   up:   y[n][i][j] = x[i/2][j/2];                                                 dx = sum of its 4 dy
+// Then the upsampler's (SuperResModel's), forward only: its low-resolution image upsampled
+// bilinearly into the model's input, and in training made by area downsampling.
 
 // One thread per output (forward) or input (backward) pixel and vector of channels; V is Pack, or
 // Scalar when C % PACK != 0. H, W: the input's size. Odd sizes drop the last row or column, as
@@ -5745,13 +5747,6 @@ static int take_if_match(const SafeTensorsFile *f, const Options *o, const Model
     return 1;
 }
 
-// The noisy classifier's (EncoderUNetModel: input blocks, middle block, a head; infer_model_config
-// sends a state_dict with a classifier's head and no output blocks here): its head and classes from
-// the head's tensors (classifier_head), the
-// levels from the input blocks (the first conv, per level num_res_blocks ResBlocks and a
-// downsampling but on the last), each level's channels from its first ResBlock, attention where a
-// level's blocks have it; the heads are 64 channels (guided-diffusion's create_classifier) unless
-// given.
 // The head of a classifier's state_dict by its tensors (a pool's name, its classes in *classes), or
 // NULL: no classifier's head (a UNet's out.0 is a GroupNorm and its out.2 a 3x3 convolution).
 static const char *classifier_head(const SafeTensorsFile *f, int64_t *classes) {
@@ -5764,6 +5759,12 @@ static const char *classifier_head(const SafeTensorsFile *f, int64_t *classes) {
     return NULL;
 }
 
+// The noisy classifier's (EncoderUNetModel: input blocks, middle block, a head; infer_model_config
+// sends a state_dict with a classifier's head and no output blocks here): its head and classes from
+// the head's tensors (classifier_head), the levels from the input blocks (the first conv, per level
+// num_res_blocks ResBlocks and a downsampling but on the last), each level's channels from its first
+// ResBlock, attention where a level's blocks have it; the heads are 64 channels (guided-diffusion's
+// create_classifier) unless given.
 static int infer_classifier_config(const SafeTensorsFile *f, const Options *given, int heads_given, InferredModel *inferred, char *err,
                                    size_t err_len) {
     const SafeTensor *time = safetensors_find(f, "time_embed.0.weight");
@@ -5789,7 +5790,7 @@ static int infer_classifier_config(const SafeTensorsFile *f, const Options *give
                 snprintf(resolutions + strlen(resolutions), sizeof resolutions - strlen(resolutions), "%s%d", resolutions[0] ? "," : "",
                          given->image_size >> level);
         }
-            for (int updown = 0; ok && updown < 2; updown++) {  // (conv_resample: always, as create_classifier leaves it)
+        for (int updown = 0; ok && updown < 2; updown++) {  // (conv_resample: always, as create_classifier leaves it)
             Options o = *given;
             o.num_channels = (int)ch, o.num_res_blocks = blocks, o.channel_mult = mult, o.attention_resolutions = resolutions;
             o.use_scale_shift_norm = scale_shift_rows == 2 * tensor_rows(f, "input_blocks.%d.0.out_layers.3.weight", 1);
@@ -8017,8 +8018,8 @@ static void gpu_sampler_begin(GpuSampler *s, int64_t first, int count, const int
     int64_t per_image = image_values(m) / m->batch, n = B * per_image;
     if (mc->low_res) {  // as model inputs, in both halves when guided
         size_t per_low = (size_t)mc->low_res * mc->low_res * mc->in_channels;
-        for (int b = 0; b < B; b++)
-            cuda_check(cudaMemcpy(s->low_pixels + b * per_low, low_res + (b < count ? b : 0) * per_low, per_low, cudaMemcpyHostToDevice));
+        cuda_check(cudaMemcpy(s->low_pixels, low_res, count * per_low, cudaMemcpyHostToDevice));
+        for (int b = count; b < B; b++) cuda_check(cudaMemcpy(s->low_pixels + b * per_low, low_res, per_low, cudaMemcpyHostToDevice));
         for (int half = 0; half < m->batch / B; half++) images_to_model_input(m->low_res.x + half * B * per_low, s->low_pixels, B * per_low, gpu.stream);
     }
     SampleCursor cursor = {0, first * per_image};
