@@ -521,10 +521,10 @@ int main(int argc, char **argv) {
         }
         if (base_images) {
             snprintf(path, sizeof path, "%s/base_grid.png", o.out);
-            if (write_grid_png(path, base_images, o.num, info.image_size) != 0) unet_die("cannot write %s: %s", path, strerror(errno));
+            if (write_grid_png(path, base_images, o.num, info.image_size, 0) != 0) unet_die("cannot write %s: %s", path, strerror(errno));
         }
         snprintf(path, sizeof path, "%s/grid.png", o.out);
-        if (write_grid_png(path, images, o.num, S) != 0) unet_die("cannot write %s: %s", path, strerror(errno));
+        if (write_grid_png(path, images, o.num, S, 0) != 0) unet_die("cannot write %s: %s", path, strerror(errno));
         printf("generate: wrote %d images and %s; sampling took %.2f s on the GPU (%.1f images/s)\n", o.num, path, seconds[0],
                o.num / seconds[0]);
     }

@@ -23,10 +23,11 @@ static inline int write_png(const char *path, int w, int h, const uint8_t *rgb) 
     return ok ? 0 : -1;
 }
 
-// Writes images ([count][size][size][3]) as one PNG grid, ceil(sqrt(count)) to a row, with a
-// 2-pixel white border; written to a temporary name and renamed. Returns 0, or -1 with errno.
-static inline int write_grid_png(const char *path, const uint8_t *images, int count, int size) {
-    int cols = (int)ceil(sqrt((double)count)), rows = (count + cols - 1) / cols, pad = 2;
+// Writes images ([count][size][size][3]) as one PNG grid, cols to a row (0: ceil(sqrt(count))), with
+// a 2-pixel white border; written to a temporary name and renamed. Returns 0, or -1 with errno.
+static inline int write_grid_png(const char *path, const uint8_t *images, int count, int size, int cols) {
+    if (cols <= 0) cols = (int)ceil(sqrt((double)count));
+    int rows = (count + cols - 1) / cols, pad = 2;
     int W = cols * (size + pad) + pad, H = rows * (size + pad) + pad;
     uint8_t *grid = (uint8_t *)malloc((size_t)W * H * 3);
     if (!grid) return -1;

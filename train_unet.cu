@@ -4325,7 +4325,8 @@ typedef struct {
 #define OPT(name, type, help) {#name, type, offsetof(Options, name), help}
 static const OptionSpec option_specs[] = {
     OPT(data, OPT_STRING, "dataset .bin written by prepare_data (required to train)"),
-    OPT(preset, OPT_STRING, "seed | adm64 | adm128 | adm256 | adm256u | adm512: a model and training configuration to start from"),
+    OPT(preset, OPT_STRING, "seed | adm64 | adm128 | adm256 | adm256u | adm512 | adm64_256 | adm128_512: a model and training "
+                                 "configuration to start from"),
     OPT(image_size, OPT_INT, "image side in pixels; when not given, the dataset's (without --data the preset's)"),
     OPT(num_channels, OPT_INT, "model channels (multiple of 32)"),
     OPT(channel_mult, OPT_STRING, "channel multiplier per level, e.g. 1,2,3,4; \"\", or not given with an image size from the "
@@ -4386,7 +4387,8 @@ static const OptionSpec option_specs[] = {
     OPT(save_interval, OPT_INT, "steps between checkpoints"),
     OPT(keep, OPT_INT, "checkpoints to keep, the newest (0: all)"),
     OPT(sample_interval, OPT_INT, "steps between sample grids from the EMA weights (0: only at the end)"),
-    OPT(sample_count, OPT_INT, "images in a sample grid, e.g. 64 (0: no grids)"),
+    OPT(sample_count, OPT_INT, "images in a sample grid, e.g. 64 (0: no grids); an upsampler's: the first images of the "
+                                 "validation or training data, each as low-res | sample | original"),
     OPT(sample_steps, OPT_INT, "DDIM steps of a sample grid"),
     OPT(max_bad_steps, OPT_INT, "stop after this many steps in a row with a non-finite loss or gradient"),
     OPT(run_dir, OPT_STRING, "run folder: config.txt, log.csv, checkpoints/"),
@@ -4449,12 +4451,25 @@ static Options preset_adm_large(int size, const char *name) {
     return o;
 }
 
+// guided-diffusion's released upsamplers (its README's flags; their files 64_256_upsampler.pt and
+// 128_512_upsampler.pt): 192 channels, 2 blocks, learned variance, linear schedule, scale-shift
+// norm, resblock up/down, class-conditional; the upsampler's channel multipliers of the size; 64 to
+// 256 with attention at 32,16,8 and 4 heads, 128 to 512 at 32,16 with 64-channel heads.
+static Options preset_adm_upsampler(int small_size, int large_size, const char *name) {
+    Options o = preset_adm_large(large_size, name);
+    o.super_res = small_size, o.num_channels = 192;
+    if (large_size == 512) o.attention_resolutions = "32,16";
+    return o;
+}
+
 // The options of a preset by its name. Returns 0, or -1 for a name that is none.
 static int preset_options(const char *name, Options *o) {
     if (strcmp(name, "seed") == 0) *o = preset_seed();
     else if (strcmp(name, "adm64") == 0) *o = preset_adm64();
     else if (strcmp(name, "adm128") == 0 || strcmp(name, "adm256") == 0 || strcmp(name, "adm256u") == 0 || strcmp(name, "adm512") == 0)
         *o = preset_adm_large(atoi(name + 3), name);
+    else if (strcmp(name, "adm64_256") == 0) *o = preset_adm_upsampler(64, 256, name);
+    else if (strcmp(name, "adm128_512") == 0) *o = preset_adm_upsampler(128, 512, name);
     else return -1;
     return 0;
 }
@@ -9106,6 +9121,11 @@ static void print_usage(FILE *f) {
     cli_print_wrapped(f, "its ImageNet-256 model: the same at 256x256, mult 1,1,2,2,4,4, 64-channel heads; adm256u: unconditional",
                       fprintf(f, "  adm256"), 10);
     cli_print_wrapped(f, "its ImageNet-512 model: the same at 512x512, mult 0.5,1,1,2,2,4,4", fprintf(f, "  adm512"), 10);
+    cli_print_wrapped(f, "its upsampler from 64x64 to 256x256 (--super_res 64): 192 channels, mult 1,1,2,2,4,4, 2 blocks, "
+                         "attention at 32,16,8 with 4 heads, scale-shift norm, resblock up/down, learned sigma, linear "
+                         "schedule, class-conditional", fprintf(f, "  adm64_256"), 10);
+    cli_print_wrapped(f, "its upsampler from 128x128 to 512x512: the same, attention at 32,16 with 64-channel heads",
+                      fprintf(f, "  adm128_512"), 10);
 }
 
 // The options given on the command line (the others are the preset's, or the dataset's).
@@ -9129,7 +9149,7 @@ static Options parse_options(int argc, char **argv) {
         else if (strcmp(argv[i], "--preset") == 0 && i + 1 < argc) preset = argv[i + 1];
     }
     Options o;
-    if (preset_options(preset, &o) != 0) usage_error("unknown preset '%s' (seed, adm64, adm128, adm256, adm256u or adm512)", preset);
+    if (preset_options(preset, &o) != 0) usage_error("unknown preset '%s' (seed, adm64, adm128, adm256, adm256u, adm512, adm64_256 or adm128_512)", preset);
 
     for (int i = 1; i < argc; i++) {
         const char *arg = argv[i];
@@ -9261,11 +9281,6 @@ static void check_dataset(const DatasetHeader *h, Options *o, int say) {
 // flags, with classifier_train.py's defaults where the command line leaves them: lr 3e-4, no EMA;
 // and no sample grids (nothing to sample). A bad value ends the program with one usage error line.
 static ModelConfig resolve_run_model(Options *o) {
-    if (o->super_res) {  // the upsampler's sample grids need its sampling: not built yet
-        if (option_given("sample_count") && o->sample_count)
-            usage_error("--super_res: an upsampler's sample grids are not built yet: leave out --sample_count");
-        o->sample_count = 0;
-    }
     if (strcmp(o->model, "diffusion") == 0) return resolve_model(o, o->num_classes ? o->num_classes + 1 : 0);
     if (strcmp(o->model, "classifier") != 0) usage_error("--model '%s' must be diffusion or classifier", o->model);
     static const char *const diffusion_only[] = {"class_cond", "learn_sigma", "cfg_dropout", "use_kl", "predict", "super_res"};
@@ -9402,41 +9417,87 @@ static int grid_batch_that_fits(const Options *o, const ModelConfig *c, const Sa
     return batch;
 }
 
+// An image area-downsampled by an integer factor and rounded to pixels (block means, as
+// F.interpolate's "area"; scripts/superres_psnr.py downsample makes the same): an upsampler's
+// low-resolution input, as generate --low_res reads it from a file.
+static void downsample_area_pixels(uint8_t *low, const uint8_t *image, int size, int low_size, int channels) {
+    int f = size / low_size;
+    for (int y = 0; y < low_size; y++)
+        for (int x = 0; x < low_size; x++)
+            for (int c = 0; c < channels; c++) {
+                double sum = 0;
+                for (int dy = 0; dy < f; dy++)
+                    for (int dx = 0; dx < f; dx++) sum += image[((size_t)(y * f + dy) * size + x * f + dx) * channels + c];
+                low[((size_t)y * low_size + x) * channels + c] = (uint8_t)lrint(sum / (f * f));
+            }
+}
+
+// Nearest-neighbour enlargement of a low_size image to size (a whole factor): a grid's tile.
+static void enlarge_nearest_pixels(uint8_t *out, const uint8_t *low, int low_size, int size, int channels) {
+    int f = size / low_size;
+    for (int y = 0; y < size; y++)
+        for (int x = 0; x < size; x++)
+            memcpy(out + ((size_t)y * size + x) * channels, low + ((size_t)(y / f) * low_size + x / f) * channels, channels);
+}
+
 // A grid of sample_count images from the first EMA's weights, DDIM with sample_steps steps and
 // the same starting noise every time (so grids compare over a run), into run_dir/samples/.
-// Class-conditional models get the classes in turn. The sampler is made at the first grid.
-static void write_samples(Trainer *tr, GpuSampler *sampler, const char *run_dir) {
+// Class-conditional models get the classes in turn. An upsampler upsamples the first sample_count
+// images of `originals` (the validation set when there is one, else the training set; each with its
+// label), and its grid shows three tiles an image: the low-resolution input (enlarged), the sample
+// and the original. The sampler is made at the first grid.
+static void write_samples(Trainer *tr, GpuSampler *sampler, const Dataset *originals, const char *run_dir) {
     const Options *o = tr->o;
-    int count = o->sample_count, size = tr->config.image_size;
+    const ModelConfig *c = &tr->config;
+    int count = o->sample_count, size = c->image_size, low_size = c->low_res;
+    if (low_size && (uint64_t)count > originals->header.count) count = (int)originals->header.count;
     if (!sampler->m.blocks) {
         SamplePlan plan;
         if (sample_plan_make(&plan, &tr->diffusion.schedule, SAMPLER_DDIM, o->sample_steps, NULL, 0.0f, prediction_from_name(o->predict), 1,
                              0) != 0)
             fatal("out of memory");
-        gpu_sampler_create(sampler, &tr->config, grid_batch_that_fits(o, &tr->config, &plan), &plan, 1.0f, NULL, 0.0f,
+        gpu_sampler_create(sampler, c, grid_batch_that_fits(o, c, &plan), &plan, 1.0f, NULL, 0.0f,
                            random_u64((uint64_t)o->seed, rng_stream(RNG_GRID_SEED, 0), 0));
         sample_plan_free(&plan);
     }
     cuda_check(cudaMemcpy(sampler->m.master, tr->ema[0], tr->m.storage * sizeof(float), cudaMemcpyDeviceToDevice));
     unet_sync_compute(&sampler->m);
-    int *labels = NULL, classes = tr->config.num_classes - 1;  // without the null class
+    int *labels = NULL, classes = c->num_classes - 1;  // without the null class
     if (classes > 0) {
         labels = (int *)malloc_or_die(count * sizeof(int));
-        for (int i = 0; i < count; i++) labels[i] = i % classes;
+        for (int i = 0; i < count; i++) labels[i] = low_size ? originals->labels[i] : i % classes;
     }
-    int64_t per_image = (int64_t)size * size * 3;
+    int64_t per_image = (int64_t)size * size * 3, per_low = (int64_t)low_size * low_size * 3;
+    uint8_t *low = low_size ? (uint8_t *)malloc_or_die(count * per_low) : NULL;
+    for (int i = 0; i < count && low; i++)
+        downsample_area_pixels(low + i * per_low, originals->pixels + i * originals->layout.image_bytes, size, low_size, 3);
     uint8_t *pixels = (uint8_t *)malloc_or_die(count * per_image);
     for (int first = 0; first < count; first += sampler->images) {
         int n = count - first < sampler->images ? count - first : sampler->images;
-        gpu_sampler_run(sampler, first, n, labels ? labels + first : NULL, NULL, pixels + first * per_image, NULL, NULL);
+        gpu_sampler_run(sampler, first, n, labels ? labels + first : NULL, low ? low + first * per_low : NULL, pixels + first * per_image,
+                        NULL, NULL);
+    }
+    int tiles = count, cols = 0;
+    uint8_t *grid_images = pixels;
+    if (low_size) {  // low-resolution input | sample | original, for each image
+        tiles = 3 * count, cols = 3 * (int)ceil(sqrt((double)count));
+        grid_images = (uint8_t *)malloc_or_die(tiles * per_image);
+        for (int i = 0; i < count; i++) {
+            uint8_t *tile = grid_images + 3 * i * per_image;
+            enlarge_nearest_pixels(tile, low + i * per_low, low_size, size, 3);
+            memcpy(tile + per_image, pixels + i * per_image, per_image);
+            memcpy(tile + 2 * per_image, originals->pixels + i * originals->layout.image_bytes, per_image);
+        }
     }
     char path[4096];
     snprintf(path, sizeof path, "%s/samples", run_dir);
     mkdir(path, 0777);
     snprintf(path, sizeof path, "%s/samples/step_%09lld.png", run_dir, (long long)tr->step);
-    if (write_grid_png(path, pixels, count, size) != 0) fatal("cannot write %s: %s", path, strerror(errno));
+    if (write_grid_png(path, grid_images, tiles, size, cols) != 0) fatal("cannot write %s: %s", path, strerror(errno));
     printf("samples: %s\n", path);
+    if (grid_images != pixels) free(grid_images);
     free(pixels);
+    free(low);
     free(labels);
 }
 
@@ -9702,6 +9763,7 @@ static void run_training(const Options *o, const ModelConfig *config, const Para
                with_commas(params->numel, buf, sizeof buf), o->steps, o->batch_size, o->run_dir);
     GpuSampler sampler;  // made at the first grid
     memset(&sampler, 0, sizeof sampler);
+    const Dataset *grid_originals = val ? &val->data : &loader.data;  // an upsampler's grid's images
     double interval_loss = 0, interval_mse = 0, interval_vb = 0, started = now_seconds(), interval_start = started;
     double interval_quarter[4] = {0}, interval_quarter_count[4] = {0};  // per quarter of t: sums of the weighted losses, counts
     ClassifierLog train_log = {}, val_log = {};  // a classifier's: its steps', its evaluations'
@@ -9760,7 +9822,7 @@ static void run_training(const Options *o, const ModelConfig *config, const Para
             for (int q = 0; q < 4; q++) interval_quarter[q] = interval_quarter_count[q] = 0;
         }
         if (o->sample_count && o->sample_interval && tr.step % o->sample_interval == 0 && tr.step < last) {
-            if (lead) write_samples(&tr, &sampler, o->run_dir);
+            if (lead) write_samples(&tr, &sampler, grid_originals, o->run_dir);
             tr.others_wait = 1;
         }
         if (tr.step % o->save_interval == 0 && tr.step < last) {
@@ -9777,7 +9839,7 @@ static void run_training(const Options *o, const ModelConfig *config, const Para
         if (tr.step > first_step || !saved[0]) {
             if (save_checkpoint(&tr, o->run_dir, &loader.position, saved, sizeof saved, err, sizeof err) != 0) fatal("%s", err);
         }
-        if (o->sample_count && tr.step > first_step) write_samples(&tr, &sampler, o->run_dir);
+        if (o->sample_count && tr.step > first_step) write_samples(&tr, &sampler, grid_originals, o->run_dir);
         printf("%s at step %lld: checkpoint %s (%.0f s; %lld non-finite steps skipped)\n",
                tr.step < o->steps ? "stopped" : "done", (long long)tr.step, saved, now_seconds() - started, (long long)bad_total);
         fclose(log);

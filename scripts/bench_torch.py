@@ -41,6 +41,9 @@ for _size, _heads in ((128, dict(num_heads="4", num_head_channels="-1")), (256, 
                                   conv_resample="True", use_new_attention_order="False", dropout="0.0", learn_sigma="True",
                                   class_cond="True", num_classes="1001", **_heads)
 PRESETS["adm256u"] = dict(PRESETS["adm256"], class_cond="False")
+# its upsamplers (64_256_upsampler.pt, 128_512_upsampler.pt): the upsampler's channel_mult of the size
+PRESETS["adm64_256"] = dict(PRESETS["adm256"], small_size="64", num_channels="192", num_heads="4", num_head_channels="-1")
+PRESETS["adm128_512"] = dict(PRESETS["adm512"], small_size="128", num_channels="192", attention_resolutions="32,16")
 
 
 def time_runs(fn, runs):
@@ -79,6 +82,9 @@ def main():
     target = torch.randn(n, out_channels, size, size, device="cuda").to(memory_format=torch.channels_last)
     t = torch.randint(0, 1000, (n,), device="cuda")
     labels = (torch.randint(0, int(flags["num_classes"]) - 1, (n,), device="cuda"),) if flags.get("class_cond") == "True" else ()
+    if "small_size" in flags:  # an upsampler: low_res before the labels (SuperResModel.forward(x, t, low_res, y))
+        small = int(flags["small_size"])
+        labels = (torch.randn(n, 3, small, small, device="cuda").to(memory_format=torch.channels_last),) + labels
     forward = model
     if args.mode != "eager":
         forward = torch.compile(model, mode=None if args.mode == "compile" else "reduce-overhead")

@@ -190,13 +190,22 @@ int main(void) {
     for (int i = 0; i < 10 * 75; i++) images[i] = (uint8_t)(i / 75 * 20 + 1);  // image k is all k*20+1
     char path[] = "/tmp/test_grid_XXXXXX";
     close(mkstemp(path));
-    CHECK(write_grid_png(path, images, 10, 5) == 0);
+    CHECK(write_grid_png(path, images, 10, 5, 0) == 0);
     int w, h, channels;
     uint8_t *grid = stbi_load(path, &w, &h, &channels, 3);
     CHECK(grid && w == 4 * 7 + 2 && h == 3 * 7 + 2);
     for (int k = 0; grid && k < 10; k++) {
         int x = 2 + (k % 4) * 7 + 4, y = 2 + (k / 4) * 7 + 4;  // the tile's last pixel
         CHECK(grid[(y * w + x) * 3] == k * 20 + 1 && grid[((y + 1) * w + x + 1) * 3] == 255);
+    }
+    stbi_image_free(grid);
+    check_case("sample grid: the same 10 images, 3 columns asked for");
+    CHECK(write_grid_png(path, images, 10, 5, 3) == 0);
+    grid = stbi_load(path, &w, &h, &channels, 3);
+    CHECK(grid && w == 3 * 7 + 2 && h == 4 * 7 + 2);
+    for (int k = 0; grid && k < 10; k++) {
+        int x = 2 + (k % 3) * 7 + 4, y = 2 + (k / 3) * 7 + 4;
+        CHECK(grid[(y * w + x) * 3] == k * 20 + 1);
     }
     stbi_image_free(grid);
     unlink(path);

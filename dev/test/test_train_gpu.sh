@@ -2,8 +2,8 @@
 # test_train_gpu.sh: training on the GPU, end to end: a run stopped and resumed equals a run that
 # never stopped (every logged loss, learning rate and gradient norm, and the final weights, EMA
 # and optimiser state to the byte); SIGINT saves and exits 0; non-finite steps stop the run with
-# a clear message; sample grids are written; bad checkpoints are refused with one line; a run
-# folder takes one trainer at a time, SIGHUP saves, a save past the file-size limit keeps the
+# a clear message; sample grids are written (an upsampler's: low-res | sample | original); bad
+# checkpoints are refused with one line; a run folder takes one trainer at a time, SIGHUP saves, a save past the file-size limit keeps the
 # previous checkpoint, an older resume sets the later steps aside, a resume from elsewhere starts a
 # new run; a learned variance trains, resumes and samples; the schedule sampler loss-second-moment
 # resumes exactly (its history in state.bin) and logs the loss per quarter of t; --microbatch trains as
@@ -234,7 +234,7 @@ done
 
 case_begin "the upsampler (--super_res 16: 32x32 from 16x16) with a learned variance: trains, resumes exactly, names its sizes, upsamples, cascades"
 UPS=(--super_res 16 --learn_sigma True --steps 20)
-expect_ok train "${UPS[@]}" --run_dir "$TEST_TMP/up_a"
+expect_ok train "${UPS[@]}" --sample_count 5 --run_dir "$TEST_TMP/up_a"
 expect_ok train "${UPS[@]}" --stop_step 9 --run_dir "$TEST_TMP/up_b"
 expect_ok train "${UPS[@]}" --run_dir "$TEST_TMP/up_b" --resume_checkpoint latest
 cmp -s <(cut -d, -f1-4 "$TEST_TMP/up_a/log.csv") <(cut -d, -f1-4 "$TEST_TMP/up_b/log.csv") || case_fail "the resumed run's losses differ"
@@ -243,7 +243,44 @@ for f in model.safetensors ema.safetensors state.bin; do
 done
 head -c 20000 "$TEST_TMP/up_a/checkpoints/step_000000020/model.safetensors" | grep -aq '"large_size":"32".*"small_size":"16"\|"small_size":"16".*"large_size":"32"' ||
     case_fail "the checkpoint's metadata names no large_size 32 and small_size 16"
-[ -d "$TEST_TMP/up_a/samples" ] && case_fail "an upsampler's run made sample grids"
+# its grid: 5 images of the training data, each as low-res (enlarged) | sample | original, 9 tiles a row
+python3 - "$TEST_TMP/up_a/samples/step_000000020.png" "$TEST_TMP/s.bin" <<'PY' || case_fail "the upsampler's grid is not low-res | sample | original"
+import struct, sys, zlib
+def png(path):  # an 8-bit RGB PNG's pixels, rows unfiltered
+    b = open(path, "rb").read()
+    w, h = struct.unpack(">II", b[16:24])
+    data, at = b"", 8
+    while at < len(b):
+        n, kind = struct.unpack(">I4s", b[at:at + 8])
+        if kind == b"IDAT": data += b[at + 8:at + 8 + n]
+        at += 12 + n
+    raw, rows, prev = zlib.decompress(data), [], bytearray(3 * w)
+    for y in range(h):
+        f, line = raw[y * (3 * w + 1)], bytearray(raw[y * (3 * w + 1) + 1:(y + 1) * (3 * w + 1)])
+        for i in range(3 * w):
+            a, up, c = line[i - 3] if i >= 3 else 0, prev[i], prev[i - 3] if i >= 3 else 0
+            p = a + up - c
+            pred = [0, a, up, (a + up) // 2, a if abs(p - a) <= abs(p - up) and abs(p - a) <= abs(p - c) else up if abs(p - up) <= abs(p - c) else c][f]
+            line[i] = (line[i] + pred) & 255
+        rows.append(line); prev = line
+    return w, h, rows
+w, h, rows = png(sys.argv[1])
+d = open(sys.argv[2], "rb").read()
+names = struct.unpack_from("<I", d, 36)[0]
+labels_at = (64 + names + 7) // 8 * 8
+count = struct.unpack_from("<Q", d, 16)[0]
+pixels_at = (labels_at + 4 * count + 63) // 64 * 64
+image = d[pixels_at:pixels_at + 32 * 32 * 3]  # the first image, 32x32
+def tile(k):  # tile k of the grid, 32x32 RGB
+    x0, y0 = 2 + (k % 9) * 34, 2 + (k // 9) * 34
+    return bytes(b for y in range(32) for b in rows[y0 + y][3 * x0:3 * (x0 + 32)])
+low = [round(sum(image[((2 * y + dy) * 32 + 2 * x + dx) * 3 + c] for dy in (0, 1) for dx in (0, 1)) / 4)
+       for y in range(16) for x in range(16) for c in range(3)]
+enlarged = bytes(low[((y // 2) * 16 + x // 2) * 3 + c] for y in range(32) for x in range(32) for c in range(3))
+ok = (w, h) == (9 * 34 + 2, 2 * 34 + 2) and tile(2) == image and tile(0) == enlarged and tile(1) not in (image, enlarged)
+print("  grid %dx%d, original tile %s, low-res tile %s" % (w, h, tile(2) == image, tile(0) == enlarged))
+sys.exit(0 if ok else 1)
+PY
 ./prepare_data --synthetic shapes --size 16 --count 3 --output "$TEST_TMP/low16.bin" --quiet >/dev/null
 expect_ok ./generate --checkpoint "$TEST_TMP/up_a/checkpoints/step_000000020" --low_res "$TEST_TMP/low16.bin" --num 5 --batch 2 \
     --sampler ddpm --steps 10 --out "$TEST_TMP/up_samples"
