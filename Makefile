@@ -140,7 +140,8 @@ ASAN := -fsanitize=address,undefined -fno-omit-frame-pointer
 NVCC_ASAN := -Xcompiler -fsanitize=address,-fsanitize=undefined,-fno-omit-frame-pointer -lasan -lubsan
 TESTS_CPU := build/test/test_dataset build/test/test_safetensors build/test/test_shapes build/test/test_dataloader build/test/train_unet_asan \
              build/test/test_reference build/test/test_unet_fixtures build/test/test_checkpoint build/test/test_conv_plan \
-             build/test/test_sampler build/test/test_sampler_fixture build/test/test_loss_plot build/test/test_model_inference
+             build/test/test_sampler build/test/test_sampler_fixture build/test/test_loss_plot build/test/test_model_inference \
+             build/test/test_metrics
 TESTS_GPU := build/test/test_dataloader_gpu build/test/test_unet_gpu_fp32 build/test/test_unet_gpu_bf16 \
              build/test/test_unet_gpu_reference_fp32 build/test/test_unet_gpu_reference_bf16 \
              build/test/test_sampler_gpu_fp32 build/test/test_sampler_gpu_bf16
@@ -168,6 +169,11 @@ build/test/test_shapes: dev/test/test_shapes.c data/shapes.c data/shapes.h rando
 build/test/test_dataloader: dev/test/test_dataloader.cu train_unet.cu $(TRAINER_HEADERS) dev/test/check.h build/precision
 	@mkdir -p build/test
 	$(NVCC) $(NVCC_HOST_TESTS) $(NVCC_ASAN) -o $@ $< $(CUDA_LIBS)
+
+# The sample-quality mathematics (metrics.h) against known answers and the NumPy port's fixture.
+build/test/test_metrics: dev/test/test_metrics.c metrics.h checkpoint.h fileio.h dev/test/check.h
+	@mkdir -p build/test
+	$(CC) $(CFLAGS) $(ASAN) -fno-sanitize-recover=undefined -o $@ $< -lm
 
 build/test/test_sampler: dev/test/test_sampler.c sampler.h random.h png.h dev/test/check.h
 	@mkdir -p build/test

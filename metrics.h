@@ -1,0 +1,287 @@
+// metrics.h: the mathematics of sample quality, in double precision on the CPU, as guided-diffusion's
+// evaluator (evaluations/evaluator.py) computes it from Inception-v3 features:
+//   - feature statistics: the mean and the covariance (unbiased, as np.cov) of a set of features;
+//   - the Fréchet distance of two statistics (FID on the 2048-d pool features, sFID on the spatial
+//     ones):  |mu1 - mu2|^2 + tr S1 + tr S2 - 2 tr sqrt(S1 S2);
+//   - the Inception Score of classifier logits: exp(mean_x KL(p(y|x) || p(y))) in each of 10 equal
+//     splits, averaged over the splits;
+//   - precision and recall over k-nearest-neighbour manifolds (k = 3): a sample is "precise" when it
+//     falls inside the ball of some reference feature whose radius is that feature's distance to its
+//     k-th nearest reference neighbour; a reference is "recalled" when it falls inside some sample's
+//     ball, the radii taken among the samples.
+// These are the reference implementations, plain loops: the truth the program's faster paths and
+// the tests are checked against. Header-only C (C11), no dependencies beyond libm.
+#ifndef METRICS_H
+#define METRICS_H
+
+#include <float.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+// Mean [dim] and covariance [dim][dim] of n feature rows [n][dim] (n >= 2), the covariance with
+// the 1/(n-1) of np.cov: two passes (the mean, then the centred products), all sums in double.
+// Returns 0, or -1 when n < 2 or memory runs out.
+static inline int feature_statistics(const float *features, int64_t n, int dim, double *mean, double *cov) {
+    if (n < 2) return -1;
+    double *centred = (double *)malloc((size_t)dim * sizeof(double));
+    if (!centred) return -1;
+    memset(mean, 0, (size_t)dim * sizeof(double));
+    memset(cov, 0, (size_t)dim * dim * sizeof(double));
+    for (int64_t r = 0; r < n; r++)
+        for (int i = 0; i < dim; i++) mean[i] += features[r * dim + i];
+    for (int i = 0; i < dim; i++) mean[i] /= (double)n;
+    for (int64_t r = 0; r < n; r++) {
+        for (int i = 0; i < dim; i++) centred[i] = features[r * dim + i] - mean[i];
+        for (int i = 0; i < dim; i++)
+            for (int j = i; j < dim; j++) cov[(size_t)i * dim + j] += centred[i] * centred[j];
+    }
+    for (int i = 0; i < dim; i++)
+        for (int j = i; j < dim; j++) cov[(size_t)j * dim + i] = cov[(size_t)i * dim + j] /= (double)(n - 1);
+    free(centred);
+    return 0;
+}
+
+// Eigenvalues (w [n]) and, when vectors is not NULL, eigenvectors (the columns of vectors [n][n]) of
+// the symmetric matrix a [n][n], which is destroyed: cyclic Jacobi rotations. Each rotation zeroes
+// one off-diagonal a_pq with the angle of cot 2θ = (a_qq - a_pp) / (2 a_pq); an a_pq too small to
+// change either diagonal entry (or below 1e-17 of the matrix's norm) is set to 0 instead, and the
+// sweeps end when one rotates nothing (at most 100). Accurate for the singular and nearly singular
+// covariances FID meets. Returns 0, or -1 when it did not converge.
+static inline int symmetric_eigen(double *a, int n, double *w, double *vectors) {
+    if (vectors) {
+        memset(vectors, 0, (size_t)n * n * sizeof(double));
+        for (int i = 0; i < n; i++) vectors[(size_t)i * n + i] = 1;
+    }
+    double norm = 0;
+    for (size_t i = 0; i < (size_t)n * n; i++) norm += a[i] * a[i];
+    double negligible = 1e-17 * sqrt(norm);
+    int rotations = 1, sweep;
+    for (sweep = 0; sweep < 100 && rotations; sweep++) {
+        rotations = 0;
+        for (int p = 0; p < n; p++)
+            for (int q = p + 1; q < n; q++) {
+                double apq = a[(size_t)p * n + q], app = a[(size_t)p * n + p], aqq = a[(size_t)q * n + q];
+                if (apq == 0) continue;
+                if (fabs(apq) <= negligible || (fabs(app) + 100 * fabs(apq) == fabs(app) && fabs(aqq) + 100 * fabs(apq) == fabs(aqq))) {
+                    a[(size_t)p * n + q] = a[(size_t)q * n + p] = 0;
+                    continue;
+                }
+                rotations++;
+                double theta = (aqq - app) / (2 * apq);
+                double t = (theta >= 0 ? 1 : -1) / (fabs(theta) + sqrt(theta * theta + 1));  // tan θ, the smaller root
+                double c = 1 / sqrt(t * t + 1), s = t * c;
+                for (int k = 0; k < n; k++) {  // columns p and q: A <- A J
+                    double akp = a[(size_t)k * n + p], akq = a[(size_t)k * n + q];
+                    a[(size_t)k * n + p] = c * akp - s * akq;
+                    a[(size_t)k * n + q] = s * akp + c * akq;
+                }
+                for (int k = 0; k < n; k++) {  // rows p and q: A <- J^T A
+                    double apk = a[(size_t)p * n + k], aqk = a[(size_t)q * n + k];
+                    a[(size_t)p * n + k] = c * apk - s * aqk;
+                    a[(size_t)q * n + k] = s * apk + c * aqk;
+                }
+                if (vectors)
+                    for (int k = 0; k < n; k++) {
+                        double vkp = vectors[(size_t)k * n + p], vkq = vectors[(size_t)k * n + q];
+                        vectors[(size_t)k * n + p] = c * vkp - s * vkq;
+                        vectors[(size_t)k * n + q] = s * vkp + c * vkq;
+                    }
+            }
+    }
+    for (int i = 0; i < n; i++) w[i] = a[(size_t)i * n + i];
+    return rotations ? -1 : 0;
+}
+
+// The square root of a symmetric positive semi-definite matrix s [n][n] into root: V diag(sqrt w) V^T
+// from s's eigenvectors, an eigenvalue below n * DBL_EPSILON of the largest taken as 0 (rounding's,
+// which a square root would magnify to 1e-8 of the scale; the rank cut-off of np.linalg.matrix_rank).
+// Returns 0, or -1.
+static inline int symmetric_sqrt(const double *s, int n, double *root) {
+    size_t nn = (size_t)n * n;
+    double *work = (double *)malloc(nn * sizeof(double)), *vectors = (double *)malloc(nn * sizeof(double));
+    double *w = (double *)malloc((size_t)n * sizeof(double));
+    int r = -1;
+    if (work && vectors && w) {
+        memcpy(work, s, nn * sizeof(double));
+        r = symmetric_eigen(work, n, w, vectors);
+    }
+    if (r == 0) {
+        double largest = 0;
+        for (int k = 0; k < n; k++) largest = w[k] > largest ? w[k] : largest;
+        for (int k = 0; k < n; k++) w[k] = w[k] > n * DBL_EPSILON * largest ? sqrt(w[k]) : 0;
+        for (int i = 0; i < n; i++)
+            for (int j = i; j < n; j++) {
+                double sum = 0;
+                for (int k = 0; k < n; k++) sum += vectors[(size_t)i * n + k] * w[k] * vectors[(size_t)j * n + k];
+                root[(size_t)i * n + j] = root[(size_t)j * n + i] = sum;
+            }
+    }
+    free(work), free(vectors), free(w);
+    return r;
+}
+
+// The sum of the singular values of the n x n matrix whose rows are a's rows (a is destroyed):
+// one-sided Jacobi, rotating pairs of rows until every pair is orthogonal (to 1e-15 of their
+// norms; at most 100 sweeps), the singular values then the rows' norms. Returns 0, or -1.
+static inline int singular_value_sum(double *a, int n, double *sum) {
+    int rotations = 1;
+    for (int sweep = 0; sweep < 100 && rotations; sweep++) {
+        rotations = 0;
+        for (int p = 0; p < n; p++)
+            for (int q = p + 1; q < n; q++) {
+                double *x = a + (size_t)p * n, *y = a + (size_t)q * n, xx = 0, yy = 0, xy = 0;
+                for (int k = 0; k < n; k++) xx += x[k] * x[k], yy += y[k] * y[k], xy += x[k] * y[k];
+                if (fabs(xy) <= 1e-15 * sqrt(xx * yy)) continue;
+                rotations++;
+                double zeta = (yy - xx) / (2 * xy);
+                double t = (zeta >= 0 ? 1 : -1) / (fabs(zeta) + sqrt(zeta * zeta + 1));
+                double c = 1 / sqrt(t * t + 1), s = t * c;
+                for (int k = 0; k < n; k++) {
+                    double xk = x[k], yk = y[k];
+                    x[k] = c * xk - s * yk;
+                    y[k] = s * xk + c * yk;
+                }
+            }
+    }
+    double total = 0;
+    for (int p = 0; p < n; p++) {
+        double norm = 0;
+        for (int k = 0; k < n; k++) norm += a[(size_t)p * n + k] * a[(size_t)p * n + k];
+        total += sqrt(norm);
+    }
+    *sum = total;
+    return rotations ? -1 : 0;
+}
+
+// The Fréchet distance between N(mu1, s1) and N(mu2, s2) (dim-dimensional):
+//   d = |mu1 - mu2|^2 + tr s1 + tr s2 - 2 tr sqrt(s1 s2).
+// With R1 = sqrt(s1) and R2 = sqrt(s2), s1 s2 is similar to (R1 R2)(R1 R2)^T, so tr sqrt(s1 s2) is
+// the sum of the singular values of R1 R2: computed so (two symmetric square roots, one product,
+// one-sided Jacobi), no square root of a rounded near-zero eigenvalue magnifies its error, and a
+// singular s1 or s2 (fewer features than dimensions) needs no offset on the diagonal, which
+// pytorch-fid and guided-diffusion add and retry with when scipy's sqrtm fails. Returns 0 with
+// *distance, or -1 (no convergence, memory).
+static inline int frechet_distance(const double *mu1, const double *s1, const double *mu2, const double *s2, int dim,
+                                   double *distance) {
+    size_t nn = (size_t)dim * dim;
+    double *root1 = (double *)malloc(nn * sizeof(double)), *root2 = (double *)malloc(nn * sizeof(double));
+    double *product = (double *)malloc(nn * sizeof(double)), trace_root = 0;
+    int r = root1 && root2 && product && symmetric_sqrt(s1, dim, root1) == 0 && symmetric_sqrt(s2, dim, root2) == 0 ? 0 : -1;
+    if (r == 0) {
+        for (int i = 0; i < dim; i++)  // product = (R1 R2)^T = R2 R1: its rows are R1 R2's columns
+            for (int j = 0; j < dim; j++) {
+                double sum = 0;
+                for (int k = 0; k < dim; k++) sum += root2[(size_t)i * dim + k] * root1[(size_t)k * dim + j];
+                product[(size_t)i * dim + j] = sum;
+            }
+        r = singular_value_sum(product, dim, &trace_root);
+    }
+    if (r == 0) {
+        double d = -2 * trace_root;
+        for (int i = 0; i < dim; i++) d += (mu1[i] - mu2[i]) * (mu1[i] - mu2[i]) + s1[(size_t)i * dim + i] + s2[(size_t)i * dim + i];
+        *distance = d;
+    }
+    free(root1), free(root2), free(product);
+    return r;
+}
+
+// The Inception Score of n rows of logits [n][classes]: p(y|x) = softmax(logits); the rows in
+// `splits` consecutive parts of equal size (part s: rows n*s/splits to n*(s+1)/splits, so 50,000
+// images in 10 splits are guided-diffusion's parts of 5,000), in each exp(mean_x sum_y p(y|x)
+// (log p(y|x) - log p(y))) with p(y) the part's mean of p(y|x); the mean over the parts. 0 log 0 = 0.
+// Returns the score, or NAN when a part would be empty or memory runs out.
+static inline double inception_score(const float *logits, int64_t n, int classes, int splits) {
+    if (splits < 1 || n < splits) return NAN;
+    double *p = (double *)malloc((size_t)n * classes * sizeof(double)), *marginal = (double *)malloc((size_t)classes * sizeof(double));
+    if (!p || !marginal) {
+        free(p), free(marginal);
+        return NAN;
+    }
+    for (int64_t r = 0; r < n; r++) {  // softmax, from the row's largest logit
+        const float *l = logits + r * classes;
+        double top = l[0], sum = 0;
+        for (int c = 1; c < classes; c++) top = l[c] > top ? l[c] : top;
+        for (int c = 0; c < classes; c++) sum += p[r * classes + c] = exp(l[c] - top);
+        for (int c = 0; c < classes; c++) p[r * classes + c] /= sum;
+    }
+    double score = 0;
+    for (int s = 0; s < splits; s++) {
+        int64_t begin = n * s / splits, end = n * (s + 1) / splits;
+        memset(marginal, 0, (size_t)classes * sizeof(double));
+        for (int64_t r = begin; r < end; r++)
+            for (int c = 0; c < classes; c++) marginal[c] += p[r * classes + c];
+        for (int c = 0; c < classes; c++) marginal[c] /= (double)(end - begin);
+        double kl = 0;
+        for (int64_t r = begin; r < end; r++)
+            for (int c = 0; c < classes; c++) {
+                double q = p[r * classes + c];
+                if (q > 0) kl += q * (log(q) - log(marginal[c]));
+            }
+        score += exp(kl / (double)(end - begin));
+    }
+    free(p), free(marginal);
+    return score / splits;
+}
+
+// The squared Euclidean distance of two dim-vectors.
+static inline double squared_distance(const float *x, const float *y, int dim) {
+    double d = 0;
+    for (int i = 0; i < dim; i++) {
+        double diff = (double)x[i] - y[i];
+        d += diff * diff;
+    }
+    return d;
+}
+
+static inline int compare_doubles(const void *a, const void *b) {
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+// The k-NN radii of a feature set [n][dim] (n > k): radius_i = the squared distance from row i to its
+// k-th nearest other row (the (k+1)-th smallest of its distances, its own 0 first, as
+// guided-diffusion's np.partition at kth = k). Returns 0, or -1 when memory runs out.
+static inline int manifold_radii(const float *features, int64_t n, int dim, int k, double *radii) {
+    double *row = (double *)malloc((size_t)n * sizeof(double));
+    if (!row) return -1;
+    for (int64_t i = 0; i < n; i++) {
+        for (int64_t j = 0; j < n; j++) row[j] = squared_distance(features + i * dim, features + j * dim, dim);
+        qsort(row, (size_t)n, sizeof(double), compare_doubles);
+        radii[i] = row[k];
+    }
+    free(row);
+    return 0;
+}
+
+// Precision and recall (guided-diffusion's ManifoldEstimator.evaluate_pr with k = nhood): the share
+// of the samples inside some reference's ball, and of the references inside some sample's ball, the
+// balls' squared radii those of manifold_radii in each set. Both sets need more than k rows.
+// Returns 0, or -1 (too few rows, memory).
+static inline int precision_recall(const float *ref, int64_t n_ref, const float *sample, int64_t n_sample, int dim, int k,
+                                   double *precision, double *recall) {
+    if (k < 1 || n_ref <= k || n_sample <= k) return -1;
+    double *ref_radii = (double *)malloc((size_t)n_ref * sizeof(double)), *sample_radii = (double *)malloc((size_t)n_sample * sizeof(double));
+    unsigned char *ref_in = (unsigned char *)calloc((size_t)n_ref, 1), *sample_in = (unsigned char *)calloc((size_t)n_sample, 1);
+    int r = -1;
+    if (ref_radii && sample_radii && ref_in && sample_in && manifold_radii(ref, n_ref, dim, k, ref_radii) == 0 &&
+        manifold_radii(sample, n_sample, dim, k, sample_radii) == 0) {
+        for (int64_t i = 0; i < n_ref; i++)
+            for (int64_t j = 0; j < n_sample; j++) {
+                double d = squared_distance(ref + i * dim, sample + j * dim, dim);
+                if (d <= ref_radii[i]) sample_in[j] = 1;
+                if (d <= sample_radii[j]) ref_in[i] = 1;
+            }
+        int64_t precise = 0, recalled = 0;
+        for (int64_t j = 0; j < n_sample; j++) precise += sample_in[j];
+        for (int64_t i = 0; i < n_ref; i++) recalled += ref_in[i];
+        *precision = (double)precise / (double)n_sample;
+        *recall = (double)recalled / (double)n_ref;
+        r = 0;
+    }
+    free(ref_radii), free(sample_radii), free(ref_in), free(sample_in);
+    return r;
+}
+
+#endif  // METRICS_H
