@@ -445,6 +445,7 @@ int main(int argc, char **argv) {
     SamplePlan up_plan;
     if (o.upsampler) up_checkpoint = upsampler_open(&o, &info, classes, kind, &up_info, &up_schedule, &up_plan);
     UnetGuidance guidance = {(float)o.guidance, classifier, (float)o.classifier_scale};
+    int up_batch = o.batch;  // the cascade's upsampler: --batch, else the largest of its own that fits
     if (!o.batch) {
         o.batch = unet_sampler_max_batch(checkpoint, &plan, &guidance, o.num, err, sizeof err);
         if (!o.batch) unet_die("%s", err);
@@ -452,7 +453,6 @@ int main(int argc, char **argv) {
     UnetSampler *sampler = unet_sampler_create(checkpoint, o.batch, &plan, &guidance, (uint64_t)o.seed, err, sizeof err);
     if (!sampler) unet_die("%s", err);
     UnetSampler *up_sampler = NULL;  // the cascade's upsampler (no guidance; draws from a seed made from --seed)
-    int up_batch = o.batch;
     if (up_checkpoint) {
         UnetGuidance none = {1.0f, NULL, 0.0f};
         if (!up_batch) up_batch = unet_sampler_max_batch(up_checkpoint, &up_plan, &none, o.num, err, sizeof err);

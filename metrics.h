@@ -235,7 +235,8 @@ static inline double squared_distance(const float *x, const float *y, int dim) {
     return d;
 }
 
-static inline int compare_doubles(const void *a, const void *b) {
+// qsort's order of distances.
+static inline int compare_distances(const void *a, const void *b) {
     double x = *(const double *)a, y = *(const double *)b;
     return (x > y) - (x < y);
 }
@@ -248,7 +249,7 @@ static inline int manifold_radii(const float *features, int64_t n, int dim, int 
     if (!row) return -1;
     for (int64_t i = 0; i < n; i++) {
         for (int64_t j = 0; j < n; j++) row[j] = squared_distance(features + i * dim, features + j * dim, dim);
-        qsort(row, (size_t)n, sizeof(double), compare_doubles);
+        qsort(row, (size_t)n, sizeof(double), compare_distances);
         radii[i] = row[k];
     }
     free(row);

@@ -3131,9 +3131,9 @@ __global__ void __launch_bounds__(GN_THREADS, 5)
 // or with fewer than 16 samples up to GN_BLOCKS / N (chunks_for_batch): about GN_BLOCKS blocks over
 // the batch, two on each multiprocessor (the backward kernels' registers allow two). Few partial
 // sums, and on small images few blocks: more chunks for small images (filling the GPU with blocks
-// of one or two row passes) measured slower, the partial sums' reductions growing with them, and so did 512 blocks at batch 16
-// and 32; at batch 8, 256 blocks instead of 128 took about 3.5% off adm256:8's step (H200, dev/NOTES.md
-// 2026-11-26 v).
+// of one or two row passes) measured slower, the partial sums' reductions growing with them, and so
+// did 512 blocks at batch 16 and 32; at batch 8, 256 blocks instead of 128 took about 3.5% off
+// adm256:8's step (H200, dev/NOTES.md 2026-11-26 v).
 // The forward's chunks (statistics and normalise) are never more than GN_BLOCKS blocks over the
 // batch. Once the GPU has a few blocks a multiprocessor, long chunks cost less than many short ones:
 // each block fills its ring and adds up its sums once (sampling at batch 256, against no limit: 306.0
@@ -4543,11 +4543,6 @@ static int parse_number_list(const char *s, double *out, int max) {
 
 // guided-diffusion's channel_mult when none is given (script_util.create_model), and for 32x32
 // improved-diffusion's.
-// An upsampler's (guided-diffusion's sr_create_model): another set, by its large size.
-static const char *super_res_channel_mult(int image_size) {
-    return image_size == 512 || image_size == 256 ? "1,1,2,2,4,4" : image_size == 64 ? "1,2,3,4" : NULL;
-}
-
 static const char *default_channel_mult(int image_size) {
     switch (image_size) {
     case 512: return "0.5,1,1,2,2,4,4";
@@ -4557,6 +4552,11 @@ static const char *default_channel_mult(int image_size) {
     case 32: return "1,2,2,2";  // improved-diffusion's (CIFAR-10); guided-diffusion has none
     default: return NULL;
     }
+}
+
+// An upsampler's channel_mult when none is given (guided-diffusion's sr_create_model), by its large size.
+static const char *super_res_channel_mult(int image_size) {
+    return image_size == 512 || image_size == 256 ? "1,1,2,2,4,4" : image_size == 64 ? "1,2,3,4" : NULL;
 }
 
 // Checks every value and resolves the model configuration into c. label_rows: rows of the class
@@ -9149,7 +9149,8 @@ static Options parse_options(int argc, char **argv) {
         else if (strcmp(argv[i], "--preset") == 0 && i + 1 < argc) preset = argv[i + 1];
     }
     Options o;
-    if (preset_options(preset, &o) != 0) usage_error("unknown preset '%s' (seed, adm64, adm128, adm256, adm256u, adm512, adm64_256 or adm128_512)", preset);
+    if (preset_options(preset, &o) != 0)
+        usage_error("unknown preset '%s' (seed, adm64, adm128, adm256, adm256u, adm512, adm64_256 or adm128_512)", preset);
 
     for (int i = 1; i < argc; i++) {
         const char *arg = argv[i];

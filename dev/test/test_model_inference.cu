@@ -51,6 +51,17 @@ static int infers(const char *what, const SafeTensorsFile *f, const ModelConfig 
     return 1;
 }
 
+// A released model's configuration from its flags (r), inferred back from tensors of its shapes.
+static int infers_from_flags(const char *what, Options *r) {
+    ModelConfig truth;
+    char err[512];
+    if (model_config_from_options(r, r->num_classes, &truth, err, sizeof err) != 0) return printf("  %s: %s\n", what, err), 0;
+    SafeTensorsFile f = shapes_only(&truth);
+    int ok = infers(what, &f, &truth);
+    safetensors_close(&f);
+    return ok;
+}
+
 int main(void) {
     char err[512];
     check_case("the fixtures' models: inferred from their safetensors and from torch.save's .pt of the same weights");
@@ -127,15 +138,7 @@ int main(void) {
         r.image_size = upsamplers[i].large, r.super_res = upsamplers[i].small, r.num_channels = 192, r.num_res_blocks = 2;
         r.num_heads = upsamplers[i].heads, r.num_head_channels = upsamplers[i].head_channels, r.attention_resolutions = upsamplers[i].attention;
         r.channel_mult = "", r.learn_sigma = 1, r.resblock_updown = 1, r.use_scale_shift_norm = 1, r.class_cond = 1, r.num_classes = 1000;
-        ModelConfig truth;
-        if (model_config_from_options(&r, r.num_classes, &truth, err, sizeof err) != 0) {
-            printf("  %s: %s\n", upsamplers[i].name, err);
-            CHECK(0);
-            continue;
-        }
-        SafeTensorsFile f = shapes_only(&truth);
-        CHECK(infers(upsamplers[i].name, &f, &truth));
-        safetensors_close(&f);
+        CHECK(infers_from_flags(upsamplers[i].name, &r));
     }
 
     check_case("guided-diffusion's released models, with the flags its README gives for each: inferred from their shapes");
@@ -149,15 +152,7 @@ int main(void) {
         r.num_heads = released[i].heads, r.num_head_channels = released[i].head_channels, r.use_new_attention_order = released[i].new_order;
         r.attention_resolutions = "32,16,8", r.channel_mult = "", r.learn_sigma = 1, r.resblock_updown = 1, r.use_scale_shift_norm = 1;
         r.class_cond = released[i].class_cond, r.num_classes = 1000;
-        ModelConfig truth;
-        if (model_config_from_options(&r, r.num_classes, &truth, err, sizeof err) != 0) {
-            printf("  %s: %s\n", released[i].name, err);
-            CHECK(0);
-            continue;
-        }
-        SafeTensorsFile f = shapes_only(&truth);
-        CHECK(infers(released[i].name, &f, &truth));
-        safetensors_close(&f);
+        CHECK(infers_from_flags(released[i].name, &r));
     }
 
     check_case("the noisy classifier: the fixtures' (their safetensors and a .pt) and guided-diffusion's released ones, its README's flags");
