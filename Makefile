@@ -6,7 +6,8 @@
 #   make test-gpu             GPU tests only
 #   make tests                every test program (the GPU ones too, GPU or not), built and not run
 #   make dev                  every kernel against its CPU reference on the GPU, one table
-#   make bench                our training step and DDIM sampling against PyTorch (BENCH="seed:32 adm64:32")
+#   make bench                our training step and DDIM sampling against PyTorch (BENCH="seed:32 adm64:32"),
+#                             then evaluate's FID against pytorch-fid's (make bench-fid alone)
 #   make bench-conv           the 3x3 convolution kernels: checks, then each preset shape's timings against cuDNN
 #   make fuzz                 the file readers under libFuzzer (clang), FUZZ_SECONDS each (default 60)
 #   make clean
@@ -75,9 +76,9 @@ NVCCFLAGS := $(NVCC_COMMON) -DPRECISION_$(PRECISION)
 # compiles in a tenth of the time of the trainer's four optimised architectures.
 NVCC_HOST_TESTS := $(NVCC_BASE) -gencode arch=compute_80,code=compute_80 -Xcicc -O0 -DPRECISION_$(PRECISION)
 
-CUDA_LIBS := -lcublas -lcublasLt $(NCCL_LIBS) $(STB_LIBS)
+CUDA_LIBS := -lcublas -lcublasLt -lcusolver $(NCCL_LIBS) $(STB_LIBS)
 
-BINARIES := train_unet prepare_data check_shapes generate
+BINARIES := train_unet prepare_data check_shapes generate evaluate
 # The headers train_unet.cu includes: its own rules, and those of the programs that include it, rebuild when one changes.
 TRAINER_HEADERS := checkpoint.h dataset.h fileio.h loss_plot.h png.h ptfile.h random.h sampler.h unet_api.h
 SHAPES_COUNT := 10000
@@ -108,8 +109,8 @@ build/version.c: FORCE
 build/version.o: build/version.c
 	$(CC) $(CFLAGS) -c -o $@ $<
 
-# The trainer, compiled once: train_unet is this object, and generate links it for its C API
-# (unet_api.h), bringing its own main (train_unet.cu's is weak).
+# The trainer, compiled once: train_unet is this object, and generate and evaluate link it for its
+# C API (unet_api.h), each bringing its own main (train_unet.cu's is weak).
 build/train_unet.o: train_unet.cu $(TRAINER_HEADERS) build/precision
 	@mkdir -p build
 	$(NVCC) $(NVCCFLAGS) -c -o $@ $<
@@ -122,6 +123,13 @@ build/generate.o: generate.c cli.h dataset.h fileio.h sampler.h random.h png.h u
 	$(CC) $(CFLAGS) $(STB_CFLAGS) -c -o $@ $<
 
 generate: build/generate.o build/train_unet.o build/version.o
+	$(NVCC) $(GPU_ARCH) -o $@ $^ $(CUDA_LIBS)
+
+build/evaluate.o: evaluate.c checkpoint.h cli.h dataset.h fileio.h metrics.h ptfile.h unet_api.h sampler.h
+	@mkdir -p build
+	$(CC) $(CFLAGS) $(STB_CFLAGS) -c -o $@ $<
+
+evaluate: build/evaluate.o build/train_unet.o build/version.o
 	$(NVCC) $(GPU_ARCH) -o $@ $^ $(CUDA_LIBS)
 
 prepare_data: prepare_data.c data/shapes.c build/version.o cli.h dataset.h fileio.h random.h data/shapes.h
@@ -141,10 +149,11 @@ NVCC_ASAN := -Xcompiler -fsanitize=address,-fsanitize=undefined,-fno-omit-frame-
 TESTS_CPU := build/test/test_dataset build/test/test_safetensors build/test/test_shapes build/test/test_dataloader build/test/train_unet_asan \
              build/test/test_reference build/test/test_unet_fixtures build/test/test_checkpoint build/test/test_conv_plan \
              build/test/test_sampler build/test/test_sampler_fixture build/test/test_loss_plot build/test/test_model_inference \
-             build/test/test_metrics
+             build/test/test_metrics build/test/test_inception
 TESTS_GPU := build/test/test_dataloader_gpu build/test/test_unet_gpu_fp32 build/test/test_unet_gpu_bf16 \
              build/test/test_unet_gpu_reference_fp32 build/test/test_unet_gpu_reference_bf16 \
-             build/test/test_sampler_gpu_fp32 build/test/test_sampler_gpu_bf16
+             build/test/test_sampler_gpu_fp32 build/test/test_sampler_gpu_bf16 \
+             build/test/test_inception_gpu_fp32 build/test/test_inception_gpu_bf16
 
 build/test/test_dataset: dev/test/test_dataset.c dataset.h fileio.h dev/test/check.h
 	@mkdir -p build/test
@@ -179,7 +188,8 @@ build/test/test_sampler: dev/test/test_sampler.c sampler.h random.h png.h dev/te
 	@mkdir -p build/test
 	$(CC) $(CFLAGS) $(ASAN) $(STB_CFLAGS) -o $@ $< $(STB_LIBS)
 
-build/test/test_checkpoint build/test/test_sampler_fixture build/test/test_conv_plan build/test/test_model_inference: build/test/%: dev/test/%.cu train_unet.cu $(TRAINER_HEADERS) \
+build/test/test_checkpoint build/test/test_sampler_fixture build/test/test_conv_plan build/test/test_model_inference \
+        build/test/test_inception: build/test/%: dev/test/%.cu train_unet.cu $(TRAINER_HEADERS) \
         dev/test/check.h build/precision
 	@mkdir -p build/test
 	$(NVCC) $(NVCC_HOST_TESTS) -o $@ $< $(CUDA_LIBS)
@@ -214,6 +224,11 @@ build/test/test_unet_gpu_reference_%: dev/test/test_unet_gpu_reference.cu train_
 	$(NVCC) $(NVCC_COMMON) -DPRECISION_$(shell echo $* | tr a-z A-Z) -o $@ $< $(CUDA_LIBS)
 # The GPU sampling loop against sampler.h's host loop, in both precisions.
 build/test/test_sampler_gpu_%: dev/test/test_sampler_gpu.cu train_unet.cu $(TRAINER_HEADERS) dev/test/check.h
+	@mkdir -p build/test
+	$(NVCC) $(NVCC_COMMON) -DPRECISION_$(shell echo $* | tr a-z A-Z) -o $@ $< $(CUDA_LIBS)
+
+# evaluate's GPU paths (Inception's features, the metrics) in both precisions; run by dev/test/test_evaluate_gpu.sh.
+build/test/test_inception_gpu_%: dev/test/test_inception_gpu.cu train_unet.cu $(TRAINER_HEADERS) metrics.h dev/test/check.h
 	@mkdir -p build/test
 	$(NVCC) $(NVCC_COMMON) -DPRECISION_$(shell echo $* | tr a-z A-Z) -o $@ $< $(CUDA_LIBS)
 
@@ -259,8 +274,13 @@ tests: all $(TESTS_CPU) $(TESTS_GPU)
 # DDIM-50 sampling of 256 images (generate --bench against scripts/sample_torch.py).
 # BENCH="seed:32 seed:128 adm64:32" picks presets and batch sizes (adm64's compile takes minutes).
 BENCH ?= seed:32 seed:128
-bench: train_unet generate data/shapes.bin
+bench: train_unet generate evaluate data/shapes.bin
 	scripts/bench.sh $(BENCH)
+	scripts/bench_fid.sh
+
+# evaluate against pytorch-fid's way to FID, on two sets of 50,000 64x64 images (make bench runs it too).
+bench-fid: evaluate prepare_data
+	scripts/bench_fid.sh
 
 # The implicit-GEMM 3x3 convolutions alone (dev/bench_conv.cu): checked against the CPU reference,
 # then timed on every 3x3 convolution shape of the seed and adm64 presets at batch 32 and 128 (or,
@@ -298,4 +318,4 @@ clean:
 	rm -rf build $(BINARIES) data/shapes.bin
 
 FORCE:
-.PHONY: all test tests test-gpu bench bench-conv clean FORCE
+.PHONY: all test tests test-gpu bench bench-fid bench-conv clean FORCE

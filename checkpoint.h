@@ -412,6 +412,20 @@ static inline int safetensors_get_float(const SafeTensor *t, float *out) {
     return finite ? 0 : -2;
 }
 
+// Copies a floating-point tensor (F64 or F32) into out as double. Returns 0, -1 for another dtype,
+// or -2 when a value is NaN or infinite.
+static inline int safetensors_get_double(const SafeTensor *t, double *out) {
+    int wide = strcmp(t->dtype, "F64") == 0;
+    if (!wide && strcmp(t->dtype, "F32") != 0) return -1;
+    int finite = 1;
+    for (int64_t i = 0; i < t->numel; i++) {
+        if (wide) memcpy(&out[i], t->data + 8 * i, 8);
+        else { float v; memcpy(&v, t->data + 4 * i, 4); out[i] = v; }
+        finite &= isfinite(out[i]) != 0;
+    }
+    return finite ? 0 : -2;
+}
+
 // Copies an integer tensor (I64 or I32) into out. Returns 0, or -1.
 static inline int safetensors_get_int64(const SafeTensor *t, int64_t *out) {
     int wide = strcmp(t->dtype, "I64") == 0;
@@ -424,8 +438,9 @@ static inline int safetensors_get_int64(const SafeTensor *t, int64_t *out) {
 }
 
 // ----------------------------------------------------------------------------------------------
-// Writing safetensors: fp32 tensors in the order given, the metadata first in the header, the
-// data 8-byte aligned. What this writes, the reader above reads back unchanged.
+// Writing safetensors: fp32 tensors (fp64 where values64 is given) in the order given, the metadata
+// first in the header, the data 8-byte aligned. What this writes, the reader above reads back
+// unchanged.
 
 typedef struct {
     const char *name;
@@ -433,6 +448,7 @@ typedef struct {
     const int *shape;
     int64_t numel;
     const float *values;
+    const double *values64;  // instead of values: an F64 tensor
 } SafeTensorOut;
 
 // The header as it grows; a failed allocation marks it failed and stops it growing.
@@ -498,10 +514,11 @@ static inline int safetensors_write(const char *path, const SafeTensorOut *tenso
         const SafeTensorOut *t = &tensors[i];
         header_put(&h, ",");
         header_put_string(&h, t->name);
-        header_put(&h, ":{\"dtype\":\"F32\",\"shape\":[");
+        int bytes = t->values64 ? 8 : 4;
+        header_put(&h, ":{\"dtype\":\"%s\",\"shape\":[", t->values64 ? "F64" : "F32");
         for (int d = 0; d < t->ndim; d++) header_put(&h, d ? ",%d" : "%d", t->shape[d]);
-        header_put(&h, "],\"data_offsets\":[%llu,%llu]}", (unsigned long long)offset, (unsigned long long)(offset + 4 * t->numel));
-        offset += 4 * (uint64_t)t->numel;
+        header_put(&h, "],\"data_offsets\":[%llu,%llu]}", (unsigned long long)offset, (unsigned long long)(offset + bytes * t->numel));
+        offset += bytes * (uint64_t)t->numel;
     }
     header_put(&h, "}");
     while (h.len % 8) header_put(&h, " ");  // data starts 8-byte aligned
@@ -510,7 +527,10 @@ static inline int safetensors_write(const char *path, const SafeTensorOut *tenso
     if (!f) return free(h.text), -1;
     uint64_t header_bytes = h.len;
     int ok = fwrite(&header_bytes, 8, 1, f) == 1 && fwrite(h.text, 1, h.len, f) == h.len;
-    for (int i = 0; ok && i < count; i++) ok = fwrite(tensors[i].values, 4, (size_t)tensors[i].numel, f) == (size_t)tensors[i].numel;
+    for (int i = 0; ok && i < count; i++) {
+        const SafeTensorOut *t = &tensors[i];
+        ok = t->values64 ? fwrite(t->values64, 8, (size_t)t->numel, f) == (size_t)t->numel : fwrite(t->values, 4, (size_t)t->numel, f) == (size_t)t->numel;
+    }
     ok = ok && fflush(f) == 0 && fsync(fileno(f)) == 0;
     ok = (fclose(f) == 0) && ok;
     free(h.text);

@@ -1,4 +1,4 @@
-// cli.h: the command-line conventions the four programs share.
+// cli.h: the command-line conventions the five programs share.
 //
 // - Options are guided-diffusion's underscore names; a hyphen anywhere in a given name stands for
 //   an underscore (--batch-size is --batch_size), as in most command-line tools.

@@ -1,7 +1,8 @@
-// unet_api.h: the small C API of train_unet.cu, for generate.c, which links the trainer's object
-// (build/train_unet.o): read a checkpoint's configuration (a diffusion model's or a noisy
-// classifier's), sample images on the GPU (guided by either or both ways), evaluate the model on
-// given inputs.
+// unet_api.h: the small C API of train_unet.cu, for generate.c and evaluate.c, which link the
+// trainer's object (build/train_unet.o): read a checkpoint's configuration (a diffusion model's or
+// a noisy classifier's), sample images on the GPU (guided by either or both ways), evaluate the
+// model on given inputs; Inception-v3's features of images and the sample-quality mathematics of
+// metrics.h on the GPU.
 #ifndef UNET_API_H
 #define UNET_API_H
 
@@ -115,6 +116,39 @@ int unet_nll(const UnetCheckpoint *checkpoint, const uint8_t *pixels, const int 
 // (SuperResModel) reads low_res [N][C][small][small] too. Every input is checked, shapes before sizes, before
 // the GPU is used. Returns 0, or -1 with a message.
 int unet_eval(const UnetCheckpoint *checkpoint, const char *in_path, const char *out_path, char *err, size_t err_len);
+
+// ---- sample quality (evaluate.c) ----
+
+typedef struct UnetInception UnetInception;
+
+#define UNET_INCEPTION_FEATURES 2048  // pool: FID, precision and recall
+#define UNET_INCEPTION_SPATIAL 2023   // spatial (17 x 17 x 7): sFID
+#define UNET_INCEPTION_CLASSES 1008   // logits: the Inception Score
+
+// Opens pytorch-fid's Inception-v3 weights (pt_inception-2015-12-05-6726825d.pth, or the same
+// tensors as safetensors) without a GPU: every tensor's name and shape is checked and the BatchNorms
+// folded into the convolutions. NULL with a message.
+UnetInception *unet_inception_open(const char *path, char *err, size_t err_len);
+void unet_inception_close(UnetInception *net);
+
+// The largest batch, at most limit (halved from it), whose network takes at most half of the GPU's
+// free memory; 0 with a message (no GPU, not even one image fits).
+int unet_inception_max_batch(const UnetInception *net, int limit, char *err, size_t err_len);
+
+// The features of count images ([count][height][width][channels] bytes; 1 channel is grey, of 4
+// the alpha is left out), in batches of `batch`: pool [count][2048], spatial [count][2023] and
+// logits [count][1008] (each NULL: not wanted), fp32. Returns 0, or -1 with a message.
+int unet_inception_features(UnetInception *net, const uint8_t *pixels, int64_t count, int height, int width, int channels, int batch,
+                            float *pool, float *spatial, float *logits, char *err, size_t err_len);
+
+// metrics.h's feature_statistics, frechet_distance and precision_recall on the GPU (the same
+// mathematics; the distances of precision and recall in fp32 as guided-diffusion's). Each returns
+// 0, or -1 with a message.
+int unet_feature_statistics(const float *features, int64_t n, int dim, double *mean, double *cov, char *err, size_t err_len);
+int unet_frechet_distance(const double *mu1, const double *s1, const double *mu2, const double *s2, int dim, double *distance, char *err,
+                          size_t err_len);
+int unet_precision_recall(const float *ref, int64_t n_ref, const float *sample, int64_t n_sample, int dim, int k, double *precision,
+                          double *recall, char *err, size_t err_len);
 
 #ifdef __cplusplus
 }

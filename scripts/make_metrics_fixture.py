@@ -17,7 +17,6 @@ import os
 import sys
 import warnings
 
-import mpmath as mp
 import numpy as np
 from scipy import linalg
 
@@ -48,6 +47,7 @@ def frechet_distance(a, b, eps=1e-6):
 def exact_frechet_distance(a, b):
     """The Fréchet distance of two feature sets in 40-digit arithmetic: |mu1 - mu2|^2 + tr S1 + tr S2
     - 2 (the sum of the singular values of sqrt(S1) sqrt(S2))."""
+    import mpmath as mp
     mp.mp.dps = 40
 
     def statistics_mp(x):

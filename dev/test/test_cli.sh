@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# test_cli.sh: the command-line conventions the four programs share (cli.h): hyphens for
+# test_cli.sh: the command-line conventions the five programs share (cli.h): hyphens for
 # underscores, the nearest option for an unknown one, --version, help at most 80 columns with each
 # default once; and, without a GPU, make's GPU targets and the test runner's GPU mode say so and
 # exit 0, and the runner's time limit stops a test that hangs. CPU only.
@@ -39,16 +39,17 @@ expect_exit 2 ./check_shapes --min x.bin
 expect_grep '^check_shapes: error: unknown option --min; did you mean --min_pass\? \(see --help\)$' "$LAST_ERR"
 
 case_begin "--version: the version, and for the CUDA programs the precision and GPU code"
-for p in train_unet generate prepare_data check_shapes; do
+for p in train_unet generate evaluate prepare_data check_shapes; do
     expect_exit 0 "./$p" --version
     [ -s "$LAST_ERR" ] && case_fail "$p --version wrote on stderr"
     expect_grep "^$p [0-9]+\.[0-9]+\.[0-9]+" "$LAST_OUT"
 done
 ./train_unet --version >"$T/v" && expect_grep '^built with (BF16|FP32), GPU code (sm|compute)_[0-9]+' "$T/v"
 ./generate --version >"$T/v" && expect_grep '^built with (BF16|FP32), GPU code (sm|compute)_[0-9]+' "$T/v"
+./evaluate --version >"$T/v" && expect_grep '^built with (BF16|FP32), GPU code (sm|compute)_[0-9]+' "$T/v"
 
 case_begin "help: at most 80 columns, every option listed, each default once"
-for p in train_unet generate prepare_data check_shapes; do
+for p in train_unet generate evaluate prepare_data check_shapes; do
     "./$p" --help >"$T/$p.help"
     awk -v p="$p" 'length($0) > 80 { print "  " p ": " length($0) " columns: " $0; bad = 1 } END { exit bad }' "$T/$p.help" ||
         case_fail "$p --help has lines wider than 80 columns"
@@ -75,7 +76,7 @@ expect_ok without_gpu dev/run_dev.sh
 [ "$(cat "$LAST_OUT")" = "no GPU: skipped (nvidia-smi finds none)" ] || case_fail "run_dev.sh: $(head -3 "$LAST_OUT")"
 expect_ok without_gpu dev/test/run_tests.sh gpu
 expect_grep '^no GPU: skipped' "$LAST_OUT"
-expect_grep '^0 passed, 0 failed, 9 skipped$' "$LAST_OUT"
+expect_grep '^0 passed, 0 failed, 10 skipped$' "$LAST_OUT"
 
 case_begin "the test runner stops a test that hangs and names it"
 printf '#!/bin/sh\nsleep 600\n' >"$T/hangs.sh"

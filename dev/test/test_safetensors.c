@@ -151,7 +151,7 @@ int main(void) {
     check_case("safetensors: what the writer writes reads back unchanged (names, shapes, values, escaped metadata)");
     float weights[6] = {0.5f, -1.25f, 3e-8f, 7, -0.0f, 1e30f}, bias[2] = {1, -2};
     int weight_shape[4] = {2, 1, 1, 3}, bias_shape[1] = {2};
-    SafeTensorOut out[2] = {{"conv.weight", 4, weight_shape, 6, weights}, {"conv.bias", 1, bias_shape, 2, bias}};
+    SafeTensorOut out[2] = {{"conv.weight", 4, weight_shape, 6, weights, NULL}, {"conv.bias", 1, bias_shape, 2, bias, NULL}};
     MetaPair written_meta[2] = {{"note", "\"quoted\" \\ tab\t caf\xc3\xa9"}, {"image_size", "64"}};
     snprintf(header, sizeof header, "%s/written.safetensors", tmp_dir);
     CHECK(safetensors_write(header, out, 2, written_meta, 2) == 0);

@@ -1,0 +1,81 @@
+#!/usr/bin/env bash
+# test_evaluate.sh: evaluate's command line without a GPU: the usage, and every bad input (a set
+# too small for FID, images of mixed sizes, a folder without images, a file that is neither a
+# dataset nor statistics, missing weights) is one error line and a non-zero exit before the GPU
+# is touched. (dev/test/test_evaluate_gpu.sh checks the numbers.)
+cd "$(dirname "$0")/../.." || exit 1
+. dev/test/lib.sh
+T=$TEST_TMP
+
+# PNG files of the given sizes (python3's standard library only): write_pngs DIR NAME:WxH...
+write_pngs() {
+    python3 - "$@" <<'PY'
+import struct, sys, zlib
+folder = sys.argv[1]
+for spec in sys.argv[2:]:
+    name, size = spec.split(":")
+    w, h = map(int, size.split("x"))
+    raw = b"".join(b"\0" + bytes((x * 7 + y * 3) % 256 for x in range(3 * w)) for y in range(h))
+    chunk = lambda kind, data: struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+    png = b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0)) + chunk(b"IDAT", zlib.compress(raw)) + chunk(b"IEND", b"")
+    open(f"{folder}/{name}", "wb").write(png)
+PY
+}
+
+case_begin "the command-line convention: the usage on stdout and exit 0 for no arguments, -h and --help; README.md's copy is the same"
+expect_usage ./evaluate --ref x.bin
+expect_grep "^usage: evaluate --ref REF --sample SAMPLES" "$T/evaluate.help"
+
+case_begin "usage errors: one line ending in (see --help), exit 2"
+expect_exit 2 ./evaluate --sample x.bin
+expect_grep "^evaluate: error: --ref is required \(see --help\)$" "$LAST_ERR"
+expect_exit 2 ./evaluate --ref x.bin
+expect_grep "give --sample \(to evaluate it\) or --save_stats" "$LAST_ERR"
+expect_exit 2 ./evaluate --ref x.bin --sample y.bin --save_stats z.stats
+expect_exit 2 ./evaluate --ref x.bin --save_stats z.stats --json
+expect_grep "json prints results: --save_stats has none" "$LAST_ERR"
+expect_exit 2 ./evaluate --ref x.bin --sample y.bin --batch 0
+expect_grep "batch takes a whole number in 1..1024, not '0'" "$LAST_ERR"
+expect_exit 2 ./evaluate --ref x.bin --sampel y.bin
+expect_grep "unknown option --sampel; did you mean --sample\?" "$LAST_ERR"
+
+case_begin "a set FID cannot use: too few images for the covariance, missing, neither a dataset nor statistics"
+./prepare_data --synthetic shapes --count 100 --size 16 --output "$T/small.bin" --quiet >/dev/null
+expect_exit 1 ./evaluate --ref "$T/small.bin" --sample "$T/small.bin"
+expect_grep "ref .*small.bin holds 100 images: FID needs more than 2048 \(the features' dimension\), or the covariance is singular" "$LAST_ERR"
+./prepare_data --synthetic shapes --count 2049 --size 8 --output "$T/enough.bin" --quiet >/dev/null
+expect_exit 1 ./evaluate --ref "$T/enough.bin" --sample "$T/small.bin"
+expect_grep "sample .*small.bin holds 100 images" "$LAST_ERR"
+expect_exit 1 ./evaluate --ref "$T/missing.bin" --sample "$T/small.bin"
+expect_grep "cannot open .*missing.bin: No such file or directory" "$LAST_ERR"
+echo "not a dataset" >"$T/text.bin"
+expect_exit 1 ./evaluate --ref "$T/text.bin" --sample "$T/small.bin"
+expect_grep "a set is a dataset .bin, a folder of images or a .stats file" "$LAST_ERR"
+cp "$T/enough.bin" "$T/fake.stats"
+expect_exit 1 ./evaluate --ref "$T/enough.bin" --sample "$T/fake.stats"
+[ "$(grep -c '' "$LAST_ERR")" = 1 ] || case_fail "a .stats that is not safetensors: $(cat "$LAST_ERR")"
+expect_exit 1 ./evaluate --ref "$T/enough.bin" --save_stats "$T/out.stats" --num 2048
+expect_grep "holds 2048 images: FID needs more than 2048" "$LAST_ERR"
+expect_absent "$T/out.stats"
+
+case_begin "a folder: images of mixed sizes and a folder without images are refused, generate's grids left out"
+mkdir -p "$T/mixed" "$T/empty" "$T/grids"
+write_pngs "$T/mixed" 000000.png:16x16 000001.png:16x16 000002.png:17x16
+expect_exit 1 ./evaluate --ref "$T/mixed" --sample "$T/small.bin"
+expect_grep "images of mixed sizes in .*mixed: .*000000.png is 16x16, .*000002.png 17x16 \(resize them to one size first\)" "$LAST_ERR"
+expect_exit 1 ./evaluate --ref "$T/empty" --sample "$T/small.bin"
+expect_grep "folder .*empty holds no images" "$LAST_ERR"
+write_pngs "$T/grids" 000000.png:16x16 grid.png:64x64 base_grid.png:32x32
+expect_exit 1 ./evaluate --ref "$T/grids" --sample "$T/small.bin"
+expect_grep "ref .*grids holds 1 images: FID needs more than 2048" "$LAST_ERR"
+
+case_begin "the weights: pytorch-fid's file where it keeps it, else one line saying where to get it"
+expect_exit 1 env HOME="$T/home" TORCH_HOME= XDG_CACHE_HOME= ./evaluate --ref "$T/enough.bin" --sample "$T/enough.bin"
+expect_grep "cannot open the Inception weights $T/home/.cache/torch/hub/checkpoints/pt_inception-2015-12-05-6726825d.pth: No such file" "$LAST_ERR"
+expect_grep "the README says where to get it" "$LAST_ERR"
+expect_exit 1 env TORCH_HOME="$T/torch" ./evaluate --ref "$T/enough.bin" --sample "$T/enough.bin"
+expect_grep "$T/torch/hub/checkpoints/pt_inception-2015-12-05-6726825d.pth" "$LAST_ERR"
+expect_exit 1 ./evaluate --ref "$T/enough.bin" --sample "$T/enough.bin" --inception "$T/small.bin"
+[ "$(grep -c '' "$LAST_ERR")" = 1 ] || case_fail "a weights file that is not one: $(cat "$LAST_ERR")"
+
+case_summary
