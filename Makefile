@@ -255,7 +255,7 @@ dev-memcheck: $(DEV_BINARIES)
 	done; \
 	if [ -n "$$failed" ]; then echo "memcheck: FAIL:$$failed"; exit 1; else echo "memcheck: all clean"; fi
 
-test-gpu: all $(TESTS_GPU)
+test-gpu: all $(TESTS_GPU) build/test/test_inception  # (test_train_gpu.sh writes Inception weights with it)
 	dev/test/run_tests.sh gpu
 else
 dev dev-memcheck test-gpu:

@@ -75,15 +75,6 @@ static long long int_option(const char *name, const char *s, long long lo, long 
     return v;
 }
 
-// Where pytorch-fid keeps the weights it downloads: $TORCH_HOME/hub/checkpoints, else
-// $XDG_CACHE_HOME/torch/hub/checkpoints, else ~/.cache/torch/hub/checkpoints.
-static void default_inception_path(char *path, size_t len) {
-    const char *torch_home = getenv("TORCH_HOME"), *cache = getenv("XDG_CACHE_HOME"), *home = getenv("HOME");
-    if (torch_home && torch_home[0]) snprintf(path, len, "%s/hub/checkpoints/%s", torch_home, INCEPTION_FILE);
-    else if (cache && cache[0]) snprintf(path, len, "%s/torch/hub/checkpoints/%s", cache, INCEPTION_FILE);
-    else snprintf(path, len, "%s/.cache/torch/hub/checkpoints/%s", home ? home : ".", INCEPTION_FILE);
-}
-
 static Options parse_options(int argc, char **argv) {
     static const char *const names[] = {"ref", "sample", "save_stats", "inception", "num", "batch", "json"};
     int count = (int)(sizeof names / sizeof *names);
@@ -120,7 +111,7 @@ static Options parse_options(int argc, char **argv) {
     if (!o.sample == !o.save_stats) unet_usage_error("give --sample (to evaluate it) or --save_stats (to keep REF's statistics), one of them");
     if (o.save_stats && o.json) unet_usage_error("--json prints results: --save_stats has none");
     static char default_path[4096];
-    if (!o.inception) default_inception_path(default_path, sizeof default_path), o.inception = default_path;
+    if (!o.inception) unet_inception_default_path(default_path, sizeof default_path), o.inception = default_path;
     return o;
 }
 

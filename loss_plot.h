@@ -8,6 +8,9 @@
 //   loss_plot_write("run/loss.svg", "run", curve.points, curve.count, err, sizeof err);
 //   loss_log_free(&curve);
 //
+// loss_plot_write_quantity draws another quantity logged at some steps the same way (the trainer's
+// run/fid.svg: "FID", the learning rate NaN), its name in the heading, axis and legend.
+//
 // The chart (800x560): the loss on a log axis with 1-2-5 ticks, each logged value as a thin light
 // line and a smoothed line on top; the learning rate beneath on a linear axis; one step axis with
 // round ticks. The smoothed line is a trailing exponential moving average of log(loss) over steps
@@ -208,8 +211,12 @@ static double lp_clamp(double v, double lo, double hi) { return v < lo ? lo : v 
 static int lp_loss_ok(double loss) { return isfinite(loss) && loss > 1e-300 && loss < 1e300; }
 static int lp_lr_ok(double lr) { return isfinite(lr) && fabs(lr) < 1e300; }
 
-// The whole document into f. Returns 0, or -1 when out of memory.
-static int lp_draw(FILE *f, const char *title, const LossPoint *points, int count) {
+// The whole document into f, `quantity` naming the curve ("loss": the training loss; another, as
+// "FID", a metric logged at some steps, the learning-rate panel then empty). Returns 0, or -1 when
+// out of memory.
+static int lp_draw(FILE *f, const char *title, const char *quantity, const LossPoint *points, int count) {
+    int is_loss = strcmp(quantity, "loss") == 0;
+    const char *heading = is_loss ? "training loss" : quantity;
     // The points each line keeps.
     int n_loss = 0, n_lr = 0;
     int64_t step_min = 0, step_max = 0;
@@ -234,10 +241,10 @@ static int lp_draw(FILE *f, const char *title, const LossPoint *points, int coun
     fprintf(f, "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n");
     fprintf(f, "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"%d\" height=\"%d\" viewBox=\"0 0 %d %d\" "
                "font-family=\"Helvetica, Arial, sans-serif\" font-size=\"12\" fill=\"#333\">\n", LP_W, LP_H, LP_W, LP_H);
-    fprintf(f, "<title>training loss%s", title && title[0] ? ": " : "");
+    fprintf(f, "<title>%s%s", heading, title && title[0] ? ": " : "");
     if (title) lp_write_text(f, title);
     fprintf(f, "</title>\n<rect width=\"%d\" height=\"%d\" fill=\"#fff\"/>\n", LP_W, LP_H);
-    fprintf(f, "<text x=\"%d\" y=\"24\" font-size=\"16\" font-weight=\"bold\">training loss%s", LP_LEFT, title && title[0] ? ": " : "");
+    fprintf(f, "<text x=\"%d\" y=\"24\" font-size=\"16\" font-weight=\"bold\">%s%s", LP_LEFT, heading, title && title[0] ? ": " : "");
     if (title) lp_write_text(f, title);
     fprintf(f, "</text>\n");
     if (n_loss == 0 && n_lr == 0) {
@@ -321,7 +328,7 @@ static int lp_draw(FILE *f, const char *title, const LossPoint *points, int coun
     }
     if (isfinite(last->loss)) {
         lp_format_value(buf, sizeof buf, last->loss);
-        fprintf(f, " \xc2\xb7 loss %s", buf);
+        fprintf(f, " \xc2\xb7 %s %s", quantity, buf);
     }
     if (n_loss) {
         lp_format_value(buf2, sizeof buf2, pow(10, smoothed_last));
@@ -355,8 +362,8 @@ static int lp_draw(FILE *f, const char *title, const LossPoint *points, int coun
         }
     fprintf(f, "</g>\n<rect x=\"%d\" y=\"%d\" width=\"%d\" height=\"%d\" fill=\"none\" stroke=\"#999\"/>\n", LP_LEFT, LP_LOSS_TOP,
             LP_RIGHT - LP_LEFT, LP_LOSS_BOTTOM - LP_LOSS_TOP);
-    fprintf(f, "<text transform=\"translate(18 %d) rotate(-90)\" text-anchor=\"middle\">loss (log scale)</text>\n",
-            (LP_LOSS_TOP + LP_LOSS_BOTTOM) / 2);
+    fprintf(f, "<text transform=\"translate(18 %d) rotate(-90)\" text-anchor=\"middle\">%s (log scale)</text>\n",
+            (LP_LOSS_TOP + LP_LOSS_BOTTOM) / 2, quantity);
     if (n_loss) {
         lp_polyline(f, "loss", "fill=\"none\" stroke=\"#9ecae1\" stroke-width=\"1\" stroke-linejoin=\"round\" stroke-linecap=\"round\"",
                     lx, ly, n_loss);
@@ -364,15 +371,15 @@ static int lp_draw(FILE *f, const char *title, const LossPoint *points, int coun
                     lx, sy, n_loss);
         if (n_loss == 1) fprintf(f, "<circle cx=\"%.1f\" cy=\"%.1f\" r=\"3\" fill=\"#08519c\"/>\n", lx[0], sy[0]);
     } else {
-        fprintf(f, "<text x=\"%d\" y=\"%d\" text-anchor=\"middle\" fill=\"#888\">no finite loss yet</text>\n",
-                (LP_LEFT + LP_RIGHT) / 2, (LP_LOSS_TOP + LP_LOSS_BOTTOM) / 2);
+        fprintf(f, "<text x=\"%d\" y=\"%d\" text-anchor=\"middle\" fill=\"#888\">no finite %s yet</text>\n",
+                (LP_LEFT + LP_RIGHT) / 2, (LP_LOSS_TOP + LP_LOSS_BOTTOM) / 2, quantity);
     }
     fprintf(f, "<g font-size=\"11\">\n<line x1=\"%d\" y1=\"%d\" x2=\"%d\" y2=\"%d\" stroke=\"#9ecae1\" stroke-width=\"2\"/>\n"
-               "<text x=\"%d\" y=\"%d\">loss (mean per log interval)</text>\n", LP_RIGHT - 230, LP_LOSS_TOP + 14, LP_RIGHT - 210,
-            LP_LOSS_TOP + 14, LP_RIGHT - 204, LP_LOSS_TOP + 18);
+               "<text x=\"%d\" y=\"%d\">%s (%s)</text>\n", LP_RIGHT - 230, LP_LOSS_TOP + 14, LP_RIGHT - 210,
+            LP_LOSS_TOP + 14, LP_RIGHT - 204, LP_LOSS_TOP + 18, quantity, is_loss ? "mean per log interval" : "each evaluation");
     fprintf(f, "<line x1=\"%d\" y1=\"%d\" x2=\"%d\" y2=\"%d\" stroke=\"#08519c\" stroke-width=\"2\"/>\n"
-               "<text x=\"%d\" y=\"%d\">smoothed (EMA of log loss)</text>\n</g>\n</g>\n", LP_RIGHT - 230, LP_LOSS_TOP + 30,
-            LP_RIGHT - 210, LP_LOSS_TOP + 30, LP_RIGHT - 204, LP_LOSS_TOP + 34);
+               "<text x=\"%d\" y=\"%d\">smoothed (EMA of log %s)</text>\n</g>\n</g>\n", LP_RIGHT - 230, LP_LOSS_TOP + 30,
+            LP_RIGHT - 210, LP_LOSS_TOP + 30, LP_RIGHT - 204, LP_LOSS_TOP + 34, quantity);
 
     // Learning-rate panel and the step axis beneath it.
     fprintf(f, "<g id=\"lr-panel\">\n<g font-size=\"11\" text-anchor=\"end\">\n");
@@ -401,10 +408,12 @@ static int lp_draw(FILE *f, const char *title, const LossPoint *points, int coun
     return 0;
 }
 
-// Writes the chart of `count` points (in step order) to path, atomically (see the top of the
-// file); title (the run folder, say) may be NULL. 0 or 0 points give a chart that says "no data
-// yet". Returns 0, or -1 with one line in err ("cannot write PATH: reason"), leaving no file behind.
-static int loss_plot_write(const char *path, const char *title, const LossPoint *points, int count, char *err, size_t err_len) {
+// Writes the chart of `count` points (in step order) of `quantity` (lp_draw) to path, atomically
+// (see the top of the file); title (the run folder, say) may be NULL. 0 or 0 points give a chart
+// that says "no data yet". Returns 0, or -1 with one line in err ("cannot write PATH: reason"),
+// leaving no file behind.
+static int loss_plot_write_quantity(const char *path, const char *title, const char *quantity, const LossPoint *points, int count,
+                                    char *err, size_t err_len) {
     char tmp[4400];
     if (snprintf(tmp, sizeof tmp, "%s.tmp.%d", path, (int)getpid()) >= (int)sizeof tmp)
         return snprintf(err, err_len, "cannot write %s: path too long", path), -1;
@@ -417,7 +426,7 @@ static int loss_plot_write(const char *path, const char *title, const LossPoint 
             break;
         }
         errno = 0;
-        int failed = lp_draw(f, title, points, count < 0 ? 0 : count) != 0;
+        int failed = lp_draw(f, title, quantity, points, count < 0 ? 0 : count) != 0;
         if (failed) e = ENOMEM;
         if (!failed && (ferror(f) || fflush(f) != 0)) failed = 1, e = errno ? errno : EIO;
         if (fclose(f) != 0 && !failed) failed = 1, e = errno;
@@ -428,6 +437,11 @@ static int loss_plot_write(const char *path, const char *title, const LossPoint 
     }
     snprintf(err, err_len, "cannot write %s: %s", path, strerror(e));
     return -1;
+}
+
+// The training loss's chart (run/loss.svg).
+static int loss_plot_write(const char *path, const char *title, const LossPoint *points, int count, char *err, size_t err_len) {
+    return loss_plot_write_quantity(path, title, "loss", points, count, err, err_len);
 }
 
 #endif  // LOSS_PLOT_H

@@ -4301,6 +4301,8 @@ typedef struct {
     int classifier_use_scale_shift_norm, classifier_resblock_updown, noised;
     const char *val_data;
     int eval_interval;
+    int eval_num;           // a diffusion model's FID during training: the images sampled (0: none)
+    const char *inception;  // FID's Inception weights ("": where pytorch-fid keeps them)
     // diffusion
     int diffusion_steps;
     const char *noise_schedule, *predict, *schedule_sampler;
@@ -4366,7 +4368,12 @@ static const OptionSpec option_specs[] = {
     OPT(classifier_pool, OPT_STRING, "classifier: its head, attention | adaptive | spatial | spatial_v2"),
     OPT(noised, OPT_BOOL, "classifier: train on images noised at t drawn uniformly (False: the clean images at t = 0)"),
     OPT(val_data, OPT_STRING, "classifier: a dataset .bin to evaluate on (its loss and accuracy in log.csv's val_ columns)"),
-    OPT(eval_interval, OPT_INT, "classifier: steps between evaluations on --val_data (a batch each)"),
+    OPT(eval_interval, OPT_INT, "steps between evaluations: a classifier's on --val_data (a batch each); a diffusion model's FID "
+                                "(--eval_num; then a multiple of --log_interval, and when not given --sample_interval's)"),
+    OPT(eval_num, OPT_INT, "diffusion models: FID every --eval_interval steps and at the end, of this many images sampled from the "
+                           "first EMA (DDIM, --sample_steps) against the first 50000 training images; more than 2048 (0: none)"),
+    OPT(inception, OPT_STRING, "FID's Inception-v3 weights, pytorch-fid's pt_inception-2015-12-05-6726825d.pth; unset: where "
+                               "pytorch-fid keeps it, $TORCH_HOME/hub/checkpoints/ or ~/.cache/torch/hub/checkpoints/"),
     OPT(diffusion_steps, OPT_INT, "diffusion timesteps"),
     OPT(noise_schedule, OPT_STRING, "linear | cosine"),
     OPT(predict, OPT_STRING, "eps | v | x0: what the model is trained to predict (x0: guided-diffusion's predict_xstart)"),
@@ -4425,7 +4432,7 @@ static Options preset_seed(void) {
     o.dropout = 0.0f, o.class_cond = 0, o.num_classes = 0, o.learn_sigma = 0;
     o.model = "diffusion", o.classifier_width = 128, o.classifier_depth = 2, o.classifier_attention_resolutions = "32,16,8";
     o.classifier_use_scale_shift_norm = 1, o.classifier_resblock_updown = 1, o.classifier_pool = "attention", o.noised = 1;
-    o.val_data = "", o.eval_interval = 5;
+    o.val_data = "", o.eval_interval = 5, o.eval_num = 0, o.inception = "";
     o.diffusion_steps = 1000, o.noise_schedule = "linear", o.predict = "eps", o.use_kl = 0, o.rescale_learned_sigmas = 1;
     o.schedule_sampler = "uniform";
     o.lr = 1e-4f, o.weight_decay = 0.0f, o.beta1 = 0.9f, o.beta2 = 0.999f, o.adam_eps = 1e-8f;
@@ -9066,7 +9073,7 @@ static void clear_run_folder(const char *run_dir) {
     while (d && (e = readdir(d)))
         if (strncmp(e->d_name, "step_", 5) == 0 && strstr(e->d_name, ".png")) unlinkat(samples, e->d_name, 0);
     if (d) closedir(d);
-    const char *files[] = {"log.csv", "config.txt", "loss.svg"};
+    const char *files[] = {"log.csv", "config.txt", "loss.svg", "fid.svg"};
     for (int i = 0; i < 3; i++) unlinkat(run, files[i], 0);
     if (checkpoints >= 0) fsync(checkpoints), close(checkpoints);
     if (samples >= 0) close(samples);
@@ -9192,6 +9199,10 @@ static Options parse_options(int argc, char **argv) {
 }
 
 // Checks the training values that are not part of the model.
+// The steps between FIDs (--eval_num): --eval_interval, or when it is not given --sample_interval's
+// (0: only at the end).
+static int fid_interval(const Options *o) { return option_given("eval_interval") ? o->eval_interval : o->sample_interval; }
+
 static void validate_training(const Options *o) {
     if (o->diffusion_steps < 1 || o->diffusion_steps > 100000) usage_error("--diffusion_steps %d is out of range (1..100000)", o->diffusion_steps);
     if (strcmp(o->noise_schedule, "linear") != 0 && strcmp(o->noise_schedule, "cosine") != 0)
@@ -9240,6 +9251,13 @@ static void validate_training(const Options *o) {
     if (classifier && strcmp(o->schedule_sampler, "uniform") != 0) usage_error("--model classifier draws t uniformly: --schedule_sampler uniform");
     if (o->val_data[0] && !classifier) usage_error("--val_data evaluates a classifier: it needs --model classifier");
     if (o->eval_interval < 1) usage_error("--eval_interval %d must be positive", o->eval_interval);
+    if (o->eval_num && classifier) usage_error("--eval_num is a diffusion model's FID: a classifier evaluates on --val_data");
+    if (o->eval_num && (o->eval_num <= 2048 || o->eval_num > 1000000))
+        usage_error("--eval_num %d: FID needs more images than its 2048 features (and at most 1000000)", o->eval_num);
+    if (o->eval_num && o->super_res) usage_error("--eval_num: FID during training is not built for an upsampler (score its samples with evaluate)");
+    if (o->eval_num && fid_interval(o) % o->log_interval != 0)
+        usage_error("--eval_interval %d must be a multiple of --log_interval %d: FID goes into log.csv's rows", fid_interval(o), o->log_interval);
+    if (strlen(o->inception) > 3000) usage_error("--inception must be at most 3000 characters");
     for (int i = 0; i < n; i++)
         if (rates[i] >= 1) usage_error("EMA rate %g must be below 1", rates[i]);
     if (o->log_interval < 1) usage_error("--log_interval %d must be positive", o->log_interval);
@@ -9511,6 +9529,127 @@ static void write_samples(Trainer *tr, GpuSampler *sampler, const Dataset *origi
     free(labels);
 }
 
+// FID during training (--eval_num): the reference statistics of the first 50000 training images,
+// made once at the start of the run, and at every evaluation --eval_num images sampled from the
+// first EMA's weights (DDIM with --sample_steps, the classes in turn, the same starting noise every
+// time), their Inception features and the Fréchet distance, all on the GPU (the sample-quality
+// section's functions, which evaluate uses too), printed, put in log.csv's row and drawn into
+// run/fid.svg. Only rank 0 evaluates; the others wait at the next step.
+#define FID_REFERENCE_IMAGES 50000
+typedef struct {
+    UnetInception *net;
+    LossLog chart;         // the FIDs so far (log.csv's, on resume), drawn into run/fid.svg
+    char chart_path[4400];
+    const char *run_dir;
+    int batch;             // Inception's images at a time
+    double *mu, *sigma;    // the training images' statistics
+    int64_t reference_count;
+    GpuSampler sampler;    // made at the first evaluation
+    double fid;            // the last one, and its step (-1: none yet)
+    int64_t step;
+} FidEvaluation;
+
+// The fid column of log.csv's rows (those a resumed run kept) into log.
+static void fid_log_read(LossLog *log, const char *path) {
+    FILE *f = fopen(path, "r");
+    char line[1024];
+    int column = -1;
+    if (f && fgets(line, sizeof line, f)) {  // the header: fid's column
+        int k = 0;
+        for (char *field = strtok(line, ",\n"); field; field = strtok(NULL, ",\n"), k++)
+            if (strcmp(field, "fid") == 0) column = k;
+    }
+    while (f && column >= 0 && fgets(line, sizeof line, f)) {
+        const char *field = line;
+        for (int k = 0; k < column && field; k++) field = strchr(field, ','), field = field ? field + 1 : NULL;
+        char *end;
+        double fid = field ? strtod(field, &end) : NAN;
+        if (field && end != field && loss_log_add(log, strtoll(line, NULL, 10), fid, NAN) != 0) fatal("out of host memory");
+    }
+    if (f) fclose(f);
+}
+
+static void fid_evaluation_open(FidEvaluation *fe, const Options *o, const Dataset *data) {
+    char err[1024], path[4096];
+    memset(fe, 0, sizeof *fe);
+    fe->step = -1;
+    fe->run_dir = o->run_dir;
+    snprintf(fe->chart_path, sizeof fe->chart_path, "%s/fid.svg", o->run_dir);
+    snprintf(path, sizeof path, "%s/log.csv", o->run_dir);
+    fid_log_read(&fe->chart, path);
+    if (o->inception[0]) snprintf(path, sizeof path, "%s", o->inception);
+    else unet_inception_default_path(path, sizeof path);
+    fe->net = unet_inception_open(path, err, sizeof err);
+    if (!fe->net) fatal("%s", err);
+    double start = now_seconds();
+    fe->reference_count = data->header.count < FID_REFERENCE_IMAGES ? (int64_t)data->header.count : FID_REFERENCE_IMAGES;
+    if (!(fe->batch = unet_inception_max_batch(fe->net, 100, err, sizeof err))) fatal("%s", err);
+    const int dim = UNET_INCEPTION_FEATURES;
+    float *pool = (float *)malloc_or_die(fe->reference_count * dim * sizeof(float));
+    fe->mu = (double *)malloc_or_die(dim * sizeof(double));
+    fe->sigma = (double *)malloc_or_die((size_t)dim * dim * sizeof(double));
+    if (unet_inception_features(fe->net, data->pixels, fe->reference_count, data->header.height, data->header.width, data->header.channels,
+                                fe->batch, pool, NULL, NULL, err, sizeof err) != 0 ||
+        unet_feature_statistics(pool, fe->reference_count, dim, fe->mu, fe->sigma, err, sizeof err) != 0)
+        fatal("%s", err);
+    free(pool);
+    printf("FID: the reference statistics of %lld training images in %.1f s (Inception-v3 of %s)\n", (long long)fe->reference_count,
+           now_seconds() - start, path);
+}
+
+// The FID of --eval_num samples from the first EMA at this step, into fe->fid.
+static void fid_evaluate(FidEvaluation *fe, Trainer *tr) {
+    const Options *o = tr->o;
+    const ModelConfig *c = &tr->config;
+    double start = now_seconds();
+    if (!fe->sampler.m.blocks) {
+        SamplePlan plan;
+        if (sample_plan_make(&plan, &tr->diffusion.schedule, SAMPLER_DDIM, o->sample_steps, NULL, 0.0f, prediction_from_name(o->predict), 1,
+                             0) != 0)
+            fatal("out of memory");
+        size_t free_bytes, total_bytes;  // the largest batch up to 256 that fits beside the training
+        cuda_check(cudaMemGetInfo(&free_bytes, &total_bytes));
+        int batch = o->eval_num < 256 ? o->eval_num : 256;
+        while (batch > 1 && gpu_sampler_bytes(c, batch, &plan, 0, NULL) + (512LL << 20) > (int64_t)free_bytes) batch /= 2;
+        gpu_sampler_create(&fe->sampler, c, batch, &plan, 1.0f, NULL, 0.0f, random_u64((uint64_t)o->seed, rng_stream(RNG_GRID_SEED, 1), 0));
+        sample_plan_free(&plan);
+    }
+    GpuSampler *sampler = &fe->sampler;
+    cuda_check(cudaMemcpy(sampler->m.master, tr->ema[0], tr->m.storage * sizeof(float), cudaMemcpyDeviceToDevice));
+    unet_sync_compute(&sampler->m);
+    int n = o->eval_num, size = c->image_size, classes = c->num_classes - 1, dim = UNET_INCEPTION_FEATURES;  // (less the null class)
+    int64_t per_image = (int64_t)size * size * 3;
+    uint8_t *pixels = (uint8_t *)malloc_or_die(sampler->images * per_image);
+    int *labels = (int *)malloc_or_die(sampler->images * sizeof(int));
+    float *pool = (float *)malloc_or_die((size_t)n * dim * sizeof(float));
+    double *mu = (double *)malloc_or_die(dim * sizeof(double)), *sigma = (double *)malloc_or_die((size_t)dim * dim * sizeof(double));
+    char err[1024];
+    for (int first = 0; first < n; first += sampler->images) {
+        int count = n - first < sampler->images ? n - first : sampler->images;
+        for (int i = 0; i < count; i++) labels[i] = classes > 0 ? (first + i) % classes : 0;
+        gpu_sampler_run(sampler, first, count, classes > 0 ? labels : NULL, NULL, pixels, NULL, NULL);
+        if (unet_inception_features(fe->net, pixels, count, size, size, 3, fe->batch, pool + (size_t)first * dim, NULL, NULL, err, sizeof err) != 0)
+            fatal("%s", err);
+    }
+    if (unet_feature_statistics(pool, n, dim, mu, sigma, err, sizeof err) != 0 ||
+        unet_frechet_distance(fe->mu, fe->sigma, mu, sigma, dim, &fe->fid, err, sizeof err) != 0)
+        fatal("%s", err);
+    fe->step = tr->step;
+    printf("FID at step %lld: %.4f (%d samples against %lld training images, %.1f s)\n", (long long)tr->step, fe->fid, n,
+           (long long)fe->reference_count, now_seconds() - start);
+    if (loss_log_add(&fe->chart, tr->step, fe->fid, NAN) != 0) fatal("out of host memory");
+    if (loss_plot_write_quantity(fe->chart_path, fe->run_dir, "FID", fe->chart.points, fe->chart.count, err, sizeof err) != 0)
+        fprintf(stderr, "train_unet: warning: %s\n", err);
+    free(pixels), free(labels), free(pool), free(mu), free(sigma);
+}
+
+static void fid_evaluation_close(FidEvaluation *fe) {
+    loss_log_free(&fe->chart);
+    if (fe->sampler.m.blocks) gpu_sampler_destroy(&fe->sampler);
+    unet_inception_close(fe->net);
+    free(fe->mu), free(fe->sigma);
+}
+
 static void on_stop_signal(int sig) {
     if (sig == SIGUSR1) {
         peer_lost = 1;
@@ -9598,11 +9737,12 @@ static void fill_log(FILE *f, const void *arg) {
     if (old) fclose(old);
 }
 
-// Opens log.csv for appending; on resume keeps only the rows up to the resumed step.
-static FILE *open_log(const char *run_dir, int64_t resumed_step, int classifier) {
+// Opens log.csv for appending; on resume keeps only the rows up to the resumed step. With FID during
+// training (fid), a diffusion model's rows end in a fid column (empty where none was computed).
+static FILE *open_log(const char *run_dir, int64_t resumed_step, int classifier, int fid) {
     char path[4096];
     snprintf(path, sizeof path, "%s/log.csv", run_dir);
-    LogStart start = {path, resumed_step, classifier ? CLASSIFIER_LOG_HEADER : LOG_HEADER};
+    LogStart start = {path, resumed_step, classifier ? CLASSIFIER_LOG_HEADER : fid ? LOG_HEADER ",fid" : LOG_HEADER};
     write_file_atomically(path, fill_log, &start);
     FILE *f = fopen(path, "a");
     if (!f) fatal("cannot write %s: %s", path, strerror(errno));
@@ -9757,9 +9897,12 @@ static void run_training(const Options *o, const ModelConfig *config, const Para
     if (lead) {
         prune_checkpoints(o->run_dir, 0);  // what a crashed save or removal left
         write_config(o->run_dir, o);
-        log = open_log(o->run_dir, tr.step, tr.classifier);
+        log = open_log(o->run_dir, tr.step, tr.classifier, o->eval_num > 0);
         loss_chart_open(&chart, o->run_dir);
     }
+    FidEvaluation fid;  // --eval_num: rank 0's
+    memset(&fid, 0, sizeof fid);
+    if (lead && o->eval_num) fid_evaluation_open(&fid, o, &loader.data);
 
     cudaDeviceProp prop;
     cuda_check(cudaGetDeviceProperties(&prop, team.local_rank));
@@ -9802,6 +9945,12 @@ static void run_training(const Options *o, const ModelConfig *config, const Para
         for (int q = 0; q < 4; q++) interval_quarter[q] += s->quarter_loss[q], interval_quarter_count[q] += s->quarter_count[q];
         if (tr.classifier) classifier_log_add(&train_log, s->terms);
         if (val && tr.step % o->eval_interval == 0) classifier_log_add(&val_log, trainer_evaluate(&tr, val, tr.step / o->eval_interval - 1));
+        if (o->eval_num && ((fid_interval(o) && tr.step % fid_interval(o) == 0) || tr.step == o->steps)) {
+            double eval_start = now_seconds();
+            if (lead) fid_evaluate(&fid, &tr);
+            interval_start += now_seconds() - eval_start;  // the log's speed is the training's
+            tr.others_wait = 1;
+        }
         if (lead && (tr.step % o->log_interval == 0 || tr.step == o->steps)) {
             double t = now_seconds(), ms = 1000.0 * (t - interval_start) / fmax(interval_steps, 1);
             double img_s = global_batch * 1000.0 / ms, eta = (o->steps - tr.step) * ms / 1000.0;
@@ -9823,6 +9972,8 @@ static void run_training(const Options *o, const ModelConfig *config, const Para
                 for (int q = 0; q < 4; q++)  // (empty when no sample's t fell in the quarter)
                     if (interval_quarter_count[q] > 0) fprintf(log, ",%.6f", interval_quarter[q] / interval_quarter_count[q]);
                     else fputc(',', log);
+                if (o->eval_num && fid.step == tr.step) fprintf(log, ",%.4f", fid.fid);
+                else if (o->eval_num) fputc(',', log);
             }
             fputc('\n', log);
             fflush(log);
@@ -9854,6 +10005,7 @@ static void run_training(const Options *o, const ModelConfig *config, const Para
                tr.step < o->steps ? "stopped" : "done", (long long)tr.step, saved, now_seconds() - started, (long long)bad_total);
         fclose(log);
         loss_log_free(&chart.log);
+        if (o->eval_num) fid_evaluation_close(&fid);
     }
     loader_close(&loader);
     if (val) loader_close(val);
@@ -10927,6 +11079,14 @@ static int inception_expected_tensors(InceptionTensor **tensors) {
 }
 #endif
 
+extern "C" void unet_inception_default_path(char *path, size_t len) {
+    const char *torch_home = getenv("TORCH_HOME"), *cache = getenv("XDG_CACHE_HOME"), *home = getenv("HOME");
+    const char *file = "pt_inception-2015-12-05-6726825d.pth";
+    if (torch_home && torch_home[0]) snprintf(path, len, "%s/hub/checkpoints/%s", torch_home, file);
+    else if (cache && cache[0]) snprintf(path, len, "%s/torch/hub/checkpoints/%s", cache, file);
+    else snprintf(path, len, "%s/.cache/torch/hub/checkpoints/%s", home ? home : ".", file);
+}
+
 extern "C" UnetInception *unet_inception_open(const char *path, char *err, size_t err_len) {
     UnetInception *net = (UnetInception *)calloc(1, sizeof *net);
     if (!net) fatal("out of host memory");
@@ -11388,6 +11548,22 @@ __attribute__((weak)) int main(int argc, char **argv) {
         if (init.label_rows && (launched || o.gpus == 1 || o.dry_run))
             printf("init_from: %s has %d label_emb rows, this model %d: label_emb starts from its initialisation, the rest from the file\n",
                    init.file, init.label_rows, model.num_classes);
+    }
+    if (!o.bench && o.eval_num) {  // FID's weights and reference, checked before anything is written
+        if (data.map && data.header.count <= UNET_INCEPTION_FEATURES)
+            fatal("--eval_num: dataset %s holds %" PRIu64 " images: FID's reference needs more than %d (its features' dimension)", o.data,
+                  data.header.count, UNET_INCEPTION_FEATURES);
+        char inception[4096];
+        if (o.inception[0]) snprintf(inception, sizeof inception, "%s", o.inception);
+        else unet_inception_default_path(inception, sizeof inception);
+        UnetInception *net = unet_inception_open(inception, err, sizeof err);
+        if (!net) fatal("--eval_num: %s", err);
+        unet_inception_close(net);
+        if (launched || o.gpus == 1 || o.dry_run) {
+            char every[64] = "";
+            if (fid_interval(&o)) snprintf(every, sizeof every, "every %d steps and ", fid_interval(&o));
+            printf("FID: %d samples %sat the end, Inception-v3 weights %s\n", o.eval_num, every, inception);
+        }
     }
 
     if (o.dry_run) {

@@ -129,6 +129,9 @@ typedef struct UnetInception UnetInception;
 // tensors as safetensors) without a GPU: every tensor's name and shape is checked and the BatchNorms
 // folded into the convolutions. NULL with a message.
 UnetInception *unet_inception_open(const char *path, char *err, size_t err_len);
+// Where pytorch-fid keeps those weights: $TORCH_HOME/hub/checkpoints/, else
+// $XDG_CACHE_HOME/torch/hub/checkpoints/, else ~/.cache/torch/hub/checkpoints/ (the file's name added).
+void unet_inception_default_path(char *path, size_t len);
 void unet_inception_close(UnetInception *net);
 
 // The largest batch, at most limit (halved from it), whose network takes at most half of the GPU's

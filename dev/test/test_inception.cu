@@ -3,7 +3,8 @@
 // pytorch-fid's (their count and size, those of scripts/fid_inception.py's module), a file of them
 // opens, and a misshapen, missing or non-finite tensor or a negative variance is refused with one
 // line naming it. `test_inception --list` prints the expected tensors, one "name [shape]" a line
-// (scripts/fid_inception.py's state_dict lists the same, less fc.bias and num_batches_tracked).
+// (scripts/fid_inception.py's state_dict lists the same, less fc.bias and num_batches_tracked);
+// `test_inception --write FILE` writes random weights of them (safetensors), for the command-line tests.
 #define TRAIN_UNET_LIBRARY
 #include "../../train_unet.cu"
 #include "check.h"
@@ -26,11 +27,15 @@ static int write_weights(const char *path, const char *victim, const char *damag
         for (int d = 0; d < t->ndim; d++) shapes[written][d] = (int)t->shape[d], numel *= t->shape[d];
         if (is_victim && strcmp(damage, "shape") == 0) numel /= shapes[written][0], shapes[written][0] -= 1, numel *= shapes[written][0];
         values[written] = (float *)malloc(numel * sizeof(float));
-        int variance = strstr(t->name, "running_var") != NULL;
+        // values that keep the activations in range through the 94 layers: He-uniform convolutions,
+        // BatchNorms near the identity, a small classifier
+        int conv = strstr(t->name, "conv.weight") != NULL, variance = strstr(t->name, "running_var") != NULL;
+        int scale = strstr(t->name, "bn.weight") != NULL;
+        double conv_bound = t->ndim == 4 ? sqrt(6.0 / (t->shape[1] * t->shape[2] * t->shape[3])) : 0.0;
         for (int64_t k = 0; k < numel; k++) {
             state = state * 6364136223846793005ull + 1442695040888963407ull;
             float u = (float)((state >> 40) * (1.0 / 16777216.0));
-            values[written][k] = variance ? 0.5f + u : u - 0.5f;
+            values[written][k] = conv ? (float)((2 * u - 1) * conv_bound) : variance ? 0.5f + u : scale ? 0.8f + 0.4f * u : 0.2f * (u - 0.5f);
         }
         if (is_victim && strcmp(damage, "nan") == 0) values[written][0] = NAN;
         if (is_victim && strcmp(damage, "variance") == 0) values[written][0] = -1.0f;
@@ -55,6 +60,7 @@ static void open_damaged(const char *path, const char *victim, const char *damag
 int main(int argc, char **argv) {
     InceptionTensor *expected;
     int count = inception_expected_tensors(&expected);
+    if (argc > 2 && strcmp(argv[1], "--write") == 0) return write_weights(argv[2], NULL, "") == 0 ? 0 : 1;  // random weights, for the CLI tests
     if (argc > 1 && strcmp(argv[1], "--list") == 0) {
         for (int i = 0; i < count; i++) {
             printf("%s [", expected[i].name);

@@ -276,6 +276,15 @@ int main(int argc, char **argv) {
     free(svg);
     CHECK(leftover_temporaries(tmp_dir) == 0);
 
+    check_case("another quantity (the trainer's fid.svg): its name in the heading, axis, legend and summary; no lr line");
+    for (int i = 0; i < 6; i++) p[i].step = 1000 * (i + 1), p[i].loss = 80.0 / (i + 1), p[i].lr = NAN;
+    CHECK(loss_plot_write_quantity(tmp_path("fid.svg"), "run", "FID", p, 6, err, sizeof err) == 0);
+    svg = read_all(tmp_path("fid.svg"), NULL);
+    CHECK(svg && well_formed(svg) && strstr(svg, ">FID: run</text>") && strstr(svg, "FID (log scale)") &&
+          strstr(svg, "FID (each evaluation)") && strstr(svg, "\xc2\xb7 FID 13.33") && !strstr(svg, "training loss") &&
+          !strstr(svg, "<polyline id=\"lr\""));
+    free(svg);
+
     check_case("a failed write: one error line, -1, no file and no temporary left behind");
     err[0] = '\0';
     CHECK(loss_plot_write(tmp_path("no such folder/loss.svg"), "run", p, 10, err, sizeof err) == -1);

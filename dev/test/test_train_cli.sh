@@ -355,6 +355,27 @@ ADM_FIXTURE=(--image_size 8 --num_channels 32 --channel_mult 1,1 --num_res_block
 expect_ok "$TRAIN" --dry_run "${ADM_FIXTURE[@]}" --num_classes 4 --init_from dev/fixtures/pt/unet_adm_fp32.pt
 expect_grep "^init_from: .*unet_adm_fp32.pt has 10 label_emb rows, this model 5: label_emb starts from its initialisation" "$LAST_OUT"
 
+case_begin "--eval_num (FID during training): bad values are usage errors; the weights and the dataset's size checked by --dry_run"
+expect_exit 2 "$TRAIN" --dry_run --eval_num 2048
+expect_grep "eval_num 2048: FID needs more images than its 2048 features" "$LAST_ERR"
+expect_exit 2 "$TRAIN" --dry_run --eval_num 3000 --model classifier
+expect_grep "eval_num is a diffusion model's FID: a classifier evaluates on --val_data" "$LAST_ERR"
+expect_exit 2 "$TRAIN" --dry_run --eval_num 3000 --image_size 32 --super_res 16
+expect_grep "FID during training is not built for an upsampler" "$LAST_ERR"
+expect_exit 2 "$TRAIN" --dry_run --eval_num 3000 --eval_interval 15 --log_interval 10
+expect_grep "eval_interval 15 must be a multiple of --log_interval 10" "$LAST_ERR"
+expect_exit 1 "$TRAIN" --dry_run --data "$TEST_TMP/s32.bin" --eval_num 3000
+expect_grep "dataset .*s32.bin holds 20 images: FID's reference needs more than 2048" "$LAST_ERR"
+./prepare_data --synthetic shapes --size 32 --count 2049 --output "$TEST_TMP/s2049.bin" --quiet >/dev/null
+without_weights() { HOME="$TEST_TMP/home" TORCH_HOME="" XDG_CACHE_HOME="" "$TRAIN" "$@"; }  # where pytorch-fid keeps none
+expect_exit 1 without_weights --dry_run --data "$TEST_TMP/s2049.bin" --eval_num 3000
+expect_grep "eval_num: cannot open the Inception weights $TEST_TMP/home/.cache/torch/hub/checkpoints/pt_inception-2015-12-05-6726825d.pth" "$LAST_ERR"
+build/test/test_inception --write "$TEST_TMP/inception.safetensors"
+expect_ok "$TRAIN" --dry_run --data "$TEST_TMP/s2049.bin" --eval_num 3000 --inception "$TEST_TMP/inception.safetensors"
+expect_grep "^FID: 3000 samples every 5000 steps and at the end, Inception-v3 weights .*inception.safetensors$" "$LAST_OUT"
+expect_ok "$TRAIN" --dry_run --data "$TEST_TMP/s2049.bin" --eval_num 3000 --inception "$TEST_TMP/inception.safetensors" --sample_interval 0
+expect_grep "^FID: 3000 samples at the end" "$LAST_OUT"
+
 case_begin "--help lists every guided-diffusion flag"
 expect_ok "$TRAIN" --help
 for flag in image_size num_channels num_res_blocks channel_mult attention_resolutions num_heads num_head_channels \

@@ -8,7 +8,8 @@
 # new run; a learned variance trains, resumes and samples; the schedule sampler loss-second-moment
 # resumes exactly (its history in state.bin) and logs the loss per quarter of t; --microbatch trains as
 # the whole batch does (to rounding), --use_checkpoint as without it (to the byte); the noisy
-# classifier trains, evaluates on --val_data, resumes and recomputes to the byte.
+# classifier trains, evaluates on --val_data, resumes and recomputes to the byte; FID during
+# training (--eval_num) lands in log.csv.
 cd "$(dirname "$0")/../.." || exit 1
 . dev/test/lib.sh
 ./prepare_data --synthetic shapes --count 300 --size 32 --seed 5 --output "$TEST_TMP/s.bin" --quiet >/dev/null
@@ -354,5 +355,33 @@ for pool in $pools; do  # the means of every input block's output: their gradien
     cmp -s "$TEST_TMP/cls_$pool/checkpoints/step_000000006/model.safetensors" "$TEST_TMP/cls_${pool}_recomputed/checkpoints/step_000000006/model.safetensors" ||
         case_fail "$pool: the weights differ with --use_checkpoint"
 done
+
+case_begin "FID during training (--eval_num): the training images' statistics, then the EMA samples' FID every --eval_interval steps in log.csv"
+./prepare_data --synthetic shapes --count 2100 --size 32 --seed 6 --output "$TEST_TMP/s2100.bin" --quiet >/dev/null
+build/test/test_inception --write "$TEST_TMP/inception.safetensors"
+expect_ok ./train_unet --data "$TEST_TMP/s2100.bin" --image_size 32 --num_channels 32 --channel_mult 1,2 --num_res_blocks 1 \
+    --attention_resolutions 16 --num_head_channels 32 --batch_size 8 --steps 20 --log_interval 10 --eval_interval 10 --eval_num 2200 \
+    --sample_steps 5 --sample_count 0 --inception "$TEST_TMP/inception.safetensors" --run_dir "$TEST_TMP/fid"
+expect_grep "^FID: the reference statistics of 2100 training images" "$LAST_OUT"
+expect_grep "^FID at step 10: [0-9]+\.[0-9]{4} \(2200 samples against 2100 training images" "$LAST_OUT"
+expect_grep "^FID at step 20: [0-9]+\.[0-9]{4} " "$LAST_OUT"
+expect_grep ',loss_q3,fid$' "$TEST_TMP/fid/log.csv"
+for step in 10 20; do  # the row's fid is the one printed
+    printed=$(sed -n "s/^FID at step $step: \([0-9.]*\) .*/\1/p" "$LAST_OUT")
+    logged=$(awk -F, -v s=$step '$1 == s { print $NF }' "$TEST_TMP/fid/log.csv")
+    [ -n "$printed" ] && [ "$printed" = "$logged" ] || case_fail "step $step: log.csv's fid '$logged', printed '$printed'"
+done
+grep -q '>FID: ' "$TEST_TMP/fid/fid.svg" && grep -q 'id="loss-smoothed"' "$TEST_TMP/fid/fid.svg" || case_fail "fid.svg is missing or not a chart of the FIDs"
+FID_ARGS=(--data "$TEST_TMP/s2100.bin" --image_size 32 --num_channels 32 --channel_mult 1,2 --num_res_blocks 1 --attention_resolutions 16
+          --num_head_channels 32 --batch_size 8 --steps 20 --log_interval 10 --eval_interval 10 --eval_num 2200 --sample_steps 5
+          --sample_count 0 --inception "$TEST_TMP/inception.safetensors" --run_dir "$TEST_TMP/fid_resumed")
+expect_ok ./train_unet "${FID_ARGS[@]}" --stop_step 10
+expect_ok ./train_unet "${FID_ARGS[@]}" --resume_checkpoint latest
+cmp -s <(cut -d, -f1-4,14 "$TEST_TMP/fid/log.csv") <(cut -d, -f1-4,14 "$TEST_TMP/fid_resumed/log.csv") ||
+    case_fail "a resumed run's losses and FIDs differ from the straight run's"
+fid_points() { grep -o '<polyline id="loss"[^>]*points="[^"]*"' "$1"; }
+[ "$(fid_points "$TEST_TMP/fid_resumed/fid.svg" | grep -o ',' | wc -l)" = 2 ] &&
+    [ "$(fid_points "$TEST_TMP/fid_resumed/fid.svg")" = "$(fid_points "$TEST_TMP/fid/fid.svg")" ] ||
+    case_fail "the resumed run's fid.svg does not hold both evaluations as the straight run's does"
 
 case_summary
