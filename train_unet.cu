@@ -10853,7 +10853,7 @@ static void inception_conv(UnetInception *net, const char *name, InceptionMap in
         cuda_check_launch();
         inception_mark(net, &l->product_ms);
         return;
-    case INCEPTION_MMA: {
+    case INCEPTION_MMA: {  // (the BF16 build's only: inception_conv_kind)
 #if !defined(PRECISION_FP32)
         dim3 grid((pixels + CONV_MMA_PIXELS - 1) / CONV_MMA_PIXELS, (out.c + CONV_MMA_CHANNELS - 1) / CONV_MMA_CHANNELS);
         inception_conv_mma_kernel<<<grid, 256, 0, gpu.stream>>>(out.x, out.ld, in.x, in.ld, l->weight, l->bias, pixels, in.h, in.w, in.c,
@@ -11146,10 +11146,10 @@ extern "C" void unet_inception_close(UnetInception *net) {
     free(net);
 }
 
-// The network on the GPU for batches of `batch` images: its weights, and the buffers the loading
-// walk sized.
+// The network on the GPU for batches of up to `batch` images: its weights, and the buffers the
+// loading walk sized (made again only for a larger batch).
 static void inception_to_gpu(UnetInception *net, int batch) {
-    if (net->batch == batch) return;
+    if (batch <= net->batch) return;
     void *gpu_buffers[] = {net->input, net->maps[0], net->maps[1], net->temp, net->patches, net->pool, net->spatial, net->logits};
     for (size_t i = 0; i < sizeof gpu_buffers / sizeof *gpu_buffers; i++) cudaFree(gpu_buffers[i]);
     if (!net->fc) {
