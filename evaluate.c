@@ -5,9 +5,9 @@
 //   ./evaluate --ref DATA.bin --sample samples/         FID ... of generate's images against a dataset
 //   ./evaluate --ref DATA.bin --save_stats DATA.stats   the reference's statistics, kept for later
 //
-// A set is a dataset .bin, a folder of images or a statistics file (.stats, written by
-// --save_stats: safetensors holding mu, sigma, mu_s, sigma_s in double, the pool features and the
-// Inception Score). The mathematics is metrics.h's (on the GPU where it is heavy: the statistics,
+// A set is a dataset .bin, a folder of images, guided-diffusion's .npz batch (arr_0) or a statistics
+// file (.stats, written by --save_stats: safetensors holding mu, sigma, mu_s, sigma_s in double, the
+// pool features and the Inception Score). The mathematics is metrics.h's (on the GPU where it is heavy: the statistics,
 // the matrix square roots, the k-NN distances).
 #include <dirent.h>
 #include <errno.h>
@@ -43,8 +43,9 @@ static const char usage[] =
     "(k = 3), from the features of pytorch-fid's Inception-v3 on the GPU. REF and\n"
     "SAMPLES are each a dataset .bin, a folder of images (PNG, JPEG, BMP, TGA, PNM;\n"
     "in name order; generate's grid.png and base_grid.png left out; all of one\n"
-    "size) or a statistics file written by --save_stats. FID needs more images in\n"
-    "each set than its 2048 features, or the covariances are singular.\n"
+    "size), guided-diffusion's .npz batch (its samples, its reference batches: the\n"
+    "images of arr_0) or a statistics file written by --save_stats. FID needs more\n"
+    "images in each set than its 2048 features, or the covariances are singular.\n"
     "  --ref PATH          the reference set\n"
     "  --sample PATH       the set to judge\n"
     "  --save_stats FILE   write REF's statistics to FILE (.stats) and stop\n"
@@ -130,6 +131,8 @@ typedef struct {
     Dataset data;              // a .bin
     char **files;              // a folder's images, in name order
     SafeTensorsFile stats;     // a .stats file
+    MappedFile npz;            // guided-diffusion's batch .npz
+    const uint8_t *pixels;     // a .bin's or an .npz's images, [count][height][width][channels]
     int64_t count;
     int height, width, channels;
     float *pool, *spatial, *logits;          // the features ([count][...]; logits only for the samples)
@@ -231,7 +234,51 @@ static void open_stats(FeatureSet *s) {
     s->is_stats = 1;
 }
 
-// Opens a set (no GPU yet): a statistics file, a folder of images or a dataset .bin.
+// guided-diffusion's sample and reference batches (image_sample.py's samples_NxHxWx3.npz, the
+// evaluator's VIRTUAL_*.npz): np.savez's zip of stored .npy files, the images in arr_0, uint8
+// [N][H][W][C] in C order (C = 1, 3 or 4), read in place from the mapped file.
+static void open_npz(FeatureSet *s) {
+    char err[1024];
+    if (map_regular_file(s->path, "batch", &s->npz, err, sizeof err) != 0) unet_die("%s", err);
+    ZipEntry *entries;
+    int n;
+    if (zip_read(s->npz.bytes, s->npz.size, &entries, &n, err, sizeof err) != 0) unet_die("%s: %s", s->path, err);
+    const ZipEntry *arr = zip_find(entries, n, "arr_0.npy");
+    if (!arr) unet_die("%s holds no arr_0.npy: not an image batch as guided-diffusion writes them (np.savez of [N, H, W, 3] uint8)", s->path);
+    const uint8_t *npy = s->npz.bytes + arr->begin;
+    uint64_t size = arr->size, header_len = 0, at = 0;
+    if (size >= 10 && memcmp(npy, "\x93NUMPY", 6) == 0)  // version 1: a 2-byte header length; 2 and 3: 4 bytes
+        header_len = npy[6] == 1 ? (uint64_t)npy[8] | (uint64_t)npy[9] << 8
+                                 : size >= 12 ? (uint64_t)npy[8] | (uint64_t)npy[9] << 8 | (uint64_t)npy[10] << 16 | (uint64_t)npy[11] << 24 : 0,
+        at = npy[6] == 1 ? 10 : 12;
+    if (!header_len || header_len > 4096 || at + header_len > size) unet_die("%s: arr_0.npy is not a .npy array", s->path);
+    char header[4097];
+    memcpy(header, npy + at, header_len);
+    header[header_len] = '\0';
+    for (char *c = header; *c; c++)  // shown in an error line: printable, one line
+        if (*c < 0x20 || *c == 0x7f) *c = ' ';
+    for (size_t len = strlen(header); len && header[len - 1] == ' ';) header[--len] = '\0';
+    const char *shape = strstr(header, "'shape': (");
+    long long dims[5] = {0};
+    int ndim = 0;
+    for (const char *p = shape ? shape + 10 : NULL; p && ndim < 5 && *p != ')';) {
+        char *end;
+        dims[ndim] = strtoll(p, &end, 10);
+        if (end == p) break;
+        ndim++, p = end + strspn(end, ", ");
+    }
+    if (!strstr(header, "'descr': '|u1'") || !strstr(header, "'fortran_order': False") || ndim != 4 ||
+        !(dims[3] == 1 || dims[3] == 3 || dims[3] == 4) || dims[0] < 1 || dims[1] < 1 || dims[2] < 1 || dims[1] > 8192 || dims[2] > 8192)
+        unet_die("%s: arr_0 must be uint8 [N, H, W, C] in C order, C 1, 3 or 4; its header says %s", s->path, header);
+    uint64_t bytes = (uint64_t)dims[0] * dims[1] * dims[2] * dims[3];
+    if (bytes / dims[0] != (uint64_t)(dims[1] * dims[2] * dims[3]) || bytes > size - at - header_len)
+        unet_die("%s: arr_0 holds fewer bytes than its shape [%lld, %lld, %lld, %lld] needs", s->path, dims[0], dims[1], dims[2], dims[3]);
+    s->pixels = npy + at + header_len;
+    s->count = dims[0], s->height = (int)dims[1], s->width = (int)dims[2], s->channels = (int)dims[3];
+    free(entries);
+}
+
+// Opens a set (no GPU yet): a statistics file, a folder of images, guided-diffusion's .npz batch or a dataset .bin.
 static void open_set(FeatureSet *s, const char *path, long long num) {
     memset(s, 0, sizeof *s);
     s->path = path;
@@ -241,10 +288,13 @@ static void open_set(FeatureSet *s, const char *path, long long num) {
     if (stat(path, &st) != 0) unet_die("cannot open %s: %s", path, strerror(errno));
     if (S_ISDIR(st.st_mode)) return open_folder(s, num);
     if (ends_with(path, ".stats")) return open_stats(s);
-    if (dataset_open(path, &s->data, err, sizeof err) != 0)
-        unet_die("%s (a set is a dataset .bin, a folder of images or a .stats file of evaluate --save_stats)", err);
-    s->count = s->data.header.count, s->height = s->data.header.height, s->width = s->data.header.width;
-    s->channels = s->data.header.channels;
+    if (ends_with(path, ".npz")) open_npz(s);
+    else {
+        if (dataset_open(path, &s->data, err, sizeof err) != 0)
+            unet_die("%s (a set is a dataset .bin, a folder of images, a batch .npz or a .stats file of evaluate --save_stats)", err);
+        s->pixels = s->data.pixels, s->count = s->data.header.count, s->height = s->data.header.height, s->width = s->data.header.width;
+        s->channels = s->data.header.channels;
+    }
     if (num && s->count > num) s->count = num;
 }
 
@@ -261,7 +311,7 @@ static void compute_features(FeatureSet *s, UnetInception *net, int batch, int w
     char err[1024];
     for (int64_t first = 0; first < s->count; first += chunk) {
         int n = s->count - first < chunk ? (int)(s->count - first) : chunk;
-        const uint8_t *pixels = s->data.pixels + first * per_image;
+        const uint8_t *pixels = s->pixels + first * per_image;
         if (s->files) read_folder_images(s, first, n, decoded), pixels = decoded;
         if (unet_inception_features(net, pixels, n, s->height, s->width, s->channels, batch, s->pool + first * UNET_INCEPTION_FEATURES,
                                     s->spatial + first * UNET_INCEPTION_SPATIAL,

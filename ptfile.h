@@ -468,7 +468,7 @@ static inline int zip_read(const uint8_t *bytes, uint64_t size, ZipEntry **entri
         if (name_len == 0 || name_len >= sizeof e[i].name) { r = error_line(err, err_len, "a zip entry name of %llu bytes", (unsigned long long)name_len); break; }
         memcpy(e[i].name, bytes + at + 46, name_len);
         if (memchr(e[i].name, 0, name_len)) { r = error_line(err, err_len, "a zip entry name with a NUL"); break; }
-        if (method != 0 || csize != usize) { r = error_line(err, err_len, "zip entry %s is compressed: torch.save stores them", e[i].name); break; }
+        if (method != 0 || csize != usize) { r = error_line(err, err_len, "zip entry %s is compressed: only stored entries are read (as torch.save and np.savez write them)", e[i].name); break; }
         if (local > size || size - local < 30 || pt_le(bytes + local, 4) != 0x04034b50 || pt_le(bytes + local + 26, 2) != name_len ||
             memcmp(bytes + local + 30, e[i].name, name_len) != 0) {
             r = error_line(err, err_len, "zip entry %s: its local header is missing or names another", e[i].name);

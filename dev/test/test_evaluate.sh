@@ -50,7 +50,7 @@ expect_exit 1 ./evaluate --ref "$T/missing.bin" --sample "$T/small.bin"
 expect_grep "cannot open .*missing.bin: No such file or directory" "$LAST_ERR"
 echo "not a dataset" >"$T/text.bin"
 expect_exit 1 ./evaluate --ref "$T/text.bin" --sample "$T/small.bin"
-expect_grep "a set is a dataset .bin, a folder of images or a .stats file" "$LAST_ERR"
+expect_grep "a set is a dataset .bin, a folder of images, a batch .npz or a .stats file" "$LAST_ERR"
 cp "$T/enough.bin" "$T/fake.stats"
 expect_exit 1 ./evaluate --ref "$T/enough.bin" --sample "$T/fake.stats"
 [ "$(grep -c '' "$LAST_ERR")" = 1 ] || case_fail "a .stats that is not safetensors: $(cat "$LAST_ERR")"
@@ -68,6 +68,42 @@ expect_grep "folder .*empty holds no images" "$LAST_ERR"
 write_pngs "$T/grids" 000000.png:16x16 grid.png:64x64 base_grid.png:32x32
 expect_exit 1 ./evaluate --ref "$T/grids" --sample "$T/small.bin"
 expect_grep "ref .*grids holds 1 images: FID needs more than 2048" "$LAST_ERR"
+
+case_begin "guided-diffusion's .npz batches: arr_0's images read in place; compressed, misshapen or short ones refused"
+# write_npz FILE N H W C [DESCR] [MODE]: np.savez's layout (a stored zip of arr_0.npy) from python3's standard library;
+# MODE deflated compresses it, short cuts the array's last byte, other names the entry other.npy
+write_npz() {
+    python3 - "$@" <<'PY'
+import sys, zipfile
+path, n, h, w, c = sys.argv[1], *map(int, sys.argv[2:6])
+descr = sys.argv[6] if len(sys.argv) > 6 else "|u1"
+mode = sys.argv[7] if len(sys.argv) > 7 else ""
+header = "{'descr': '%s', 'fortran_order': False, 'shape': (%d, %d, %d, %d), }" % (descr, n, h, w, c)
+header += " " * ((64 - (10 + len(header) + 1) % 64) % 64) + "\n"
+data = bytes((i * 7) % 256 for i in range(n * h * w * c * (4 if descr == "<f4" else 1)))
+npy = b"\x93NUMPY\x01\x00" + len(header).to_bytes(2, "little") + header.encode() + (data[:-1] if mode == "short" else data)
+with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED if mode == "deflated" else zipfile.ZIP_STORED) as z:
+    z.writestr("other.npy" if mode == "other" else "arr_0.npy", npy)
+PY
+}
+write_npz "$T/small.npz" 100 8 8 3
+expect_exit 1 ./evaluate --ref "$T/small.npz" --sample "$T/small.bin"
+expect_grep "ref .*small.npz holds 100 images: FID needs more than 2048" "$LAST_ERR"
+write_npz "$T/deflated.npz" 100 8 8 3 "|u1" deflated
+expect_exit 1 ./evaluate --ref "$T/deflated.npz" --sample "$T/small.bin"
+expect_grep "deflated.npz: zip entry arr_0.npy is compressed: only stored entries are read" "$LAST_ERR"
+write_npz "$T/float.npz" 10 8 8 3 "<f4"
+expect_exit 1 ./evaluate --ref "$T/float.npz" --sample "$T/small.bin"
+expect_grep "float.npz: arr_0 must be uint8 \[N, H, W, C\] in C order" "$LAST_ERR"
+write_npz "$T/short.npz" 10 8 8 3 "|u1" short
+expect_exit 1 ./evaluate --ref "$T/short.npz" --sample "$T/small.bin"
+expect_grep "short.npz: arr_0 holds fewer bytes than its shape \[10, 8, 8, 3\] needs" "$LAST_ERR"
+write_npz "$T/other.npz" 10 8 8 3 "|u1" other
+expect_exit 1 ./evaluate --ref "$T/other.npz" --sample "$T/small.bin"
+expect_grep "other.npz holds no arr_0.npy" "$LAST_ERR"
+cp "$T/small.bin" "$T/not_a_zip.npz"
+expect_exit 1 ./evaluate --ref "$T/not_a_zip.npz" --sample "$T/small.bin"
+[ "$(grep -c '' "$LAST_ERR")" = 1 ] || case_fail "an .npz that is no zip: $(cat "$LAST_ERR")"
 
 case_begin "the weights: pytorch-fid's file where it keeps it, else one line saying where to get it"
 expect_exit 1 env HOME="$T/home" TORCH_HOME= XDG_CACHE_HOME= ./evaluate --ref "$T/enough.bin" --sample "$T/enough.bin"

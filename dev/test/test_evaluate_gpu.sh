@@ -4,8 +4,8 @@
 # formulas give for two sets of 2500 shape images; then
 #   - test_inception_gpu_fp32 and _bf16 check the features (1e-3 relative in FP32), the metrics
 #     (FID within 0.1%, the others within 1%) and the GPU mathematics against metrics.h;
-#   - evaluate itself gives those numbers from the .bin files, from a folder of the same images as
-#     PNG files (the same features: the same numbers), and from saved statistics (the same numbers).
+#   - evaluate itself gives those numbers from the .bin files, and the same numbers from a folder
+#     of the same images as PNG files, from an .npz of them (np.savez) and from saved statistics.
 cd "$(dirname "$0")/../.." || exit 1
 . dev/test/lib.sh
 T=$TEST_TMP
@@ -62,6 +62,12 @@ for i, image in enumerate(pixels):
 PY
 expect_ok ./evaluate --inception "$F/inception.pth" --ref "$F/ref.bin" --sample "$T/png" --json --batch 100
 cmp -s "$LAST_OUT" "$T/bin.json" || case_fail "the folder's numbers differ: $(cat "$LAST_OUT")"
+
+case_begin "guided-diffusion's .npz batch of the same images (np.savez, as its image_sample.py writes) gives the same numbers"
+python3 -c 'import sys; sys.path.insert(0, "scripts"); import numpy as np; from train_torch import open_dataset
+np.savez(sys.argv[2], np.array(open_dataset(sys.argv[1])[0]))' "$F/sample.bin" "$T/sample.npz"
+expect_ok ./evaluate --inception "$F/inception.pth" --ref "$F/ref.bin" --sample "$T/sample.npz" --json --batch 100
+cmp -s "$LAST_OUT" "$T/bin.json" || case_fail "the .npz's numbers differ: $(cat "$LAST_OUT")"
 
 case_begin "--save_stats, then the statistics as either set: the same numbers; written whole"
 expect_ok ./evaluate --inception "$F/inception.pth" --ref "$F/ref.bin" --save_stats "$T/ref.stats" --batch 100
