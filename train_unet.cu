@@ -10414,9 +10414,10 @@ extern "C" int unet_eval(const UnetCheckpoint *ck, const char *in_path, const ch
 // Every layer is a BasicConv2d: a convolution without bias, BatchNorm (eps 0.001, its running
 // statistics) and ReLU. The BatchNorm is folded into the convolution as the weights are read:
 //   w' = w g / sqrt(var + eps),  b' = beta - mean g / sqrt(var + eps),
-// so a layer is one matrix product on the tensor cores, D[pixels][C_out] = relu(P[pixels][K] W'^T + b')
-// with the bias and ReLU in cuBLASLt's epilogue. A 1x1 convolution of stride 1 reads its input as P;
-// any other gathers its patches first (P[pixel][(ky, kx, c)], K = kh kw C_in, zero outside the image).
+// so a layer is one matrix product, D[pixels][C_out] = relu(P[pixels][K] W'^T + b') with P[pixel]
+// the patch (ky, kx, c) of the input (K = kh kw C_in, zero outside the image): by cuBLASLt with the
+// bias and ReLU in its epilogue, on the input itself for a 1x1 convolution of stride 1, else on the
+// patches gathered first; or, where that costs more, by a kernel of its own (inception_conv_kind).
 // A block's branches write their channel slices of its output: the concatenation costs nothing.
 //
 // One walk over the architecture (inception_walk) both reads the weights (loading: every tensor's
