@@ -33,6 +33,9 @@
 #include <inttypes.h>
 #include <limits.h>
 #include <math.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <poll.h>
 #include <signal.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -43,6 +46,7 @@
 #include <strings.h>
 #include <sys/file.h>
 #include <sys/prctl.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
@@ -4313,6 +4317,8 @@ typedef struct {
     int warmup_steps;
     int batch_size, microbatch, use_checkpoint;
     int gpus;
+    const char *rdzv;      // host:port of rank 0's TCP rendezvous ("": MASTER_ADDR and MASTER_PORT, else the run folder's file)
+    int rdzv_timeout;      // seconds
     const char *ema_rate;
     int log_interval, save_interval, keep, max_bad_steps, sample_interval, sample_count, sample_steps;
     const char *resume_checkpoint, *run_dir, *init_from;
@@ -4398,6 +4404,9 @@ static const OptionSpec option_specs[] = {
     OPT(use_checkpoint, OPT_BOOL, "recompute each block's inner activations in its backward instead of keeping them: the same "
                                   "gradients in less memory, for a slower step"),
     OPT(gpus, OPT_INT, "GPUs of this machine to train on: a process each, data parallel over NCCL"),
+    OPT(rdzv, OPT_STRING, "under a launcher, host:port where rank 0 meets the others over TCP (as torchrun's MASTER_ADDR and "
+                          "MASTER_PORT, which it overrides; without either, through a file of the run folder)"),
+    OPT(rdzv_timeout, OPT_INT, "seconds the rendezvous waits for every rank"),
     OPT(ema_rate, OPT_STRING, "EMA decay rates, comma-separated"),
     OPT(log_interval, OPT_INT, "steps between progress lines"),
     OPT(save_interval, OPT_INT, "steps between checkpoints"),
@@ -4437,7 +4446,7 @@ static Options preset_seed(void) {
     o.schedule_sampler = "uniform";
     o.lr = 1e-4f, o.weight_decay = 0.0f, o.beta1 = 0.9f, o.beta2 = 0.999f, o.adam_eps = 1e-8f;
     o.warmup_steps = 0, o.lr_decay = "none", o.min_lr = 0.0f, o.grad_clip = 0.0f, o.cfg_dropout = 0.0f;
-    o.batch_size = 32, o.microbatch = -1, o.use_checkpoint = 0, o.gpus = 1, o.ema_rate = "0.9999";
+    o.batch_size = 32, o.microbatch = -1, o.use_checkpoint = 0, o.gpus = 1, o.rdzv = "", o.rdzv_timeout = 600, o.ema_rate = "0.9999";
     o.log_interval = 10, o.save_interval = 10000, o.keep = 0, o.max_bad_steps = 10;
     o.sample_interval = 5000, o.sample_count = 64, o.sample_steps = 50;
     o.resume_checkpoint = "", o.run_dir = "run", o.init_from = "";
@@ -7376,20 +7385,211 @@ static void team_id_path(char *out, size_t len, const char *run_dir) {
 }
 #endif
 
+// The rendezvous over TCP, as torchrun's: rank 0 listens on host:port (MASTER_ADDR, MASTER_PORT),
+// every other rank connects (again every 0.2 s until it is up) and says who it is: "UNETRDZV", its
+// rank and world size (int32 each) and its configuration (a uint32 length and the text: "name
+// value" items separated by "; ", which every rank must have alike). When all world - 1 have
+// arrived, and agree, rank 0 answers each with status 0 and `payload` (NCCL's id); on any
+// disagreement it answers every rank that came with status 1 and one line naming the difference,
+// and all stop with that line. Every wait is bounded by timeout_s. Returns 0 (the others with
+// rank 0's payload in `payload`), or -1 with the line in err.
+#define RENDEZVOUS_MAGIC "UNETRDZV"
+
+// host:port (a host may be an IPv6 address in brackets) into host; returns the port, or -1.
+static int rendezvous_address(const char *address, char *host, size_t host_len) {
+    const char *colon = strrchr(address, ':');
+    char *end;
+    long port = colon ? strtol(colon + 1, &end, 10) : -1;
+    if (!colon || colon == address || !colon[1] || *end || port < 1 || port > 65535 || (size_t)(colon - address) >= host_len) return -1;
+    const char *from = address, *to = colon;
+    if (*from == '[' && to[-1] == ']') from++, to--;
+    snprintf(host, host_len, "%.*s", (int)(to - from), from);
+    return (int)port;
+}
+#define RENDEZVOUS_MAX_CONFIG 4096
+
+// Waits until fd is readable (events POLLIN) or writable (POLLOUT), at most until `deadline`
+// (now_seconds()), in slices that notice a stop request. Returns 1 ready, 0 at the deadline or a stop.
+static int rendezvous_wait(int fd, short events, double deadline) {
+    while (!stop_requested) {
+        double left = deadline - now_seconds();
+        if (left <= 0) return 0;
+        struct pollfd p = {fd, events, 0};
+        int r = poll(&p, 1, (int)fmin(left * 1000 + 1, 200));
+        if (r > 0) return 1;
+        if (r < 0 && errno != EINTR) return 0;
+    }
+    return 0;
+}
+
+// Reads or writes n bytes by `deadline`. Returns 0, or -1.
+static int rendezvous_io(int fd, void *buf, size_t n, double deadline, int writing) {
+    for (size_t done = 0; done < n;) {
+        if (!rendezvous_wait(fd, writing ? POLLOUT : POLLIN, deadline)) return -1;
+        ssize_t k = writing ? send(fd, (char *)buf + done, n - done, MSG_NOSIGNAL) : recv(fd, (char *)buf + done, n - done, 0);
+        if (k <= 0 && !(k < 0 && (errno == EINTR || errno == EAGAIN))) return -1;
+        if (k > 0) done += (size_t)k;
+    }
+    return 0;
+}
+
+// A reply: its status (0: the payload follows; 1: an error line) and its bytes.
+static void rendezvous_reply(int fd, uint8_t status, const void *bytes, uint32_t len, double deadline) {
+    if (rendezvous_io(fd, &status, 1, deadline, 1) == 0 && rendezvous_io(fd, &len, 4, deadline, 1) == 0)
+        rendezvous_io(fd, (void *)bytes, len, deadline, 1);
+}
+
+// The first "name value" item in which a rank's configuration differs from rank 0's:
+// "NAME THEIRS against NAME MINE" (an item only one has: against "nothing").
+static void rendezvous_difference(char *out, size_t len, const char *mine, const char *theirs) {
+    char a[RENDEZVOUS_MAX_CONFIG + 1], b[RENDEZVOUS_MAX_CONFIG + 1];
+    snprintf(a, sizeof a, "%s", theirs), snprintf(b, sizeof b, "%s", mine);
+    char *sa, *sb, *x = strtok_r(a, ";", &sa), *y = strtok_r(b, ";", &sb);
+    while (x && y && strcmp(x, y) == 0) x = strtok_r(NULL, ";", &sa), y = strtok_r(NULL, ";", &sb);
+    snprintf(out, len, "%s against %s", x ? x + strspn(x, " ") : "nothing", y ? y + strspn(y, " ") : "nothing");
+}
+
+static int rendezvous_tcp(const char *host, int port, int rank, int world, const char *config, double timeout_s, void *payload,
+                          uint32_t payload_len, char *err, size_t err_len) {
+    double deadline = now_seconds() + timeout_s;
+    char port_text[16];
+    snprintf(port_text, sizeof port_text, "%d", port);
+    struct addrinfo hints, *ai = NULL;
+    memset(&hints, 0, sizeof hints);
+    hints.ai_family = AF_UNSPEC, hints.ai_socktype = SOCK_STREAM, hints.ai_flags = rank == 0 ? AI_PASSIVE : 0;
+    int gai = getaddrinfo(rank == 0 ? NULL : host, port_text, &hints, &ai);
+    if (gai != 0) return error_line(err, err_len, "rendezvous: cannot resolve MASTER_ADDR %s: %s", host, gai_strerror(gai));
+    int r = -1;
+    if (rank == 0) {
+        int listener = -1;
+        for (struct addrinfo *a = ai; a && listener < 0; a = a->ai_next) {
+            listener = socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, 0);
+            int one = 1, zero = 0;  // (an IPv6 socket takes IPv4 connections too)
+            if (listener >= 0 && a->ai_family == AF_INET6) setsockopt(listener, IPPROTO_IPV6, IPV6_V6ONLY, &zero, sizeof zero);
+            if (listener >= 0) setsockopt(listener, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+            if (listener >= 0 && (bind(listener, a->ai_addr, a->ai_addrlen) != 0 || listen(listener, world) != 0)) {
+                int e = errno;
+                close(listener), listener = -1, errno = e;
+            }
+        }
+        freeaddrinfo(ai);
+        if (listener < 0)
+            return error_line(err, err_len, errno == EADDRINUSE ? "rendezvous: MASTER_PORT %d is in use on this machine: choose another"
+                                                                : "rendezvous: cannot listen on port %d: %s", port, strerror(errno));
+        int *fds = (int *)malloc_or_die(world * sizeof(int));
+        for (int i = 0; i < world; i++) fds[i] = -1;
+        int arrived = 1;
+        char line[600] = "";
+        while (arrived < world && !line[0]) {
+            if (!rendezvous_wait(listener, POLLIN, deadline)) {
+                char missing[256] = "";
+                for (int i = 1; i < world && strlen(missing) < 200; i++)
+                    if (fds[i] < 0) snprintf(missing + strlen(missing), sizeof missing - strlen(missing), "%s%d", missing[0] ? ", " : "", i);
+                snprintf(line, sizeof line, stop_requested ? "rendezvous: stopped while waiting for rank %s"
+                                                           : "rendezvous: rank %s never arrived at port %d within %.0f s", missing, port, timeout_s);
+                break;
+            }
+            int fd = accept4(listener, NULL, NULL, SOCK_CLOEXEC);
+            if (fd < 0) continue;
+            char magic[8];
+            int32_t who[2];
+            uint32_t len = 0;
+            char theirs[RENDEZVOUS_MAX_CONFIG + 1];
+            double hello_deadline = fmin(deadline, now_seconds() + 10);
+            if (rendezvous_io(fd, magic, 8, hello_deadline, 0) != 0 || memcmp(magic, RENDEZVOUS_MAGIC, 8) != 0 ||
+                rendezvous_io(fd, who, 8, hello_deadline, 0) != 0 || rendezvous_io(fd, &len, 4, hello_deadline, 0) != 0 ||
+                len > RENDEZVOUS_MAX_CONFIG || rendezvous_io(fd, theirs, len, hello_deadline, 0) != 0) {
+                close(fd);  // not one of ours (a port scanner, a stale client): ignored
+                continue;
+            }
+            theirs[len] = '\0';
+            if (who[1] != world)
+                snprintf(line, sizeof line, "rendezvous: rank %d has WORLD_SIZE %d, rank 0 %d", who[0], who[1], world);
+            else if (who[0] < 1 || who[0] >= world || fds[who[0]] >= 0)
+                snprintf(line, sizeof line, "rendezvous: rank %d %s", who[0], who[0] < 1 || who[0] >= world ? "is out of range" : "arrived twice");
+            else if (strcmp(theirs, config) != 0) {
+                char difference[500];
+                rendezvous_difference(difference, sizeof difference, config, theirs);
+                snprintf(line, sizeof line, "rendezvous: rank %d's configuration differs from rank 0's: %s", who[0], difference);
+            }
+            if (line[0]) rendezvous_reply(fd, 1, line, (uint32_t)strlen(line), fmin(deadline, now_seconds() + 5)), close(fd);
+            else fds[who[0]] = fd, arrived++;
+        }
+        for (int i = 1; i < world; i++) {
+            if (fds[i] < 0) continue;
+            double reply_deadline = now_seconds() + 5;
+            if (line[0]) rendezvous_reply(fds[i], 1, line, (uint32_t)strlen(line), reply_deadline);
+            else rendezvous_reply(fds[i], 0, payload, payload_len, reply_deadline);
+            close(fds[i]);
+        }
+        close(listener);
+        free(fds);
+        r = line[0] ? error_line(err, err_len, "%s", line) : 0;
+    } else {
+        int fd = -1;
+        while (fd < 0 && now_seconds() < deadline && !stop_requested) {  // rank 0 may not be listening yet
+            for (struct addrinfo *a = ai; a && fd < 0; a = a->ai_next) {
+                fd = socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+                if (fd < 0) continue;
+                int ok = connect(fd, a->ai_addr, a->ai_addrlen) == 0 ||
+                         (errno == EINPROGRESS && rendezvous_wait(fd, POLLOUT, fmin(deadline, now_seconds() + 1)));
+                int so_error = 0;
+                socklen_t so_len = sizeof so_error;
+                if (ok && (getsockopt(fd, SOL_SOCKET, SO_ERROR, &so_error, &so_len) != 0 || so_error != 0)) ok = 0;
+                if (!ok) close(fd), fd = -1;
+            }
+            if (fd < 0) usleep(200000);
+        }
+        freeaddrinfo(ai);
+        if (fd < 0)
+            return error_line(err, err_len, "rendezvous: rank %d cannot reach rank 0 at %s:%d within %.0f s", rank, host, port, timeout_s);
+        int32_t who[2] = {rank, world};
+        uint32_t len = (uint32_t)strlen(config);
+        uint8_t status = 1;
+        uint32_t reply_len = 0;
+        // Rank 0 listened before this connection and answers within timeout_s of its start (and 5 s
+        // to send): waiting that long from now, plus a margin, hears its answer whatever it is.
+        deadline = now_seconds() + timeout_s + 10;
+        if (rendezvous_io(fd, (void *)RENDEZVOUS_MAGIC, 8, deadline, 1) != 0 || rendezvous_io(fd, who, 8, deadline, 1) != 0 ||
+            rendezvous_io(fd, &len, 4, deadline, 1) != 0 || rendezvous_io(fd, (void *)config, len, deadline, 1) != 0 ||
+            rendezvous_io(fd, &status, 1, deadline, 0) != 0 || rendezvous_io(fd, &reply_len, 4, deadline, 0) != 0)
+            r = error_line(err, err_len, "rendezvous: rank 0 at %s:%d did not answer rank %d within %.0f s (it stopped?)", host, port,
+                           rank, timeout_s);
+        else if (status == 0 && reply_len == payload_len && rendezvous_io(fd, payload, payload_len, deadline, 0) == 0)
+            r = 0;
+        else {
+            char line[600] = "rendezvous: rank 0 refused this rank";
+            if (status == 1 && reply_len < sizeof line && rendezvous_io(fd, line, reply_len, deadline, 0) == 0) line[reply_len] = '\0';
+            r = error_line(err, err_len, "%s", line);
+        }
+        close(fd);
+    }
+    return r;
+}
+
 // Joins this rank to the others (team.comm): rank 0 writes NCCL's id into the run folder (under a
 // temporary name, then renamed, so no rank reads half of it), the others wait for it (up to 10
 // minutes: the run folder must be on a file system every machine of the run sees), every rank
 // opens the communicator, and rank 0 removes the file. A file older than this process by more than
 // a minute (the clocks of other machines may differ by some seconds) is a dead run's: not read.
-static void team_join(const char *run_dir) {
+// With a rendezvous address (rdzv, host:port), the id goes over TCP instead (rendezvous_tcp), with a
+// check that every rank has the same configuration (`config`), each wait at most timeout_s.
+static void team_join(const char *run_dir, const char *rdzv, int timeout_s, const char *config) {
 #ifdef UNET_NO_NCCL
-    (void)run_dir;
+    (void)run_dir, (void)rdzv, (void)timeout_s, (void)config;
     fatal("this train_unet was built without NCCL (the Makefile found no nccl.h), so it trains on one GPU only");
 #else
     char path[4400], tmp[4500];
     team_id_path(path, sizeof path, run_dir);
     ncclUniqueId id;
-    if (team.rank == 0) {
+    if (rdzv[0]) {
+        char host[256], err[1024];
+        int port = rendezvous_address(rdzv, host, sizeof host);
+        if (port < 0) fatal("rendezvous address '%s' must be host:port", rdzv);
+        if (team.rank == 0) nccl_check(ncclGetUniqueId(&id));
+        if (rendezvous_tcp(host, port, team.rank, team.world, config, timeout_s, &id, sizeof id, err, sizeof err) != 0) fatal("%s", err);
+        if (team.rank == 0) printf("rendezvous: %d rank%s met at %s over TCP\n", team.world, team.world == 1 ? "" : "s", rdzv);
+    } else if (team.rank == 0) {
         if (make_dir_synced(run_dir) != 0) fatal("cannot create run folder %s: %s", run_dir, strerror(errno));
         nccl_check(ncclGetUniqueId(&id));
         snprintf(tmp, sizeof tmp, "%s.tmp", path);
@@ -7412,7 +7612,7 @@ static void team_join(const char *run_dir) {
         }
     }
     nccl_check(ncclCommInitRank(&team.comm, team.world, id, team.rank));
-    if (team.rank == 0) unlink(path);
+    if (team.rank == 0 && !rdzv[0]) unlink(path);
     cuda_check(cudaStreamCreate(&team.stream));
     cuda_check(cudaEventCreateWithFlags(&team.fork, cudaEventDisableTiming));
     cuda_check(cudaEventCreateWithFlags(&team.join, cudaEventDisableTiming));
@@ -9242,6 +9442,10 @@ static void validate_training(const Options *o) {
         usage_error("--microbatch %d must divide --batch_size %d (pieces of equal size), or be -1 for the whole batch at once",
                     o->microbatch, o->batch_size);
     if (o->gpus < 1 || o->gpus > 1024) usage_error("--gpus %d is out of range (1..1024)", o->gpus);
+    char host[256];
+    if (o->rdzv[0] && rendezvous_address(o->rdzv, host, sizeof host) < 0)
+        usage_error("--rdzv '%s' must be host:port, the port in 1..65535", o->rdzv);
+    if (o->rdzv_timeout < 1 || o->rdzv_timeout > 86400) usage_error("--rdzv_timeout %d is out of range (1..86400 seconds)", o->rdzv_timeout);
     if ((int64_t)o->batch_size * o->gpus > 65536)
         usage_error("--batch_size %d on %d GPUs is over 65536 images a step", o->batch_size, o->gpus);
     double rates[8];
@@ -11604,7 +11808,17 @@ __attribute__((weak)) int main(int argc, char **argv) {
     gpu_init(team.local_rank);
     if (!o.bench) catch_stop_signals();
     if (!o.bench && team.rank == 0) take_run_folder(&o, o.resume_checkpoint[0] ? &resume : NULL);
-    if (launched) team_join(o.run_dir);
+    if (launched) {  // the rendezvous: --rdzv, else torchrun's MASTER_ADDR and MASTER_PORT, else the run folder's file
+        char rdzv[300] = "", config[512];
+        const char *master = getenv("MASTER_ADDR"), *master_port = getenv("MASTER_PORT");
+        if (o.rdzv[0]) snprintf(rdzv, sizeof rdzv, "%s", o.rdzv);
+        else if (master && master[0] && master_port && master_port[0])
+            snprintf(rdzv, sizeof rdzv, strchr(master, ':') ? "[%s]:%s" : "%s:%s", master, master_port);
+        snprintf(config, sizeof config, "parameters %lld; batch_size %d; microbatch %d; steps %lld; seed %lld; dataset %" PRIu64
+                 " images of %ux%u; precision %s", (long long)params.numel, o.batch_size, o.microbatch, o.steps, o.seed,
+                 data.map ? data.header.count : 0, data.header.width, data.header.height, PRECISION_NAME);
+        team_join(o.run_dir, rdzv, o.rdzv_timeout, config);
+    }
     if (o.bench) {
         run_bench(&o, &model, &params);
     } else {

@@ -68,6 +68,9 @@ done <<'LIST'
 --num_head_channels 48
 --num_head_channels -1 --num_heads 5
 --num_heads 0
+--rdzv nohost
+--rdzv node-1:0
+--rdzv_timeout 0
 --dropout 1.5
 --class_cond True
 --diffusion_steps 0

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # test_train_multi_gpu.sh: training on many GPUs (one process each, NCCL). On any GPU machine: a
 # team of one rank trains exactly as a process alone (through NCCL, its all-reduces in the step's
-# graph, the id file), and --gpus beyond the machine's GPUs is one error line. With two GPUs or
+# graph, the id file; or met over TCP), and --gpus beyond the machine's GPUs is one error line. With two GPUs or
 # more: 2 GPUs at batch B against 1 GPU at batch 2B (losses, weights equal on both ranks), resume
 # of a 2-GPU checkpoint on 1 GPU, two ranks started by hand (RANK, WORLD_SIZE, LOCAL_RANK), a killed
 # rank stopping the other within 60 s, and Ctrl-C on --gpus saving one checkpoint; the schedule
@@ -43,6 +43,17 @@ ls "$TEST_TMP/team1" | grep -q nccl_id && case_fail "the NCCL id file was left i
 
 # The schedule sampler on 50 timesteps: full after a few dozen steps of 16 images.
 LSM=(--diffusion_steps 50 --schedule_sampler loss-second-moment --learn_sigma True --log_interval 5 --sample_steps 10)
+case_begin "the TCP rendezvous (MASTER_ADDR and MASTER_PORT, or --rdzv): a team of one rank meets there and trains exactly as alone"
+port=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+expect_ok env RANK=0 WORLD_SIZE=1 LOCAL_RANK=0 MASTER_ADDR=127.0.0.1 MASTER_PORT="$port" ./train_unet "${ARGS[@]}" --batch_size 8 --steps 12 \
+    --run_dir "$TEST_TMP/team1_tcp"
+expect_grep "^rendezvous: 1 rank met at 127.0.0.1:$port over TCP$" "$LAST_OUT"
+cmp -s <(rows "$TEST_TMP/alone") <(rows "$TEST_TMP/team1_tcp") || case_fail "the logged losses differ (MASTER_ADDR)"
+expect_ok env RANK=0 WORLD_SIZE=1 LOCAL_RANK=0 ./train_unet "${ARGS[@]}" --batch_size 8 --steps 12 --rdzv "localhost:$port" \
+    --run_dir "$TEST_TMP/team1_rdzv"
+expect_grep "^rendezvous: 1 rank met at localhost:$port over TCP$" "$LAST_OUT"
+cmp -s <(rows "$TEST_TMP/alone") <(rows "$TEST_TMP/team1_rdzv") || case_fail "the logged losses differ (--rdzv)"
+
 case_begin "loss-second-moment: a team of one (the losses gathered through NCCL) trains exactly as a process alone"
 expect_ok train "${LSM[@]}" --batch_size 16 --steps 80 --run_dir "$TEST_TMP/lsm_alone"
 expect_ok env RANK=0 WORLD_SIZE=1 LOCAL_RANK=0 ./train_unet "${ARGS[@]}" "${LSM[@]}" --batch_size 16 --steps 80 --run_dir "$TEST_TMP/lsm_team1"

@@ -1,0 +1,163 @@
+// test_rendezvous.cu: the TCP rendezvous of many-GPU runs (train_unet.cu's rendezvous_tcp, which
+// torchrun-style launches use through MASTER_ADDR and MASTER_PORT, or --rdzv), without a GPU: ranks
+// as processes on this machine. Every rank gets rank 0's id; a rank with another WORLD_SIZE or
+// configuration, a rank that never arrives, a port in use and a rank 0 that is not there each stop
+// with one line naming the problem, in bounded time. And the host:port parser.
+#define TRAIN_UNET_LIBRARY
+#include "../../train_unet.cu"
+#include "check.h"
+
+// A port no socket listens on now (the kernel's choice for port 0).
+static int free_port(void) {
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in a;
+    memset(&a, 0, sizeof a);
+    a.sin_family = AF_INET, a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    socklen_t len = sizeof a;
+    if (fd < 0 || bind(fd, (struct sockaddr *)&a, sizeof a) != 0 || getsockname(fd, (struct sockaddr *)&a, &len) != 0) return -1;
+    close(fd);
+    return ntohs(a.sin_port);
+}
+
+typedef struct {
+    int rank, world;
+    char config[128];
+    pid_t pid;
+    int pipe;  // the child's result: its return value, its payload, its error line
+} Rank;
+
+typedef struct {
+    int result;
+    uint8_t payload[16];
+    char err[600];
+} Outcome;
+
+// Starts a rank in a child process: rendezvous_tcp on 127.0.0.1:port, rank 0 offering a payload of 16 bytes.
+static void start(Rank *r, int port, double timeout_s) {
+    int fds[2];
+    if (pipe(fds) != 0) return;
+    fflush(NULL);
+    r->pid = fork();
+    if (r->pid == 0) {
+        close(fds[0]);
+        Outcome o;
+        memset(&o, 0, sizeof o);
+        if (r->rank == 0)
+            for (int i = 0; i < 16; i++) o.payload[i] = (uint8_t)(i * 7 + 1);
+        o.result = rendezvous_tcp("127.0.0.1", port, r->rank, r->world, r->config, timeout_s, o.payload, sizeof o.payload, o.err, sizeof o.err);
+        ssize_t written = write(fds[1], &o, sizeof o);
+        _exit(written == (ssize_t)sizeof o ? 0 : 3);
+    }
+    close(fds[1]);
+    r->pipe = fds[0];
+}
+
+static Outcome finish(Rank *r) {
+    Outcome o;
+    memset(&o, 0, sizeof o);
+    o.result = 99;
+    size_t got = 0;
+    ssize_t n;
+    while (got < sizeof o && (n = read(r->pipe, (char *)&o + got, sizeof o - got)) > 0) got += (size_t)n;
+    close(r->pipe);
+    waitpid(r->pid, NULL, 0);
+    return o;
+}
+
+static int payload_is_rank_0s(const Outcome *o) {
+    for (int i = 0; i < 16; i++)
+        if (o->payload[i] != (uint8_t)(i * 7 + 1)) return 0;
+    return 1;
+}
+
+static const char *config = "parameters 1000; batch_size 8; dataset 300 images of 32x32";
+
+static void make_ranks(Rank *ranks, int count, int world) {
+    for (int i = 0; i < count; i++) ranks[i].rank = i, ranks[i].world = world, snprintf(ranks[i].config, sizeof ranks[i].config, "%s", config);
+}
+
+int main(void) {
+    char host[256];
+    check_case("host:port: a name, an address, an IPv6 address in brackets; no port, port 0 or past 65535 refused");
+    CHECK(rendezvous_address("node-1:29500", host, sizeof host) == 29500 && strcmp(host, "node-1") == 0);
+    CHECK(rendezvous_address("10.0.0.2:1", host, sizeof host) == 1 && strcmp(host, "10.0.0.2") == 0);
+    CHECK(rendezvous_address("[::1]:65535", host, sizeof host) == 65535 && strcmp(host, "::1") == 0);
+    CHECK(rendezvous_address("node-1", host, sizeof host) < 0 && rendezvous_address("node-1:", host, sizeof host) < 0);
+    CHECK(rendezvous_address(":29500", host, sizeof host) < 0 && rendezvous_address("node-1:0", host, sizeof host) < 0);
+    CHECK(rendezvous_address("node-1:65536", host, sizeof host) < 0 && rendezvous_address("node-1:29x", host, sizeof host) < 0);
+
+    check_case("four ranks meet: every one gets rank 0's id, whichever comes first");
+    {
+        int port = free_port();
+        Rank ranks[4];
+        make_ranks(ranks, 4, 4);
+        for (int i = 3; i >= 0; i--) start(&ranks[i], port, 30);  // the others before rank 0 listens: they try again
+        for (int i = 0; i < 4; i++) {
+            Outcome o = finish(&ranks[i]);
+            if (o.result != 0) printf("  rank %d: %s\n", i, o.err);
+            CHECK(o.result == 0 && payload_is_rank_0s(&o));
+        }
+    }
+
+    check_case("a rank with another WORLD_SIZE stops the team with one line naming it");
+    {
+        int port = free_port();
+        Rank ranks[3];
+        make_ranks(ranks, 3, 3);
+        ranks[2].world = 4;
+        start(&ranks[0], port, 5), start(&ranks[2], port, 5);
+        Outcome zero = finish(&ranks[0]), two = finish(&ranks[2]);
+        CHECK(zero.result == -1 && strstr(zero.err, "rendezvous: rank 2 has WORLD_SIZE 4, rank 0 3"));
+        CHECK(two.result == -1 && strcmp(two.err, zero.err) == 0);
+    }
+
+    check_case("a rank of another configuration stops the team, the first difference named");
+    {
+        int port = free_port();
+        Rank ranks[2];
+        make_ranks(ranks, 2, 2);
+        snprintf(ranks[1].config, sizeof ranks[1].config, "parameters 1000; batch_size 16; dataset 300 images of 32x32");
+        start(&ranks[0], port, 5), start(&ranks[1], port, 5);
+        Outcome zero = finish(&ranks[0]), one = finish(&ranks[1]);
+        CHECK(zero.result == -1 && strstr(zero.err, "rank 1's configuration differs from rank 0's: batch_size 16 against batch_size 8"));
+        CHECK(one.result == -1 && strcmp(one.err, zero.err) == 0);
+    }
+
+    check_case("a rank that never arrives: rank 0 stops after the timeout naming it, and tells the ranks that came");
+    {
+        int port = free_port();
+        Rank ranks[2];
+        make_ranks(ranks, 2, 3);
+        double t0 = now_seconds();
+        start(&ranks[0], port, 2), start(&ranks[1], port, 2);
+        Outcome zero = finish(&ranks[0]), one = finish(&ranks[1]);
+        CHECK(zero.result == -1 && strstr(zero.err, "rank 2 never arrived at port") && strstr(zero.err, "within 2 s"));
+        CHECK(one.result == -1 && strcmp(one.err, zero.err) == 0);
+        CHECK(now_seconds() - t0 < 20);
+    }
+
+    check_case("a port in use, and a rank 0 that is not there: one line each, in bounded time");
+    {
+        int port = free_port(), busy = socket(AF_INET, SOCK_STREAM, 0);
+        struct sockaddr_in a;
+        memset(&a, 0, sizeof a);
+        a.sin_family = AF_INET, a.sin_addr.s_addr = htonl(INADDR_ANY), a.sin_port = htons((uint16_t)port);
+        CHECK(bind(busy, (struct sockaddr *)&a, sizeof a) == 0 && listen(busy, 1) == 0);
+        Rank ranks[2];
+        make_ranks(ranks, 2, 2);
+        start(&ranks[0], port, 2);
+        Outcome zero = finish(&ranks[0]);
+        CHECK(zero.result == -1 && strstr(zero.err, "is in use on this machine: choose another"));
+        close(busy);
+        int nobody = free_port();
+        double t0 = now_seconds();
+        start(&ranks[1], nobody, 1);
+        Outcome one = finish(&ranks[1]);
+        CHECK(one.result == -1 && strstr(one.err, "rendezvous: rank 1 cannot reach rank 0 at 127.0.0.1:") && strstr(one.err, "within 1 s"));
+        CHECK(now_seconds() - t0 < 20);
+    }
+
+    check_case_end();
+    printf("%d passed, %d failed\n", check_cases_passed, check_cases_failed);
+    return check_cases_failed ? 1 : 0;
+}
