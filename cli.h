@@ -9,7 +9,9 @@
 #ifndef CLI_H
 #define CLI_H
 
+#include <errno.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #ifdef __cplusplus
@@ -20,6 +22,14 @@ extern const char build_gpu_code[];  // the GPU code of the CUDA programs, e.g. 
 #ifdef __cplusplus
 }
 #endif
+
+// A whole number in lo..hi, the whole of s, into *v: 0, or -1 (the caller says what was expected).
+static int cli_read_int(const char *s, long long lo, long long hi, long long *v) {
+    char *end;
+    errno = 0;
+    *v = strtoll(s, &end, 10);
+    return end == s || *end || errno || *v < lo || *v > hi ? -1 : 0;
+}
 
 // Whether the given name (len characters, without the leading "--") is `name`, '-' matching '_'.
 static int cli_name_is(const char *given, size_t len, const char *name) {

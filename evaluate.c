@@ -69,10 +69,8 @@ typedef struct {
 } Options;
 
 static long long int_option(const char *name, const char *s, long long lo, long long hi) {
-    char *end;
-    errno = 0;
-    long long v = strtoll(s, &end, 10);
-    if (end == s || *end || errno || v < lo || v > hi) unet_usage_error("%s takes a whole number in %lld..%lld, not '%s'", name, lo, hi, s);
+    long long v;
+    if (cli_read_int(s, lo, hi, &v) != 0) unet_usage_error("%s takes a whole number in %lld..%lld, not '%s'", name, lo, hi, s);
     return v;
 }
 

@@ -123,17 +123,9 @@ typedef struct {
     int num_model_flags, num_classifier_flags;
 } Options;
 
-// A whole number in lo..hi into *v: 0, or -1.
-static int read_int(const char *s, long long lo, long long hi, long long *v) {
-    char *end;
-    errno = 0;
-    *v = strtoll(s, &end, 10);
-    return end == s || *end || errno || *v < lo || *v > hi ? -1 : 0;
-}
-
 static long long int_option(const char *name, const char *s, long long lo, long long hi) {
     long long v;
-    if (read_int(s, lo, hi, &v) != 0) unet_usage_error("%s takes a whole number in %lld..%lld, not '%s'", name, lo, hi, s);
+    if (cli_read_int(s, lo, hi, &v) != 0) unet_usage_error("%s takes a whole number in %lld..%lld, not '%s'", name, lo, hi, s);
     return v;
 }
 
@@ -410,7 +402,7 @@ int main(int argc, char **argv) {
         unet_die("%s has no null class (trained without --cfg_dropout's label): classifier-free guidance needs one", file);
     long long k;
     if (classes && strcmp(o.class_name, "all") != 0) {
-        if (read_int(o.class_name, 0, classes - 1, &k) != 0)
+        if (cli_read_int(o.class_name, 0, classes - 1, &k) != 0)
             unet_die("--class takes all or a class in 0..%d of %s, not '%s'", classes - 1, file, o.class_name);
         fixed_class = (int)k;
     }

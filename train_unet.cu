@@ -152,7 +152,7 @@ typedef enum {
     RNG_TIMESTEP,      // the training timesteps
     RNG_LABEL_DROP,    // classifier-free guidance's label dropout
     RNG_DROPOUT,       // dropout; sub-stream: the layer
-    RNG_GRID_SEED,     // the seed of the sample grids during training
+    RNG_GRID_SEED,     // the seed of the EMA samplers during training; sub-stream 0: the sample grids, 1: FID
     RNG_SAMPLE_START,  // a sampler's starting noise
     RNG_SAMPLE_NOISE,  // a sampler's noise; sub-stream: the step of the plan
     RNG_BENCH_BATCH,   // --bench's fixed random batch: pixels, then labels
@@ -9638,15 +9638,27 @@ static void print_run_memory(const Options *o, const ModelConfig *c) {
     printf("memory plan: %.1f MiB in all\n", total / 1048576.0);
 }
 
-// The sample grids' batch when the first grid is drawn: grid_batch's, halved until their forward-only
-// model fits in the GPU memory the training left free (a big model at a large batch leaves little).
-static int grid_batch_that_fits(const Options *o, const ModelConfig *c, const SamplePlan *plan) {
-    size_t free_bytes, total_bytes;
-    cuda_check(cudaMemGetInfo(&free_bytes, &total_bytes));
-    const int64_t margin = 512LL << 20;  // for cuBLAS's workspace and the captured graph's own memory
-    int batch = grid_batch(o);
-    while (batch > 1 && gpu_sampler_bytes(c, batch, plan, 0, NULL) + margin > (int64_t)free_bytes) batch /= 2;
-    return batch;
+// A sampler of the first EMA's weights during training (the sample grids', FID's), made at the first
+// call: DDIM with --sample_steps, batches of `batch` images halved until its forward-only model fits
+// in the GPU memory the training left free (a big model at a large batch leaves little), its noise
+// from sub-stream `sub_stream` of RNG_GRID_SEED; then, at every call, loaded with the EMA's weights.
+static void ema_sampler_load(GpuSampler *sampler, Trainer *tr, int batch, uint64_t sub_stream) {
+    const Options *o = tr->o;
+    const ModelConfig *c = &tr->config;
+    if (!sampler->m.blocks) {
+        SamplePlan plan;
+        if (sample_plan_make(&plan, &tr->diffusion.schedule, SAMPLER_DDIM, o->sample_steps, NULL, 0.0f, prediction_from_name(o->predict), 1,
+                             0) != 0)
+            fatal("out of memory");
+        size_t free_bytes, total_bytes;
+        cuda_check(cudaMemGetInfo(&free_bytes, &total_bytes));
+        const int64_t margin = 512LL << 20;  // for cuBLAS's workspace and the captured graph's own memory
+        while (batch > 1 && gpu_sampler_bytes(c, batch, &plan, 0, NULL) + margin > (int64_t)free_bytes) batch /= 2;
+        gpu_sampler_create(sampler, c, batch, &plan, 1.0f, NULL, 0.0f, random_u64((uint64_t)o->seed, rng_stream(RNG_GRID_SEED, sub_stream), 0));
+        sample_plan_free(&plan);
+    }
+    cuda_check(cudaMemcpy(sampler->m.master, tr->ema[0], tr->m.storage * sizeof(float), cudaMemcpyDeviceToDevice));
+    unet_sync_compute(&sampler->m);
 }
 
 // An image area-downsampled by an integer factor and rounded to pixels (block means, as
@@ -9683,17 +9695,7 @@ static void write_samples(Trainer *tr, GpuSampler *sampler, const Dataset *origi
     const ModelConfig *c = &tr->config;
     int count = o->sample_count, size = c->image_size, low_size = c->low_res;
     if (low_size && (uint64_t)count > originals->header.count) count = (int)originals->header.count;
-    if (!sampler->m.blocks) {
-        SamplePlan plan;
-        if (sample_plan_make(&plan, &tr->diffusion.schedule, SAMPLER_DDIM, o->sample_steps, NULL, 0.0f, prediction_from_name(o->predict), 1,
-                             0) != 0)
-            fatal("out of memory");
-        gpu_sampler_create(sampler, c, grid_batch_that_fits(o, c, &plan), &plan, 1.0f, NULL, 0.0f,
-                           random_u64((uint64_t)o->seed, rng_stream(RNG_GRID_SEED, 0), 0));
-        sample_plan_free(&plan);
-    }
-    cuda_check(cudaMemcpy(sampler->m.master, tr->ema[0], tr->m.storage * sizeof(float), cudaMemcpyDeviceToDevice));
-    unet_sync_compute(&sampler->m);
+    ema_sampler_load(sampler, tr, grid_batch(o), 0);
     int *labels = NULL, classes = c->num_classes - 1;  // without the null class
     if (classes > 0) {
         labels = (int *)malloc_or_die(count * sizeof(int));
@@ -9806,21 +9808,8 @@ static void fid_evaluate(FidEvaluation *fe, Trainer *tr) {
     const Options *o = tr->o;
     const ModelConfig *c = &tr->config;
     double start = now_seconds();
-    if (!fe->sampler.m.blocks) {
-        SamplePlan plan;
-        if (sample_plan_make(&plan, &tr->diffusion.schedule, SAMPLER_DDIM, o->sample_steps, NULL, 0.0f, prediction_from_name(o->predict), 1,
-                             0) != 0)
-            fatal("out of memory");
-        size_t free_bytes, total_bytes;  // the largest batch up to 256 that fits beside the training
-        cuda_check(cudaMemGetInfo(&free_bytes, &total_bytes));
-        int batch = o->eval_num < 256 ? o->eval_num : 256;
-        while (batch > 1 && gpu_sampler_bytes(c, batch, &plan, 0, NULL) + (512LL << 20) > (int64_t)free_bytes) batch /= 2;
-        gpu_sampler_create(&fe->sampler, c, batch, &plan, 1.0f, NULL, 0.0f, random_u64((uint64_t)o->seed, rng_stream(RNG_GRID_SEED, 1), 0));
-        sample_plan_free(&plan);
-    }
     GpuSampler *sampler = &fe->sampler;
-    cuda_check(cudaMemcpy(sampler->m.master, tr->ema[0], tr->m.storage * sizeof(float), cudaMemcpyDeviceToDevice));
-    unet_sync_compute(&sampler->m);
+    ema_sampler_load(sampler, tr, 256, 1);  // (--eval_num is over 2048)
     int n = o->eval_num, size = c->image_size, classes = c->num_classes - 1, dim = UNET_INCEPTION_FEATURES;  // (less the null class)
     int64_t per_image = (int64_t)size * size * 3;
     uint8_t *pixels = (uint8_t *)malloc_or_die(sampler->images * per_image);
