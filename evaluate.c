@@ -120,6 +120,11 @@ static double now_seconds(void) {
     return ts.tv_sec + ts.tv_nsec * 1e-9;
 }
 
+// UNET_PROFILE=1: how long a part took (the features and the metrics are always said).
+static void profile_phase(const char *what, double since) {
+    if (getenv("UNET_PROFILE")) fprintf(stderr, "evaluate: %s in %.2f s\n", what, now_seconds() - since);
+}
+
 // ---- the sets ----
 
 // One set's images (a dataset's, or a folder's files) or statistics, and what was computed from them.
@@ -382,14 +387,19 @@ int main(int argc, char **argv) {
     UnetInception *net = NULL;
     int batch = o.batch;
     char err[1024];
+    double start = now_seconds();
     if (!ref.is_stats || (o.sample && !sample.is_stats)) {
         net = unet_inception_open(o.inception, err, sizeof err);
         if (!net) unet_die("%s", err);
+        profile_phase("the Inception weights read", start), start = now_seconds();
         if (!batch && !(batch = unet_inception_max_batch(net, 200, err, sizeof err))) unet_die("%s", err);
+        profile_phase("the GPU ready", start);
     }
     if (!ref.is_stats) {
         compute_features(&ref, net, batch, o.save_stats != NULL);
+        start = now_seconds();
         compute_statistics(&ref);
+        profile_phase("the reference's statistics", start);
     }
     if (o.save_stats) {
         save_stats(&ref, o.save_stats, o.inception);
@@ -398,16 +408,20 @@ int main(int argc, char **argv) {
     }
     if (!sample.is_stats) {
         compute_features(&sample, net, batch, 1);
+        start = now_seconds();
         compute_statistics(&sample);
+        profile_phase("the samples' statistics", start);
     }
     unet_inception_close(net);
-    double start = now_seconds(), fid, sfid, precision, recall;
+    double metrics_start = now_seconds(), fid, sfid, precision, recall;
     if (unet_frechet_distance(ref.mu, ref.sigma, sample.mu, sample.sigma, UNET_INCEPTION_FEATURES, &fid, err, sizeof err) != 0 ||
-        unet_frechet_distance(ref.mu_s, ref.sigma_s, sample.mu_s, sample.sigma_s, UNET_INCEPTION_SPATIAL, &sfid, err, sizeof err) != 0 ||
-        unet_precision_recall(ref.pool, ref.count, sample.pool, sample.count, UNET_INCEPTION_FEATURES, NEIGHBOURS, &precision, &recall, err,
+        unet_frechet_distance(ref.mu_s, ref.sigma_s, sample.mu_s, sample.sigma_s, UNET_INCEPTION_SPATIAL, &sfid, err, sizeof err) != 0)
+        unet_die("%s", err);
+    profile_phase("FID and sFID", metrics_start);
+    if (unet_precision_recall(ref.pool, ref.count, sample.pool, sample.count, UNET_INCEPTION_FEATURES, NEIGHBOURS, &precision, &recall, err,
                               sizeof err) != 0)
         unet_die("%s", err);
-    fprintf(stderr, "evaluate: FID, sFID, precision and recall in %.2f s\n", now_seconds() - start);
+    fprintf(stderr, "evaluate: FID, sFID, precision and recall in %.2f s\n", now_seconds() - metrics_start);
     if (o.json)
         printf("{\"inception_score\": %.10g, \"fid\": %.10g, \"sfid\": %.10g, \"precision\": %.10g, \"recall\": %.10g}\n",
                sample.inception_score, fid, sfid, precision, recall);

@@ -191,37 +191,38 @@ static inline int frechet_distance(const double *mu1, const double *s1, const do
 // `splits` consecutive parts of equal size (part s: rows n*s/splits to n*(s+1)/splits, so 50,000
 // images in 10 splits are guided-diffusion's parts of 5,000), in each exp(mean_x sum_y p(y|x)
 // (log p(y|x) - log p(y))) with p(y) the part's mean of p(y|x); the mean over the parts. 0 log 0 = 0.
-// Returns the score, or NAN when a part would be empty or memory runs out.
+// One pass a part, no logarithm per entry: with log p(y|x) = l_y - top - log(sum of exp(l - top))
+// from the row's logits, the part's sum of KL terms is sum_x sum_y p log p - m sum_y p(y) log p(y)
+// for its m rows. Returns the score, or NAN when a part would be empty or memory runs out.
 static inline double inception_score(const float *logits, int64_t n, int classes, int splits) {
     if (splits < 1 || n < splits) return NAN;
-    double *p = (double *)malloc((size_t)n * classes * sizeof(double)), *marginal = (double *)malloc((size_t)classes * sizeof(double));
-    if (!p || !marginal) {
-        free(p), free(marginal);
+    double *e = (double *)malloc((size_t)classes * sizeof(double)), *marginal = (double *)malloc((size_t)classes * sizeof(double));
+    if (!e || !marginal) {
+        free(e), free(marginal);
         return NAN;
-    }
-    for (int64_t r = 0; r < n; r++) {  // softmax, from the row's largest logit
-        const float *l = logits + r * classes;
-        double top = l[0], sum = 0;
-        for (int c = 1; c < classes; c++) top = l[c] > top ? l[c] : top;
-        for (int c = 0; c < classes; c++) sum += p[r * classes + c] = exp(l[c] - top);
-        for (int c = 0; c < classes; c++) p[r * classes + c] /= sum;
     }
     double score = 0;
     for (int s = 0; s < splits; s++) {
         int64_t begin = n * s / splits, end = n * (s + 1) / splits;
+        double rows = (double)(end - begin), p_log_p = 0, marginal_log = 0;
         memset(marginal, 0, (size_t)classes * sizeof(double));
-        for (int64_t r = begin; r < end; r++)
-            for (int c = 0; c < classes; c++) marginal[c] += p[r * classes + c];
-        for (int c = 0; c < classes; c++) marginal[c] /= (double)(end - begin);
-        double kl = 0;
-        for (int64_t r = begin; r < end; r++)
+        for (int64_t r = begin; r < end; r++) {  // softmax from the row's largest logit
+            const float *l = logits + r * classes;
+            double top = l[0], sum = 0;
+            for (int c = 1; c < classes; c++) top = l[c] > top ? l[c] : top;
+            for (int c = 0; c < classes; c++) sum += e[c] = exp(l[c] - top);
+            double log_sum = log(sum);
             for (int c = 0; c < classes; c++) {
-                double q = p[r * classes + c];
-                if (q > 0) kl += q * (log(q) - log(marginal[c]));
+                double p = e[c] / sum;
+                marginal[c] += p;
+                if (p > 0) p_log_p += p * (l[c] - top - log_sum);
             }
-        score += exp(kl / (double)(end - begin));
+        }
+        for (int c = 0; c < classes; c++)
+            if (marginal[c] > 0) marginal_log += marginal[c] / rows * log(marginal[c] / rows);
+        score += exp((p_log_p - rows * marginal_log) / rows);
     }
-    free(p), free(marginal);
+    free(e), free(marginal);
     return score / splits;
 }
 

@@ -10685,6 +10685,10 @@ struct UnetInception {
     uint8_t *pixels;
     int64_t pixels_numel;
     float *pool, *spatial, *logits;
+    // Pinned host memory, two batches each way (unet_inception_features): pixels in, features out.
+    uint8_t *staged_pixels[2];
+    float *staged_features[2];     // a batch's pool, spatial and logits: [batch][INCEPTION_FEATURES], then [batch][..SPATIAL], [batch][..CLASSES]
+    cudaEvent_t staged_done[2];    // the batch staged in slot s has run and its features are out
     int profile;                   // UNET_PROFILE=1: each layer timed (synchronously), the slowest printed at close
     cudaEvent_t marks[2];
     double pools_ms;
@@ -11335,6 +11339,10 @@ extern "C" void unet_inception_close(UnetInception *net) {
     void *gpu_buffers[] = {net->fc, net->input, net->maps[0], net->maps[1], net->temp, net->patches, net->pixels, net->pool,
                            net->spatial, net->logits};
     for (size_t i = 0; i < sizeof gpu_buffers / sizeof *gpu_buffers; i++) cudaFree(gpu_buffers[i]);
+    for (int s = 0; s < 2; s++) {
+        cudaFreeHost(net->staged_pixels[s]), cudaFreeHost(net->staged_features[s]);
+        if (net->staged_done[s]) cudaEventDestroy(net->staged_done[s]);
+    }
     inception_free_host(net);
     safetensors_close(&net->f);
     free(net);
@@ -11371,6 +11379,12 @@ static void inception_to_gpu(UnetInception *net, int batch) {
     net->pool = (float *)gpu_malloc((size_t)batch * INCEPTION_FEATURES * sizeof(float));
     net->spatial = (float *)gpu_malloc((size_t)batch * INCEPTION_SPATIAL * sizeof(float));
     net->logits = (float *)gpu_malloc((size_t)batch * INCEPTION_CLASSES * sizeof(float));
+    for (int s = 0; s < 2; s++) {
+        cudaFreeHost(net->staged_features[s]);
+        size_t bytes = (size_t)batch * (INCEPTION_FEATURES + INCEPTION_SPATIAL + INCEPTION_CLASSES) * sizeof(float);
+        cuda_check(cudaMallocHost((void **)&net->staged_features[s], bytes));
+        if (!net->staged_done[s]) cuda_check(cudaEventCreateWithFlags(&net->staged_done[s], cudaEventDisableTiming));
+    }
 }
 
 // The GPU memory the network takes for batches of `batch` images (its weights included).
@@ -11392,6 +11406,20 @@ static void inception_run(UnetInception *net, const uint8_t *d_pixels, int n, in
     inception_walk(net);
 }
 
+// The features of the batch of n images from image `first`, waited for in pinned slot `slot`,
+// copied to the caller's arrays.
+static void inception_unstage(UnetInception *net, int slot, int64_t first, int n, float *pool, float *spatial, float *logits) {
+    cuda_check(cudaEventSynchronize(net->staged_done[slot]));
+    const float *f = net->staged_features[slot];
+    if (pool) memcpy(pool + first * INCEPTION_FEATURES, f, (size_t)n * INCEPTION_FEATURES * sizeof(float));
+    f += (size_t)net->batch * INCEPTION_FEATURES;
+    if (spatial) memcpy(spatial + first * INCEPTION_SPATIAL, f, (size_t)n * INCEPTION_SPATIAL * sizeof(float));
+    f += (size_t)net->batch * INCEPTION_SPATIAL;
+    if (logits) memcpy(logits + first * INCEPTION_CLASSES, f, (size_t)n * INCEPTION_CLASSES * sizeof(float));
+}
+
+// The batches go through two pinned slots each way, so that while the GPU runs batch i the host
+// copies batch i + 1's pixels in and batch i - 1's features out: the GPU never waits for the host.
 extern "C" int unet_inception_features(UnetInception *net, const uint8_t *pixels, int64_t count, int height, int width, int channels,
                                        int batch, float *pool, float *spatial, float *logits, char *err, size_t err_len) {
     if (height < 1 || width < 1 || (channels != 1 && channels != 3 && channels != 4))
@@ -11401,23 +11429,37 @@ extern "C" int unet_inception_features(UnetInception *net, const uint8_t *pixels
     if (batch > count) batch = (int)(count > 0 ? count : 1);
     inception_to_gpu(net, batch);
     int64_t per_image = (int64_t)height * width * channels;
-    if (batch * per_image > net->pixels_numel) {
+    if (net->batch * per_image > net->pixels_numel) {
         cudaFree(net->pixels);
-        net->pixels_numel = batch * per_image;
+        net->pixels_numel = net->batch * per_image;
         net->pixels = (uint8_t *)gpu_malloc(net->pixels_numel);
+        for (int s = 0; s < 2; s++) {
+            cudaFreeHost(net->staged_pixels[s]);
+            cuda_check(cudaMallocHost((void **)&net->staged_pixels[s], net->pixels_numel));
+        }
     }
-    for (int64_t first = 0; first < count; first += batch) {
-        int n = count - first < batch ? (int)(count - first) : batch;
-        cuda_check(cudaMemcpyAsync(net->pixels, pixels + first * per_image, n * per_image, cudaMemcpyHostToDevice, gpu.stream));
+    size_t feature_bytes = (size_t)INCEPTION_FEATURES * sizeof(float), spatial_bytes = (size_t)INCEPTION_SPATIAL * sizeof(float);
+    int64_t batches = (count + batch - 1) / batch;
+    for (int64_t i = 0; i < batches; i++) {
+        int64_t first = i * batch;
+        int n = count - first < batch ? (int)(count - first) : batch, slot = (int)(i % 2);
+        if (i >= 2) inception_unstage(net, slot, first - 2 * batch, batch, pool, spatial, logits);  // (its slot's pixels are free too)
+        memcpy(net->staged_pixels[slot], pixels + first * per_image, n * per_image);
+        cuda_check(cudaMemcpyAsync(net->pixels, net->staged_pixels[slot], n * per_image, cudaMemcpyHostToDevice, gpu.stream));
         inception_run(net, net->pixels, n, height, width, channels);
-        if (pool) cuda_check(cudaMemcpyAsync(pool + first * INCEPTION_FEATURES, net->pool, (size_t)n * INCEPTION_FEATURES * sizeof(float),
-                                             cudaMemcpyDeviceToHost, gpu.stream));
-        if (spatial) cuda_check(cudaMemcpyAsync(spatial + first * INCEPTION_SPATIAL, net->spatial, (size_t)n * INCEPTION_SPATIAL * sizeof(float),
-                                                cudaMemcpyDeviceToHost, gpu.stream));
-        if (logits) cuda_check(cudaMemcpyAsync(logits + first * INCEPTION_CLASSES, net->logits, (size_t)n * INCEPTION_CLASSES * sizeof(float),
-                                               cudaMemcpyDeviceToHost, gpu.stream));
+        float *out = net->staged_features[slot];
+        cuda_check(cudaMemcpyAsync(out, net->pool, n * feature_bytes, cudaMemcpyDeviceToHost, gpu.stream));
+        cuda_check(cudaMemcpyAsync(out + (size_t)net->batch * INCEPTION_FEATURES, net->spatial, n * spatial_bytes, cudaMemcpyDeviceToHost,
+                                   gpu.stream));
+        if (logits)
+            cuda_check(cudaMemcpyAsync(out + (size_t)net->batch * (INCEPTION_FEATURES + INCEPTION_SPATIAL), net->logits,
+                                       (size_t)n * INCEPTION_CLASSES * sizeof(float), cudaMemcpyDeviceToHost, gpu.stream));
+        cuda_check(cudaEventRecord(net->staged_done[slot], gpu.stream));
     }
-    cuda_check(cudaStreamSynchronize(gpu.stream));
+    for (int64_t i = batches > 2 ? batches - 2 : 0; i < batches; i++) {
+        int64_t first = i * batch;
+        inception_unstage(net, (int)(i % 2), first, count - first < batch ? (int)(count - first) : batch, pool, spatial, logits);
+    }
     return 0;
 }
 
@@ -11587,33 +11629,21 @@ __global__ void squared_norms_kernel(float *norms, const float *x, int64_t rows,
     }
 }
 
-// One block a row of dots[rows][cols] (x_r . y_c). With radii NULL: out[r] = the (k+1)-th smallest
-// squared distance of the row (its own 0 first when x and y are one set: manifold_radii's radius).
-// Else: inside[r] = 1 when some column's distance is at most radii[c] (the row is in y's manifold).
-__global__ void manifold_rows_kernel(float *out, unsigned char *inside, const float *dots, const float *x_norms, const float *y_norms,
-                                     int64_t cols, int k, const float *radii) {
+// One block a row of dots[rows][cols] (x_r . y_c, x and y one set): radii[r] = the (k+1)-th smallest
+// squared distance of row r (its own 0 first): manifold_radii's radius.
+__global__ void manifold_radii_kernel(float *radii, const float *dots, const float *x_norms, const float *y_norms, int64_t cols, int k) {
     __shared__ float best[256][MANIFOLD_MAX_K + 1];
     int64_t row = blockIdx.x;
     const float *d = dots + row * cols;
     float mine[MANIFOLD_MAX_K + 1];
     for (int q = 0; q <= k; q++) mine[q] = INFINITY;
-    int found = 0;
     for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) {
         float dist = fmaxf(x_norms[row] + y_norms[c] - 2.0f * d[c], 0.0f);
-        if (radii) {
-            found |= dist <= radii[c];
-            continue;
-        }
         for (int q = 0; q <= k; q++)  // insert into the sorted k + 1 smallest
             if (dist < mine[q]) {
                 float t = mine[q];
                 mine[q] = dist, dist = t;
             }
-    }
-    if (radii) {
-        found = __syncthreads_or(found);
-        if (threadIdx.x == 0) inside[row] = (unsigned char)found;
-        return;
     }
     for (int q = 0; q <= k; q++) best[threadIdx.x][q] = mine[q];
     __syncthreads();
@@ -11627,20 +11657,43 @@ __global__ void manifold_rows_kernel(float *out, unsigned char *inside, const fl
                     mine[p] = dist, dist = s;
                 }
         }
-    out[row] = mine[k];
+    radii[row] = mine[k];
 }
 
-// For every row of x (n_x rows on the GPU) against all of y's: its radius (radii NULL, x and y one
-// set) into out, or whether it lies in y's manifold (y's radii) into inside.
-static void manifold_rows(float *out, unsigned char *inside, const float *x, const float *x_norms, int64_t n_x, const float *y,
-                          const float *y_norms, int64_t n_y, int dim, int k, const float *radii, float *dots, int64_t chunk) {
+// One block a row of dots[rows][cols] between the references x and the samples y, both ways at once:
+// row_inside[r] = 1 when reference r lies in the samples' manifold (some distance at most that
+// sample's radius: recall), col_inside[c] = 1 when sample c lies in the references' (at most the
+// reference's radius: precision). col_inside is only ever set to 1, by any block: no order matters.
+__global__ void manifold_cross_kernel(unsigned char *row_inside, unsigned char *col_inside, const float *dots, const float *x_norms,
+                                      const float *y_norms, int64_t cols, const float *row_radii, const float *col_radii) {
+    int64_t row = blockIdx.x;
+    const float *d = dots + row * cols;
+    float radius = row_radii[row];
+    int found = 0;
+    for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) {
+        float dist = fmaxf(x_norms[row] + y_norms[c] - 2.0f * d[c], 0.0f);
+        found |= dist <= col_radii[c];
+        if (dist <= radius) col_inside[c] = 1;
+    }
+    found = __syncthreads_or(found);
+    if (threadIdx.x == 0) row_inside[row] = (unsigned char)found;
+}
+
+// Every row of x (n_x rows on the GPU) against all of y's, a chunk of rows at a time: with x and y one
+// set, each row's radius into radii; else (x the references, y the samples, their radii given)
+// whether each lies in the other's manifold, into inside[0] (x's rows) and inside[1] (y's).
+static void manifold_rows(const float *x, const float *x_norms, int64_t n_x, const float *y, const float *y_norms, int64_t n_y, int dim,
+                          int k, float *radii, const float *const *given_radii, unsigned char *const *inside, float *dots, int64_t chunk) {
     for (int64_t first = 0; first < n_x; first += chunk) {
         int64_t m = n_x - first < chunk ? n_x - first : chunk;
         float one = 1.0f, zero = 0.0f;  // dots[m][n_y] = x_chunk y^T (fp32)
         cublas_check(cublasSgemm(gpu.blas, CUBLAS_OP_T, CUBLAS_OP_N, (int)n_y, (int)m, dim, &one, y, dim, x + first * dim, dim, &zero,
                                  dots, (int)n_y));
-        manifold_rows_kernel<<<(unsigned)m, 256, 0, gpu.stream>>>(out ? out + first : NULL, inside ? inside + first : NULL, dots,
-                                                                   x_norms + first, y_norms, n_y, k, radii);
+        if (radii)
+            manifold_radii_kernel<<<(unsigned)m, 256, 0, gpu.stream>>>(radii + first, dots, x_norms + first, y_norms, n_y, k);
+        else
+            manifold_cross_kernel<<<(unsigned)m, 256, 0, gpu.stream>>>(inside[0] + first, inside[1], dots, x_norms + first, y_norms, n_y,
+                                                                        given_radii[0] + first, given_radii[1]);
         cuda_check_launch();
     }
 }
@@ -11661,6 +11714,7 @@ extern "C" int unet_precision_recall(const float *ref, int64_t n_ref, const floa
         norms[s] = (float *)gpu_malloc(counts[s] * sizeof(float));
         radii[s] = (float *)gpu_malloc(counts[s] * sizeof(float));
         inside[s] = (unsigned char *)gpu_malloc(counts[s]);
+        cuda_check(cudaMemsetAsync(inside[s], 0, counts[s], gpu.stream));
         cuda_check(cudaMemcpyAsync(features[s], sets[s], counts[s] * dim * sizeof(float), cudaMemcpyHostToDevice, gpu.stream));
         squared_norms_kernel<<<blocks_for(counts[s], 256), 256, 0, gpu.stream>>>(norms[s], features[s], counts[s], dim);
         cuda_check_launch();
@@ -11669,10 +11723,9 @@ extern "C" int unet_precision_recall(const float *ref, int64_t n_ref, const floa
     if (chunk < 1) chunk = 1;
     float *dots = (float *)gpu_malloc(chunk * widest * sizeof(float));
     for (int s = 0; s < 2; s++)  // each set's radii among itself
-        manifold_rows(radii[s], NULL, features[s], norms[s], counts[s], features[s], norms[s], counts[s], dim, k, NULL, dots, chunk);
-    for (int s = 0; s < 2; s++)  // samples in the references' manifold (precision), references in the samples' (recall)
-        manifold_rows(NULL, inside[s], features[s], norms[s], counts[s], features[1 - s], norms[1 - s], counts[1 - s], dim, k,
-                      radii[1 - s], dots, chunk);
+        manifold_rows(features[s], norms[s], counts[s], features[s], norms[s], counts[s], dim, k, radii[s], NULL, NULL, dots, chunk);
+    // the references against the samples, once: samples in the references' manifold (precision), references in the samples' (recall)
+    manifold_rows(features[0], norms[0], n_ref, features[1], norms[1], n_sample, dim, k, NULL, radii, inside, dots, chunk);
     int64_t hits[2] = {0, 0};
     for (int s = 0; s < 2; s++) {
         unsigned char *h = (unsigned char *)malloc_or_die(counts[s]);

@@ -4,7 +4,9 @@
 # graph, the id file; or met over TCP), and --gpus beyond the machine's GPUs is one error line. With two GPUs or
 # more: 2 GPUs at batch B against 1 GPU at batch 2B (losses, weights equal on both ranks), resume
 # of a 2-GPU checkpoint on 1 GPU, two ranks started by hand (RANK, WORLD_SIZE, LOCAL_RANK), a killed
-# rank stopping the other within 60 s, and Ctrl-C on --gpus saving one checkpoint; the schedule
+# rank stopping the other within 60 s, two machines rehearsed as two process groups met over TCP
+# (training as --gpus 2; either rank killed: the other stops, the last checkpoint resumes), and
+# Ctrl-C on --gpus saving one checkpoint; the schedule
 # sampler loss-second-moment fed every rank's losses (a team of one exactly as alone; two ranks
 # holding the same history); --microbatch with the all-reduce (a team of one exactly as alone; two
 # ranks as the whole batch); the noisy classifier on 2 GPUs and in pieces, as its whole batch.
@@ -181,6 +183,48 @@ took=$(( $(date +%s) - start ))
 [ $took -le 60 ] || case_fail "it took $took s to stop"
 expect_grep "^train_unet rank 0: error: step [0-9]+ has not finished after [0-9]+ s: another rank" "$TEST_TMP/hk0.err"
 [ "$(grep -c error "$TEST_TMP/hk0.err")" = 1 ] || case_fail "rank 0 printed $(grep -c error "$TEST_TMP/hk0.err") error lines"
+
+# Two machines rehearsed on one: two process groups (setsid), each rank alone on its GPU as local
+# rank 0 (CUDA_VISIBLE_DEVICES), in a run folder of its own (no shared file system), met over TCP.
+free_port() { python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+start_nodes() {  # start_nodes NAME PORT OPTIONS...: node r's rank r in $TEST_TMP/NAME$r/run, its pid in nodes[r]
+    local name=$1 port=$2 r
+    shift 2
+    for r in 0 1; do
+        mkdir -p "$TEST_TMP/$name$r"
+        CUDA_VISIBLE_DEVICES=$r RANK=$r WORLD_SIZE=2 LOCAL_RANK=0 MASTER_ADDR=127.0.0.1 MASTER_PORT=$port setsid ./train_unet "${ARGS[@]}" \
+            "$@" --run_dir "$TEST_TMP/$name$r/run" >"$TEST_TMP/$name$r/out" 2>"$TEST_TMP/$name$r/err" &
+        nodes[$r]=$!
+    done
+}
+
+case_begin "two nodes rehearsed as two process groups (one GPU each, own run folders, TCP on 127.0.0.1) train as --gpus 2 does"
+port=$(free_port)
+start_nodes node "$port" --batch_size 8 --steps 50
+wait "${nodes[0]}" || case_fail "node 0's rank exited $?"
+wait "${nodes[1]}" || case_fail "node 1's rank exited $?"
+expect_grep "^rendezvous: 2 ranks met at 127.0.0.1:$port over TCP$" "$TEST_TMP/node0/out"
+cmp -s <(rows "$TEST_TMP/two") <(rows "$TEST_TMP/node0/run") || case_fail "the logged losses differ from --gpus 2's"
+[ "$(cat "$TEST_TMP"/node[01]/err | grep "weights hash" | awk '{print $6}' | sort -u | wc -l)" = 1 ] || case_fail "the ranks' weights differ"
+[ -e "$TEST_TMP/node1/run" ] && case_fail "node 1's rank wrote a run folder"
+
+for victim in 1 0; do
+    survivor=$((1 - victim))
+    case_begin "two nodes over TCP: rank $victim killed mid-run, rank $survivor stops within 60 s with one line, the last checkpoint resumes"
+    start_nodes "killed$victim" "$(free_port)" --batch_size 8 --steps 1000000 --save_interval 10
+    wait_for "$TEST_TMP/killed${victim}0/out" "^step 20/" || case_fail "no step 20 in 300 s"
+    kill -9 "${nodes[$victim]}"
+    start=$(date +%s)
+    wait "${nodes[$survivor]}"; rc=$?
+    took=$(( $(date +%s) - start ))
+    wait "${nodes[$victim]}"
+    [ $rc = 1 ] || case_fail "rank $survivor exited $rc, not 1"
+    [ $took -le 60 ] || case_fail "it took $took s to stop"
+    expect_grep "^train_unet rank $survivor: error: step [0-9]+ has not finished after [0-9]+ s: another rank" "$TEST_TMP/killed$victim$survivor/err"
+    [ "$(grep -c error "$TEST_TMP/killed$victim$survivor/err")" = 1 ] || case_fail "rank $survivor printed more than one error line"
+    expect_ok train --batch_size 16 --steps 40 --run_dir "$TEST_TMP/killed${victim}0/run" --resume_checkpoint latest
+    expect_grep "^resumed from .*step_0000000[0-9]0 at step [0-9]+0$" "$LAST_OUT"
+done
 
 case_begin "--gpus 2: Ctrl-C (SIGINT to the launcher) stops both ranks after one step, saves a checkpoint, exits 0"
 ./train_unet "${ARGS[@]}" --batch_size 8 --gpus 2 --steps 1000000 --run_dir "$TEST_TMP/int" >"$TEST_TMP/int.out" \
