@@ -9614,7 +9614,9 @@ static int grid_batch(const Options *o) { return o->sample_count < 64 ? o->sampl
 
 // What a run will allocate on the GPU, from the plans (--dry_run): the training model, its EMA
 // copies and the forward-only model that draws the sample grids.
-static void print_run_memory(const Options *o, const ModelConfig *c) {
+// The run's memory plan: the training model's, the EMA weights, the sample grids' model, and FID's
+// evaluation (fid_bytes, --eval_num's: its sampler and Inception-v3, at most).
+static void print_run_memory(const Options *o, const ModelConfig *c, int64_t fid_bytes) {
     UNet plan;
     unet_plan(&plan, c, training_piece(o), o->use_checkpoint ? 1 : TRAINING_RECOMPUTE);  // the other way, for comparison
     int64_t other = unet_memory_bytes(&plan);
@@ -9634,6 +9636,11 @@ static void print_run_memory(const Options *o, const ModelConfig *c) {
         print_memory_plan(stdout, &plan, "sample grids, at most");
         total += unet_memory_bytes(&plan);
         unet_destroy(&plan);
+    }
+    if (o->eval_num) {
+        printf("memory plan (FID's sampler and Inception-v3, at most: the sampler's batch is halved until it fits): %.1f MiB\n",
+               fid_bytes / 1048576.0);
+        total += fid_bytes;
     }
     printf("memory plan: %.1f MiB in all\n", total / 1048576.0);
 }
@@ -9742,6 +9749,8 @@ static void write_samples(Trainer *tr, GpuSampler *sampler, const Dataset *origi
 // section's functions, which evaluate uses too), printed, put in log.csv's row and drawn into
 // run/fid.svg. Only rank 0 evaluates; the others wait at the next step.
 #define FID_REFERENCE_IMAGES 50000
+#define FID_SAMPLE_BATCH 256     // the sampler's images at a time, at most (halved until it fits)
+#define FID_INCEPTION_BATCH 100  // Inception's, at most
 typedef struct {
     UnetInception *net;
     LossLog chart;         // the FIDs so far (log.csv's, on resume), drawn into run/fid.svg
@@ -9775,6 +9784,16 @@ static void fid_log_read(LossLog *log, const char *path) {
     if (f) fclose(f);
 }
 
+// The GPU memory an evaluation takes at most, beside the training's: its sampler's model and the
+// Inception network (net: loaded, not yet on the GPU), at their largest batches.
+static int64_t fid_memory_bytes(const ModelConfig *c, const UnetInception *net) {
+    UNet plan;
+    unet_plan(&plan, c, FID_SAMPLE_BATCH, 0);
+    int64_t bytes = unet_memory_bytes(&plan) + unet_inception_gpu_bytes(net, FID_INCEPTION_BATCH);
+    unet_destroy(&plan);
+    return bytes;
+}
+
 static void fid_evaluation_open(FidEvaluation *fe, const Options *o, const Dataset *data) {
     char err[1024], path[4096];
     memset(fe, 0, sizeof *fe);
@@ -9789,7 +9808,7 @@ static void fid_evaluation_open(FidEvaluation *fe, const Options *o, const Datas
     if (!fe->net) fatal("%s", err);
     double start = now_seconds();
     fe->reference_count = data->header.count < FID_REFERENCE_IMAGES ? (int64_t)data->header.count : FID_REFERENCE_IMAGES;
-    if (!(fe->batch = unet_inception_max_batch(fe->net, 100, err, sizeof err))) fatal("%s", err);
+    if (!(fe->batch = unet_inception_max_batch(fe->net, FID_INCEPTION_BATCH, err, sizeof err))) fatal("%s", err);
     const int dim = UNET_INCEPTION_FEATURES;
     float *pool = (float *)malloc_or_die(fe->reference_count * dim * sizeof(float));
     fe->mu = (double *)malloc_or_die(dim * sizeof(double));
@@ -9809,7 +9828,7 @@ static void fid_evaluate(FidEvaluation *fe, Trainer *tr) {
     const ModelConfig *c = &tr->config;
     double start = now_seconds();
     GpuSampler *sampler = &fe->sampler;
-    ema_sampler_load(sampler, tr, 256, 1);  // (--eval_num is over 2048)
+    ema_sampler_load(sampler, tr, FID_SAMPLE_BATCH, 1);  // (--eval_num is over 2048)
     int n = o->eval_num, size = c->image_size, classes = c->num_classes - 1, dim = UNET_INCEPTION_FEATURES;  // (less the null class)
     int64_t per_image = (int64_t)size * size * 3;
     uint8_t *pixels = (uint8_t *)malloc_or_die(sampler->images * per_image);
@@ -11387,8 +11406,7 @@ static void inception_to_gpu(UnetInception *net, int batch) {
     }
 }
 
-// The GPU memory the network takes for batches of `batch` images (its weights included).
-static int64_t inception_bytes(const UnetInception *net, int batch) {
+extern "C" int64_t unet_inception_gpu_bytes(const UnetInception *net, int batch) {
     int64_t weights = (int64_t)INCEPTION_CLASSES * INCEPTION_FEATURES * sizeof(float);
     for (int i = 0; i < net->num_convs; i++) weights += (int64_t)net->conv[i].cout * (net->conv[i].k + 1) * sizeof(inceptionX);
     int64_t per_image = (INCEPTION_SIZE * INCEPTION_SIZE * 3 + 2 * net->map_numel + net->temp_numel + net->patch_numel) * sizeof(inceptionX) +
@@ -11469,10 +11487,10 @@ extern "C" int unet_inception_max_batch(const UnetInception *net, int limit, cha
     cuda_check(cudaMemGetInfo(&free_bytes, &total_bytes));
     int64_t budget = (int64_t)(free_bytes * 0.5);  // half: cuBLASLt and the statistics after it need room too
     int batch = limit;
-    while (batch > 1 && inception_bytes(net, batch) > budget) batch /= 2;
-    if (inception_bytes(net, batch) > budget)
+    while (batch > 1 && unet_inception_gpu_bytes(net, batch) > budget) batch /= 2;
+    if (unet_inception_gpu_bytes(net, batch) > budget)
         return error_line(err, err_len, "Inception needs %.2f GiB of GPU memory for one image; %.2f GiB are free",
-                          inception_bytes(net, 1) / 1073741824.0, free_bytes / 1073741824.0), 0;
+                          unet_inception_gpu_bytes(net, 1) / 1073741824.0, free_bytes / 1073741824.0), 0;
     return batch;
 }
 
@@ -11790,6 +11808,7 @@ __attribute__((weak)) int main(int argc, char **argv) {
         if (resume.changes[0] && (launched || o.gpus == 1 || o.dry_run)) printf("resume: changed since the checkpoint: %s\n", resume.changes);
     }
     InitFrom init;
+    int64_t fid_bytes = 0;  // --eval_num's GPU memory, for --dry_run's plan
     if (!o.bench && o.init_from[0]) {
         if (check_init_from(&o, &model, &init, err, sizeof err) != 0) fatal("--init_from: %s", err);
         if (init.label_rows && (launched || o.gpus == 1 || o.dry_run))
@@ -11805,6 +11824,7 @@ __attribute__((weak)) int main(int argc, char **argv) {
         else unet_inception_default_path(inception, sizeof inception);
         UnetInception *net = unet_inception_open(inception, err, sizeof err);
         if (!net) fatal("--eval_num: %s", err);
+        fid_bytes = fid_memory_bytes(&model, net);
         unet_inception_close(net);
         if (launched || o.gpus == 1 || o.dry_run) {
             char every[64] = "";
@@ -11817,7 +11837,7 @@ __attribute__((weak)) int main(int argc, char **argv) {
         print_config(stdout, &o);
         printf("precision: %s\n", PRECISION_NAME);
         print_model_summary(stdout, &model, &params);
-        print_run_memory(&o, &model);
+        print_run_memory(&o, &model, fid_bytes);
         print_conv_plans(&o, &model);
         if (data.map)
             printf("dataset: %s, %" PRIu64 " images of %ux%u, %u classes\n", o.data, data.header.count,

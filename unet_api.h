@@ -134,6 +134,9 @@ UnetInception *unet_inception_open(const char *path, char *err, size_t err_len);
 void unet_inception_default_path(char *path, size_t len);
 void unet_inception_close(UnetInception *net);
 
+// The GPU memory the network takes for batches of `batch` images, its weights included.
+int64_t unet_inception_gpu_bytes(const UnetInception *net, int batch);
+
 // The largest batch, at most limit (halved from it), whose network takes at most half of the GPU's
 // free memory; 0 with a message (no GPU, not even one image fits).
 int unet_inception_max_batch(const UnetInception *net, int limit, char *err, size_t err_len);

@@ -376,6 +376,13 @@ expect_grep "eval_num: cannot open the Inception weights $TEST_TMP/home/.cache/t
 build/test/test_inception --write "$TEST_TMP/inception.safetensors"
 expect_ok "$TRAIN" --dry_run --data "$TEST_TMP/s2049.bin" --eval_num 3000 --inception "$TEST_TMP/inception.safetensors"
 expect_grep "^FID: 3000 samples every 5000 steps and at the end, Inception-v3 weights .*inception.safetensors$" "$LAST_OUT"
+expect_grep "^memory plan \(FID's sampler and Inception-v3, at most: .*\): [0-9]+\.[0-9] MiB$" "$LAST_OUT"
+fid=$(sed -n "s/^memory plan (FID's sampler and Inception-v3, at most: .*): \([0-9.]*\) MiB$/\1/p" "$LAST_OUT")
+all=$(sed -n 's/^memory plan: \([0-9.]*\) MiB in all$/\1/p' "$LAST_OUT")
+expect_ok "$TRAIN" --dry_run --data "$TEST_TMP/s2049.bin"
+without=$(sed -n 's/^memory plan: \([0-9.]*\) MiB in all$/\1/p' "$LAST_OUT")
+awk -v a="$all" -v b="$without" -v f="$fid" 'BEGIN { exit !(f > 50 && a - b > f - 0.2 && a - b < f + 0.2) }' ||
+    case_fail "the plan in all ($all MiB) is not the plan without FID ($without MiB) and FID's ($fid MiB)"
 expect_ok "$TRAIN" --dry_run --data "$TEST_TMP/s2049.bin" --eval_num 3000 --inception "$TEST_TMP/inception.safetensors" --sample_interval 0
 expect_grep "^FID: 3000 samples at the end" "$LAST_OUT"
 
