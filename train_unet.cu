@@ -3413,13 +3413,14 @@ static void group_norm_backward(const Norm *norm, floatX *dx, GradMode mode, flo
 // head-major into [N][T][C]. Backward:
 //   dP = dO V^T,  dS = P * (dP - rowsum(dP * P)) / sqrt(ch),  dQ = dS K,  dK = dS^T Q,  dV = P^T dO
 // with rowsum(dP * P) = rowsum(dO * O). Two ways to compute it:
-// - fused (BF16 build, ch = 32 or 64): flash attention. No T x T matrix reaches memory: a block
+// - fused (BF16 build, ch = 32, 64 or 128): flash attention. No T x T matrix reaches memory: a block
 //   holds 64 queries (or keys) and runs through the other side 64 at a time, the softmax done
 //   online (a running maximum and denominator per row). Forward keeps one number per row,
 //   lse = log2 of the softmax denominator (in the units of S log2(e) / sqrt(ch)), so that backward
 //   recomputes P = exp2(S log2(e) / sqrt(ch) - lse). Backward is two kernels, each writing its
 //   gradients whole (no atomics: deterministic): per block of queries dQ (and rowsum(dO * O)),
-//   then per block of keys dK and dV.
+//   then per block of keys dK and dV (at 128 channels a head, per half of the channels: a block
+//   that kept all of dK's and dV's accumulators would need more registers than a thread has).
 // - batched products (the FP32 build, other ch): S in fp32 and P in memory, cuBLAS batched
 //   products over (n, h) given by arrays of pointers, softmax kernels between them.
 
@@ -3450,7 +3451,7 @@ static int attention_can_fuse(int ch) {  // no bf16 tensor-core products in the 
     return 0;
 }
 #else
-static int attention_can_fuse(int ch) { return ch == 32 || ch == 64; }
+static int attention_can_fuse(int ch) { return ch == 32 || ch == 64 || ch == 128; }
 #endif
 
 // Channel offsets of head h's q, k and v within a row of qkv.
@@ -3505,8 +3506,9 @@ __device__ inline uint32_t attention_pack(float lo, float hi) {
 }
 
 // acc[16][D] += W B: W [16][64] in the accumulator layout of attention_mma_lines (rounded to bf16:
-// the accumulators of two 8-column tiles are one A fragment), B the tile's 64 lines x D channels.
-template <int D>
+// the accumulators of two 8-column tiles are one A fragment), B the tile's 64 lines x D channels
+// (lines LD elements apart: a part of a wider tile's channels when LD is that tile's).
+template <int D, int LD = D + CONV_PAD>
 __device__ inline void attention_mma_weights(float acc[D / 8][4], const float w[8][4], const floatX *tile) {
     int lane = threadIdx.x % 32, quad = lane >> 3, r8 = lane & 7;
 #pragma unroll
@@ -3516,7 +3518,7 @@ __device__ inline void attention_mma_weights(float acc[D / 8][4], const float w[
 #pragma unroll
         for (int ni = 0; ni < D / 8; ni += 2) {
             uint32_t r[4];
-            conv_ldmatrix_x4<true>(r, tile + (j * 16 + (quad & 1) * 8 + r8) * (D + CONV_PAD) + ni * 8 + (quad >> 1) * 8);
+            conv_ldmatrix_x4<true>(r, tile + (j * 16 + (quad & 1) * 8 + r8) * LD + ni * 8 + (quad >> 1) * 8);
             conv_mma_bf16(acc[ni], a, r[0], r[1]);
             conv_mma_bf16(acc[ni + 1], a, r[2], r[3]);
         }
@@ -3543,7 +3545,10 @@ __device__ inline void attention_store_rows(floatX *base, int64_t ld, int row0, 
 // The block's own rows (read once, into registers) come in stage 1, beside tile 0 in stage 0. Each
 // step waits for the copies in flight and for every warp (attention_wait_copies), takes its own
 // rows at the first step, then starts the copy of the next tile into the other stage, which
-// overlaps the products of this one. 4 tiles: 36 KB of shared memory at 64 channels a head.
+// overlaps the products of this one. 4 tiles, in dynamic shared memory: 36 KB at 64 channels a head,
+// 68 KB at 128.
+__host__ __device__ constexpr size_t attention_smem(int D) { return 4 * ATTN_TILE * (D + CONV_PAD) * sizeof(floatX); }
+extern __shared__ __align__(16) unsigned char attention_tiles[];
 __device__ inline void attention_wait_copies() {
     conv_cp_async_wait<0>();
     __syncthreads();
@@ -3566,7 +3571,7 @@ __device__ inline void attention_next_keys(floatX (*kv_tiles)[2][ATTN_TILE * (D 
 template <int D>
 __global__ void __launch_bounds__(ATTN_THREADS) attention_forward_kernel(Attention a, float scale_log2) {
     constexpr int LD = D + CONV_PAD;
-    __shared__ __align__(16) floatX kv_tiles[2][2][ATTN_TILE * LD];  // [stage][K, V]; stage 1 first holds Q
+    auto kv_tiles = (floatX(*)[2][ATTN_TILE * LD])attention_tiles;  // [stage][K, V]; stage 1 first holds Q
     int tiles = (a.T + ATTN_TILE - 1) / ATTN_TILE, b = blockIdx.x / tiles, q0 = blockIdx.x % tiles * ATTN_TILE;
     int n = b / a.heads, h = b % a.heads, lane = threadIdx.x % 32, row0 = threadIdx.x / 32 * 16;
     int3 off = attention_offsets(a, h);
@@ -3629,7 +3634,7 @@ __global__ void __launch_bounds__(ATTN_THREADS) attention_forward_kernel(Attenti
 template <int D>
 __global__ void __launch_bounds__(ATTN_THREADS) attention_backward_dq_kernel(Attention a, float scale_log2, float scale) {
     constexpr int LD = D + CONV_PAD;
-    __shared__ __align__(16) floatX kv_tiles[2][2][ATTN_TILE * LD];  // [stage][K, V]; stage 1 first holds Q, dO
+    auto kv_tiles = (floatX(*)[2][ATTN_TILE * LD])attention_tiles;  // [stage][K, V]; stage 1 first holds Q, dO
     __shared__ float row_lse[ATTN_TILE], row_delta[ATTN_TILE];
     int tiles = (a.T + ATTN_TILE - 1) / ATTN_TILE, b = blockIdx.x / tiles, q0 = blockIdx.x % tiles * ATTN_TILE;
     int n = b / a.heads, h = b % a.heads, lane = threadIdx.x % 32, row0 = threadIdx.x / 32 * 16;
@@ -3685,15 +3690,18 @@ __global__ void __launch_bounds__(ATTN_THREADS) attention_backward_dq_kernel(Att
     attention_store_rows<D>(a.d_qkv + (int64_t)n * a.T * 3 * a.C + off.x, ld, q0 + row0, a.T, dq, one);
 }
 
-// Backward, per (n, h) and 64 keys, over all queries (each warp 16 keys, so the products are
-// transposed: rows are keys): P^T recomputed, dV = sum P^T dO, dP^T = V dO^T,
-// dS^T = P^T (dP^T - delta) / sqrt(ch), dK = sum dS^T Q.
+// Backward, per (n, h), 64 keys and part of the channels (DO of D: attention_dkdv_parts), over all
+// queries (each warp 16 keys, so the products are transposed: rows are keys): P^T recomputed,
+// dV = sum P^T dO, dP^T = V dO^T, dS^T = P^T (dP^T - delta) / sqrt(ch), dK = sum dS^T Q.
+__host__ __device__ constexpr int attention_dkdv_parts(int D) { return D > 64 ? 2 : 1; }
+
 template <int D>
 __global__ void __launch_bounds__(ATTN_THREADS) attention_backward_dkdv_kernel(Attention a, float scale_log2, float scale) {
-    constexpr int LD = D + CONV_PAD;
-    __shared__ __align__(16) floatX qdo_tiles[2][2][ATTN_TILE * LD];  // [stage][Q, dO]; stage 1 first holds K, V
+    constexpr int LD = D + CONV_PAD, DO = D / attention_dkdv_parts(D);
+    auto qdo_tiles = (floatX(*)[2][ATTN_TILE * LD])attention_tiles;  // [stage][Q, dO]; stage 1 first holds K, V
     __shared__ float row_lse[2][ATTN_TILE], row_delta[2][ATTN_TILE];
-    int tiles = (a.T + ATTN_TILE - 1) / ATTN_TILE, b = blockIdx.x / tiles, k0 = blockIdx.x % tiles * ATTN_TILE;
+    int part = blockIdx.x % attention_dkdv_parts(D), block = blockIdx.x / attention_dkdv_parts(D);
+    int tiles = (a.T + ATTN_TILE - 1) / ATTN_TILE, b = block / tiles, k0 = block % tiles * ATTN_TILE;
     int n = b / a.heads, h = b % a.heads, lane = threadIdx.x % 32, row0 = threadIdx.x / 32 * 16;
     int3 off = attention_offsets(a, h);
     const floatX *qkv = a.qkv + (int64_t)n * a.T * 3 * a.C, *d_out = a.d_out + (int64_t)n * a.T * a.C + h * D;
@@ -3715,7 +3723,7 @@ __global__ void __launch_bounds__(ATTN_THREADS) attention_backward_dkdv_kernel(A
     conv_cp_async_commit();
 
     uint32_t k[D / 16][4], v[D / 16][4];
-    float dk[D / 8][4] = {}, dv[D / 8][4] = {};
+    float dk[DO / 8][4] = {}, dv[DO / 8][4] = {};
     for (int i = 0; i < tiles; i++) {
         attention_wait_copies();
         if (i == 0) {
@@ -3736,23 +3744,33 @@ __global__ void __launch_bounds__(ATTN_THREADS) attention_backward_dkdv_kernel(A
                 p[ni][e] = exp2f(p[ni][e] * scale_log2 - row_lse[i % 2][col]);
                 dp[ni][e] = p[ni][e] * (dp[ni][e] - row_delta[i % 2][col]) * scale;  // dS^T
             }
-        attention_mma_weights<D>(dv, p, do_tile);
-        attention_mma_weights<D>(dk, dp, q_tile);
+        attention_mma_weights<DO, LD>(dv, p, do_tile + part * DO);
+        attention_mma_weights<DO, LD>(dk, dp, q_tile + part * DO);
     }
     const float one[2] = {1.0f, 1.0f};
-    floatX *d_qkv = a.d_qkv + (int64_t)n * a.T * 3 * a.C;
-    attention_store_rows<D>(d_qkv + off.y, ld, k0 + row0, a.T, dk, one);
-    attention_store_rows<D>(d_qkv + off.z, ld, k0 + row0, a.T, dv, one);
+    floatX *d_qkv = a.d_qkv + (int64_t)n * a.T * 3 * a.C + part * DO;
+    attention_store_rows<DO>(d_qkv + off.y, ld, k0 + row0, a.T, dk, one);
+    attention_store_rows<DO>(d_qkv + off.z, ld, k0 + row0, a.T, dv, one);
 }
 
-// Launches kernel<ch>(a, ...) over every (n, h) and 64 rows.
-#define ATTENTION_LAUNCH(kernel, a, ...)                                                                   \
+// Launches kernel<D>(a, ...) over every (n, h), 64 rows and `parts` parts of the channels.
+#define ATTENTION_LAUNCH_D(D, kernel, parts, a, ...)                                                      \
     do {                                                                                                 \
-        int blocks_ = (a)->N * (a)->heads * (((a)->T + ATTN_TILE - 1) / ATTN_TILE);                      \
-        if ((a)->C / (a)->heads == 32) kernel<32><<<blocks_, ATTN_THREADS, 0, gpu.stream>>>(*(a), __VA_ARGS__); \
-        else kernel<64><<<blocks_, ATTN_THREADS, 0, gpu.stream>>>(*(a), __VA_ARGS__);                    \
+        static bool configured_;                                                                         \
+        allow_dynamic_smem(kernel<D>, &configured_, attention_smem(D));                                  \
+        int blocks_ = (a)->N * (a)->heads * (((a)->T + ATTN_TILE - 1) / ATTN_TILE) * (parts);            \
+        kernel<D><<<blocks_, ATTN_THREADS, attention_smem(D), gpu.stream>>>(*(a), __VA_ARGS__);          \
         cuda_check_launch();                                                                             \
     } while (0)
+// ... for the layer's channels a head (attention_can_fuse's), `parts` a function of them.
+#define ATTENTION_LAUNCH(kernel, parts, a, ...)                                                           \
+    do {                                                                                                 \
+        int ch_ = (a)->C / (a)->heads;                                                                   \
+        if (ch_ == 32) ATTENTION_LAUNCH_D(32, kernel, parts(32), a, __VA_ARGS__);                        \
+        else if (ch_ == 64) ATTENTION_LAUNCH_D(64, kernel, parts(64), a, __VA_ARGS__);                   \
+        else ATTENTION_LAUNCH_D(128, kernel, parts(128), a, __VA_ARGS__);                                \
+    } while (0)
+__host__ __device__ constexpr int attention_one_part(int) { return 1; }
 #endif
 
 __global__ void softmax_forward_kernel(floatX *probs, const float *scores, int rows, int T, float scale) {
@@ -3806,7 +3824,7 @@ static void attention_forward(const Attention *a) {
     int ch = a->C / a->heads, batch = a->N * a->heads, T = a->T;
 #if !defined(PRECISION_FP32)
     if (a->fused) {
-        ATTENTION_LAUNCH(attention_forward_kernel, a, (float)M_LOG2E / sqrtf((float)ch));
+        ATTENTION_LAUNCH(attention_forward_kernel, attention_one_part, a, (float)M_LOG2E / sqrtf((float)ch));
         return;
     }
 #endif
@@ -3822,8 +3840,8 @@ static void attention_backward(const Attention *a) {
 #if !defined(PRECISION_FP32)
     if (a->fused) {
         float scale = 1.0f / sqrtf((float)ch);
-        ATTENTION_LAUNCH(attention_backward_dq_kernel, a, (float)M_LOG2E * scale, scale);
-        ATTENTION_LAUNCH(attention_backward_dkdv_kernel, a, (float)M_LOG2E * scale, scale);
+        ATTENTION_LAUNCH(attention_backward_dq_kernel, attention_one_part, a, (float)M_LOG2E * scale, scale);
+        ATTENTION_LAUNCH(attention_backward_dkdv_kernel, attention_dkdv_parts, a, (float)M_LOG2E * scale, scale);
         return;
     }
 #endif

@@ -94,7 +94,7 @@ static void ref_attention_backward(double *d_qkv, const double *d_out, const dou
 #ifndef DEV_NO_MAIN
 // ----------------------------------------------------------------------------------------------
 // GPU check: the trainer's attention core (attention_bind, attention_forward, attention_backward)
-// against the reference, fused (flash attention: BF16 build, 32 or 64 channels per head) or as
+// against the reference, fused (flash attention: BF16 build, 32, 64 or 128 channels per head) or as
 // batched products (cuBLAS, softmax kernels). out [N][T][C] and d_qkv [N][T][3C] are written whole;
 // the kept rows (lse), the scratch (delta, scores, d_scores) and probs are poisoned too, so a read
 // before a write shows.
@@ -219,10 +219,13 @@ int main(void) {
     check_attention(2, 8, 8, 160, 5, 1);    // 5 heads of 32
     check_attention(1, 32, 32, 128, 2, 0);  // T = 1024: 16 blocks of queries and of keys
     check_attention(2, 10, 10, 64, 2, 1);   // T = 100: a part block of 36 rows
+    check_attention(1, 32, 32, 128, 1, 1);  // a head of 128 channels (dK and dV in two halves), T = 1024
+    check_attention(3, 10, 10, 384, 3, 0);  // 3 heads of 128, a part block
     time_attention(32, 16, 16, 192, 6, 1);  // the seed preset
     time_attention(32, 8, 8, 256, 8, 1);
     time_attention(32, 32, 32, 384, 6, 0);  // adm64
     time_attention(32, 16, 16, 576, 9, 0);
+    time_attention(16, 32, 32, 512, 4, 0);  // adm128's heads of 128
     return dev_end();
 }
 #endif  // DEV_NO_MAIN
