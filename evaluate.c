@@ -392,8 +392,10 @@ int main(int argc, char **argv) {
         net = unet_inception_open(o.inception, err, sizeof err);
         if (!net) unet_die("%s", err);
         profile_phase("the Inception weights read", start), start = now_seconds();
-        if (!batch && !(batch = unet_inception_max_batch(net, 200, err, sizeof err))) unet_die("%s", err);
-        profile_phase("the GPU ready", start);
+        if (!batch) {  // (which starts the GPU; with --batch, the first features do)
+            if (!(batch = unet_inception_max_batch(net, 200, err, sizeof err))) unet_die("%s", err);
+            profile_phase("the GPU ready", start);
+        }
     }
     if (!ref.is_stats) {
         compute_features(&ref, net, batch, o.save_stats != NULL);

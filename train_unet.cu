@@ -3690,14 +3690,16 @@ __global__ void __launch_bounds__(ATTN_THREADS) attention_backward_dq_kernel(Att
     attention_store_rows<D>(a.d_qkv + (int64_t)n * a.T * 3 * a.C + off.x, ld, q0 + row0, a.T, dq, one);
 }
 
-// Backward, per (n, h), 64 keys and part of the channels (DO of D: attention_dkdv_parts), over all
-// queries (each warp 16 keys, so the products are transposed: rows are keys): P^T recomputed,
-// dV = sum P^T dO, dP^T = V dO^T, dS^T = P^T (dP^T - delta) / sqrt(ch), dK = sum dS^T Q.
+// The key blocks' kernel writes a head's channels in this many parts (each recomputing P and dP):
+// at 128 channels two, so that dK's and dV's accumulators fit a thread's registers.
 __host__ __device__ constexpr int attention_dkdv_parts(int D) { return D > 64 ? 2 : 1; }
 
+// Backward, per (n, h), 64 keys and a part of the channels (D_PART of D), over all queries (each
+// warp 16 keys, so the products are transposed: rows are keys): P^T recomputed, dV = sum P^T dO,
+// dP^T = V dO^T, dS^T = P^T (dP^T - delta) / sqrt(ch), dK = sum dS^T Q.
 template <int D>
 __global__ void __launch_bounds__(ATTN_THREADS) attention_backward_dkdv_kernel(Attention a, float scale_log2, float scale) {
-    constexpr int LD = D + CONV_PAD, DO = D / attention_dkdv_parts(D);
+    constexpr int LD = D + CONV_PAD, D_PART = D / attention_dkdv_parts(D);
     auto qdo_tiles = (floatX(*)[2][ATTN_TILE * LD])attention_tiles;  // [stage][Q, dO]; stage 1 first holds K, V
     __shared__ float row_lse[2][ATTN_TILE], row_delta[2][ATTN_TILE];
     int part = blockIdx.x % attention_dkdv_parts(D), block = blockIdx.x / attention_dkdv_parts(D);
@@ -3723,7 +3725,7 @@ __global__ void __launch_bounds__(ATTN_THREADS) attention_backward_dkdv_kernel(A
     conv_cp_async_commit();
 
     uint32_t k[D / 16][4], v[D / 16][4];
-    float dk[DO / 8][4] = {}, dv[DO / 8][4] = {};
+    float dk[D_PART / 8][4] = {}, dv[D_PART / 8][4] = {};
     for (int i = 0; i < tiles; i++) {
         attention_wait_copies();
         if (i == 0) {
@@ -3744,13 +3746,13 @@ __global__ void __launch_bounds__(ATTN_THREADS) attention_backward_dkdv_kernel(A
                 p[ni][e] = exp2f(p[ni][e] * scale_log2 - row_lse[i % 2][col]);
                 dp[ni][e] = p[ni][e] * (dp[ni][e] - row_delta[i % 2][col]) * scale;  // dS^T
             }
-        attention_mma_weights<DO, LD>(dv, p, do_tile + part * DO);
-        attention_mma_weights<DO, LD>(dk, dp, q_tile + part * DO);
+        attention_mma_weights<D_PART, LD>(dv, p, do_tile + part * D_PART);
+        attention_mma_weights<D_PART, LD>(dk, dp, q_tile + part * D_PART);
     }
     const float one[2] = {1.0f, 1.0f};
-    floatX *d_qkv = a.d_qkv + (int64_t)n * a.T * 3 * a.C + part * DO;
-    attention_store_rows<DO>(d_qkv + off.y, ld, k0 + row0, a.T, dk, one);
-    attention_store_rows<DO>(d_qkv + off.z, ld, k0 + row0, a.T, dv, one);
+    floatX *d_qkv = a.d_qkv + (int64_t)n * a.T * 3 * a.C + part * D_PART;
+    attention_store_rows<D_PART>(d_qkv + off.y, ld, k0 + row0, a.T, dk, one);
+    attention_store_rows<D_PART>(d_qkv + off.z, ld, k0 + row0, a.T, dv, one);
 }
 
 // Launches kernel<D>(a, ...) over every (n, h), 64 rows and `parts` parts of the channels.
@@ -3768,7 +3770,8 @@ __global__ void __launch_bounds__(ATTN_THREADS) attention_backward_dkdv_kernel(A
         int ch_ = (a)->C / (a)->heads;                                                                   \
         if (ch_ == 32) ATTENTION_LAUNCH_D(32, kernel, parts(32), a, __VA_ARGS__);                        \
         else if (ch_ == 64) ATTENTION_LAUNCH_D(64, kernel, parts(64), a, __VA_ARGS__);                   \
-        else ATTENTION_LAUNCH_D(128, kernel, parts(128), a, __VA_ARGS__);                                \
+        else if (ch_ == 128) ATTENTION_LAUNCH_D(128, kernel, parts(128), a, __VA_ARGS__);                \
+        else fatal("attention: no fused kernel for heads of %d channels", ch_);                         \
     } while (0)
 __host__ __device__ constexpr int attention_one_part(int) { return 1; }
 #endif
@@ -8200,12 +8203,12 @@ static void classifier_score(GpuSampler *s) {
 
 // The GPU memory gpu_sampler_create takes for batches of `images`: the forward-only model's plan
 // (twice the batch when guided), the classifier's (classifier guidance), and the sampler's own buffers.
-static int64_t gpu_sampler_bytes(const ModelConfig *c, int images, const SamplePlan *plan, int guided, const ModelConfig *classifier) {
+static int64_t gpu_sampler_bytes(const ModelConfig *c, int images, int steps, int guided, const ModelConfig *classifier) {
     UNet m;
     unet_plan(&m, c, guided ? 2 * images : images, 0);
     int64_t n = (int64_t)images * c->image_size * c->image_size * c->in_channels;
     int64_t low = (int64_t)images * c->low_res * c->low_res * c->in_channels;  // an upsampler's low-resolution images
-    int64_t bytes = unet_memory_bytes(&m) + 2 * n * (int64_t)sizeof(float) + n + low + plan->count * (int64_t)sizeof(SampleStep);
+    int64_t bytes = unet_memory_bytes(&m) + 2 * n * (int64_t)sizeof(float) + n + low + steps * (int64_t)sizeof(SampleStep);
     unet_destroy(&m);
     if (classifier) {
         unet_plan(&m, classifier, images, TRAINING_INPUT_GRADIENT);
@@ -9631,9 +9634,8 @@ static void print_conv_plans(const Options *o, const ModelConfig *c) {
 static int grid_batch(const Options *o) { return o->sample_count < 64 ? o->sample_count : 64; }
 
 // What a run will allocate on the GPU, from the plans (--dry_run): the training model, its EMA
-// copies and the forward-only model that draws the sample grids.
-// The run's memory plan: the training model's, the EMA weights, the sample grids' model, and FID's
-// evaluation (fid_bytes, --eval_num's: its sampler and Inception-v3, at most).
+// copies, the forward-only model that draws the sample grids, and FID's evaluation (fid_bytes:
+// --eval_num's sampler and Inception-v3, at most).
 static void print_run_memory(const Options *o, const ModelConfig *c, int64_t fid_bytes) {
     UNet plan;
     unet_plan(&plan, c, training_piece(o), o->use_checkpoint ? 1 : TRAINING_RECOMPUTE);  // the other way, for comparison
@@ -9678,7 +9680,7 @@ static void ema_sampler_load(GpuSampler *sampler, Trainer *tr, int batch, uint64
         size_t free_bytes, total_bytes;
         cuda_check(cudaMemGetInfo(&free_bytes, &total_bytes));
         const int64_t margin = 512LL << 20;  // for cuBLAS's workspace and the captured graph's own memory
-        while (batch > 1 && gpu_sampler_bytes(c, batch, &plan, 0, NULL) + margin > (int64_t)free_bytes) batch /= 2;
+        while (batch > 1 && gpu_sampler_bytes(c, batch, plan.count, 0, NULL) + margin > (int64_t)free_bytes) batch /= 2;
         gpu_sampler_create(sampler, c, batch, &plan, 1.0f, NULL, 0.0f, random_u64((uint64_t)o->seed, rng_stream(RNG_GRID_SEED, sub_stream), 0));
         sample_plan_free(&plan);
     }
@@ -9802,14 +9804,13 @@ static void fid_log_read(LossLog *log, const char *path) {
     if (f) fclose(f);
 }
 
-// The GPU memory an evaluation takes at most, beside the training's: its sampler's model and the
-// Inception network (net: loaded, not yet on the GPU), at their largest batches.
-static int64_t fid_memory_bytes(const ModelConfig *c, const UnetInception *net) {
-    UNet plan;
-    unet_plan(&plan, c, FID_SAMPLE_BATCH, 0);
-    int64_t bytes = unet_memory_bytes(&plan) + unet_inception_gpu_bytes(net, FID_INCEPTION_BATCH);
-    unet_destroy(&plan);
-    return bytes;
+// The GPU memory an evaluation takes at most, beside the training's: its sampler (DDIM with
+// `steps` steps) and the Inception network (net: loaded, not yet on the GPU) with its input images,
+// at their largest batches.
+static int64_t fid_memory_bytes(const ModelConfig *c, int steps, const UnetInception *net) {
+    int64_t image_bytes = (int64_t)c->image_size * c->image_size * 3;
+    return gpu_sampler_bytes(c, FID_SAMPLE_BATCH, steps, 0, NULL) + unet_inception_gpu_bytes(net, FID_INCEPTION_BATCH) +
+           FID_INCEPTION_BATCH * image_bytes;
 }
 
 static void fid_evaluation_open(FidEvaluation *fe, const Options *o, const Dataset *data) {
@@ -10483,15 +10484,15 @@ extern "C" int unet_sampler_max_batch(const UnetCheckpoint *ck, const SamplePlan
     int guided = guidance->scale != 1.0f, pixels = c->image_size * c->image_size * (guided ? 2 : 1);
     int64_t budget = (int64_t)(free_bytes * 0.9);
     if (limit > INT32_MAX / pixels) limit = INT32_MAX / pixels;  // unet_plan counts pixels in 32 bits
-    if (gpu_sampler_bytes(c, 1, plan, guided, classifier) > budget) {
+    if (gpu_sampler_bytes(c, 1, plan->count, guided, classifier) > budget) {
         error_line(err, err_len, "%s: even one image needs %.2f GiB of GPU memory; %.2f GiB are free", ck->file,
-                     gpu_sampler_bytes(c, 1, plan, guided, classifier) / 1073741824.0, free_bytes / 1073741824.0);
+                     gpu_sampler_bytes(c, 1, plan->count, guided, classifier) / 1073741824.0, free_bytes / 1073741824.0);
         return 0;
     }
     int lo = 1, hi = limit;  // lo fits; find the largest that does
     while (lo < hi) {
         int mid = lo + (hi - lo + 1) / 2;
-        if (gpu_sampler_bytes(c, mid, plan, guided, classifier) <= budget) lo = mid;
+        if (gpu_sampler_bytes(c, mid, plan->count, guided, classifier) <= budget) lo = mid;
         else hi = mid - 1;
     }
     return lo;
@@ -10701,6 +10702,20 @@ typedef struct {
     int64_t shape[4];
 } InceptionTensor;
 
+// Host memory for copies to and from the GPU: pinned where the system gives it (such copies overlap
+// the GPU's work), else ordinary memory (*pinned 0).
+static void *host_staging_alloc(size_t bytes, int *pinned) {
+    void *p = NULL;
+    *pinned = cudaMallocHost(&p, bytes) == cudaSuccess;
+    if (!*pinned) (void)cudaGetLastError(), p = malloc_or_die(bytes);
+    return p;
+}
+
+static void host_staging_free(void *p, int pinned) {
+    if (pinned) cudaFreeHost(p);
+    else free(p);
+}
+
 struct UnetInception {
     SafeTensorsFile f;
     char file[4096];
@@ -10720,11 +10735,12 @@ struct UnetInception {
     int64_t temp_used;             // per image, in the block now running
     inceptionX *input, *maps[2], *temp, *patches;
     uint8_t *pixels;
-    int64_t pixels_numel;
+    int64_t pixels_numel;          // the bytes of pixels, and of each staged_pixels slot
     float *pool, *spatial, *logits;
-    // Pinned host memory, two batches each way (unet_inception_features): pixels in, features out.
-    uint8_t *staged_pixels[2];
-    float *staged_features[2];     // a batch's pool, spatial and logits: [batch][INCEPTION_FEATURES], then [batch][..SPATIAL], [batch][..CLASSES]
+    // Host memory for two batches each way (unet_inception_features): pixels in, features out.
+    uint8_t *staged_pixels[2];     // pinned where the system gives it (staged_pixels_pinned), else ordinary
+    int staged_pixels_pinned[2];
+    float *staged_features[2];     // pinned: a batch's pool, spatial and logits (inception_staged)
     cudaEvent_t staged_done[2];    // the batch staged in slot s has run and its features are out
     int profile;                   // UNET_PROFILE=1: each layer timed (synchronously), the slowest printed at close
     cudaEvent_t marks[2];
@@ -11377,7 +11393,7 @@ extern "C" void unet_inception_close(UnetInception *net) {
                            net->spatial, net->logits};
     for (size_t i = 0; i < sizeof gpu_buffers / sizeof *gpu_buffers; i++) cudaFree(gpu_buffers[i]);
     for (int s = 0; s < 2; s++) {
-        cudaFreeHost(net->staged_pixels[s]), cudaFreeHost(net->staged_features[s]);
+        host_staging_free(net->staged_pixels[s], net->staged_pixels_pinned[s]), cudaFreeHost(net->staged_features[s]);
         if (net->staged_done[s]) cudaEventDestroy(net->staged_done[s]);
     }
     inception_free_host(net);
@@ -11385,8 +11401,9 @@ extern "C" void unet_inception_close(UnetInception *net) {
     free(net);
 }
 
-// The network on the GPU for batches of up to `batch` images: its weights, and the buffers the
-// loading walk sized (made again only for a larger batch).
+// The network on the GPU for batches of up to `batch` images: its weights, the buffers the loading
+// walk sized, and the pinned host slots its features are copied out to (made again only for a
+// larger batch).
 static void inception_to_gpu(UnetInception *net, int batch) {
     if (batch <= net->batch) return;
     void *gpu_buffers[] = {net->input, net->maps[0], net->maps[1], net->temp, net->patches, net->pool, net->spatial, net->logits};
@@ -11424,6 +11441,7 @@ static void inception_to_gpu(UnetInception *net, int batch) {
     }
 }
 
+// (The input images' own bytes, batch x h x w x c, come on top.)
 extern "C" int64_t unet_inception_gpu_bytes(const UnetInception *net, int batch) {
     int64_t weights = (int64_t)INCEPTION_CLASSES * INCEPTION_FEATURES * sizeof(float);
     for (int i = 0; i < net->num_convs; i++) weights += (int64_t)net->conv[i].cout * (net->conv[i].k + 1) * sizeof(inceptionX);
@@ -11442,20 +11460,30 @@ static void inception_run(UnetInception *net, const uint8_t *d_pixels, int n, in
     inception_walk(net);
 }
 
-// The features of the batch of n images from image `first`, waited for in pinned slot `slot`,
-// copied to the caller's arrays.
-static void inception_unstage(UnetInception *net, int slot, int64_t first, int n, float *pool, float *spatial, float *logits) {
-    cuda_check(cudaEventSynchronize(net->staged_done[slot]));
-    const float *f = net->staged_features[slot];
-    if (pool) memcpy(pool + first * INCEPTION_FEATURES, f, (size_t)n * INCEPTION_FEATURES * sizeof(float));
-    f += (size_t)net->batch * INCEPTION_FEATURES;
-    if (spatial) memcpy(spatial + first * INCEPTION_SPATIAL, f, (size_t)n * INCEPTION_SPATIAL * sizeof(float));
-    f += (size_t)net->batch * INCEPTION_SPATIAL;
-    if (logits) memcpy(logits + first * INCEPTION_CLASSES, f, (size_t)n * INCEPTION_CLASSES * sizeof(float));
+// The three kinds of features a batch gives, each [n][dims]: pool, spatial and logits.
+static const int inception_dims[3] = {INCEPTION_FEATURES, INCEPTION_SPATIAL, INCEPTION_CLASSES};
+
+// Kind k's features in pinned slot `slot`: [net->batch][inception_dims[k]], after the kinds before it.
+static float *inception_staged(const UnetInception *net, int slot, int kind) {
+    float *f = net->staged_features[slot];
+    for (int k = 0; k < kind; k++) f += (size_t)net->batch * inception_dims[k];
+    return f;
 }
 
-// The batches go through two pinned slots each way, so that while the GPU runs batch i the host
-// copies batch i + 1's pixels in and batch i - 1's features out: the GPU never waits for the host.
+// The images in batch i of `count` in batches of `batch`.
+static int inception_batch_images(int64_t count, int batch, int64_t i) { return count - i * batch < batch ? (int)(count - i * batch) : batch; }
+
+// Batch i's features, waited for in its slot, copied to the caller's arrays (out[kind]; NULL: not wanted).
+static void inception_unstage(UnetInception *net, int64_t count, int batch, int64_t i, float *const out[3]) {
+    int slot = (int)(i % 2), n = inception_batch_images(count, batch, i);
+    cuda_check(cudaEventSynchronize(net->staged_done[slot]));
+    for (int k = 0; k < 3; k++)
+        if (out[k])
+            memcpy(out[k] + i * batch * inception_dims[k], inception_staged(net, slot, k), (size_t)n * inception_dims[k] * sizeof(float));
+}
+
+// The batches go through two slots each way, so that while the GPU runs batch i the host copies
+// batch i + 1's pixels in and batch i - 1's features out: the GPU never waits for the host.
 extern "C" int unet_inception_features(UnetInception *net, const uint8_t *pixels, int64_t count, int height, int width, int channels,
                                        int batch, float *pool, float *spatial, float *logits, char *err, size_t err_len) {
     if (height < 1 || width < 1 || (channels != 1 && channels != 3 && channels != 4))
@@ -11470,32 +11498,25 @@ extern "C" int unet_inception_features(UnetInception *net, const uint8_t *pixels
         net->pixels_numel = net->batch * per_image;
         net->pixels = (uint8_t *)gpu_malloc(net->pixels_numel);
         for (int s = 0; s < 2; s++) {
-            cudaFreeHost(net->staged_pixels[s]);
-            cuda_check(cudaMallocHost((void **)&net->staged_pixels[s], net->pixels_numel));
+            host_staging_free(net->staged_pixels[s], net->staged_pixels_pinned[s]);
+            net->staged_pixels[s] = (uint8_t *)host_staging_alloc(net->pixels_numel, &net->staged_pixels_pinned[s]);
         }
     }
-    size_t feature_bytes = (size_t)INCEPTION_FEATURES * sizeof(float), spatial_bytes = (size_t)INCEPTION_SPATIAL * sizeof(float);
+    float *out[3] = {pool, spatial, logits}, *features[3] = {net->pool, net->spatial, net->logits};
     int64_t batches = (count + batch - 1) / batch;
     for (int64_t i = 0; i < batches; i++) {
-        int64_t first = i * batch;
-        int n = count - first < batch ? (int)(count - first) : batch, slot = (int)(i % 2);
-        if (i >= 2) inception_unstage(net, slot, first - 2 * batch, batch, pool, spatial, logits);  // (its slot's pixels are free too)
-        memcpy(net->staged_pixels[slot], pixels + first * per_image, n * per_image);
+        int n = inception_batch_images(count, batch, i), slot = (int)(i % 2);
+        if (i >= 2) inception_unstage(net, count, batch, i - 2, out);  // (which frees the slot's pixels too)
+        memcpy(net->staged_pixels[slot], pixels + i * batch * per_image, n * per_image);
         cuda_check(cudaMemcpyAsync(net->pixels, net->staged_pixels[slot], n * per_image, cudaMemcpyHostToDevice, gpu.stream));
         inception_run(net, net->pixels, n, height, width, channels);
-        float *out = net->staged_features[slot];
-        cuda_check(cudaMemcpyAsync(out, net->pool, n * feature_bytes, cudaMemcpyDeviceToHost, gpu.stream));
-        cuda_check(cudaMemcpyAsync(out + (size_t)net->batch * INCEPTION_FEATURES, net->spatial, n * spatial_bytes, cudaMemcpyDeviceToHost,
-                                   gpu.stream));
-        if (logits)
-            cuda_check(cudaMemcpyAsync(out + (size_t)net->batch * (INCEPTION_FEATURES + INCEPTION_SPATIAL), net->logits,
-                                       (size_t)n * INCEPTION_CLASSES * sizeof(float), cudaMemcpyDeviceToHost, gpu.stream));
+        for (int k = 0; k < 3; k++)
+            if (out[k])
+                cuda_check(cudaMemcpyAsync(inception_staged(net, slot, k), features[k], (size_t)n * inception_dims[k] * sizeof(float),
+                                           cudaMemcpyDeviceToHost, gpu.stream));
         cuda_check(cudaEventRecord(net->staged_done[slot], gpu.stream));
     }
-    for (int64_t i = batches > 2 ? batches - 2 : 0; i < batches; i++) {
-        int64_t first = i * batch;
-        inception_unstage(net, (int)(i % 2), first, count - first < batch ? (int)(count - first) : batch, pool, spatial, logits);
-    }
+    for (int64_t i = batches > 2 ? batches - 2 : 0; i < batches; i++) inception_unstage(net, count, batch, i, out);
     return 0;
 }
 
@@ -11699,7 +11720,8 @@ __global__ void manifold_radii_kernel(float *radii, const float *dots, const flo
 // One block a row of dots[rows][cols] between the references x and the samples y, both ways at once:
 // row_inside[r] = 1 when reference r lies in the samples' manifold (some distance at most that
 // sample's radius: recall), col_inside[c] = 1 when sample c lies in the references' (at most the
-// reference's radius: precision). col_inside is only ever set to 1, by any block: no order matters.
+// reference's radius: precision). col_inside, zeroed before, is only ever set to 1, by any block: no
+// order matters.
 __global__ void manifold_cross_kernel(unsigned char *row_inside, unsigned char *col_inside, const float *dots, const float *x_norms,
                                       const float *y_norms, int64_t cols, const float *row_radii, const float *col_radii) {
     int64_t row = blockIdx.x;
@@ -11715,21 +11737,32 @@ __global__ void manifold_cross_kernel(unsigned char *row_inside, unsigned char *
     if (threadIdx.x == 0) row_inside[row] = (unsigned char)found;
 }
 
-// Every row of x (n_x rows on the GPU) against all of y's, a chunk of rows at a time: with x and y one
-// set, each row's radius into radii; else (x the references, y the samples, their radii given)
-// whether each lies in the other's manifold, into inside[0] (x's rows) and inside[1] (y's).
-static void manifold_rows(const float *x, const float *x_norms, int64_t n_x, const float *y, const float *y_norms, int64_t n_y, int dim,
-                          int k, float *radii, const float *const *given_radii, unsigned char *const *inside, float *dots, int64_t chunk) {
-    for (int64_t first = 0; first < n_x; first += chunk) {
-        int64_t m = n_x - first < chunk ? n_x - first : chunk;
-        float one = 1.0f, zero = 0.0f;  // dots[m][n_y] = x_chunk y^T (fp32)
-        cublas_check(cublasSgemm(gpu.blas, CUBLAS_OP_T, CUBLAS_OP_N, (int)n_y, (int)m, dim, &one, y, dim, x + first * dim, dim, &zero,
-                                 dots, (int)n_y));
-        if (radii)
-            manifold_radii_kernel<<<(unsigned)m, 256, 0, gpu.stream>>>(radii + first, dots, x_norms + first, y_norms, n_y, k);
-        else
-            manifold_cross_kernel<<<(unsigned)m, 256, 0, gpu.stream>>>(inside[0] + first, inside[1], dots, x_norms + first, y_norms, n_y,
-                                                                        given_radii[0] + first, given_radii[1]);
+// dots[m][n_y] = rows first .. first + m - 1 of x against all of y's: x_chunk y^T (fp32).
+static void manifold_dots(float *dots, const float *x, int64_t first, int64_t m, const float *y, int64_t n_y, int dim) {
+    float one = 1.0f, zero = 0.0f;
+    cublas_check(cublasSgemm(gpu.blas, CUBLAS_OP_T, CUBLAS_OP_N, (int)n_y, (int)m, dim, &one, y, dim, x + first * dim, dim, &zero, dots,
+                             (int)n_y));
+}
+
+// Each row's radius among its own set (n rows of x on the GPU), a chunk of rows at a time.
+static void manifold_radii(float *radii, const float *x, const float *norms, int64_t n, int dim, int k, float *dots, int64_t chunk) {
+    for (int64_t first = 0; first < n; first += chunk) {
+        int64_t m = n - first < chunk ? n - first : chunk;
+        manifold_dots(dots, x, first, m, x, n, dim);
+        manifold_radii_kernel<<<(unsigned)m, 256, 0, gpu.stream>>>(radii + first, dots, norms + first, norms, n, k);
+        cuda_check_launch();
+    }
+}
+
+// The references (set 0) against the samples (set 1), a chunk of references at a time: inside[s][i]
+// set to 1 when item i of set s lies in the other set's manifold (inside zeroed before).
+static void manifold_cross(unsigned char *const inside[2], const float *const features[2], const float *const norms[2],
+                           const int64_t counts[2], const float *const radii[2], int dim, float *dots, int64_t chunk) {
+    for (int64_t first = 0; first < counts[0]; first += chunk) {
+        int64_t m = counts[0] - first < chunk ? counts[0] - first : chunk;
+        manifold_dots(dots, features[0], first, m, features[1], counts[1], dim);
+        manifold_cross_kernel<<<(unsigned)m, 256, 0, gpu.stream>>>(inside[0] + first, inside[1], dots, norms[0] + first, norms[1], counts[1],
+                                                                    radii[0] + first, radii[1]);
         cuda_check_launch();
     }
 }
@@ -11758,10 +11791,9 @@ extern "C" int unet_precision_recall(const float *ref, int64_t n_ref, const floa
     int64_t widest = n_ref > n_sample ? n_ref : n_sample, chunk = ((int64_t)64 << 20) / widest;  // 256 MB of dots
     if (chunk < 1) chunk = 1;
     float *dots = (float *)gpu_malloc(chunk * widest * sizeof(float));
-    for (int s = 0; s < 2; s++)  // each set's radii among itself
-        manifold_rows(features[s], norms[s], counts[s], features[s], norms[s], counts[s], dim, k, radii[s], NULL, NULL, dots, chunk);
+    for (int s = 0; s < 2; s++) manifold_radii(radii[s], features[s], norms[s], counts[s], dim, k, dots, chunk);
     // the references against the samples, once: samples in the references' manifold (precision), references in the samples' (recall)
-    manifold_rows(features[0], norms[0], n_ref, features[1], norms[1], n_sample, dim, k, NULL, radii, inside, dots, chunk);
+    manifold_cross(inside, features, norms, counts, radii, dim, dots, chunk);
     int64_t hits[2] = {0, 0};
     for (int s = 0; s < 2; s++) {
         unsigned char *h = (unsigned char *)malloc_or_die(counts[s]);
@@ -11842,7 +11874,7 @@ __attribute__((weak)) int main(int argc, char **argv) {
         else unet_inception_default_path(inception, sizeof inception);
         UnetInception *net = unet_inception_open(inception, err, sizeof err);
         if (!net) fatal("--eval_num: %s", err);
-        fid_bytes = fid_memory_bytes(&model, net);
+        if (o.dry_run) fid_bytes = fid_memory_bytes(&model, o.sample_steps, net);
         unet_inception_close(net);
         if (launched || o.gpus == 1 || o.dry_run) {
             char every[64] = "";

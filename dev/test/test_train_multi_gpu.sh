@@ -186,6 +186,8 @@ expect_grep "^train_unet rank 0: error: step [0-9]+ has not finished after [0-9]
 
 # Two machines rehearsed on one: two process groups (setsid), each rank alone on its GPU as local
 # rank 0 (CUDA_VISIBLE_DEVICES), in a run folder of its own (no shared file system), met over TCP.
+# (A script runs without job control, so its background child leads no process group and setsid
+# makes it one without forking: $! is the rank itself.)
 free_port() { python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
 start_nodes() {  # start_nodes NAME PORT OPTIONS...: node r's rank r in $TEST_TMP/NAME$r/run, its pid in nodes[r]
     local name=$1 port=$2 r
@@ -205,6 +207,7 @@ wait "${nodes[0]}" || case_fail "node 0's rank exited $?"
 wait "${nodes[1]}" || case_fail "node 1's rank exited $?"
 expect_grep "^rendezvous: 2 ranks met at 127.0.0.1:$port over TCP$" "$TEST_TMP/node0/out"
 cmp -s <(rows "$TEST_TMP/two") <(rows "$TEST_TMP/node0/run") || case_fail "the logged losses differ from --gpus 2's"
+[ "$(cat "$TEST_TMP"/node[01]/err | grep -c "weights hash")" = 2 ] || case_fail "expected a weights hash from each of the 2 ranks"
 [ "$(cat "$TEST_TMP"/node[01]/err | grep "weights hash" | awk '{print $6}' | sort -u | wc -l)" = 1 ] || case_fail "the ranks' weights differ"
 [ -e "$TEST_TMP/node1/run" ] && case_fail "node 1's rank wrote a run folder"
 
