@@ -217,6 +217,7 @@ static int write_all(FILE *f, const void *data, size_t bytes) { return fwrite(da
 typedef struct {
     cudaStream_t stream;      // where kernels go now: main, or side between side_begin and side_end
     cudaStream_t main, side;  // the side stream runs work beside the main stream's (side_begin)
+    cudaStream_t update;      // lowest priority: a step's parameter update beside the next step's forward (Trainer)
     cudaEvent_t fork, join;
     int side_pending;         // side work ended and not yet joined
     cublasHandle_t blas;
@@ -278,8 +279,13 @@ static void gpu_init(int device) {
     if (gpu_available(err, sizeof err) != 0) fatal("%s", err);
     cuda_check(cudaSetDevice(device));
     cuda_check(cudaDeviceGetAttribute(&gpu.num_sms, cudaDevAttrMultiProcessorCount, device));
-    cuda_check(cudaStreamCreate(&gpu.main));
-    cuda_check(cudaStreamCreate(&gpu.side));
+    // The model's work at the highest priority, the update beside it at the lowest: its blocks take
+    // what the model's kernels leave of the GPU (graphs keep the priorities they were captured with).
+    int lowest, highest;
+    cuda_check(cudaDeviceGetStreamPriorityRange(&lowest, &highest));
+    cuda_check(cudaStreamCreateWithPriority(&gpu.main, cudaStreamDefault, highest));
+    cuda_check(cudaStreamCreateWithPriority(&gpu.side, cudaStreamDefault, highest));
+    cuda_check(cudaStreamCreateWithPriority(&gpu.update, cudaStreamDefault, lowest));
     cuda_check(cudaEventCreateWithFlags(&gpu.fork, cudaEventDisableTiming));
     cuda_check(cudaEventCreateWithFlags(&gpu.join, cudaEventDisableTiming));
     gpu.stream = gpu.main;
@@ -5233,6 +5239,7 @@ typedef struct {
     Act *in;           // the previous block's output (the model's input for the first)
     GradMode in_grad;  // how its backward's first write delivers in->dx (plan_gradient_modes)
     Act out;           // out.dx holds its gradient only from its delivery to this block's backward
+    int param_count;   // the parameters walked up to it, its own included (they come before their block)
     union {
         ConvBlock conv;
         ConcatBlock concat;
@@ -5422,6 +5429,7 @@ static Block *walk_block(Walk *w, BlockKind kind, int out_channels, int out_size
     memset(b, 0, sizeof *b);
     b->kind = kind;
     b->in = w->cur;
+    b->param_count = w->params->count;
     // its gradient: plan_block_gradients
     b->out = act_take(m, stored ? &m->acts : NULL, NULL, m->batch, out_size, out_size, out_channels);
     m->inner_grads.used = m->transient.used = 0;  // its inner activations start the shared regions
@@ -6374,7 +6382,9 @@ __global__ void add_rows_kernel(float *y, const floatX *bias, int N, int E) {
 
 // The forward pass on m->input (NHWC), m->timesteps and m->labels (and SuperResModel's
 // m->low_res, upsampled into the input's last channels first); the result is m->output.
-static void unet_forward(UNet *m, int training) {
+// before_block(ctx, i), when given, runs before block i's forward: training waits there for the
+// update of the block's parameters (trainer_wait_update).
+static void unet_forward_watched(UNet *m, int training, void (*before_block)(void *ctx, int block), void *ctx) {
     const ModelConfig *c = &m->config;
     int N = m->batch, D = 4 * c->model_channels;
     if (c->low_res) upsample_bilinear(m->input.x, m->input.C, c->in_channels, m->low_res.x, N, c->low_res, c->image_size, c->in_channels);
@@ -6394,8 +6404,13 @@ static void unet_forward(UNet *m, int training) {
             .d = m->embedding.out, .ldd = E, .d_fp32 = 1});
     add_rows_kernel<<<(N * E + 255) / 256, 256, 0, gpu.stream>>>(m->embedding.out, m->emb_all.b, N, E);
     cuda_check_launch();
-    for (int i = 0; i < m->num_blocks; i++) block_forward(m, &m->blocks[i], training);
+    for (int i = 0; i < m->num_blocks; i++) {
+        if (before_block) before_block(ctx, i);
+        block_forward(m, &m->blocks[i], training);
+    }
 }
+
+static void unet_forward(UNet *m, int training) { unet_forward_watched(m, training, NULL, NULL); }
 
 // The backward pass from m->output->dx: every parameter gradient into m->grad (when the model has
 // them), and m->input.dx (if m->input_gradient).
@@ -7729,8 +7744,11 @@ static int launch_gpus(int n, char **argv) {
 }
 
 // ----------------------------------------------------------------------------------------------
-// The trainer: one training step as a CUDA graph (batch copied in, noised, forward, loss,
-// backward, gradient norm, AdamW, EMA, results copied out), the schedule around it, checkpoints.
+// The trainer: one training step as a CUDA graph (the last step's AdamW and EMA beside the forward,
+// batch copied in, noised, forward, loss, backward, gradient norm, results copied out), the schedule
+// around it, checkpoints.
+
+#define MAX_UPDATE_CHUNKS 16  // trainer_plan_update's chunks: at most 14
 
 typedef struct {
     const Options *o;
@@ -7750,6 +7768,14 @@ typedef struct {
     float ema_rates[8];
     float *ema[8];         // [storage] fp32 each, GPU layout like master
     StepState *host_state, *state;  // pinned, GPU
+    // A step's parameter update runs in the next step, beside its forward (trainer_plan_update)
+    StepState *update_state;  // GPU: the decision (learning rate, gradient scale, finite) of the step whose update waits
+    int update_pending;       // a step ran since the last trainer_settle: its update waits for the next step
+    int update_chunks;
+    int64_t update_to[MAX_UPDATE_CHUNKS];  // chunk c updates the storage from update_to[c - 1] (0 for the first) to update_to[c]
+    int update_block[MAX_UPDATE_CHUNKS];   // the first block whose forward reads chunk c (num_blocks: none)
+    cudaEvent_t update_fork, update_done[MAX_UPDATE_CHUNKS];
+    int update_waited;        // while the step is captured: the chunks the main stream waits for so far
     double *norm_partial;
     int learned;           // the model learns its variance
     int classifier;        // the noisy classifier (--model classifier): its loss, on the labels
@@ -7778,9 +7804,85 @@ typedef struct {
     int bucket_block[MAX_SKIPS];
     int64_t bucket_from[MAX_SKIPS];
     int others_wait;       // rank 0 wrote a checkpoint or samples since the last step: the next may wait long
+                           // (on the other ranks: rank 0 itself comes to that step last, and waits as on any other)
     double slowest_wait;   // a team's longest wait on an ordinary step so far (seconds)
     int64_t step;          // steps completed
 } Trainer;
+
+// The parameters' update beside the next step's forward. AdamW with the EMAs is bound by memory
+// (38 bytes a parameter: 5.3 ms of adm128:16's step on an H100) and the forward mostly by its
+// products, so step k's update runs at the start of step k + 1 on the lowest-priority stream
+// (gpu.update), in chunks of the parameters in the order the forward reads them: block i's forward
+// waits only for the chunks up to the one holding its parameters, the backward for all of them.
+// The parameters lie in the forward's order (param_offsets: the emb_layers first, which the
+// forward's start reads with the time and class embeddings, then the rest in order), so chunk 0
+// runs to the end of the first block's parameters, and each later one holds about a twelfth of the
+// storage. The values are an update's at the end of the step: the same kernels on the same numbers,
+// with step k's decision (update_state, the step's state copied at its end). What reads the
+// parameters between steps (a checkpoint, samples, an evaluation, the weights' hash) applies the
+// pending update first (trainer_settle).
+static void trainer_plan_update(Trainer *tr) {
+    const UNet *m = &tr->m;
+    const ParamList *params = &m->params;
+    int64_t from = 0, chunk = (m->storage + 11) / 12;
+    int n = 0, first = -1;  // first: the first block that reads the open chunk
+    for (int i = 0; i < m->num_blocks; i++) {
+        int64_t needed = 0;  // the storage up to the end of the parameters walked up to block i, to the next one's start
+        for (int k = m->blocks[i].param_count - 1; k >= 0 && !needed; k--) {
+            const ParamSpec *p = &params->specs[k];
+            if (!is_emb_layer(p->name, "weight") && !is_emb_layer(p->name, "bias")) needed = p->offset + p->numel;
+        }
+        needed = (needed + 63) / 64 * 64 < m->storage ? (needed + 63) / 64 * 64 : m->storage;
+        if (needed > from && first < 0) first = i;
+        if (needed > from && (n == 0 || needed - from >= chunk)) tr->update_to[n] = from = needed, tr->update_block[n++] = first, first = -1;
+    }
+    if (from < m->storage) tr->update_to[n] = m->storage, tr->update_block[n++] = first >= 0 ? first : m->num_blocks;
+    tr->update_chunks = n;
+}
+
+// Step k's update of the storage [from, to) by its decision (update_state), on gpu.stream: AdamW
+// with the first EMA, then the others.
+static void trainer_update_range(Trainer *tr, int64_t from, int64_t to) {
+    UNet *m = &tr->m;
+    const Options *o = tr->o;
+    floatX *copy = (void *)m->compute == (void *)m->master ? NULL : m->compute + from;
+    adamw_step(m->master + from, copy, m->adam_m + from, m->adam_v + from, m->grad + from, to - from, tr->update_state, o->beta1,
+               o->beta2, o->adam_eps, o->weight_decay, tr->num_ema ? tr->ema[0] + from : NULL, tr->num_ema ? tr->ema_rates[0] : 0.0f);
+    for (int i = 1; i < tr->num_ema; i++)  // (the first: in AdamW's pass)
+        ema_kernel<<<blocks_for(to - from, 256), 256, 0, gpu.stream>>>(tr->ema[i] + from, m->master + from, to - from,
+                                                                        tr->ema_rates[i], tr->update_state);
+    cuda_check_launch();
+}
+
+// At a step's start: the last step's update, chunk by chunk on the update stream.
+static void trainer_enqueue_update(Trainer *tr) {
+    cuda_check(cudaEventRecord(tr->update_fork, gpu.main));
+    cuda_check(cudaStreamWaitEvent(gpu.update, tr->update_fork, 0));
+    gpu.stream = gpu.update;
+    for (int c = 0; c < tr->update_chunks; c++) {
+        trainer_update_range(tr, c ? tr->update_to[c - 1] : 0, tr->update_to[c]);
+        cuda_check(cudaEventRecord(tr->update_done[c], gpu.update));
+    }
+    gpu.stream = gpu.main;
+    tr->update_waited = 0;
+}
+
+// The main stream waits for the chunks that block `block`'s forward reads (unet_forward_watched's
+// before_block; INT_MAX: all of them).
+static void trainer_wait_update(void *ctx, int block) {
+    Trainer *tr = (Trainer *)ctx;
+    while (tr->update_waited < tr->update_chunks && tr->update_block[tr->update_waited] <= block)
+        cuda_check(cudaStreamWaitEvent(gpu.main, tr->update_done[tr->update_waited++], 0));
+}
+
+// Applies the pending update now, and marks it applied (the next step's chunks then change nothing).
+static void trainer_settle(Trainer *tr) {
+    if (!tr->update_pending) return;
+    trainer_update_range(tr, 0, tr->m.storage);
+    cuda_check(cudaMemsetAsync(&tr->update_state->finite, 0, sizeof(int), gpu.stream));
+    cuda_check(cudaStreamSynchronize(gpu.stream));
+    tr->update_pending = 0;
+}
 
 // Many GPUs: the gradients' all-reduce in buckets, each begun beside backward as soon as backward
 // has passed the blocks whose parameters it holds. The parameters lie in guided-diffusion's order
@@ -7872,6 +7974,11 @@ static void trainer_create(Trainer *tr, const Options *o, const ModelConfig *c, 
     cuda_check(cudaMallocHost((void **)&tr->host_state, sizeof(StepState)));
     memset(tr->host_state, 0, sizeof(StepState));
     tr->state = (StepState *)gpu_malloc(sizeof(StepState));
+    tr->update_state = (StepState *)gpu_malloc(sizeof(StepState));
+    cuda_check(cudaMemset(tr->update_state, 0, sizeof(StepState)));  // (not finite: nothing to update before step 1)
+    cuda_check(cudaEventCreateWithFlags(&tr->update_fork, cudaEventDisableTiming));
+    for (int c = 0; c < MAX_UPDATE_CHUNKS; c++) cuda_check(cudaEventCreateWithFlags(&tr->update_done[c], cudaEventDisableTiming));
+    trainer_plan_update(tr);
     tr->m.embedding.dropout_seed = &tr->state->noise_seed;  // dropout draws from the step's seed too
     tr->m.embedding.first_sample = (int64_t)team.rank * o->batch_size;
     cuda_check(cudaEventCreateWithFlags(&tr->done, cudaEventDisableTiming));
@@ -7957,6 +8064,7 @@ static void trainer_enqueue_step(Trainer *tr) {
     const Options *o = tr->o;
     int N = m->batch, B = o->batch_size;
     int64_t per_image = image_values(m) / N;
+    trainer_enqueue_update(tr);
     cuda_check(cudaMemcpyAsync(tr->state, tr->host_state, sizeof(StepState), cudaMemcpyHostToDevice, gpu.stream));
     team_max(&tr->state->stop, 1, gpu.stream);
     trainer_enqueue_images(tr, tr->pixels);
@@ -7967,7 +8075,11 @@ static void trainer_enqueue_step(Trainer *tr) {
         int64_t first = (int64_t)piece * N;
         float *weights = tr->sample_weights + first;
         trainer_enqueue_piece(tr, piece, tr->labels, tr->state);
-        unet_forward(m, 1);
+        if (piece == 0) {  // the first forward beside the last step's update
+            trainer_wait_update(tr, 0);
+            unet_forward_watched(m, 1, trainer_wait_update, tr);
+            trainer_wait_update(tr, INT_MAX);
+        } else unet_forward(m, 1);
         LossInputs inputs = {tr->d_pixels + first * per_image, m->input.x, tr->diffusion.terms, m->timesteps, T, weights, B, piece,
                              m->input.C};
         LossOutputs outputs = tr->loss;
@@ -7989,12 +8101,8 @@ static void trainer_enqueue_step(Trainer *tr) {
     team_average(tr->loss.terms, LOSS_TERMS, gpu.stream);
     grad_norm_partial_kernel<<<NORM_BLOCKS, 256, 0, gpu.stream>>>(tr->norm_partial, m->grad, m->storage);
     step_decide_kernel<<<1, 1024, 0, gpu.stream>>>(tr->state, tr->norm_partial, tr->loss.terms);
-    floatX *copy = (void *)m->compute == (void *)m->master ? NULL : m->compute;
-    adamw_step(m->master, copy, m->adam_m, m->adam_v, m->grad, m->storage, tr->state, o->beta1, o->beta2, o->adam_eps,
-               o->weight_decay, tr->num_ema ? tr->ema[0] : NULL, tr->num_ema ? tr->ema_rates[0] : 0.0f);
-    for (int i = 1; i < tr->num_ema; i++)  // (the first: in AdamW's pass)
-        ema_kernel<<<blocks_for(m->storage, 256), 256, 0, gpu.stream>>>(tr->ema[i], m->master, m->storage, tr->ema_rates[i], tr->state);
     cuda_check_launch();
+    cuda_check(cudaMemcpyAsync(tr->update_state, tr->state, sizeof(StepState), cudaMemcpyDeviceToDevice, gpu.stream));  // (the next step's update)
     cuda_check(cudaMemcpyAsync(tr->host_state, tr->state, sizeof(StepState), cudaMemcpyDeviceToHost, gpu.stream));
 }
 
@@ -8045,7 +8153,7 @@ static cudaGraphExec_t trainer_capture(Trainer *tr, void (*enqueue)(Trainer *)) 
     cuda_check(cudaStreamBeginCapture(gpu.stream, cudaStreamCaptureModeGlobal));
     enqueue(tr);
     cuda_check(cudaStreamEndCapture(gpu.stream, &graph));
-    cuda_check(cudaGraphInstantiate(&exec, graph, 0));
+    cuda_check(cudaGraphInstantiate(&exec, graph, cudaGraphInstantiateFlagUseNodePriority));  // (the update's low priority)
     cuda_check(cudaGraphDestroy(graph));
     return exec;
 }
@@ -8079,6 +8187,7 @@ static void trainer_step(Trainer *tr) {
         for (int i = 0; i < team.world * o->batch_size; i++)
             loss_history_add(&tr->history, (int)tr->gathered_host[2 * i], tr->gathered_host[2 * i + 1]);
     tr->step = step;
+    tr->update_pending = 1;
     tr->others_wait = 0;
 }
 
@@ -8091,6 +8200,7 @@ static const float *trainer_evaluate(Trainer *tr, DataLoader *val, int64_t index
     const Options *o = tr->o;
     uint64_t count = val->data.header.count, seen = (uint64_t)index * team.world * o->batch_size;
     char err[512];
+    trainer_settle(tr);
     if (loader_seek(val, {seen / count, seen % count}, err, sizeof err) != 0) fatal("%s", err);
     loader_next_batch(val);
     tr->eval_state_host->noise_seed = random_u64((uint64_t)o->seed, rng_stream(RNG_STEP_SEED, 1), (uint64_t)tr->step);
@@ -8936,6 +9046,7 @@ static int save_checkpoint(Trainer *tr, const char *run_dir, const LoaderPositio
                            char *err, size_t err_len) {
     const Options *o = tr->o;
     UNet *m = &tr->m;
+    trainer_settle(tr);
     Metadata meta = checkpoint_metadata(o, &tr->config, tr->step);
     StateHeader h;
     memset(&h, 0, sizeof h);
@@ -9672,6 +9783,7 @@ static void print_run_memory(const Options *o, const ModelConfig *c, int64_t fid
 static void ema_sampler_load(GpuSampler *sampler, Trainer *tr, int batch, uint64_t sub_stream) {
     const Options *o = tr->o;
     const ModelConfig *c = &tr->config;
+    trainer_settle(tr);
     if (!sampler->m.blocks) {
         SamplePlan plan;
         if (sample_plan_make(&plan, &tr->diffusion.schedule, SAMPLER_DDIM, o->sample_steps, NULL, 0.0f, prediction_from_name(o->predict), 1,
@@ -10180,7 +10292,7 @@ static void run_training(const Options *o, const ModelConfig *config, const Para
             double eval_start = now_seconds();
             if (lead) fid_evaluate(&fid, &tr);
             interval_start += now_seconds() - eval_start;  // the log's speed is the training's
-            tr.others_wait = 1;
+            tr.others_wait = !lead;
         }
         if (lead && (tr.step % o->log_interval == 0 || tr.step == o->steps)) {
             double t = now_seconds(), ms = 1000.0 * (t - interval_start) / fmax(interval_steps, 1);
@@ -10215,16 +10327,17 @@ static void run_training(const Options *o, const ModelConfig *config, const Para
         }
         if (o->sample_count && o->sample_interval && tr.step % o->sample_interval == 0 && tr.step < last) {
             if (lead) write_samples(&tr, &sampler, grid_originals, o->run_dir);
-            tr.others_wait = 1;
+            tr.others_wait = !lead;
         }
         if (tr.step % o->save_interval == 0 && tr.step < last) {
             if (lead) {
                 if (save_checkpoint(&tr, o->run_dir, &loader.position, saved, sizeof saved, err, sizeof err) != 0) fatal("%s", err);
                 printf("saved %s\n", saved);
             }
-            tr.others_wait = 1;
+            tr.others_wait = !lead;
         }
     }
+    trainer_settle(&tr);
     if (team.world > 1)
         fprintf(stderr, "train_unet rank %d: weights hash %016" PRIx64 " at step %lld\n", team.rank, weights_hash(&tr.m), (long long)tr.step);
     if (lead) {

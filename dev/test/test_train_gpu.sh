@@ -9,7 +9,7 @@
 # resumes exactly (its history in state.bin) and logs the loss per quarter of t; --microbatch trains as
 # the whole batch does (to rounding), --use_checkpoint as without it (to the byte); the noisy
 # classifier trains, evaluates on --val_data, resumes and recomputes to the byte; FID during
-# training (--eval_num) lands in log.csv.
+# training (--eval_num) lands in log.csv; a run saving every step equals one that does not.
 cd "$(dirname "$0")/../.." || exit 1
 . dev/test/lib.sh
 ./prepare_data --synthetic shapes --count 300 --size 32 --seed 5 --output "$TEST_TMP/s.bin" --quiet >/dev/null
@@ -36,6 +36,17 @@ done
 for run in a b; do  # the loss chart, drawn at each log interval (the resumed one from log.csv's rows too)
     grep -q 'id="loss-smoothed"' "$TEST_TMP/$run/loss.svg" && tail -c 16 "$TEST_TMP/$run/loss.svg" | grep -q '</svg>' ||
         case_fail "$run/loss.svg is missing or not a whole chart"
+done
+
+case_begin "a run that saves every step equals one that saves only at its end (the update beside the next forward)"
+# Each step's parameter update runs in the next step, beside its forward; a checkpoint applies it
+# first. Saving every step applies each update alone before the next step: a forward that read a
+# parameter before its update, or an update applied twice, would change every later loss.
+expect_ok train --steps 30 --save_interval 1 --keep 2 --run_dir "$TEST_TMP/every"
+cut -d, -f1-4 "$TEST_TMP/every/log.csv" >"$TEST_TMP/every.rows"
+cmp -s "$TEST_TMP/a.rows" "$TEST_TMP/every.rows" || { case_fail "logged losses differ:"; diff "$TEST_TMP/a.rows" "$TEST_TMP/every.rows" | head -6; }
+for f in model.safetensors ema.safetensors ema_0.999.safetensors state.bin; do
+    cmp -s "$TEST_TMP/a/checkpoints/step_000000030/$f" "$TEST_TMP/every/checkpoints/step_000000030/$f" || case_fail "$f differs"
 done
 
 case_begin "a learned variance (hybrid loss, and use_kl) trains, resumes exactly, logs mse and vb, and samples with DDPM"

@@ -211,10 +211,14 @@ cmp -s <(rows "$TEST_TMP/two") <(rows "$TEST_TMP/node0/run") || case_fail "the l
 [ "$(cat "$TEST_TMP"/node[01]/err | grep "weights hash" | awk '{print $6}' | sort -u | wc -l)" = 1 ] || case_fail "the ranks' weights differ"
 [ -e "$TEST_TMP/node1/run" ] && case_fail "node 1's rank wrote a run folder"
 
+# A rank that dies stops the others within the step's wait (30 s here): deterministic where no rank
+# waits for rank 0's checkpoint (the step after one: 30 minutes, for a large model's files). So rank
+# 0, which saves, survives rank 1 and resumes from its last checkpoint; rank 1 survives rank 0 in a
+# run that saves only at its end.
 for victim in 1 0; do
     survivor=$((1 - victim))
-    case_begin "two nodes over TCP: rank $victim killed mid-run, rank $survivor stops within 60 s with one line, the last checkpoint resumes"
-    start_nodes "killed$victim" "$(free_port)" --batch_size 8 --steps 1000000 --save_interval 10
+    case_begin "two nodes over TCP: rank $victim killed mid-run, rank $survivor stops within 60 s with one line$([ $victim = 1 ] && echo ", the last checkpoint resumes")"
+    start_nodes "killed$victim" "$(free_port)" --batch_size 8 --steps 1000000 --save_interval $([ $victim = 1 ] && echo 10 || echo 1000000)
     wait_for "$TEST_TMP/killed${victim}0/out" "^step 20/" || case_fail "no step 20 in 300 s"
     kill -9 "${nodes[$victim]}"
     start=$(date +%s)
@@ -225,8 +229,10 @@ for victim in 1 0; do
     [ $took -le 60 ] || case_fail "it took $took s to stop"
     expect_grep "^train_unet rank $survivor: error: step [0-9]+ has not finished after [0-9]+ s: another rank" "$TEST_TMP/killed$victim$survivor/err"
     [ "$(grep -c error "$TEST_TMP/killed$victim$survivor/err")" = 1 ] || case_fail "rank $survivor printed more than one error line"
-    expect_ok train --batch_size 16 --steps 40 --run_dir "$TEST_TMP/killed${victim}0/run" --resume_checkpoint latest
-    expect_grep "^resumed from .*step_0000000[0-9]0 at step [0-9]+0$" "$LAST_OUT"
+    if [ $victim = 1 ]; then
+        expect_ok train --batch_size 16 --steps 40 --run_dir "$TEST_TMP/killed10/run" --resume_checkpoint latest
+        expect_grep "^resumed from .*step_0000000[0-9]0 at step [0-9]+0$" "$LAST_OUT"
+    fi
 done
 
 case_begin "--gpus 2: Ctrl-C (SIGINT to the launcher) stops both ranks after one step, saves a checkpoint, exits 0"
