@@ -149,7 +149,7 @@ NVCC_ASAN := -Xcompiler -fsanitize=address,-fsanitize=undefined,-fno-omit-frame-
 TESTS_CPU := build/test/test_dataset build/test/test_safetensors build/test/test_shapes build/test/test_dataloader build/test/train_unet_asan \
              build/test/test_reference build/test/test_unet_fixtures build/test/test_checkpoint build/test/test_conv_plan \
              build/test/test_sampler build/test/test_sampler_fixture build/test/test_loss_plot build/test/test_model_inference \
-             build/test/test_metrics build/test/test_inception build/test/test_rendezvous
+             build/test/test_metrics build/test/test_inception build/test/test_rendezvous build/test/test_update_plan
 TESTS_GPU := build/test/test_dataloader_gpu build/test/test_unet_gpu_fp32 build/test/test_unet_gpu_bf16 \
              build/test/test_unet_gpu_reference_fp32 build/test/test_unet_gpu_reference_bf16 \
              build/test/test_sampler_gpu_fp32 build/test/test_sampler_gpu_bf16 \
@@ -189,8 +189,8 @@ build/test/test_sampler: dev/test/test_sampler.c sampler.h random.h png.h dev/te
 	$(CC) $(CFLAGS) $(ASAN) $(STB_CFLAGS) -o $@ $< $(STB_LIBS)
 
 build/test/test_checkpoint build/test/test_sampler_fixture build/test/test_conv_plan build/test/test_model_inference \
-        build/test/test_inception build/test/test_rendezvous: build/test/%: dev/test/%.cu train_unet.cu $(TRAINER_HEADERS) \
-        dev/test/check.h build/precision
+        build/test/test_inception build/test/test_rendezvous build/test/test_update_plan: build/test/%: dev/test/%.cu \
+        train_unet.cu $(TRAINER_HEADERS) dev/test/check.h build/precision
 	@mkdir -p build/test
 	$(NVCC) $(NVCC_HOST_TESTS) -o $@ $< $(CUDA_LIBS)
 

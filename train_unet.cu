@@ -7824,20 +7824,23 @@ typedef struct {
 static void trainer_plan_update(Trainer *tr) {
     const UNet *m = &tr->m;
     const ParamList *params = &m->params;
-    int64_t from = 0, chunk = (m->storage + 11) / 12;
-    int n = 0, first = -1;  // first: the first block that reads the open chunk
+    int64_t from = 0, chunk = (m->storage + 11) / 12, end = 0;  // end: of the parameters walked so far
+    int n = 0, first = -1, k = 0;  // first: the first block that reads the open chunk
     for (int i = 0; i < m->num_blocks; i++) {
-        int64_t needed = 0;  // the storage up to the end of the parameters walked up to block i, to the next one's start
-        for (int k = m->blocks[i].param_count - 1; k >= 0 && !needed; k--) {
-            const ParamSpec *p = &params->specs[k];
-            if (!is_emb_layer(p->name, "weight") && !is_emb_layer(p->name, "bias")) needed = p->offset + p->numel;
+        for (; k < m->blocks[i].param_count; k++) {
+            int64_t to = params->specs[k].offset + params->specs[k].numel;
+            if (to > end) end = to;
         }
-        needed = (needed + 63) / 64 * 64 < m->storage ? (needed + 63) / 64 * 64 : m->storage;
+        int64_t needed = (end + 63) / 64 * 64 < m->storage ? (end + 63) / 64 * 64 : m->storage;  // block i's forward reads up to here
         if (needed > from && first < 0) first = i;
         if (needed > from && (n == 0 || needed - from >= chunk)) tr->update_to[n] = from = needed, tr->update_block[n++] = first, first = -1;
     }
     if (from < m->storage) tr->update_to[n] = m->storage, tr->update_block[n++] = first >= 0 ? first : m->num_blocks;
     tr->update_chunks = n;
+    for (k = 0; k < params->count; k++)  // the forward's start reads every block's emb_layers: chunk 0 must hold them
+        if ((is_emb_layer(params->specs[k].name, "weight") || is_emb_layer(params->specs[k].name, "bias")) &&
+            params->specs[k].offset + params->specs[k].numel > tr->update_to[0])
+            fatal("internal: %s lies past the update's first chunk", params->specs[k].name);
 }
 
 // Step k's update of the storage [from, to) by its decision (update_state), on gpu.stream: AdamW

@@ -12,7 +12,7 @@ cpu_tests=(build/test/test_dataset build/test/test_safetensors build/test/test_s
            dev/test/test_cli.sh
            build/test/test_reference build/test/test_unet_fixtures build/test/test_checkpoint build/test/test_conv_plan
            build/test/test_sampler build/test/test_sampler_fixture build/test/test_loss_plot build/test/test_metrics
-           build/test/test_inception dev/test/test_evaluate.sh build/test/test_rendezvous
+           build/test/test_inception dev/test/test_evaluate.sh build/test/test_rendezvous build/test/test_update_plan
            scripts/test_unet_safetensors.py)
 gpu_tests=(build/test/test_dataloader_gpu build/test/test_unet_gpu_fp32 build/test/test_unet_gpu_bf16
            build/test/test_unet_gpu_reference_fp32 build/test/test_unet_gpu_reference_bf16
