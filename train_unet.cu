@@ -280,7 +280,8 @@ static void gpu_init(int device) {
     cuda_check(cudaSetDevice(device));
     cuda_check(cudaDeviceGetAttribute(&gpu.num_sms, cudaDevAttrMultiProcessorCount, device));
     // The model's work at the highest priority, the update beside it at the lowest: its blocks take
-    // what the model's kernels leave of the GPU (graphs keep the priorities they were captured with).
+    // what the model's kernels leave of the GPU (a graph keeps the priorities its kernels were
+    // captured with when instantiated with cudaGraphInstantiateFlagUseNodePriority: trainer_capture).
     int lowest, highest;
     cuda_check(cudaDeviceGetStreamPriorityRange(&lowest, &highest));
     cuda_check(cudaStreamCreateWithPriority(&gpu.main, cudaStreamDefault, highest));
@@ -4214,7 +4215,7 @@ typedef struct {
     float mse, vb;         // the loss's terms: the prediction's MSE, the variational bound's term (0 without)
     float quarter_loss[4], quarter_count[4];  // per quarter of t: the sum of the samples' weighted losses, their count
     float terms[19];       // the loss's terms as LossOutputs.terms holds them (a classifier's log reads them)
-    int finite;            // loss and gradients finite: parameters and EMA updated
+    int finite;            // loss and gradients finite: parameters and EMA updated (in the next step: trainer_plan_update)
 } StepState;
 
 // One parameter's update (the math above), in place.
@@ -7649,7 +7650,9 @@ static void team_join(const char *run_dir, const char *rdzv, int timeout_s, cons
     }
     nccl_check(ncclCommInitRank(&team.comm, team.world, id, team.rank));
     if (team.rank == 0 && !rdzv[0]) unlink(path);
-    cuda_check(cudaStreamCreate(&team.stream));
+    int lowest, highest;  // (the all-reduces at the model's priority, above the update's: gpu_init)
+    cuda_check(cudaDeviceGetStreamPriorityRange(&lowest, &highest));
+    cuda_check(cudaStreamCreateWithPriority(&team.stream, cudaStreamDefault, highest));
     cuda_check(cudaEventCreateWithFlags(&team.fork, cudaEventDisableTiming));
     cuda_check(cudaEventCreateWithFlags(&team.join, cudaEventDisableTiming));
 #endif
@@ -7748,7 +7751,7 @@ static int launch_gpus(int n, char **argv) {
 // batch copied in, noised, forward, loss, backward, gradient norm, results copied out), the schedule
 // around it, checkpoints.
 
-#define MAX_UPDATE_CHUNKS 16  // trainer_plan_update's chunks: at most 14
+#define MAX_UPDATE_CHUNKS 16  // trainer_plan_update's chunks: at most 13 (the first, 11 of a twelfth, the rest)
 
 typedef struct {
     const Options *o;
@@ -7816,8 +7819,8 @@ typedef struct {
 // waits only for the chunks up to the one holding its parameters, the backward for all of them.
 // The parameters lie in the forward's order (param_offsets: the emb_layers first, which the
 // forward's start reads with the time and class embeddings, then the rest in order), so chunk 0
-// runs to the end of the first block's parameters, and each later one holds about a twelfth of the
-// storage. The values are an update's at the end of the step: the same kernels on the same numbers,
+// runs to the end of the first block's parameters, and each later one at least a twelfth of the
+// storage (the last: what is left). The values are an update's at the end of the step: the same kernels on the same numbers,
 // with step k's decision (update_state, the step's state copied at its end). What reads the
 // parameters between steps (a checkpoint, samples, an evaluation, the weights' hash) applies the
 // pending update first (trainer_settle).
@@ -7834,6 +7837,7 @@ static void trainer_plan_update(Trainer *tr) {
         int64_t needed = (end + 63) / 64 * 64 < m->storage ? (end + 63) / 64 * 64 : m->storage;  // block i's forward reads up to here
         if (needed > from && first < 0) first = i;
         if (needed > from && (n == 0 || needed - from >= chunk)) tr->update_to[n] = from = needed, tr->update_block[n++] = first, first = -1;
+        if (n == MAX_UPDATE_CHUNKS) fatal("internal: the update's plan needs more than %d chunks", MAX_UPDATE_CHUNKS);
     }
     if (from < m->storage) tr->update_to[n] = m->storage, tr->update_block[n++] = first >= 0 ? first : m->num_blocks;
     tr->update_chunks = n;
