@@ -684,8 +684,8 @@ __device__ __forceinline__ void conv_cp_async_wait() { asm volatile("cp.async.wa
 
 static int conv_out_size(int size, int k, int stride) { return (size + 2 * (k / 2) - k) / stride + 1; }
 
-// The weight gradient's tile, BM x BN over (C_out, 9 C_in), two blocks of it on each multiprocessor
-// at once (CONV_PLAN_BLOCKS_PER_SM), and its slices of the pixel sum. The slices are planned for a
+// The weight gradient's tile, BM x BN over (C_out, 9 C_in), and how many blocks of it share a
+// multiprocessor (128 x 256: one; the others two), and its slices of the pixel sum. The slices are planned for a
 // GPU of CONV_PLAN_SMS multiprocessors (an H100's or H200's 132; a constant, so that the plan needs
 // no GPU and the sums come out the same on every GPU): the count, of slices of at least 4 CONV_SLICE_STEPs of pixels, that
 // minimises a model of the time,
@@ -695,27 +695,30 @@ static int conv_out_size(int size, int k, int stride) { return (size + 2 * (k / 
 // H100's, measured (dev/NOTES.md, 2026-11-24).
 #define CONV_SLICE_STEP 64             // pixels: a multiple of every tile's k step
 #define CONV_PLAN_SMS 132
-#define CONV_PLAN_BLOCKS_PER_SM 2
-#define CONV_PLAN_STEP_US 1.0          // one multiprocessor's k step over 128 x 256 outputs (two 128 x 128 blocks)
+#define CONV_PLAN_STEP_US 1.0          // one multiprocessor's k step over 128 x 256 outputs
 #define CONV_PLAN_SCRATCH_BYTES_PER_US 2.5e6
 
-// 128-row tiles, or 64-row ones where 128-row ones would leave a quarter of their rows or more
-// empty (C_out = 64, 96, 192: 192 in 64-row tiles ran 1.05-1.15x, H100, dev/NOTES.md 2026-11-24 (g)).
-static void conv_weight_grad_tile(int C_in, int C_out, int *BM, int *BN) {
+// 128 x 256 tiles (conv3x3_tma_kernel's; the kernels without the TMA run them as two 128 x 128 tiles,
+// with the same slices), or 64-row ones where 128-row ones would leave a quarter of their rows or
+// more empty (C_out = 64, 96, 192: 192 in 64-row tiles ran 1.05-1.15x, H100, dev/NOTES.md 2026-11-24
+// (g)). 128 x 256 against two 128 x 128 blocks a multiprocessor: adm128:16's weight gradients 14.5 ->
+// 11.7 ms (H100, dev/NOTES.md 2026-11-27 qq).
+static void conv_weight_grad_tile(int C_in, int C_out, int *BM, int *BN, int *blocks_per_sm) {
     int padded = (C_out + 127) / 128 * 128;
     if (C_out <= 32) *BM = 32, *BN = 128;
     else if (9 * C_in <= 32) *BM = 128, *BN = 32;
-    else if (4 * (padded - C_out) < padded) *BM = 128, *BN = 128;
+    else if (4 * (padded - C_out) < padded) *BM = 128, *BN = 256;
     else *BM = 64, *BN = 128;  // two of them: 1.07-1.24x of one 64 x 256 block per multiprocessor (H100)
+    if (blocks_per_sm) *blocks_per_sm = *BN == 256 ? 1 : 2;
 }
 
 static int conv3x3_weight_grad_slices(int N, int H, int W, int C_in, int C_out, int stride, int *pixels_per_slice) {
-    int BM, BN;
-    conv_weight_grad_tile(C_in, C_out, &BM, &BN);
+    int BM, BN, per_sm;
+    conv_weight_grad_tile(C_in, C_out, &BM, &BN, &per_sm);
     int64_t pixels = (int64_t)N * conv_out_size(H, 3, stride) * conv_out_size(W, 3, stride);
     int steps = (int)((pixels + CONV_SLICE_STEP - 1) / CONV_SLICE_STEP);
-    int tiles = ((C_out + BM - 1) / BM) * ((9 * C_in + BN - 1) / BN), at_once = CONV_PLAN_SMS * CONV_PLAN_BLOCKS_PER_SM;
-    double step_us = CONV_PLAN_STEP_US * BM * BN * CONV_PLAN_BLOCKS_PER_SM / (128 * 256);
+    int tiles = ((C_out + BM - 1) / BM) * ((9 * C_in + BN - 1) / BN), at_once = CONV_PLAN_SMS * per_sm;
+    double step_us = CONV_PLAN_STEP_US * BM * BN * per_sm / (128 * 256);
     double slice_us = 8.0 * C_out * 9 * C_in / CONV_PLAN_SCRATCH_BYTES_PER_US;
     int best_per = steps;
     double best_us = INFINITY;
@@ -871,7 +874,7 @@ static bool conv_family_takes(int f, const ConvProblem *q, const ConvTarget *t, 
                           : (int64_t)q->N * q->H * q->W;
     const bool hopper = t->sm90a && q->vec_a && q->vec_b;
     int wgrad_BM, wgrad_BN;
-    conv_weight_grad_tile(q->C_in, q->C_out, &wgrad_BM, &wgrad_BN);
+    conv_weight_grad_tile(q->C_in, q->C_out, &wgrad_BM, &wgrad_BN, NULL);
     switch (f) {
     case CONV_IMAGE:  // (shared memory: 42 KB at most)
         return fwd && q->C_in == CONV_IMAGE_CHANNELS && q->stride == 1 && q->C_out % 64 == 0 && q->C_out <= 256 && !q->residual &&
@@ -898,7 +901,8 @@ static bool conv_family_takes(int f, const ConvProblem *q, const ConvTarget *t, 
     case CONV_WGMMA:
         if (wgrad) {  // 32-wide tiles run on mma.sync
             if (!hopper || q->H >= 32768 || q->W >= 32768 || wgrad_BM == 32 || wgrad_BN == 32) return false;
-            plan->BM = wgrad_BM, plan->BN = 128, plan->tma = conv_tma_takes(q, t);
+            plan->BM = wgrad_BM, plan->tma = conv_tma_takes(q, t);
+            plan->BN = plan->tma ? wgrad_BN : 128;
             return true;
         }
         // 128 x 64 tiles for a product 64 wide, else the width of 128, 192 (forward only: its B tile is
@@ -912,9 +916,10 @@ static bool conv_family_takes(int f, const ConvProblem *q, const ConvTarget *t, 
         if (Ng > 64 && (M + 127) / 128 * ((Ng + plan->BN - 1) / plan->BN) < t->sms) plan->BN = 128;
         return true;
     case CONV_MMA:
-        if (wgrad) {  // the weight gradient's tile, a 64-row one as two blocks of 64 x 256
+        if (wgrad) {  // the weight gradient's tile, a 64-row one as two blocks of 64 x 256, a 128 x 256 one as 128 x 128
             plan->BM = wgrad_BM, plan->BN = wgrad_BN;
             if (wgrad_BM == 64) plan->BN = 256;
+            else if (wgrad_BM == 128 && wgrad_BN == 256) plan->BN = 128;
         } else {  // 128 x 128 is the fastest, also where its last column of tiles is partly empty (Ng = 192), except at Ng = 64
             plan->BM = Ng > 32 && Ng <= 64 ? 256 : 128;
             plan->BN = Ng <= 32 ? 32 : Ng <= 64 ? 64 : 128;
@@ -2693,7 +2698,7 @@ static int conv_run(const ConvPlan *plan, const ConvGemm &p, bool vec_a, bool ve
         break;
     case CONV_WGMMA:
         if constexpr (OP == CONV_WEIGHT_GRAD) {
-            if (plan->tma && BM == 128) conv_launch_tma<OP, 128, 128>(p, plan->slices);
+            if (plan->tma && BM == 128) conv_launch_tma<OP, 128, 256>(p, plan->slices);
             else if (plan->tma) conv_launch_tma<OP, 64, 128>(p, plan->slices);
             else if (BM == 128) conv_launch_wgmma<OP, 128, 128>(p, plan->slices);
             else conv_launch_wgmma<OP, 64, 128>(p, plan->slices);

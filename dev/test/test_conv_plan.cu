@@ -100,6 +100,16 @@ int main(void) {
     ConvPlan wg = conv_plan(&wgrad, &hopper, -1);
     int per, slices = conv3x3_weight_grad_slices(32, 64, 64, 64, 64, 1, &per);
     CHECK(wg.family == CONV_WGMMA && wg.tma && wg.slices == slices && wg.k_per_slice == per && slices > 1);
+    // 128 x 256 weight-gradient tiles through the TMA; without it (and on mma.sync) as 128 x 128, the slices the same
+    ConvProblem wide_wgrad = conv_layer_problem(CONV_WEIGHT_GRAD, 16, 128, 256, 256, 1);
+    ConvTarget no_tma = hopper;
+    no_tma.tma = false;
+    ConvPlan wide_tma = conv_plan(&wide_wgrad, &hopper, -1), wide_gathered = conv_plan(&wide_wgrad, &no_tma, -1);
+    ConvPlan wide_mma = conv_plan(&wide_wgrad, &ampere, -1);
+    CHECK(wide_tma.family == CONV_WGMMA && wide_tma.tma && wide_tma.BM == 128 && wide_tma.BN == 256);
+    CHECK(wide_gathered.family == CONV_WGMMA && !wide_gathered.tma && wide_gathered.BN == 128 && wide_mma.family == CONV_MMA &&
+          wide_mma.BN == 128);
+    CHECK(wide_tma.slices == wide_gathered.slices && wide_tma.slices == wide_mma.slices && wide_tma.slices > 1);
     ConvProblem small = conv_layer_problem(CONV_FORWARD, 32, 8, 256, 256, 1);  // seed's 8x8 level: split along k
     ConvPlan split = conv_plan(&small, &hopper, -1);
     CHECK(split.family == CONV_SPLIT && split.slices >= CONV_SPLIT_MIN && split.slices <= CONV_SPLIT_MAX);
