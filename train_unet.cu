@@ -919,7 +919,7 @@ static bool conv_family_takes(int f, const ConvProblem *q, const ConvTarget *t, 
         if (wgrad) {  // the weight gradient's tile, a 64-row one as two blocks of 64 x 256, a 128 x 256 one as 128 x 128
             plan->BM = wgrad_BM, plan->BN = wgrad_BN;
             if (wgrad_BM == 64) plan->BN = 256;
-            else if (wgrad_BM == 128 && wgrad_BN == 256) plan->BN = 128;
+            else if (wgrad_BN == 256) plan->BN = 128;
         } else {  // 128 x 128 is the fastest, also where its last column of tiles is partly empty (Ng = 192), except at Ng = 64
             plan->BM = Ng > 32 && Ng <= 64 ? 256 : 128;
             plan->BN = Ng <= 32 ? 32 : Ng <= 64 ? 64 : 128;
