@@ -688,12 +688,14 @@ static int conv_out_size(int size, int k, int stride) { return (size + 2 * (k / 
 // multiprocessor (128 x 256: one; the others two), and its slices of the pixel sum. The slices are planned for a
 // GPU of CONV_PLAN_SMS multiprocessors (an H100's or H200's 132; a constant, so that the plan needs
 // no GPU and the sums come out the same on every GPU): the count, of slices of at least 4 CONV_SLICE_STEPs of pixels, that
-// minimises a model of the time,
+// minimises a model of the time (for at most 8 output channels, the narrow kernel's: whole strips of
+// CONV_NARROW_ROW pixels, about three blocks of 64 channels a multiprocessor),
 //   waves x steps per slice x step time  +  the slices' round trip through scratch (written, then added),
 // waves = ceil(tiles x slices / blocks at once). A last wave that leaves most multiprocessors idle
 // costs as much as a full one, so the block count is fitted to whole waves. The two constants are an
 // H100's, measured (dev/NOTES.md, 2026-11-24).
 #define CONV_SLICE_STEP 64             // pixels: a multiple of every tile's k step
+#define CONV_NARROW_ROW 128            // the narrow kernels' strips of pixels (input and weight gradients)
 #define CONV_PLAN_SMS 132
 #define CONV_PLAN_STEP_US 1.0          // one multiprocessor's k step over 128 x 256 outputs
 #define CONV_PLAN_SCRATCH_BYTES_PER_US 2.5e6
@@ -717,6 +719,12 @@ static int conv3x3_weight_grad_slices(int N, int H, int W, int C_in, int C_out, 
     conv_weight_grad_tile(C_in, C_out, &BM, &BN, &per_sm);
     int64_t pixels = (int64_t)N * conv_out_size(H, 3, stride) * conv_out_size(W, 3, stride);
     int steps = (int)((pixels + CONV_SLICE_STEP - 1) / CONV_SLICE_STEP);
+    if (C_out <= 8 && stride == 1) {  // the narrow kernel's: whole strips, three blocks of 64 channels a multiprocessor
+        int chunks = (C_in + 63) / 64, want = (3 * CONV_PLAN_SMS + chunks - 1) / chunks;
+        int strips = (int)((pixels + CONV_NARROW_ROW - 1) / CONV_NARROW_ROW), per = (strips + want - 1) / want;
+        if (pixels_per_slice) *pixels_per_slice = per * CONV_NARROW_ROW;
+        return (strips + per - 1) / per;
+    }
     int tiles = ((C_out + BM - 1) / BM) * ((9 * C_in + BN - 1) / BN), at_once = CONV_PLAN_SMS * per_sm;
     double step_us = CONV_PLAN_STEP_US * BM * BN * per_sm / (128 * 256);
     double slice_us = 8.0 * C_out * 9 * C_in / CONV_PLAN_SCRATCH_BYTES_PER_US;
@@ -787,9 +795,9 @@ static int64_t conv3x3_split_scratch_floats(int op, int N, int H, int W, int C_i
 // family's rule, what it takes, is its case in conv_family_takes):
 //   family   products       why it exists                                    measured gain (H100; dev/NOTES.md)
 //   image    forward        3 input channels: too few for 16-byte loads     input conv 0.206 -> 0.078 ms (2026-11-25 j)
-//   narrow   fwd, dgrad     at most 8 output channels: the input halo read   output head 0.320 -> 0.088 ms (2026-11-25 j);
-//                           once, every tap from shared memory; dgrad on     dgrad 1.023 -> 0.643 ms at adm256:8 (11-26 u)
-//                           CUDA cores
+//   narrow   all three      at most 8 output channels (the output head):     output head 0.320 -> 0.088 ms (2026-11-25 j);
+//                           the input halo read once, every tap from shared  dgrad 0.640 -> 0.317 ms, wgrad 0.919 -> 0.210
+//                           memory; the gradients as short mma.sync products at adm256:8 (2026-11-27 rr)
 //   halo     fwd, dgrad     each input element read into shared memory about training 1.34x / 1.37x -> 1.47x / 1.45x of
 //            (k <= 9 x 256) once instead of once a tap                       compiled PyTorch, seed:32 / seed:128 (11-24 e)
 //   split    fwd, dgrad     grids of at most half a wave: k in 4-8 slices    seed:32 11.128 -> 10.710 ms (2026-11-24 f)
@@ -879,10 +887,15 @@ static bool conv_family_takes(int f, const ConvProblem *q, const ConvTarget *t, 
     case CONV_IMAGE:  // (shared memory: 42 KB at most)
         return fwd && q->C_in == CONV_IMAGE_CHANNELS && q->stride == 1 && q->C_out % 64 == 0 && q->C_out <= 256 && !q->residual &&
                q->bias && q->out_aligned;
-    case CONV_NARROW:  // (the input gradient: dx stored 16 bytes at a time)
-        if (wgrad || q->C_out > 8 || q->stride != 1) return false;
+    case CONV_NARROW: {  // (the input gradient: dx stored 16 bytes at a time; the weight gradient: x read in 16-byte
+                         // chunks, in strips of CONV_NARROW_ROW pixels inside one image, whole strips a slice)
+        if (q->C_out > 8 || q->stride != 1) return false;
         if (fwd) return q->C_in % 64 == 0 && q->C_in <= 512 && q->vec_a && !q->residual && q->bias;
-        return q->C_in % 64 == 0 && q->vec_store;
+        if (!wgrad) return q->C_in % 64 == 0 && q->vec_store;
+        uint32_t cols, rows, imgs;
+        return q->C_in % 64 == 0 && q->vec_b && conv_pixel_box(q->H, q->W, CONV_NARROW_ROW, &cols, &rows, &imgs) && imgs == 1 &&
+               plan->k_per_slice % CONV_NARROW_ROW == 0;
+    }
     case CONV_HALO:  // (a pixel's channels stored 16 bytes at a time; k of at most 9 x 256: wgmma's tiles are faster on
                      // longer ones, 1.03-1.20x at 512-1024 channels, H200, dev/NOTES.md 2026-11-26 v)
         if (wgrad || !hopper || q->stride != 1 || q->W % 64 != 0 || q->C_in % 64 != 0 || q->C_out % 64 != 0 || !q->pair_store ||
@@ -2564,65 +2577,210 @@ static void conv_launch_narrow(const ConvGemm &p) {
     cuda_check_launch();
 }
 
-// The output head's input gradient on CUDA cores: with CO <= 8 output channels a value is a sum of
-// only 9 CO products, and mma's 128x128 tiles over k = 9 CO ran it at 0.33-0.38x of cuDNN; this runs
-// it 1.5-1.6x faster than they did (H200, dev/NOTES.md 2026-11-26 u). CO is a compile-time bound (3,
-// 6 or 8); channels past C_out are zero in shared memory.
-#define CONV_NARROW_ROW 128  // pixels of one image row a block takes
-
+// The output head's input gradient: with at most 8 output channels a value is a sum of only 9 C_out
+// products, too short a k for the other kernels' tiles (mma's 128 x 128 tiles over k = 9 C_out ran it
+// at 0.33-0.38x of cuDNN; a kernel of fp32 products on the CUDA cores, 1.5-1.6x faster, was bound by its
+// shared-memory reads: dev/NOTES.md 2026-11-26 u and 2026-11-27 rr). Here on the tensor cores, with k
+// laid out as 8 tap + co (co padded to 8, k to 80: five k16 steps, zeros past the weights):
 //   dx[n][h][w][ci] (+)= sum_{kh, kw, co} dy[n][h + 1 - kh][w + 1 - kw][co] w[co][kh][kw][ci]
-// A block takes CONV_NARROW_ROW pixels of one row and 64 channels: dy's three rows around them (zero
-// outside the image) and the 64 channels' weights to shared memory in fp32; a thread takes 4 pixels x
-// 8 channels (a 16-byte store each). dys[r][j] is dy at row h - 1 + r, column w0 - 1 + j.
-template <int CO>
-__global__ void __launch_bounds__(CONV_THREADS) conv3x3_narrow_input_grad_kernel(ConvGemm p) {
-    __shared__ float dys[3][CONV_NARROW_ROW + 2][CO];
-    __shared__ float4 ws[9][CO][16];  // [tap][co][the 64 channels as 16 float4]
-    const int tiles_w = (p.W + CONV_NARROW_ROW - 1) / CONV_NARROW_ROW, tile = blockIdx.x;
-    const int n = tile / (p.H * tiles_w), h = tile / tiles_w % p.H, w0 = tile % tiles_w * CONV_NARROW_ROW, c0 = blockIdx.y * 64;
-    for (int i = threadIdx.x; i < 3 * (CONV_NARROW_ROW + 2) * CO; i += CONV_THREADS) {
-        int co = i % CO, j = i / CO % (CONV_NARROW_ROW + 2), r = i / CO / (CONV_NARROW_ROW + 2), hh = h - 1 + r, ww = w0 - 1 + j;
-        bool inside = co < p.C_out && hh >= 0 && hh < p.H && ww >= 0 && ww < p.W;
-        dys[r][j][co] = inside ? (float)p.dy[((int64_t)(n * p.H + hh) * p.W + ww) * p.lddy + co] : 0.0f;
+//   A[px][8 tap + co] = dys[2 - kh][px + 2 - kw][co],   B[8 tap + co][ci] = ws[ci][8 tap + co]
+// A block takes 64 channels (blockIdx.y) and their weights to shared memory once, then strips of
+// CONV_NARROW_ROW pixels of one row (blockIdx.x, + gridDim.x, ...): each strip's dy, its three rows
+// around them (zero outside the image; dys[r][j] is dy at row h - 1 + r, column w0 - 1 + j), is read
+// into registers while the strip before it is multiplied, then written to shared memory (two
+// buffers). Warp i takes pixels 16 i .. 16 i + 15 as mma.sync m16n8k16 products, 8 channels a
+// product; an A fragment's word (pixel, co pair 2 (lane % 4) of tap 2 s or 2 s + 1) is one 32-bit load.
+#define CONV_NARROW_TAPS 80  // k: 9 taps x 8 channels, padded to five k16 steps
+#define CONV_NARROW_LDW 88   // a channel's k in shared memory, padded: conflict-free B fragment loads
+#define CONV_NARROW_DY (3 * (CONV_NARROW_ROW + 2) * 4)                            // a strip's dy, in pairs of channels
+#define CONV_NARROW_FETCH ((CONV_NARROW_DY + CONV_THREADS - 1) / CONV_THREADS)  // of them a thread reads
+
+// dy's channels co, co + 1 at `pixel` (NULL: outside the image) as one word of two bf16, zero past C_out.
+__device__ __forceinline__ uint32_t conv_narrow_pair(const ConvGemm &p, const floatX *pixel, int co) {
+    const floatX zero = __float2bfloat16(0.0f);
+    __nv_bfloat162 v = __halves2bfloat162(pixel && co < p.C_out ? pixel[co] : zero, pixel && co + 1 < p.C_out ? pixel[co + 1] : zero);
+    return *(const uint32_t *)&v;
+}
+
+__global__ void __launch_bounds__(CONV_THREADS, 3) conv3x3_narrow_input_grad_kernel(ConvGemm p) {
+    static_assert(CONV_THREADS / 32 * 16 == CONV_NARROW_ROW, "16 pixels a warp");
+    __shared__ __align__(16) floatX dys[2][3][CONV_NARROW_ROW + 2][8];
+    __shared__ __align__(16) floatX ws[64][CONV_NARROW_LDW];
+    const int tiles_w = (p.W + CONV_NARROW_ROW - 1) / CONV_NARROW_ROW, strips = p.N * p.H * tiles_w, c0 = blockIdx.y * 64;
+    const floatX zero = __float2bfloat16(0.0f);
+    for (int i = threadIdx.x; i < 64 * CONV_NARROW_TAPS; i += CONV_THREADS) {
+        int c = i % 64, k = i / 64, tap = k / 8, co = k % 8;
+        ws[c][k] = tap < 9 && co < p.C_out ? p.w[((int64_t)co * 9 + tap) * p.C_in + c0 + c] : zero;
     }
-    for (int i = threadIdx.x; i < 9 * CO * 64; i += CONV_THREADS) {
-        int c = i % 64, co = i / 64 % CO, tap = i / 64 / CO;
-        ((float *)ws[tap][co])[c] = co < p.C_out ? (float)p.w[((int64_t)co * 9 + tap) * p.C_in + c0 + c] : 0.0f;
-    }
+    // dy of a strip: pair i = threadIdx.x + f CONV_THREADS of the flattened dys[3][ROW + 2][4 pairs]
+    uint32_t fetched[CONV_NARROW_FETCH];
+    auto fetch = [&](int strip) {
+        const int n = strip / (p.H * tiles_w), h = strip / tiles_w % p.H, w0 = strip % tiles_w * CONV_NARROW_ROW;
+#pragma unroll
+        for (int f = 0; f < CONV_NARROW_FETCH; f++) {
+            int i = threadIdx.x + f * CONV_THREADS, j = i / 4 % (CONV_NARROW_ROW + 2), r = i / 4 / (CONV_NARROW_ROW + 2);
+            int hh = h - 1 + r, ww = w0 - 1 + j;
+            bool inside = i < CONV_NARROW_DY && hh >= 0 && hh < p.H && ww >= 0 && ww < p.W;
+            fetched[f] = conv_narrow_pair(p, inside ? p.dy + ((int64_t)(n * p.H + hh) * p.W + ww) * p.lddy : NULL, 2 * (i % 4));
+        }
+    };
+    auto keep = [&](int buffer) {
+#pragma unroll
+        for (int f = 0; f < CONV_NARROW_FETCH; f++)
+            if (threadIdx.x + f * CONV_THREADS < CONV_NARROW_DY) ((uint32_t *)dys[buffer])[threadIdx.x + f * CONV_THREADS] = fetched[f];
+    };
+    if (blockIdx.x < strips) fetch(blockIdx.x), keep(0);
     __syncthreads();
-    const int group = threadIdx.x % 8, q0 = 4 * (threadIdx.x / 8);  // channels c0 + 8 group.., pixels w0 + q0..
-    float acc[4][8] = {};
-#pragma unroll 1
-    for (int tap = 0; tap < 9; tap++) {
-        const int r = 2 - tap / 3, shift = 2 - tap % 3;
+    const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4, px = threadIdx.x / 32 * 16 + g;  // rows px, px + 8
+    for (int strip = blockIdx.x, buffer = 0; strip < strips; strip += gridDim.x, buffer ^= 1) {
+        if (strip + gridDim.x < strips) fetch(strip + gridDim.x);
+        const int n = strip / (p.H * tiles_w), h = strip / tiles_w % p.H, w0 = strip % tiles_w * CONV_NARROW_ROW;
+        float acc[8][4] = {};  // [8 channels c0 + 8 j ..][c fragment]
 #pragma unroll
-        for (int co = 0; co < CO; co++) {
-            float4 a = ws[tap][co][2 * group], b = ws[tap][co][2 * group + 1];
+        for (int s = 0; s < CONV_NARROW_TAPS / 16; s++) {
+            uint32_t a[4];
 #pragma unroll
-            for (int i = 0; i < 4; i++) {
-                float d = dys[r][q0 + i + shift][co];
-                acc[i][0] += d * a.x, acc[i][1] += d * a.y, acc[i][2] += d * a.z, acc[i][3] += d * a.w;
-                acc[i][4] += d * b.x, acc[i][5] += d * b.y, acc[i][6] += d * b.z, acc[i][7] += d * b.w;
+            for (int half = 0; half < 2; half++) {  // k 16 s + 8 half + 2 t, + 1: tap 2 s + half, co 2 t, 2 t + 1
+                const int tap = 2 * s + half, r = 2 - tap / 3, shift = 2 - tap % 3;
+                a[2 * half] = tap < 9 ? *(const uint32_t *)&dys[buffer][r][px + shift][2 * t] : 0u;
+                a[2 * half + 1] = tap < 9 ? *(const uint32_t *)&dys[buffer][r][px + 8 + shift][2 * t] : 0u;
+            }
+#pragma unroll
+            for (int j = 0; j < 8; j++)
+                conv_mma_bf16(acc[j], a, *(const uint32_t *)&ws[8 * j + g][16 * s + 2 * t],
+                              *(const uint32_t *)&ws[8 * j + g][16 * s + 8 + 2 * t]);
+        }
+        // Store: fragment j holds channels 8 j + 2 t, + 1 of pixels px, px + 8; transposed within each
+        // quad (conv_quad_transpose, the values' low and high halves apart) a lane holds channels
+        // 32 q + 8 t .. + 7.
+#pragma unroll
+        for (int row = 0; row < 2; row++) {
+            const int w = w0 + px + 8 * row;
+#pragma unroll
+            for (int q = 0; q < 2; q++) {
+                uint32_t lo[4], hi[4];
+#pragma unroll
+                for (int j = 0; j < 4; j++)
+                    lo[j] = __float_as_uint(acc[4 * q + j][2 * row]), hi[j] = __float_as_uint(acc[4 * q + j][2 * row + 1]);
+                conv_quad_transpose(lo), conv_quad_transpose(hi);
+                if (w >= p.W) continue;
+                Pack *at = (Pack *)(p.out + ((int64_t)(n * p.H + h) * p.W + w) * p.ldo + c0 + 32 * q + 8 * t), v;
+                if (p.add_out) v = *at;
+#pragma unroll
+                for (int j = 0; j < 4; j++) {
+                    v.v[2 * j] = (floatX)((p.add_out ? (float)v.v[2 * j] : 0.0f) + __uint_as_float(lo[j]));
+                    v.v[2 * j + 1] = (floatX)((p.add_out ? (float)v.v[2 * j + 1] : 0.0f) + __uint_as_float(hi[j]));
+                }
+                *at = v;
             }
         }
-    }
-#pragma unroll
-    for (int i = 0; i < 4; i++) {
-        int w = w0 + q0 + i;
-        if (w >= p.W) continue;
-        Pack *at = (Pack *)(p.out + ((int64_t)(n * p.H + h) * p.W + w) * p.ldo + c0 + 8 * group), v;
-        if (p.add_out) v = *at;
-        for (int j = 0; j < 8; j++) v.v[j] = (floatX)((p.add_out ? (float)v.v[j] : 0.0f) + acc[i][j]);
-        *at = v;
+        if (strip + gridDim.x < strips) keep(buffer ^ 1);  // (its buffer's last reader was the strip before this one)
+        __syncthreads();
     }
 }
 
-// Launches the input gradient with CO the least of 3, 6 and 8 that holds C_out.
+// As many blocks as run at once (three a multiprocessor), spread over the groups of 64 channels.
 static void conv_launch_narrow_input_grad(const ConvGemm &p) {
-    dim3 grid(p.N * p.H * ((p.W + CONV_NARROW_ROW - 1) / CONV_NARROW_ROW), p.C_in / 64);
-    if (p.C_out <= 3) conv3x3_narrow_input_grad_kernel<3><<<grid, CONV_THREADS, 0, gpu.stream>>>(p);
-    else if (p.C_out <= 6) conv3x3_narrow_input_grad_kernel<6><<<grid, CONV_THREADS, 0, gpu.stream>>>(p);
-    else conv3x3_narrow_input_grad_kernel<8><<<grid, CONV_THREADS, 0, gpu.stream>>>(p);
+    int64_t strips = (int64_t)p.N * p.H * ((p.W + CONV_NARROW_ROW - 1) / CONV_NARROW_ROW), chunks = p.C_in / 64;
+    int64_t per_chunk = ((int64_t)conv_sms() * 3 + chunks - 1) / chunks;
+    dim3 grid((unsigned)(strips < per_chunk ? strips : per_chunk), (unsigned)chunks);
+    conv3x3_narrow_input_grad_kernel<<<grid, CONV_THREADS, 0, gpu.stream>>>(p);
+    cuda_check_launch();
+}
+
+// The output head's weight gradient (at most 8 output channels), on the tensor cores as its input
+// gradient is:
+//   dw[co][kh][kw][ci] = sum_{n, h, w} x[n][h][w][ci] dy[n][h + 1 - kh][w + 1 - kw][co]   (dy zero outside)
+// as products over k = the pixels of x: D[ci][8 tap + co] += A[ci][px] B[px][co] for each tap, A = x^T,
+// B = dy shifted by the tap. Block (slice, 64 channels) runs its slice's pixels (conv3x3_weight_grad_slices:
+// whole strips) as strips of 128 (conv_pixel_box: a row segment, or whole rows of one image), R x S
+// pixels at (n, h0, w0). A strip's x (128 x 64 channels, through cp.async) and dy's window around it
+// (win[rr][cc] dy at (h0 - 1 + rr, w0 - 1 + cc), zero outside the image: (R + 2) x (S + 2) pixels of 8
+// channels, read into registers) are fetched while the strip before it is multiplied, into the other
+// of two buffers. Warp i takes channels 16 (i % 4) .. + 15 and the strip's pixels 64 (i / 4) .. + 63:
+// each k16 step an A fragment (ldmatrix.trans of x) and nine B fragments, one a tap (ldmatrix.trans of
+// the window's rows for its 16 pixels, shifted by the tap). At the end warps 4-7 add theirs to warps
+// 0-3's (a fixed order), which store the block's sums: its slice's (out_f[slice]) or dw itself.
+#define CONV_NARROW_WINDOW 390  // the largest window: 3 x 130 pixels of a 128-pixel row segment
+#define CONV_NARROW_LDX 72      // a pixel's 64 channels in shared memory, padded: conflict-free ldmatrix
+#define CONV_NARROW_WIN_FETCH ((CONV_NARROW_WINDOW * 4 + CONV_THREADS - 1) / CONV_THREADS)  // pairs of channels a thread reads
+
+static size_t conv_narrow_weight_grad_smem(void) {
+    return (2 * CONV_NARROW_ROW * CONV_NARROW_LDX + 2 * CONV_NARROW_WINDOW * 8) * sizeof(floatX);
+}
+
+__global__ void __launch_bounds__(CONV_THREADS, 3) conv3x3_narrow_weight_grad_kernel(ConvGemm p, int S) {
+    extern __shared__ __align__(16) unsigned char conv_smem[];
+    floatX(*xs)[CONV_NARROW_ROW][CONV_NARROW_LDX] = (floatX(*)[CONV_NARROW_ROW][CONV_NARROW_LDX])conv_smem;
+    floatX(*win)[CONV_NARROW_WINDOW][8] = (floatX(*)[CONV_NARROW_WINDOW][8])(conv_smem + 2 * sizeof(xs[0]));
+    const int R = CONV_NARROW_ROW / S, c0 = blockIdx.y * 64, first = blockIdx.x * p.k_per_slice;
+    const int strips = (min(p.K, first + p.k_per_slice) - first) / CONV_NARROW_ROW, window = (R + 2) * (S + 2);
+    uint32_t fetched[CONV_NARROW_WIN_FETCH];  // pair i = threadIdx.x + f CONV_THREADS of the flattened window [pixels][4 pairs]
+    auto fetch = [&](int strip, int buffer) {  // x through cp.async into xs[buffer]; dy's window into registers
+        const int at = first + strip * CONV_NARROW_ROW, n = at / (p.H * p.W), h0 = at / p.W % p.H, w0 = at % p.W;
+        for (int i = threadIdx.x; i < CONV_NARROW_ROW * 8; i += CONV_THREADS)
+            conv_cp_async16(&xs[buffer][i / 8][i % 8 * 8], p.x + (int64_t)(at + i / 8) * p.ldx + c0 + i % 8 * 8, true);
+        conv_cp_async_commit();
+#pragma unroll
+        for (int f = 0; f < CONV_NARROW_WIN_FETCH; f++) {
+            int i = threadIdx.x + f * CONV_THREADS, cc = i / 4 % (S + 2), rr = i / 4 / (S + 2), h = h0 - 1 + rr, w = w0 - 1 + cc;
+            bool inside = i < window * 4 && h >= 0 && h < p.H && w >= 0 && w < p.W;
+            fetched[f] = conv_narrow_pair(p, inside ? p.dy + ((int64_t)(n * p.H + h) * p.W + w) * p.lddy : NULL, 2 * (i % 4));
+        }
+    };
+    auto keep = [&](int buffer) {
+#pragma unroll
+        for (int f = 0; f < CONV_NARROW_WIN_FETCH; f++)
+            if (threadIdx.x + f * CONV_THREADS < window * 4) ((uint32_t *)win[buffer])[threadIdx.x + f * CONV_THREADS] = fetched[f];
+    };
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, m0 = warp % 4 * 16, px0 = warp / 4 * 64;
+    float acc[9][4] = {};  // [tap][c fragment]: channels c0 + m0 + lane / 4 (+ 8), output channels 2 (lane % 4) + 0, 1
+    if (strips > 0) fetch(0, 0), keep(0);
+    for (int strip = 0, buffer = 0; strip < strips; strip++, buffer ^= 1) {
+        if (strip + 1 < strips) fetch(strip + 1, buffer ^ 1);
+        else conv_cp_async_commit();  // (an empty group: the wait below always leaves one)
+        conv_cp_async_wait<1>();
+        __syncthreads();  // this strip's x and window in shared memory for every thread
+#pragma unroll
+        for (int k = 0; k < 4; k++) {  // pixels px0 + 16 k .. + 15
+            uint32_t a[4];  // A[ci][px] = x[px][ci]: matrices (px 0-7, ci 0-7), (px 0-7, ci 8-15), (px 8-15, ci 0-7), (8-15, 8-15)
+            const int apx = px0 + 16 * k + (lane & 7) + (lane >> 4) * 8;
+            conv_ldmatrix_x4<true>(a, &xs[buffer][apx][m0 + (lane >> 3 & 1) * 8]);
+            const int bpx = px0 + 16 * k + lane % 16, ri = bpx / S, ci = bpx % S;  // B: lanes 0-15 one tap, 16-31 the next
+#pragma unroll
+            for (int tap = 0; tap < 9; tap += 2) {
+                const int mine = lane < 16 || tap == 8 ? tap : tap + 1, kh = mine / 3, kw = mine % 3;
+                uint32_t b[4];
+                conv_ldmatrix_x4<true>(b, win[buffer][(ri + 2 - kh) * (S + 2) + ci + 2 - kw]);
+                conv_mma_bf16(acc[tap], a, b[0], b[1]);
+                if (tap < 8) conv_mma_bf16(acc[tap + 1], a, b[2], b[3]);
+            }
+        }
+        if (strip + 1 < strips) keep(buffer ^ 1);  // (its last reader was the strip before this one)
+        __syncthreads();
+    }
+    // Warps 4-7's sums to shared memory (over x's buffers), added to warps 0-3's in that order.
+    float(*partial)[32][9 * 4] = (float(*)[32][9 * 4])conv_smem;
+    if (warp >= 4)
+        for (int i = 0; i < 9 * 4; i++) partial[warp - 4][lane][i] = acc[i / 4][i % 4];
+    __syncthreads();
+    if (warp >= 4) return;
+    float *out = p.out_f + (int64_t)blockIdx.x * p.M * p.Ng;  // (one slice: dw itself)
+    for (int tap = 0; tap < 9; tap++)
+        for (int j = 0; j < 4; j++) {
+            const int ci = c0 + m0 + lane / 4 + (j >= 2 ? 8 : 0), co = 2 * (lane % 4) + j % 2;
+            if (co < p.C_out) out[(int64_t)co * p.Ng + tap * p.C_in + ci] = acc[tap][j] + partial[warp][lane][tap * 4 + j];
+        }
+}
+
+// Its launch: a block for each slice of the plan (p.k_per_slice pixels) and 64 input channels.
+static void conv_launch_narrow_weight_grad(const ConvGemm &p, int slices) {
+    static bool configured = false;
+    allow_dynamic_smem(conv3x3_narrow_weight_grad_kernel, &configured, conv_narrow_weight_grad_smem());
+    uint32_t cols, rows, imgs;
+    conv_pixel_box(p.H, p.W, CONV_NARROW_ROW, &cols, &rows, &imgs);
+    conv3x3_narrow_weight_grad_kernel<<<dim3(slices, p.C_in / 64), CONV_THREADS, conv_narrow_weight_grad_smem(), gpu.stream>>>(
+        p, (int)cols);
     cuda_check_launch();
 }
 
@@ -2687,6 +2845,7 @@ static int conv_run(const ConvPlan *plan, const ConvGemm &p, bool vec_a, bool ve
     case CONV_NARROW:
         if constexpr (OP == CONV_FORWARD) return conv_launch_narrow(p), 0;
         if constexpr (OP == CONV_INPUT_GRAD) return conv_launch_narrow_input_grad(p), 0;
+        if constexpr (OP == CONV_WEIGHT_GRAD) return conv_launch_narrow_weight_grad(p, plan->slices), 0;
         break;
     case CONV_HALO:
         if constexpr (OP == CONV_FORWARD)

@@ -1,7 +1,7 @@
 // test_conv_plan.cu: the 3x3 convolution planner (train_unet.cu's conv_plan) on the CPU: every
 // convolution of the presets gets a plan for each product, on Hopper and on other GPUs; the layers
-// that have kernels of their own get them; a forced family runs or is refused, never replaced; the
-// rules' tiles and slices.
+// that have kernels of their own get them (the output head: all three products); a forced family runs
+// or is refused, never replaced; the rules' tiles and slices.
 #define TRAIN_UNET_LIBRARY
 #include "../../train_unet.cu"
 #include "check.h"
@@ -26,7 +26,7 @@ static void visit(void *ctx, const char *name, const Conv *cv, int N, int size, 
         if (h.family >= 0) seen->families[h.family]++;
         seen->ampere_sm90a += a.family == CONV_HALO || a.family == CONV_SPLIT || a.family == CONV_WGMMA;
         if (op == CONV_FORWARD && strcmp(name, "input_blocks.0.0.weight") == 0) seen->input_image += h.family == CONV_IMAGE && a.family == CONV_IMAGE;
-        if (op == CONV_FORWARD && strcmp(name, "out.2.weight") == 0) seen->head_narrow += h.family == CONV_NARROW;
+        if (strcmp(name, "out.2.weight") == 0) seen->head_narrow += h.family == CONV_NARROW && a.family == CONV_NARROW;
         if (op == CONV_FORWARD && size == 64 && cv->stride == 1 && cv->in % 64 == 0 && cv->out % 64 == 0)  // halo up to k = 9 x 256
             seen->forward_64_wrong += h.family != (cv->in <= 256 ? CONV_HALO : CONV_WGMMA);
         for (int f = 0; f < CONV_FAMILIES; f++) {  // forced: that family, or refused
@@ -66,7 +66,7 @@ int main(void) {
         for (int f = 0; f < CONV_FAMILIES; f++) printf(" %s %d", conv_family_names[f], s.families[f]), families[f] += s.families[f];
         printf("\n");
         CHECK(s.convs > 20 && s.refused == 0 && s.ampere_sm90a == 0);
-        CHECK(s.input_image == 1 && s.head_narrow == 1 && s.forward_64_wrong == 0);
+        CHECK(s.input_image == 1 && s.head_narrow == (models[i].training ? 3 : 1) && s.forward_64_wrong == 0);
         CHECK(s.forced_wrong == 0 && s.forced_refused > 0);
     }
     for (int f = 0; f < CONV_FAMILIES; f++) CHECK(f == CONV_FP32 || families[f] > 0);  // every BF16 family has work
@@ -110,6 +110,13 @@ int main(void) {
     CHECK(wide_gathered.family == CONV_WGMMA && !wide_gathered.tma && wide_gathered.BN == 128 && wide_mma.family == CONV_MMA &&
           wide_mma.BN == 128);
     CHECK(wide_tma.slices == wide_gathered.slices && wide_tma.slices == wide_mma.slices && wide_tma.slices > 1);
+    // the output head's weight gradient: whole 128-pixel strips a slice, the same slices on mma.sync; odd images on mma.sync
+    ConvProblem head_wgrad = conv_layer_problem(CONV_WEIGHT_GRAD, 16, 128, 256, 6, 1), odd_wgrad = head_wgrad;
+    odd_wgrad.W = 13;
+    ConvPlan narrow_wg = conv_plan(&head_wgrad, &hopper, -1), narrow_mma = conv_plan(&head_wgrad, &hopper, CONV_MMA);
+    CHECK(narrow_wg.family == CONV_NARROW && narrow_wg.slices > 1 && narrow_wg.k_per_slice % CONV_NARROW_ROW == 0);
+    CHECK(narrow_mma.family == CONV_MMA && narrow_mma.slices == narrow_wg.slices && narrow_mma.k_per_slice == narrow_wg.k_per_slice);
+    CHECK(conv_plan(&odd_wgrad, &hopper, -1).family == CONV_MMA);
     ConvProblem small = conv_layer_problem(CONV_FORWARD, 32, 8, 256, 256, 1);  // seed's 8x8 level: split along k
     ConvPlan split = conv_plan(&small, &hopper, -1);
     CHECK(split.family == CONV_SPLIT && split.slices >= CONV_SPLIT_MIN && split.slices <= CONV_SPLIT_MAX);
