@@ -1852,8 +1852,9 @@ __global__ void __launch_bounds__(CONV_THREADS, (ConvWgmmaTile<BM, BN>::BLOCKS_P
     const ConvWgmmaGroup<BM, BN> group;
     float acc[WN / 2] = {};
 
-    // The ring: step j + STAGES - 2 is loaded into the stage that step j - 2 used, which every
-    // warpgroup has finished reading (wgmma.wait_group 1 leaves only step j - 1's products running).
+    // The ring: once step j's products are issued, step j + STAGES - 2 is loaded into the stage that
+    // step j - 2 used, which every warpgroup has finished reading (wgmma.wait_group 1 leaves only step
+    // j - 1's products running).
     for (int s = 0; s < STAGES - 1; s++) fill_pixels(s);
     if (OP == CONV_WEIGHT_GRAD) __syncthreads();
     for (int s = 0; s < STAGES - 2; s++) load_stage(s);
@@ -1861,10 +1862,10 @@ __global__ void __launch_bounds__(CONV_THREADS, (ConvWgmmaTile<BM, BN>::BLOCKS_P
         conv_cp_async_wait<STAGES - 3>();
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // cp.async's writes, seen by wgmma
         __syncthreads();
-        load_stage(j + STAGES - 2);
-        fill_pixels(j + STAGES - 1);
         conv_wgmma_k_step<OP, BM, BN>(acc, As + (j % STAGES) * Tile::A_TILE + group.row * 64,
                                       Bs + (j % STAGES) * Tile::B_TILE + group.col * 64);
+        load_stage(j + STAGES - 2);  // (while the products run)
+        fill_pixels(j + STAGES - 1);
         asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
     }
     asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
@@ -2297,10 +2298,11 @@ __global__ void __launch_bounds__(CONV_THREADS, (ConvHaloTile<ROWS, BN>::BLOCKS_
     };
 
     // Step s (tap s % 9 of chunk s / 9 of the sequence) waits for its B tile, loaded STAGES - 2 steps
-    // before with, at a chunk's first tap, the chunk's halo among the loads before it. It then loads
-    // the B tile of step s + STAGES - 2 into the slot step s - 2 used, and at a chunk's second tap the
-    // next chunk's halo into the buffer the chunk before this one used: every warpgroup has finished
-    // reading both (wgmma.wait_group 1 leaves only step s - 1's products running).
+    // before with, at a chunk's first tap, the chunk's halo among the loads before it. Once its products
+    // are issued (so that their addresses and copies do not delay them) it loads the B tile of step
+    // s + STAGES - 2 into the slot step s - 2 used, and at a chunk's second tap the next chunk's halo
+    // into the buffer the chunk before this one used: every warpgroup has finished reading both
+    // (wgmma.wait_group 1 leaves only step s - 1's products running).
     load_halo(halos);
     for (int j = 0; j < STAGES - 2; j++) load_b();
     for (int i = 0, s = 0, chunk = 0; s < steps; i++) {
@@ -2310,8 +2312,6 @@ __global__ void __launch_bounds__(CONV_THREADS, (ConvHaloTile<ROWS, BN>::BLOCKS_
                 conv_cp_async_wait<STAGES - 3>();
                 asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // cp.async's writes, seen by wgmma
                 __syncthreads();
-                if (tap == 1 && s + 8 < steps) load_halo(halos + (chunk + 1) % 2 * Tile::HALO);
-                load_b();
                 // The descriptors' start addresses count 16 bytes (8 elements) a unit; adding to the field
                 // cannot carry out of it, as every view ends inside its buffer and shared memory stays
                 // below 256 KB. (Base offset 0: the swizzle pattern starts on a 1024-byte boundary.)
@@ -2328,6 +2328,8 @@ __global__ void __launch_bounds__(CONV_THREADS, (ConvHaloTile<ROWS, BN>::BLOCKS_
                         conv_wgmma<BN, 0, B_K_MAJOR ? 0 : 1>(acc[r], a_desc + (r * Tile::HALO_W * 64 + k * 16) / 8,
                                                              b_desc + k * B_STEP / 8);
                 asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+                if (tap == 1 && s + 8 < steps) load_halo(halos + (chunk + 1) % 2 * Tile::HALO);  // (while the products run)
+                load_b();
                 asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
             }
         }
