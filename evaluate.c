@@ -68,12 +68,6 @@ typedef struct {
     int batch, json;
 } Options;
 
-static long long int_option(const char *name, const char *s, long long lo, long long hi) {
-    long long v;
-    if (cli_read_int(s, lo, hi, &v) != 0) unet_usage_error("%s takes a whole number in %lld..%lld, not '%s'", name, lo, hi, s);
-    return v;
-}
-
 static Options parse_options(int argc, char **argv) {
     static const char *const names[] = {"ref", "sample", "save_stats", "inception", "num", "batch", "json"};
     int count = (int)(sizeof names / sizeof *names);
@@ -103,8 +97,8 @@ static Options parse_options(int argc, char **argv) {
         else if (strcmp(name, "sample") == 0) o.sample = v;
         else if (strcmp(name, "save_stats") == 0) o.save_stats = v;
         else if (strcmp(name, "inception") == 0) o.inception = v;
-        else if (strcmp(name, "num") == 0) o.num = int_option("--num", v, 1, 1ll << 40);
-        else o.batch = (int)int_option("--batch", v, 1, 1024);
+        else if (strcmp(name, "num") == 0) o.num = unet_int_option("--num", v, 1, 1ll << 40);
+        else o.batch = (int)unet_int_option("--batch", v, 1, 1024);
     }
     if (!o.ref) unet_usage_error("--ref is required");
     if (!o.sample == !o.save_stats) unet_usage_error("give --sample (to evaluate it) or --save_stats (to keep REF's statistics), one of them");

@@ -123,12 +123,6 @@ typedef struct {
     int num_model_flags, num_classifier_flags;
 } Options;
 
-static long long int_option(const char *name, const char *s, long long lo, long long hi) {
-    long long v;
-    if (cli_read_int(s, lo, hi, &v) != 0) unet_usage_error("%s takes a whole number in %lld..%lld, not '%s'", name, lo, hi, s);
-    return v;
-}
-
 static double real_option(const char *name, const char *s, double lo, double hi) {
     char *end;
     errno = 0;
@@ -195,12 +189,12 @@ static Options parse_options(int argc, char **argv) {
         else if (strcmp(name, "classifier") == 0) o.classifier = v;
         else if (strcmp(name, "low_res") == 0) o.low_res = v;
         else if (strcmp(name, "upsampler") == 0) o.upsampler = v;
-        else if (strcmp(name, "up_steps") == 0) o.up_steps = (int)int_option(flag, v, 1, 100000);
-        else if (strcmp(name, "steps") == 0) o.steps = (int)int_option(flag, v, 1, 100000);
-        else if (strcmp(name, "num") == 0) o.num = (int)int_option(flag, v, 1, 1000000);
-        else if (strcmp(name, "batch") == 0) o.batch = (int)int_option(flag, v, 1, 65536);
-        else if (strcmp(name, "bench") == 0) o.bench = (int)int_option(flag, v, 1, 1000);
-        else if (strcmp(name, "seed") == 0) o.seed = int_option(flag, v, 0, (1ll << 62));
+        else if (strcmp(name, "up_steps") == 0) o.up_steps = (int)unet_int_option(flag, v, 1, 100000);
+        else if (strcmp(name, "steps") == 0) o.steps = (int)unet_int_option(flag, v, 1, 100000);
+        else if (strcmp(name, "num") == 0) o.num = (int)unet_int_option(flag, v, 1, 1000000);
+        else if (strcmp(name, "batch") == 0) o.batch = (int)unet_int_option(flag, v, 1, 65536);
+        else if (strcmp(name, "bench") == 0) o.bench = (int)unet_int_option(flag, v, 1, 1000);
+        else if (strcmp(name, "seed") == 0) o.seed = unet_int_option(flag, v, 0, (1ll << 62));
         else if (strcmp(name, "eta") == 0) o.eta = real_option(flag, v, 0, 1);
         else if (strcmp(name, "classifier_scale") == 0) o.classifier_scale = real_option(flag, v, -1000, 1000), o.classifier_scale_given = 1;
         else o.guidance = real_option(flag, v, 0, 100);  // the last of names

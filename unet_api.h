@@ -9,6 +9,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "cli.h"
 #include "sampler.h"
 
 #ifdef __cplusplus
@@ -41,6 +42,14 @@ void unet_print_version(void);
 // checkpoint, the GPU), or for a bad command line the line ending in " (see --help)" and status 2.
 void unet_die(const char *fmt, ...) __attribute__((format(printf, 1, 2), noreturn));
 void unet_usage_error(const char *fmt, ...) __attribute__((format(printf, 1, 2), noreturn));
+
+// Option `name`'s value s as a whole number in lo..hi, or the usage error that says so (cli.h's
+// cli_read_int, for the programs on this library).
+static inline long long unet_int_option(const char *name, const char *s, long long lo, long long hi) {
+    long long v;
+    if (cli_read_int(s, lo, hi, &v) != 0) unet_usage_error("%s takes a whole number in %lld..%lld, not '%s'", name, lo, hi, s);
+    return v;
+}
 
 // Opens a checkpoint without a GPU: path is a checkpoint folder (its ema.safetensors, or
 // model.safetensors with weights "model"), a .safetensors file or a PyTorch .pt state_dict, of a
