@@ -689,13 +689,14 @@ static int conv_out_size(int size, int k, int stride) { return (size + 2 * (k / 
 // GPU of CONV_PLAN_SMS multiprocessors (an H100's or H200's 132; a constant, so that the plan needs
 // no GPU and the sums come out the same on every GPU): the count, of slices of at least 4 CONV_SLICE_STEPs of pixels, that
 // minimises a model of the time (for at most 8 output channels, the narrow kernel's: whole strips of
-// CONV_NARROW_ROW pixels, about three blocks of 64 channels a multiprocessor),
+// CONV_NARROW_ROW pixels, about CONV_NARROW_BLOCKS_PER_SM blocks of 64 channels a multiprocessor),
 //   waves x steps per slice x step time  +  the slices' round trip through scratch (written, then added),
 // waves = ceil(tiles x slices / blocks at once). A last wave that leaves most multiprocessors idle
 // costs as much as a full one, so the block count is fitted to whole waves. The two constants are an
 // H100's, measured (dev/NOTES.md, 2026-11-24).
 #define CONV_SLICE_STEP 64             // pixels: a multiple of every tile's k step
 #define CONV_NARROW_ROW 128            // the narrow kernels' strips of pixels (input and weight gradients)
+#define CONV_NARROW_BLOCKS_PER_SM 3    // the narrow kernels' blocks on a multiprocessor at once
 #define CONV_PLAN_SMS 132
 #define CONV_PLAN_STEP_US 1.0          // one multiprocessor's k step over 128 x 256 outputs
 #define CONV_PLAN_SCRATCH_BYTES_PER_US 2.5e6
@@ -719,8 +720,8 @@ static int conv3x3_weight_grad_slices(int N, int H, int W, int C_in, int C_out, 
     conv_weight_grad_tile(C_in, C_out, &BM, &BN, &per_sm);
     int64_t pixels = (int64_t)N * conv_out_size(H, 3, stride) * conv_out_size(W, 3, stride);
     int steps = (int)((pixels + CONV_SLICE_STEP - 1) / CONV_SLICE_STEP);
-    if (C_out <= 8 && stride == 1) {  // the narrow kernel's: whole strips, three blocks of 64 channels a multiprocessor
-        int chunks = (C_in + 63) / 64, want = (3 * CONV_PLAN_SMS + chunks - 1) / chunks;
+    if (C_out <= 8 && stride == 1) {  // the narrow kernel's: whole strips, its blocks of 64 channels at once
+        int chunks = (C_in + 63) / 64, want = (CONV_NARROW_BLOCKS_PER_SM * CONV_PLAN_SMS + chunks - 1) / chunks;
         int strips = (int)((pixels + CONV_NARROW_ROW - 1) / CONV_NARROW_ROW), per = (strips + want - 1) / want;
         if (pixels_per_slice) *pixels_per_slice = per * CONV_NARROW_ROW;
         return (strips + per - 1) / per;
@@ -2511,7 +2512,7 @@ __global__ void __launch_bounds__(CONV_THREADS, 2) conv3x3_image_kernel(ConvGemm
 #define CONV_NARROW_LD 72
 #define CONV_NARROW_HALO (6 * 66 * CONV_NARROW_LD)  // values
 
-__global__ void __launch_bounds__(CONV_THREADS, 3) conv3x3_narrow_kernel(ConvGemm p) {
+__global__ void __launch_bounds__(CONV_THREADS, CONV_NARROW_BLOCKS_PER_SM) conv3x3_narrow_kernel(ConvGemm p) {
     extern __shared__ float4 narrow_smem[];
     floatX *halo = (floatX *)narrow_smem, *weights = halo + CONV_NARROW_HALO;
     const int K = 9 * p.C_in, ldw = K + 8;
@@ -2574,7 +2575,7 @@ static void conv_launch_narrow(const ConvGemm &p) {
     static bool configured = false;
     allow_dynamic_smem(conv3x3_narrow_kernel, &configured, (CONV_NARROW_HALO + 8 * (9 * 512 + 8)) * sizeof(floatX));
     int smem = (CONV_NARROW_HALO + 8 * (9 * p.C_in + 8)) * (int)sizeof(floatX);
-    int64_t tiles = (int64_t)p.N * ((p.H + 3) / 4) * ((p.W + 63) / 64), at_once = (int64_t)conv_sms() * 3;
+    int64_t tiles = (int64_t)p.N * ((p.H + 3) / 4) * ((p.W + 63) / 64), at_once = (int64_t)conv_sms() * CONV_NARROW_BLOCKS_PER_SM;
     conv3x3_narrow_kernel<<<(int)(tiles < at_once ? tiles : at_once), CONV_THREADS, smem, gpu.stream>>>(p);
     cuda_check_launch();
 }
@@ -2604,7 +2605,7 @@ __device__ __forceinline__ uint32_t conv_narrow_pair(const ConvGemm &p, const fl
     return *(const uint32_t *)&v;
 }
 
-__global__ void __launch_bounds__(CONV_THREADS, 3) conv3x3_narrow_input_grad_kernel(ConvGemm p) {
+__global__ void __launch_bounds__(CONV_THREADS, CONV_NARROW_BLOCKS_PER_SM) conv3x3_narrow_input_grad_kernel(ConvGemm p) {
     static_assert(CONV_THREADS / 32 * 16 == CONV_NARROW_ROW, "16 pixels a warp");
     __shared__ __align__(16) floatX dys[2][3][CONV_NARROW_ROW + 2][8];
     __shared__ __align__(16) floatX ws[64][CONV_NARROW_LDW];
@@ -2681,10 +2682,10 @@ __global__ void __launch_bounds__(CONV_THREADS, 3) conv3x3_narrow_input_grad_ker
     }
 }
 
-// As many blocks as run at once (three a multiprocessor), spread over the groups of 64 channels.
+// As many blocks as run at once, spread over the groups of 64 channels.
 static void conv_launch_narrow_input_grad(const ConvGemm &p) {
     int64_t strips = (int64_t)p.N * p.H * ((p.W + CONV_NARROW_ROW - 1) / CONV_NARROW_ROW), chunks = p.C_in / 64;
-    int64_t per_chunk = ((int64_t)conv_sms() * 3 + chunks - 1) / chunks;
+    int64_t per_chunk = ((int64_t)conv_sms() * CONV_NARROW_BLOCKS_PER_SM + chunks - 1) / chunks;
     dim3 grid((unsigned)(strips < per_chunk ? strips : per_chunk), (unsigned)chunks);
     conv3x3_narrow_input_grad_kernel<<<grid, CONV_THREADS, 0, gpu.stream>>>(p);
     cuda_check_launch();
@@ -2711,7 +2712,7 @@ static size_t conv_narrow_weight_grad_smem(void) {
     return (2 * CONV_NARROW_ROW * CONV_NARROW_LDX + 2 * CONV_NARROW_WINDOW * 8) * sizeof(floatX);
 }
 
-__global__ void __launch_bounds__(CONV_THREADS, 3) conv3x3_narrow_weight_grad_kernel(ConvGemm p, int S) {
+__global__ void __launch_bounds__(CONV_THREADS, CONV_NARROW_BLOCKS_PER_SM) conv3x3_narrow_weight_grad_kernel(ConvGemm p, int S) {
     extern __shared__ __align__(16) unsigned char conv_smem[];
     floatX(*xs)[CONV_NARROW_ROW][CONV_NARROW_LDX] = (floatX(*)[CONV_NARROW_ROW][CONV_NARROW_LDX])conv_smem;
     floatX(*win)[CONV_NARROW_WINDOW][8] = (floatX(*)[CONV_NARROW_WINDOW][8])(conv_smem + 2 * sizeof(xs[0]));
