@@ -5175,7 +5175,10 @@ static void res_block_backward(ResBlock *r, const BlockEmbedding *e, const Act *
     const floatX *x = r->cat_a ? r->cat_a->x : in->x;
     floatX *dx = r->cat_a ? r->cat_a->dx : in->dx;
     NormOptions o1 = res_block_norm1(r);
-    conv_backward(&r->conv1, dh, GRAD_WRITE, r->h1.dx, h, N, Ho, Wo, d_add, e->total);
+    // conv1's parameter gradients (side stream) run beside its input gradient and on beside GroupNorm
+    // 1's backward, whose end joins them: nothing until then writes what they read (h1.dx, h).
+    conv_backward_params_side(&r->conv1, r->h1.dx, h, N, Ho, Wo, d_add, e->total);
+    conv_backward_input(&r->conv1, dh, GRAD_WRITE, r->h1.dx, N, Ho, Wo);
     if (r->resample) {
         resample_backward(r->resample > 0, r->h0.dx, GRAD_WRITE, r->h0r.dx, N, H, W, in->C);
         resample_backward(r->resample > 0, in->dx, in_grad, r->xr.dx, N, H, W, in->C);
