@@ -818,7 +818,7 @@ static const char *const conv_family_names[CONV_FAMILIES] = {"image", "narrow", 
 typedef struct {
     int op, N, H, W, C_in, C_out, stride;
     bool vec_a, vec_b;          // each operand loads in 16-byte chunks (channels, pixel stride, address)
-    bool pair_store, vec_store; // the output (and a residual) stores 4, and 16, bytes at a time
+    bool pair_store, vec_store; // the output (and a residual) stores 4, and 16, bytes at a time (16: the bias loads so too)
     bool out_aligned;           // the output's pixel stride a multiple of 8 elements, its address of 16 bytes
     bool bias, bias_aligned;    // forward: a bias, on a 4-byte boundary
     bool residual;              // forward: a residual added
@@ -1146,7 +1146,8 @@ typedef struct {
     floatX *out;     // y (forward) or dx (input gradient)
     float *out_f;    // weight gradient: [slice][C_out][9 C_in]
     int pair_store;  // two adjacent output values may be written as one aligned pair
-    int vec_store;   // 8 adjacent ones as 16 aligned bytes (out's rows: ldo % 8 == 0, 16-byte aligned)
+    int vec_store;   // 8 adjacent ones as 16 aligned bytes (out's rows: ldo % 8 == 0, 16-byte aligned; so the
+                     // residual's and the bias's, which are read so)
     int add_out;     // the input gradient is added to what out holds (GRAD_ADD), else written over it
     // The wgmma kernel's stride-2 input gradient numbers its rows (input pixels) by parity class: class
     // c = 2 (h % 2) + w % 2 holds rows [class_start[c], class_start[c + 1]), in (n, h / 2, w / 2) order.
@@ -1401,6 +1402,19 @@ __device__ __forceinline__ void conv_quad_transpose(uint32_t (&w)[4]) {
             w[j] = upper ? got : w[j], w[j + bit] = upper ? w[j + bit] : got;
         }
 }
+
+// The other way: 16 bytes of a row at columns c + 8 t .. c + 8 t + 7 (t = lane % 4), one load a lane,
+// quad-transposed into an mma fragment's layout, word i then holding columns c + 8 i + 2 t + 0, 1 (the
+// transpose is its own inverse); zeros where !valid. For the stores' addends (bias, residual, what dx
+// holds): 8 columns a load, where loading each fragment's pair took 8 loads (two-byte ones in
+// conv_output_pair) that the store waited for. Every lane of the warp calls it (the shuffles).
+__device__ __forceinline__ void conv_load_fragment_pairs(uint32_t (&w)[4], const floatX *row_at_c, bool valid) {
+    uint4 u = valid ? *(const uint4 *)(row_at_c + 8 * (threadIdx.x % 4)) : make_uint4(0, 0, 0, 0);
+    w[0] = u.x, w[1] = u.y, w[2] = u.z, w[3] = u.w;
+    conv_quad_transpose(w);
+}
+
+__device__ __forceinline__ float2 conv_unpack_pair(uint32_t word) { return __bfloat1622float2(*(const __nv_bfloat162 *)&word); }
 
 // The tile shape of a kernel: a BM x BN tile of out per block, WARPS_M x WARPS_N warps of
 // (BM/WARPS_M) x (BN/WARPS_N), k in steps of BK through a STAGES-deep cp.async ring.
@@ -1734,14 +1748,32 @@ __device__ __forceinline__ void conv_wgmma_store(const ConvGemm &p, const float 
         for (int jq = j0; jq < j0 + 8 && jq < WN / 8; jq += 4) {  // columns nq .. nq + 31
             const int nq = n0 + group.col + jq * 8;
             if (!PARTIAL && WN % 32 == 0 && p.vec_store && nq + 32 <= p.Ng) {
+                // What the products add, read 16 bytes a lane (conv_load_fragment_pairs): forward the bias
+                // (+ residual), input gradient what dx holds when added to. Each value is then rounded once
+                // from (acc + bias) + residual, or acc + dx, as conv_output_pair rounds it.
+                const bool in0 = m < p.M, in8 = m + 8 < p.M, add = OP == CONV_FORWARD ? p.residual != NULL : p.add_out;
+                floatX *out0 = p.out + (int64_t)row0 * p.ldo + nq, *out8 = p.out + (int64_t)row8 * p.ldo + nq;
+                uint32_t bias[4] = {}, add0[4] = {}, add8[4] = {};
+                if (OP == CONV_FORWARD) conv_load_fragment_pairs(bias, p.bias + nq, true);
+                if (add) {
+                    const floatX *from0 = OP == CONV_FORWARD ? p.residual + (int64_t)row0 * p.ldr + nq : out0;
+                    const floatX *from8 = OP == CONV_FORWARD ? p.residual + (int64_t)row8 * p.ldr + nq : out8;
+                    conv_load_fragment_pairs(add0, from0, in0), conv_load_fragment_pairs(add8, from8, in8);
+                }
                 uint32_t words[2][4];  // rows m, m + 8: columns nq + 8 j + 2 (lane % 4) + 0, 1, then nq + 8 (lane % 4) ..
 #pragma unroll
                 for (int j = jq; j < jq + 4; j++) {
-                    int n = nq + (j - jq) * 8 + (lane % 4) * 2;
-                    __nv_bfloat162 a = m < p.M ? conv_output_pair<OP>(p, row0, n, acc[4 * j], acc[4 * j + 1], true)
-                                               : __nv_bfloat162();
-                    __nv_bfloat162 b = m + 8 < p.M ? conv_output_pair<OP>(p, row8, n, acc[4 * j + 2], acc[4 * j + 3], true)
-                                                   : __nv_bfloat162();
+                    float2 u0 = make_float2(acc[4 * j], acc[4 * j + 1]), u8 = make_float2(acc[4 * j + 2], acc[4 * j + 3]);
+                    if (OP == CONV_FORWARD) {
+                        float2 b = conv_unpack_pair(bias[j - jq]);
+                        u0.x += b.x, u0.y += b.y, u8.x += b.x, u8.y += b.y;
+                    }
+                    if (add) {
+                        float2 r0 = conv_unpack_pair(add0[j - jq]), r8 = conv_unpack_pair(add8[j - jq]);
+                        u0.x += r0.x, u0.y += r0.y, u8.x += r8.x, u8.y += r8.y;
+                    }
+                    __nv_bfloat162 a = in0 ? __floats2bfloat162_rn(u0.x, u0.y) : __nv_bfloat162();
+                    __nv_bfloat162 b = in8 ? __floats2bfloat162_rn(u8.x, u8.y) : __nv_bfloat162();
                     words[0][j - jq] = *(const uint32_t *)&a, words[1][j - jq] = *(const uint32_t *)&b;
                     if constexpr (SUMS) {
                         float2 fa = m < p.M ? __bfloat1622float2(a) : make_float2(0.0f, 0.0f);
@@ -1751,12 +1783,8 @@ __device__ __forceinline__ void conv_wgmma_store(const ConvGemm &p, const float 
                     }
                 }
                 conv_quad_transpose(words[0]), conv_quad_transpose(words[1]);
-                if (m < p.M)
-                    *(uint4 *)(p.out + (int64_t)row0 * p.ldo + nq + 8 * (lane % 4)) =
-                        make_uint4(words[0][0], words[0][1], words[0][2], words[0][3]);
-                if (m + 8 < p.M)
-                    *(uint4 *)(p.out + (int64_t)row8 * p.ldo + nq + 8 * (lane % 4)) =
-                        make_uint4(words[1][0], words[1][1], words[1][2], words[1][3]);
+                if (in0) *(uint4 *)(out0 + 8 * (lane % 4)) = make_uint4(words[0][0], words[0][1], words[0][2], words[0][3]);
+                if (in8) *(uint4 *)(out8 + 8 * (lane % 4)) = make_uint4(words[1][0], words[1][1], words[1][2], words[1][3]);
                 continue;
             }
 #pragma unroll
@@ -2899,7 +2927,8 @@ static int conv3x3_forward(floatX *y, int ldy, const floatX *x, int ldx, const f
     ConvGemm p = conv_gemm(CONV_FORWARD, N, H, W, C_in, C_out, stride);
     p.x = x, p.ldx = ldx, p.w = w, p.bias = bias, p.residual = residual, p.ldr = ldr, p.out = y, p.ldo = ldy;
     p.pair_store = ldy % 2 == 0 && ((uintptr_t)y & 3) == 0 && (!residual || (ldr % 2 == 0 && ((uintptr_t)residual & 3) == 0));
-    p.vec_store = p.pair_store && ldy % 8 == 0 && conv_aligned16(y);
+    p.vec_store = p.pair_store && ldy % 8 == 0 && conv_aligned16(y) && conv_aligned16(bias) &&
+                  (!residual || (ldr % 8 == 0 && conv_aligned16(residual)));
     p.sums = sums, p.sums_numel = sums_numel;
     bool vec = C_in % 8 == 0 && ldx % 8 == 0 && conv_aligned16(x) && conv_aligned16(w);
     ConvProblem q = {CONV_FORWARD, N, H, W, C_in, C_out, stride, vec, vec, p.pair_store != 0, p.vec_store != 0,
