@@ -3493,25 +3493,29 @@ __global__ void __launch_bounds__(GN_THREADS, 2)
 
 // Backward, pass 2: dx' (+)= rstd (g - mean_g(g) - xhat mean_g(g xhat)) for one chunk. With g = dz gamma
 // = du (1 + scale) gamma and xhat = x a + b this is  dx' (+)= du s + x e + f,  e = -rstd a mean_g(g xhat),
-// f = -rstd (mean_g(g) + b mean_g(g xhat)). Its grid is the sums' one.
+// f = -rstd (mean_g(g) + b mean_g(g xhat)). Its grid is the sums' one. skip (not NULL, [N][HW][C] like
+// dy): a gradient that reached the input around the layer (a residual's), added too: dx = skip + dx',
+// or with GRAD_ADD dx = round(dx + skip) + dx' (the two additions' roundings as separate passes made them).
 __global__ void __launch_bounds__(GN_THREADS, 2)
-    group_norm_backward_input_kernel(floatX *__restrict__ dx, GradMode mode, const floatX *__restrict__ dy, const floatX *__restrict__ x,
-                                     const double *partial, const float *mean, const float *rstd, const float *gamma, const float *beta,
-                                     NormOptions o, int HW, int C) {
+    group_norm_backward_input_kernel(floatX *__restrict__ dx, GradMode mode, const floatX *__restrict__ skip, const floatX *__restrict__ dy,
+                                     const floatX *__restrict__ x, const double *partial, const float *mean, const float *rstd,
+                                     const float *gamma, const float *beta, NormOptions o, int HW, int C) {
     __shared__ float mean_g[GN_GROUPS], mean_gx[GN_GROUPS];
-    extern __shared__ __align__(16) unsigned char gn_smem[];  // gn_backward_smem(mode == GRAD_ADD ? 3 : 2) bytes:
-    GnRing *ring = (GnRing *)gn_smem;                          // the rows of x, dy and (when added to) dx
+    extern __shared__ __align__(16) unsigned char gn_smem[];  // gn_backward_smem(2 + (mode == GRAD_ADD) + (skip != NULL)) bytes:
+    GnRing *ring = (GnRing *)gn_smem;                          // the rows of x, dy, dx (when added to) and skip
     int n = blockIdx.y, chunks = gridDim.x, per_group = C / GN_GROUPS;
     GnThread t = gn_thread(HW, C);
     int64_t sample = (int64_t)n * HW * C + t.c0;  // dy: [N][HW][C]
     int ld, dx_ld;
     const floatX *column = gn_column(x, o.x2, o.C1, n, HW, C, t.c0, &ld);
     floatX *dx_column = gn_column(dx, o.dx2, o.C1, n, HW, C, t.c0, &dx_ld);
-    bool add = mode == GRAD_ADD;
+    const bool add = mode == GRAD_ADD;
+    const int skip_ring = add ? 3 : 2;
     for (int i = 0; i < GN_AHEAD; i++) {
         int r = t.first + i * t.rows_per_pass;
         gn_fetch(ring[0], i, column, r, t.end, ld), gn_fetch(ring[1], i, dy + sample, r, t.end, C);
         if (add) gn_fetch(ring[2], i, dx_column, r, t.end, dx_ld);
+        if (skip) gn_fetch(ring[skip_ring], i, skip + sample, r, t.end, C);
         conv_cp_async_commit();
     }
     if (threadIdx.x < GN_GROUPS) {
@@ -3534,8 +3538,9 @@ __global__ void __launch_bounds__(GN_THREADS, 2)
         e[j] = -k.a[j] * k.a[j] * mean_gx[g], f[j] = -k.a[j] * (mean_g[g] + k.b[j] * mean_gx[g]);
     }
     for (int r = t.first, i = 0; r < t.end; r += t.rows_per_pass, i++) {
-        Pack xp = gn_arrived(ring[0], i), dp = ring[1][i % GN_AHEAD][threadIdx.x], out;  // dy, dx: in x's group
+        Pack xp = gn_arrived(ring[0], i), dp = ring[1][i % GN_AHEAD][threadIdx.x], out, sp;  // the others: in x's group
         if (add) out = ring[2][i % GN_AHEAD][threadIdx.x];
+        if (skip) sp = ring[skip_ring][i % GN_AHEAD][threadIdx.x];
         int64_t at = sample + (int64_t)r * C;
         float keep[PACK];
         group_norm_keep(keep, o, k.dropout_key, at);
@@ -3543,12 +3548,14 @@ __global__ void __launch_bounds__(GN_THREADS, 2)
             float v = (float)xp.v[j], slope;
             group_norm_element(v * k.s[j] + k.t[j], o, keep[j], &slope);
             float d = (float)dp.v[j] * slope * k.s[j] + v * e[j] + f[j];
-            out.v[j] = (floatX)(add ? (float)out.v[j] + d : d);
+            if (skip) out.v[j] = add ? (floatX)((float)out.v[j] + (float)sp.v[j]) : sp.v[j];
+            out.v[j] = (floatX)(add || skip ? (float)out.v[j] + d : d);
         }
         *(Pack *)&dx_column[(int64_t)r * dx_ld] = out;
         int next = r + GN_AHEAD * t.rows_per_pass;
         gn_fetch(ring[0], i, column, next, t.end, ld), gn_fetch(ring[1], i, dy + sample, next, t.end, C);
         if (add) gn_fetch(ring[2], i, dx_column, next, t.end, dx_ld);
+        if (skip) gn_fetch(ring[skip_ring], i, skip + sample, next, t.end, C);
         conv_cp_async_commit();
     }
 }
@@ -3582,15 +3589,17 @@ __global__ void __launch_bounds__(32 * REDUCE_SLICES)
     }
 }
 
-// dx (+)= (the input gradient; the mode says which), d_scale_shift += (when scale-shift is on, [N][ld]
-// like the input); y (not NULL): y again, as group_norm_forward wrote it (group_norm_recompute's
-// work, done by the first pass, which reads x anyway).
-static void group_norm_backward(const Norm *norm, floatX *dx, GradMode mode, float *d_scale_shift, const floatX *dy, const floatX *x,
-                                floatX *y, const float *mean, const float *rstd, int N, int HW, NormOptions o) {
+// dx (+)= (the input gradient; the mode says which) + skip (not NULL: a gradient that reached the input
+// around the layer, [N][HW][C] like dy, instead of a pass of its own adding it to dx), d_scale_shift +=
+// (when scale-shift is on, [N][ld] like the input); y (not NULL): y again, as group_norm_forward wrote it
+// (group_norm_recompute's work, done by the first pass, which reads x anyway).
+static void group_norm_backward(const Norm *norm, floatX *dx, GradMode mode, const floatX *skip, float *d_scale_shift, const floatX *dy,
+                                const floatX *x, floatX *y, const float *mean, const float *rstd, int N, int HW, NormOptions o) {
     int C = norm->channels, chunks = gn_chunks(HW, C, N);
     double *partials = norm->scratch->gn_partials;
-    static bool input_configured;  // three rings are 48 KB in the BF16 build: beyond the default limit with the static part
-    allow_dynamic_smem(group_norm_backward_input_kernel, &input_configured, gn_backward_smem(3));
+    if (skip && o.x2) fatal("internal error: GroupNorm's backward adds a skip gradient only to an input of one part");
+    static bool input_configured;  // four rings are 64 KB in the BF16 build: beyond the default limit with the static part
+    allow_dynamic_smem(group_norm_backward_input_kernel, &input_configured, gn_backward_smem(4));
     group_norm_backward_sums_kernel<<<dim3(chunks, N), GN_THREADS, gn_backward_smem(2), gpu.stream>>>(
         partials, y, dy, x, mean, rstd, norm->gamma, norm->beta, o, HW, C);
     cuda_check_launch();
@@ -3601,8 +3610,8 @@ static void group_norm_backward(const Norm *norm, floatX *dx, GradMode mode, flo
         cuda_check_launch();
         side_end();
     }
-    group_norm_backward_input_kernel<<<dim3(chunks, N), GN_THREADS, gn_backward_smem(mode == GRAD_ADD ? 3 : 2), gpu.stream>>>(
-        dx, mode, dy, x, partials, mean, rstd, norm->gamma, norm->beta, o, HW, C);
+    group_norm_backward_input_kernel<<<dim3(chunks, N), GN_THREADS, gn_backward_smem(2 + (mode == GRAD_ADD) + (skip != NULL)),
+                                       gpu.stream>>>(dx, mode, skip, dy, x, partials, mean, rstd, norm->gamma, norm->beta, o, HW, C);
     cuda_check_launch();
     side_join();
 }
@@ -4285,20 +4294,7 @@ static void split_channels(floatX *da, GradMode a_mode, floatX *db, GradMode b_m
 }
 
 // ----------------------------------------------------------------------------------------------
-// Elementwise: y (+)= x, SiLU and its backward dx (+)= dy * s (1 + x (1 - s)), s = sigmoid(x).
-
-template <typename V>
-__global__ void add_kernel(floatX *y, const floatX *x, int64_t n) {
-    const int per = sizeof(V) / sizeof(floatX);
-    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n / per; i += (int64_t)gridDim.x * blockDim.x) {
-        V sum = ((V *)y)[i], v = ((const V *)x)[i];
-        for (int j = 0; j < per; j++) sum.v[j] = (floatX)((float)sum.v[j] + (float)v.v[j]);
-        ((V *)y)[i] = sum;
-    }
-}
-
-// y += x over n elements, 16 bytes at a time where n allows (activations are 256-byte aligned).
-static void add_into(floatX *y, const floatX *x, int64_t n) { LAUNCH_VECTORISED(add_kernel, n, n, y, x, n); }
+// Elementwise: SiLU and its backward dx (+)= dy * s (1 + x (1 - s)), s = sigmoid(x).
 
 // y += x over n fp32 values (parameter gradients: the pieces of a step's batch).
 __global__ void add_floats_kernel(float *y, const float *x, int64_t n) {
@@ -4309,12 +4305,6 @@ static void add_floats(float *y, const float *x, int64_t n) {
     if (n <= 0) return;
     add_floats_kernel<<<blocks_for(n, 256), 256, 0, gpu.stream>>>(y, x, n);
     cuda_check_launch();
-}
-
-// y (+)= x over n elements: a gradient passed on unchanged (copied where y has no other producer).
-static void pass_gradient(floatX *y, GradMode mode, const floatX *x, int64_t n) {
-    if (mode == GRAD_ADD) add_into(y, x, n);
-    else cuda_check(cudaMemcpyAsync(y, x, n * sizeof(floatX), cudaMemcpyDeviceToDevice, gpu.stream));
 }
 
 __global__ void silu_forward_kernel(floatX *y, const floatX *x, int64_t n) {
@@ -5184,15 +5174,18 @@ static void res_block_backward(ResBlock *r, const BlockEmbedding *e, const Act *
     GradMode skip_mode = r->resample ? GRAD_WRITE : in_grad;  // xr is the block's own
     conv_backward_input(&r->conv2, r->h2.dx, GRAD_WRITE, out->dx, N, Ho, Wo);
     // The skip convolution adds into conv2's output: its bias gradient is conv2's, copied below.
+    // An identity skip's gradient is out->dx itself: GroupNorm 1's backward adds it to dx (or, resampled,
+    // resample_backward reads it there).
+    const bool identity = !r->cat_a && !r->has_skip_conv;
     if (r->cat_a) conv1x1_backward_concat(&r->conv3, out->dx, r->cat_a, r->cat_a_grad, r->cat_b, r->cat_b_grad);
     else if (r->has_skip_conv) {
         weight_gradient(r->conv3.scratch, r->conv3.dw, r->conv3.in, out->dx, skip, N * Ho * Wo, r->conv3.out, r->conv3.in);
         conv_backward_input(&r->conv3, dskip, skip_mode, out->dx, N, Ho, Wo);
-    } else pass_gradient(dskip, skip_mode, out->dx, act_numel(out));
+    }
     // GroupNorm 2's backward recomputes h2 for conv2's weight gradient, which then runs beside conv1's
     // backward.
     float *d_emb = e->d_out ? e->d_out + r->emb_offset : NULL;  // (none without parameter gradients)
-    group_norm_backward(&r->norm2, r->h1.dx, GRAD_WRITE, d_emb, r->h2.dx, r->h1.x, r->h2.x, r->mean2, r->rstd2, N, Ho * Wo,
+    group_norm_backward(&r->norm2, r->h1.dx, GRAD_WRITE, NULL, d_emb, r->h2.dx, r->h1.x, r->h2.x, r->mean2, r->rstd2, N, Ho * Wo,
                         res_block_norm2(r, e, training));
     conv_backward_params_side(&r->conv2, out->dx, r->h2.x, N, Ho, Wo, NULL, 0);
     if (r->has_skip_conv && r->conv3.db) {
@@ -5210,9 +5203,11 @@ static void res_block_backward(ResBlock *r, const BlockEmbedding *e, const Act *
     conv_backward_input(&r->conv1, dh, GRAD_WRITE, r->h1.dx, N, Ho, Wo);
     if (r->resample) {
         resample_backward(r->resample > 0, r->h0.dx, GRAD_WRITE, r->h0r.dx, N, H, W, in->C);
-        resample_backward(r->resample > 0, in->dx, in_grad, r->xr.dx, N, H, W, in->C);
+        resample_backward(r->resample > 0, in->dx, in_grad, identity ? out->dx : r->xr.dx, N, H, W, in->C);
     }
-    group_norm_backward(&r->norm1, dx, GRAD_ADD, NULL, r->h0.dx, x, NULL, r->mean1, r->rstd1, N, H * W, o1);
+    const bool skip_here = identity && !r->resample;  // (else dx already holds the skip's gradient)
+    group_norm_backward(&r->norm1, dx, skip_here ? in_grad : GRAD_ADD, skip_here ? out->dx : NULL, NULL, r->h0.dx, x, NULL, r->mean1,
+                        r->rstd1, N, H * W, o1);
 }
 
 // guided-diffusion's AttentionBlock: h0 = GroupNorm(x), h1 = qkv(h0) (1x1 conv1d to 3C),
@@ -5244,11 +5239,10 @@ static void attention_block_recompute(AttentionBlock *a, const Act *in) {
 static void attention_block_backward(AttentionBlock *a, const Act *in, const Act *out, GradMode in_grad) {
     int N = in->N, H = in->H, W = in->W;
     conv_backward(&a->proj, a->h2.dx, GRAD_WRITE, out->dx, a->h2.x, N, H, W, NULL, 0);
-    pass_gradient(in->dx, in_grad, out->dx, act_numel(out));
     attention_backward(&a->attention);
     group_norm_recompute(&a->norm, a->h0.x, a->mean, a->rstd, in->x, N, H * W, NORM_PLAIN);
     conv_backward(&a->qkv, a->h0.dx, GRAD_WRITE, a->h1.dx, a->h0.x, N, H, W, NULL, 0);
-    group_norm_backward(&a->norm, in->dx, GRAD_ADD, NULL, a->h0.dx, in->x, NULL, a->mean, a->rstd, N, H * W, NORM_PLAIN);
+    group_norm_backward(&a->norm, in->dx, in_grad, out->dx, NULL, a->h0.dx, in->x, NULL, a->mean, a->rstd, N, H * W, NORM_PLAIN);
 }
 
 // guided-diffusion's Downsample: a stride-2 3x3 conv (conv_resample), else 2x2 average pooling.
@@ -5307,7 +5301,7 @@ static void output_head_backward(OutputHead *o, const Act *in, const Act *out, G
     int N = in->N, H = in->H, W = in->W;
     group_norm_recompute(&o->norm, o->h0.x, o->mean, o->rstd, in->x, N, H * W, NORM_SILU);
     conv_backward(&o->conv, o->h0.dx, GRAD_WRITE, out->dx, o->h0.x, N, H, W, NULL, 0);
-    group_norm_backward(&o->norm, in->dx, in_grad, NULL, o->h0.dx, in->x, NULL, o->mean, o->rstd, N, H * W, NORM_SILU);
+    group_norm_backward(&o->norm, in->dx, in_grad, NULL, NULL, o->h0.dx, in->x, NULL, o->mean, o->rstd, N, H * W, NORM_SILU);
 }
 
 // The classifier's head (walk_pool_head): h0 = SiLU(GroupNorm(x)), then
@@ -5369,7 +5363,7 @@ static void pool_head_backward(PoolHead *h, const Act *in, const Act *out, GradM
     if (h->pool == POOL_SPATIAL || h->pool == POOL_SPATIAL_V2) {
         conv_backward(&h->proj, h->hidden_act.dx, GRAD_WRITE, out->dx, h->hidden_act.x, N, 1, 1, NULL, 0);
         if (h->pool == POOL_SPATIAL_V2)
-            group_norm_backward(&h->norm, h->hidden.dx, GRAD_WRITE, NULL, h->hidden_act.dx, h->hidden.x, NULL, h->mean, h->rstd, N, 1,
+            group_norm_backward(&h->norm, h->hidden.dx, GRAD_WRITE, NULL, NULL, h->hidden_act.dx, h->hidden.x, NULL, h->mean, h->rstd, N, 1,
                                 NORM_SILU);
         else {
             relu_backward_kernel<<<blocks_for(act_numel(&h->hidden), 256), 256, 0, gpu.stream>>>(h->hidden.dx, h->hidden_act.dx, h->hidden.x,
@@ -5390,7 +5384,7 @@ static void pool_head_backward(PoolHead *h, const Act *in, const Act *out, GradM
         conv_backward(&h->qkv, h->tokens.dx, GRAD_WRITE, h->qkv_out.dx, h->tokens.x, N, 1, T, NULL, 0);
     }
     pool_tokens_backward(h->h0.dx, GRAD_WRITE, h->d_positions, h->tokens.dx, C, N, HW, C, T);
-    group_norm_backward(&h->norm, in->dx, in_grad, NULL, h->h0.dx, in->x, NULL, h->mean, h->rstd, N, HW, NORM_SILU);
+    group_norm_backward(&h->norm, in->dx, in_grad, NULL, NULL, h->h0.dx, in->x, NULL, h->mean, h->rstd, N, HW, NORM_SILU);
 }
 
 // A spatial pool's gradient of the output of `block`, one of its sources, added to what the blocks
@@ -6837,7 +6831,7 @@ static void print_profile(UNet *m) {
             break;
         case 5: group_norm_forward(&l->norm2, l->h2.x, l->mean2, l->rstd2, l->h1.x, N, H * W, o, NO_SUMS, NO_SUMS); break;
         case 6:  // as res_block_backward runs it: recomputing h2 too
-            group_norm_backward(&l->norm2, l->h1.dx, GRAD_WRITE, m->embedding.d_out + l->emb_offset, l->h2.dx, l->h1.x, l->h2.x,
+            group_norm_backward(&l->norm2, l->h1.dx, GRAD_WRITE, NULL, m->embedding.d_out + l->emb_offset, l->h2.dx, l->h1.x, l->h2.x,
                                 l->mean2, l->rstd2, N, H * W, o);
             break;
         }

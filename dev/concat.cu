@@ -1,6 +1,6 @@
 // dev/concat.cu: the UNet decoder's skip connections: channel concatenation of the running
-// activation a [P][Ca] and the skip b [P][Cb] (P = N H W pixels, NHWC), and the residual add
-// (y += x) of the ResBlocks' and attention blocks' backward. CPU reference in double.
+// activation a [P][Ca] and the skip b [P][Cb] (P = N H W pixels, NHWC). CPU reference in double.
+// (The residuals' gradients are added by GroupNorm's backward: dev/groupnorm.cu checks them.)
 #include "common.h"
 
 // y[p] = [a[p][0 .. Ca) | b[p][0 .. Cb)]
@@ -21,8 +21,8 @@ static void ref_concat_backward(double *da, double *db, const double *dy, size_t
 
 #ifndef DEV_NO_MAIN
 // ----------------------------------------------------------------------------------------------
-// GPU check: the trainer's concat_channels (y written whole), split_channels (da, db each added to
-// or written) and add_into (y += x), as the blocks' forward and backward call them.
+// GPU check: the trainer's concat_channels (y written whole) and split_channels (da, db each added
+// to or written), as the blocks' forward and backward call them.
 
 typedef struct {
     floatX *y, *a, *b, *dy, *da, *db;
@@ -39,16 +39,6 @@ static void concat_run_forward(void *p) {
 static void concat_run_backward(void *p) {
     ConcatRun *r = (ConcatRun *)p;
     split_channels(r->da, r->a_mode, r->db, r->b_mode, r->dy, r->P, r->Ca, r->Cb);
-}
-
-typedef struct {
-    floatX *y, *x;
-    int64_t n;
-} AddRun;
-
-static void add_run(void *p) {
-    AddRun *r = (AddRun *)p;
-    add_into(r->y, r->x, r->n);
 }
 
 static void check_concat(int N, int H, int W, int Ca, int Cb, GradMode a_mode, GradMode b_mode) {
@@ -78,19 +68,6 @@ static void check_concat(int N, int H, int W, int Ca, int Cb, GradMode a_mode, G
     free(a), free(b), free(dy), free(y), free(da), free(db), free(da_before), free(db_before);
 }
 
-static void check_add(size_t n) {
-    double *y = dev_alloc(n), *x = dev_alloc(n);
-    dev_fill_x(y, n, -1, 1), dev_fill_x(x, n, -1, 1);
-    AddRun r = {dev_upload_x(y, n), dev_upload_x(x, n), (int64_t)n};
-    add_run(&r);
-    double tol = DEV_TOLERANCE, err = dev_check_x(r.y, y, x, n);  // y += x
-    char shape[96];
-    snprintf(shape, sizeof shape, "n %zu", n);
-    dev_row("add", shape, err, tol, NULL, -1, -1);
-    dev_gpu_free(r.y, r.x, NULL);
-    free(y), free(x);
-}
-
 static void time_concat(int N, int H, int W, int Ca, int Cb) {
     size_t P = (size_t)N * H * W, na = P * Ca, nb = P * Cb, ny = P * (Ca + Cb);
     ConcatRun r = {(floatX *)gpu_malloc(ny * sizeof(floatX)), dev_random_x(na, -1, 1), dev_random_x(nb, -1, 1),
@@ -102,10 +79,6 @@ static void time_concat(int N, int H, int W, int Ca, int Cb) {
     char shape[96];
     snprintf(shape, sizeof shape, "N%d %dx%d %d+%d", N, H, W, Ca, Cb);
     dev_timing_row("concat", shape, fwd, bwd, dev_finite_x(r.y, ny) && dev_finite_x(r.da, na) && dev_finite_x(r.db, nb));
-    AddRun add = {r.y, r.dy, (int64_t)ny};
-    double ms = dev_time_ms(add_run, &add);
-    snprintf(shape, sizeof shape, "n %zu (N%d %dx%d C%d)", ny, N, H, W, Ca + Cb);
-    dev_timing_row("add", shape, ms, -1, dev_finite_x(r.y, ny));
     dev_gpu_free(r.y, r.a, r.b, r.dy, r.da, r.db, NULL);
 }
 
@@ -116,9 +89,6 @@ int main(void) {
     check_concat(2, 1, 1, 256, 192, GRAD_WRITE, GRAD_ADD);
     check_concat(3, 5, 3, 3, 5, GRAD_ADD, GRAD_WRITE);         // narrow, odd
     check_concat(2, 3, 3, 8, 3, GRAD_WRITE, GRAD_WRITE);       // one count a multiple of PACK, the other not
-    check_add(1);
-    check_add(3 * 13 * 13 * 96);
-    check_add(3 * 13 * 13 * 96 + 5);
     time_concat(32, 64, 64, 64, 64);
     return dev_end();
 }

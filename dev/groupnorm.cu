@@ -100,17 +100,19 @@ static void ref_group_norm_backward(double *d_in, double *d_gamma, double *d_bet
 //   with GN_CONCAT, for its first part; GN_GIVEN_SUMS_B for the second part (in 2 slots); a part
 //   without has them taken by group_norm_forward. GN_UPSAMPLED: x is a nearest 2x upsampling, and
 //   the sums given for the first part are its source's (each source pixel standing for 4).
-//   backward: dx += (GN_WRITE: written), d_scale_shift +=, dgamma, dbeta written.
+//   backward: dx += (GN_WRITE: written), d_scale_shift +=, dgamma, dbeta written; GN_SKIP: a skip's
+//   gradient added to dx as well (the residual's, of a block whose input the GroupNorm reads).
 
 enum {
     GN_EMB_ADD = 1, GN_SCALE_SHIFT = 2, GN_WRITE = 4, GN_FAR_MEAN = 8, GN_CONCAT = 16, GN_GIVEN_SUMS = 32, GN_GIVEN_SUMS_B = 64,
-    GN_UPSAMPLED = 128
+    GN_UPSAMPLED = 128, GN_SKIP = 256
 };
 
 typedef struct {
     Norm norm;
     NormOptions o;
     floatX *y, *x, *dx, *dy;
+    floatX *skip;     // a gradient added to dx beside the input gradient, or NULL
     floatX *y_again;  // backward's recomputation of y, or NULL
     float *mean, *rstd, *d_scale_shift;
     GradMode dx_mode;
@@ -146,7 +148,7 @@ static GatheredSums given_sums(const double *x, int N, int H, int W, int C, int 
 
 static void norm_run_backward(void *p) {
     NormRun *r = (NormRun *)p;
-    group_norm_backward(&r->norm, r->dx, r->dx_mode, r->d_scale_shift, r->dy, r->x, r->y_again, r->mean, r->rstd, r->N, r->HW,
+    group_norm_backward(&r->norm, r->dx, r->dx_mode, r->skip, r->d_scale_shift, r->dy, r->x, r->y_again, r->mean, r->rstd, r->N, r->HW,
                         r->o);
 }
 
@@ -194,6 +196,10 @@ static void check_norm(int N, int H, int W, int C, int silu, int mode, float dro
     // per-sample sums of dx are the embedding's gradient).
     double *dx_before = dev_alloc(n), *dss_before = dev_alloc(nss), *dadd_before = dev_alloc(nadd), s;
     if (!(mode & GN_EMB_ADD)) s = dev_rms(dx, n), dev_fill_x(dx_before, n, -s, s);
+    // GN_SKIP: dx then holds (dx_before, when added to) + skip before the input gradient
+    double *skip = dev_alloc(n), *dx_start = dev_alloc(n);
+    if (mode & GN_SKIP) s = dev_rms(dx, n), dev_fill_x(skip, n, -s, s);
+    for (size_t i = 0; i < n; i++) dx_start[i] = (mode & GN_WRITE ? 0.0 : dx_before[i]) + skip[i];
     s = dev_rms(dss, nss), dev_fill_f(dss_before, nss, -s, s);
     s = dev_rms(dadd, nadd), dev_fill_f(dadd_before, nadd, -s, s);
 
@@ -213,6 +219,7 @@ static void check_norm(int N, int H, int W, int C, int silu, int mode, float dro
     r.x = dev_upload_x(x, n), r.dy = dev_upload_x(dy, n);
     r.dx = mode & GN_WRITE ? (floatX *)dev_gpu_poisoned(n * sizeof(floatX)) : dev_upload_x(dx_before, n);
     r.dx_mode = mode & GN_WRITE ? GRAD_WRITE : GRAD_ADD;
+    r.skip = mode & GN_SKIP ? dev_upload_x(skip, n) : NULL;
     r.y = (floatX *)dev_gpu_poisoned(n * sizeof(floatX));
     r.mean = (float *)dev_gpu_poisoned((size_t)N * GN_GROUPS * sizeof(float));
     r.rstd = (float *)dev_gpu_poisoned((size_t)N * GN_GROUPS * sizeof(float));
@@ -254,7 +261,7 @@ static void check_norm(int N, int H, int W, int C, int silu, int mode, float dro
     double tol = DEV_TOLERANCE, fwd = dev_check_x(r.y, NULL, y, n);
     DevErrors e;
     dev_errors_init(&e);
-    dev_errors_add(&e, "dx", dev_check_x(r.dx, mode & GN_WRITE ? NULL : dx_before, dx, n), tol);
+    dev_errors_add(&e, "dx", dev_check_x(r.dx, mode & GN_WRITE && !(mode & GN_SKIP) ? NULL : dx_start, dx, n), tol);
     dev_errors_add(&e, "recompute", recompute_err, 0);
     dev_errors_add(&e, "recompute in backward", backward_recompute_err, 0);
     dev_errors_add(&e, "dgamma", dev_check_f(r.norm.dgamma, NULL, dgamma, C), tol);
@@ -266,6 +273,7 @@ static void check_norm(int N, int H, int W, int C, int silu, int mode, float dro
     snprintf(shape, sizeof shape, "N%d %dx%d C%d%s%s%s", N, H, W, C, silu ? " silu" : "", mode & GN_EMB_ADD ? " add" : "",
              mode & GN_SCALE_SHIFT ? " scale-shift" : "");
     if (mode & GN_WRITE) snprintf(shape + strlen(shape), sizeof shape - strlen(shape), " dx written");
+    if (mode & GN_SKIP) snprintf(shape + strlen(shape), sizeof shape - strlen(shape), " + skip");
     if (dropout > 0) snprintf(shape + strlen(shape), sizeof shape - strlen(shape), " drop%.2g", dropout);
     if (mode & GN_FAR_MEAN) snprintf(shape + strlen(shape), sizeof shape - strlen(shape), " x in [40, 44]");
     if (mode & GN_CONCAT) snprintf(shape + strlen(shape), sizeof shape - strlen(shape), " [%d | %d] in place", C1, C - C1);
@@ -276,10 +284,11 @@ static void check_norm(int N, int H, int W, int C, int silu, int mode, float dro
 
     dev_gpu_free(r.norm.gamma, r.norm.beta, r.norm.dgamma, r.norm.dbeta, ss_gpu, add_gpu, dadd_gpu, r.x, r.dy, r.dx, r.y,
                  r.mean, r.rstd, r.d_scale_shift, seed_gpu, NULL);
+    if (r.skip) dev_gpu_free(r.skip, NULL);
     cuda_check(cudaFree((void *)r.part_a.sums)), cuda_check(cudaFree((void *)r.part_b.sums));  // (NULL: nothing)
     free(x), free(gamma), free(beta), free(dy), free(ss), free(add), free(xin), free(ss2), free(keep), free(dy_keep);
     free(y), free(dx), free(dgamma), free(dbeta), free(dss2), free(dss), free(dadd), free(dx_before), free(dss_before);
-    free(dadd_before);
+    free(dadd_before), free(skip), free(dx_start);
 }
 
 static void time_norm(const char *what, int N, int H, int W, int C, int silu, int scale_shift) {
@@ -339,6 +348,11 @@ int main(void) {
     check_norm(3, 8, 8, 192, 1, GN_CONCAT | GN_GIVEN_SUMS_B, 0);
     check_norm(2, 12, 12, 192, 1, GN_CONCAT | GN_GIVEN_SUMS | GN_GIVEN_SUMS_B | GN_UPSAMPLED | GN_FAR_MEAN, 0);
     check_norm(2, 16, 16, 96, 0, GN_GIVEN_SUMS | GN_UPSAMPLED | GN_EMB_ADD, 0);
+    // a block's input gradient with its residual's added in the same pass: added to (an encoder's
+    // input, which the decoder's skip reads too) or written
+    check_norm(2, 9, 9, 96, 0, GN_SKIP, 0);
+    check_norm(3, 13, 13, 160, 1, GN_SKIP | GN_WRITE, 0);
+    check_norm(2, 16, 16, 64, 1, GN_SKIP | GN_SCALE_SHIFT, 0.1f);
     time_norm("in_layers", 32, 64, 64, 64, 1, 0);
     time_norm("out_layers scale-shift", 32, 64, 64, 64, 1, 1);
     time_norm("out_layers scale-shift", 32, 8, 8, 512, 1, 1);
