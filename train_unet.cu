@@ -352,6 +352,7 @@ typedef struct {
     float *channel_sums;       // per-channel partial sums, [N][chunks][C] in channel_sum_slots(N) C floats
     double *gn_partials;       // GroupNorm: forward's channel sums [N][slots][C][2], backward's [N][chunks][4C + 2 groups]
     int64_t gn_partials_numel; // (doubles)
+    float *gn_dx_sums;         // GroupNorm's backward: channel sums of the dx it writes, [N][chunks][C] in gn_slots(N) C floats
     float *scores;             // attention, [N*heads][T][T]: S, then dP
     floatX *d_scores;          // attention, [N*heads][T][T]: dS
 } Scratch;
@@ -626,6 +627,19 @@ __global__ void __launch_bounds__(32 * REDUCE_SLICES)
     }
 }
 
+// Partial channel sums [N][chunks][C] that a kernel left beside the tensor it wrote (GroupNorm's
+// backward, of its dx), and the second pass alone over them.
+typedef struct {
+    const float *partial;
+    int chunks;
+} ChannelSumsGiven;
+
+static void channel_sums_total(float *per_sample, int per_sample_ld, float *total, const float *partial, int N, int chunks, int C) {
+    channel_sums_final_kernel<<<(C + 31) / 32, dim3(32, REDUCE_SLICES), 0, gpu.stream>>>(per_sample, per_sample_ld, total, partial,
+                                                                                         N, chunks, C);
+    cuda_check_launch();
+}
+
 static void channel_sums(const Scratch *s, float *per_sample, int per_sample_ld, float *total, const floatX *x, int N, int rows_per_sample, int C) {
     int chunks = rows_per_sample < channel_sum_max_chunks(N) ? rows_per_sample : channel_sum_max_chunks(N);
     if (C % PACK == 0)
@@ -633,9 +647,7 @@ static void channel_sums(const Scratch *s, float *per_sample, int per_sample_ld,
     else
         channel_sums_partial_kernel<Scalar><<<dim3(chunks, N), 256, 0, gpu.stream>>>(s->channel_sums, x, rows_per_sample, C);
     cuda_check_launch();
-    channel_sums_final_kernel<<<(C + 31) / 32, dim3(32, REDUCE_SLICES), 0, gpu.stream>>>(per_sample, per_sample_ld, total,
-                                                                                         s->channel_sums, N, chunks, C);
-    cuda_check_launch();
+    channel_sums_total(per_sample, per_sample_ld, total, s->channel_sums, N, chunks, C);
 }
 
 // ----------------------------------------------------------------------------------------------
@@ -2996,14 +3008,16 @@ static void conv_forward(const Conv *cv, floatX *y, const floatX *x, int N, int 
 
 // The 3x3 weight gradient and the bias gradient (d_bias_per_sample: also per sample), begun on the
 // side stream; the next side_join() waits for them. Nothing without parameter gradients (no dw).
+// dy_sums (not NULL): dy's partial channel sums, left by the kernel that wrote dy: no pass over dy.
 static void conv_backward_params_side(const Conv *cv, const floatX *dy, const floatX *x, int N, int H, int W,
-                                      float *d_bias_per_sample, int per_sample_ld) {
+                                      float *d_bias_per_sample, int per_sample_ld, const ChannelSumsGiven *dy_sums) {
     if (!cv->dw) return;
     int Ho = conv_out_size(H, cv->k, cv->stride), Wo = conv_out_size(W, cv->k, cv->stride);
     side_begin();
     if (cv->k == 3)
         conv3x3_backward_weight(cv->dw, cv->scratch->weight_grad, dy, cv->out, x, cv->in, N, H, W, cv->in, cv->out, cv->stride);
-    channel_sums(cv->scratch, d_bias_per_sample, per_sample_ld, cv->db, dy, N, Ho * Wo, cv->out);
+    if (dy_sums) channel_sums_total(d_bias_per_sample, per_sample_ld, cv->db, dy_sums->partial, N, dy_sums->chunks, cv->out);
+    else channel_sums(cv->scratch, d_bias_per_sample, per_sample_ld, cv->db, dy, N, Ho * Wo, cv->out);
     side_end();
 }
 
@@ -3023,7 +3037,7 @@ static void conv_backward_input(const Conv *cv, floatX *dx, GradMode mode, const
 // gradient (a 1x1 convolution's weight gradient is cuBLAS's: on the main stream).
 static void conv_backward(const Conv *cv, floatX *dx, GradMode mode, const floatX *dy, const floatX *x, int N, int H, int W,
                           float *d_bias_per_sample, int per_sample_ld) {
-    conv_backward_params_side(cv, dy, x, N, H, W, d_bias_per_sample, per_sample_ld);
+    conv_backward_params_side(cv, dy, x, N, H, W, d_bias_per_sample, per_sample_ld, NULL);
     if (cv->k == 1) weight_gradient(cv->scratch, cv->dw, cv->in, dy, x, N * H * W, cv->out, cv->in);  // cuBLAS: the main stream
     if (dx) conv_backward_input(cv, dx, mode, dy, N, H, W);
     side_join();
@@ -3496,10 +3510,12 @@ __global__ void __launch_bounds__(GN_THREADS, 2)
 // f = -rstd (mean_g(g) + b mean_g(g xhat)). Its grid is the sums' one. skip (not NULL, [N][HW][C] like
 // dy): a gradient that reached the input around the layer (a residual's), added too: dx = skip + dx',
 // or with GRAD_ADD dx = round(dx + skip) + dx' (the two additions' roundings as separate passes made them).
+// dx_sums (not NULL): the chunk's channel sums of dx as written, [N][chunks][C] (the bias gradient of the
+// layer that produced x, whose output gradient dx is), added up as channel_sums_partial_kernel adds.
 __global__ void __launch_bounds__(GN_THREADS, 2)
-    group_norm_backward_input_kernel(floatX *__restrict__ dx, GradMode mode, const floatX *__restrict__ skip, const floatX *__restrict__ dy,
-                                     const floatX *__restrict__ x, const double *partial, const float *mean, const float *rstd,
-                                     const float *gamma, const float *beta, NormOptions o, int HW, int C) {
+    group_norm_backward_input_kernel(floatX *__restrict__ dx, GradMode mode, const floatX *__restrict__ skip, float *dx_sums,
+                                     const floatX *__restrict__ dy, const floatX *__restrict__ x, const double *partial, const float *mean,
+                                     const float *rstd, const float *gamma, const float *beta, NormOptions o, int HW, int C) {
     __shared__ float mean_g[GN_GROUPS], mean_gx[GN_GROUPS];
     extern __shared__ __align__(16) unsigned char gn_smem[];  // gn_backward_smem(2 + (mode == GRAD_ADD) + (skip != NULL)) bytes:
     GnRing *ring = (GnRing *)gn_smem;                          // the rows of x, dy, dx (when added to) and skip
@@ -3537,6 +3553,7 @@ __global__ void __launch_bounds__(GN_THREADS, 2)
         int g = (t.c0 + j) / per_group;
         e[j] = -k.a[j] * k.a[j] * mean_gx[g], f[j] = -k.a[j] * (mean_g[g] + k.b[j] * mean_gx[g]);
     }
+    float written[PACK] = {};  // the sums of dx as written (dx_sums)
     for (int r = t.first, i = 0; r < t.end; r += t.rows_per_pass, i++) {
         Pack xp = gn_arrived(ring[0], i), dp = ring[1][i % GN_AHEAD][threadIdx.x], out, sp;  // the others: in x's group
         if (add) out = ring[2][i % GN_AHEAD][threadIdx.x];
@@ -3550,6 +3567,7 @@ __global__ void __launch_bounds__(GN_THREADS, 2)
             float d = (float)dp.v[j] * slope * k.s[j] + v * e[j] + f[j];
             if (skip) out.v[j] = add ? (floatX)((float)out.v[j] + (float)sp.v[j]) : sp.v[j];
             out.v[j] = (floatX)(add || skip ? (float)out.v[j] + d : d);
+            written[j] += (float)out.v[j];
         }
         *(Pack *)&dx_column[(int64_t)r * dx_ld] = out;
         int next = r + GN_AHEAD * t.rows_per_pass;
@@ -3557,6 +3575,18 @@ __global__ void __launch_bounds__(GN_THREADS, 2)
         if (add) gn_fetch(ring[2], i, dx_column, next, t.end, dx_ld);
         if (skip) gn_fetch(ring[skip_ring], i, skip + sample, next, t.end, C);
         conv_cp_async_commit();
+    }
+    if (dx_sums) {  // (in the fixed order of the sums kernels: the threads' rows, then the block's)
+        float *sh = (float *)gn_smem;  // [rows][C], over the rings
+        __syncthreads();               // every thread's ring read
+        for (int j = 0; j < PACK; j++) sh[threadIdx.x * PACK + j] = written[j];
+        __syncthreads();
+        float *out = dx_sums + ((int64_t)n * chunks + blockIdx.x) * C;
+        for (int c = threadIdx.x; c < C; c += GN_THREADS) {
+            float total = 0.0f;
+            for (int r = 0; r < gn_rows(C); r++) total += sh[r * C + c];
+            out[c] = total;
+        }
     }
 }
 
@@ -3592,12 +3622,15 @@ __global__ void __launch_bounds__(32 * REDUCE_SLICES)
 // dx (+)= (the input gradient; the mode says which) + skip (not NULL: a gradient that reached the input
 // around the layer, [N][HW][C] like dy, instead of a pass of its own adding it to dx), d_scale_shift +=
 // (when scale-shift is on, [N][ld] like the input); y (not NULL): y again, as group_norm_forward wrote it
-// (group_norm_recompute's work, done by the first pass, which reads x anyway).
-static void group_norm_backward(const Norm *norm, floatX *dx, GradMode mode, const floatX *skip, float *d_scale_shift, const floatX *dy,
-                                const floatX *x, floatX *y, const float *mean, const float *rstd, int N, int HW, NormOptions o) {
+// (group_norm_recompute's work, done by the first pass, which reads x anyway). dx_sums (not NULL): the
+// partial channel sums of dx as written, left in the scratch's gn_dx_sums (until the next such call).
+static void group_norm_backward(const Norm *norm, floatX *dx, GradMode mode, const floatX *skip, ChannelSumsGiven *dx_sums,
+                                float *d_scale_shift, const floatX *dy, const floatX *x, floatX *y, const float *mean, const float *rstd,
+                                int N, int HW, NormOptions o) {
     int C = norm->channels, chunks = gn_chunks(HW, C, N);
     double *partials = norm->scratch->gn_partials;
-    if (skip && o.x2) fatal("internal error: GroupNorm's backward adds a skip gradient only to an input of one part");
+    if ((skip || dx_sums) && o.x2) fatal("internal error: GroupNorm's backward adds a skip or sums dx only for an input of one part");
+    if (dx_sums) *dx_sums = {norm->scratch->gn_dx_sums, chunks};
     static bool input_configured;  // four rings are 64 KB in the BF16 build: beyond the default limit with the static part
     allow_dynamic_smem(group_norm_backward_input_kernel, &input_configured, gn_backward_smem(4));
     group_norm_backward_sums_kernel<<<dim3(chunks, N), GN_THREADS, gn_backward_smem(2), gpu.stream>>>(
@@ -3611,7 +3644,7 @@ static void group_norm_backward(const Norm *norm, floatX *dx, GradMode mode, con
         side_end();
     }
     group_norm_backward_input_kernel<<<dim3(chunks, N), GN_THREADS, gn_backward_smem(2 + (mode == GRAD_ADD) + (skip != NULL)),
-                                       gpu.stream>>>(dx, mode, skip, dy, x, partials, mean, rstd, norm->gamma, norm->beta, o, HW, C);
+                                       gpu.stream>>>(dx, mode, skip, dx_sums ? norm->scratch->gn_dx_sums : NULL, dy, x, partials, mean, rstd, norm->gamma, norm->beta, o, HW, C);
     cuda_check_launch();
     side_join();
 }
@@ -5185,9 +5218,11 @@ static void res_block_backward(ResBlock *r, const BlockEmbedding *e, const Act *
     // GroupNorm 2's backward recomputes h2 for conv2's weight gradient, which then runs beside conv1's
     // backward.
     float *d_emb = e->d_out ? e->d_out + r->emb_offset : NULL;  // (none without parameter gradients)
-    group_norm_backward(&r->norm2, r->h1.dx, GRAD_WRITE, NULL, d_emb, r->h2.dx, r->h1.x, r->h2.x, r->mean2, r->rstd2, N, Ho * Wo,
-                        res_block_norm2(r, e, training));
-    conv_backward_params_side(&r->conv2, out->dx, r->h2.x, N, Ho, Wo, NULL, 0);
+    // It also leaves the channel sums of h1.dx for conv1's bias gradient.
+    ChannelSumsGiven h1_sums;
+    group_norm_backward(&r->norm2, r->h1.dx, GRAD_WRITE, NULL, r->conv1.dw ? &h1_sums : NULL, d_emb, r->h2.dx, r->h1.x, r->h2.x,
+                        r->mean2, r->rstd2, N, Ho * Wo, res_block_norm2(r, e, training));
+    conv_backward_params_side(&r->conv2, out->dx, r->h2.x, N, Ho, Wo, NULL, 0, NULL);
     if (r->has_skip_conv && r->conv3.db) {
         side_begin();
         cuda_check(cudaMemcpyAsync(r->conv3.db, r->conv2.db, r->conv2.out * sizeof(float), cudaMemcpyDeviceToDevice, gpu.stream));
@@ -5199,15 +5234,15 @@ static void res_block_backward(ResBlock *r, const BlockEmbedding *e, const Act *
     NormOptions o1 = res_block_norm1(r);
     // conv1's parameter gradients (side stream) run beside its input gradient and on beside GroupNorm
     // 1's backward, whose end joins them: nothing until then writes what they read (h1.dx, h).
-    conv_backward_params_side(&r->conv1, r->h1.dx, h, N, Ho, Wo, d_add, e->total);
+    conv_backward_params_side(&r->conv1, r->h1.dx, h, N, Ho, Wo, d_add, e->total, &h1_sums);
     conv_backward_input(&r->conv1, dh, GRAD_WRITE, r->h1.dx, N, Ho, Wo);
     if (r->resample) {
         resample_backward(r->resample > 0, r->h0.dx, GRAD_WRITE, r->h0r.dx, N, H, W, in->C);
         resample_backward(r->resample > 0, in->dx, in_grad, identity ? out->dx : r->xr.dx, N, H, W, in->C);
     }
     const bool skip_here = identity && !r->resample;  // (else dx already holds the skip's gradient)
-    group_norm_backward(&r->norm1, dx, skip_here ? in_grad : GRAD_ADD, skip_here ? out->dx : NULL, NULL, r->h0.dx, x, NULL, r->mean1,
-                        r->rstd1, N, H * W, o1);
+    group_norm_backward(&r->norm1, dx, skip_here ? in_grad : GRAD_ADD, skip_here ? out->dx : NULL, NULL, NULL, r->h0.dx, x, NULL,
+                        r->mean1, r->rstd1, N, H * W, o1);
 }
 
 // guided-diffusion's AttentionBlock: h0 = GroupNorm(x), h1 = qkv(h0) (1x1 conv1d to 3C),
@@ -5242,7 +5277,8 @@ static void attention_block_backward(AttentionBlock *a, const Act *in, const Act
     attention_backward(&a->attention);
     group_norm_recompute(&a->norm, a->h0.x, a->mean, a->rstd, in->x, N, H * W, NORM_PLAIN);
     conv_backward(&a->qkv, a->h0.dx, GRAD_WRITE, a->h1.dx, a->h0.x, N, H, W, NULL, 0);
-    group_norm_backward(&a->norm, in->dx, in_grad, out->dx, NULL, a->h0.dx, in->x, NULL, a->mean, a->rstd, N, H * W, NORM_PLAIN);
+    group_norm_backward(&a->norm, in->dx, in_grad, out->dx, NULL, NULL, a->h0.dx, in->x, NULL, a->mean, a->rstd, N, H * W,
+                        NORM_PLAIN);
 }
 
 // guided-diffusion's Downsample: a stride-2 3x3 conv (conv_resample), else 2x2 average pooling.
@@ -5301,7 +5337,7 @@ static void output_head_backward(OutputHead *o, const Act *in, const Act *out, G
     int N = in->N, H = in->H, W = in->W;
     group_norm_recompute(&o->norm, o->h0.x, o->mean, o->rstd, in->x, N, H * W, NORM_SILU);
     conv_backward(&o->conv, o->h0.dx, GRAD_WRITE, out->dx, o->h0.x, N, H, W, NULL, 0);
-    group_norm_backward(&o->norm, in->dx, in_grad, NULL, NULL, o->h0.dx, in->x, NULL, o->mean, o->rstd, N, H * W, NORM_SILU);
+    group_norm_backward(&o->norm, in->dx, in_grad, NULL, NULL, NULL, o->h0.dx, in->x, NULL, o->mean, o->rstd, N, H * W, NORM_SILU);
 }
 
 // The classifier's head (walk_pool_head): h0 = SiLU(GroupNorm(x)), then
@@ -5363,8 +5399,8 @@ static void pool_head_backward(PoolHead *h, const Act *in, const Act *out, GradM
     if (h->pool == POOL_SPATIAL || h->pool == POOL_SPATIAL_V2) {
         conv_backward(&h->proj, h->hidden_act.dx, GRAD_WRITE, out->dx, h->hidden_act.x, N, 1, 1, NULL, 0);
         if (h->pool == POOL_SPATIAL_V2)
-            group_norm_backward(&h->norm, h->hidden.dx, GRAD_WRITE, NULL, NULL, h->hidden_act.dx, h->hidden.x, NULL, h->mean, h->rstd, N, 1,
-                                NORM_SILU);
+            group_norm_backward(&h->norm, h->hidden.dx, GRAD_WRITE, NULL, NULL, NULL, h->hidden_act.dx, h->hidden.x, NULL, h->mean,
+                                h->rstd, N, 1, NORM_SILU);
         else {
             relu_backward_kernel<<<blocks_for(act_numel(&h->hidden), 256), 256, 0, gpu.stream>>>(h->hidden.dx, h->hidden_act.dx, h->hidden.x,
                                                                                                   act_numel(&h->hidden));
@@ -5384,7 +5420,7 @@ static void pool_head_backward(PoolHead *h, const Act *in, const Act *out, GradM
         conv_backward(&h->qkv, h->tokens.dx, GRAD_WRITE, h->qkv_out.dx, h->tokens.x, N, 1, T, NULL, 0);
     }
     pool_tokens_backward(h->h0.dx, GRAD_WRITE, h->d_positions, h->tokens.dx, C, N, HW, C, T);
-    group_norm_backward(&h->norm, in->dx, in_grad, NULL, NULL, h->h0.dx, in->x, NULL, h->mean, h->rstd, N, HW, NORM_SILU);
+    group_norm_backward(&h->norm, in->dx, in_grad, NULL, NULL, NULL, h->h0.dx, in->x, NULL, h->mean, h->rstd, N, HW, NORM_SILU);
 }
 
 // A spatial pool's gradient of the output of `block`, one of its sources, added to what the blocks
@@ -5496,7 +5532,7 @@ typedef struct {
     uint64_t *zero_seed;     // on the GPU: dropout's seed until the trainer points the embedding at the step's
     Scratch scratch;
     // the largest scratch any layer needs, in elements (noted by the walk)
-    int64_t weight_grad_numel, conv_split_numel, channel_sums_numel, gn_partials_numel, scores_numel;
+    int64_t weight_grad_numel, conv_split_numel, channel_sums_numel, gn_partials_numel, gn_dx_sums_numel, scores_numel;
 } UNet;
 
 typedef struct {
@@ -5664,6 +5700,7 @@ static void walk_norm_scratch(Walk *w, int channels) {
     if (!group_norm_fits(channels))
         fatal("GroupNorm over %d channels: the %s build's kernels take at most %d", channels, PRECISION_NAME, GN_THREADS * PACK);
     note_scratch(&w->m->gn_partials_numel, gn_slots(w->m->batch) * (channels * 4 + GN_GROUPS * 2));
+    note_scratch(&w->m->gn_dx_sums_numel, gn_slots(w->m->batch) * channels);
 }
 
 // The block's output becomes the walk's current activation.
@@ -6369,7 +6406,8 @@ static void unet_lay_out(UNet *m) {
     int batch = m->batch, training = m->training, size = c->image_size, emb_dim = 4 * c->model_channels;
     m->parameters.used = m->acts.used = m->grads.used = m->scratch_region.used = m->inner_grads.used = m->transient.used = 0;
     m->inner_grads_size = m->transient_size = 0;
-    m->weight_grad_numel = m->conv_split_numel = m->channel_sums_numel = m->gn_partials_numel = m->scores_numel = 0;
+    m->weight_grad_numel = m->conv_split_numel = m->channel_sums_numel = m->gn_partials_numel = m->gn_dx_sums_numel = 0;
+    m->scores_numel = 0;
     m->num_blocks = 0;
 
     int64_t n = m->storage;
@@ -6415,6 +6453,7 @@ static void unet_lay_out(UNet *m) {
     s->channel_sums = (float *)arena_take(&m->scratch_region, m->channel_sums_numel * sizeof(float));
     s->gn_partials = (double *)arena_take(&m->scratch_region, m->gn_partials_numel * sizeof(double));
     s->gn_partials_numel = m->gn_partials_numel;
+    if (m->parameter_gradients) s->gn_dx_sums = (float *)arena_take(&m->scratch_region, m->gn_dx_sums_numel * sizeof(float));
     s->scores = (float *)arena_take(&m->scratch_region, m->scores_numel * sizeof(float));
     if (training) s->d_scores = (floatX *)arena_take(&m->scratch_region, m->scores_numel * sizeof(floatX));
     plan_gathered_sums(m);
@@ -6831,8 +6870,8 @@ static void print_profile(UNet *m) {
             break;
         case 5: group_norm_forward(&l->norm2, l->h2.x, l->mean2, l->rstd2, l->h1.x, N, H * W, o, NO_SUMS, NO_SUMS); break;
         case 6:  // as res_block_backward runs it: recomputing h2 too
-            group_norm_backward(&l->norm2, l->h1.dx, GRAD_WRITE, NULL, m->embedding.d_out + l->emb_offset, l->h2.dx, l->h1.x, l->h2.x,
-                                l->mean2, l->rstd2, N, H * W, o);
+            group_norm_backward(&l->norm2, l->h1.dx, GRAD_WRITE, NULL, NULL, m->embedding.d_out + l->emb_offset, l->h2.dx, l->h1.x,
+                                l->h2.x, l->mean2, l->rstd2, N, H * W, o);
             break;
         }
         cuda_check(cudaEventRecord(b, gpu.stream));

@@ -306,13 +306,14 @@ static Scratch dev_scratch_buffers;
 static const Scratch *dev_scratch(int64_t weight_grad, int64_t channel_sums, int64_t gn_partials) {
     Scratch *s = &dev_scratch_buffers;
     cuda_check(cudaStreamSynchronize(gpu.stream));
-    cudaFree(s->weight_grad), cudaFree(s->channel_sums), cudaFree(s->gn_partials);
+    cudaFree(s->weight_grad), cudaFree(s->channel_sums), cudaFree(s->gn_partials), cudaFree(s->gn_dx_sums);
     memset(s, 0, sizeof *s);
     s->weight_grad = (float *)dev_gpu_poisoned(weight_grad * sizeof(float));
     s->weight_grad_numel = weight_grad;
     s->channel_sums = (float *)dev_gpu_poisoned(channel_sums * sizeof(float));
     s->gn_partials = (double *)dev_gpu_poisoned(gn_partials * sizeof(double));
     s->gn_partials_numel = gn_partials;
+    s->gn_dx_sums = (float *)dev_gpu_poisoned(gn_partials * sizeof(float));  // (room for gn_slots(N) C floats)
     return s;
 }
 

@@ -101,11 +101,12 @@ static void ref_group_norm_backward(double *d_in, double *d_gamma, double *d_bet
 //   without has them taken by group_norm_forward. GN_UPSAMPLED: x is a nearest 2x upsampling, and
 //   the sums given for the first part are its source's (each source pixel standing for 4).
 //   backward: dx += (GN_WRITE: written), d_scale_shift +=, dgamma, dbeta written; GN_SKIP: a skip's
-//   gradient added to dx as well (the residual's, of a block whose input the GroupNorm reads).
+//   gradient added to dx as well (the residual's, of a block whose input the GroupNorm reads);
+//   GN_DX_SUMS: the channel sums of dx as written, left for the bias gradient of the layer before.
 
 enum {
     GN_EMB_ADD = 1, GN_SCALE_SHIFT = 2, GN_WRITE = 4, GN_FAR_MEAN = 8, GN_CONCAT = 16, GN_GIVEN_SUMS = 32, GN_GIVEN_SUMS_B = 64,
-    GN_UPSAMPLED = 128, GN_SKIP = 256
+    GN_UPSAMPLED = 128, GN_SKIP = 256, GN_DX_SUMS = 512
 };
 
 typedef struct {
@@ -113,6 +114,7 @@ typedef struct {
     NormOptions o;
     floatX *y, *x, *dx, *dy;
     floatX *skip;     // a gradient added to dx beside the input gradient, or NULL
+    ChannelSumsGiven dx_sums, *want_dx_sums;  // where group_norm_backward leaves dx's channel sums (or NULL)
     floatX *y_again;  // backward's recomputation of y, or NULL
     float *mean, *rstd, *d_scale_shift;
     GradMode dx_mode;
@@ -148,7 +150,7 @@ static GatheredSums given_sums(const double *x, int N, int H, int W, int C, int 
 
 static void norm_run_backward(void *p) {
     NormRun *r = (NormRun *)p;
-    group_norm_backward(&r->norm, r->dx, r->dx_mode, r->skip, r->d_scale_shift, r->dy, r->x, r->y_again, r->mean, r->rstd, r->N, r->HW,
+    group_norm_backward(&r->norm, r->dx, r->dx_mode, r->skip, r->want_dx_sums, r->d_scale_shift, r->dy, r->x, r->y_again, r->mean, r->rstd, r->N, r->HW,
                         r->o);
 }
 
@@ -220,6 +222,7 @@ static void check_norm(int N, int H, int W, int C, int silu, int mode, float dro
     r.dx = mode & GN_WRITE ? (floatX *)dev_gpu_poisoned(n * sizeof(floatX)) : dev_upload_x(dx_before, n);
     r.dx_mode = mode & GN_WRITE ? GRAD_WRITE : GRAD_ADD;
     r.skip = mode & GN_SKIP ? dev_upload_x(skip, n) : NULL;
+    r.want_dx_sums = mode & GN_DX_SUMS ? &r.dx_sums : NULL;
     r.y = (floatX *)dev_gpu_poisoned(n * sizeof(floatX));
     r.mean = (float *)dev_gpu_poisoned((size_t)N * GN_GROUPS * sizeof(float));
     r.rstd = (float *)dev_gpu_poisoned((size_t)N * GN_GROUPS * sizeof(float));
@@ -257,6 +260,16 @@ static void check_norm(int N, int H, int W, int C, int silu, int mode, float dro
         dev_gpu_free(x_parts, dx_parts, NULL);
     }
     if (mode & GN_EMB_ADD) channel_sums(r.norm.scratch, dadd_gpu, add_ld, NULL, r.dx, N, HW, C);
+    double dx_sums_err = 0.0;
+    if (mode & GN_DX_SUMS) {  // against the sums of dx as the GPU wrote it
+        double *written = dev_download_x(r.dx, n), *sums = dev_alloc(C);
+        for (size_t i = 0; i < n; i++) sums[i % C] += written[i];
+        float *total = (float *)dev_gpu_poisoned(C * sizeof(float));
+        channel_sums_total(NULL, 0, total, r.dx_sums.partial, N, r.dx_sums.chunks, C);
+        dx_sums_err = dev_check_f(total, NULL, sums, C);
+        dev_gpu_free(total, NULL);
+        free(written), free(sums);
+    }
 
     double tol = DEV_TOLERANCE, fwd = dev_check_x(r.y, NULL, y, n);
     DevErrors e;
@@ -269,11 +282,13 @@ static void check_norm(int N, int H, int W, int C, int silu, int mode, float dro
     if (mode & GN_SCALE_SHIFT) dev_errors_add(&e, "dss", dev_check_f(r.d_scale_shift, dss_before, dss, nss), tol);
     else dev_errors_add(&e, "dss_untouched", dev_check_f(r.d_scale_shift, dss_before, dss, nss), 0);  // dss is zero
     if (mode & GN_EMB_ADD) dev_errors_add(&e, "dadd", dev_check_f(dadd_gpu, dadd_before, dadd, nadd), tol);
+    if (mode & GN_DX_SUMS) dev_errors_add(&e, "dx sums", dx_sums_err, tol);
     char shape[96];
     snprintf(shape, sizeof shape, "N%d %dx%d C%d%s%s%s", N, H, W, C, silu ? " silu" : "", mode & GN_EMB_ADD ? " add" : "",
              mode & GN_SCALE_SHIFT ? " scale-shift" : "");
     if (mode & GN_WRITE) snprintf(shape + strlen(shape), sizeof shape - strlen(shape), " dx written");
     if (mode & GN_SKIP) snprintf(shape + strlen(shape), sizeof shape - strlen(shape), " + skip");
+    if (mode & GN_DX_SUMS) snprintf(shape + strlen(shape), sizeof shape - strlen(shape), " (dx's sums)");
     if (dropout > 0) snprintf(shape + strlen(shape), sizeof shape - strlen(shape), " drop%.2g", dropout);
     if (mode & GN_FAR_MEAN) snprintf(shape + strlen(shape), sizeof shape - strlen(shape), " x in [40, 44]");
     if (mode & GN_CONCAT) snprintf(shape + strlen(shape), sizeof shape - strlen(shape), " [%d | %d] in place", C1, C - C1);
@@ -353,6 +368,10 @@ int main(void) {
     check_norm(2, 9, 9, 96, 0, GN_SKIP, 0);
     check_norm(3, 13, 13, 160, 1, GN_SKIP | GN_WRITE, 0);
     check_norm(2, 16, 16, 64, 1, GN_SKIP | GN_SCALE_SHIFT, 0.1f);
+    // out_layers' input gradient with its channel sums (the bias gradient of in_layers' convolution)
+    check_norm(3, 16, 16, 96, 1, GN_SCALE_SHIFT | GN_WRITE | GN_DX_SUMS, 0.1f);
+    check_norm(2, 1, 1, 768, 1, GN_SCALE_SHIFT | GN_WRITE | GN_DX_SUMS, 0);  // idle threads
+    check_norm(40, 64, 64, 64, 1, GN_WRITE | GN_DX_SUMS, 0);
     time_norm("in_layers", 32, 64, 64, 64, 1, 0);
     time_norm("out_layers scale-shift", 32, 64, 64, 64, 1, 1);
     time_norm("out_layers scale-shift", 32, 8, 8, 512, 1, 1);
