@@ -830,7 +830,7 @@ static const char *const conv_family_names[CONV_FAMILIES] = {"image", "narrow", 
 typedef struct {
     int op, N, H, W, C_in, C_out, stride;
     bool vec_a, vec_b;          // each operand loads in 16-byte chunks (channels, pixel stride, address)
-    bool pair_store, vec_store; // the output (and a residual) stores 4, and 16, bytes at a time (16: the bias loads so too)
+    bool pair_store, vec_store; // the output (and a residual) stores 4, and 16, bytes at a time (16: the bias read so too)
     bool out_aligned;           // the output's pixel stride a multiple of 8 elements, its address of 16 bytes
     bool bias, bias_aligned;    // forward: a bias, on a 4-byte boundary
     bool residual;              // forward: a residual added
@@ -1158,8 +1158,8 @@ typedef struct {
     floatX *out;     // y (forward) or dx (input gradient)
     float *out_f;    // weight gradient: [slice][C_out][9 C_in]
     int pair_store;  // two adjacent output values may be written as one aligned pair
-    int vec_store;   // 8 adjacent ones as 16 aligned bytes (out's rows: ldo % 8 == 0, 16-byte aligned; so the
-                     // residual's and the bias's, which are read so)
+    int vec_store;   // 8 adjacent ones as 16 aligned bytes (out's rows: ldo % 8 == 0, 16-byte aligned; so are the
+                     // forward's residual rows and bias, which the store reads 16 bytes at a time)
     int add_out;     // the input gradient is added to what out holds (GRAD_ADD), else written over it
     // The wgmma kernel's stride-2 input gradient numbers its rows (input pixels) by parity class: class
     // c = 2 (h % 2) + w % 2 holds rows [class_start[c], class_start[c + 1]), in (n, h / 2, w / 2) order.
