@@ -3244,30 +3244,64 @@ typedef struct {
 // x' = x + add[n][c], so per channel
 //   sum x' = sum x + HW add,  sum x'^2 = sum x^2 + 2 add sum x + HW add^2
 // and then mean = sum x' / count, var = sum x'^2 / count - mean^2 over the group's count = HW C / 32
-// values, rstd = 1 / sqrt(var + eps). A group may take channels from both parts. Eight threads take
-// a group's (slot, channel) terms of each part in turn and a shuffle tree adds theirs: a fixed order.
-// Every thread calls it.
-__device__ inline void group_norm_statistics(float *mean, float *rstd, const GnSums &s, const NormOptions &o, int n, int HW,
-                                             int C) {
-    static_assert(GN_THREADS == 8 * GN_GROUPS, "eight threads a group");
-    const int g = threadIdx.x / 8, part = threadIdx.x % 8, per_group = C / GN_GROUPS;
-    double a = 0.0, b = 0.0;
+// values, rstd = 1 / sqrt(var + eps). A group may take channels from both parts.
+
+// Group g's (slot, channel) terms i = first, first + stride, ... of each part in turn, added to a
+// (sum x') and b (sum x'^2).
+__device__ inline void gn_group_terms(double &a, double &b, const GnSums &s, const NormOptions &o, int n, int HW, int C, int g,
+                                      int first, int stride) {
+    const int per_group = C / GN_GROUPS;
     for (int p = 0; p < 2; p++) {
-        int first = p ? s.C1 : 0, width = p ? C - s.C1 : s.C1;
-        int lo = max(g * per_group, first), hi = min((g + 1) * per_group, first + width);
+        int from = p ? s.C1 : 0, width = p ? C - s.C1 : s.C1;
+        int lo = max(g * per_group, from), hi = min((g + 1) * per_group, from + width);
         if (lo >= hi) continue;
-        for (int i = part; i < s.slots[p] * (hi - lo); i += 8) {
+        for (int i = first; i < s.slots[p] * (hi - lo); i += stride) {
             int slot = i / (hi - lo), c = lo + i % (hi - lo);
-            const double *at = s.sums[p] + (((int64_t)n * s.slots[p] + slot) * width + c - first) * 2;
+            const double *at = s.sums[p] + (((int64_t)n * s.slots[p] + slot) * width + c - from) * 2;
             double add = o.add ? o.add[(int64_t)n * o.add_ld + c] : 0.0, repeat = s.repeat[p];
             a += repeat * at[0], b += repeat * (at[1] + 2.0 * add * at[0]);
             if (slot == 0) a += HW * add, b += HW * add * add;
         }
     }
+}
+
+__device__ inline void gn_mean_rstd(float *mean, float *rstd, double a, double b, double count) {
+    double m = a / count, var = fmax(b / count - m * m, 0.0);
+    *mean = (float)m, *rstd = (float)(1.0 / sqrt(var + GN_EPS));
+}
+
+// In the apply kernel: eight threads take a group's terms in turn and a shuffle tree adds theirs (a
+// fixed order). Every thread calls it.
+__device__ inline void group_norm_statistics(float *mean, float *rstd, const GnSums &s, const NormOptions &o, int n, int HW,
+                                             int C) {
+    static_assert(GN_THREADS == 8 * GN_GROUPS, "eight threads a group");
+    const int g = threadIdx.x / 8, part = threadIdx.x % 8;
+    double a = 0.0, b = 0.0;
+    gn_group_terms(a, b, s, o, n, HW, C, g, part, 8);
     for (int offset = 4; offset > 0; offset /= 2) a += __shfl_xor_sync(0xffffffffu, a, offset), b += __shfl_xor_sync(0xffffffffu, b, offset);
-    if (part == 0) {
-        double count = (double)HW * per_group, m = a / count, var = fmax(b / count - m * m, 0.0);
-        mean[g] = (float)m, rstd[g] = (float)(1.0 / sqrt(var + GN_EPS));
+    if (part == 0) gn_mean_rstd(&mean[g], &rstd[g], a, b, (double)HW * (C / GN_GROUPS));
+}
+
+// The statistics in a kernel of their own, for sums in many slots (GN_STATS_TERMS terms a group or
+// more: a 128x128 halo forward leaves 64 slots a sample), where each of the apply kernel's eight
+// threads a group would wait for one load after another before any block normalises: a block of
+// GN_STATS_THREADS per (group, sample) takes a few terms a thread, then a fixed-order tree, into
+// sample_mean, sample_rstd ([N][32]), which the apply kernel then reads.
+#define GN_STATS_THREADS 128
+#define GN_STATS_TERMS 128
+__global__ void __launch_bounds__(GN_STATS_THREADS)
+    group_norm_statistics_kernel(float *sample_mean, float *sample_rstd, GnSums s, NormOptions o, int HW, int C) {
+    __shared__ double warp_sums[2][GN_STATS_THREADS / 32];
+    const int g = blockIdx.x, n = blockIdx.y, lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    double a = 0.0, b = 0.0;
+    gn_group_terms(a, b, s, o, n, HW, C, g, threadIdx.x, GN_STATS_THREADS);
+    for (int offset = 16; offset > 0; offset /= 2) a += __shfl_xor_sync(0xffffffffu, a, offset), b += __shfl_xor_sync(0xffffffffu, b, offset);
+    if (lane == 0) warp_sums[0][warp] = a, warp_sums[1][warp] = b;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        a = b = 0.0;
+        for (int w = 0; w < GN_STATS_THREADS / 32; w++) a += warp_sums[0][w], b += warp_sums[1][w];
+        gn_mean_rstd(&sample_mean[n * GN_GROUPS + g], &sample_rstd[n * GN_GROUPS + g], a, b, (double)HW * (C / GN_GROUPS));
     }
 }
 
@@ -3409,6 +3443,11 @@ static void group_norm_forward(const Norm *norm, floatX *y, float *mean, float *
         group_norm_sums_kernel<<<dim3(part_chunks, N), GN_THREADS, 0, gpu.stream>>>(scratch, p ? o.x2 : x, whole, HW, width);
         cuda_check_launch();
         s.sums[p] = scratch, s.slots[p] = part_chunks, s.repeat[p] = 1;
+    }
+    if ((int64_t)max(s.slots[0], s.slots[1]) * (C / GN_GROUPS) >= GN_STATS_TERMS) {  // many terms: a kernel of their own
+        group_norm_statistics_kernel<<<dim3(GN_GROUPS, N), GN_STATS_THREADS, 0, gpu.stream>>>(mean, rstd, s, o, HW, C);
+        cuda_check_launch();
+        s = {};  // (none: the apply kernel reads them)
     }
     group_norm_apply_kernel<<<dim3(chunks, N), GN_THREADS, 0, gpu.stream>>>(y, mean, rstd, x, s, norm->gamma, norm->beta, o,
                                                                             HW, C);

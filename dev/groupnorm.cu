@@ -106,7 +106,7 @@ static void ref_group_norm_backward(double *d_in, double *d_gamma, double *d_bet
 
 enum {
     GN_EMB_ADD = 1, GN_SCALE_SHIFT = 2, GN_WRITE = 4, GN_FAR_MEAN = 8, GN_CONCAT = 16, GN_GIVEN_SUMS = 32, GN_GIVEN_SUMS_B = 64,
-    GN_UPSAMPLED = 128, GN_SKIP = 256, GN_DX_SUMS = 512
+    GN_UPSAMPLED = 128, GN_SKIP = 256, GN_DX_SUMS = 512, GN_MANY_SLOTS = 1024
 };
 
 typedef struct {
@@ -242,8 +242,9 @@ static void check_norm(int N, int H, int W, int C, int silu, int mode, float dro
     }
     int width_a = mode & GN_CONCAT ? C1 : C;
     r.part_a = r.part_b = {NULL, 0, 1};
-    if (mode & GN_GIVEN_SUMS) r.part_a = given_sums(x, N, H, W, C, 0, width_a, 3, mode & GN_UPSAMPLED);
-    if (mode & GN_GIVEN_SUMS_B) r.part_b = given_sums(x, N, H, W, C, C1, C - C1, 2, 0);
+    int slots_a = mode & GN_MANY_SLOTS ? 64 : 3, slots_b = mode & GN_MANY_SLOTS ? 64 : 2;
+    if (mode & GN_GIVEN_SUMS) r.part_a = given_sums(x, N, H, W, C, 0, width_a, slots_a, mode & GN_UPSAMPLED);
+    if (mode & GN_GIVEN_SUMS_B) r.part_b = given_sums(x, N, H, W, C, C1, C - C1, slots_b, 0);
     norm_run_forward(&r);
     // Backward's recomputations of y from the kept statistics (group_norm_recompute, and the backward's
     // first pass with y): the forward's bits.
@@ -293,8 +294,9 @@ static void check_norm(int N, int H, int W, int C, int silu, int mode, float dro
     if (mode & GN_FAR_MEAN) snprintf(shape + strlen(shape), sizeof shape - strlen(shape), " x in [40, 44]");
     if (mode & GN_CONCAT) snprintf(shape + strlen(shape), sizeof shape - strlen(shape), " [%d | %d] in place", C1, C - C1);
     if (mode & (GN_GIVEN_SUMS | GN_GIVEN_SUMS_B))
-        snprintf(shape + strlen(shape), sizeof shape - strlen(shape), " sums given%s%s%s", mode & GN_GIVEN_SUMS ? " a" : "",
-                 mode & GN_GIVEN_SUMS_B ? " b" : "", mode & GN_UPSAMPLED ? " (upsampled)" : "");
+        snprintf(shape + strlen(shape), sizeof shape - strlen(shape), " sums given%s%s%s%s", mode & GN_GIVEN_SUMS ? " a" : "",
+                 mode & GN_GIVEN_SUMS_B ? " b" : "", mode & GN_UPSAMPLED ? " (upsampled)" : "",
+                 mode & GN_MANY_SLOTS ? " in 64 slots" : "");
     dev_row("groupnorm", shape, fwd, tol, &e, -1, -1);
 
     dev_gpu_free(r.norm.gamma, r.norm.beta, r.norm.dgamma, r.norm.dbeta, ss_gpu, add_gpu, dadd_gpu, r.x, r.dy, r.dx, r.y,
@@ -363,6 +365,9 @@ int main(void) {
     check_norm(3, 8, 8, 192, 1, GN_CONCAT | GN_GIVEN_SUMS_B, 0);
     check_norm(2, 12, 12, 192, 1, GN_CONCAT | GN_GIVEN_SUMS | GN_GIVEN_SUMS_B | GN_UPSAMPLED | GN_FAR_MEAN, 0);
     check_norm(2, 16, 16, 96, 0, GN_GIVEN_SUMS | GN_UPSAMPLED | GN_EMB_ADD, 0);
+    // sums in many slots (a 128x128 halo forward's: 64 a sample): the statistics in a kernel of their own
+    check_norm(2, 16, 16, 256, 1, GN_GIVEN_SUMS | GN_MANY_SLOTS | GN_EMB_ADD, 0);
+    check_norm(2, 16, 16, 192, 1, GN_CONCAT | GN_GIVEN_SUMS | GN_GIVEN_SUMS_B | GN_MANY_SLOTS | GN_FAR_MEAN, 0);
     // a block's input gradient with its residual's added in the same pass: added to (an encoder's
     // input, which the decoder's skip reads too) or written
     check_norm(2, 9, 9, 96, 0, GN_SKIP, 0);
