@@ -3295,7 +3295,8 @@ __global__ void __launch_bounds__(GN_STATS_THREADS)
     const int g = blockIdx.x, n = blockIdx.y, lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     double a = 0.0, b = 0.0;
     gn_group_terms(a, b, s, o, n, HW, C, g, threadIdx.x, GN_STATS_THREADS);
-    for (int offset = 16; offset > 0; offset /= 2) a += __shfl_xor_sync(0xffffffffu, a, offset), b += __shfl_xor_sync(0xffffffffu, b, offset);
+    for (int offset = 16; offset > 0; offset /= 2)
+        a += __shfl_xor_sync(0xffffffffu, a, offset), b += __shfl_xor_sync(0xffffffffu, b, offset);
     if (lane == 0) warp_sums[0][warp] = a, warp_sums[1][warp] = b;
     __syncthreads();
     if (threadIdx.x == 0) {
@@ -3683,7 +3684,8 @@ static void group_norm_backward(const Norm *norm, floatX *dx, GradMode mode, con
         side_end();
     }
     group_norm_backward_input_kernel<<<dim3(chunks, N), GN_THREADS, gn_backward_smem(2 + (mode == GRAD_ADD) + (skip != NULL)),
-                                       gpu.stream>>>(dx, mode, skip, dx_sums ? norm->scratch->gn_dx_sums : NULL, dy, x, partials, mean, rstd, norm->gamma, norm->beta, o, HW, C);
+                                       gpu.stream>>>(dx, mode, skip, dx_sums ? norm->scratch->gn_dx_sums : NULL, dy, x, partials, mean, rstd,
+                                                     norm->gamma, norm->beta, o, HW, C);
     cuda_check_launch();
     side_join();
 }

@@ -150,8 +150,8 @@ static GatheredSums given_sums(const double *x, int N, int H, int W, int C, int 
 
 static void norm_run_backward(void *p) {
     NormRun *r = (NormRun *)p;
-    group_norm_backward(&r->norm, r->dx, r->dx_mode, r->skip, r->want_dx_sums, r->d_scale_shift, r->dy, r->x, r->y_again, r->mean, r->rstd, r->N, r->HW,
-                        r->o);
+    group_norm_backward(&r->norm, r->dx, r->dx_mode, r->skip, r->want_dx_sums, r->d_scale_shift, r->dy, r->x, r->y_again, r->mean,
+                        r->rstd, r->N, r->HW, r->o);
 }
 
 // The scratch a model's plan gives this GroupNorm (and the channel sums of the GN_EMB_ADD check).
