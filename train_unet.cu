@@ -3607,7 +3607,7 @@ __global__ void __launch_bounds__(GN_THREADS, 2)
             float d = (float)dp.v[j] * slope * k.s[j] + v * e[j] + f[j];
             if (skip) out.v[j] = add ? (floatX)((float)out.v[j] + (float)sp.v[j]) : sp.v[j];
             out.v[j] = (floatX)(add || skip ? (float)out.v[j] + d : d);
-            written[j] += (float)out.v[j];
+            if (dx_sums) written[j] += (float)out.v[j];
         }
         *(Pack *)&dx_column[(int64_t)r * dx_ld] = out;
         int next = r + GN_AHEAD * t.rows_per_pass;
@@ -3631,7 +3631,12 @@ __global__ void __launch_bounds__(GN_THREADS, 2)
 }
 
 // Backward, pass 3: d_gamma, d_beta (over samples and chunks) and d_scale_shift (over chunks), in
-// the fixed order of channel_sums_final_kernel.
+// the fixed order of channel_sums_final_kernel. On a layer of GN_PARAMS_BESIDE elements (N HW C) or
+// more it runs beside pass 2, on the side stream; on a smaller one before it, on the same stream,
+// where the side stream's fork and join cost more than the kernel takes (one H100: seed:32's step
+// 1.7% faster than with all of them beside; with all on the same stream adm128:16's was 0.9 ms
+// slower; dev/NOTES.md 2026-11-27 vv).
+#define GN_PARAMS_BESIDE (1 << 22)
 __global__ void __launch_bounds__(32 * REDUCE_SLICES)
     group_norm_backward_params_kernel(float *dgamma, float *dbeta, float *d_scale_shift, int ld, const double *partial, int N, int chunks,
                                       int C) {
@@ -3676,12 +3681,13 @@ static void group_norm_backward(const Norm *norm, floatX *dx, GradMode mode, con
     group_norm_backward_sums_kernel<<<dim3(chunks, N), GN_THREADS, gn_backward_smem(2), gpu.stream>>>(
         partials, y, dy, x, mean, rstd, norm->gamma, norm->beta, o, HW, C);
     cuda_check_launch();
-    if (norm->dgamma) {  // the parameter gradients (when the model has them) beside the input gradient
-        side_begin();
+    if (norm->dgamma) {  // the parameter gradients (when the model has them): beside on large layers
+        const bool beside = (int64_t)N * HW * C >= GN_PARAMS_BESIDE;
+        if (beside) side_begin();
         group_norm_backward_params_kernel<<<(C + 31) / 32, dim3(32, REDUCE_SLICES), 0, gpu.stream>>>(
             norm->dgamma, norm->dbeta, o.scale_shift ? d_scale_shift : NULL, o.scale_shift_ld, partials, N, chunks, C);
         cuda_check_launch();
-        side_end();
+        if (beside) side_end();
     }
     group_norm_backward_input_kernel<<<dim3(chunks, N), GN_THREADS, gn_backward_smem(2 + (mode == GRAD_ADD) + (skip != NULL)),
                                        gpu.stream>>>(dx, mode, skip, dx_sums ? norm->scratch->gn_dx_sums : NULL, dy, x, partials, mean, rstd,
