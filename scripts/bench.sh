@@ -3,9 +3,11 @@
 # (scripts/bench_torch.py: eager bf16, torch.compile, torch.compile with CUDA graphs) on the same
 # configurations, one after the other in one run; prints a table of medians and the ratios
 # (PyTorch time / ours: above 1 means we are faster), and the peak GPU memory of ours and of
-# PyTorch's last mode (torch.cuda.max_memory_allocated; ours counts every allocation, the EMA copy
-# of the weights included, which PyTorch's loop does not keep). Default: seed:32 seed:128.
-# BENCH_MODES="eager compile reduce-overhead" picks the PyTorch modes; BENCH_STEPS the steps timed.
+# PyTorch's last mode (torch.cuda.max_memory_allocated; ours counts every allocation). Both steps
+# are guided-diffusion's: forward, loss, backward, the gradient norm, AdamW, the EMA of the weights.
+# Default: seed:32 seed:128. BENCH_MODES="eager compile reduce-overhead" picks the PyTorch modes;
+# BENCH_STEPS the steps timed; BENCH_TORCH_FLAGS more flags for bench_torch.py (--bare: PyTorch's
+# step without the gradient norm and the EMA, less work than ours).
 # Then sampling: DDIM with 50 steps, 256 images of the seed preset in one batch, `generate --bench`
 # against scripts/sample_torch.py in the same modes (images/s: above 1 means we are faster), plain,
 # with classifier-free guidance 3 on a class-conditional model (the model on 512 a step), and with
@@ -49,7 +51,8 @@ for config in "${configs[@]}"; do
     fi
     row="$preset $batch $ours"
     for mode in $modes; do
-        out=$(python3 scripts/bench_torch.py --preset "$preset" --batch_size "$batch" --mode "$mode" --steps "$steps" 2>&1 |
+        out=$(python3 scripts/bench_torch.py --preset "$preset" --batch_size "$batch" --mode "$mode" --steps "$steps" \
+              ${BENCH_TORCH_FLAGS:-} 2>&1 |
               tee -a /dev/stderr) || true
         theirs=$(sed -n 's/.*median \([0-9.]*\) ms.*/\1/p' <<< "$out")
         row="$row $mode=${theirs:-failed}"

@@ -1,9 +1,13 @@
 """The PyTorch side of `make bench`: one training step of our reference UNet (unet_ref.py) on a
 fixed random batch, timed like `train_unet --bench`: forward under bf16 autocast, MSE loss,
-backward, fused AdamW; CUDA events around each step after warm-up, median of N.
+backward, the gradient norm, fused AdamW, the EMA of the weights; CUDA events around each step
+after warm-up, median of N. The step is guided-diffusion's TrainLoop.run_step, which train_unet's
+is: it logs the gradient norm every step (here one multi-tensor norm, not waited for) and updates
+an EMA of the weights for each --ema_rate (here one multi-tensor lerp). --bare leaves both out
+(forward, loss, backward, AdamW): less work than train_unet's step does.
 
     python3 scripts/bench_torch.py --preset seed|adm64|... --batch_size 32 --mode eager|compile|reduce-overhead [--steps 50]
-                                   [--use_checkpoint]
+                                   [--use_checkpoint] [--ema_rate 0.9999] [--bare]
 
 Modes: eager; torch.compile (default mode); torch.compile(mode="reduce-overhead"), which adds
 CUDA graphs. The model is channels-last (NHWC), as ours is. --use_checkpoint: guided-diffusion's
@@ -66,6 +70,8 @@ def main():
     parser.add_argument("--mode", default="eager", choices=["eager", "compile", "reduce-overhead"])
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--use_checkpoint", action="store_true")
+    parser.add_argument("--ema_rate", default="0.9999", help="EMA decay rates, comma-separated (train_unet's default)")
+    parser.add_argument("--bare", action="store_true", help="no gradient norm, no EMA")
     args = parser.parse_args()
 
     torch.manual_seed(0)
@@ -89,14 +95,24 @@ def main():
     if args.mode != "eager":
         forward = torch.compile(model, mode=None if args.mode == "compile" else "reduce-overhead")
 
+    params = list(model.parameters())
+    ema_rates = [] if args.bare else [float(r) for r in args.ema_rate.split(",") if r]
+    emas = [[p.detach().clone() for p in params] for _ in ema_rates]
+
     def step():
         with torch.autocast("cuda", dtype=torch.bfloat16):
             out = forward(x, t, *labels)
         loss = torch.nn.functional.mse_loss(out.float(), target)
         loss.backward()
+        grad_norm = None
+        if not args.bare:  # the gradient norm, as guided-diffusion logs it (and train_unet decides the step by it)
+            grad_norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm([p.grad for p in params if p.grad is not None])))
         optimizer.step()
+        with torch.no_grad():
+            for ema, rate in zip(emas, ema_rates):  # ema = rate ema + (1 - rate) params
+                torch._foreach_lerp_(ema, params, 1.0 - rate)
         optimizer.zero_grad(set_to_none=True)
-        return loss
+        return loss, grad_norm
 
     began = time.time()
     for _ in range(10):
@@ -105,7 +121,7 @@ def main():
     warmup_s = time.time() - began
     times = time_runs(step, args.steps)
     median = statistics.median(times)
-    print(f"torch {args.mode}{' --use_checkpoint' if args.use_checkpoint else ''}: {args.preset} preset, batch {n}: median {median:.3f} ms/step "
+    print(f"torch {args.mode}{' --use_checkpoint' if args.use_checkpoint else ''}{' --bare' if args.bare else ''}: {args.preset} preset, batch {n}: median {median:.3f} ms/step "
           f"(min {min(times):.3f}, max {max(times):.3f} over {args.steps} steps), {n / median * 1000:.0f} img/s, "
           f"peak memory {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB, warm-up {warmup_s:.0f} s")
 
