@@ -1788,8 +1788,8 @@ __device__ __forceinline__ void conv_wgmma_store(const ConvGemm &p, const float 
                     __nv_bfloat162 b = in8 ? __floats2bfloat162_rn(u8.x, u8.y) : __nv_bfloat162();
                     words[0][j - jq] = *(const uint32_t *)&a, words[1][j - jq] = *(const uint32_t *)&b;
                     if constexpr (SUMS) {
-                        float2 fa = m < p.M ? __bfloat1622float2(a) : make_float2(0.0f, 0.0f);
-                        float2 fb = m + 8 < p.M ? __bfloat1622float2(b) : make_float2(0.0f, 0.0f);
+                        float2 fa = in0 ? __bfloat1622float2(a) : make_float2(0.0f, 0.0f);
+                        float2 fb = in8 ? __bfloat1622float2(b) : make_float2(0.0f, 0.0f);
                         float *w = v + 4 * (j - j0);
                         w[0] = fa.x + fb.x, w[1] = fa.y + fb.y, w[2] = fa.x * fa.x + fb.x * fb.x, w[3] = fa.y * fa.y + fb.y * fb.y;
                     }
@@ -6916,10 +6916,12 @@ static void print_profile(UNet *m) {
                                    s->conv_split_numel);
             break;
         case 5: group_norm_forward(&l->norm2, l->h2.x, l->mean2, l->rstd2, l->h1.x, N, H * W, o, NO_SUMS, NO_SUMS); break;
-        case 6:  // as res_block_backward runs it: recomputing h2 too
-            group_norm_backward(&l->norm2, l->h1.dx, GRAD_WRITE, NULL, NULL, m->embedding.d_out + l->emb_offset, l->h2.dx, l->h1.x,
-                                l->h2.x, l->mean2, l->rstd2, N, H * W, o);
+        case 6: {  // as res_block_backward runs it: recomputing h2 and leaving h1.dx's sums too
+            ChannelSumsGiven h1_sums;
+            group_norm_backward(&l->norm2, l->h1.dx, GRAD_WRITE, NULL, l->conv1.dw ? &h1_sums : NULL, m->embedding.d_out + l->emb_offset,
+                                l->h2.dx, l->h1.x, l->h2.x, l->mean2, l->rstd2, N, H * W, o);
             break;
+        }
         }
         cuda_check(cudaEventRecord(b, gpu.stream));
         cuda_check(cudaEventSynchronize(b));
