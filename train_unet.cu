@@ -883,6 +883,18 @@ static bool conv_tma_takes(const ConvProblem *q, const ConvTarget *t) {
 }
 #endif
 
+// The width of the wgmma kernels' tiles (128 rows) for a forward or input-gradient product M x Ng:
+// 64 for a product 64 wide, else the width of 128, 192 (forward only: its B tile is K-major) or 256
+// that pads the product's width least (the wider on a tie), narrowed to 128 when the wider one leaves
+// multiprocessors idle.
+static int conv_wgmma_width(bool fwd, int64_t M, int Ng, const ConvTarget *t) {
+    if (Ng == 64) return 64;
+    int BN = 128;
+    for (int bn = 192; bn <= 256; bn += 64)
+        if ((bn != 192 || fwd) && (Ng + bn - 1) / bn * bn <= (Ng + BN - 1) / BN * BN) BN = bn;
+    return (M + 127) / 128 * ((Ng + BN - 1) / BN) < t->sms ? 128 : BN;
+}
+
 // Whether family f takes the product, and if so its tile (and a split product's slices) in *plan.
 static bool conv_family_takes(int f, const ConvProblem *q, const ConvTarget *t, ConvPlan *plan) {
 #if defined(PRECISION_FP32)
@@ -910,9 +922,12 @@ static bool conv_family_takes(int f, const ConvProblem *q, const ConvTarget *t, 
                plan->k_per_slice % CONV_NARROW_ROW == 0;
     }
     case CONV_HALO:  // (a pixel's channels stored 16 bytes at a time; k of at most 9 x 256: wgmma's tiles are faster on
-                     // longer ones, 1.03-1.20x at 512-1024 channels, H200, dev/NOTES.md 2026-11-26 v)
+                     // longer ones, 1.03-1.20x at 512-1024 channels, H200, dev/NOTES.md 2026-11-26 v; nor where the
+                     // TMA's 128 x 256 tiles cover the product's width: they read 80 bytes of shared memory a cycle
+                     // of products to the halo's 96, adm128:16 73.2 -> 72.5 ms, H100, dev/NOTES.md 2026-11-27 ww)
         if (wgrad || !hopper || q->stride != 1 || q->W % 64 != 0 || q->C_in % 64 != 0 || q->C_out % 64 != 0 || !q->pair_store ||
-            !q->vec_store || (q->bias && !q->bias_aligned) || k_channels > 256)
+            !q->vec_store || (q->bias && !q->bias_aligned) || k_channels > 256 ||
+            (Ng % 256 == 0 && conv_tma_takes(q, t) && conv_wgmma_width(fwd, M, Ng, t) == 256))
             return false;
         plan->BN = fwd && Ng % 192 == 0 ? 192 : Ng % 128 == 0 ? 128 : 64;
         plan->rows = plan->BN == 64 ? 8 : 4;
@@ -931,15 +946,8 @@ static bool conv_family_takes(int f, const ConvProblem *q, const ConvTarget *t, 
             plan->BN = plan->tma ? wgrad_BN : 128;
             return true;
         }
-        // 128 x 64 tiles for a product 64 wide, else the width of 128, 192 (forward only: its B tile is
-        // K-major) or 256 that pads the product's width least (the wider on a tie), narrowed to 128
-        // when the wider one leaves multiprocessors idle.
         if (!hopper || Ng < 64 || k_channels % 64 != 0) return false;
-        plan->BM = 128, plan->BN = 128, plan->tma = conv_tma_takes(q, t);
-        if (Ng == 64) plan->BN = 64;
-        for (int bn = 192; Ng > 64 && bn <= 256; bn += 64)
-            if ((bn != 192 || fwd) && (Ng + bn - 1) / bn * bn <= (Ng + plan->BN - 1) / plan->BN * plan->BN) plan->BN = bn;
-        if (Ng > 64 && (M + 127) / 128 * ((Ng + plan->BN - 1) / plan->BN) < t->sms) plan->BN = 128;
+        plan->BM = 128, plan->BN = conv_wgmma_width(fwd, M, Ng, t), plan->tma = conv_tma_takes(q, t);
         return true;
     case CONV_MMA:
         if (wgrad) {  // the weight gradient's tile, a 64-row one as two blocks of 64 x 256, a 128 x 256 one as 128 x 128

@@ -27,8 +27,11 @@ static void visit(void *ctx, const char *name, const Conv *cv, int N, int size, 
         seen->ampere_sm90a += a.family == CONV_HALO || a.family == CONV_SPLIT || a.family == CONV_WGMMA;
         if (op == CONV_FORWARD && strcmp(name, "input_blocks.0.0.weight") == 0) seen->input_image += h.family == CONV_IMAGE && a.family == CONV_IMAGE;
         if (strcmp(name, "out.2.weight") == 0) seen->head_narrow += h.family == CONV_NARROW && a.family == CONV_NARROW;
-        if (op == CONV_FORWARD && size == 64 && cv->stride == 1 && cv->in % 64 == 0 && cv->out % 64 == 0)  // halo up to k = 9 x 256
-            seen->forward_64_wrong += h.family != (cv->in <= 256 ? CONV_HALO : CONV_WGMMA);
+        if (op == CONV_FORWARD && size == 64 && cv->stride == 1 && cv->in % 64 == 0 && cv->out % 64 == 0) {  // halo up to k = 9 x 256
+            // (unless the TMA's 128 x 256 tiles cover its width)
+            bool wide = cv->out % 256 == 0 && conv_wgmma_width(true, (int64_t)N * size * size, cv->out, &hopper) == 256;
+            seen->forward_64_wrong += h.family != (cv->in <= 256 && !wide ? CONV_HALO : CONV_WGMMA);
+        }
         for (int f = 0; f < CONV_FAMILIES; f++) {  // forced: that family, or refused
             ConvPlan forced = conv_plan(&q, &hopper, f);
             seen->forced_wrong += forced.family != f && forced.family != CONV_NONE;
@@ -91,11 +94,18 @@ int main(void) {
     CHECK(narrowed.family == CONV_WGMMA && narrowed.BN == 128 && widest.family == CONV_WGMMA && widest.BN == 192);
     ConvPlan halo = conv_plan(&wide, &hopper, -1);
     CHECK(halo.family == CONV_HALO && halo.BN == 64 && halo.rows == 8);
-    // halo while k has at most 9 x 256 channels (the forward's C_in, the input gradient's C_out), wgmma beyond
-    ConvProblem k256 = conv_layer_problem(CONV_FORWARD, 16, 128, 256, 512, 1), k512 = conv_layer_problem(CONV_FORWARD, 16, 128, 512, 256, 1);
-    ConvProblem dk256 = conv_layer_problem(CONV_INPUT_GRAD, 16, 128, 512, 256, 1), dk512 = conv_layer_problem(CONV_INPUT_GRAD, 16, 128, 256, 512, 1);
+    // halo while k has at most 9 x 256 channels (the forward's C_in, the input gradient's C_out), wgmma beyond, and
+    // wgmma where its 128 x 256 tiles through the TMA cover the product's width
+    ConvProblem k256 = conv_layer_problem(CONV_FORWARD, 16, 128, 256, 192, 1), k512 = conv_layer_problem(CONV_FORWARD, 16, 128, 512, 192, 1);
+    ConvProblem dk256 = conv_layer_problem(CONV_INPUT_GRAD, 16, 128, 192, 256, 1), dk512 = conv_layer_problem(CONV_INPUT_GRAD, 16, 128, 192, 512, 1);
     CHECK(conv_plan(&k256, &hopper, -1).family == CONV_HALO && conv_plan(&k512, &hopper, -1).family == CONV_WGMMA);
     CHECK(conv_plan(&dk256, &hopper, -1).family == CONV_HALO && conv_plan(&dk512, &hopper, -1).family == CONV_WGMMA);
+    ConvProblem wide256 = conv_layer_problem(CONV_FORWARD, 16, 128, 256, 256, 1), dwide256 = conv_layer_problem(CONV_INPUT_GRAD, 16, 128, 512, 256, 1);
+    ConvPlan wide_fwd = conv_plan(&wide256, &hopper, -1), wide_dgrad = conv_plan(&dwide256, &hopper, -1);
+    CHECK(wide_fwd.family == CONV_WGMMA && wide_fwd.tma && wide_fwd.BN == 256 && wide_dgrad.family == CONV_WGMMA && wide_dgrad.BN == 256);
+    ConvTarget no_tma_halo = hopper;
+    no_tma_halo.tma = false;
+    CHECK(conv_plan(&wide256, &no_tma_halo, -1).family == CONV_HALO);
     ConvProblem wgrad = conv_layer_problem(CONV_WEIGHT_GRAD, 32, 64, 64, 64, 1);
     ConvPlan wg = conv_plan(&wgrad, &hopper, -1);
     int per, slices = conv3x3_weight_grad_slices(32, 64, 64, 64, 64, 1, &per);
