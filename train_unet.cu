@@ -812,8 +812,8 @@ static int64_t conv3x3_split_scratch_floats(int op, int N, int H, int W, int C_i
 //                           the input halo read once, every tap from shared  dgrad 0.640 -> 0.317 ms, wgrad 0.919 -> 0.210
 //                           memory; the gradients as short mma.sync products at adm256:8 (2026-11-27 rr)
 //   halo     fwd, dgrad     each input element read into shared memory about training 1.34x / 1.37x -> 1.47x / 1.45x of
-//            (k <= 9 x 256, once instead of once a tap                       compiled PyTorch, seed:32 / seed:128 (11-24 e)
-//            not 256-wide)
+//            (k <= 9 x 256) once instead of once a tap                       compiled PyTorch, seed:32 / seed:128 (11-24 e);
+//                           (not where the TMA's 128 x 256 tiles fit)        adm128:16 -1.0%, adm256:8 -2.2% (2026-11-27 ww)
 //   split    fwd, dgrad     grids of at most half a wave: k in 4-8 slices    seed:32 11.128 -> 10.710 ms (2026-11-24 f)
 //   wgmma    all three      Hopper's warpgroup products; operands through    seed:32 10.136 -> 9.730 ms for the TMA
 //                           the TMA where its boxes fit                      (2026-11-24 g); wgmma: 2026-11-23 evening
