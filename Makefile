@@ -80,7 +80,8 @@ CUDA_LIBS := -lcublas -lcublasLt -lcusolver $(NCCL_LIBS) $(STB_LIBS)
 
 BINARIES := train_unet prepare_data check_shapes generate evaluate
 # The headers train_unet.cu includes: its own rules, and those of the programs that include it, rebuild when one changes.
-TRAINER_HEADERS := checkpoint.h dataset.h fileio.h loss_plot.h png.h ptfile.h random.h sampler.h unet_api.h
+TRAINER_HEADERS := gpu.cuh config.cuh team.cuh inception.cuh fid.cuh checkpoints.cuh unet_api.cuh \
+                   checkpoint.h dataset.h fileio.h loss_plot.h png.h ptfile.h random.h sampler.h unet_api.h
 SHAPES_COUNT := 10000
 SHAPES_SIZE := 64
 SHAPES_SEED := 1

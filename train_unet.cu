@@ -1,27 +1,31 @@
-// train_unet.cu: trains guided-diffusion's UNet on NVIDIA GPUs, in one file.
+// train_unet.cu: trains guided-diffusion's UNet on NVIDIA GPUs: one translation unit, one binary.
 //
-// Reading order, in data-flow order, each section under a line of dashes: precision and error
-// checks; random streams; host helpers (time, synced files); the GPU context and matrix products;
-// the kernels, each layer's forward and backward side by side with its math (channel sums,
-// convolution with its planner and kernel families, GroupNorm, attention, resampling, concat,
-// elementwise, embeddings, the loss, AdamW); the configuration (model and options, from the command
-// line or a checkpoint); the blocks (ResBlock, AttentionBlock, ...: each a struct with its forward
-// and backward); the model assembly (guided-diffusion's architecture and state_dict names, forward,
-// backward), initialisation and profiling; the data loader; diffusion training; many GPUs (the
-// team's collectives, starting the ranks and joining them); the trainer (one step as a CUDA graph);
-// sampling on the GPU; checkpoints (metadata, saving, resuming; checkpoint.h reads and writes their
-// files, dataset.h reads the dataset); run folders (the lock, the checks before anything is
-// written); the command line; the training run; the C API for generate.c (unet_api.h); sample
-// quality (Inception-v3's features, FID's statistics, precision and recall) for evaluate.c; main (weak:
-// generate links this object and brings its own). Built with -DTRAIN_UNET_LIBRARY it has no main,
-// command line or training run: tests and dev/ include it so.
+// The subsystems the model does not need are headers included at the top (gpu.cuh, config.cuh,
+// team.cuh, inception.cuh, fid.cuh), each with a "defines:" line. Then, in data-flow order, each
+// section under a line of dashes:
+//   the kernels, each layer's forward and backward side by side with its math: channel sums;
+//     convolution, its planner and its kernel families (FP32, mma.sync, wgmma, the TMA, split
+//     products, halo, image, narrow, running a plan); linear layers; GroupNorm; attention; the
+//     classifier head's tokens; resampling; concat; elementwise; the timestep and class embeddings;
+//     the loss (and block_sum_256); the update (AdamW, the gradient norm and clipping, EMA);
+//     diffusion's per-value kernels (model input, q_sample, a sampling step, the likelihood's terms);
+//   the blocks (ResBlock, AttentionBlock, ...: each a struct with its forward and backward);
+//   the model (guided-diffusion's architecture and state_dict names, forward, backward);
+//   initialisation; profiling; the data loader; diffusion training (schedules, the schedule
+//   sampler); the trainer (one step as a CUDA graph); sampling on the GPU; the likelihood;
+//   checkpoints.cuh (built on the model: checkpoint folders, a .pt's architecture);
+//   run folders; the command line; the training run;
+//   unet_api.cuh (the C API for generate.c and evaluate.c); main (weak: generate and evaluate link
+//   this object and bring their own).
+// Built with -DTRAIN_UNET_LIBRARY it has no main, command line or training run: tests and dev/
+// include it so. checkpoint.h reads checkpoint files, dataset.h the dataset, sampler.h holds the
+// schedules and samplers' math (plain C, shared with generate.c).
 //
 // Activations are NHWC (channels last). PRECISION_BF16 (the default) keeps activations in bf16
 // with fp32 master weights and fp32 accumulation; PRECISION_FP32 is fp32 throughout.
 #include <ctype.h>
 #include <cublasLt.h>
 #include <cublas_v2.h>
-#include <cusolverDn.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <mma.h>
@@ -33,9 +37,6 @@
 #include <inttypes.h>
 #include <limits.h>
 #include <math.h>
-#include <netdb.h>
-#include <netinet/in.h>
-#include <poll.h>
 #include <signal.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -45,9 +46,6 @@
 #include <string.h>
 #include <strings.h>
 #include <sys/file.h>
-#include <sys/prctl.h>
-#include <sys/socket.h>
-#include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -69,473 +67,11 @@
 #pragma nv_diag_suppress 177
 #endif
 
-// ----------------------------------------------------------------------------------------------
-// Precision and error checks
-
-#if defined(PRECISION_FP32)
-typedef float floatX;
-#define PRECISION_NAME "FP32"
-#else
-typedef __nv_bfloat16 floatX;
-#define PRECISION_NAME "BF16"
-#endif
-
-// Kernels move activations 16 bytes at a time (a Pack) where the channel count allows, else
-// one element at a time (a Scalar); both have the same shape for templates.
-#define PACK (16 / (int)sizeof(floatX))  // elements in 16 bytes
-typedef struct {
-    floatX v[PACK];
-} __align__(16) Pack;
-typedef struct {
-    floatX v[1];
-} Scalar;
-
-// The name error lines start with: the program's own (train_unet, generate, a test or a dev/ check),
-// or a rank's ("train_unet rank 1").
-static const char *program_name = program_invocation_short_name;
-
-// Prints one error line, "PROGRAM: error: MESSAGE" and a suffix.
-static void print_error(const char *suffix, const char *fmt, va_list args) {
-    fprintf(stderr, "%s: error: ", program_name);
-    vfprintf(stderr, fmt, args);
-    fprintf(stderr, "%s\n", suffix);
-}
-
-// Prints one error line, then exits with `status`.
-static void exit_with_error(int status, const char *suffix, const char *fmt, va_list args) __attribute__((noreturn));
-static void exit_with_error(int status, const char *suffix, const char *fmt, va_list args) {
-    print_error(suffix, fmt, args);
-    exit(status);
-}
-
-// Prints one error line and exits with status 1: every failure the user can cause ends here (or,
-// for a bad command line, in usage_error, with status 2).
-static void fatal(const char *fmt, ...) {
-    va_list args;
-    va_start(args, fmt);
-    exit_with_error(1, "", fmt, args);
-}
-
-// A bad command line: one error line ending in "(see --help)", exit status 2.
-static void usage_error(const char *fmt, ...) {
-    va_list args;
-    va_start(args, fmt);
-    exit_with_error(2, " (see --help)", fmt, args);
-}
-
-static void cuda_check_(cudaError_t err, const char *what, const char *file, int line) {
-    if (err != cudaSuccess) fatal("CUDA: %s (%s at %s:%d)", cudaGetErrorString(err), what, file, line);
-}
-#define cuda_check(call) cuda_check_((call), #call, __FILE__, __LINE__)
-#define cuda_check_launch() cuda_check_(cudaGetLastError(), "kernel launch", __FILE__, __LINE__)
-
-static void *malloc_or_die(size_t bytes) {
-    void *p = malloc(bytes ? bytes : 1);
-    if (!p) fatal("out of host memory (%zu bytes)", bytes);
-    return p;
-}
-
-// ----------------------------------------------------------------------------------------------
-// Random numbers: counter-based (random.h), so any draw is a pure function of (seed, stream,
-// index) and the state to save for an exact resume is only the counters.
-
-// The random streams, all of them: random_u64(seed, stream, index) with stream = purpose << 48 |
-// sub-stream (an epoch, a parameter tensor, a layer, a sampling step, each below 2^48), so that
-// adding a draw to one purpose never shifts another and no two purposes can ever meet.
-typedef enum {
-    RNG_SHUFFLE = 1,   // the data order; sub-stream: the epoch
-    RNG_FLIP,          // the flips; index: epoch * count + position
-    RNG_INIT,          // initialisation; sub-stream: the parameter tensor
-    RNG_STEP_SEED,     // index: the step; the step's own seed, from which the next four draw (sub-stream 1: the
-                       // seed of a classifier's evaluation after that step)
-    RNG_NOISE,         // the training noise eps
-    RNG_TIMESTEP,      // the training timesteps
-    RNG_LABEL_DROP,    // classifier-free guidance's label dropout
-    RNG_DROPOUT,       // dropout; sub-stream: the layer
-    RNG_GRID_SEED,     // the seed of the EMA samplers during training; sub-stream 0: the sample grids, 1: FID
-    RNG_SAMPLE_START,  // a sampler's starting noise
-    RNG_SAMPLE_NOISE,  // a sampler's noise; sub-stream: the step of the plan
-    RNG_BENCH_BATCH,   // --bench's fixed random batch: pixels, then labels
-    RNG_NLL,           // the likelihood's noise; sub-stream: the kept step
-} RandomPurpose;
-
-__host__ __device__ inline uint64_t rng_stream(RandomPurpose purpose, uint64_t sub_stream) {
-    return (uint64_t)purpose << 48 | sub_stream;
-}
-
-// ----------------------------------------------------------------------------------------------
-// Host helpers: the time, and files and folders made durable (synced) before they are relied on.
-
-static double now_seconds(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return t.tv_sec + 1e-9 * t.tv_nsec;
-}
-
-// Syncs a file or folder by name, so that what was written to it, or renamed into it, is durable.
-static int fsync_path(const char *path) {
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
-    if (fd < 0) return -1;
-    int r = fsync(fd);
-    close(fd);
-    return r;
-}
-
-// The folder that holds path, into parent: its last component removed, trailing slashes ignored
-// ("run/" -> ".", "/a/b" -> "/a", "/a" -> "/"). Returns the offset of the last component in path.
-static size_t parent_folder(const char *path, char *parent, size_t len) {
-    snprintf(parent, len, "%s", path);
-    for (size_t n = strlen(parent); n > 1 && parent[n - 1] == '/'; n--) parent[n - 1] = '\0';
-    char *slash = strrchr(parent, '/');
-    size_t last = slash ? (size_t)(slash - parent) + 1 : 0;
-    if (slash == parent) slash[1] = '\0';
-    else if (slash) *slash = '\0';
-    else snprintf(parent, len, ".");
-    return last;
-}
-
-// Creates a folder if it is missing and syncs its parent, so that the new name is durable.
-// Returns 0, or -1 with errno set.
-static int make_dir_synced(const char *path) {
-    if (mkdir(path, 0777) != 0) {
-        struct stat st;
-        if (errno != EEXIST) return -1;
-        if (stat(path, &st) == 0 && S_ISDIR(st.st_mode)) return 0;
-        errno = ENOTDIR;
-        return -1;
-    }
-    char parent[4096];
-    parent_folder(path, parent, sizeof parent);
-    return fsync_path(parent);
-}
-
-static int write_all(FILE *f, const void *data, size_t bytes) { return fwrite(data, 1, bytes, f) == bytes ? 0 : -1; }
-
-// ----------------------------------------------------------------------------------------------
-// The GPU context: the stream kernels are launched on, cuBLAS and cuBLASLt handles and their workspace.
-
-typedef struct {
-    cudaStream_t stream;      // where kernels go now: main, or side between side_begin and side_end
-    cudaStream_t main, side;  // the side stream runs work beside the main stream's (side_begin)
-    cudaStream_t update;      // lowest priority: a step's parameter update beside the next step's forward (Trainer)
-    cudaEvent_t fork, join;
-    int side_pending;         // side work ended and not yet joined
-    cublasHandle_t blas;
-    cublasLtHandle_t lt;
-    void *workspace;
-    size_t workspace_bytes;
-    int num_sms;
-    int sm90a;  // the code this GPU runs has Hopper's sm_90a instructions (wgmma): the convolutions use them
-} Gpu;
-static Gpu gpu;
-
-// Writes 1 where the code run was built for sm_90a (an H100 or H200, and a build for it), else 0.
-__global__ void sm90a_probe_kernel(int *out) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    *out = 1;
-#else
-    *out = 0;
-#endif
-}
-
-static const cudaDataType CUDA_FLOATX = sizeof(floatX) == 4 ? CUDA_R_32F : CUDA_R_16BF;
-
-static void cublas_check_(cublasStatus_t status, const char *what, const char *file, int line) {
-    if (status != CUBLAS_STATUS_SUCCESS) fatal("cuBLAS: status %d (%s at %s:%d)", (int)status, what, file, line);
-}
-#define cublas_check(call) cublas_check_((call), #call, __FILE__, __LINE__)
-
-// Every device allocation goes through here, so the footprint can be reported.
-static size_t gpu_bytes_allocated;
-
-static void *gpu_malloc(size_t bytes) {
-    void *p = NULL;
-    cudaError_t err = cudaMalloc(&p, bytes ? bytes : 1);
-    if (err != cudaSuccess) fatal("cannot allocate %.2f GiB on the GPU (%s)", bytes / 1073741824.0, cudaGetErrorString(err));
-    gpu_bytes_allocated += bytes;
-    return p;
-}
-
-// Whether there is a GPU to run on: 0, or -1 with a message. Without a driver the CUDA runtime
-// says "driver version is insufficient", which misleads: cudaDriverGetVersion gives 0 then.
-static int gpu_available(char *err, size_t err_len) {
-    int driver = 0, devices = 0;
-    if (cudaDriverGetVersion(&driver) != cudaSuccess || driver == 0)
-        return error_line(err, err_len, "no NVIDIA GPU or driver found (no NVIDIA driver is installed)");
-    cudaError_t e = cudaGetDeviceCount(&devices);
-    if (e == cudaErrorInsufficientDriver)
-        return error_line(err, err_len, "the NVIDIA driver supports CUDA %d.%d, older than the CUDA %d.%d this program was built "
-                            "with: update the driver", driver / 1000, driver % 1000 / 10, CUDART_VERSION / 1000, CUDART_VERSION % 1000 / 10);
-    if (e != cudaSuccess || devices == 0)
-        return error_line(err, err_len, "no NVIDIA GPU or driver found (the CUDA runtime says: %s)",
-                            e != cudaSuccess ? cudaGetErrorString(e) : "no devices");
-    return 0;
-}
-
-// Makes GPU `device` ready: its streams, cuBLAS, and whether sm_90a code runs on it. Without a GPU,
-// one error line says so.
-static void gpu_init(int device) {
-    char err[512];
-    if (gpu_available(err, sizeof err) != 0) fatal("%s", err);
-    cuda_check(cudaSetDevice(device));
-    cuda_check(cudaDeviceGetAttribute(&gpu.num_sms, cudaDevAttrMultiProcessorCount, device));
-    // The model's work at the highest priority, the update beside it at the lowest: its blocks take
-    // what the model's kernels leave of the GPU (a graph keeps the priorities its kernels were
-    // captured with when instantiated with cudaGraphInstantiateFlagUseNodePriority: trainer_capture).
-    int lowest, highest;
-    cuda_check(cudaDeviceGetStreamPriorityRange(&lowest, &highest));
-    cuda_check(cudaStreamCreateWithPriority(&gpu.main, cudaStreamDefault, highest));
-    cuda_check(cudaStreamCreateWithPriority(&gpu.side, cudaStreamDefault, highest));
-    cuda_check(cudaStreamCreateWithPriority(&gpu.update, cudaStreamDefault, lowest));
-    cuda_check(cudaEventCreateWithFlags(&gpu.fork, cudaEventDisableTiming));
-    cuda_check(cudaEventCreateWithFlags(&gpu.join, cudaEventDisableTiming));
-    gpu.stream = gpu.main;
-    cublas_check(cublasCreate(&gpu.blas));
-    cublas_check(cublasSetStream(gpu.blas, gpu.stream));
-    cublas_check(cublasLtCreate(&gpu.lt));
-    gpu.workspace_bytes = 64 << 20;
-    gpu.workspace = gpu_malloc(gpu.workspace_bytes);
-    cublas_check(cublasSetWorkspace(gpu.blas, gpu.workspace, gpu.workspace_bytes));
-    sm90a_probe_kernel<<<1, 1, 0, gpu.stream>>>((int *)gpu.workspace);
-    cuda_check_launch();
-    cuda_check(cudaMemcpyAsync(&gpu.sm90a, gpu.workspace, sizeof(int), cudaMemcpyDeviceToHost, gpu.stream));
-    cuda_check(cudaStreamSynchronize(gpu.stream));
-}
-
-// Work beside the main stream, as a fork and a join (also inside a captured graph): between
-// side_begin() and side_end() kernels go to the side stream, which starts after everything launched
-// on the main stream so far; what the main stream launches next runs beside them, until side_join()
-// makes it wait for them (a join with nothing begun since the last one is nothing). Only our own
-// kernels go to the side stream: cuBLAS, its handle and its workspace stay on the main stream.
-static void side_begin(void) {
-    cuda_check(cudaEventRecord(gpu.fork, gpu.main));
-    cuda_check(cudaStreamWaitEvent(gpu.side, gpu.fork, 0));
-    gpu.stream = gpu.side;
-}
-
-static void side_end(void) {
-    cuda_check(cudaEventRecord(gpu.join, gpu.side));
-    gpu.stream = gpu.main;
-    gpu.side_pending = 1;
-}
-
-static void side_join(void) {
-    if (gpu.side_pending) cuda_check(cudaStreamWaitEvent(gpu.main, gpu.join, 0));
-    gpu.side_pending = 0;
-}
-
-static int blocks_for(size_t n, int threads) {
-    size_t blocks = (n + threads - 1) / threads;
-    return (int)(blocks < 65536 * 16 ? blocks : 65536 * 16);
-}
-
-// Launches kernel<Pack> when the channel count C allows 16-byte vectors, else kernel<Scalar>, with
-// a thread per vector of the `elements` values.
-#define LAUNCH_VECTORISED(kernel, elements, C, ...)                                                            \
-    do {                                                                                                       \
-        if ((C) % PACK == 0) kernel<Pack><<<blocks_for((elements) / PACK, 256), 256, 0, gpu.stream>>>(__VA_ARGS__); \
-        else kernel<Scalar><<<blocks_for(elements, 256), 256, 0, gpu.stream>>>(__VA_ARGS__);                   \
-        cuda_check_launch();                                                                                   \
-    } while (0)
-
-// How a backward pass delivers an input gradient: written over what the tensor holds (its only
-// producer: no zeroing first) or added to it (one of several).
-typedef enum { GRAD_WRITE, GRAD_ADD } GradMode;
-
-// Scratch: memory a layer borrows for the length of one call. The model's memory plan sizes it for
-// its largest layer and owns it (unet_create); layers reach it through their Conv or Norm.
-typedef struct {
-    float *weight_grad;        // a weight gradient's partial sums over slices of the pixels
-    int64_t weight_grad_numel; // (0: a 1x1 layer's gradient is one product)
-    float *conv_split;         // a split 3x3 forward or input-gradient product's partial sums
-    int64_t conv_split_numel;
-    float *channel_sums;       // per-channel partial sums, [N][chunks][C] in channel_sum_slots(N) C floats
-    double *gn_partials;       // GroupNorm: forward's channel sums [N][slots][C][2], backward's [N][chunks][4C + 2 groups]
-    int64_t gn_partials_numel; // (doubles)
-    float *gn_dx_sums;         // GroupNorm's backward: channel sums of the dx it writes, [N][chunks][C] in gn_slots(N) C floats
-    float *scores;             // attention, [N*heads][T][T]: S, then dP
-    floatX *d_scores;          // attention, [N*heads][T][T]: dS
-} Scratch;
-
-// ----------------------------------------------------------------------------------------------
-// Matrix products on the tensor cores (bf16 operands, fp32 accumulation; fp32 throughout in the
-// FP32 build). Row-major: D[M][N] = op(A)[M][K] op(B)[K][N] (+ bias[N]) + beta C, then max(D, 0) with relu.
-// A is stored [M][K] with row stride lda, or [K][M] when trans_a; B is [K][N], or [N][K] when
-// trans_b. cuBLAS is column-major, so the call computes D^T = op(B)^T op(A)^T.
-
-typedef struct {
-    int M, N, K;
-    const void *a; int lda, trans_a;  // floatX (fp16 where fp16 is set)
-    const void *b; int ldb, trans_b;
-    void *d; int ldd, d_fp32;         // D in fp32 (else as A and B)
-    const void *c; int ldc; float beta;  // C shaped and typed like D (it may be D); NULL: no C
-    const void *bias;                 // [N] added to every row, typed as A, or NULL
-    int relu;                         // D = max(D, 0) (in cuBLASLt's epilogue)
-    int fp16;                         // A, B, the bias and D (unless d_fp32) in fp16 instead of floatX (Inception's)
-} Matmul;
-
-// What cuBLASLt plans a product by: the shape, strides, types and operand alignments. Its
-// descriptors and chosen algorithm are made once per distinct key and kept (MATMUL_PLANS of them,
-// the oldest replaced when full).
-typedef struct {
-    int M, N, K, lda, trans_a, ldb, trans_b, ldd, d_fp32, ldc, has_c, has_bias, relu, fp16;
-    uint32_t alignment[4];  // of B, A, C, D: the largest power of two up to 256 dividing the address
-} MatmulKey;
-
-typedef struct {
-    MatmulKey key;
-    cublasLtMatmulDesc_t desc;
-    cublasLtMatrixLayout_t layout_b, layout_a, layout_c, layout_d;
-    cublasLtMatmulAlgo_t algo;
-} MatmulPlan;
-
-#define MATMUL_PLANS 512
-static MatmulPlan matmul_plans[MATMUL_PLANS];
-static int matmul_plan_count, matmul_plan_oldest;
-
-static uint32_t address_alignment(const void *p) {
-    uint32_t bytes = 256;
-    while ((uintptr_t)p % bytes) bytes /= 2;
-    return bytes;
-}
-
-static void matmul_plan_destroy(MatmulPlan *p) {
-    cublasLtMatrixLayoutDestroy(p->layout_d);
-    cublasLtMatrixLayoutDestroy(p->layout_c);
-    cublasLtMatrixLayoutDestroy(p->layout_a);
-    cublasLtMatrixLayoutDestroy(p->layout_b);
-    cublasLtMatmulDescDestroy(p->desc);
-}
-
-static void matmul_plan_create(MatmulPlan *p, const MatmulKey *k) {
-    p->key = *k;
-    cublasOperation_t op_b = k->trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, op_a = k->trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
-    cudaDataType type = k->fp16 ? CUDA_R_16F : CUDA_FLOATX, d_type = k->d_fp32 ? CUDA_R_32F : type;
-    cublas_check(cublasLtMatmulDescCreate(&p->desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
-    cublas_check(cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_TRANSA, &op_b, sizeof op_b));
-    cublas_check(cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_TRANSB, &op_a, sizeof op_a));
-    if (k->has_bias || k->relu) {
-        cublasLtEpilogue_t epilogue = !k->relu ? CUBLASLT_EPILOGUE_BIAS : k->has_bias ? CUBLASLT_EPILOGUE_RELU_BIAS : CUBLASLT_EPILOGUE_RELU;
-        cublas_check(cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue, sizeof epilogue));
-    }
-    if (k->has_bias) {
-        cublas_check(cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &type, sizeof type));
-    }
-    cublas_check(cublasLtMatrixLayoutCreate(&p->layout_b, type, k->trans_b ? k->K : k->N, k->trans_b ? k->N : k->K, k->ldb));
-    cublas_check(cublasLtMatrixLayoutCreate(&p->layout_a, type, k->trans_a ? k->M : k->K, k->trans_a ? k->K : k->M, k->lda));
-    cublas_check(cublasLtMatrixLayoutCreate(&p->layout_c, d_type, k->N, k->M, k->has_c ? k->ldc : k->ldd));
-    cublas_check(cublasLtMatrixLayoutCreate(&p->layout_d, d_type, k->N, k->M, k->ldd));
-    cublasLtMatmulPreference_t preference;
-    cublas_check(cublasLtMatmulPreferenceCreate(&preference));
-    cublas_check(cublasLtMatmulPreferenceSetAttribute(preference, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
-                                                      &gpu.workspace_bytes, sizeof gpu.workspace_bytes));
-    cublasLtMatmulPreferenceAttributes_t alignment[4] = {
-        CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
-        CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES};
-    for (int i = 0; i < 4; i++)
-        cublas_check(cublasLtMatmulPreferenceSetAttribute(preference, alignment[i], &k->alignment[i], sizeof k->alignment[i]));
-    cublasLtMatmulHeuristicResult_t heuristic;
-    int found = 0;
-    cublas_check(cublasLtMatmulAlgoGetHeuristic(gpu.lt, p->desc, p->layout_b, p->layout_a, p->layout_c, p->layout_d,
-                                                preference, 1, &heuristic, &found));
-    if (!found) fatal("cuBLASLt has no algorithm for a %dx%dx%d product", k->M, k->N, k->K);
-    p->algo = heuristic.algo;
-    cublasLtMatmulPreferenceDestroy(preference);
-}
-
-static const MatmulPlan *matmul_plan(const Matmul *mm) {
-    MatmulKey k;
-    memset(&k, 0, sizeof k);  // compared with memcmp
-    k.M = mm->M, k.N = mm->N, k.K = mm->K, k.lda = mm->lda, k.trans_a = mm->trans_a, k.ldb = mm->ldb, k.trans_b = mm->trans_b;
-    k.ldd = mm->ldd, k.d_fp32 = mm->d_fp32, k.ldc = mm->ldc, k.has_c = mm->c != NULL, k.has_bias = mm->bias != NULL, k.relu = mm->relu;
-    k.fp16 = mm->fp16;
-    const void *operands[4] = {mm->b, mm->a, mm->c ? mm->c : mm->d, mm->d};
-    for (int i = 0; i < 4; i++) k.alignment[i] = address_alignment(operands[i]);
-    for (int i = 0; i < matmul_plan_count; i++)
-        if (memcmp(&matmul_plans[i].key, &k, sizeof k) == 0) return &matmul_plans[i];
-    MatmulPlan *p;
-    if (matmul_plan_count < MATMUL_PLANS) {
-        p = &matmul_plans[matmul_plan_count++];
-    } else {
-        p = &matmul_plans[matmul_plan_oldest];
-        matmul_plan_oldest = (matmul_plan_oldest + 1) % MATMUL_PLANS;
-        matmul_plan_destroy(p);
-    }
-    matmul_plan_create(p, &k);
-    return p;
-}
-
-static void matmul(Matmul mm) {
-    const MatmulPlan *p = matmul_plan(&mm);
-    if (mm.bias)
-        cublas_check(cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &mm.bias, sizeof mm.bias));
-    float alpha = 1.0f, beta = mm.c ? mm.beta : 0.0f;
-    cublas_check(cublasLtMatmul(gpu.lt, p->desc, &alpha, mm.b, p->layout_b, mm.a, p->layout_a, &beta, mm.c ? mm.c : mm.d,
-                                p->layout_c, mm.d, p->layout_d, &p->algo, gpu.workspace, gpu.workspace_bytes, gpu.stream));
-}
-
-// The same product for a batch of matrices given by device arrays of pointers (attention heads).
-static void matmul_batched(void *const *d, cudaDataType d_type, int ldd, const floatX *const *a, int trans_a, int lda,
-                           const floatX *const *b, int trans_b, int ldb, int M, int N, int K, float beta, int batch) {
-    float alpha = 1.0f;
-    cublas_check(cublasGemmBatchedEx(gpu.blas, trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, trans_a ? CUBLAS_OP_T : CUBLAS_OP_N,
-                                     N, M, K, &alpha, (const void *const *)b, CUDA_FLOATX, ldb, (const void *const *)a,
-                                     CUDA_FLOATX, lda, &beta, d, d_type, ldd, batch, CUBLAS_COMPUTE_32F,
-                                     CUBLAS_GEMM_DEFAULT));
-}
-
-// The weight gradient of a layer, dW[out][K] = dy^T[out][M] x[M][K] (fp32), a reduction over all M
-// rows of the batch. A single product would run on a handful of output tiles for M ~ 10^5, so
-// the rows are split into slices computed as one batched product into scratch, then summed in a
-// fixed order; rows left over after the slices are added by one more product. A model that computes
-// no parameter gradients (TRAINING_INPUT_GRADIENT) has no dw: nothing is done.
-
-#define WEIGHT_GRAD_SLICE_ROWS 4096
-#define WEIGHT_GRAD_MAX_SLICES 64
-
-static int weight_grad_slices(int64_t scratch_numel, int M, int out, int K) {
-    int64_t slices = M / WEIGHT_GRAD_SLICE_ROWS, cap = scratch_numel / ((int64_t)out * K);
-    if (slices > WEIGHT_GRAD_MAX_SLICES) slices = WEIGHT_GRAD_MAX_SLICES;
-    return (int)(slices < cap ? slices : cap);
-}
-
-// out[i] = sum over slices k, in order, of slices[k][i] (the weight gradients' partial sums; also
-// the 3x3 convolutions'), for the n floats of a slice; out's rows of `cols` values lie ld apart
-// (ld = cols: contiguous).
-__global__ void sum_slices_kernel(float *out, int cols, int ld, const float *slices, int count, int64_t n) {
-    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
-        float s = 0.0f;
-        for (int k = 0; k < count; k++) s += slices[k * n + i];
-        out[ld == cols ? i : i / cols * ld + i % cols] = s;
-    }
-}
-
-static void sum_slices_strided(float *out, int cols, int ld, const float *slices, int count, int64_t n) {
-    sum_slices_kernel<<<blocks_for(n, 256), 256, 0, gpu.stream>>>(out, cols, ld, slices, count, n);
-    cuda_check_launch();
-}
-
-static void sum_slices(float *out, const float *slices, int count, int64_t n) { sum_slices_strided(out, 1, 1, slices, count, n); }
-
-static void weight_gradient(const Scratch *s, float *dw, int ldw, const floatX *dy, const floatX *x, int M, int out, int K) {
-    if (!dw) return;
-    int slices = weight_grad_slices(s->weight_grad_numel, M, out, K);
-    if (slices < 2) {
-        matmul({.M = out, .N = K, .K = M, .a = dy, .lda = out, .trans_a = 1, .b = x, .ldb = K, .d = dw, .ldd = ldw, .d_fp32 = 1});
-        return;
-    }
-    int rows = M / slices;
-    float alpha = 1.0f, beta = 0.0f;
-    cublas_check(cublasGemmStridedBatchedEx(gpu.blas, CUBLAS_OP_N, CUBLAS_OP_T, K, out, rows, &alpha, x, CUDA_FLOATX, K,
-                                            (int64_t)rows * K, dy, CUDA_FLOATX, out, (int64_t)rows * out, &beta,
-                                            s->weight_grad, CUDA_R_32F, K, (int64_t)out * K, slices,
-                                            CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
-    sum_slices_strided(dw, K, ldw, s->weight_grad, slices, (int64_t)out * K);
-    int done = rows * slices;
-    if (done < M)
-        matmul({.M = out, .N = K, .K = M - done, .a = dy + (int64_t)done * out, .lda = out, .trans_a = 1,
-                .b = x + (int64_t)done * K, .ldb = K, .d = dw, .ldd = ldw, .d_fp32 = 1, .c = dw, .ldc = ldw, .beta = 1.0f});
-}
+#include "gpu.cuh"        // defines: floatX and Pack, error lines, random streams, host helpers, the GPU context, matrix products
+#include "config.cuh"     // defines: the option table, presets, ModelConfig, its resolution from options or metadata
+#include "team.cuh"       // defines: many GPUs: the team's collectives, launchers' environments, the rendezvous, launch_gpus
+#include "inception.cuh"  // defines: Inception-v3's features (evaluate, FID during training)
+#include "fid.cuh"        // defines: feature statistics, the Fréchet distance, precision and recall on the GPU
 
 // ----------------------------------------------------------------------------------------------
 // Per-channel sums of a [rows][C] tensor, by sample: per_sample[n][c] = sum over the sample's rows,
@@ -4454,7 +3990,17 @@ __global__ void label_embedding_backward_kernel(float *d_table, const floatX *d_
     for (int n = 0; n < N; n++) d_table[(int64_t)labels[n] * D + j] += (float)d_emb[(int64_t)n * D + j];
 }
 
+// y[n][e] += bias[e] (fp32 rows): the ResBlocks' embedding projections' biases, after their one product.
+__global__ void add_rows_kernel(float *y, const floatX *bias, int N, int E) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < N * E) y[i] += (float)bias[i % E];
+}
+
 // ----------------------------------------------------------------------------------------------
+// The loss: guided-diffusion's training_losses (the prediction's MSE and, with a learned variance,
+// the variational bound's term, whose math the likelihood shares) and the noisy classifier's
+// cross-entropy; each sums per block, then in one final block, every sum in a fixed order.
+
 // The sum of every thread's v in a block of 256 threads, in a fixed order (a tree in shared
 // memory); valid in thread 0. Used by the loss and the gradient norm.
 template <typename T>
@@ -4469,7 +4015,255 @@ __device__ T block_sum_256(T v) {
     return sums[0];
 }
 
+// Model input from a pixel: x = pixel / 127.5 - 1, uint8 [0, 255] -> [-1, 1], in one rounding (fma)
+// so that the host and the device agree to the bit. The loss's x0 is the float (in the BF16 build
+// the model's input is rounded again: bf16 would move a pixel by up to half the decoder's bin).
+__host__ __device__ inline float pixel_value(uint8_t pixel) { return fmaf((float)pixel, 1.0f / 127.5f, -1.0f); }
+
+__host__ __device__ inline floatX pixel_to_model_input(uint8_t pixel) { return (floatX)pixel_value(pixel); }
+
+// The variational bound's term of one value (improved DDPM, guided-diffusion's _vb_terms_bpd before
+// its mean over the image), in nats, for a model output `out` (its prediction) and `v` (its learned
+// variance, sampler.h's learned_log_variance) at x_t:
+//   x0' from out as predicted;  mean' = mean_x0 x0' + mean_xt x_t;  log_var' = the learned range at v
+//   t > 0:  KL(q(x_{t-1} | x_t, x0) || N(mean', e^log_var'))
+//           = (-1 + log_var' - log_var_q + e^(log_var_q - log_var') + (mean_q - mean')^2 e^-log_var') / 2
+//           (log_var_q: the posterior's, log_var_min)
+//   t = 0:  -log of the discretized Gaussian decoder's likelihood of x0 (decoder_log_likelihood)
+// with its derivatives by out (through mean') and by v (through log_var'). clip: x0' clipped to [-1,
+// 1] (guided-diffusion's clip_denoised: its likelihood's default; training never clips).
+typedef struct {
+    float value, d_out, d_v;
+} BoundTerm;
+
+// The standard normal CDF as guided-diffusion approximates it, 0.5 (1 + tanh(sqrt(2/pi) (x + 0.044715
+// x^3))), and its derivative in *slope.
+__host__ __device__ inline float approx_normal_cdf(float x, float *slope) {
+    const float k = 0.7978845608f;  // sqrt(2/pi)
+    float g = k * (x + 0.044715f * x * x * x), sech = 1.0f / coshf(g);  // 1 - tanh^2, without its cancellation
+    *slope = 0.5f * sech * sech * k * (1.0f + 3.0f * 0.044715f * x * x);
+    return 0.5f * (1.0f + tanhf(g));
+}
+
+// log p(x) of guided-diffusion's discretized Gaussian decoder (discretized_gaussian_log_likelihood):
+// x, a pixel in [-1, 1], is the bin [x - 1/255, x + 1/255] of N(mean, e^(2 log_scale)), the first and
+// the last bins open-ended; probabilities clamped at 1e-12. Its derivatives by mean and log_scale
+// (zero where the clamp holds) go to *d_mean and *d_log_scale.
+__host__ __device__ inline float decoder_log_likelihood(float x, float mean, float log_scale, float *d_mean, float *d_log_scale) {
+    float inv = expf(-log_scale), centered = x - mean;
+    float plus_in = inv * (centered + 1.0f / 255.0f), min_in = inv * (centered - 1.0f / 255.0f), slope_plus, slope_min;
+    float cdf_plus = approx_normal_cdf(plus_in, &slope_plus), cdf_min = approx_normal_cdf(min_in, &slope_min);
+    float value, by_plus, by_min;  // d value / d cdf_plus, d cdf_min
+    if (x < -0.999f) {
+        value = logf(fmaxf(cdf_plus, 1e-12f)), by_plus = cdf_plus > 1e-12f ? 1.0f / cdf_plus : 0.0f, by_min = 0.0f;
+    } else if (x > 0.999f) {
+        value = logf(fmaxf(1.0f - cdf_min, 1e-12f)), by_plus = 0.0f, by_min = 1.0f - cdf_min > 1e-12f ? -1.0f / (1.0f - cdf_min) : 0.0f;
+    } else {
+        float delta = cdf_plus - cdf_min;
+        value = logf(fmaxf(delta, 1e-12f)), by_plus = delta > 1e-12f ? 1.0f / delta : 0.0f, by_min = -by_plus;
+    }
+    // d plus_in / d mean = -inv, d plus_in / d log_scale = -plus_in (and min_in likewise)
+    *d_mean = -inv * (by_plus * slope_plus + by_min * slope_min);
+    *d_log_scale = -(by_plus * slope_plus * plus_in + by_min * slope_min * min_in);
+    return value;
+}
+
+__host__ __device__ inline BoundTerm bound_term(float x0, float x_t, float out, float v, const TimestepTerms *tt, int first_step,
+                                                int predict, int clip) {
+    float x0_by_out = predict == PREDICT_EPS ? -tt->sqrt_one_minus_abar / tt->sqrt_abar
+                    : predict == PREDICT_V   ? -tt->sqrt_one_minus_abar
+                                             : 1.0f;  // d x0' / d out
+    float x0_model = predict == PREDICT_EPS ? (x_t - tt->sqrt_one_minus_abar * out) / tt->sqrt_abar
+                   : predict == PREDICT_V   ? tt->sqrt_abar * x_t - tt->sqrt_one_minus_abar * out
+                                            : out;
+    if (clip && fabsf(x0_model) > 1.0f) x0_model = copysignf(1.0f, x0_model), x0_by_out = 0.0f;
+    float mean = tt->mean_x0 * x0_model + tt->mean_xt * x_t;
+    float log_var = learned_log_variance(v, tt->log_var_min, tt->log_var_range);
+    BoundTerm b;
+    float d_mean, d_log_var;
+    if (first_step) {
+        float d_log_scale;
+        b.value = -decoder_log_likelihood(x0, mean, 0.5f * log_var, &d_mean, &d_log_scale);
+        d_mean = -d_mean, d_log_var = -0.5f * d_log_scale;
+    } else {
+        // -1 + e^u - u with u = log_var_q - log_var' = -f log_var_range as expm1(u) - u, and the means'
+        // gap as mean_x0 (x0 - x0'): late in the schedule the range is narrow and mean_x0 small, where
+        // the direct forms would cancel most digits (of u^2 / 2, of the mean_xt x_t both means hold)
+        float gap = tt->mean_x0 * (x0 - x0_model), precision = expf(-log_var);
+        float u = -0.5f * (v + 1.0f) * tt->log_var_range;
+        b.value = 0.5f * (expm1f(u) - u + gap * gap * precision);
+        d_mean = -gap * precision;
+        d_log_var = -0.5f * (expm1f(u) + gap * gap * precision);
+    }
+    b.d_out = d_mean * tt->mean_x0 * x0_by_out;
+    b.d_v = d_log_var * 0.5f * tt->log_var_range;
+    return b;
+}
+
+// The training loss (guided-diffusion's training_losses), per sample n of D = H W C values, then
+// over the batch of N with each sample's weight w_n (the schedule sampler's 1 / (T p_t); 1 for t
+// drawn uniformly):
+//   mse_n = (1/D) sum (out - target)^2
+//   vb_n  = (s / (D ln 2)) sum bound_term    (a learned variance: the output [N][H][W][2C] holds the
+//                                             prediction's C channels, then the variance's)
+//   loss_n = mse_n + vb_n;  L = (1/N) sum_n w_n loss_n
+// The prediction alone (eps, v, x0): mse_n. Hybrid (RESCALED_MSE): the mean is frozen in the bound
+// (only the variance half learns from it), s = T/1000 (1 without rescale_learned_sigmas). use_kl
+// (RESCALED_KL): loss_n = vb_n, the bound through both halves, s = T (1 without rescaling).
+typedef struct {
+    int learned, mse, frozen_mean, predict;
+    float bound_scale;  // s
+} LossKind;
+
+// What the loss reads besides the output and the target.
+typedef struct {
+    const uint8_t *pixels;        // x0 as pixels [N][H][W][C] (a learned variance's bound; NULL without)
+    const floatX *x_t;            // [N][H][W][C] (the same)
+    const TimestepTerms *terms;   // [T] (the same)
+    const int64_t *t;             // [N], the samples' timesteps (NULL: all counted in the first quarter)
+    int T;
+    const float *weights;         // [N], w_n (NULL: 1)
+    // A step's batch in pieces (--microbatch): these N samples are piece `piece` of the step's
+    // `step_batch` (0: N, one piece), L's divisor; the first piece writes the terms, the others add.
+    int step_batch, piece;
+    int x_t_ld;                   // x_t's values a pixel (0: C; an upsampler's input: 2C, the low-resolution image's after)
+} LossInputs;
+
+// What it writes besides the output's gradient (GPU arrays).
+#define LOSS_TERMS 19
+typedef struct {
+    float *terms;    // [LOSS_TERMS]: L; the means of w_n mse_n and w_n vb_n (a classifier's: of acc@1 and acc@k);
+                     // for each quarter of t (t < T/4, ...; guided-diffusion's loss_q0..q3) the sum of w_n loss_n,
+                     // then the count of samples; a classifier's: then the quarters' sums of acc@1, of acc@k
+    float *samples;  // [N][2]: each sample's t and loss_n (unweighted: the schedule sampler's history)
+    float *partial;  // [N][loss_blocks(hw)][2], at least [N][3]: scratch
+} LossOutputs;
+
+// The blocks of a sample for loss_partial_kernel: a block per 256 pixels, at most 32.
+static int loss_blocks(int hw) { return (hw + 255) / 256 < 32 ? (hw + 255) / 256 : 32; }
+
+static LossOutputs loss_outputs_create(int N, int hw) {
+    LossOutputs l;
+    size_t partial = (size_t)N * (loss_blocks(hw) * 2 > 3 ? loss_blocks(hw) * 2 : 3);
+    l.terms = (float *)gpu_malloc(((size_t)LOSS_TERMS + 2 * N + partial) * sizeof(float));
+    l.samples = l.terms + LOSS_TERMS, l.partial = l.samples + 2 * N;
+    cuda_check(cudaMemset(l.terms, 0, LOSS_TERMS * sizeof(float)));
+    return l;
+}
+
+// Blocks (x) of a sample (y): each writes its values' gradient (of the batch's L) whole, and its sums
+// of the squared errors and of the bound's terms into partial[n][block][2].
+__global__ void loss_partial_kernel(float *partial, floatX *d_out, const floatX *out, const floatX *target, LossInputs in, int hw,
+                                    int C, LossKind kind) {
+    int n = blockIdx.y, N = in.step_batch ? in.step_batch : gridDim.y, out_C = kind.learned ? 2 * C : C;
+    float per_value = (in.weights ? in.weights[n] : 1.0f) / ((float)N * hw * C), per_bound = kind.bound_scale * per_value / (float)M_LN2;
+    float squares = 0.0f, bound = 0.0f;
+    for (int p = blockIdx.x * blockDim.x + threadIdx.x; p < hw; p += gridDim.x * blockDim.x)
+        for (int c = 0; c < C; c++) {
+            int64_t i = ((int64_t)n * hw + p) * C + c, o = ((int64_t)n * hw + p) * out_C + c;
+            float prediction = (float)out[o], d = 0.0f;
+            if (kind.mse) {
+                float diff = prediction - (float)target[i];
+                squares += diff * diff, d = 2.0f * per_value * diff;
+            }
+            if (kind.learned) {
+                int64_t xi = ((int64_t)n * hw + p) * (in.x_t_ld ? in.x_t_ld : C) + c;
+                BoundTerm b = bound_term(pixel_value(in.pixels[i]), (float)in.x_t[xi], prediction, (float)out[o + C], &in.terms[in.t[n]],
+                                         in.t[n] == 0, kind.predict, 0);
+                if (!kind.frozen_mean) d += per_bound * b.d_out;
+                bound += b.value;
+                d_out[o + C] = (floatX)(per_bound * b.d_v);
+            }
+            d_out[o] = (floatX)d;
+        }
+    squares = block_sum_256(squares);
+    bound = block_sum_256(bound);
+    float *sums = partial + 2 * ((int64_t)n * gridDim.x + blockIdx.x);
+    if (threadIdx.x == 0) sums[0] = squares, sums[1] = bound;
+}
+
+// One block of 256 threads: each sample's terms from its blocks' sums, then the batch's, every sum
+// in a fixed order (a later piece of the step's batch adds its sums to the earlier pieces').
+__global__ void loss_final_kernel(LossOutputs l, LossInputs in, int N, int blocks, float values, LossKind kind) {
+    float sums[LOSS_TERMS] = {0};  // L, mse, vb, the quarters' sums, their counts (before / N)
+    for (int n = threadIdx.x; n < N; n += blockDim.x) {
+        float squares = 0.0f, bound = 0.0f;
+        for (int b = 0; b < blocks; b++) squares += l.partial[2 * (n * blocks + b)], bound += l.partial[2 * (n * blocks + b) + 1];
+        float mse = squares / values, vb = kind.bound_scale * bound / (values * (float)M_LN2), loss = (kind.mse ? mse : 0.0f) + vb;
+        float w = in.weights ? in.weights[n] : 1.0f;
+        int t = in.t ? (int)in.t[n] : 0, quarter = min(4 * t / max(in.T, 1), 3);
+        l.samples[2 * n] = (float)t, l.samples[2 * n + 1] = loss;
+        sums[0] += w * loss, sums[1] += w * mse, sums[2] += w * vb, sums[3 + quarter] += w * loss, sums[7 + quarter] += 1.0f;
+    }
+    float divisor = (float)(in.step_batch ? in.step_batch : N);
+    for (int k = 0; k < LOSS_TERMS; k++) {
+        float total = block_sum_256(sums[k]);
+        if (threadIdx.x == 0) l.terms[k] = (in.piece ? l.terms[k] : 0.0f) + (k < 3 ? total / divisor : total);
+    }
+}
+
+// The loss of N samples of hw pixels of C channels (the output has 2C with a learned variance); the
+// output's gradient into d_out.
+static void training_loss(const LossOutputs *l, floatX *d_out, const floatX *out, const floatX *target, const LossInputs *in, int N,
+                          int hw, int C, LossKind kind) {
+    int blocks = loss_blocks(hw);
+    loss_partial_kernel<<<dim3(blocks, N), 256, 0, gpu.stream>>>(l->partial, d_out, out, target, *in, hw, C, kind);
+    loss_final_kernel<<<1, 256, 0, gpu.stream>>>(*l, *in, N, blocks, (float)hw * C, kind);
+    cuda_check_launch();
+}
+
+// The noisy classifier's loss (guided-diffusion's classifier_train.py): the cross-entropy of each
+// sample's K logits z against its label y, and whether y is its top logit (acc@1) or among its top
+// k = min(5, K) (acc@k; the label's rank is the number of logits above its own):
+//   loss_n = logsumexp(z) - z_y,   L = (1/B) sum_n loss_n,   dL/dz_j = (softmax(z)_j - [j = y]) / B
+// over the step's batch of B. A warp a sample writes its gradient whole and (loss_n, acc@1_n, acc@k_n)
+// into partial[n][3]; then one block adds them up in a fixed order, over the batch and per quarter
+// of t (LossOutputs.terms, the classifier's layout).
+__global__ void classifier_loss_kernel(float *partial, floatX *d_out, const floatX *logits, const int *labels, int N, int K,
+                                       float per_sample) {
+    int n = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (n >= N) return;
+    const floatX *z = logits + (int64_t)n * K;
+    int y = labels[n], above = 0;
+    float zy = (float)z[y], m = -INFINITY, sum = 0.0f;
+    for (int j = lane; j < K; j += 32) m = fmaxf(m, (float)z[j]), above += (float)z[j] > zy;
+    for (int o = 16; o > 0; o /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffff, m, o)), above += __shfl_xor_sync(0xffffffff, above, o);
+    for (int j = lane; j < K; j += 32) sum += expf((float)z[j] - m);
+    for (int o = 16; o > 0; o /= 2) sum += __shfl_xor_sync(0xffffffff, sum, o);
+    for (int j = lane; j < K; j += 32) d_out[(int64_t)n * K + j] = (floatX)((expf((float)z[j] - m) / sum - (j == y)) * per_sample);
+    if (lane == 0)
+        partial[3 * n] = m + logf(sum) - zy, partial[3 * n + 1] = above < 1, partial[3 * n + 2] = above < (K < 5 ? K : 5);
+}
+
+__global__ void classifier_loss_final_kernel(LossOutputs l, LossInputs in, int N) {
+    float sums[LOSS_TERMS] = {0};  // L, acc@1, acc@k, the quarters' loss sums, counts, acc@1 and acc@k sums (before / N)
+    for (int n = threadIdx.x; n < N; n += blockDim.x) {
+        float loss = l.partial[3 * n], top1 = l.partial[3 * n + 1], topk = l.partial[3 * n + 2];
+        int t = (int)in.t[n], quarter = min(4 * t / max(in.T, 1), 3);
+        sums[0] += loss, sums[1] += top1, sums[2] += topk;
+        sums[3 + quarter] += loss, sums[7 + quarter] += 1.0f, sums[11 + quarter] += top1, sums[15 + quarter] += topk;
+    }
+    float divisor = (float)(in.step_batch ? in.step_batch : N);
+    for (int k = 0; k < LOSS_TERMS; k++) {
+        float total = block_sum_256(sums[k]);
+        if (threadIdx.x == 0) l.terms[k] = (in.piece ? l.terms[k] : 0.0f) + (k < 3 ? total / divisor : total);
+    }
+}
+
+// The classifier's loss of N samples' K logits (labels and in->t on the GPU); the logits' gradient
+// into d_out.
+static void classifier_loss(const LossOutputs *l, floatX *d_out, const floatX *logits, const int *labels, const LossInputs *in, int N,
+                            int K) {
+    float per_sample = 1.0f / (float)(in->step_batch ? in->step_batch : N);
+    classifier_loss_kernel<<<(N + 7) / 8, 256, 0, gpu.stream>>>(l->partial, d_out, logits, labels, N, K, per_sample);
+    classifier_loss_final_kernel<<<1, 256, 0, gpu.stream>>>(*l, *in, N);
+    cuda_check_launch();
+}
+
 // ----------------------------------------------------------------------------------------------
+// The update: AdamW with the first EMA in its pass, the global gradient norm that decides the step
+// (finite, clipped), and the EMA of the other rates.
+
 // AdamW as PyTorch defines it, on the fp32 master weights, refreshing the compute copy:
 //   g = grad * clip scale;  p -= lr wd p;  m = b1 m + (1 - b1) g;  v = b2 v + (1 - b2) g^2
 //   p -= lr (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps)
@@ -4489,7 +4283,7 @@ typedef struct {
     float loss, grad_norm, grad_scale;  // results: loss, norm before clipping, the scale applied
     float mse, vb;         // the loss's terms: the prediction's MSE, the variational bound's term (0 without)
     float quarter_loss[4], quarter_count[4];  // per quarter of t: the sum of the samples' weighted losses, their count
-    float terms[19];       // the loss's terms as LossOutputs.terms holds them (a classifier's log reads them)
+    float terms[LOSS_TERMS];  // the loss's terms as LossOutputs.terms holds them (a classifier's log reads them)
     int finite;            // loss and gradients finite: parameters and EMA updated (in the next step: trainer_plan_update)
 } StepState;
 
@@ -4549,524 +4343,192 @@ static void adamw_step(float *params, floatX *params_x, float *m, float *v, cons
     cuda_check_launch();
 }
 
+// The global gradient norm, in two fixed-order passes: sums of squares per block, then the total;
+// the second pass also decides the step: finite (loss and norm) and the clipping scale.
+#define NORM_BLOCKS 1024
+
+__global__ void grad_norm_partial_kernel(double *partial, const float *grads, int64_t n) {
+    double s = 0;
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
+        s += (double)grads[i] * grads[i];
+    s = block_sum_256(s);
+    if (threadIdx.x == 0) partial[blockIdx.x] = s;
+}
+
+// terms: the loss's (LossOutputs.terms), averaged over the ranks.
+__global__ void step_decide_kernel(StepState *s, const double *partial, const float *terms) {
+    __shared__ double sums[NORM_BLOCKS];
+    for (int i = threadIdx.x; i < NORM_BLOCKS; i += blockDim.x) sums[i] = partial[i];
+    __syncthreads();
+    for (int stride = NORM_BLOCKS / 2; stride > 0; stride /= 2) {
+        for (int i = threadIdx.x; i < stride; i += blockDim.x) sums[i] += sums[i + stride];
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) {
+        float norm = (float)sqrt(sums[0]);
+        s->loss = terms[0], s->mse = terms[1], s->vb = terms[2];
+        for (int q = 0; q < 4; q++) s->quarter_loss[q] = terms[3 + q], s->quarter_count[q] = terms[7 + q];
+        for (int k = 0; k < LOSS_TERMS; k++) s->terms[k] = terms[k];
+        s->grad_norm = norm;
+        s->finite = isfinite(norm) && isfinite(terms[0]);
+        s->grad_scale = s->grad_clip > 0.0f && norm > s->grad_clip ? s->grad_clip / (norm + 1e-6f) : 1.0f;
+    }
+}
+
+// EMA of the weights, guided-diffusion's update_ema: ema = rate ema + (1 - rate) params.
+__global__ void ema_kernel(float *ema, const float *params, int64_t n, float rate, const StepState *s) {
+    if (!s->finite) return;
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
+        ema[i] = rate * ema[i] + (1.0f - rate) * params[i];
+}
+
 // ----------------------------------------------------------------------------------------------
-// The configuration: guided-diffusion's UNetModel arguments (ModelConfig), a run's options, and
-// both resolved and validated from the command line's values or a checkpoint's metadata.
+// Diffusion's per-value kernels: the model's input from pixels, the training draws (timesteps, labels
+// dropped for guidance), x_t = q_sample(x0, t, eps) with the regression target, a sampling step of
+// sampler.h's plan, and the likelihood's terms. Their callers are with diffusion training, sampling
+// and the likelihood below.
 
-#define MAX_LEVELS 8
-#define MAX_RES_BLOCKS 8
-// The encoder's outputs kept for the decoder's skip connections: the input convolution's, one per
-// residual block, one per downsampling.
-#define MAX_SKIPS (1 + MAX_LEVELS * (MAX_RES_BLOCKS + 1))
+__global__ void images_to_model_input_kernel(floatX *out, const uint8_t *pixels, size_t n) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
+        out[i] = pixel_to_model_input(pixels[i]);
+}
+
+static void images_to_model_input(floatX *out, const uint8_t *pixels, size_t n, cudaStream_t stream) {
+    int threads = 256, blocks = (int)((n + threads - 1) / threads);
+    if (blocks > 65535) blocks = 65535;
+    images_to_model_input_kernel<<<blocks, threads, 0, stream>>>(out, pixels, n);
+    cuda_check_launch();
+}
+
+// The draws are numbered by sample in the step's batch on all GPUs (first_sample: this GPU's first),
+// so that N GPUs at batch B draw what one GPU at batch N B draws.
+
+// Timesteps t ~ U[0, T), each sample's loss weight 1, or with the schedule sampler's distribution
+// (s->weighted_draw) t ~ p (the first t whose cumulative probability exceeds a uniform draw) and the
+// weight 1 / (T p_t); for classifier-free guidance, labels replaced by the null class with
+// probability cfg_dropout.
+__global__ void diffusion_conditions_kernel(int64_t *t, float *weights, int *labels, int N, int64_t first_sample, int T,
+                                            const double *distribution, float cfg_dropout, int null_label, const StepState *s) {
+    int n = blockIdx.x * blockDim.x + threadIdx.x;
+    if (n >= N) return;
+    uint64_t draw = (uint64_t)(first_sample + n), r = random_u64(s->noise_seed, rng_stream(RNG_TIMESTEP, 0), draw);
+    if (s->weighted_draw) {
+        const double *p = distribution, *cdf = distribution + T;
+        double u = (double)(r >> 11) * 0x1p-53 * cdf[T - 1];
+        int lo = 0, hi = T - 1;
+        while (lo < hi) {
+            int mid = (lo + hi) / 2;
+            if (cdf[mid] > u) hi = mid;
+            else lo = mid + 1;
+        }
+        t[n] = lo, weights[n] = (float)(1.0 / (T * p[lo]));
+    } else {
+        t[n] = (int64_t)(r % (uint64_t)T), weights[n] = 1.0f;
+    }
+    if (cfg_dropout > 0.0f && (random_u64(s->noise_seed, rng_stream(RNG_LABEL_DROP, 0), draw) >> 40) * (1.0f / 16777216.0f) < cfg_dropout)
+        labels[n] = null_label;
+}
+
+// x_t and the regression target from x0 (all [N][per_sample] of C channels; target NULL: x_t only, for a
+// classifier). x_t's pixels are ld values apart (ld = C, or an upsampler's input of 2C: x_t first).
+__global__ void diffusion_inputs_kernel(floatX *x_t, int C, int ld, floatX *target, const floatX *x0, const int64_t *t,
+                                        const TimestepTerms *terms, int predict, int64_t per_sample, int64_t n, int64_t first_sample,
+                                        const StepState *s) {
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
+        const TimestepTerms *tt = &terms[t[i / per_sample]];
+        float a = tt->sqrt_abar, b = tt->sqrt_one_minus_abar;
+        float eps = normal_sample(s->noise_seed, rng_stream(RNG_NOISE, 0), first_sample * per_sample + i);
+        float x = (float)x0[i];
+        x_t[i / C * ld + i % C] = (floatX)(a * x + b * eps);
+        if (target) target[i] = (floatX)(predict == PREDICT_V ? a * eps - b * x : predict == PREDICT_X0 ? x : eps);
+    }
+}
 
 typedef struct {
-    int image_size;
-    int in_channels, out_channels;
-    int model_channels;
-    int num_levels;                       // len(channel_mult)
-    int level_channels[MAX_LEVELS];       // int(channel_mult[level] * model_channels)
-    int level_attention[MAX_LEVELS];      // attention blocks at this level (downsample rate 2^level)
-    int num_res_blocks;
-    int num_heads, num_heads_upsample;    // used when num_head_channels == -1
-    int num_head_channels;                // -1: fixed head count instead
-    int use_scale_shift_norm, resblock_updown, conv_resample, use_new_attention_order;
-    float dropout;
-    int num_classes;                      // rows of label_emb (dataset classes + the null class), 0: unconditional
-    int pool;                             // POOL_NONE: the diffusion UNet; else the noisy classifier with this head
-    int low_res;                          // SuperResModel (the upsampler): the low-resolution image's side, 0: none
-} ModelConfig;
+    int step;        // the plan's next step
+    int64_t offset;  // the batch's first value: first image * values per image
+} SampleCursor;
 
-// The model's input channels: the image's, and for SuperResModel the low-resolution image's after
-// them (bilinearly upsampled to the image's size: upsample_bilinear).
-static int model_input_channels(const ModelConfig *c) { return c->low_res ? 2 * c->in_channels : c->in_channels; }
-
-// The noisy classifier (guided-diffusion's EncoderUNetModel): the UNet's time embedding, input
-// blocks and middle block, then a head (its `pool`) that turns the last feature map into one logit
-// a class (out_channels of them); no label embedding, no decoder. The spatial heads' hidden layer
-// has SPATIAL_HIDDEN units (guided-diffusion's).
-#define SPATIAL_HIDDEN 2048
-typedef enum { POOL_NONE, POOL_ADAPTIVE, POOL_ATTENTION, POOL_SPATIAL, POOL_SPATIAL_V2, NUM_POOLS } ClassifierPool;
-static const char *const pool_names[NUM_POOLS] = {"", "adaptive", "attention", "spatial", "spatial_v2"};
-
-// A run's options under guided-diffusion's flag names (the command line's, a checkpoint's metadata):
-// the table of them, the presets, and each value read and checked. A preset sets a group of them
-// first, and every flag given explicitly overrides it whatever its position.
-
-typedef struct {
-    // guided-diffusion's model flags
-    int image_size, num_channels, num_res_blocks;
-    const char *channel_mult, *attention_resolutions;
-    int num_heads, num_head_channels, num_heads_upsample;
-    int use_new_attention_order, use_scale_shift_norm, resblock_updown, conv_resample;
-    float dropout;
-    int class_cond, num_classes, learn_sigma;
-    int super_res;  // SuperResModel's low-resolution side (guided-diffusion's small_size; the image size is its large_size)
-    // what is trained, and the noisy classifier's flags (guided-diffusion's classifier_train.py)
-    const char *model;
-    int classifier_width, classifier_depth;
-    const char *classifier_attention_resolutions, *classifier_pool;
-    int classifier_use_scale_shift_norm, classifier_resblock_updown, noised;
-    const char *val_data;
-    int eval_interval;
-    int eval_num;           // a diffusion model's FID during training: the images sampled (0: none)
-    const char *inception;  // FID's Inception weights ("": where pytorch-fid keeps them)
-    // diffusion
-    int diffusion_steps;
-    const char *noise_schedule, *predict, *schedule_sampler;
-    int use_kl, rescale_learned_sigmas;
-    // training
-    float lr, weight_decay, beta1, beta2, adam_eps, min_lr, grad_clip, cfg_dropout;
-    const char *lr_decay;
-    int warmup_steps;
-    int batch_size, microbatch, use_checkpoint;
-    int gpus;
-    const char *rdzv;      // host:port of rank 0's TCP rendezvous ("": MASTER_ADDR and MASTER_PORT, else the run folder's file)
-    int rdzv_timeout;      // seconds
-    const char *ema_rate;
-    int log_interval, save_interval, keep, max_bad_steps, sample_interval, sample_count, sample_steps;
-    const char *resume_checkpoint, *run_dir, *init_from;
-    // data and run
-    const char *data, *preset;
-    int random_flip;
-    long long steps, stop_step;
-    long long seed;
-    int dry_run, bench, overwrite;
-} Options;
-
-typedef enum { OPT_INT, OPT_LONG, OPT_FLOAT, OPT_BOOL, OPT_STRING, OPT_SWITCH } OptionType;
-
-typedef struct {
-    const char *name;
-    OptionType type;
-    size_t offset;  // of the value in Options
-    const char *help;
-} OptionSpec;
-
-#define OPT(name, type, help) {#name, type, offsetof(Options, name), help}
-static const OptionSpec option_specs[] = {
-    OPT(data, OPT_STRING, "dataset .bin written by prepare_data (required to train)"),
-    OPT(preset, OPT_STRING, "seed | adm64 | adm128 | adm256 | adm256u | adm512 | adm64_256 | adm128_512: a model and training "
-                                 "configuration to start from"),
-    OPT(image_size, OPT_INT, "image side in pixels; when not given, the dataset's (without --data the preset's)"),
-    OPT(num_channels, OPT_INT, "model channels (multiple of 32)"),
-    OPT(channel_mult, OPT_STRING, "channel multiplier per level, e.g. 1,2,3,4; \"\", or not given with an image size from the "
-                                  "dataset: guided-diffusion's default for that size"),
-    OPT(num_res_blocks, OPT_INT, "residual blocks per level"),
-    OPT(attention_resolutions, OPT_STRING, "resolutions with attention, e.g. 16,8 (\"\": none besides the middle block)"),
-    OPT(num_heads, OPT_INT, "attention heads (when num_head_channels is -1)"),
-    OPT(num_head_channels, OPT_INT, "channels per attention head, -1 to use num_heads"),
-    OPT(num_heads_upsample, OPT_INT, "heads in the decoder's attention, -1: num_heads"),
-    OPT(use_new_attention_order, OPT_BOOL, "split qkv before heads (QKVAttention) instead of the legacy order"),
-    OPT(use_scale_shift_norm, OPT_BOOL, "timestep embedding as scale and shift of the norm (FiLM)"),
-    OPT(resblock_updown, OPT_BOOL, "resample with residual blocks"),
-    OPT(conv_resample, OPT_BOOL, "convolution in up/downsampling (guided-diffusion always uses it)"),
-    OPT(dropout, OPT_FLOAT, "dropout in residual blocks"),
-    OPT(class_cond, OPT_BOOL, "condition on the dataset's labels"),
-    OPT(num_classes, OPT_INT, "classes, when there is no --data to read them from"),
-    OPT(learn_sigma, OPT_BOOL, "6 output channels: the prediction and guided-diffusion's learned variance, trained with the hybrid "
-                               "loss (MSE + the variational bound's term)"),
-    OPT(super_res, OPT_INT, "the upsampler: guided-diffusion's SuperResModel, conditioned on the image downsampled to this "
-                            "side (its small_size; --image_size is its large_size), 0: none"),
-    OPT(model, OPT_STRING, "diffusion | classifier: the UNet, or guided-diffusion's noisy classifier (EncoderUNetModel) trained on "
-                           "the dataset's labels with the classifier_ flags below instead of the model flags above"),
-    OPT(classifier_width, OPT_INT, "classifier: model channels"),
-    OPT(classifier_depth, OPT_INT, "classifier: residual blocks per level"),
-    OPT(classifier_attention_resolutions, OPT_STRING, "classifier: resolutions with attention (64-channel heads)"),
-    OPT(classifier_use_scale_shift_norm, OPT_BOOL, "classifier: timestep embedding as scale and shift of the norm"),
-    OPT(classifier_resblock_updown, OPT_BOOL, "classifier: downsample with residual blocks"),
-    OPT(classifier_pool, OPT_STRING, "classifier: its head, attention | adaptive | spatial | spatial_v2"),
-    OPT(noised, OPT_BOOL, "classifier: train on images noised at t drawn uniformly (False: the clean images at t = 0)"),
-    OPT(val_data, OPT_STRING, "classifier: a dataset .bin to evaluate on (its loss and accuracy in log.csv's val_ columns)"),
-    OPT(eval_interval, OPT_INT, "steps between evaluations: a classifier's on --val_data (a batch each); a diffusion model's FID "
-                                "(--eval_num; then a multiple of --log_interval, and when not given --sample_interval's)"),
-    OPT(eval_num, OPT_INT, "diffusion models: FID every --eval_interval steps and at the end, of this many images sampled from the "
-                           "first EMA (DDIM, --sample_steps) against the first 50000 training images; more than 2048 (0: none)"),
-    OPT(inception, OPT_STRING, "FID's Inception-v3 weights, pytorch-fid's pt_inception-2015-12-05-6726825d.pth; unset: where "
-                               "pytorch-fid keeps it, $TORCH_HOME/hub/checkpoints/ or ~/.cache/torch/hub/checkpoints/"),
-    OPT(diffusion_steps, OPT_INT, "diffusion timesteps"),
-    OPT(noise_schedule, OPT_STRING, "linear | cosine"),
-    OPT(predict, OPT_STRING, "eps | v | x0: what the model is trained to predict (x0: guided-diffusion's predict_xstart)"),
-    OPT(use_kl, OPT_BOOL, "with learn_sigma: the loss is the variational bound alone (guided-diffusion's KL loss), through both halves"),
-    OPT(rescale_learned_sigmas, OPT_BOOL, "scale the bound's term by diffusion_steps/1000 in the hybrid loss, by diffusion_steps "
-                                          "with use_kl"),
-    OPT(schedule_sampler, OPT_STRING, "uniform | loss-second-moment: how the training timesteps are drawn (guided-diffusion's importance "
-                                      "sampling of t by the losses' second moment, the loss reweighted to stay unbiased)"),
-    OPT(lr, OPT_FLOAT, "AdamW learning rate"),
-    OPT(beta1, OPT_FLOAT, "AdamW beta1"),
-    OPT(beta2, OPT_FLOAT, "AdamW beta2"),
-    OPT(adam_eps, OPT_FLOAT, "AdamW epsilon"),
-    OPT(weight_decay, OPT_FLOAT, "AdamW decoupled weight decay"),
-    OPT(warmup_steps, OPT_INT, "linear learning-rate warm-up steps"),
-    OPT(lr_decay, OPT_STRING, "none | cosine: after warm-up, constant or a half cosine down to min_lr at the last step"),
-    OPT(min_lr, OPT_FLOAT, "the learning rate at the end of a cosine decay"),
-    OPT(grad_clip, OPT_FLOAT, "clip the global gradient norm to this (0: off); the norm is logged either way"),
-    OPT(cfg_dropout, OPT_FLOAT, "probability of replacing a label by the null class (classifier-free guidance)"),
-    OPT(batch_size, OPT_INT, "images per step and GPU"),
-    OPT(microbatch, OPT_INT, "run each step's batch through the model in pieces of this many images (dividing --batch_size), "
-                             "their gradients summed into one step: the same step in less memory (-1: the whole batch at once)"),
-    OPT(use_checkpoint, OPT_BOOL, "recompute each block's inner activations in its backward instead of keeping them: the same "
-                                  "gradients in less memory, for a slower step"),
-    OPT(gpus, OPT_INT, "GPUs of this machine to train on: a process each, data parallel over NCCL"),
-    OPT(rdzv, OPT_STRING, "under a launcher, host:port where rank 0 meets the others over TCP (as torchrun's MASTER_ADDR and "
-                          "MASTER_PORT, which it overrides; without either, through a file of the run folder)"),
-    OPT(rdzv_timeout, OPT_INT, "seconds the rendezvous waits for every rank"),
-    OPT(ema_rate, OPT_STRING, "EMA decay rates, comma-separated"),
-    OPT(log_interval, OPT_INT, "steps between progress lines"),
-    OPT(save_interval, OPT_INT, "steps between checkpoints"),
-    OPT(keep, OPT_INT, "checkpoints to keep, the newest (0: all)"),
-    OPT(sample_interval, OPT_INT, "steps between sample grids from the EMA weights (0: only at the end)"),
-    OPT(sample_count, OPT_INT, "images in a sample grid, e.g. 64 (0: no grids); an upsampler's: the first images of the "
-                                 "validation or training data, each as low-res | sample | original"),
-    OPT(sample_steps, OPT_INT, "DDIM steps of a sample grid"),
-    OPT(max_bad_steps, OPT_INT, "stop after this many steps in a row with a non-finite loss or gradient"),
-    OPT(run_dir, OPT_STRING, "run folder: config.txt, log.csv, checkpoints/"),
-    OPT(resume_checkpoint, OPT_STRING, "checkpoint folder to resume from, or latest (the newest in run_dir)"),
-    OPT(init_from, OPT_STRING, "start a new run from these weights (fine-tuning): a checkpoint folder (its EMA), a .safetensors or a "
-                               "PyTorch .pt file of the same model; the EMAs start from them, the optimiser and the step fresh"),
-    OPT(overwrite, OPT_SWITCH, "start a new run in a run folder that holds one, removing its checkpoints, samples, log and config"),
-    OPT(random_flip, OPT_BOOL, "random horizontal flips of the training images"),
-    OPT(steps, OPT_LONG, "training steps (the length of the learning-rate schedule)"),
-    OPT(stop_step, OPT_LONG, "save and stop after this step, to continue later with --resume_checkpoint (0: at --steps)"),
-    OPT(seed, OPT_LONG, "random seed (initialisation, data order, noise)"),
-    OPT(dry_run, OPT_SWITCH, "check the configuration, dataset, run folder and resume checkpoint, print them, the parameter count and the memory plan, exit"),
-    OPT(bench, OPT_INT, "time N training steps on random data (after warm-up) and exit; needs no --data"),
-};
-#define NUM_OPTIONS ((int)(sizeof option_specs / sizeof option_specs[0]))
-
-// The defaults: the seed project's model (clu0/unet.cu) with guided-diffusion's training defaults.
-static Options preset_seed(void) {
-    Options o;
-    memset(&o, 0, sizeof o);
-    o.image_size = 64, o.num_channels = 64, o.num_res_blocks = 2;
-    o.channel_mult = "1,2,3,4", o.attention_resolutions = "16,8";
-    o.num_heads = 4, o.num_head_channels = 32, o.num_heads_upsample = -1;
-    o.use_new_attention_order = 0, o.use_scale_shift_norm = 0, o.resblock_updown = 0, o.conv_resample = 0;
-    o.dropout = 0.0f, o.class_cond = 0, o.num_classes = 0, o.learn_sigma = 0;
-    o.model = "diffusion", o.classifier_width = 128, o.classifier_depth = 2, o.classifier_attention_resolutions = "32,16,8";
-    o.classifier_use_scale_shift_norm = 1, o.classifier_resblock_updown = 1, o.classifier_pool = "attention", o.noised = 1;
-    o.val_data = "", o.eval_interval = 5, o.eval_num = 0, o.inception = "";
-    o.diffusion_steps = 1000, o.noise_schedule = "linear", o.predict = "eps", o.use_kl = 0, o.rescale_learned_sigmas = 1;
-    o.schedule_sampler = "uniform";
-    o.lr = 1e-4f, o.weight_decay = 0.0f, o.beta1 = 0.9f, o.beta2 = 0.999f, o.adam_eps = 1e-8f;
-    o.warmup_steps = 0, o.lr_decay = "none", o.min_lr = 0.0f, o.grad_clip = 0.0f, o.cfg_dropout = 0.0f;
-    o.batch_size = 32, o.microbatch = -1, o.use_checkpoint = 0, o.gpus = 1, o.rdzv = "", o.rdzv_timeout = 600, o.ema_rate = "0.9999";
-    o.log_interval = 10, o.save_interval = 10000, o.keep = 0, o.max_bad_steps = 10;
-    o.sample_interval = 5000, o.sample_count = 64, o.sample_steps = 50;
-    o.resume_checkpoint = "", o.run_dir = "run", o.init_from = "";
-    o.data = "", o.preset = "seed", o.random_flip = 1, o.steps = 100000, o.stop_step = 0, o.seed = 0, o.dry_run = 0;
-    return o;
+__global__ void sample_start_kernel(float *x, int64_t n, uint64_t seed, const SampleCursor *c) {
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
+        x[i] = normal_sample(seed, rng_stream(RNG_SAMPLE_START, 0), c->offset + i);
 }
 
-// ADM ImageNet-64 (guided-diffusion's README), without learned sigma; add --class_cond True.
-static Options preset_adm64(void) {
-    Options o = preset_seed();
-    o.num_channels = 192, o.num_res_blocks = 3, o.attention_resolutions = "32,16,8";
-    o.num_head_channels = 64, o.use_new_attention_order = 1, o.use_scale_shift_norm = 1;
-    o.resblock_updown = 1, o.conv_resample = 1, o.dropout = 0.1f, o.noise_schedule = "cosine";
-    o.preset = "adm64";
-    return o;
-}
-
-// guided-diffusion's released ImageNet models at 128, 256 and 512 (its README's flags): learned
-// variance, linear schedule, scale-shift norm, resblock up/down, attention at 32,16,8, the default
-// channel multipliers of the size; class-conditional (the dataset's classes, else 1000) but adm256u.
-static Options preset_adm_large(int size, const char *name) {
-    Options o = preset_seed();
-    o.image_size = size, o.num_channels = 256, o.num_res_blocks = 2, o.channel_mult = "", o.attention_resolutions = "32,16,8";
-    o.num_heads = 4, o.num_head_channels = size == 128 ? -1 : 64, o.use_scale_shift_norm = 1, o.resblock_updown = 1, o.conv_resample = 1;
-    o.learn_sigma = 1, o.class_cond = strcmp(name, "adm256u") != 0, o.num_classes = 1000, o.noise_schedule = "linear";
-    o.preset = name;
-    return o;
-}
-
-// guided-diffusion's released upsamplers (its README's flags; their files 64_256_upsampler.pt and
-// 128_512_upsampler.pt): 192 channels, 2 blocks, learned variance, linear schedule, scale-shift
-// norm, resblock up/down, class-conditional; the upsampler's channel multipliers of the size; 64 to
-// 256 with attention at 32,16,8 and 4 heads, 128 to 512 at 32,16 with 64-channel heads.
-static Options preset_adm_upsampler(int small_size, int large_size, const char *name) {
-    Options o = preset_adm_large(large_size, name);
-    o.super_res = small_size, o.num_channels = 192;
-    if (large_size == 512) o.attention_resolutions = "32,16";
-    return o;
-}
-
-// The options of a preset by its name. Returns 0, or -1 for a name that is none.
-static int preset_options(const char *name, Options *o) {
-    if (strcmp(name, "seed") == 0) *o = preset_seed();
-    else if (strcmp(name, "adm64") == 0) *o = preset_adm64();
-    else if (strcmp(name, "adm128") == 0 || strcmp(name, "adm256") == 0 || strcmp(name, "adm256u") == 0 || strcmp(name, "adm512") == 0)
-        *o = preset_adm_large(atoi(name + 3), name);
-    else if (strcmp(name, "adm64_256") == 0) *o = preset_adm_upsampler(64, 256, name);
-    else if (strcmp(name, "adm128_512") == 0) *o = preset_adm_upsampler(128, 512, name);
-    else return -1;
-    return 0;
-}
-
-// Parses a boolean as guided-diffusion's str2bool does (yes/true/t/y/1, no/false/f/n/0).
-static int parse_bool(const char *s, int *out) {
-    static const char *const yes[] = {"yes", "true", "t", "y", "1"}, *const no[] = {"no", "false", "f", "n", "0"};
-    for (int i = 0; i < 5; i++) {
-        if (strcasecmp(s, yes[i]) == 0) return *out = 1, 0;
-        if (strcasecmp(s, no[i]) == 0) return *out = 0, 0;
-    }
-    return -1;
-}
-
-// Stores one option's value, checking that a number is a whole number (or a real) and nothing else.
-// Returns 0, or -1 with a message.
-static int option_from_string(Options *o, const OptionSpec *s, const char *value, char *err, size_t err_len) {
-    char *p = (char *)o + s->offset, *end = NULL;
-    errno = 0;
-    switch (s->type) {
-    case OPT_INT: {
-        long v = strtol(value, &end, 10);
-        if (end == value || *end || errno || v < INT32_MIN || v > INT32_MAX)
-            return error_line(err, err_len, "--%s needs a whole number, not '%s'", s->name, value);
-        *(int *)p = (int)v;
-        break;
-    }
-    case OPT_LONG: {
-        long long v = strtoll(value, &end, 10);
-        if (end == value || *end || errno) return error_line(err, err_len, "--%s needs a whole number, not '%s'", s->name, value);
-        *(long long *)p = v;
-        break;
-    }
-    case OPT_FLOAT: {
-        double v = strtod(value, &end);
-        if (end == value || *end || errno || !isfinite(v)) return error_line(err, err_len, "--%s needs a number, not '%s'", s->name, value);
-        *(float *)p = (float)v;
-        break;
-    }
-    case OPT_BOOL:
-        if (parse_bool(value, (int *)p) != 0) return error_line(err, err_len, "--%s needs True or False, not '%s'", s->name, value);
-        break;
-    case OPT_STRING: *(const char **)p = value; break;
-    case OPT_SWITCH: *(int *)p = 1; break;
-    }
-    return 0;
-}
-
-// The option of a name (len characters; a hyphen in it stands for an underscore, cli.h), or NULL.
-static const OptionSpec *find_option(const char *name, size_t len) {
-    for (int i = 0; i < NUM_OPTIONS; i++)
-        if (cli_name_is(name, len, option_specs[i].name)) return &option_specs[i];
-    return NULL;
-}
-
-// Parses a comma-separated list of positive numbers; returns the count, or -1 on a bad entry.
-static int parse_number_list(const char *s, double *out, int max) {
-    int n = 0;
-    while (*s) {
-        char *end;
-        errno = 0;
-        double v = strtod(s, &end);
-        if (end == s || errno || !isfinite(v) || v <= 0 || n == max) return -1;
-        out[n++] = v;
-        s = end;
-        if (*s == ',') s++;
-        else if (*s) return -1;
-    }
-    return n;
-}
-
-// guided-diffusion's channel_mult when none is given (script_util.create_model), and for 32x32
-// improved-diffusion's.
-static const char *default_channel_mult(int image_size) {
-    switch (image_size) {
-    case 512: return "0.5,1,1,2,2,4,4";
-    case 256: return "1,1,2,2,4,4";
-    case 128: return "1,1,2,3,4";
-    case 64: return "1,2,3,4";
-    case 32: return "1,2,2,2";  // improved-diffusion's (CIFAR-10); guided-diffusion has none
-    default: return NULL;
+// A step's inputs: x (n values of C channels) as the model's input (both halves when guided; its
+// pixels ld values apart: an upsampler's hold the low-resolution image's channels after x's) and
+// the classifier's (when given), and the step's timestep for every image of either batch (n is
+// more than both).
+__global__ void sample_inputs_kernel(floatX *input, int C, int ld, int64_t *t, int batch, floatX *classifier_input, int64_t *classifier_t,
+                                     int classifier_batch, const float *x, int64_t n, int guided, const SampleStep *steps,
+                                     const SampleCursor *c) {
+    int timestep = steps[c->step].timestep;
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
+        floatX v = (floatX)x[i];
+        int64_t at = i / C * ld + i % C;
+        input[at] = v;
+        if (guided) input[n / C * ld + at] = v;
+        if (classifier_input) classifier_input[i] = v;
+        if (i < batch) t[i] = timestep;
+        if (i < classifier_batch) classifier_t[i] = timestep;
     }
 }
 
-// An upsampler's channel_mult when none is given (guided-diffusion's sr_create_model), by its large size.
-static const char *super_res_channel_mult(int image_size) {
-    return image_size == 512 || image_size == 256 ? "1,1,2,2,4,4" : image_size == 64 ? "1,2,3,4" : NULL;
-}
-
-// Checks every value and resolves the model configuration into c. label_rows: rows of the class
-// embedding (0: unconditional). Returns 0, or -1 with the first bad value (the command line's
-// or a checkpoint's metadata's: the caller says which).
-static int model_config_from_options(Options *o, int label_rows, ModelConfig *out, char *err, size_t err_len) {
-    ModelConfig c;
-    memset(&c, 0, sizeof c);
-    if (o->image_size < 8 || o->image_size > 4096) return error_line(err, err_len, "--image_size %d is out of range (8..4096)", o->image_size);
-    if (o->num_channels < 32 || o->num_channels > 8192 || o->num_channels % 32)
-        return error_line(err, err_len, "--num_channels %d must be a multiple of 32 (GroupNorm uses 32 groups) from 32 to 8192", o->num_channels);
-    if (o->num_res_blocks < 0 || o->num_res_blocks > MAX_RES_BLOCKS)
-        return error_line(err, err_len, "--num_res_blocks %d is out of range (0..%d)", o->num_res_blocks, MAX_RES_BLOCKS);
-    if (!o->channel_mult[0]) {
-        o->channel_mult = o->super_res ? super_res_channel_mult(o->image_size) : default_channel_mult(o->image_size);
-        if (!o->channel_mult) return error_line(err, err_len, "no default --channel_mult for image size %d; give one", o->image_size);
+// One step of the plan for every value, from the model's output (guided: uncond + w (cond -
+// uncond), the second half being the unconditional) and classifier guidance's score (NULL: none);
+// x is written. x has C channels; the output has C (the prediction) or, with a learned variance,
+// 2C: then a value's variance is the conditional output's (as GLIDE's guided sampling keeps it).
+__global__ void sample_step_kernel(float *x, float *x0_last, const floatX *out, const floatX *score, int64_t n, int C, int out_channels,
+                                   int guided, float guidance, SamplePlan plan, const SampleStep *steps, const SampleCursor *c,
+                                   uint64_t seed) {
+    const SampleStep st = steps[c->step];
+    int64_t n_out = n / C * out_channels;  // the unconditional half's offset
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
+        int64_t j = i / C * out_channels + i % C;
+        float o = guided ? guided_output((float)out[j], (float)out[n_out + j], guidance) : (float)out[j];
+        float v = plan.learned ? (float)out[j + C] : 0.0f, g = score ? (float)score[i] : 0.0f;
+        float z = st.noisy ? normal_sample(seed, rng_stream(RNG_SAMPLE_NOISE, (uint64_t)c->step), c->offset + i) : 0.0f;
+        x[i] = sample_step_value(&plan, &st, x[i], o, v, g, z, &x0_last[i]);
     }
-    double mult[MAX_LEVELS];
-    int levels = parse_number_list(o->channel_mult, mult, MAX_LEVELS);
-    if (levels < 1) return error_line(err, err_len, "--channel_mult '%s' must be 1 to %d positive numbers separated by commas", o->channel_mult, MAX_LEVELS);
-    if (o->image_size % (1 << (levels - 1)))
-        return error_line(err, err_len, "--image_size %d must be divisible by 2^%d = %d for %d levels", o->image_size, levels - 1,
-                    1 << (levels - 1), levels);
-    c.image_size = o->image_size;
-    c.in_channels = 3;
-    if (o->super_res && (o->super_res < 1 || o->super_res >= o->image_size || o->image_size % o->super_res))
-        return error_line(err, err_len, "--super_res %d must be a side from 1 below the image size %d that divides it", o->super_res,
-                          o->image_size);
-    c.low_res = o->super_res;
-    c.out_channels = o->learn_sigma ? 6 : 3;
-    c.model_channels = o->num_channels;
-    c.num_levels = levels;
-    for (int l = 0; l < levels; l++) {
-        double channels = mult[l] * o->num_channels;
-        c.level_channels[l] = channels <= 32768 ? (int)channels : 0;
-        if (c.level_channels[l] < 32 || c.level_channels[l] % 32)
-            return error_line(err, err_len, "channel_mult %g x num_channels %d = %g channels at level %d; must be a multiple of 32 from 32 to 32768",
-                        mult[l], o->num_channels, channels, l);
+}
+
+__global__ void sample_advance_kernel(SampleCursor *c) { c->step++; }
+
+__global__ void to_pixels_kernel(uint8_t *pixels, const float *x, int64_t n) {
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
+        pixels[i] = (uint8_t)lrintf(fminf(fmaxf((x[i] + 1.0f) * 127.5f, 0.0f), 255.0f));
+}
+
+__global__ void likelihood_inputs_kernel(float *x0, float *x_t, floatX *input, int64_t *t, const uint8_t *pixels, int64_t n,
+                                         int batch, int timestep, TimestepTerms tt, int k, uint64_t seed, int64_t first_value) {
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
+        float x = pixel_value(pixels[i]);
+        float x_k = tt.sqrt_abar * x + tt.sqrt_one_minus_abar * normal_sample(seed, rng_stream(RNG_NLL, (uint64_t)k), first_value + i);
+        x0[i] = x, x_t[i] = x_k, input[i] = (floatX)x_k;
+        if (i < batch) t[i] = timestep;
     }
-    double res[MAX_LEVELS];
-    int num_res = o->attention_resolutions[0] ? parse_number_list(o->attention_resolutions, res, MAX_LEVELS) : 0;
-    if (num_res < 0) return error_line(err, err_len, "--attention_resolutions '%s' must be resolutions separated by commas", o->attention_resolutions);
-    for (int i = 0; i < num_res; i++) {
-        int level = -1;
-        for (int l = 0; l < levels; l++)
-            if (res[i] == (double)(o->image_size >> l)) level = l;
-        if (level < 0)
-            return error_line(err, err_len, "attention resolution %g is none of the model's resolutions (%d down to %d)", res[i],
-                        o->image_size, o->image_size >> (levels - 1));
-        c.level_attention[level] = 1;
-    }
-    if (o->num_head_channels != -1 && o->num_head_channels < 1)
-        return error_line(err, err_len, "--num_head_channels %d must be positive or -1", o->num_head_channels);
-    if (o->num_heads < 1) return error_line(err, err_len, "--num_heads %d must be positive", o->num_heads);
-    if (o->num_heads_upsample == -1) o->num_heads_upsample = o->num_heads;
-    if (o->num_heads_upsample < 1) return error_line(err, err_len, "--num_heads_upsample %d must be positive or -1", o->num_heads_upsample);
-    for (int l = 0; l < levels; l++) {  // every attention block's channels split evenly into heads
-        int middle = l == levels - 1, ch = c.level_channels[l];
-        if (!c.level_attention[l] && !middle) continue;
-        if (o->num_head_channels != -1 && ch % o->num_head_channels)
-            return error_line(err, err_len, "--num_head_channels %d does not divide the %d channels of the attention at resolution %d",
-                        o->num_head_channels, ch, o->image_size >> l);
-        if (o->num_head_channels == -1 && (ch % o->num_heads || ch % o->num_heads_upsample))
-            return error_line(err, err_len, "--num_heads %d (or --num_heads_upsample %d) does not divide the %d channels at resolution %d",
-                        o->num_heads, o->num_heads_upsample, ch, o->image_size >> l);
-    }
-    if (!(o->dropout >= 0 && o->dropout < 1)) return error_line(err, err_len, "--dropout %g must be in [0, 1)", o->dropout);
-    c.num_res_blocks = o->num_res_blocks;
-    c.num_heads = o->num_heads;
-    c.num_heads_upsample = o->num_heads_upsample;
-    c.num_head_channels = o->num_head_channels;
-    c.use_scale_shift_norm = o->use_scale_shift_norm;
-    c.resblock_updown = o->resblock_updown;
-    c.conv_resample = o->conv_resample;
-    c.use_new_attention_order = o->use_new_attention_order;
-    c.dropout = o->dropout;
-    if (o->class_cond && label_rows < 1)
-        return error_line(err, err_len, "--class_cond needs a dataset with labels (--data) or --num_classes");
-    c.num_classes = o->class_cond ? label_rows : 0;
-    *out = c;
-    return 0;
 }
 
-// Turns a model configuration into the classifier of that body with head `pool` (a name of
-// pool_names) and `classes` logits. Returns 0, or -1 with a message.
-static int classifier_config(ModelConfig *c, const char *pool, int classes, char *err, size_t err_len) {
-    c->pool = POOL_NONE;
-    for (int p = 1; p < NUM_POOLS; p++)
-        if (strcmp(pool, pool_names[p]) == 0) c->pool = p;
-    if (c->pool == POOL_NONE) return error_line(err, err_len, "classifier_pool '%s' is none of adaptive, attention, spatial and spatial_v2", pool);
-    if (classes < 1) return error_line(err, err_len, "a classifier needs num_classes of at least 1, not %d", classes);
-    int ch = c->level_channels[c->num_levels - 1];
-    if (c->pool == POOL_ATTENTION && (c->num_head_channels < 1 || ch % c->num_head_channels))
-        return error_line(err, err_len, "the attention pool needs num_head_channels dividing its %d channels, not %d", ch,
-                          c->num_head_channels);
-    c->out_channels = classes, c->num_classes = 0;
-    return 0;
+// Blocks (x) of an image (y): the bound's terms of its values, summed into partial[n][block].
+__global__ void likelihood_terms_kernel(float *partial, const floatX *out, const float *x0, const float *x_t, TimestepTerms tt,
+                                        int first_step, int hw, int C, int out_channels, int predict) {
+    int n = blockIdx.y;
+    float sum = 0.0f;
+    for (int p = blockIdx.x * blockDim.x + threadIdx.x; p < hw; p += gridDim.x * blockDim.x)
+        for (int c = 0; c < C; c++) {
+            int64_t i = ((int64_t)n * hw + p) * C + c, o = ((int64_t)n * hw + p) * out_channels + c;
+            float v = out_channels == 2 * C ? (float)out[o + C] : first_step ? -1.0f : 1.0f;
+            sum += bound_term(x0[i], x_t[i], (float)out[o], v, &tt, first_step, predict, 1).value;
+        }
+    sum = block_sum_256(sum);
+    if (threadIdx.x == 0) partial[(int64_t)n * gridDim.x + blockIdx.x] = sum;
 }
 
-// --model classifier: the model flags from the classifier's (guided-diffusion's create_classifier:
-// the size's default channel_mult, 64-channel heads in the legacy order, convolution resampling,
-// no dropout, no label embedding), so that everything after (the configuration printed, the
-// checkpoint's metadata) names the model trained. Its classes: the dataset's, or --num_classes, or
-// guided-diffusion's 1000.
-// The classifier flags that have a model flag of their own, onto it.
-static void classifier_flags_onto_model(Options *o) {
-    o->num_channels = o->classifier_width, o->num_res_blocks = o->classifier_depth;
-    o->attention_resolutions = o->classifier_attention_resolutions;
-    o->use_scale_shift_norm = o->classifier_use_scale_shift_norm, o->resblock_updown = o->classifier_resblock_updown;
-}
-
-static void classifier_model_flags(Options *o) {
-    classifier_flags_onto_model(o);
-    o->channel_mult = "", o->num_head_channels = 64, o->use_new_attention_order = 0;
-    o->conv_resample = 1, o->dropout = 0.0f, o->class_cond = 0, o->learn_sigma = 0;
-    if (o->num_classes < 1) o->num_classes = 1000;
-}
-
-// The model configuration of options that name it whole (a checkpoint's metadata, a .pt's inferred
-// flags): a classifier's when classifier_pool names a head (num_classes: its logits), else the
-// UNet's (num_classes: label_emb's rows). Returns 0, or -1 with a message.
-static int named_model_config(const Options *named, ModelConfig *c, char *err, size_t err_len) {
-    Options o = *named;
-    const char *pool = o.classifier_pool;
-    if (!pool[0]) return model_config_from_options(&o, o.num_classes, c, err, err_len);
-    if (o.class_cond) return error_line(err, err_len, "a classifier (classifier_pool %s) has no class_cond", pool);
-    if (o.super_res) return error_line(err, err_len, "a classifier (classifier_pool %s) has no super_res", pool);
-    if (model_config_from_options(&o, 0, c, err, err_len) != 0) return -1;
-    return classifier_config(c, pool, o.num_classes, err, err_len);
-}
-
-// guided-diffusion's own defaults (script_util.model_and_diffusion_defaults), for reading a
-// checkpoint whose metadata leaves a flag out; conv_resample is always on there.
-static Options guided_diffusion_defaults(void) {
-    Options o = preset_seed();
-    o.num_channels = 128, o.channel_mult = "", o.num_head_channels = -1, o.use_scale_shift_norm = 1;
-    o.conv_resample = 1, o.num_classes = 1000, o.classifier_pool = "";
-    return o;
-}
-
-// The model configuration a checkpoint's metadata gives under guided-diffusion's flag names.
-// There num_classes is the label embedding's row count, null class included. Returns 0, or -1
-// with a message naming the file.
-static const char *const model_flags[] = {"image_size", "num_channels", "num_res_blocks", "channel_mult",
-    "attention_resolutions", "num_heads", "num_head_channels", "num_heads_upsample", "use_new_attention_order",
-    "use_scale_shift_norm", "resblock_updown", "conv_resample", "dropout", "class_cond", "num_classes", "learn_sigma", "classifier_pool"};
-#define NUM_MODEL_FLAGS ((int)(sizeof model_flags / sizeof model_flags[0]))
-
-static int model_config_from_metadata(const SafeTensorsFile *f, const char *path, ModelConfig *c, char *err, size_t err_len) {
-    Options o = guided_diffusion_defaults();
-    char why[512];
-    int r = 0;
-    for (int i = 0; r == 0 && i < NUM_MODEL_FLAGS; i++) {
-        const char *value = safetensors_metadata(f, model_flags[i]);
-        if (value) r = option_from_string(&o, find_option(model_flags[i], strlen(model_flags[i])), value, why, sizeof why);
-    }
-    const char *small_size = safetensors_metadata(f, "small_size");  // SuperResModel (guided-diffusion's sr flags)
-    if (r == 0 && small_size) r = option_from_string(&o, find_option("super_res", 9), small_size, why, sizeof why);
-    if (r == 0) r = named_model_config(&o, c, why, sizeof why);
-    return r == 0 ? 0 : error_line(err, err_len, "%s: its metadata gives no valid model: %s", path, why);
-}
-
-// The diffusion a checkpoint's metadata gives (guided-diffusion's defaults where it says nothing):
-// its number of steps, its noise schedule and what the model predicts, each checked. Returns 0, or
-// -1 with a message naming the file.
-static int diffusion_from_metadata(const SafeTensorsFile *f, const char *path, int *steps, const char **schedule,
-                                   const char **predict, char *err, size_t err_len) {
-    const char *value = safetensors_metadata(f, "diffusion_steps");
-    char *end = NULL;
-    long n = value ? (errno = 0, strtol(value, &end, 10)) : 1000;
-    if (value && (end == value || *end || errno || n < 1 || n > 100000))
-        return error_line(err, err_len, "%s: metadata diffusion_steps '%s' is not a whole number from 1 to 100000", path, value);
-    *steps = (int)n;
-    *schedule = safetensors_metadata(f, "noise_schedule");
-    *predict = safetensors_metadata(f, "predict");
-    if (!*schedule) *schedule = "linear";
-    if (!*predict) *predict = "eps";
-    if (strcmp(*schedule, "linear") != 0 && strcmp(*schedule, "cosine") != 0)
-        return error_line(err, err_len, "%s: metadata noise_schedule '%s' is neither linear nor cosine", path, *schedule);
-    if (prediction_from_name(*predict) < 0)
-        return error_line(err, err_len, "%s: metadata predict '%s' is none of eps, v and x0", path, *predict);
-    return 0;
+__global__ void likelihood_add_kernel(double *bits, const float *partial, int batch, int blocks, double per_value) {
+    int n = blockIdx.x * blockDim.x + threadIdx.x;
+    if (n >= batch) return;
+    double s = 0;
+    for (int b = 0; b < blocks; b++) s += partial[(int64_t)n * blocks + b];
+    bits[n] += s * per_value;
 }
 
 // ----------------------------------------------------------------------------------------------
@@ -6044,256 +5506,6 @@ static ParamList model_parameters(const ModelConfig *c) {
     return list;
 }
 
-// The model configuration of a state_dict that carries no metadata (a .pt), from its tensors' names
-// and shapes: the channels, the levels' multipliers, the blocks a level, the levels with attention,
-// scale-shift, ResBlock or convolution up/downsampling, the classes and a learned variance. What
-// shapes cannot say comes from `given` (guided-diffusion's flags): image_size (which turns levels
-// into attention resolutions), the heads (heads_given: whether the command line set them), the
-// attention order and dropout. Every candidate configuration is built and its whole parameter list
-// compared with the file's (each model tensor there, and no other); the first that matches is taken
-// (a model without parameters in its resampling, where conv_resample changes nothing, as
-// guided-diffusion's default). Returns 0, or -1 with a message.
-static int is_model_tensor(const char *name) {
-    static const char *const prefixes[] = {"time_embed.", "label_emb.", "input_blocks.", "middle_block.", "output_blocks.", "out."};
-    for (int i = 0; i < 6; i++)
-        if (strncmp(name, prefixes[i], strlen(prefixes[i])) == 0) return 1;
-    return 0;
-}
-
-static int parameters_match(const ParamList *params, const SafeTensorsFile *f) {
-    int model_tensors = 0;
-    for (int i = 0; i < f->count; i++) model_tensors += is_model_tensor(f->tensors[i].name);
-    if (model_tensors != params->count) return 0;
-    for (int i = 0; i < params->count; i++) {
-        const ParamSpec *p = &params->specs[i];
-        const SafeTensor *t = safetensors_find(f, p->name);
-        if (!t || t->ndim != p->ndim) return 0;
-        for (int d = 0; d < p->ndim; d++)
-            if (t->shape[d] != p->shape[d]) return 0;
-    }
-    return 1;
-}
-
-// The first dimension of tensor `name` (printf-formatted), or 0 when there is none.
-static int64_t tensor_rows(const SafeTensorsFile *f, const char *fmt, int index) {
-    char name[128];
-    snprintf(name, sizeof name, fmt, index);
-    const SafeTensor *t = safetensors_find(f, name);
-    return t && t->ndim >= 1 ? t->shape[0] : 0;
-}
-
-typedef struct {
-    ModelConfig config;
-    Options options;  // given, with the inferred flags (channel_mult and attention_resolutions: the texts below)
-    char channel_mult[128], attention_resolutions[128];
-} InferredModel;
-
-// Whether a candidate's parameters are the file's; then it is the inferred model (with its flags'
-// texts).
-static int take_if_match(const SafeTensorsFile *f, const Options *o, const ModelConfig *candidate, InferredModel *inferred) {
-    ParamList params = model_parameters(candidate);
-    int match = parameters_match(&params, f);
-    free(params.specs);
-    if (!match) return 0;
-    inferred->config = *candidate, inferred->options = *o;
-    snprintf(inferred->channel_mult, sizeof inferred->channel_mult, "%s", o->channel_mult);
-    snprintf(inferred->attention_resolutions, sizeof inferred->attention_resolutions, "%s", o->attention_resolutions);
-    inferred->options.channel_mult = inferred->channel_mult;
-    inferred->options.attention_resolutions = inferred->attention_resolutions;
-    return 1;
-}
-
-// The head of a classifier's state_dict by its tensors (a pool's name, its classes in *classes), or
-// NULL: no classifier's head (a UNet's out.0 is a GroupNorm and its out.2 a 3x3 convolution).
-static const char *classifier_head(const SafeTensorsFile *f, int64_t *classes) {
-    const SafeTensor *out0 = safetensors_find(f, "out.0.weight"), *out1 = safetensors_find(f, "out.1.weight");
-    const SafeTensor *out2 = safetensors_find(f, "out.2.weight"), *out3 = safetensors_find(f, "out.3.weight");
-    if (safetensors_find(f, "out.2.positional_embedding")) return *classes = tensor_rows(f, "out.2.c_proj.weight", 0), "attention";
-    if (out0 && out0->ndim == 1 && out3 && out3->ndim == 4) return *classes = out3->shape[0], "adaptive";
-    if (out0 && out0->ndim == 2 && out2 && out2->ndim == 2) return *classes = out2->shape[0], "spatial";
-    if (out0 && out0->ndim == 2 && out1 && out1->ndim == 1 && out3 && out3->ndim == 2) return *classes = out3->shape[0], "spatial_v2";
-    return NULL;
-}
-
-// The noisy classifier's (EncoderUNetModel: input blocks, middle block, a head; infer_model_config
-// sends a state_dict with a classifier's head and no output blocks here): its head and classes from
-// the head's tensors (classifier_head), the levels from the input blocks (the first conv, per level
-// num_res_blocks ResBlocks and a downsampling but on the last), each level's channels from its first
-// ResBlock, attention where a level's blocks have it; the heads are 64 channels (guided-diffusion's
-// create_classifier) unless given.
-static int infer_classifier_config(const SafeTensorsFile *f, const Options *given, int heads_given, InferredModel *inferred, char *err,
-                                   size_t err_len) {
-    const SafeTensor *time = safetensors_find(f, "time_embed.0.weight");
-    int64_t classes = 0, ch = time->shape[1], inputs = 0;
-    const char *pool = classifier_head(f, &classes);
-    for (int i = 0; i < f->count; i++) {
-        int j;
-        if (sscanf(f->tensors[i].name, "input_blocks.%d.", &j) == 1 && j + 1 > inputs) inputs = j + 1;
-    }
-    int64_t scale_shift_rows = tensor_rows(f, "input_blocks.%d.0.emb_layers.1.weight", 1);
-    for (int blocks = 1; blocks <= MAX_RES_BLOCKS; blocks++) {
-        int levels = (int)(inputs / (blocks + 1));  // 1 + levels blocks + (levels - 1) input blocks
-        if (inputs % (blocks + 1) || levels < 1 || levels > MAX_LEVELS) continue;
-        char mult[128] = "", resolutions[128] = "";
-        int ok = 1;
-        for (int level = 0; level < levels && ok; level++) {
-            int first = 1 + level * (blocks + 1), with_attention = 0;
-            int64_t level_ch = tensor_rows(f, "input_blocks.%d.0.out_layers.3.weight", first);
-            for (int k = first; k < first + blocks; k++) with_attention |= tensor_rows(f, "input_blocks.%d.1.qkv.weight", k) != 0;
-            ok = level_ch > 0 && level_ch * 2 % ch == 0;
-            snprintf(mult + strlen(mult), sizeof mult - strlen(mult), "%s%g", level ? "," : "", (double)level_ch / (double)ch);
-            if (with_attention)
-                snprintf(resolutions + strlen(resolutions), sizeof resolutions - strlen(resolutions), "%s%d", resolutions[0] ? "," : "",
-                         given->image_size >> level);
-        }
-        for (int updown = 0; ok && updown < 2; updown++) {  // (conv_resample: always, as create_classifier leaves it)
-            Options o = *given;
-            o.num_channels = (int)ch, o.num_res_blocks = blocks, o.channel_mult = mult, o.attention_resolutions = resolutions;
-            o.use_scale_shift_norm = scale_shift_rows == 2 * tensor_rows(f, "input_blocks.%d.0.out_layers.3.weight", 1);
-            o.resblock_updown = updown, o.conv_resample = 1, o.class_cond = 0, o.learn_sigma = 0, o.num_classes = (int)classes;
-            o.classifier_pool = pool, o.classifier_width = o.num_channels, o.classifier_depth = blocks;
-            o.classifier_use_scale_shift_norm = o.use_scale_shift_norm, o.classifier_resblock_updown = updown;
-            if (!heads_given) o.num_head_channels = 64;
-            ModelConfig candidate;
-            char why[256];
-            if (named_model_config(&o, &candidate, why, sizeof why) == 0 && take_if_match(f, &o, &candidate, inferred)) {
-                inferred->options.classifier_attention_resolutions = inferred->attention_resolutions;
-                return 0;
-            }
-        }
-    }
-    return error_line(err, err_len, "its tensors fit no guided-diffusion classifier this trainer builds (with --image_size %d%s)",
-                      given->image_size, heads_given ? " and the heads given" : "");
-}
-
-static int infer_model_config(const SafeTensorsFile *f, const Options *given, int heads_given, InferredModel *inferred, char *err,
-                              size_t err_len) {
-    const SafeTensor *time_embed = safetensors_find(f, "time_embed.0.weight");
-    int64_t classes;
-    if (time_embed && time_embed->ndim == 2 && classifier_head(f, &classes) && tensor_rows(f, "output_blocks.%d.0.in_layers.2.weight", 0) == 0) {
-        if (given->image_size <= 0)
-            return error_line(err, err_len, "--image_size: a state_dict does not say the images' size; give guided-diffusion's flag");
-        return infer_classifier_config(f, given, heads_given, inferred, err, err_len);
-    }
-    const SafeTensor *first = safetensors_find(f, "input_blocks.0.0.weight"), *last = safetensors_find(f, "out.2.weight");
-    const SafeTensor *time = safetensors_find(f, "time_embed.0.weight");  // [4 model_channels][model_channels]
-    if (!first || !last || !time || first->ndim != 4 || last->ndim != 4 || time->ndim != 2)
-        return error_line(err, err_len, "not a guided-diffusion UNet's state_dict (no input_blocks.0.0.weight, time_embed.0.weight or "
-                          "out.2.weight)");
-    if (given->image_size <= 0)
-        return error_line(err, err_len, "--image_size: a state_dict does not say the images' size; give guided-diffusion's flag");
-    int64_t ch = time->shape[1], in = first->shape[1], out = last->shape[0], label_rows = tensor_rows(f, "label_emb.weight", 0);
-    int outputs = 0, attention = 0;
-    for (int i = 0; i < f->count; i++) {
-        int j;
-        if (sscanf(f->tensors[i].name, "output_blocks.%d.", &j) == 1 && j + 1 > outputs) outputs = j + 1;
-        attention |= strstr(f->tensors[i].name, ".qkv.weight") != NULL;
-    }
-    if (attention && !heads_given)
-        return error_line(err, err_len, "--num_head_channels or --num_heads: a state_dict does not say how its attention splits into "
-                          "heads; give guided-diffusion's flag for this model");
-    if (in == 6 && !given->super_res)
-        return error_line(err, err_len, "--large_size and --small_size: a UNet of 6 input channels is an upsampler (SuperResModel); give "
-                          "guided-diffusion's flags for its sizes");
-    int64_t image_in = given->super_res ? in / 2 : in;  // an upsampler's input: the image's channels, then the low-resolution image's
-    if (image_in != 3 || in != (given->super_res ? 6 : 3) || (out != image_in && out != 2 * image_in) || outputs < 1)
-        return error_line(err, err_len, "a UNet of %lld input and %lld output channels: this trainer builds 3 in (6 for an upsampler), 3 "
-                          "or 6 out", (long long)in, (long long)out);
-    int64_t block_out = tensor_rows(f, "output_blocks.%d.0.in_layers.2.weight", 0);
-    int scale_shift = tensor_rows(f, "output_blocks.%d.0.emb_layers.1.weight", 0) == 2 * block_out;
-    for (int blocks = 0; blocks <= MAX_RES_BLOCKS; blocks++) {
-        int levels = outputs / (blocks + 1);
-        if (outputs % (blocks + 1) || levels > MAX_LEVELS) continue;
-        char mult[128] = "", resolutions[128] = "";
-        int ok = 1;
-        for (int level = 0; level < levels && ok; level++) {  // output block j belongs to level levels - 1 - j / (blocks + 1)
-            int j = (levels - 1 - level) * (blocks + 1), with_attention = 0;
-            int64_t level_ch = tensor_rows(f, "output_blocks.%d.0.in_layers.2.weight", j);
-            for (int k = j; k < j + blocks + 1; k++) with_attention |= tensor_rows(f, "output_blocks.%d.1.qkv.weight", k) != 0;
-            ok = level_ch > 0 && level_ch * 2 % ch == 0;  // multipliers of 0.5 and up
-            snprintf(mult + strlen(mult), sizeof mult - strlen(mult), "%s%g", level ? "," : "", (double)level_ch / (double)ch);
-            if (with_attention)
-                snprintf(resolutions + strlen(resolutions), sizeof resolutions - strlen(resolutions), "%s%d", resolutions[0] ? "," : "",
-                         given->image_size >> level);
-        }
-        for (int k = 0; ok && k < 4; k++) {  // resblock_updown, conv_resample: 0 1, 0 0, 1 1, 1 0
-            Options o = *given;
-            o.num_channels = (int)ch, o.num_res_blocks = blocks, o.channel_mult = mult, o.attention_resolutions = resolutions;
-            o.use_scale_shift_norm = scale_shift, o.resblock_updown = k / 2, o.conv_resample = k % 2 == 0;
-            o.class_cond = label_rows > 0, o.num_classes = (int)label_rows, o.learn_sigma = out == 2 * image_in;
-            ModelConfig candidate;
-            char why[256];
-            if (model_config_from_options(&o, o.num_classes, &candidate, why, sizeof why) == 0 && take_if_match(f, &o, &candidate, inferred))
-                return 0;
-        }
-    }
-    return error_line(err, err_len, "its tensors fit no guided-diffusion UNet this trainer builds (with --image_size %d and the heads given)",
-                      given->image_size);
-}
-
-// The model and diffusion of a weights file without metadata (a .pt), from its tensors and
-// guided-diffusion's flags as its README gives them for each released model ("name=value" each;
-// use_fp16 and classifier_use_fp16, which say how it ran there, are accepted and left alone; a
-// classifier's flags are its classifier_ ones). The flags the tensors decide
-// must agree with them; the rest (image_size, the heads, the attention order, dropout, the
-// diffusion) come from the flags, diffusion_steps 1000, linear and eps where they say nothing.
-// *described gets one line of what was inferred and what was given. Returns 0, or -1 with a
-// message naming the file.
-static int model_from_tensors_and_flags(const SafeTensorsFile *f, const char *path, const char *const *flags, int num_flags,
-                                        ModelConfig *c, int *steps, const char **schedule, const char **predict, char *described,
-                                        size_t described_len, char *err, size_t err_len) {
-    Options given = guided_diffusion_defaults();
-    given.image_size = 0;  // none: inference asks for it
-    int heads_given = 0, used = 0;
-    const OptionSpec *specs[64];
-    const char *values[64];
-    char why[512], given_text[512] = "";
-    for (int i = 0; i < num_flags && used < 64; i++) {
-        const char *eq = strchr(flags[i], '=');
-        size_t len = eq ? (size_t)(eq - flags[i]) : 0;
-        if (!eq || (len == 8 && strncmp(flags[i], "use_fp16", 8) == 0) || (len == 19 && strncmp(flags[i], "classifier_use_fp16", 19) == 0))
-            continue;
-        // guided-diffusion's upsampler flags: large_size is the image size, small_size our super_res
-        const OptionSpec *spec = len == 10 && strncmp(flags[i], "large_size", 10) == 0   ? find_option("image_size", 10)
-                                 : len == 10 && strncmp(flags[i], "small_size", 10) == 0 ? find_option("super_res", 9)
-                                                                                       : find_option(flags[i], len);
-        if (!spec || option_from_string(&given, spec, eq + 1, why, sizeof why) != 0)
-            return error_line(err, err_len, "--%.*s %s: %s", (int)len, flags[i], eq + 1, spec ? why : "not a model or diffusion flag");
-        heads_given |= strcmp(spec->name, "num_heads") == 0 || strcmp(spec->name, "num_head_channels") == 0;
-        snprintf(given_text + strlen(given_text), sizeof given_text - strlen(given_text), " %s %s", spec->name, eq + 1);
-        specs[used] = spec, values[used++] = eq + 1;
-    }
-    InferredModel inferred;
-    if (infer_model_config(f, &given, heads_given, &inferred, why, sizeof why) != 0) return error_line(err, err_len, "%s: %s", path, why);
-    for (int i = 0; i < used; i++) {  // each flag given, put on the inferred model, must leave it as it is
-        Options o = inferred.options;
-        ModelConfig with_flag;
-        int r = option_from_string(&o, specs[i], values[i], why, sizeof why);
-        if (inferred.config.pool && strncmp(specs[i]->name, "classifier_", 11) == 0) classifier_flags_onto_model(&o);
-        if (r != 0 || named_model_config(&o, &with_flag, why, sizeof why) != 0 ||
-            memcmp(&with_flag, &inferred.config, sizeof with_flag) != 0)
-            return error_line(err, err_len, "%s: --%s %s does not fit its tensors (they are of --num_channels %d --channel_mult %s "
-                              "--num_res_blocks %d --attention_resolutions %s)", path, specs[i]->name, values[i], inferred.options.num_channels,
-                              inferred.channel_mult, inferred.options.num_res_blocks, inferred.attention_resolutions);
-    }
-    if (strcmp(given.noise_schedule, "linear") != 0 && strcmp(given.noise_schedule, "cosine") != 0)
-        return error_line(err, err_len, "--noise_schedule %s: linear or cosine", given.noise_schedule);
-    if (prediction_from_name(given.predict) < 0) return error_line(err, err_len, "--predict %s: eps, v or x0", given.predict);
-    if (given.diffusion_steps < 1 || given.diffusion_steps > 100000) return error_line(err, err_len, "--diffusion_steps out of range");
-    const Options *o = &inferred.options;
-    const char *truth[2] = {"False", "True"};
-    char kind[96] = "";
-    if (inferred.config.pool) snprintf(kind, sizeof kind, "a classifier (classifier_pool %s, %d classes): ", o->classifier_pool, o->num_classes);
-    if (inferred.config.low_res)
-        snprintf(kind, sizeof kind, "an upsampler (SuperResModel, %dx%d to %dx%d): ", o->super_res, o->super_res, o->image_size, o->image_size);
-    snprintf(described, described_len, "inferred from the tensors: %snum_channels %d channel_mult %s num_res_blocks %d attention_resolutions "
-             "%s use_scale_shift_norm %s resblock_updown %s class_cond %s learn_sigma %s; given:%s", kind, o->num_channels,
-             inferred.channel_mult, o->num_res_blocks, inferred.attention_resolutions, truth[o->use_scale_shift_norm],
-             truth[o->resblock_updown], truth[o->class_cond], truth[o->learn_sigma], given_text[0] ? given_text : " none");
-    *c = inferred.config, *steps = given.diffusion_steps, *schedule = given.noise_schedule, *predict = given.predict;
-    return 0;
-}
-
 // An upper bound on the block count: per level, input blocks make 2 blocks each plus a
 // downsample; output blocks at most 4 (concat, ResBlock, attention, upsample).
 static int max_blocks(const ModelConfig *c) { return 8 + c->num_levels * (2 * c->num_res_blocks + 1 + 4 * (c->num_res_blocks + 1)); }
@@ -6662,11 +5874,6 @@ static void block_backward(UNet *m, Block *b, int training) {
     case BLOCK_POOL: pool_head_backward(&b->pool, b->in, &b->out, b->in_grad); break;
     case NUM_BLOCK_KINDS: break;
     }
-}
-
-__global__ void add_rows_kernel(float *y, const floatX *bias, int N, int E) {
-    int i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < N * E) y[i] += (float)bias[i % E];
 }
 
 // The forward pass on m->input (NHWC), m->timesteps and m->labels (and SuperResModel's
@@ -7127,25 +6334,6 @@ static void loader_next_batch(DataLoader *loader) {
 // on x0 (--predict x0). A model with a learned variance (learn_sigma) adds the variational bound's
 // term (improved DDPM's hybrid loss, below).
 
-// Model input from a pixel: x = pixel / 127.5 - 1, uint8 [0, 255] -> [-1, 1], in one rounding (fma)
-// so that the host and the device agree to the bit. The loss's x0 is the float (in the BF16 build
-// the model's input is rounded again: bf16 would move a pixel by up to half the decoder's bin).
-__host__ __device__ inline float pixel_value(uint8_t pixel) { return fmaf((float)pixel, 1.0f / 127.5f, -1.0f); }
-
-__host__ __device__ inline floatX pixel_to_model_input(uint8_t pixel) { return (floatX)pixel_value(pixel); }
-
-__global__ void images_to_model_input_kernel(floatX *out, const uint8_t *pixels, size_t n) {
-    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
-        out[i] = pixel_to_model_input(pixels[i]);
-}
-
-static void images_to_model_input(floatX *out, const uint8_t *pixels, size_t n, cudaStream_t stream) {
-    int threads = 256, blocks = (int)((n + threads - 1) / threads);
-    if (blocks > 65535) blocks = 65535;
-    images_to_model_input_kernel<<<blocks, threads, 0, stream>>>(out, pixels, n);
-    cuda_check_launch();
-}
-
 // The training schedule, and each timestep's terms (sampler.h's TimestepTerms) on the GPU.
 typedef struct {
     NoiseSchedule schedule;
@@ -7216,825 +6404,6 @@ static int loss_history_distribution(const LossHistory *h, double *p) {
     return 1;
 }
 
-
-// The draws are numbered by sample in the step's batch on all GPUs (first_sample: this GPU's first),
-// so that N GPUs at batch B draw what one GPU at batch N B draws.
-
-// Timesteps t ~ U[0, T), each sample's loss weight 1, or with the schedule sampler's distribution
-// (s->weighted_draw) t ~ p (the first t whose cumulative probability exceeds a uniform draw) and the
-// weight 1 / (T p_t); for classifier-free guidance, labels replaced by the null class with
-// probability cfg_dropout.
-__global__ void diffusion_conditions_kernel(int64_t *t, float *weights, int *labels, int N, int64_t first_sample, int T,
-                                            const double *distribution, float cfg_dropout, int null_label, const StepState *s) {
-    int n = blockIdx.x * blockDim.x + threadIdx.x;
-    if (n >= N) return;
-    uint64_t draw = (uint64_t)(first_sample + n), r = random_u64(s->noise_seed, rng_stream(RNG_TIMESTEP, 0), draw);
-    if (s->weighted_draw) {
-        const double *p = distribution, *cdf = distribution + T;
-        double u = (double)(r >> 11) * 0x1p-53 * cdf[T - 1];
-        int lo = 0, hi = T - 1;
-        while (lo < hi) {
-            int mid = (lo + hi) / 2;
-            if (cdf[mid] > u) hi = mid;
-            else lo = mid + 1;
-        }
-        t[n] = lo, weights[n] = (float)(1.0 / (T * p[lo]));
-    } else {
-        t[n] = (int64_t)(r % (uint64_t)T), weights[n] = 1.0f;
-    }
-    if (cfg_dropout > 0.0f && (random_u64(s->noise_seed, rng_stream(RNG_LABEL_DROP, 0), draw) >> 40) * (1.0f / 16777216.0f) < cfg_dropout)
-        labels[n] = null_label;
-}
-
-// x_t and the regression target from x0 (all [N][per_sample] of C channels; target NULL: x_t only, for a
-// classifier). x_t's pixels are ld values apart (ld = C, or an upsampler's input of 2C: x_t first).
-__global__ void diffusion_inputs_kernel(floatX *x_t, int C, int ld, floatX *target, const floatX *x0, const int64_t *t,
-                                        const TimestepTerms *terms, int predict, int64_t per_sample, int64_t n, int64_t first_sample,
-                                        const StepState *s) {
-    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
-        const TimestepTerms *tt = &terms[t[i / per_sample]];
-        float a = tt->sqrt_abar, b = tt->sqrt_one_minus_abar;
-        float eps = normal_sample(s->noise_seed, rng_stream(RNG_NOISE, 0), first_sample * per_sample + i);
-        float x = (float)x0[i];
-        x_t[i / C * ld + i % C] = (floatX)(a * x + b * eps);
-        if (target) target[i] = (floatX)(predict == PREDICT_V ? a * eps - b * x : predict == PREDICT_X0 ? x : eps);
-    }
-}
-
-// The variational bound's term of one value (improved DDPM, guided-diffusion's _vb_terms_bpd before
-// its mean over the image), in nats, for a model output `out` (its prediction) and `v` (its learned
-// variance, sampler.h's learned_log_variance) at x_t:
-//   x0' from out as predicted;  mean' = mean_x0 x0' + mean_xt x_t;  log_var' = the learned range at v
-//   t > 0:  KL(q(x_{t-1} | x_t, x0) || N(mean', e^log_var'))
-//           = (-1 + log_var' - log_var_q + e^(log_var_q - log_var') + (mean_q - mean')^2 e^-log_var') / 2
-//           (log_var_q: the posterior's, log_var_min)
-//   t = 0:  -log of the discretized Gaussian decoder's likelihood of x0 (decoder_log_likelihood)
-// with its derivatives by out (through mean') and by v (through log_var'). clip: x0' clipped to [-1,
-// 1] (guided-diffusion's clip_denoised: its likelihood's default; training never clips).
-typedef struct {
-    float value, d_out, d_v;
-} BoundTerm;
-
-// The standard normal CDF as guided-diffusion approximates it, 0.5 (1 + tanh(sqrt(2/pi) (x + 0.044715
-// x^3))), and its derivative in *slope.
-__host__ __device__ inline float approx_normal_cdf(float x, float *slope) {
-    const float k = 0.7978845608f;  // sqrt(2/pi)
-    float g = k * (x + 0.044715f * x * x * x), sech = 1.0f / coshf(g);  // 1 - tanh^2, without its cancellation
-    *slope = 0.5f * sech * sech * k * (1.0f + 3.0f * 0.044715f * x * x);
-    return 0.5f * (1.0f + tanhf(g));
-}
-
-// log p(x) of guided-diffusion's discretized Gaussian decoder (discretized_gaussian_log_likelihood):
-// x, a pixel in [-1, 1], is the bin [x - 1/255, x + 1/255] of N(mean, e^(2 log_scale)), the first and
-// the last bins open-ended; probabilities clamped at 1e-12. Its derivatives by mean and log_scale
-// (zero where the clamp holds) go to *d_mean and *d_log_scale.
-__host__ __device__ inline float decoder_log_likelihood(float x, float mean, float log_scale, float *d_mean, float *d_log_scale) {
-    float inv = expf(-log_scale), centered = x - mean;
-    float plus_in = inv * (centered + 1.0f / 255.0f), min_in = inv * (centered - 1.0f / 255.0f), slope_plus, slope_min;
-    float cdf_plus = approx_normal_cdf(plus_in, &slope_plus), cdf_min = approx_normal_cdf(min_in, &slope_min);
-    float value, by_plus, by_min;  // d value / d cdf_plus, d cdf_min
-    if (x < -0.999f) {
-        value = logf(fmaxf(cdf_plus, 1e-12f)), by_plus = cdf_plus > 1e-12f ? 1.0f / cdf_plus : 0.0f, by_min = 0.0f;
-    } else if (x > 0.999f) {
-        value = logf(fmaxf(1.0f - cdf_min, 1e-12f)), by_plus = 0.0f, by_min = 1.0f - cdf_min > 1e-12f ? -1.0f / (1.0f - cdf_min) : 0.0f;
-    } else {
-        float delta = cdf_plus - cdf_min;
-        value = logf(fmaxf(delta, 1e-12f)), by_plus = delta > 1e-12f ? 1.0f / delta : 0.0f, by_min = -by_plus;
-    }
-    // d plus_in / d mean = -inv, d plus_in / d log_scale = -plus_in (and min_in likewise)
-    *d_mean = -inv * (by_plus * slope_plus + by_min * slope_min);
-    *d_log_scale = -(by_plus * slope_plus * plus_in + by_min * slope_min * min_in);
-    return value;
-}
-
-__host__ __device__ inline BoundTerm bound_term(float x0, float x_t, float out, float v, const TimestepTerms *tt, int first_step,
-                                                int predict, int clip) {
-    float x0_by_out = predict == PREDICT_EPS ? -tt->sqrt_one_minus_abar / tt->sqrt_abar
-                    : predict == PREDICT_V   ? -tt->sqrt_one_minus_abar
-                                             : 1.0f;  // d x0' / d out
-    float x0_model = predict == PREDICT_EPS ? (x_t - tt->sqrt_one_minus_abar * out) / tt->sqrt_abar
-                   : predict == PREDICT_V   ? tt->sqrt_abar * x_t - tt->sqrt_one_minus_abar * out
-                                            : out;
-    if (clip && fabsf(x0_model) > 1.0f) x0_model = copysignf(1.0f, x0_model), x0_by_out = 0.0f;
-    float mean = tt->mean_x0 * x0_model + tt->mean_xt * x_t;
-    float log_var = learned_log_variance(v, tt->log_var_min, tt->log_var_range);
-    BoundTerm b;
-    float d_mean, d_log_var;
-    if (first_step) {
-        float d_log_scale;
-        b.value = -decoder_log_likelihood(x0, mean, 0.5f * log_var, &d_mean, &d_log_scale);
-        d_mean = -d_mean, d_log_var = -0.5f * d_log_scale;
-    } else {
-        // -1 + e^u - u with u = log_var_q - log_var' = -f log_var_range as expm1(u) - u, and the means'
-        // gap as mean_x0 (x0 - x0'): late in the schedule the range is narrow and mean_x0 small, where
-        // the direct forms would cancel most digits (of u^2 / 2, of the mean_xt x_t both means hold)
-        float gap = tt->mean_x0 * (x0 - x0_model), precision = expf(-log_var);
-        float u = -0.5f * (v + 1.0f) * tt->log_var_range;
-        b.value = 0.5f * (expm1f(u) - u + gap * gap * precision);
-        d_mean = -gap * precision;
-        d_log_var = -0.5f * (expm1f(u) + gap * gap * precision);
-    }
-    b.d_out = d_mean * tt->mean_x0 * x0_by_out;
-    b.d_v = d_log_var * 0.5f * tt->log_var_range;
-    return b;
-}
-
-// The training loss (guided-diffusion's training_losses), per sample n of D = H W C values, then
-// over the batch of N with each sample's weight w_n (the schedule sampler's 1 / (T p_t); 1 for t
-// drawn uniformly):
-//   mse_n = (1/D) sum (out - target)^2
-//   vb_n  = (s / (D ln 2)) sum bound_term    (a learned variance: the output [N][H][W][2C] holds the
-//                                             prediction's C channels, then the variance's)
-//   loss_n = mse_n + vb_n;  L = (1/N) sum_n w_n loss_n
-// The prediction alone (eps, v, x0): mse_n. Hybrid (RESCALED_MSE): the mean is frozen in the bound
-// (only the variance half learns from it), s = T/1000 (1 without rescale_learned_sigmas). use_kl
-// (RESCALED_KL): loss_n = vb_n, the bound through both halves, s = T (1 without rescaling).
-typedef struct {
-    int learned, mse, frozen_mean, predict;
-    float bound_scale;  // s
-} LossKind;
-
-// What the loss reads besides the output and the target.
-typedef struct {
-    const uint8_t *pixels;        // x0 as pixels [N][H][W][C] (a learned variance's bound; NULL without)
-    const floatX *x_t;            // [N][H][W][C] (the same)
-    const TimestepTerms *terms;   // [T] (the same)
-    const int64_t *t;             // [N], the samples' timesteps (NULL: all counted in the first quarter)
-    int T;
-    const float *weights;         // [N], w_n (NULL: 1)
-    // A step's batch in pieces (--microbatch): these N samples are piece `piece` of the step's
-    // `step_batch` (0: N, one piece), L's divisor; the first piece writes the terms, the others add.
-    int step_batch, piece;
-    int x_t_ld;                   // x_t's values a pixel (0: C; an upsampler's input: 2C, the low-resolution image's after)
-} LossInputs;
-
-// What it writes besides the output's gradient (GPU arrays).
-#define LOSS_TERMS 19
-static_assert(sizeof(((StepState *)0)->terms) == LOSS_TERMS * sizeof(float), "StepState.terms holds the loss's terms");
-typedef struct {
-    float *terms;    // [LOSS_TERMS]: L; the means of w_n mse_n and w_n vb_n (a classifier's: of acc@1 and acc@k);
-                     // for each quarter of t (t < T/4, ...; guided-diffusion's loss_q0..q3) the sum of w_n loss_n,
-                     // then the count of samples; a classifier's: then the quarters' sums of acc@1, of acc@k
-    float *samples;  // [N][2]: each sample's t and loss_n (unweighted: the schedule sampler's history)
-    float *partial;  // [N][loss_blocks(hw)][2], at least [N][3]: scratch
-} LossOutputs;
-
-// The blocks of a sample for loss_partial_kernel: a block per 256 pixels, at most 32.
-static int loss_blocks(int hw) { return (hw + 255) / 256 < 32 ? (hw + 255) / 256 : 32; }
-
-static LossOutputs loss_outputs_create(int N, int hw) {
-    LossOutputs l;
-    size_t partial = (size_t)N * (loss_blocks(hw) * 2 > 3 ? loss_blocks(hw) * 2 : 3);
-    l.terms = (float *)gpu_malloc(((size_t)LOSS_TERMS + 2 * N + partial) * sizeof(float));
-    l.samples = l.terms + LOSS_TERMS, l.partial = l.samples + 2 * N;
-    cuda_check(cudaMemset(l.terms, 0, LOSS_TERMS * sizeof(float)));
-    return l;
-}
-
-// Blocks (x) of a sample (y): each writes its values' gradient (of the batch's L) whole, and its sums
-// of the squared errors and of the bound's terms into partial[n][block][2].
-__global__ void loss_partial_kernel(float *partial, floatX *d_out, const floatX *out, const floatX *target, LossInputs in, int hw,
-                                    int C, LossKind kind) {
-    int n = blockIdx.y, N = in.step_batch ? in.step_batch : gridDim.y, out_C = kind.learned ? 2 * C : C;
-    float per_value = (in.weights ? in.weights[n] : 1.0f) / ((float)N * hw * C), per_bound = kind.bound_scale * per_value / (float)M_LN2;
-    float squares = 0.0f, bound = 0.0f;
-    for (int p = blockIdx.x * blockDim.x + threadIdx.x; p < hw; p += gridDim.x * blockDim.x)
-        for (int c = 0; c < C; c++) {
-            int64_t i = ((int64_t)n * hw + p) * C + c, o = ((int64_t)n * hw + p) * out_C + c;
-            float prediction = (float)out[o], d = 0.0f;
-            if (kind.mse) {
-                float diff = prediction - (float)target[i];
-                squares += diff * diff, d = 2.0f * per_value * diff;
-            }
-            if (kind.learned) {
-                int64_t xi = ((int64_t)n * hw + p) * (in.x_t_ld ? in.x_t_ld : C) + c;
-                BoundTerm b = bound_term(pixel_value(in.pixels[i]), (float)in.x_t[xi], prediction, (float)out[o + C], &in.terms[in.t[n]],
-                                         in.t[n] == 0, kind.predict, 0);
-                if (!kind.frozen_mean) d += per_bound * b.d_out;
-                bound += b.value;
-                d_out[o + C] = (floatX)(per_bound * b.d_v);
-            }
-            d_out[o] = (floatX)d;
-        }
-    squares = block_sum_256(squares);
-    bound = block_sum_256(bound);
-    float *sums = partial + 2 * ((int64_t)n * gridDim.x + blockIdx.x);
-    if (threadIdx.x == 0) sums[0] = squares, sums[1] = bound;
-}
-
-// One block of 256 threads: each sample's terms from its blocks' sums, then the batch's, every sum
-// in a fixed order (a later piece of the step's batch adds its sums to the earlier pieces').
-__global__ void loss_final_kernel(LossOutputs l, LossInputs in, int N, int blocks, float values, LossKind kind) {
-    float sums[LOSS_TERMS] = {0};  // L, mse, vb, the quarters' sums, their counts (before / N)
-    for (int n = threadIdx.x; n < N; n += blockDim.x) {
-        float squares = 0.0f, bound = 0.0f;
-        for (int b = 0; b < blocks; b++) squares += l.partial[2 * (n * blocks + b)], bound += l.partial[2 * (n * blocks + b) + 1];
-        float mse = squares / values, vb = kind.bound_scale * bound / (values * (float)M_LN2), loss = (kind.mse ? mse : 0.0f) + vb;
-        float w = in.weights ? in.weights[n] : 1.0f;
-        int t = in.t ? (int)in.t[n] : 0, quarter = min(4 * t / max(in.T, 1), 3);
-        l.samples[2 * n] = (float)t, l.samples[2 * n + 1] = loss;
-        sums[0] += w * loss, sums[1] += w * mse, sums[2] += w * vb, sums[3 + quarter] += w * loss, sums[7 + quarter] += 1.0f;
-    }
-    float divisor = (float)(in.step_batch ? in.step_batch : N);
-    for (int k = 0; k < LOSS_TERMS; k++) {
-        float total = block_sum_256(sums[k]);
-        if (threadIdx.x == 0) l.terms[k] = (in.piece ? l.terms[k] : 0.0f) + (k < 3 ? total / divisor : total);
-    }
-}
-
-// The loss of N samples of hw pixels of C channels (the output has 2C with a learned variance); the
-// output's gradient into d_out.
-static void training_loss(const LossOutputs *l, floatX *d_out, const floatX *out, const floatX *target, const LossInputs *in, int N,
-                          int hw, int C, LossKind kind) {
-    int blocks = loss_blocks(hw);
-    loss_partial_kernel<<<dim3(blocks, N), 256, 0, gpu.stream>>>(l->partial, d_out, out, target, *in, hw, C, kind);
-    loss_final_kernel<<<1, 256, 0, gpu.stream>>>(*l, *in, N, blocks, (float)hw * C, kind);
-    cuda_check_launch();
-}
-
-// The noisy classifier's loss (guided-diffusion's classifier_train.py): the cross-entropy of each
-// sample's K logits z against its label y, and whether y is its top logit (acc@1) or among its top
-// k = min(5, K) (acc@k; the label's rank is the number of logits above its own):
-//   loss_n = logsumexp(z) - z_y,   L = (1/B) sum_n loss_n,   dL/dz_j = (softmax(z)_j - [j = y]) / B
-// over the step's batch of B. A warp a sample writes its gradient whole and (loss_n, acc@1_n, acc@k_n)
-// into partial[n][3]; then one block adds them up in a fixed order, over the batch and per quarter
-// of t (LossOutputs.terms, the classifier's layout).
-__global__ void classifier_loss_kernel(float *partial, floatX *d_out, const floatX *logits, const int *labels, int N, int K,
-                                       float per_sample) {
-    int n = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
-    if (n >= N) return;
-    const floatX *z = logits + (int64_t)n * K;
-    int y = labels[n], above = 0;
-    float zy = (float)z[y], m = -INFINITY, sum = 0.0f;
-    for (int j = lane; j < K; j += 32) m = fmaxf(m, (float)z[j]), above += (float)z[j] > zy;
-    for (int o = 16; o > 0; o /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffff, m, o)), above += __shfl_xor_sync(0xffffffff, above, o);
-    for (int j = lane; j < K; j += 32) sum += expf((float)z[j] - m);
-    for (int o = 16; o > 0; o /= 2) sum += __shfl_xor_sync(0xffffffff, sum, o);
-    for (int j = lane; j < K; j += 32) d_out[(int64_t)n * K + j] = (floatX)((expf((float)z[j] - m) / sum - (j == y)) * per_sample);
-    if (lane == 0)
-        partial[3 * n] = m + logf(sum) - zy, partial[3 * n + 1] = above < 1, partial[3 * n + 2] = above < (K < 5 ? K : 5);
-}
-
-__global__ void classifier_loss_final_kernel(LossOutputs l, LossInputs in, int N) {
-    float sums[LOSS_TERMS] = {0};  // L, acc@1, acc@k, the quarters' loss sums, counts, acc@1 and acc@k sums (before / N)
-    for (int n = threadIdx.x; n < N; n += blockDim.x) {
-        float loss = l.partial[3 * n], top1 = l.partial[3 * n + 1], topk = l.partial[3 * n + 2];
-        int t = (int)in.t[n], quarter = min(4 * t / max(in.T, 1), 3);
-        sums[0] += loss, sums[1] += top1, sums[2] += topk;
-        sums[3 + quarter] += loss, sums[7 + quarter] += 1.0f, sums[11 + quarter] += top1, sums[15 + quarter] += topk;
-    }
-    float divisor = (float)(in.step_batch ? in.step_batch : N);
-    for (int k = 0; k < LOSS_TERMS; k++) {
-        float total = block_sum_256(sums[k]);
-        if (threadIdx.x == 0) l.terms[k] = (in.piece ? l.terms[k] : 0.0f) + (k < 3 ? total / divisor : total);
-    }
-}
-
-// The classifier's loss of N samples' K logits (labels and in->t on the GPU); the logits' gradient
-// into d_out.
-static void classifier_loss(const LossOutputs *l, floatX *d_out, const floatX *logits, const int *labels, const LossInputs *in, int N,
-                            int K) {
-    float per_sample = 1.0f / (float)(in->step_batch ? in->step_batch : N);
-    classifier_loss_kernel<<<(N + 7) / 8, 256, 0, gpu.stream>>>(l->partial, d_out, logits, labels, N, K, per_sample);
-    classifier_loss_final_kernel<<<1, 256, 0, gpu.stream>>>(*l, *in, N);
-    cuda_check_launch();
-}
-
-// The global gradient norm, in two fixed-order passes: sums of squares per block, then the total;
-// the second pass also decides the step: finite (loss and norm) and the clipping scale.
-#define NORM_BLOCKS 1024
-
-__global__ void grad_norm_partial_kernel(double *partial, const float *grads, int64_t n) {
-    double s = 0;
-    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
-        s += (double)grads[i] * grads[i];
-    s = block_sum_256(s);
-    if (threadIdx.x == 0) partial[blockIdx.x] = s;
-}
-
-// terms: the loss's (LossOutputs.terms), averaged over the ranks.
-__global__ void step_decide_kernel(StepState *s, const double *partial, const float *terms) {
-    __shared__ double sums[NORM_BLOCKS];
-    for (int i = threadIdx.x; i < NORM_BLOCKS; i += blockDim.x) sums[i] = partial[i];
-    __syncthreads();
-    for (int stride = NORM_BLOCKS / 2; stride > 0; stride /= 2) {
-        for (int i = threadIdx.x; i < stride; i += blockDim.x) sums[i] += sums[i + stride];
-        __syncthreads();
-    }
-    if (threadIdx.x == 0) {
-        float norm = (float)sqrt(sums[0]);
-        s->loss = terms[0], s->mse = terms[1], s->vb = terms[2];
-        for (int q = 0; q < 4; q++) s->quarter_loss[q] = terms[3 + q], s->quarter_count[q] = terms[7 + q];
-        for (int k = 0; k < LOSS_TERMS; k++) s->terms[k] = terms[k];
-        s->grad_norm = norm;
-        s->finite = isfinite(norm) && isfinite(terms[0]);
-        s->grad_scale = s->grad_clip > 0.0f && norm > s->grad_clip ? s->grad_clip / (norm + 1e-6f) : 1.0f;
-    }
-}
-
-// EMA of the weights, guided-diffusion's update_ema: ema = rate ema + (1 - rate) params.
-__global__ void ema_kernel(float *ema, const float *params, int64_t n, float rate, const StepState *s) {
-    if (!s->finite) return;
-    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
-        ema[i] = rate * ema[i] + (1.0f - rate) * params[i];
-}
-
-// ----------------------------------------------------------------------------------------------
-// Many GPUs: one process per GPU, data parallel (guided-diffusion's DDP, on NCCL directly). Each
-// process, a rank, holds the whole model and takes its own B images of the step's N B, numbered
-// within them as one GPU at batch N B numbers them (data order, noise, timesteps, dropout). The
-// step's graph averages the gradients over the ranks (NCCL all-reduces captured with the kernels,
-// in buckets beside backward: team_plan_buckets) and then the loss, so every rank takes the same
-// AdamW step and the weights stay equal.
-// How the processes start and find each other: below (launch_gpus, team_from_environment, team_join).
-
-#ifdef UNET_NO_NCCL
-typedef void *ncclComm_t;  // built without NCCL (the Makefile found none): one process only
-#else
-#include <nccl.h>
-#endif
-
-typedef struct {
-    int rank, world;            // this process's number and the number of processes (GPUs) in all
-    int local_rank;             // the GPU this process takes on its machine
-    ncclComm_t comm;            // NULL for a process started alone
-    cudaStream_t stream;        // the gradients' all-reduce, beside backward
-    cudaEvent_t fork, join;
-} Team;
-static Team team = {0, 1, 0, NULL, NULL, NULL, NULL};
-
-// A signal asked this process to stop (SIGINT, SIGTERM; the handlers are the training run's): after
-// its step, all stop. SIGUSR1 is --gpus's word that another rank failed: no step can finish now.
-static volatile sig_atomic_t stop_requested, peer_lost;
-
-// A wait on the step may last this long before the other ranks are taken to be gone (seconds): an
-// ordinary step takes milliseconds; before the first one every rank loads its data and checkpoint
-// at its own pace (team_warm_up), and after a checkpoint or a sample grid the others wait for rank
-// 0 to write it.
-#define TEAM_STEP_TIMEOUT 30.0  // or 50 times the slowest ordinary step so far, when that is longer
-#define TEAM_START_TIMEOUT 600.0
-#define TEAM_SLOW_STEP_TIMEOUT 1800.0
-
-#ifndef UNET_NO_NCCL
-static void nccl_check_(ncclResult_t r, const char *what, int line) {
-    if (r != ncclSuccess)
-        fatal("NCCL: %s (%s at train_unet.cu:%d)%s%s", ncclGetErrorString(r), what, line, team.comm ? ": " : "",
-              team.comm ? ncclGetLastError(team.comm) : "");
-}
-#define nccl_check(call) nccl_check_((call), #call, __LINE__)
-#endif
-
-// x = the mean over the ranks of x (n floats, in place), on the stream; nothing alone.
-static void team_average(float *x, size_t n, cudaStream_t stream) {
-#ifndef UNET_NO_NCCL
-    if (team.comm) nccl_check(ncclAllReduce(x, x, n, ncclFloat32, ncclAvg, team.comm, stream));
-#endif
-}
-
-// The same beside the main stream, on team.stream, after the main stream's work so far (a fork).
-static void team_average_beside(float *x, size_t n) {
-    cuda_check(cudaEventRecord(team.fork, gpu.main));
-    cuda_check(cudaStreamWaitEvent(team.stream, team.fork, 0));
-    team_average(x, n, team.stream);
-}
-
-// The main stream waits for the averages begun beside it (the join).
-static void team_join_beside(void) {
-    cuda_check(cudaEventRecord(team.join, team.stream));
-    cuda_check(cudaStreamWaitEvent(gpu.main, team.join, 0));
-}
-
-// all = every rank's x (n floats each), in the order of the ranks, on the stream; alone a copy.
-static void team_gather(const float *x, float *all, size_t n, cudaStream_t stream) {
-#ifndef UNET_NO_NCCL
-    if (team.comm) {
-        nccl_check(ncclAllGather(x, all, n, ncclFloat32, team.comm, stream));
-        return;
-    }
-#endif
-    cuda_check(cudaMemcpyAsync(all, x, n * sizeof(float), cudaMemcpyDeviceToDevice, stream));
-}
-
-// x = the largest over the ranks of x (n ints, in place), on the stream; nothing alone.
-static void team_max(int *x, size_t n, cudaStream_t stream) {
-#ifndef UNET_NO_NCCL
-    if (team.comm) nccl_check(ncclAllReduce(x, x, n, ncclInt32, ncclMax, team.comm, stream));
-#endif
-}
-
-// Gives up on a step that cannot finish: one line, exit status 1 at once. (ncclCommAbort would
-// wait for the step's kernels, which wait for the missing rank: on two H200s it was still waiting
-// after 10 s. The driver ends them with the process.)
-static void team_give_up(const char *fmt, ...) __attribute__((noreturn));
-static void team_give_up(const char *fmt, ...) {
-    va_list args;
-    va_start(args, fmt);
-    print_error("", fmt, args);
-    va_end(args);
-    _exit(1);
-}
-
-// Waits until `done` (recorded after the step) has happened. Alone: a plain synchronisation. A
-// rank that died leaves the others inside the all-reduce for good, so a team polls (sleeping
-// 100 us between polls after the first 2 ms), and gives up after `timeout` seconds, or at once
-// when --gpus says that a rank failed. Returns the seconds waited (a team's).
-static double team_wait(cudaEvent_t done, double timeout, int64_t step) {
-    if (!team.comm) {
-        cuda_check(cudaEventSynchronize(done));
-        return 0.0;
-    }
-    struct timespec t0, t;
-    clock_gettime(CLOCK_MONOTONIC, &t0);
-    for (;;) {
-        cudaError_t r = cudaEventQuery(done);
-        clock_gettime(CLOCK_MONOTONIC, &t);
-        double waited = (t.tv_sec - t0.tv_sec) + 1e-9 * (t.tv_nsec - t0.tv_nsec);
-        if (r == cudaSuccess) return waited;
-        if (r != cudaErrorNotReady) cuda_check(r);
-        if (peer_lost) team_give_up("another rank of this run failed; stopping in step %lld", (long long)step);
-        if (waited > timeout)
-            team_give_up("step %lld has not finished after %.0f s: another rank of this run has stopped or hangs; stopping",
-                         (long long)step, waited);
-        if (waited > 0.002) usleep(100);
-    }
-}
-
-// Starting the ranks and joining them.
-// `--gpus N` starts N copies of this command on this machine (launch_gpus); any other launcher
-// (torchrun, mpirun, srun) starts them itself and says which is which in the environment. Every
-// rank then joins one NCCL communicator through a file of the run folder, written by rank 0.
-
-// The rank of this process when a launcher started it, from the first of these sets whose world
-// size is set: torchrun's (which --gpus sets too), Open MPI's, Slurm's srun. Returns 1 with team
-// filled, or 0 when none is set (a process alone); exits with one line on an incomplete or bad set.
-// A world of one from Open MPI or Slurm is a process alone too (a shell inside `srun --pty` has
-// one); from torchrun's variables it is a team of one rank (which the tests use).
-static int team_from_environment(Team *t) {
-    static const char *const sets[][3] = {{"RANK", "WORLD_SIZE", "LOCAL_RANK"},
-                                          {"OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"},
-                                          {"SLURM_PROCID", "SLURM_STEP_NUM_TASKS", "SLURM_LOCALID"}};
-    for (int k = 0; k < 3; k++) {
-        if (!getenv(sets[k][1])) continue;
-        long v[3];
-        for (int i = 0; i < 3; i++) {
-            const char *text = getenv(sets[k][i]);
-            char *end;
-            v[i] = text ? strtol(text, &end, 10) : -1;
-            if (!text || !*text || *end || v[i] < 0 || v[i] > 1000000)
-                fatal("%s is %s%s%s: a launcher sets %s, %s and %s together, to numbers", sets[k][i], text ? "'" : "unset",
-                      text ? text : "", text ? "'" : "", sets[k][0], sets[k][1], sets[k][2]);
-        }
-        if (v[1] < 1 || v[0] >= v[1]) fatal("%s %ld is not below %s %ld", sets[k][0], v[0], sets[k][1], v[1]);
-        if (k > 0 && v[1] == 1) return 0;
-        t->rank = (int)v[0], t->world = (int)v[1], t->local_rank = (int)v[2];
-        return 1;
-    }
-    return 0;
-}
-
-#ifndef UNET_NO_NCCL
-// The file through which rank 0 hands the others NCCL's id: RUN_DIR/nccl_id, suffixed with the
-// launcher's job name where it gives one, so that no rank can read an earlier run's file.
-static void team_id_path(char *out, size_t len, const char *run_dir) {
-    static const char *const jobs[] = {"TRAIN_UNET_JOB", "TORCHELASTIC_RUN_ID", "SLURM_STEP_ID", "PMIX_NAMESPACE",
-                                       "OMPI_MCA_ess_base_jobid"};
-    const char *slurm_job = getenv("SLURM_JOB_ID");
-    char slurm[64];
-    const char *job = NULL;
-    for (size_t i = 0; i < sizeof jobs / sizeof jobs[0] && !job; i++) {
-        job = getenv(jobs[i]);
-        if (job && strcmp(job, "none") == 0) job = NULL;  // torchrun's default run id names no run
-        if (job && i == 2) snprintf(slurm, sizeof slurm, "%s.%s", slurm_job ? slurm_job : "", job), job = slurm;  // job.step
-    }
-    int n = snprintf(out, len, "%s/nccl_id%s", run_dir, job ? "_" : "");
-    for (const char *c = job; c && *c && n + 1 < (int)len; c++, n++)  // a file name's characters only
-        out[n] = isalnum((unsigned char)*c) || *c == '.' || *c == '-' ? *c : '_', out[n + 1] = '\0';
-}
-#endif
-
-// The rendezvous over TCP, as torchrun's: rank 0 listens on host:port (MASTER_ADDR, MASTER_PORT),
-// every other rank connects (again every 0.2 s until it is up) and says who it is: "UNETRDZV", its
-// rank and world size (int32 each) and its configuration (a uint32 length and the text: "name
-// value" items separated by "; ", which every rank must have alike). When all world - 1 have
-// arrived, and agree, rank 0 answers each with status 0 and `payload` (NCCL's id); on any
-// disagreement it answers every rank that came with status 1 and one line naming the difference,
-// and all stop with that line. Every wait is bounded by timeout_s. Returns 0 (the others with
-// rank 0's payload in `payload`), or -1 with the line in err.
-#define RENDEZVOUS_MAGIC "UNETRDZV"
-
-// host:port (a host may be an IPv6 address in brackets) into host; returns the port, or -1.
-static int rendezvous_address(const char *address, char *host, size_t host_len) {
-    const char *colon = strrchr(address, ':');
-    char *end;
-    long port = colon ? strtol(colon + 1, &end, 10) : -1;
-    if (!colon || colon == address || !colon[1] || *end || port < 1 || port > 65535 || (size_t)(colon - address) >= host_len) return -1;
-    const char *from = address, *to = colon;
-    if (*from == '[' && to[-1] == ']') from++, to--;
-    snprintf(host, host_len, "%.*s", (int)(to - from), from);
-    return (int)port;
-}
-#define RENDEZVOUS_MAX_CONFIG 4096
-
-// Waits until fd is readable (events POLLIN) or writable (POLLOUT), at most until `deadline`
-// (now_seconds()), in slices that notice a stop request. Returns 1 ready, 0 at the deadline or a stop.
-static int rendezvous_wait(int fd, short events, double deadline) {
-    while (!stop_requested) {
-        double left = deadline - now_seconds();
-        if (left <= 0) return 0;
-        struct pollfd p = {fd, events, 0};
-        int r = poll(&p, 1, (int)fmin(left * 1000 + 1, 200));
-        if (r > 0) return 1;
-        if (r < 0 && errno != EINTR) return 0;
-    }
-    return 0;
-}
-
-// Reads or writes n bytes by `deadline`. Returns 0, or -1.
-static int rendezvous_io(int fd, void *buf, size_t n, double deadline, int writing) {
-    for (size_t done = 0; done < n;) {
-        if (!rendezvous_wait(fd, writing ? POLLOUT : POLLIN, deadline)) return -1;
-        ssize_t k = writing ? send(fd, (char *)buf + done, n - done, MSG_NOSIGNAL) : recv(fd, (char *)buf + done, n - done, 0);
-        if (k <= 0 && !(k < 0 && (errno == EINTR || errno == EAGAIN))) return -1;
-        if (k > 0) done += (size_t)k;
-    }
-    return 0;
-}
-
-// A reply: its status (0: the payload follows; 1: an error line) and its bytes.
-static void rendezvous_reply(int fd, uint8_t status, const void *bytes, uint32_t len, double deadline) {
-    if (rendezvous_io(fd, &status, 1, deadline, 1) == 0 && rendezvous_io(fd, &len, 4, deadline, 1) == 0)
-        rendezvous_io(fd, (void *)bytes, len, deadline, 1);
-}
-
-// The first "name value" item in which a rank's configuration differs from rank 0's:
-// "NAME THEIRS against NAME MINE" (an item only one has: against "nothing").
-static void rendezvous_difference(char *out, size_t len, const char *mine, const char *theirs) {
-    char a[RENDEZVOUS_MAX_CONFIG + 1], b[RENDEZVOUS_MAX_CONFIG + 1];
-    snprintf(a, sizeof a, "%s", theirs), snprintf(b, sizeof b, "%s", mine);
-    char *sa, *sb, *x = strtok_r(a, ";", &sa), *y = strtok_r(b, ";", &sb);
-    while (x && y && strcmp(x, y) == 0) x = strtok_r(NULL, ";", &sa), y = strtok_r(NULL, ";", &sb);
-    snprintf(out, len, "%s against %s", x ? x + strspn(x, " ") : "nothing", y ? y + strspn(y, " ") : "nothing");
-}
-
-static int rendezvous_tcp(const char *host, int port, int rank, int world, const char *config, double timeout_s, void *payload,
-                          uint32_t payload_len, char *err, size_t err_len) {
-    double deadline = now_seconds() + timeout_s;
-    char port_text[16];
-    snprintf(port_text, sizeof port_text, "%d", port);
-    struct addrinfo hints, *ai = NULL;
-    memset(&hints, 0, sizeof hints);
-    hints.ai_family = AF_UNSPEC, hints.ai_socktype = SOCK_STREAM, hints.ai_flags = rank == 0 ? AI_PASSIVE : 0;
-    int gai = getaddrinfo(rank == 0 ? NULL : host, port_text, &hints, &ai);
-    if (gai != 0) return error_line(err, err_len, "rendezvous: cannot resolve MASTER_ADDR %s: %s", host, gai_strerror(gai));
-    int r = -1;
-    if (rank == 0) {
-        int listener = -1;
-        for (struct addrinfo *a = ai; a && listener < 0; a = a->ai_next) {
-            listener = socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, 0);
-            int one = 1, zero = 0;  // (an IPv6 socket takes IPv4 connections too)
-            if (listener >= 0 && a->ai_family == AF_INET6) setsockopt(listener, IPPROTO_IPV6, IPV6_V6ONLY, &zero, sizeof zero);
-            if (listener >= 0) setsockopt(listener, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
-            if (listener >= 0 && (bind(listener, a->ai_addr, a->ai_addrlen) != 0 || listen(listener, world) != 0)) {
-                int e = errno;
-                close(listener), listener = -1, errno = e;
-            }
-        }
-        freeaddrinfo(ai);
-        if (listener < 0)
-            return error_line(err, err_len, errno == EADDRINUSE ? "rendezvous: MASTER_PORT %d is in use on this machine: choose another"
-                                                                : "rendezvous: cannot listen on port %d: %s", port, strerror(errno));
-        int *fds = (int *)malloc_or_die(world * sizeof(int));
-        for (int i = 0; i < world; i++) fds[i] = -1;
-        int arrived = 1;
-        char line[600] = "";
-        while (arrived < world && !line[0]) {
-            if (!rendezvous_wait(listener, POLLIN, deadline)) {
-                char missing[256] = "";
-                for (int i = 1; i < world && strlen(missing) < 200; i++)
-                    if (fds[i] < 0) snprintf(missing + strlen(missing), sizeof missing - strlen(missing), "%s%d", missing[0] ? ", " : "", i);
-                snprintf(line, sizeof line, stop_requested ? "rendezvous: stopped while waiting for rank %s"
-                                                           : "rendezvous: rank %s never arrived at port %d within %.0f s", missing, port, timeout_s);
-                break;
-            }
-            int fd = accept4(listener, NULL, NULL, SOCK_CLOEXEC);
-            if (fd < 0) continue;
-            char magic[8];
-            int32_t who[2];
-            uint32_t len = 0;
-            char theirs[RENDEZVOUS_MAX_CONFIG + 1];
-            double hello_deadline = fmin(deadline, now_seconds() + 10);
-            if (rendezvous_io(fd, magic, 8, hello_deadline, 0) != 0 || memcmp(magic, RENDEZVOUS_MAGIC, 8) != 0 ||
-                rendezvous_io(fd, who, 8, hello_deadline, 0) != 0 || rendezvous_io(fd, &len, 4, hello_deadline, 0) != 0 ||
-                len > RENDEZVOUS_MAX_CONFIG || rendezvous_io(fd, theirs, len, hello_deadline, 0) != 0) {
-                close(fd);  // not one of ours (a port scanner, a stale client): ignored
-                continue;
-            }
-            theirs[len] = '\0';
-            if (who[1] != world)
-                snprintf(line, sizeof line, "rendezvous: rank %d has WORLD_SIZE %d, rank 0 %d", who[0], who[1], world);
-            else if (who[0] < 1 || who[0] >= world || fds[who[0]] >= 0)
-                snprintf(line, sizeof line, "rendezvous: rank %d %s", who[0], who[0] < 1 || who[0] >= world ? "is out of range" : "arrived twice");
-            else if (strcmp(theirs, config) != 0) {
-                char difference[500];
-                rendezvous_difference(difference, sizeof difference, config, theirs);
-                snprintf(line, sizeof line, "rendezvous: rank %d's configuration differs from rank 0's: %s", who[0], difference);
-            }
-            if (line[0]) rendezvous_reply(fd, 1, line, (uint32_t)strlen(line), fmin(deadline, now_seconds() + 5)), close(fd);
-            else fds[who[0]] = fd, arrived++;
-        }
-        for (int i = 1; i < world; i++) {
-            if (fds[i] < 0) continue;
-            double reply_deadline = now_seconds() + 5;
-            if (line[0]) rendezvous_reply(fds[i], 1, line, (uint32_t)strlen(line), reply_deadline);
-            else rendezvous_reply(fds[i], 0, payload, payload_len, reply_deadline);
-            close(fds[i]);
-        }
-        close(listener);
-        free(fds);
-        r = line[0] ? error_line(err, err_len, "%s", line) : 0;
-    } else {
-        int fd = -1;
-        while (fd < 0 && now_seconds() < deadline && !stop_requested) {  // rank 0 may not be listening yet
-            for (struct addrinfo *a = ai; a && fd < 0; a = a->ai_next) {
-                fd = socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
-                if (fd < 0) continue;
-                int ok = connect(fd, a->ai_addr, a->ai_addrlen) == 0 ||
-                         (errno == EINPROGRESS && rendezvous_wait(fd, POLLOUT, fmin(deadline, now_seconds() + 1)));
-                int so_error = 0;
-                socklen_t so_len = sizeof so_error;
-                if (ok && (getsockopt(fd, SOL_SOCKET, SO_ERROR, &so_error, &so_len) != 0 || so_error != 0)) ok = 0;
-                if (!ok) close(fd), fd = -1;
-            }
-            if (fd < 0) usleep(200000);
-        }
-        freeaddrinfo(ai);
-        if (fd < 0)
-            return error_line(err, err_len, "rendezvous: rank %d cannot reach rank 0 at %s:%d within %.0f s", rank, host, port, timeout_s);
-        int32_t who[2] = {rank, world};
-        uint32_t len = (uint32_t)strlen(config);
-        uint8_t status = 1;
-        uint32_t reply_len = 0;
-        // Rank 0 listened before this connection and answers within timeout_s of its start (and 5 s
-        // to send): waiting that long from now, plus a margin, hears its answer whatever it is.
-        deadline = now_seconds() + timeout_s + 10;
-        if (rendezvous_io(fd, (void *)RENDEZVOUS_MAGIC, 8, deadline, 1) != 0 || rendezvous_io(fd, who, 8, deadline, 1) != 0 ||
-            rendezvous_io(fd, &len, 4, deadline, 1) != 0 || rendezvous_io(fd, (void *)config, len, deadline, 1) != 0 ||
-            rendezvous_io(fd, &status, 1, deadline, 0) != 0 || rendezvous_io(fd, &reply_len, 4, deadline, 0) != 0)
-            r = error_line(err, err_len, "rendezvous: rank 0 at %s:%d did not answer rank %d within %.0f s (it stopped?)", host, port,
-                           rank, timeout_s);
-        else if (status == 0 && reply_len == payload_len && rendezvous_io(fd, payload, payload_len, deadline, 0) == 0)
-            r = 0;
-        else {
-            char line[600] = "rendezvous: rank 0 refused this rank";
-            if (status == 1 && reply_len < sizeof line && rendezvous_io(fd, line, reply_len, deadline, 0) == 0) line[reply_len] = '\0';
-            r = error_line(err, err_len, "%s", line);
-        }
-        close(fd);
-    }
-    return r;
-}
-
-// Joins this rank to the others (team.comm): rank 0 writes NCCL's id into the run folder (under a
-// temporary name, then renamed, so no rank reads half of it), the others wait for it (up to 10
-// minutes: the run folder must be on a file system every machine of the run sees), every rank
-// opens the communicator, and rank 0 removes the file. A file older than this process by more than
-// a minute (the clocks of other machines may differ by some seconds) is a dead run's: not read.
-// With a rendezvous address (rdzv, host:port), the id goes over TCP instead (rendezvous_tcp), with a
-// check that every rank has the same configuration (`config`), each wait at most timeout_s.
-static void team_join(const char *run_dir, const char *rdzv, int timeout_s, const char *config) {
-#ifdef UNET_NO_NCCL
-    (void)run_dir, (void)rdzv, (void)timeout_s, (void)config;
-    fatal("this train_unet was built without NCCL (the Makefile found no nccl.h), so it trains on one GPU only");
-#else
-    char path[4400], tmp[4500];
-    team_id_path(path, sizeof path, run_dir);
-    ncclUniqueId id;
-    if (rdzv[0]) {
-        char host[256], err[1024];
-        int port = rendezvous_address(rdzv, host, sizeof host);
-        if (port < 0) fatal("rendezvous address '%s' must be host:port", rdzv);
-        if (team.rank == 0) nccl_check(ncclGetUniqueId(&id));
-        if (rendezvous_tcp(host, port, team.rank, team.world, config, timeout_s, &id, sizeof id, err, sizeof err) != 0) fatal("%s", err);
-        if (team.rank == 0) printf("rendezvous: %d rank%s met at %s over TCP\n", team.world, team.world == 1 ? "" : "s", rdzv);
-    } else if (team.rank == 0) {
-        if (make_dir_synced(run_dir) != 0) fatal("cannot create run folder %s: %s", run_dir, strerror(errno));
-        nccl_check(ncclGetUniqueId(&id));
-        snprintf(tmp, sizeof tmp, "%s.tmp", path);
-        FILE *f = fopen(tmp, "wb");
-        if (!f || write_all(f, &id, sizeof id) != 0 || fflush(f) != 0 || fsync(fileno(f)) != 0 || fclose(f) != 0 ||
-            rename(tmp, path) != 0)
-            fatal("cannot write %s: %s", path, strerror(errno));
-    } else {
-        time_t started = time(NULL);
-        for (int waited_ms = 0;; waited_ms += 50) {
-            struct stat st;
-            FILE *f = stat(path, &st) == 0 && st.st_mtime >= started - 60 ? fopen(path, "rb") : NULL;
-            size_t got = f ? fread(&id, 1, sizeof id, f) : 0;
-            if (f) fclose(f);
-            if (got == sizeof id) break;
-            if (stop_requested || peer_lost) fatal("stopped while waiting for rank 0's %s", path);
-            if (waited_ms > 600000)
-                fatal("no %s from rank 0 after 10 minutes: is the run folder on a file system every rank sees?", path);
-            usleep(50000);
-        }
-    }
-    nccl_check(ncclCommInitRank(&team.comm, team.world, id, team.rank));
-    if (team.rank == 0 && !rdzv[0]) unlink(path);
-    int lowest, highest;  // (the all-reduces at the model's priority, above the update's: gpu_init)
-    cuda_check(cudaDeviceGetStreamPriorityRange(&lowest, &highest));
-    cuda_check(cudaStreamCreateWithPriority(&team.stream, cudaStreamDefault, highest));
-    cuda_check(cudaEventCreateWithFlags(&team.fork, cudaEventDisableTiming));
-    cuda_check(cudaEventCreateWithFlags(&team.join, cudaEventDisableTiming));
-#endif
-}
-
-static void catch_signal(int sig, void (*handler)(int)) {
-    struct sigaction sa;
-    memset(&sa, 0, sizeof sa);
-    sa.sa_handler = handler;
-    sigaction(sig, &sa, NULL);
-}
-
-// SIGINT, SIGTERM and SIGHUP (the terminal or session closed) go to `handler`.
-static void catch_signals(void (*handler)(int)) {
-    catch_signal(SIGINT, handler);
-    catch_signal(SIGTERM, handler);
-    catch_signal(SIGHUP, handler);
-}
-
-// --gpus N: starts N copies of this command, rank i on GPU i of this machine, with the variables
-// torchrun sets (RANK, WORLD_SIZE, LOCAL_RANK) and a job name for the id file, each in a process
-// group of its own so that a terminal's Ctrl-C reaches only this process, which passes SIGINT and
-// SIGTERM on to all (a second Ctrl-C: they exit at once), and SIGHUP as SIGTERM. Should this
-// process die, the ranks get SIGTERM (PR_SET_PDEATHSIG): they stop after a step and save. When one
-// fails (an error, a signal), the others get SIGUSR1 (they give up at once: no step can finish)
-// and after 15 s SIGKILL. Returns the exit status: 0 when every rank succeeded, else the first
-// failure's.
-static volatile sig_atomic_t launcher_signal;
-static void on_launcher_signal(int sig) { launcher_signal = sig; }
-
-static int launch_gpus(int n, char **argv) {
-    pid_t *pids = (pid_t *)malloc_or_die(n * sizeof(pid_t));
-    char text[32];
-    snprintf(text, sizeof text, "%d", n);
-    setenv("WORLD_SIZE", text, 1);
-    snprintf(text, sizeof text, "gpus-%d", (int)getpid());
-    setenv("TRAIN_UNET_JOB", text, 1);
-    catch_signals(on_launcher_signal);
-    fflush(NULL);
-    pid_t launcher = getpid();
-    for (int i = 0; i < n; i++) {
-        pids[i] = fork();
-        if (pids[i] < 0) fatal("cannot start rank %d: %s", i, strerror(errno));
-        if (pids[i] == 0) {
-            setpgid(0, 0);
-            prctl(PR_SET_PDEATHSIG, SIGTERM);
-            if (getppid() != launcher) _exit(1);  // the launcher died before the line above
-            snprintf(text, sizeof text, "%d", i);
-            setenv("RANK", text, 1);
-            setenv("LOCAL_RANK", text, 1);
-            execv("/proc/self/exe", argv);
-            fprintf(stderr, "%s: error: cannot start rank %d: %s\n", program_name, i, strerror(errno));
-            _exit(127);
-        }
-        setpgid(pids[i], pids[i]);  // also here: whichever of the two runs first
-    }
-    int alive = n, status = 0;
-    double kill_at = 0;
-    while (alive > 0) {
-        int st;
-        pid_t pid = waitpid(-1, &st, WNOHANG);
-        if (pid > 0) {
-            int rank = 0;
-            while (rank < n && pids[rank] != pid) rank++;
-            if (rank == n) continue;
-            pids[rank] = 0, alive--;
-            int failed = WIFSIGNALED(st) ? 128 + WTERMSIG(st) : WEXITSTATUS(st);
-            if (failed && !status) {
-                status = failed;
-                if (alive) {
-                    if (WIFSIGNALED(st)) fprintf(stderr, "%s: error: rank %d was killed by signal %d; stopping the other ranks\n",
-                                                 program_name, rank, WTERMSIG(st));
-                    else fprintf(stderr, "%s: error: rank %d exited with status %d; stopping the other ranks\n", program_name,
-                                 rank, failed);
-                    for (int i = 0; i < n; i++) if (pids[i]) kill(pids[i], SIGUSR1);
-                    kill_at = now_seconds() + 15.0;
-                }
-            }
-            continue;
-        }
-        if (launcher_signal) {
-            int sig = launcher_signal == SIGHUP ? SIGTERM : launcher_signal;
-            for (int i = 0; i < n; i++) if (pids[i]) kill(pids[i], sig);
-            launcher_signal = 0;
-        }
-        if (kill_at > 0 && now_seconds() > kill_at)
-            for (int i = 0; i < n; i++) if (pids[i]) kill(pids[i], SIGKILL);
-        usleep(20000);
-    }
-    free(pids);
-    return status;
-}
 
 // ----------------------------------------------------------------------------------------------
 // The trainer: one training step as a CUDA graph (the last step's AdamW and EMA beside the forward,
@@ -8522,11 +6891,6 @@ static const float *trainer_evaluate(Trainer *tr, DataLoader *val, int64_t index
 
 
 typedef struct {
-    int step;        // the plan's next step
-    int64_t offset;  // the batch's first value: first image * values per image
-} SampleCursor;
-
-typedef struct {
     UNet m;                 // forward only; batch: images, twice that when guided
     int images, guided, null_label;
     float guidance;
@@ -8545,55 +6909,6 @@ typedef struct {
     cudaEvent_t *step_done; // [plan.count], made when progress is first asked for
     cudaGraphExec_t graph;  // one step of the plan
 } GpuSampler;
-
-__global__ void sample_start_kernel(float *x, int64_t n, uint64_t seed, const SampleCursor *c) {
-    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
-        x[i] = normal_sample(seed, rng_stream(RNG_SAMPLE_START, 0), c->offset + i);
-}
-
-// A step's inputs: x (n values of C channels) as the model's input (both halves when guided; its
-// pixels ld values apart: an upsampler's hold the low-resolution image's channels after x's) and
-// the classifier's (when given), and the step's timestep for every image of either batch (n is
-// more than both).
-__global__ void sample_inputs_kernel(floatX *input, int C, int ld, int64_t *t, int batch, floatX *classifier_input, int64_t *classifier_t,
-                                     int classifier_batch, const float *x, int64_t n, int guided, const SampleStep *steps,
-                                     const SampleCursor *c) {
-    int timestep = steps[c->step].timestep;
-    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
-        floatX v = (floatX)x[i];
-        int64_t at = i / C * ld + i % C;
-        input[at] = v;
-        if (guided) input[n / C * ld + at] = v;
-        if (classifier_input) classifier_input[i] = v;
-        if (i < batch) t[i] = timestep;
-        if (i < classifier_batch) classifier_t[i] = timestep;
-    }
-}
-
-// One step of the plan for every value, from the model's output (guided: uncond + w (cond -
-// uncond), the second half being the unconditional) and classifier guidance's score (NULL: none);
-// x is written. x has C channels; the output has C (the prediction) or, with a learned variance,
-// 2C: then a value's variance is the conditional output's (as GLIDE's guided sampling keeps it).
-__global__ void sample_step_kernel(float *x, float *x0_last, const floatX *out, const floatX *score, int64_t n, int C, int out_channels,
-                                   int guided, float guidance, SamplePlan plan, const SampleStep *steps, const SampleCursor *c,
-                                   uint64_t seed) {
-    const SampleStep st = steps[c->step];
-    int64_t n_out = n / C * out_channels;  // the unconditional half's offset
-    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
-        int64_t j = i / C * out_channels + i % C;
-        float o = guided ? guided_output((float)out[j], (float)out[n_out + j], guidance) : (float)out[j];
-        float v = plan.learned ? (float)out[j + C] : 0.0f, g = score ? (float)score[i] : 0.0f;
-        float z = st.noisy ? normal_sample(seed, rng_stream(RNG_SAMPLE_NOISE, (uint64_t)c->step), c->offset + i) : 0.0f;
-        x[i] = sample_step_value(&plan, &st, x[i], o, v, g, z, &x0_last[i]);
-    }
-}
-
-__global__ void sample_advance_kernel(SampleCursor *c) { c->step++; }
-
-__global__ void to_pixels_kernel(uint8_t *pixels, const float *x, int64_t n) {
-    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
-        pixels[i] = (uint8_t)lrintf(fminf(fmaxf((x[i] + 1.0f) * 127.5f, 0.0f), 255.0f));
-}
 
 // Classifier guidance's score of the classifier's input x_t (its timesteps and labels y set), into
 // classifier.input.dx: g = s d log p(y | x_t) / dx_t by its forward pass, the logits z's gradient
@@ -8769,39 +7084,6 @@ typedef struct {
     double *bits;          // GPU, [batch]: each image's sum so far
 } Likelihood;
 
-__global__ void likelihood_inputs_kernel(float *x0, float *x_t, floatX *input, int64_t *t, const uint8_t *pixels, int64_t n,
-                                         int batch, int timestep, TimestepTerms tt, int k, uint64_t seed, int64_t first_value) {
-    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
-        float x = pixel_value(pixels[i]);
-        float x_k = tt.sqrt_abar * x + tt.sqrt_one_minus_abar * normal_sample(seed, rng_stream(RNG_NLL, (uint64_t)k), first_value + i);
-        x0[i] = x, x_t[i] = x_k, input[i] = (floatX)x_k;
-        if (i < batch) t[i] = timestep;
-    }
-}
-
-// Blocks (x) of an image (y): the bound's terms of its values, summed into partial[n][block].
-__global__ void likelihood_terms_kernel(float *partial, const floatX *out, const float *x0, const float *x_t, TimestepTerms tt,
-                                        int first_step, int hw, int C, int out_channels, int predict) {
-    int n = blockIdx.y;
-    float sum = 0.0f;
-    for (int p = blockIdx.x * blockDim.x + threadIdx.x; p < hw; p += gridDim.x * blockDim.x)
-        for (int c = 0; c < C; c++) {
-            int64_t i = ((int64_t)n * hw + p) * C + c, o = ((int64_t)n * hw + p) * out_channels + c;
-            float v = out_channels == 2 * C ? (float)out[o + C] : first_step ? -1.0f : 1.0f;
-            sum += bound_term(x0[i], x_t[i], (float)out[o], v, &tt, first_step, predict, 1).value;
-        }
-    sum = block_sum_256(sum);
-    if (threadIdx.x == 0) partial[(int64_t)n * gridDim.x + blockIdx.x] = sum;
-}
-
-__global__ void likelihood_add_kernel(double *bits, const float *partial, int batch, int blocks, double per_value) {
-    int n = blockIdx.x * blockDim.x + threadIdx.x;
-    if (n >= batch) return;
-    double s = 0;
-    for (int b = 0; b < blocks; b++) s += partial[(int64_t)n * blocks + b];
-    bits[n] += s * per_value;
-}
-
 // A likelihood run for batches of `batch` images of model c, on the steps `kept` keeps of a schedule
 // (its weights go into l->m.master, then unet_sync_compute).
 static void likelihood_create(Likelihood *l, const ModelConfig *c, int batch, const SampleSchedule *kept, int predict) {
@@ -8860,695 +7142,7 @@ static double likelihood_prior(const uint8_t *pixels, int64_t values, double aba
 }
 
 // ----------------------------------------------------------------------------------------------
-// Checkpoint files. A checkpoint is a folder holding model.safetensors (the fp32 weights under
-// guided-diffusion's state_dict names and shapes, the configuration in __metadata__ under its flag
-// names), ema.safetensors (the first EMA rate; ema_<rate>.safetensors for the others) and
-// state.bin (everything else an exact resume needs); checkpoint.h writes and reads safetensors,
-// and reads state.bin. The folder is written under a temporary
-// name, every file and the folder synced, then renamed: a crash leaves the previous checkpoint
-// the latest complete one.
-
-// A parameter array as the tensors of a safetensors file (values: host, PyTorch layouts).
-static int write_parameters(const char *path, const ParamList *params, float *const *values, const MetaPair *meta,
-                            int meta_count) {
-    SafeTensorOut *tensors = (SafeTensorOut *)malloc_or_die(params->count * sizeof(SafeTensorOut));
-    for (int i = 0; i < params->count; i++) {
-        const ParamSpec *p = &params->specs[i];
-        SafeTensorOut t = {p->name, p->ndim, p->shape, p->numel, values[i]};
-        tensors[i] = t;
-    }
-    int r = safetensors_write(path, tensors, params->count, meta, meta_count);
-    free(tensors);
-    return r;
-}
-
-// The configuration under guided-diffusion's flag names, spelled as on its command line, each
-// value a heap string of any length (metadata_free releases them).
-#define MAX_METADATA 48
-
-typedef struct {
-    MetaPair entries[MAX_METADATA];
-    int count;
-} Metadata;
-
-static void meta_add(Metadata *m, const char *key, const char *fmt, ...) {
-    if (m->count == MAX_METADATA) fatal("internal error: more than %d metadata entries", MAX_METADATA);
-    va_list args;
-    va_start(args, fmt);
-    char *value;
-    if (vasprintf(&value, fmt, args) < 0) fatal("out of host memory");
-    va_end(args);
-    m->entries[m->count].key = key;
-    m->entries[m->count].value = value;
-    m->count++;
-}
-
-static void metadata_free(Metadata *m) {
-    for (int i = 0; i < m->count; i++) free((char *)m->entries[i].value);
-    m->count = 0;
-}
-
-// A float as the shortest %g text that reads back as the same float (1e-4 stays "0.0001").
-static const char *float_text(float v, char *buf, size_t len) {
-    for (int digits = 6; digits <= 9; digits++) {
-        snprintf(buf, len, "%.*g", digits, v);
-        if (strtof(buf, NULL) == v) break;
-    }
-    return buf;
-}
-
-// Format 2 adds the training configuration (the keys after "predict") for resume to compare.
-// A whole number written as decimal digits and nothing else (a step, a format version); -1 for
-// anything else.
-static int64_t whole_number(const char *p) {
-    int64_t n = 0;
-    if (!*p) return -1;
-    for (; *p; p++) {
-        if (*p < '0' || *p > '9' || n > (INT64_MAX - 9) / 10) return -1;
-        n = 10 * n + (*p - '0');
-    }
-    return n;
-}
-
-#define CHECKPOINT_FORMAT_VERSION 2
-
-static Metadata checkpoint_metadata(const Options *o, const ModelConfig *c, int64_t step) {
-    Metadata m;
-    memset(&m, 0, sizeof m);
-    const char *truth[2] = {"False", "True"};
-    char buf[32];
-    meta_add(&m, "format", "unet.cu checkpoint");
-    meta_add(&m, "format_version", "%d", CHECKPOINT_FORMAT_VERSION);
-    meta_add(&m, "step", "%lld", (long long)step);
-    meta_add(&m, "image_size", "%d", c->image_size);
-    meta_add(&m, "num_channels", "%d", c->model_channels);
-    meta_add(&m, "num_res_blocks", "%d", c->num_res_blocks);
-    meta_add(&m, "channel_mult", "%s", o->channel_mult);
-    meta_add(&m, "attention_resolutions", "%s", o->attention_resolutions);
-    meta_add(&m, "num_heads", "%d", c->num_heads);
-    meta_add(&m, "num_head_channels", "%d", c->num_head_channels);
-    meta_add(&m, "num_heads_upsample", "%d", c->num_heads_upsample);
-    meta_add(&m, "use_scale_shift_norm", "%s", truth[c->use_scale_shift_norm]);
-    meta_add(&m, "resblock_updown", "%s", truth[c->resblock_updown]);
-    meta_add(&m, "use_new_attention_order", "%s", truth[c->use_new_attention_order]);
-    meta_add(&m, "conv_resample", "%s", truth[c->conv_resample]);
-    meta_add(&m, "dropout", "%g", c->dropout);
-    meta_add(&m, "class_cond", "%s", truth[c->num_classes > 0]);
-    meta_add(&m, "num_classes", "%d", c->pool ? c->out_channels : c->num_classes);  // a classifier's: its logits
-    meta_add(&m, "null_class", "%s", truth[c->num_classes > 0]);  // the last label_emb row: unconditional
-    meta_add(&m, "learn_sigma", "%s", truth[!c->pool && c->out_channels == 2 * c->in_channels]);
-    meta_add(&m, "classifier_pool", "%s", pool_names[c->pool]);  // "": the diffusion UNet
-    if (c->low_res) meta_add(&m, "large_size", "%d", c->image_size), meta_add(&m, "small_size", "%d", c->low_res);
-    meta_add(&m, "diffusion_steps", "%d", o->diffusion_steps);
-    meta_add(&m, "noise_schedule", "%s", o->noise_schedule);
-    meta_add(&m, "predict", "%s", o->predict);
-    meta_add(&m, "use_kl", "%s", truth[o->use_kl]);
-    meta_add(&m, "rescale_learned_sigmas", "%s", truth[o->rescale_learned_sigmas]);
-    meta_add(&m, "schedule_sampler", "%s", o->schedule_sampler);
-    meta_add(&m, "batch_size", "%d", o->batch_size * o->gpus);  // images per step, on all GPUs
-    meta_add(&m, "seed", "%lld", o->seed);
-    meta_add(&m, "ema_rates", "%s", o->ema_rate);  // every rate; each EMA file names its own as ema_rate
-    meta_add(&m, "random_flip", "%s", truth[o->random_flip]);
-    meta_add(&m, "lr", "%s", float_text(o->lr, buf, sizeof buf));
-    meta_add(&m, "weight_decay", "%s", float_text(o->weight_decay, buf, sizeof buf));
-    meta_add(&m, "beta1", "%s", float_text(o->beta1, buf, sizeof buf));
-    meta_add(&m, "beta2", "%s", float_text(o->beta2, buf, sizeof buf));
-    meta_add(&m, "adam_eps", "%s", float_text(o->adam_eps, buf, sizeof buf));
-    meta_add(&m, "warmup_steps", "%d", o->warmup_steps);
-    meta_add(&m, "lr_decay", "%s", o->lr_decay);
-    meta_add(&m, "min_lr", "%s", float_text(o->min_lr, buf, sizeof buf));
-    meta_add(&m, "grad_clip", "%s", float_text(o->grad_clip, buf, sizeof buf));
-    meta_add(&m, "cfg_dropout", "%s", float_text(o->cfg_dropout, buf, sizeof buf));
-    meta_add(&m, "steps", "%lld", o->steps);
-    return m;
-}
-
-// What resume allows to differ between the checkpoint's configuration and this run's: nothing of
-// the model (its weights would not fit, or would mean another function), nothing that fixes the
-// data, noise or EMA streams (batch, seed, diffusion, EMA rates), and anything of the optimiser
-// and its schedule (said when it differs).
-static int resume_may_change(const char *key) {
-    static const char *const fixed[] = {"diffusion_steps", "noise_schedule", "predict", "batch_size", "seed", "ema_rates", "null_class"};
-    for (int i = 0; i < NUM_MODEL_FLAGS; i++)
-        if (strcmp(key, model_flags[i]) == 0) return 0;
-    for (size_t i = 0; i < sizeof fixed / sizeof fixed[0]; i++)
-        if (strcmp(key, fixed[i]) == 0) return 0;
-    return 1;
-}
-
-// Appends "--key A (checkpoint B)" to a list of at most len bytes, "..." when it is full. With more
-// than one GPU, batch_size (the images a step on all of them) is named as such.
-static void append_difference(char *list, size_t len, const char *key, const char *now, const char *then, int gpus) {
-    size_t at = strlen(list);
-    if (at + 4 >= len) return;
-    const char *label = gpus > 1 && strcmp(key, "batch_size") == 0 ? "images a step (--batch_size times --gpus)" : key;
-    int n = snprintf(list + at, len - at, "%s%s%s %s (checkpoint: %s)", at ? ", " : "", label == key ? "--" : "", label, now, then);
-    if (n < 0 || (size_t)n >= len - at) snprintf(list + (len > 4 ? len - 4 : 0), len > 4 ? 4 : len, "...");
-}
-
-// Compares this run's configuration (its metadata `now`) with the one a checkpoint was trained
-// with. A key the checkpoint does not hold was not recorded by the older format that wrote it: it
-// stands for the value that format meant, this trainer's default (so a checkpoint without its
-// dropout or attention keys resumes only with the default values). Differences that resume may not
-// make refuse, each named; the others are listed in changes. Returns 0, or -1.
-static int compare_with_checkpoint(const SafeTensorsFile *f, const char *path, const Metadata *now, int gpus, char *changes,
-                                   size_t changes_len, char *err, size_t err_len) {
-    Options default_options = preset_seed();
-    ModelConfig default_config;
-    char refused[768] = "", why[256], unrecorded[160];
-    if (model_config_from_options(&default_options, 0, &default_config, why, sizeof why) != 0) fatal("the default model: %s", why);
-    Metadata defaults = checkpoint_metadata(&default_options, &default_config, 0);  // the same keys, in the same order
-    changes[0] = '\0';
-    for (int i = 0; i < now->count; i++) {
-        const char *key = now->entries[i].key, *then = safetensors_metadata(f, key);
-        if (strcmp(key, "step") == 0 || strncmp(key, "format", 6) == 0) continue;
-        if (!then) {
-            snprintf(unrecorded, sizeof unrecorded, "not recorded, which means %s", defaults.entries[i].value);
-            if (strcmp(now->entries[i].value, defaults.entries[i].value) == 0) continue;
-            then = unrecorded;
-        }
-        if (strcmp(then, now->entries[i].value) == 0) continue;
-        if (resume_may_change(key)) append_difference(changes, changes_len, key, now->entries[i].value, then, gpus);
-        else append_difference(refused, sizeof refused, key, now->entries[i].value, then, gpus);
-    }
-    metadata_free(&defaults);
-    if (refused[0])
-        return error_line(err, err_len, "%s was trained with another configuration: %s; resume with the checkpoint's values", path, refused);
-    return 0;
-}
-
-// The checkpoint format versions this trainer reads: 1 (no optimiser keys, no null_class) to
-// CHECKPOINT_FORMAT_VERSION. A file without format_version, or of a newer or unknown version, is
-// refused: its keys may mean what this trainer does not know. Returns 0, or -1 with a message.
-static int check_format_version(const SafeTensorsFile *f, const char *path, char *err, size_t err_len) {
-    const char *version = safetensors_metadata(f, "format_version");
-    int64_t v = version ? whole_number(version) : -1;
-    if (!version) return error_line(err, err_len, "%s records no format_version: not a checkpoint this trainer can resume", path);
-    if (v < 1 || v > CHECKPOINT_FORMAT_VERSION)
-        return error_line(err, err_len, "%s is of checkpoint format_version '%s'; this trainer reads versions 1 to %d (a newer "
-                            "trainer wrote it?)", path, version, CHECKPOINT_FORMAT_VERSION);
-    return 0;
-}
-
-// ----------------------------------------------------------------------------------------------
-// Checkpoints: DIR/checkpoints/step_NNNNNNNNN/{model.safetensors, ema.safetensors,
-// ema_<rate>.safetensors..., state.bin}; checkpoint.h defines state.bin and reads both formats.
-
-// A parameter array in the GPU layout ([storage] fp32 on the GPU) as host tensors in PyTorch
-// layouts, one malloc'd array per parameter (freed by free_tensors).
-static float **download_tensors(const UNet *m, const float *array) {
-    float **values = (float **)malloc_or_die(m->params.count * sizeof(float *));
-    float *staged = (float *)malloc_or_die(m->storage * sizeof(float));
-    cuda_check(cudaMemcpy(staged, array, m->storage * sizeof(float), cudaMemcpyDeviceToHost));
-    for (int i = 0; i < m->params.count; i++) {
-        const ParamSpec *p = &m->params.specs[i];
-        values[i] = (float *)malloc_or_die(p->numel * sizeof(float));
-        param_layout(p, staged + p->offset, values[i], 0);
-    }
-    free(staged);
-    return values;
-}
-
-static void free_tensors(const UNet *m, float **values) {
-    for (int i = 0; i < m->params.count; i++) free(values[i]);
-    free(values);
-}
-
-// ema.safetensors holds the first EMA rate, ema_<rate>.safetensors each other.
-static void ema_file_name(char *out, size_t len, const char *dir, const float *rates, int i) {
-    if (i == 0) snprintf(out, len, "%s/ema.safetensors", dir);
-    else snprintf(out, len, "%s/ema_%g.safetensors", dir, rates[i]);
-}
-
-// A save stops here between its steps when a test asks it to (dev/test/test_checkpoint.cu kills the
-// writer at each of these points); NULL in every program.
-static void (*checkpoint_stage_hook)(const char *stage);
-static void checkpoint_stage(const char *stage) {
-    if (checkpoint_stage_hook) checkpoint_stage_hook(stage);
-}
-
-// Run folders are changed only through handles that no symlink can redirect: the run folder and
-// its checkpoints/ are opened with O_NOFOLLOW | O_DIRECTORY, and what is in them is renamed or
-// deleted relative to those handles (renameat, unlinkat), never by a path. A symlink found there is
-// removed as a link or left alone, never followed into another run's files.
-
-// Opens folder `name` of `parent` (a handle, or AT_FDCWD) without following a symlink at its last
-// component. Returns the handle, or -1 with errno set (ELOOP or ENOTDIR when `name` is a link).
-static int open_folder(int parent, const char *name) {
-    return openat(parent, name, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
-}
-
-// A listing of an open folder, through a handle of its own (closedir leaves `folder` open).
-static DIR *list_folder(int folder) {
-    int fd = openat(folder, ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-    DIR *d = fd >= 0 ? fdopendir(fd) : NULL;
-    if (!d && fd >= 0) close(fd);
-    return d;
-}
-
-// RUN/checkpoints, opened as open_folder does both parts: the handle, or -1 with errno set.
-static int open_checkpoints(const char *run_dir) {
-    int run = open_folder(AT_FDCWD, run_dir);
-    if (run < 0) return -1;
-    int fd = open_folder(run, "checkpoints"), e = errno;
-    close(run);
-    errno = e;
-    return fd;
-}
-
-// Deletes folder `name` of `parent` and the files in it. A symlink, in it or as `name` itself, is
-// removed as a link.
-static void delete_folder(int parent, const char *name) {
-    int fd = open_folder(parent, name);
-    if (fd < 0) {
-        if (errno == ELOOP || errno == ENOTDIR) unlinkat(parent, name, 0);
-        return;
-    }
-    DIR *d = fdopendir(fd);
-    if (!d) {
-        close(fd);
-        return;
-    }
-    struct dirent *e;
-    while ((e = readdir(d))) {
-        if (strcmp(e->d_name, ".") == 0 || strcmp(e->d_name, "..") == 0) continue;
-        unlinkat(fd, e->d_name, 0);
-        checkpoint_stage("deleting");
-    }
-    closedir(d);
-    unlinkat(parent, name, AT_REMOVEDIR);
-}
-
-// Removes complete checkpoint `name` of the checkpoints folder: first renamed to NAME.del.PID
-// (synced), so that a crash while its files are deleted never leaves a half checkpoint under a
-// valid name.
-static void remove_checkpoint(int checkpoints, const char *name) {
-    char doomed[300];
-    snprintf(doomed, sizeof doomed, "%.255s.del.%d", name, (int)getpid());
-    if (renameat(checkpoints, name, checkpoints, doomed) != 0) return;
-    fsync(checkpoints);
-    checkpoint_stage("renamed for deletion");
-    delete_folder(checkpoints, doomed);
-}
-
-// The step of a complete checkpoint's folder name, exactly as the trainer writes it
-// ("step_000000100", at least 9 digits, no other leading zeros), or -1 for anything else: a save
-// in progress is step_N.tmp.PID, a removal step_N.del.PID, an abandoned branch step_N.abandoned.
-static int64_t checkpoint_step(const char *name) {
-    int64_t step = strncmp(name, "step_", 5) == 0 ? whole_number(name + 5) : -1;
-    char canonical[32];
-    snprintf(canonical, sizeof canonical, "step_%09lld", (long long)step);
-    return step >= 0 && strcmp(name, canonical) == 0 ? step : -1;
-}
-
-// The steps of the complete checkpoints in an open checkpoints folder (folders under a valid name;
-// a symlink is none), in increasing order, into *out (malloc'd); returns their count.
-static int list_checkpoints(int checkpoints, int64_t **out) {
-    int64_t *steps = NULL;
-    int count = 0, capacity = 0;
-    DIR *d = list_folder(checkpoints);
-    struct dirent *e;
-    struct stat st;
-    while (d && (e = readdir(d))) {
-        int64_t step = checkpoint_step(e->d_name);
-        if (step < 0 || fstatat(checkpoints, e->d_name, &st, AT_SYMLINK_NOFOLLOW) != 0 || !S_ISDIR(st.st_mode)) continue;
-        if (count == capacity && !(steps = (int64_t *)realloc(steps, (capacity = 2 * capacity + 64) * sizeof *steps)))
-            fatal("out of host memory");
-        steps[count++] = step;
-    }
-    if (d) closedir(d);
-    if (count) qsort(steps, count, sizeof *steps, compare_int64);
-    *out = steps;
-    return count;
-}
-
-// The latest complete checkpoint under run_dir/checkpoints into out; 0 if found.
-static int latest_checkpoint(const char *run_dir, char *out, size_t len) {
-    int checkpoints = open_checkpoints(run_dir);
-    if (checkpoints < 0) return -1;
-    int64_t *steps;
-    int count = list_checkpoints(checkpoints, &steps);
-    if (count) snprintf(out, len, "%.3500s/checkpoints/step_%09lld", run_dir, (long long)steps[count - 1]);
-    free(steps);
-    close(checkpoints);
-    return count ? 0 : -1;
-}
-
-// Keeps the newest `keep` complete checkpoints (0: all) and deletes what crashed saves and
-// removals left behind (step_N.tmp.PID, step_N.del.PID).
-static void prune_checkpoints(const char *run_dir, int keep) {
-    int checkpoints = open_checkpoints(run_dir);
-    if (checkpoints < 0) return;
-    DIR *d = list_folder(checkpoints);
-    struct dirent *e;
-    while (d && (e = readdir(d)))
-        if (strncmp(e->d_name, "step_", 5) == 0 && (strstr(e->d_name, ".tmp.") || strstr(e->d_name, ".del.")))
-            delete_folder(checkpoints, e->d_name);
-    if (d) closedir(d);
-    int64_t *steps;
-    int count = list_checkpoints(checkpoints, &steps);
-    char name[64];
-    for (int i = 0; keep > 0 && i < count - keep; i++) {
-        snprintf(name, sizeof name, "step_%09lld", (long long)steps[i]);
-        remove_checkpoint(checkpoints, name);
-    }
-    free(steps);
-    close(checkpoints);
-}
-
-// Resuming step `step` of a run abandons the checkpoints it saved after that step: each is renamed
-// step_N.abandoned (.abandoned.2, .3, ... when the name is taken) and said on stdout, so that
-// `latest` and --keep see only the run being continued. Returns how many were set aside.
-static int set_aside_later_checkpoints(const char *run_dir, int64_t step) {
-    int checkpoints = open_checkpoints(run_dir);
-    if (checkpoints < 0) return 0;
-    int64_t *steps;
-    int count = list_checkpoints(checkpoints, &steps), moved = 0;
-    for (int i = 0; i < count; i++) {
-        if (steps[i] <= step) continue;
-        char name[64], aside[96];
-        snprintf(name, sizeof name, "step_%09lld", (long long)steps[i]);
-        for (int k = 1; k < 1000; k++) {
-            snprintf(aside, sizeof aside, k == 1 ? "%s.abandoned" : "%s.abandoned.%d", name, k);
-            if (renameat2(checkpoints, name, checkpoints, aside, RENAME_NOREPLACE) == 0) break;
-            if (errno != EEXIST) fatal("cannot rename %s/checkpoints/%s: %s", run_dir, name, strerror(errno));
-        }
-        printf("resume: set aside %s/checkpoints/%s as %s (a later step of the branch the resume abandons)\n", run_dir, name, aside);
-        moved++;
-    }
-    if (moved) fsync(checkpoints);
-    free(steps);
-    close(checkpoints);
-    return moved;
-}
-
-// Everything a checkpoint holds, on the host: the weights and each EMA in PyTorch layouts, the
-// metadata, the training state.
-typedef struct {
-    int64_t step;
-    const ParamList *params;
-    float **model;
-    int num_ema;
-    const float *ema_rates;
-    float **ema[8];
-    const Metadata *meta;
-    const StateHeader *header;
-    const float *moments;  // AdamW m then v, [2][storage]
-    size_t moments_bytes;
-    const LossHistory *history;  // the schedule sampler's, when header->history_steps (else NULL)
-} CheckpointData;
-
-// Puts complete folder `tmp` of the checkpoints folder in place as `name`, replacing a checkpoint
-// of the same step atomically (renameat2's RENAME_EXCHANGE swaps the two; the old one, now under
-// the temporary name, is then deleted). On a file system without the exchange, the old one is
-// renamed away first: a crash between the two renames leaves the step missing, and the previous
-// checkpoint the latest.
-static int put_in_place(int checkpoints, const char *tmp, const char *name) {
-    if (renameat(checkpoints, tmp, checkpoints, name) == 0) return 0;
-    if (errno != ENOTEMPTY && errno != EEXIST && errno != ENOTDIR) return -1;
-    if (renameat2(checkpoints, tmp, checkpoints, name, RENAME_EXCHANGE) == 0) {
-        checkpoint_stage("exchanged");
-        delete_folder(checkpoints, tmp);
-        return 0;
-    }
-    char old[300];
-    snprintf(old, sizeof old, "%.255s.del.%d", name, (int)getpid());
-    if (renameat(checkpoints, name, checkpoints, old) != 0 || renameat(checkpoints, tmp, checkpoints, name) != 0) return -1;
-    delete_folder(checkpoints, old);
-    return 0;
-}
-
-// Writes run_dir/checkpoints/step_NNNNNNNNN under a temporary name, syncs every file and the folder,
-// puts it in place (replacing one of the same step) and syncs its parent; then keeps the newest
-// `keep`. Returns 0, or -1 with a message (and nothing left behind but the previous checkpoints).
-static int write_checkpoint(const char *run_dir, const CheckpointData *d, int keep, char *saved, size_t saved_len, char *err,
-                            size_t err_len) {
-    char folder[4096], name[64], tmp_name[96], tmp[4300], path[4400];
-    snprintf(folder, sizeof folder, "%s/checkpoints", run_dir);
-    if (make_dir_synced(folder) != 0) return error_line(err, err_len, "cannot create %s: %s", folder, strerror(errno));
-    int checkpoints = open_checkpoints(run_dir);
-    if (checkpoints < 0)
-        return error_line(err, err_len, "cannot open %s: %s", folder,
-                            errno == ELOOP || errno == ENOTDIR ? "it (or the run folder) is a symbolic link, which could lead into another run"
-                                                               : strerror(errno));
-    snprintf(name, sizeof name, "step_%09lld", (long long)d->step);
-    snprintf(tmp_name, sizeof tmp_name, "%s.tmp.%d", name, (int)getpid());
-    snprintf(tmp, sizeof tmp, "%s/%s", folder, tmp_name);
-    delete_folder(checkpoints, tmp_name);  // a save of this step by this process that failed before
-    if (mkdirat(checkpoints, tmp_name, 0777) != 0) {
-        int e = errno;
-        close(checkpoints);
-        return error_line(err, err_len, "cannot create %s: %s", tmp, strerror(e));
-    }
-    checkpoint_stage("folder created");
-    snprintf(path, sizeof path, "%s/model.safetensors", tmp);
-    int failed = write_parameters(path, d->params, d->model, d->meta->entries, d->meta->count);
-    for (int i = 0; i < d->num_ema && !failed; i++) {
-        checkpoint_stage("file written");
-        Metadata em = *d->meta;  // the same entries, and this file's own rate (freed below)
-        meta_add(&em, "ema_rate", "%g", d->ema_rates[i]);
-        ema_file_name(path, sizeof path, tmp, d->ema_rates, i);
-        failed = write_parameters(path, d->params, d->ema[i], em.entries, em.count);
-        free((char *)em.entries[em.count - 1].value);
-    }
-    if (!failed) {
-        checkpoint_stage("file written");
-        snprintf(path, sizeof path, "%s/state.bin", tmp);
-        FILE *f = fopen(path, "wb");
-        failed = !f || write_all(f, d->header, sizeof *d->header) || write_all(f, d->moments, d->moments_bytes);
-        if (!failed && d->header->history_steps)
-            failed = write_all(f, d->history->counts, d->header->history_steps * sizeof(int32_t)) ||
-                     write_all(f, d->history->losses, (size_t)d->header->history_steps * d->header->history_length * sizeof(float));
-        failed = failed || fflush(f) != 0 || fsync(fileno(f)) != 0;
-        if (f && fclose(f) != 0) failed = 1;
-    }
-    if (!failed) checkpoint_stage("files written");
-    if (failed || fsync_path(tmp) != 0 || (checkpoint_stage("folder synced"), put_in_place(checkpoints, tmp_name, name)) != 0) {
-        int e = errno;
-        delete_folder(checkpoints, tmp_name);
-        close(checkpoints);
-        return error_line(err, err_len, "cannot write checkpoint %s/%s: %s", folder, name, strerror(e));
-    }
-    checkpoint_stage("in place");
-    fsync(checkpoints);
-    close(checkpoints);
-    checkpoint_stage("synced");
-    snprintf(saved, saved_len, "%s/%s", folder, name);
-    prune_checkpoints(run_dir, keep);
-    return 0;
-}
-
-// A checkpoint of the trainer's current step.
-static int save_checkpoint(Trainer *tr, const char *run_dir, const LoaderPosition *position, char *saved, size_t saved_len,
-                           char *err, size_t err_len) {
-    const Options *o = tr->o;
-    UNet *m = &tr->m;
-    trainer_settle(tr);
-    Metadata meta = checkpoint_metadata(o, &tr->config, tr->step);
-    StateHeader h;
-    memset(&h, 0, sizeof h);
-    memcpy(h.magic, STATE_MAGIC, 8);
-    h.version = STATE_VERSION, h.num_params = (uint32_t)m->params.count;
-    h.step = tr->step, h.storage = m->storage, h.seed = o->seed;
-    h.loader_epoch = position->epoch, h.loader_next = position->next;
-    h.batch_size = o->batch_size * o->gpus, h.diffusion_steps = o->diffusion_steps;
-    snprintf(h.noise_schedule, sizeof h.noise_schedule, "%s", o->noise_schedule);
-    snprintf(h.predict, sizeof h.predict, "%s", o->predict);
-    if (tr->weighted_draws) h.history_steps = tr->history.steps, h.history_length = LOSS_HISTORY;
-    CheckpointData d = {tr->step, &m->params, download_tensors(m, m->master), tr->num_ema, tr->ema_rates, {0}, &meta, &h, NULL,
-                        2 * (size_t)m->storage * sizeof(float), tr->weighted_draws ? &tr->history : NULL};
-    for (int i = 0; i < tr->num_ema; i++) d.ema[i] = download_tensors(m, tr->ema[i]);
-    float *moments = (float *)malloc_or_die(d.moments_bytes);
-    cuda_check(cudaMemcpy(moments, m->adam_m, m->storage * sizeof(float), cudaMemcpyDeviceToHost));
-    cuda_check(cudaMemcpy(moments + m->storage, m->adam_v, m->storage * sizeof(float), cudaMemcpyDeviceToHost));
-    d.moments = moments;
-    int r = write_checkpoint(run_dir, &d, o->keep, saved, saved_len, err, err_len);
-    free(moments);
-    free_tensors(m, d.model);
-    for (int i = 0; i < tr->num_ema; i++) free_tensors(m, d.ema[i]);
-    metadata_free(&meta);
-    return r;
-}
-
-// Checks that a safetensors file holds these parameters, each of its shape: strictly (a checkpoint
-// to resume: F32 and nothing else) or not (weights to evaluate: any float dtype, other tensors
-// ignored). Returns 0, or -1 with what does not match (the first few problems, and their count).
-static int dtype_is_float(const char *dtype) {
-    return strcmp(dtype, "F32") == 0 || strcmp(dtype, "F64") == 0 || strcmp(dtype, "BF16") == 0 || strcmp(dtype, "F16") == 0;
-}
-
-static int match_parameters(const ParamList *params, const SafeTensorsFile *f, const char *path, int strict, char *err,
-                            size_t err_len) {
-    char problems[1024] = "";
-    int count = 0;
-    for (int i = 0; i < params->count; i++) {
-        const ParamSpec *p = &params->specs[i];
-        const SafeTensor *t = safetensors_find(f, p->name);
-        int same = t && t->ndim == p->ndim && (strict ? strcmp(t->dtype, "F32") == 0 : dtype_is_float(t->dtype));
-        for (int d = 0; same && d < p->ndim; d++) same = t->shape[d] == p->shape[d];
-        if (same || count++ >= 3) continue;
-        size_t at = strlen(problems);
-        char want[64] = "", have[64] = "";
-        for (int d = 0; d < p->ndim; d++) snprintf(want + strlen(want), sizeof want - strlen(want), d ? ",%d" : "%d", p->shape[d]);
-        for (int d = 0; t && d < t->ndim; d++)
-            snprintf(have + strlen(have), sizeof have - strlen(have), d ? ",%lld" : "%lld", (long long)t->shape[d]);
-        if (!t) snprintf(problems + at, sizeof problems - at, "%s%s is missing", at ? "; " : "", p->name);
-        else snprintf(problems + at, sizeof problems - at, "%s%s is %s [%s], expected F32 [%s]", at ? "; " : "", p->name, t->dtype,
-                      have, want);
-    }
-    if (!count && strict && f->count != params->count)
-        count = 1, snprintf(problems, sizeof problems, "it holds %d tensors, the model has %d", f->count, params->count);
-    if (count) return error_line(err, err_len, "%s does not match the model (%d problems): %s", path, count, problems);
-    return 0;
-}
-
-// Reads this model's parameters from an open safetensors file (matched as match_parameters does,
-// every value finite) into staged ([storage] floats in the GPU layout), or only checks them when
-// staged is NULL. path names the file in messages. Returns 0, or -1 with a message.
-static int read_tensors(const ParamList *params, const SafeTensorsFile *f, const char *path, int strict, float *staged, char *err,
-                        size_t err_len) {
-    int r = match_parameters(params, f, path, strict, err, err_len);
-    for (int i = 0; r == 0 && i < params->count; i++) {
-        const ParamSpec *p = &params->specs[i];
-        float *torch = (float *)malloc_or_die(p->numel * sizeof(float));
-        if (safetensors_get_float(safetensors_find(f, p->name), torch) != 0)
-            r = error_line(err, err_len, "%s: tensor %s holds NaN or infinite values", path, p->name);
-        else if (staged)
-            param_layout(p, torch, staged + p->offset, 1);
-        free(torch);
-    }
-    return r;
-}
-
-// read_tensors of the safetensors file at path.
-static int read_parameters(const ParamList *params, const char *path, int strict, float *staged, char *err, size_t err_len) {
-    SafeTensorsFile f;
-    if (safetensors_open(path, &f, err, err_len) != 0) return -1;
-    int r = read_tensors(params, &f, path, strict, staged, err, err_len);
-    safetensors_close(&f);
-    return r;
-}
-
-// Reads this model's parameters from an open safetensors file into a GPU array (GPU layout).
-static int upload_tensors(const UNet *m, const SafeTensorsFile *f, const char *path, float *array, int strict, char *err,
-                          size_t err_len) {
-    float *staged = (float *)calloc(m->storage, sizeof(float));
-    if (!staged) fatal("out of host memory");
-    int r = read_tensors(&m->params, f, path, strict, staged, err, err_len);
-    if (r == 0) cuda_check(cudaMemcpy(array, staged, m->storage * sizeof(float), cudaMemcpyHostToDevice));
-    free(staged);
-    return r;
-}
-
-// upload_tensors of the safetensors file at path.
-static int load_parameters(const UNet *m, const char *path, float *array, int strict, char *err, size_t err_len) {
-    SafeTensorsFile f;
-    if (safetensors_open(path, &f, err, err_len) != 0) return -1;
-    int r = upload_tensors(m, &f, path, array, strict, err, err_len);
-    safetensors_close(&f);
-    return r;
-}
-
-// A checkpoint to resume from, checked on the host before any GPU work (so that --dry_run checks
-// all of it): its folder, step and data position, and what changed since (said, not refused).
-typedef struct {
-    char dir[4096];
-    int64_t step;
-    LoaderPosition position;
-    char changes[1024];
-    int elsewhere;  // from outside the run folder (resume_from_elsewhere): a new run starts from it
-} ResumePoint;
-
-// Checks everything a resume reads: model.safetensors and each EMA file (header, names, shapes,
-// F32, finite values), the configuration they were trained with against this run's (see
-// compare_with_checkpoint), and state.bin (state_check, then against this model and step).
-static int check_resume(const Options *o, const ModelConfig *c, const ParamList *params, ResumePoint *rp, char *err, size_t err_len) {
-    char path[4400];
-    SafeTensorsFile f;
-    snprintf(path, sizeof path, "%s/model.safetensors", rp->dir);
-    if (safetensors_open(path, &f, err, err_len) != 0) return -1;
-    const char *format = safetensors_metadata(&f, "format"), *step = safetensors_metadata(&f, "step");
-    Metadata now = checkpoint_metadata(o, c, 0);
-    int r = 0;
-    if (!format || strcmp(format, "unet.cu checkpoint") != 0 || !step || (rp->step = whole_number(step)) < 0)
-        r = error_line(err, err_len, "%s is not a checkpoint of this trainer (its metadata lacks format or step): it can be "
-                         "evaluated or sampled, not resumed", path);
-    if (r == 0) r = check_format_version(&f, path, err, err_len);
-    if (r == 0) r = compare_with_checkpoint(&f, rp->dir, &now, o->gpus, rp->changes, sizeof rp->changes, err, err_len);
-    metadata_free(&now);
-    safetensors_close(&f);
-    if (r == 0) r = read_parameters(params, path, 1, NULL, err, err_len);
-    double rates[8];
-    int num_ema = parse_number_list(o->ema_rate, rates, 8);
-    float ema_rates[8];
-    for (int i = 0; i < num_ema; i++) ema_rates[i] = (float)rates[i];
-    for (int i = 0; r == 0 && i < num_ema; i++) {
-        ema_file_name(path, sizeof path, rp->dir, ema_rates, i);
-        r = read_parameters(params, path, 1, NULL, err, err_len);
-    }
-    if (r != 0) return -1;
-    snprintf(path, sizeof path, "%s/state.bin", rp->dir);
-    MappedFile state;
-    StateHeader h;
-    char why[512];
-    if (map_regular_file(path, "training state", &state, err, err_len) != 0) return -1;
-    ParamList layout = model_parameters(c);  // the GPU layout's length, as unet_create makes it
-    int64_t emb_bias_offset, storage = param_offsets(&layout, &emb_bias_offset);
-    free(layout.specs);
-    if (state_check(state.bytes, state.size, &h, why, sizeof why) != 0)
-        r = error_line(err, err_len, "%s: %s", path, why);
-    else if (h.storage != storage || (int)h.num_params != params->count)
-        r = error_line(err, err_len, "%s holds the state of a model of %lld values in %u tensors, not this one's %lld in %d", path,
-                         (long long)h.storage, h.num_params, (long long)storage, params->count);
-    else if (h.history_length && h.history_length != LOSS_HISTORY)
-        r = error_line(err, err_len, "%s holds a schedule sampler's history of %d losses a timestep; this trainer keeps %d", path,
-                       h.history_length, LOSS_HISTORY);
-    else if (h.step != rp->step)
-        r = error_line(err, err_len, "%s is of step %lld but the weights beside it are of step %lld", path, (long long)h.step,
-                         (long long)rp->step);
-    else if (h.batch_size != o->batch_size * o->gpus || h.diffusion_steps != o->diffusion_steps || h.seed != o->seed ||
-             strcmp(h.noise_schedule, o->noise_schedule) != 0 || strcmp(h.predict, o->predict) != 0)
-        r = error_line(err, err_len, "%s was trained with %d images a step (--batch_size times the GPUs) --diffusion_steps %d "
-                         "--noise_schedule %s --predict %s --seed %lld; resume with the same values", rp->dir, h.batch_size,
-                         h.diffusion_steps, h.noise_schedule, h.predict, (long long)h.seed);
-    rp->position.epoch = h.loader_epoch, rp->position.next = h.loader_next;
-    unmap_file(&state);
-    return r;
-}
-
-// Restores a checked resume point onto the GPU: weights, EMAs, AdamW's moments, the step.
-static int load_checkpoint(Trainer *tr, const ResumePoint *rp, char *err, size_t err_len) {
-    UNet *m = &tr->m;
-    char path[4400];
-    snprintf(path, sizeof path, "%s/model.safetensors", rp->dir);
-    if (load_parameters(m, path, m->master, 1, err, err_len) != 0) return -1;
-    for (int i = 0; i < tr->num_ema; i++) {
-        ema_file_name(path, sizeof path, rp->dir, tr->ema_rates, i);
-        if (load_parameters(m, path, tr->ema[i], 1, err, err_len) != 0) return -1;
-    }
-    snprintf(path, sizeof path, "%s/state.bin", rp->dir);
-    MappedFile state;
-    StateHeader h;
-    char why[512];
-    if (map_regular_file(path, "training state", &state, err, err_len) != 0) return -1;
-    if (state_check(state.bytes, state.size, &h, why, sizeof why) != 0 || h.storage != m->storage ||
-        (h.history_steps && (h.history_steps != tr->diffusion.schedule.steps || h.history_length != LOSS_HISTORY))) {
-        unmap_file(&state);
-        return error_line(err, err_len, "%s changed since it was checked", path);
-    }
-    const float *moments = (const float *)state_moments(state.bytes, &h);  // m, then v
-    cuda_check(cudaMemcpy(m->adam_m, moments, m->storage * sizeof(float), cudaMemcpyHostToDevice));
-    cuda_check(cudaMemcpy(m->adam_v, moments + m->storage, m->storage * sizeof(float), cudaMemcpyHostToDevice));
-    if (tr->weighted_draws && h.history_steps) {  // (a run that changes the sampler starts with an empty history, or drops it)
-        const uint8_t *history = state_history(state.bytes, &h);
-        memcpy(tr->history.counts, history, h.history_steps * sizeof(int32_t));
-        memcpy(tr->history.losses, history + h.history_steps * sizeof(int32_t), (size_t)h.history_steps * LOSS_HISTORY * sizeof(float));
-    }
-    unmap_file(&state);
-    unet_sync_compute(m);
-    tr->step = rp->step;
-    return 0;
-}
+#include "checkpoints.cuh"  // defines: checkpoint folders (metadata, saving, resuming), a .pt's architecture from its tensors
 
 // ----------------------------------------------------------------------------------------------
 // Run folders: one run each, held by one trainer at a time (a lock), checked before anything in
@@ -10708,1516 +8302,7 @@ static void run_bench(const Options *o, const ModelConfig *config, const ParamLi
 #endif  // TRAIN_UNET_LIBRARY: the command line and the training run
 
 // ----------------------------------------------------------------------------------------------
-// The C API (unet_api.h) for generate.c: a checkpoint's configuration, and its model forward.
-
-// A checkpoint's weights file, mapped once: every later read (the configuration, the GPU's copy of
-// the weights) sees the same bytes, whatever happens to the file meanwhile (a trainer's --keep
-// deleting it, a new save replacing it).
-struct UnetCheckpoint {
-    SafeTensorsFile f;
-    char file[4096];  // its path, for messages
-    ModelConfig config;
-    int diffusion_steps;
-    char noise_schedule[16], predict[8];
-};
-
-struct UnetSampler {
-    GpuSampler s;
-};
-
-#ifndef TRAIN_UNET_LIBRARY  // the programs' --version (build/version.o), which tests and dev/ checks do not link
-extern "C" void unet_print_version(void) {
-    char built_with[256];
-    snprintf(built_with, sizeof built_with, "%s, GPU code %s, CUDA %d.%d", PRECISION_NAME, build_gpu_code,
-             CUDART_VERSION / 1000, CUDART_VERSION % 1000 / 10);
-    cli_print_version(program_name, built_with);
-}
-#endif
-
-extern "C" void unet_die(const char *fmt, ...) {
-    va_list args;
-    va_start(args, fmt);
-    exit_with_error(1, "", fmt, args);
-}
-
-extern "C" void unet_usage_error(const char *fmt, ...) {
-    va_list args;
-    va_start(args, fmt);
-    exit_with_error(2, " (see --help)", fmt, args);
-}
-
-// Maps a checkpoint's weights file: path itself, or in a checkpoint folder its model or EMA file,
-// opened through a handle of the folder. A folder that loses the file or its name meanwhile (a
-// trainer pruning it) is said to have gone away. Returns 0, or -1 with a message.
-static int map_checkpoint_file(const char *path, const char *weights, UnetCheckpoint *ck, char *err, size_t err_len) {
-    int dir = open(path, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-    if (dir < 0 && errno != ENOTDIR) return error_line(err, err_len, "cannot open checkpoint %s: %s", path, strerror(errno));
-    if (dir < 0) {
-        snprintf(ck->file, sizeof ck->file, "%s", path);
-        return safetensors_open(path, &ck->f, err, err_len);
-    }
-    const char *name = strcmp(weights, "model") == 0 ? "model.safetensors" : "ema.safetensors";
-    snprintf(ck->file, sizeof ck->file, "%.4000s/%s", path, name);
-    int r = safetensors_open_at(dir, name, ck->file, &ck->f, err, err_len);
-    struct stat held, now;
-    if (r != 0 && errno == ENOENT && fstat(dir, &held) == 0 && (stat(path, &now) != 0 || now.st_ino != held.st_ino || now.st_dev != held.st_dev))
-        r = error_line(err, err_len, "checkpoint %s went away while it was opened (a trainer's --keep removed it?): choose "
-                         "another step", path);
-    close(dir);
-    return r;
-}
-
-// unet_checkpoint_open (classifier_size 0: either model), and with classifier_size > 0
-// unet_classifier_open: a noisy classifier of images of that size.
-static UnetCheckpoint *checkpoint_open(const char *path, const char *weights, const char *const *flags, int num_flags,
-                                       int classifier_size, UnetInfo *info, char *err, size_t err_len) {
-    UnetCheckpoint *ck = (UnetCheckpoint *)calloc(1, sizeof *ck);
-    if (!ck) fatal("out of host memory");
-    if (map_checkpoint_file(path, weights, ck, err, err_len) != 0) return free(ck), (UnetCheckpoint *)NULL;
-    const char *schedule = "", *predict = "";
-    memset(info, 0, sizeof *info);
-    int r, described = ck->f.meta_count == 0;  // no metadata (a .pt): the model from its tensors and the flags
-    const char *with_size[65];  // a classifier's: its image size is the diffusion model's
-    char size_flag[32];
-    snprintf(size_flag, sizeof size_flag, "image_size=%d", classifier_size);
-    if (described && classifier_size && num_flags < 64) {
-        with_size[0] = size_flag;
-        for (int i = 0; i < num_flags; i++) with_size[i + 1] = flags[i];
-        flags = with_size, num_flags++;
-    }
-    if (described)
-        r = model_from_tensors_and_flags(&ck->f, ck->file, flags, num_flags, &ck->config, &info->diffusion_steps, &schedule, &predict,
-                                         info->model, sizeof info->model, err, err_len);
-    else if (num_flags > 0)
-        r = error_line(err, err_len, "%s holds its model's configuration: --%.*s and the other model flags are for files without it (.pt)",
-                       ck->file, (int)(strchr(flags[0], '=') ? strchr(flags[0], '=') - flags[0] : 0), flags[0]);
-    else r = model_config_from_metadata(&ck->f, ck->file, &ck->config, err, err_len);
-    if (r == 0 && !ck->config.pool && classifier_size)
-        r = error_line(err, err_len, "%s is a diffusion model, not a noisy classifier (train one with train_unet --model classifier)",
-                       ck->file);
-    if (r == 0 && classifier_size && ck->config.image_size != classifier_size)
-        r = error_line(err, err_len, "%s classifies %dx%d images; the diffusion model makes %dx%d", ck->file, ck->config.image_size,
-                       ck->config.image_size, classifier_size, classifier_size);
-    if (r == 0 && !described) r = diffusion_from_metadata(&ck->f, ck->file, &info->diffusion_steps, &schedule, &predict, err, err_len);
-    if (r == 0) {
-        ParamList params = model_parameters(&ck->config);
-        r = read_tensors(&params, &ck->f, ck->file, 0, NULL, err, err_len);  // names, shapes, finite values
-        info->parameters = params.numel;
-        free(params.specs);
-    }
-    if (r != 0) {
-        unet_checkpoint_close(ck);
-        return NULL;
-    }
-    const ModelConfig *c = &ck->config;
-    info->image_size = c->image_size, info->in_channels = c->in_channels, info->out_channels = c->out_channels;
-    info->num_classes = c->pool ? c->out_channels : c->num_classes;
-    info->small_size = c->low_res;
-    snprintf(info->classifier_pool, sizeof info->classifier_pool, "%s", c->pool ? pool_names[c->pool] : "");
-    const char *null_class = safetensors_metadata(&ck->f, "null_class");
-    info->null_class = c->num_classes > 0 && null_class && strcmp(null_class, "True") == 0;
-    snprintf(info->noise_schedule, sizeof info->noise_schedule, "%s", schedule);
-    snprintf(info->predict, sizeof info->predict, "%s", predict);
-    snprintf(info->file, sizeof info->file, "%s", ck->file);
-    ck->diffusion_steps = info->diffusion_steps;
-    snprintf(ck->noise_schedule, sizeof ck->noise_schedule, "%s", schedule);
-    snprintf(ck->predict, sizeof ck->predict, "%s", predict);
-    return ck;
-}
-
-extern "C" UnetCheckpoint *unet_checkpoint_open(const char *path, const char *weights, const char *const *flags, int num_flags,
-                                                UnetInfo *info, char *err, size_t err_len) {
-    return checkpoint_open(path, weights, flags, num_flags, 0, info, err, err_len);
-}
-
-extern "C" UnetCheckpoint *unet_classifier_open(const char *path, const char *const *flags, int num_flags, int image_size, UnetInfo *info,
-                                                char *err, size_t err_len) {
-    return checkpoint_open(path, "model", flags, num_flags, image_size, info, err, err_len);
-}
-
-extern "C" void unet_checkpoint_close(UnetCheckpoint *ck) {
-    if (!ck) return;
-    safetensors_close(&ck->f);
-    free(ck);
-}
-
-// The GPU made ready for the API's models. Returns 0, or -1 with a message (no GPU).
-static int api_gpu_ready(char *err, size_t err_len) {
-    if (gpu_available(err, err_len) != 0) return -1;
-    if (!gpu.blas) gpu_init(0);
-    return 0;
-}
-
-// The model's output for x [batch][H][W][model_input_channels] (NHWC, float), timesteps t [batch] and labels
-// y [batch] (ignored when unconditional): out [batch][H][W][out_channels].
-static void forward_nhwc(UNet *m, const float *x, const int64_t *t, const int *y, float *out) {
-    int64_t n_in = act_numel(&m->input), n_out = act_numel(m->output);
-    floatX *staged = (floatX *)malloc_or_die((n_in > n_out ? n_in : n_out) * sizeof(floatX));
-    for (int64_t i = 0; i < n_in; i++) staged[i] = (floatX)x[i];
-    cuda_check(cudaMemcpy(m->input.x, staged, n_in * sizeof(floatX), cudaMemcpyHostToDevice));
-    cuda_check(cudaMemcpy(m->timesteps, t, m->batch * sizeof(int64_t), cudaMemcpyHostToDevice));
-    if (m->config.num_classes) cuda_check(cudaMemcpy(m->labels, y, m->batch * sizeof(int), cudaMemcpyHostToDevice));
-    unet_forward(m, 0);
-    cuda_check(cudaMemcpy(staged, m->output->x, n_out * sizeof(floatX), cudaMemcpyDeviceToHost));
-    for (int64_t i = 0; i < n_out; i++) out[i] = (float)staged[i];
-    free(staged);
-}
-
-extern "C" UnetSampler *unet_sampler_create(const UnetCheckpoint *ck, int batch, const SamplePlan *plan, const UnetGuidance *guidance,
-                                            uint64_t seed, char *err, size_t err_len) {
-    if (api_gpu_ready(err, err_len) != 0) return NULL;
-    UnetSampler *u = (UnetSampler *)malloc_or_die(sizeof(UnetSampler));
-    const UnetCheckpoint *classifier = guidance->classifier;
-    gpu_sampler_create(&u->s, &ck->config, batch, plan, guidance->scale, classifier ? &classifier->config : NULL,
-                       guidance->classifier_scale, seed);
-    if (upload_tensors(&u->s.m, &ck->f, ck->file, u->s.m.master, 0, err, err_len) != 0 ||
-        (classifier && upload_tensors(&u->s.classifier, &classifier->f, classifier->file, u->s.classifier.master, 0, err, err_len) != 0)) {
-        unet_sampler_free(u);
-        return NULL;
-    }
-    unet_sync_compute(&u->s.m);
-    if (classifier) unet_sync_compute(&u->s.classifier);
-    return u;
-}
-
-extern "C" float unet_sample(UnetSampler *u, int64_t first, int count, const int *labels, const uint8_t *low_res, uint8_t *pixels,
-                             UnetProgress progress, void *ctx) {
-    return gpu_sampler_run(&u->s, first, count, labels, low_res, pixels, progress, ctx);
-}
-
-extern "C" int unet_sampler_max_batch(const UnetCheckpoint *ck, const SamplePlan *plan, const UnetGuidance *guidance, int limit,
-                                      char *err, size_t err_len) {
-    if (api_gpu_ready(err, err_len) != 0) return 0;
-    const ModelConfig *c = &ck->config, *classifier = guidance->classifier ? &guidance->classifier->config : NULL;
-    size_t free_bytes, total_bytes;
-    cuda_check(cudaMemGetInfo(&free_bytes, &total_bytes));
-    int guided = guidance->scale != 1.0f, pixels = c->image_size * c->image_size * (guided ? 2 : 1);
-    int64_t budget = (int64_t)(free_bytes * 0.9);
-    if (limit > INT32_MAX / pixels) limit = INT32_MAX / pixels;  // unet_plan counts pixels in 32 bits
-    if (gpu_sampler_bytes(c, 1, plan->count, guided, classifier) > budget) {
-        error_line(err, err_len, "%s: even one image needs %.2f GiB of GPU memory; %.2f GiB are free", ck->file,
-                     gpu_sampler_bytes(c, 1, plan->count, guided, classifier) / 1073741824.0, free_bytes / 1073741824.0);
-        return 0;
-    }
-    int lo = 1, hi = limit;  // lo fits; find the largest that does
-    while (lo < hi) {
-        int mid = lo + (hi - lo + 1) / 2;
-        if (gpu_sampler_bytes(c, mid, plan->count, guided, classifier) <= budget) lo = mid;
-        else hi = mid - 1;
-    }
-    return lo;
-}
-
-extern "C" void unet_sampler_free(UnetSampler *u) {
-    if (!u) return;
-    gpu_sampler_destroy(&u->s);
-    free(u);
-}
-
-extern "C" int unet_nll(const UnetCheckpoint *ck, const uint8_t *pixels, const int *labels, int count, int batch, const char *respacing,
-                        uint64_t seed, double *bpd, double *prior, char *err, size_t err_len) {
-    const ModelConfig *c = &ck->config;
-    if (c->num_classes && !labels) return error_line(err, err_len, "%s is class-conditional: the images need labels", ck->file);
-    NoiseSchedule d;
-    SampleSchedule kept = {0, NULL, NULL};
-    if (noise_schedule_make(&d, ck->diffusion_steps, ck->noise_schedule) != 0) fatal("unknown noise schedule '%s'", ck->noise_schedule);
-    int made = respacing && respacing[0] ? sample_schedule_respaced(&d, respacing, &kept) : sample_schedule_make(&d, d.steps, &kept);
-    noise_schedule_free(&d);
-    if (made != 0) {
-        sample_schedule_free(&kept);
-        return error_line(err, err_len, "--respacing '%s' keeps no steps of the %d diffusion steps", respacing, ck->diffusion_steps);
-    }
-    if (api_gpu_ready(err, err_len) != 0) return sample_schedule_free(&kept), -1;
-    Likelihood l;
-    likelihood_create(&l, c, batch, &kept, prediction_from_name(ck->predict));
-    sample_schedule_free(&kept);
-    if (upload_tensors(&l.m, &ck->f, ck->file, l.m.master, 0, err, err_len) != 0) return likelihood_destroy(&l), -1;
-    unet_sync_compute(&l.m);
-    int64_t per_image = act_numel(&l.m.input) / batch;
-    uint8_t *d_pixels = (uint8_t *)gpu_malloc(batch * per_image);
-    int *batch_labels = (int *)malloc_or_die(batch * sizeof(int));
-    double *bits = (double *)malloc_or_die(batch * sizeof(double));
-    for (int first = 0; first < count; first += batch) {
-        int n = count - first < batch ? count - first : batch;  // the batch's other slots repeat its first image
-        for (int b = 0; b < batch; b++) {
-            int i = first + (b < n ? b : 0);
-            cuda_check(cudaMemcpy(d_pixels + b * per_image, pixels + i * per_image, per_image, cudaMemcpyHostToDevice));
-            batch_labels[b] = labels ? labels[i] : 0;
-        }
-        if (c->num_classes) cuda_check(cudaMemcpy(l.m.labels, batch_labels, batch * sizeof(int), cudaMemcpyHostToDevice));
-        likelihood_run(&l, d_pixels, first, seed, bits);
-        for (int b = 0; b < n; b++) {
-            prior[first + b] = likelihood_prior(pixels + (first + b) * per_image, per_image, l.abar_last);
-            bpd[first + b] = bits[b] + prior[first + b];
-        }
-    }
-    cudaFree(d_pixels);
-    free(batch_labels), free(bits);
-    likelihood_destroy(&l);
-    return 0;
-}
-
-extern "C" int unet_eval(const UnetCheckpoint *ck, const char *in_path, const char *out_path, char *err, size_t err_len) {
-    const ModelConfig *c = &ck->config;
-    SafeTensorsFile in;
-    if (safetensors_open(in_path, &in, err, err_len) != 0) return -1;
-    const SafeTensor *x = safetensors_find(&in, "x"), *t = safetensors_find(&in, "t"), *y = safetensors_find(&in, "y");
-    const SafeTensor *low = safetensors_find(&in, "low_res");
-    int S = c->image_size, s = c->low_res, N = x && x->ndim == 4 && x->shape[0] <= 65536 ? (int)x->shape[0] : 0, r = -1;
-    if (!x || x->ndim != 4 || N < 1 || x->shape[1] != c->in_channels || x->shape[2] != S || x->shape[3] != S)
-        error_line(err, err_len, "%s: x must be [N, %d, %d, %d] (NCHW) with N from 1 to 65536", in_path, c->in_channels, S, S);
-    else if (!t || t->numel != N)
-        error_line(err, err_len, "%s: t must hold N = %d timesteps", in_path, N);
-    else if (c->num_classes && (!y || y->numel != N))
-        error_line(err, err_len, "%s: the model is class-conditional: y must hold N = %d labels", in_path, N);
-    else if (s && (!low || low->ndim != 4 || low->shape[0] != N || low->shape[1] != c->in_channels || low->shape[2] != s || low->shape[3] != s))
-        error_line(err, err_len, "%s: the model is an upsampler: low_res must be [%d, %d, %d, %d] (NCHW)", in_path, N, c->in_channels, s, s);
-    else r = 0;
-    // Sizes only from here on, once the shapes are known to be sane.
-    int64_t *steps = (int64_t *)malloc_or_die(N * sizeof(int64_t)), *labels64 = (int64_t *)malloc_or_die(N * sizeof(int64_t));
-    if (r == 0 && (safetensors_get_int64(t, steps) != 0 || (c->num_classes && safetensors_get_int64(y, labels64) != 0)))
-        r = error_line(err, err_len, "%s: t and y must be integers (I64 or I32)", in_path);
-    for (int n = 0; r == 0 && n < N; n++) {
-        if (steps[n] < 0 || steps[n] >= ck->diffusion_steps)
-            r = error_line(err, err_len, "%s: t[%d] = %lld is outside 0..%d", in_path, n, (long long)steps[n], ck->diffusion_steps - 1);
-        else if (c->num_classes && (labels64[n] < 0 || labels64[n] >= c->num_classes))
-            r = error_line(err, err_len, "%s: y[%d] = %lld is outside 0..%d", in_path, n, (long long)labels64[n], c->num_classes - 1);
-    }
-    float *x_nchw = r == 0 ? (float *)malloc_or_die(x->numel * sizeof(float)) : NULL;
-    float *low_nchw = r == 0 && s ? (float *)malloc_or_die(low->numel * sizeof(float)) : NULL;
-    int got = r == 0 ? safetensors_get_float(x, x_nchw) : 0;
-    if (got) r = error_line(err, err_len, got == -2 ? "%s: x holds NaN or infinite values" : "%s: x must be floating point", in_path);
-    got = r == 0 && s ? safetensors_get_float(low, low_nchw) : 0;
-    if (got) r = error_line(err, err_len, got == -2 ? "%s: low_res holds NaN or infinite values" : "%s: low_res must be floating point", in_path);
-    UNet m;
-    if (r == 0 && api_gpu_ready(err, err_len) != 0) r = -1;
-    if (r == 0) {
-        unet_create(&m, c, N, 0);
-        r = upload_tensors(&m, &ck->f, ck->file, m.master, 0, err, err_len);
-        if (r != 0) unet_destroy(&m);
-        else unet_sync_compute(&m);
-    }
-    if (r == 0) {
-        // a classifier's out: [N, classes]; an upsampler's input: x, then the upsampled low_res (unet_forward's)
-        int C = c->in_channels, Ci = model_input_channels(c), Co = c->out_channels, HW = S * S, HWo = c->pool ? 1 : HW;
-        float *x_nhwc = (float *)calloc((size_t)N * Ci * HW, sizeof(float)), *out = (float *)malloc_or_die((size_t)N * Co * HWo * sizeof(float));
-        float *out_nchw = (float *)malloc_or_die((size_t)N * Co * HWo * sizeof(float));
-        int *labels = (int *)calloc(N, sizeof(int));
-        if (!x_nhwc || !labels) fatal("out of host memory");
-        for (int n = 0; n < N; n++) labels[n] = (int)labels64[n];
-        for (size_t i = 0; i < (size_t)N * C * HW; i++)  // i walks NCHW
-            x_nhwc[(i / (C * HW) * HW + i % HW) * Ci + i / HW % C] = x_nchw[i];
-        if (s) {
-            size_t n_low = (size_t)N * C * s * s;
-            floatX *low_nhwc = (floatX *)malloc_or_die(n_low * sizeof(floatX));
-            for (size_t i = 0; i < n_low; i++) low_nhwc[(i / (C * s * s) * s * s + i % (s * s)) * C + i / (s * s) % C] = (floatX)low_nchw[i];
-            cuda_check(cudaMemcpy(m.low_res.x, low_nhwc, n_low * sizeof(floatX), cudaMemcpyHostToDevice));
-            free(low_nhwc);
-        }
-        forward_nhwc(&m, x_nhwc, steps, labels, out);
-        for (size_t i = 0; i < (size_t)N * Co * HWo; i++)
-            out_nchw[i] = out[(i / (Co * HWo) * HWo + i % HWo) * Co + i / HWo % Co];
-        int shape[4] = {N, Co, S, S};
-        SafeTensorOut tensor = {"out", c->pool ? 2 : 4, shape, (int64_t)N * Co * HWo, out_nchw};
-        Metadata meta;
-        memset(&meta, 0, sizeof meta);
-        meta_add(&meta, "checkpoint", "%s", ck->file);
-        char tmp[4200];  // written whole under a temporary name, then renamed: never a partial file
-        snprintf(tmp, sizeof tmp, "%.4000s.tmp.%d", out_path, (int)getpid());
-        if (safetensors_write(tmp, &tensor, 1, meta.entries, meta.count) != 0 || rename(tmp, out_path) != 0) {
-            r = error_line(err, err_len, "cannot write %s: %s", out_path, strerror(errno));
-            unlink(tmp);
-        }
-        metadata_free(&meta);
-        free(x_nhwc), free(out), free(out_nchw), free(labels);
-        unet_destroy(&m);
-    }
-    free(steps), free(labels64), free(x_nchw), free(low_nchw);
-    safetensors_close(&in);
-    return r;
-}
-
-// ----------------------------------------------------------------------------------------------
-// Sample quality: Inception-v3's features (evaluate, and FID during training), and the statistics,
-// Fréchet distance and k-NN precision/recall of metrics.h on the GPU.
-//
-// The network is the one the FID community computes features with: pytorch-fid's port of the
-// TensorFlow graph of 2015-12-05 (torchvision's Inception3 with its FIDInceptionA, C, E_1 and E_2
-// blocks: average pools that leave the padding out of the count, and a max pool in the last
-// block), forward only, its weights pytorch-fid's pt_inception-2015-12-05-6726825d.pth. Images are
-// resized to 299x299 (bilinear, as F.interpolate with align_corners=False) from [0, 1] and scaled to
-// [-1, 1]. What comes out, per image:
-//   pool:    the 2048 features of the final average pool (FID, precision and recall);
-//   spatial: the first 7 channels of Mixed_6d's 1x1 branch (TF's mixed_6/conv) at 17x17, 2023
-//            values (sFID, as guided-diffusion's evaluator takes them);
-//   logits:  pool times the classifier's weights, without its bias (guided-diffusion's evaluator
-//            multiplies by the graph's softmax/logits/MatMul weights only), for the Inception Score.
-// Every layer is a BasicConv2d: a convolution without bias, BatchNorm (eps 0.001, its running
-// statistics) and ReLU. The BatchNorm is folded into the convolution as the weights are read:
-//   w' = w g / sqrt(var + eps),  b' = beta - mean g / sqrt(var + eps),
-// so a layer is one matrix product, D[pixels][C_out] = relu(P[pixels][K] W'^T + b') with P[pixel]
-// the patch (ky, kx, c) of the input (K = kh kw C_in, zero outside the image): by cuBLASLt with the
-// bias and ReLU in its epilogue, on the input itself for a 1x1 convolution of stride 1, else on the
-// patches gathered first; or, where that costs more, by a kernel of its own (inception_conv_kind).
-// A block's branches write their channel slices of its output: the concatenation costs nothing.
-//
-// One walk over the architecture (inception_walk) both reads the weights (loading: every tensor's
-// name and shape checked, no GPU) and runs the network, so the two cannot disagree.
-
-#define INCEPTION_SIZE 299            // the side images are resized to
-#define INCEPTION_FEATURES 2048       // pool
-#define INCEPTION_CLASSES 1008        // logits
-#define INCEPTION_SPATIAL_SIDE 17
-#define INCEPTION_SPATIAL_CHANNELS 7
-#define INCEPTION_SPATIAL (INCEPTION_SPATIAL_SIDE * INCEPTION_SPATIAL_SIDE * INCEPTION_SPATIAL_CHANNELS)
-#define INCEPTION_BN_EPS 0.001
-#define INCEPTION_MAX_CONVS 128
-
-// The activations' type: fp16 in the BF16 build (bf16's 8-bit fraction moved FID by 0.3% against
-// fp32 features; fp16's 11 bits keep it within 0.1%), fp32 in the FP32 build; products accumulate in fp32.
-#if defined(PRECISION_FP32)
-typedef float inceptionX;
-#else
-typedef __half inceptionX;
-#endif
-#define INCEPTION_PACK (16 / (int)sizeof(inceptionX))
-typedef struct {
-    inceptionX v[INCEPTION_PACK];
-} __align__(16) InceptionPack;
-typedef struct {
-    inceptionX v[1];
-} InceptionScalar;
-#define INCEPTION_MAX_TENSORS 512
-
-typedef struct {
-    char name[48];                 // its state_dict prefix, as "Mixed_5b.branch1x1"
-    int cin, cout, kh, kw, stride, pad_h, pad_w;
-    int k;                         // a patch's length: kh kw cin, rounded up to 8 (16-byte rows)
-    inceptionX *host_weight, *weight;  // [cout][k]: [cout][kh][kw][cin], the BatchNorm folded in, zero-padded
-    inceptionX *host_bias, *bias;      // [cout]
-    double patches_ms, product_ms; // UNET_PROFILE=1: the GPU time of its patches and its product
-} InceptionConv;
-
-// A feature map on the GPU: NHWC, the batch's images of h x w x c, a pixel's channels ld apart (a
-// slice of a wider map's when ld > c). Its x is NULL while the walk is loading.
-typedef struct {
-    inceptionX *x;
-    int h, w, c, ld;
-} InceptionMap;
-
-// A tensor the walk expects, listed when it walks without a file (the tests write weights so).
-typedef struct {
-    char name[96];
-    int ndim;
-    int64_t shape[4];
-} InceptionTensor;
-
-// Host memory for copies to and from the GPU: pinned where the system gives it (such copies overlap
-// the GPU's work), else ordinary memory (*pinned 0).
-static void *host_staging_alloc(size_t bytes, int *pinned) {
-    void *p = NULL;
-    *pinned = cudaMallocHost(&p, bytes) == cudaSuccess;
-    if (!*pinned) (void)cudaGetLastError(), p = malloc_or_die(bytes);
-    return p;
-}
-
-static void host_staging_free(void *p, int pinned) {
-    if (pinned) cudaFreeHost(p);
-    else free(p);
-}
-
-struct UnetInception {
-    SafeTensorsFile f;
-    char file[4096];
-    int loading;                   // the walk reads the weights rather than running the network
-    int listing;                   // ... or, without a file, lists the tensors it expects
-    InceptionTensor *expected;
-    int num_expected;
-    char *err;                     // the loading walk's first error
-    size_t err_len;
-    int failed;
-    InceptionConv conv[INCEPTION_MAX_CONVS];
-    int num_convs, next;
-    float *host_fc, *fc;           // the classifier's weights [1008][2048]
-    int64_t map_numel, temp_numel, patch_numel;  // per image, the largest the walk needs
-    // On the GPU, for batches of up to `batch` images (n in this one):
-    int batch, n, side;
-    int64_t temp_used;             // per image, in the block now running
-    inceptionX *input, *maps[2], *temp, *patches;
-    uint8_t *pixels;
-    int64_t pixels_numel;          // the bytes of pixels, and of each staged_pixels slot
-    float *pool, *spatial, *logits;
-    // Host memory for two batches each way (unet_inception_features): pixels in, features out.
-    uint8_t *staged_pixels[2];     // pinned where the system gives it (staged_pixels_pinned), else ordinary
-    int staged_pixels_pinned[2];
-    float *staged_features[2];     // pinned: a batch's pool, spatial and logits (inception_staged)
-    cudaEvent_t staged_done[2];    // the batch staged in slot s has run and its features are out
-    int profile;                   // UNET_PROFILE=1: each layer timed (synchronously), the slowest printed at close
-    cudaEvent_t marks[2];
-    double pools_ms;
-};
-
-// UNET_PROFILE=1: a mark on the stream, and the GPU time since the last one added to *ms (the host waits for it).
-static void inception_mark(UnetInception *net, double *ms) {
-    if (!net->profile) return;
-    if (ms) {
-        float elapsed;
-        cuda_check(cudaEventRecord(net->marks[1], gpu.stream));
-        cuda_check(cudaEventSynchronize(net->marks[1]));
-        cuda_check(cudaEventElapsedTime(&elapsed, net->marks[0], net->marks[1]));
-        *ms += elapsed;
-    }
-    cuda_check(cudaEventRecord(net->marks[0], gpu.stream));
-}
-
-// A tensor of the weights file of the given shape, read as float into values (NULL: not read);
-// -1 with the walk's error when missing, misshapen or not finite. Listing, it is recorded instead.
-static int inception_tensor(UnetInception *net, const char *name, int ndim, const int64_t *shape, float *values) {
-    if (net->listing) {
-        if (net->num_expected == INCEPTION_MAX_TENSORS) fatal("Inception: more tensors than INCEPTION_MAX_TENSORS");
-        InceptionTensor *t = &net->expected[net->num_expected++];
-        snprintf(t->name, sizeof t->name, "%s", name);
-        t->ndim = ndim;
-        for (int d = 0; d < ndim; d++) t->shape[d] = shape[d];
-        return -1;
-    }
-    if (net->failed) return -1;
-    const SafeTensor *t = safetensors_find(&net->f, name);
-    char want[96] = "", have[96] = "";
-    for (int d = 0; d < ndim; d++) snprintf(want + strlen(want), sizeof want - strlen(want), d ? ", %lld" : "%lld", (long long)shape[d]);
-    int same = t && t->ndim == ndim;
-    for (int d = 0; t && d < t->ndim; d++) {
-        snprintf(have + strlen(have), sizeof have - strlen(have), d ? ", %lld" : "%lld", (long long)t->shape[d]);
-        same = same && t->shape[d] == shape[d];
-    }
-    int got = same ? safetensors_get_float(t, values) : 0;
-    if (!t)
-        net->failed = error_line(net->err, net->err_len, "%s has no tensor %s: it is not pytorch-fid's Inception weights "
-                                 "(pt_inception-2015-12-05-6726825d.pth)", net->file, name);
-    else if (!same)
-        net->failed = error_line(net->err, net->err_len, "%s: %s is [%s]; pytorch-fid's Inception has [%s]", net->file, name, have, want);
-    else if (got)
-        net->failed = error_line(net->err, net->err_len, got == -2 ? "%s: %s holds NaN or infinite values" : "%s: %s is not floating point",
-                                 net->file, name);
-    return net->failed;
-}
-
-// Images to the network's input: image i ([h][w][c] bytes; c = 1 grey, replicated; else its first
-// three channels) resized to 299x299 as F.interpolate(mode="bilinear", align_corners=False) does:
-// output pixel o reads the source at s = max((o + 0.5) h / 299 - 0.5, 0), between floor(s) and the
-// next pixel (the last one at the edge), then 2 v / 255 - 1.
-__global__ void inception_input_kernel(inceptionX *out, const uint8_t *pixels, int n, int h, int w, int c) {
-    int64_t total = (int64_t)n * INCEPTION_SIZE * INCEPTION_SIZE * 3;
-    float scale_y = (float)h / INCEPTION_SIZE, scale_x = (float)w / INCEPTION_SIZE;
-    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < total; i += (int64_t)gridDim.x * blockDim.x) {
-        int ch = (int)(i % 3), ox = (int)(i / 3 % INCEPTION_SIZE), oy = (int)(i / 3 / INCEPTION_SIZE % INCEPTION_SIZE);
-        int64_t image = i / 3 / INCEPTION_SIZE / INCEPTION_SIZE;
-        float sy = fmaxf((oy + 0.5f) * scale_y - 0.5f, 0.0f), sx = fmaxf((ox + 0.5f) * scale_x - 0.5f, 0.0f);
-        int y0 = (int)sy, x0 = (int)sx, y1 = y0 + (y0 < h - 1), x1 = x0 + (x0 < w - 1);
-        float ly = sy - y0, lx = sx - x0;
-        const uint8_t *p = pixels + image * h * w * c + (c == 1 ? 0 : ch);
-        float v00 = p[((int64_t)y0 * w + x0) * c] / 255.0f, v01 = p[((int64_t)y0 * w + x1) * c] / 255.0f;
-        float v10 = p[((int64_t)y1 * w + x0) * c] / 255.0f, v11 = p[((int64_t)y1 * w + x1) * c] / 255.0f;
-        float v = (1.0f - ly) * ((1.0f - lx) * v00 + lx * v01) + ly * ((1.0f - lx) * v10 + lx * v11);
-        out[i] = (inceptionX)(2.0f * v - 1.0f);
-    }
-}
-
-// The patches of a convolution: patches[p][k] for output pixel p = (image, oy, ox) and k = (ky, kx,
-// c) < kh kw C of x[image][oy stride - pad_h + ky][ox stride - pad_w + kx][c], 0 outside the image
-// and for k from kh kw C up to the padded length kp. V moves a pack of channels where C allows; a
-// thread a pack, its indices in 32 bits (the launch checks that they fit).
-template <typename V>
-__global__ void inception_patches_kernel(inceptionX *patches, int kp, const inceptionX *x, int ld, int pixels, int h, int w, int c, int oh,
-                                         int ow, int kh, int kw, int stride, int pad_h, int pad_w) {
-    const int width = sizeof(V) / sizeof(inceptionX);
-    int vectors = kp / width, total = pixels * vectors, taps = kh * kw * c;
-    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < total; i += gridDim.x * blockDim.x) {
-        int p = i / vectors, k = (i - p * vectors) * width;
-        V v;
-        for (int e = 0; e < width; e++) v.v[e] = (inceptionX)0.0f;
-        if (k < taps) {
-            int ch = k % c, tap = k / c, kx = tap % kw, ky = tap / kw;
-            int ox = p % ow, row = p / ow, oy = row % oh, image = row / oh;
-            int iy = oy * stride - pad_h + ky, ix = ox * stride - pad_w + kx;
-            if (iy >= 0 && iy < h && ix >= 0 && ix < w) v = *(const V *)(x + (((int64_t)image * h + iy) * w + ix) * ld + ch);
-        }
-        *(V *)(patches + (int64_t)i * width) = v;
-    }
-}
-
-// The convolutions without a patch matrix, in the BF16 build (fp16 activations):
-//
-// inception_conv_mma_kernel, for layers whose C_in is a multiple of 16: an implicit GEMM on the
-// tensor cores (WMMA 16x16x16, fp16 operands, fp32 accumulation). A block of 8 warps computes a tile
-// of 128 output pixels x 64 output channels of D[p][o] = relu(sum_k P[p][k] W[o][k] + b[o]), K
-// taken 32 at a time: the tile's patch rows are gathered from x into shared memory 8 channels (16
-// bytes) a load (P[p][k] = x[image][oy s - pad_h + ky][ox s - pad_w + kx][c], zero outside the image;
-// 8 consecutive k are 8 channels of one tap since C_in is a multiple of 8), the weights beside them;
-// each warp multiplies a 32 x 32 part. The accumulators go through shared memory to the bias, the
-// ReLU and 16-byte stores into the output's channel slice.
-#define CONV_MMA_PIXELS 128
-#define CONV_MMA_CHANNELS 64
-#define CONV_MMA_K 32
-#define CONV_MMA_LD (CONV_MMA_K + 8)                  // shared rows, padded against bank conflicts
-#define CONV_MMA_OUT_LD (CONV_MMA_CHANNELS + 4)
-
-#if !defined(PRECISION_FP32)
-__global__ void __launch_bounds__(256) inception_conv_mma_kernel(__half *out, int out_ld, const __half *x, int ld, const __half *weight,
-                                                                 const __half *bias, int pixels, int h, int w, int c, int oh, int ow,
-                                                                 int kw, int stride, int pad_h, int pad_w, int K, int cout) {
-    // The operand tiles, and after the products the fp32 results (the same bytes).
-    __shared__ __align__(32) unsigned char smem[CONV_MMA_PIXELS * CONV_MMA_OUT_LD * sizeof(float)];
-    __half *tile_a = (__half *)smem, *tile_b = tile_a + CONV_MMA_PIXELS * CONV_MMA_LD;
-    float *tile_d = (float *)smem;
-    int p0 = blockIdx.x * CONV_MMA_PIXELS, o0 = blockIdx.y * CONV_MMA_CHANNELS, t = threadIdx.x, warp = t / 32;
-    int vector = t % 4, rows[2], iy0[2], ix0[2];  // this thread loads vector `vector` of patch rows t / 4 and t / 4 + 64
-    int64_t base[2];
-    for (int r = 0; r < 2; r++) {
-        rows[r] = t / 4 + 64 * r;
-        int p = p0 + rows[r], ox = p % ow, oy = p / ow % oh, image = p / ow / oh;
-        iy0[r] = p < pixels ? oy * stride - pad_h : -1 << 20, ix0[r] = ox * stride - pad_w;
-        base[r] = (int64_t)image * h * w;
-    }
-    nvcuda::wmma::fragment<nvcuda::wmma::accumulator, 16, 16, 16, float> acc[2][2];
-    for (int i = 0; i < 2; i++)
-        for (int j = 0; j < 2; j++) nvcuda::wmma::fill_fragment(acc[i][j], 0.0f);
-    int warp_row = warp / 2 * 32, warp_col = warp % 2 * 32;
-    for (int k0 = 0; k0 < K; k0 += CONV_MMA_K) {
-        int k = k0 + vector * 8, ch = k % c, tap = k / c, ky = tap / kw, kx = tap % kw;
-        for (int r = 0; r < 2; r++) {
-            int iy = iy0[r] + ky, ix = ix0[r] + kx;
-            uint4 v = make_uint4(0, 0, 0, 0);
-            if (k < K && iy >= 0 && iy < h && ix >= 0 && ix < w) v = *(const uint4 *)(x + (base[r] + (int64_t)iy * w + ix) * ld + ch);
-            *(uint4 *)(tile_a + rows[r] * CONV_MMA_LD + vector * 8) = v;
-        }
-        int o = o0 + t / 4;  // the weights: row t / 4 of the tile, the same 8 k
-        uint4 v = make_uint4(0, 0, 0, 0);
-        if (o < cout && k < K) v = *(const uint4 *)(weight + (int64_t)o * K + k);
-        *(uint4 *)(tile_b + (t / 4) * CONV_MMA_LD + vector * 8) = v;
-        __syncthreads();
-        for (int kk = 0; kk < CONV_MMA_K; kk += 16) {
-            nvcuda::wmma::fragment<nvcuda::wmma::matrix_a, 16, 16, 16, __half, nvcuda::wmma::row_major> a[2];
-            nvcuda::wmma::fragment<nvcuda::wmma::matrix_b, 16, 16, 16, __half, nvcuda::wmma::col_major> b[2];
-            for (int i = 0; i < 2; i++) nvcuda::wmma::load_matrix_sync(a[i], tile_a + (warp_row + 16 * i) * CONV_MMA_LD + kk, CONV_MMA_LD);
-            for (int j = 0; j < 2; j++) nvcuda::wmma::load_matrix_sync(b[j], tile_b + (warp_col + 16 * j) * CONV_MMA_LD + kk, CONV_MMA_LD);
-            for (int i = 0; i < 2; i++)
-                for (int j = 0; j < 2; j++) nvcuda::wmma::mma_sync(acc[i][j], a[i], b[j], acc[i][j]);
-        }
-        __syncthreads();
-    }
-    for (int i = 0; i < 2; i++)
-        for (int j = 0; j < 2; j++)
-            nvcuda::wmma::store_matrix_sync(tile_d + (warp_row + 16 * i) * CONV_MMA_OUT_LD + warp_col + 16 * j, acc[i][j], CONV_MMA_OUT_LD,
-                                    nvcuda::wmma::mem_row_major);
-    __syncthreads();
-    for (int q = t; q < CONV_MMA_PIXELS * CONV_MMA_CHANNELS / 8; q += blockDim.x) {  // 8 channels a store
-        int row = q / (CONV_MMA_CHANNELS / 8), col = q % (CONV_MMA_CHANNELS / 8) * 8, p = p0 + row, o = o0 + col;
-        if (p >= pixels || o >= cout) continue;
-        __align__(16) __half v[8];
-        for (int e = 0; e < 8; e++) v[e] = __float2half(fmaxf(tile_d[row * CONV_MMA_OUT_LD + col + e] + __half2float(bias[o + e]), 0.0f));
-        *(uint4 *)(out + (int64_t)p * out_ld + o) = *(const uint4 *)v;
-    }
-}
-#endif
-
-// The first layer (3x3, C_in = 3, C_out = 32: too narrow for the tensor cores' 16-channel steps),
-// directly: a thread an output pixel, its 32 sums over the 27 inputs in fp32 (all in registers: the
-// sizes are constants), the weights in shared memory; the block's outputs are staged in shared
-// memory and stored a pack at a time.
-#define CONV_FIRST_IN 3
-#define CONV_FIRST_OUT 32
-#define CONV_FIRST_TAPS (3 * 3 * CONV_FIRST_IN)
-#define CONV_FIRST_PIXELS 128
-__global__ void __launch_bounds__(CONV_FIRST_PIXELS) inception_conv_first_kernel(inceptionX *out, int out_ld, const inceptionX *x, int ld,
-                                                                                 const inceptionX *weight, int kp, const inceptionX *bias,
-                                                                                 int pixels, int h, int w, int oh, int ow, int stride, int pad) {
-    __shared__ float weights[CONV_FIRST_OUT][CONV_FIRST_TAPS], biases[CONV_FIRST_OUT];
-    __shared__ __align__(16) inceptionX staged[CONV_FIRST_PIXELS][CONV_FIRST_OUT];
-    for (int i = threadIdx.x; i < CONV_FIRST_OUT * CONV_FIRST_TAPS; i += blockDim.x)
-        weights[i / CONV_FIRST_TAPS][i % CONV_FIRST_TAPS] = (float)weight[i / CONV_FIRST_TAPS * kp + i % CONV_FIRST_TAPS];
-    for (int i = threadIdx.x; i < CONV_FIRST_OUT; i += blockDim.x) biases[i] = (float)bias[i];
-    __syncthreads();
-    int p0 = blockIdx.x * CONV_FIRST_PIXELS, p = p0 + threadIdx.x;
-    if (p < pixels) {
-        int ox = p % ow, oy = p / ow % oh, image = p / ow / oh;
-        float input[CONV_FIRST_TAPS];
-#pragma unroll
-        for (int k = 0; k < CONV_FIRST_TAPS; k++) {
-            int iy = oy * stride - pad + k / (3 * CONV_FIRST_IN), ix = ox * stride - pad + k / CONV_FIRST_IN % 3;
-            input[k] = iy >= 0 && iy < h && ix >= 0 && ix < w ? (float)x[(((int64_t)image * h + iy) * w + ix) * ld + k % CONV_FIRST_IN] : 0.0f;
-        }
-#pragma unroll
-        for (int o = 0; o < CONV_FIRST_OUT; o++) {
-            float sum = biases[o];
-#pragma unroll
-            for (int k = 0; k < CONV_FIRST_TAPS; k++) sum += input[k] * weights[o][k];
-            staged[threadIdx.x][o] = (inceptionX)fmaxf(sum, 0.0f);
-        }
-    }
-    __syncthreads();
-    const int packs = CONV_FIRST_OUT / INCEPTION_PACK;
-    for (int q = threadIdx.x; q < CONV_FIRST_PIXELS * packs; q += blockDim.x) {
-        int row = q / packs, col = q % packs * INCEPTION_PACK;
-        if (p0 + row < pixels) *(InceptionPack *)(out + (int64_t)(p0 + row) * out_ld + col) = *(const InceptionPack *)&staged[row][col];
-    }
-}
-
-// 3x3 pooling of stride `stride` and padding `pad`: the largest of the window's in-image values
-// (max), or their mean, the padding left out of the count (F.avg_pool2d's count_include_pad=False).
-template <typename V>
-__global__ void inception_pool_kernel(inceptionX *out, int out_ld, const inceptionX *x, int ld, int n, int h, int w, int c, int oh, int ow,
-                                      int stride, int pad, int is_max) {
-    const int width = sizeof(V) / sizeof(inceptionX);
-    int64_t total = (int64_t)n * oh * ow * c / width;
-    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < total; i += (int64_t)gridDim.x * blockDim.x) {
-        int ch = (int)(i * width % c);
-        int64_t p = i * width / c;
-        int ox = (int)(p % ow), oy = (int)(p / ow % oh);
-        int64_t image = p / ((int64_t)ow * oh);
-        float acc[sizeof(V) / sizeof(inceptionX)];
-        for (int e = 0; e < width; e++) acc[e] = is_max ? -INFINITY : 0.0f;
-        int count = 0;
-        for (int ky = 0; ky < 3; ky++)
-            for (int kx = 0; kx < 3; kx++) {
-                int iy = oy * stride - pad + ky, ix = ox * stride - pad + kx;
-                if (iy < 0 || iy >= h || ix < 0 || ix >= w) continue;
-                V v = *(const V *)(x + ((image * h + iy) * w + ix) * ld + ch);
-                for (int e = 0; e < width; e++) acc[e] = is_max ? fmaxf(acc[e], (float)v.v[e]) : acc[e] + (float)v.v[e];
-                count++;
-            }
-        V o;
-        for (int e = 0; e < width; e++) o.v[e] = (inceptionX)(is_max ? acc[e] : acc[e] / count);
-        *(V *)(out + p * out_ld + ch) = o;
-    }
-}
-
-// The pool features: pool[image][c] = the mean over the final 8x8 map's pixels, in fp32.
-__global__ void inception_mean_kernel(float *pool, const inceptionX *x, int n, int pixels, int c) {
-    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < (int64_t)n * c; i += (int64_t)gridDim.x * blockDim.x) {
-        const inceptionX *p = x + i / c * pixels * c + i % c;
-        float sum = 0.0f;
-        for (int q = 0; q < pixels; q++) sum += (float)p[(int64_t)q * c];
-        pool[i] = sum / pixels;
-    }
-}
-
-// The spatial features: spatial[image][(y, x, c)] = x's channels c < 7 at 17x17, in fp32.
-__global__ void inception_spatial_kernel(float *spatial, const inceptionX *x, int ld, int n) {
-    const int per_image = INCEPTION_SPATIAL;
-    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < (int64_t)n * per_image; i += (int64_t)gridDim.x * blockDim.x) {
-        int64_t pixel = i / INCEPTION_SPATIAL_CHANNELS;
-        spatial[i] = (float)x[pixel * ld + i % INCEPTION_SPATIAL_CHANNELS];
-    }
-}
-
-// The walk's memory: a block's output is the ping-pong map its input is not in; its branches'
-// intermediate maps come from the temporary arena, emptied as the next block starts. Loading, only
-// the sizes are counted (per image).
-static InceptionMap inception_output(UnetInception *net, int h, int w, int c) {
-    net->side ^= 1, net->temp_used = 0;
-    int64_t numel = (int64_t)h * w * c;
-    if (numel > net->map_numel) net->map_numel = numel;
-    InceptionMap m = {net->loading ? NULL : net->maps[net->side], h, w, c, c};
-    return m;
-}
-
-static InceptionMap inception_temp(UnetInception *net, int h, int w, int c) {
-    InceptionMap m = {net->loading ? NULL : net->temp + net->temp_used * net->n, h, w, c, c};
-    net->temp_used += (int64_t)h * w * c;
-    if (net->temp_used > net->temp_numel) net->temp_numel = net->temp_used;
-    return m;
-}
-
-// Channels first .. first + count - 1 of a map.
-static InceptionMap inception_slice(InceptionMap m, int first, int count) {
-    if (m.x) m.x += first;
-    m.c = count;
-    return m;
-}
-
-// How a layer is computed: one product of cuBLASLt on its input (a 1x1 of stride 1) or on its
-// patch matrix; the narrow first layer directly (inception_conv_first_kernel); in the BF16 build
-// the layers of large maps (the stem's 147x147, out_pixels >= CONV_MMA_MIN_PIXELS) by the implicit
-// GEMM (inception_conv_mma_kernel): there the patch matrix costs more than the kernel loses to
-// cuBLASLt's products, on smaller maps less (dev/NOTES.md).
-#define CONV_MMA_MIN_PIXELS 10000
-typedef enum { INCEPTION_PRODUCT, INCEPTION_PATCHES, INCEPTION_FIRST, INCEPTION_MMA } InceptionConvKind;
-
-static InceptionConvKind inception_conv_kind(int cin, int cout, int kh, int kw, int stride, int pad_h, int pad_w, int out_pixels) {
-    if (kh == 1 && kw == 1 && stride == 1) return INCEPTION_PRODUCT;
-    if (kh == 3 && kw == 3 && pad_h == pad_w && cin == CONV_FIRST_IN && cout == CONV_FIRST_OUT) return INCEPTION_FIRST;
-    if (sizeof(inceptionX) == 2 && cin % 16 == 0 && out_pixels >= CONV_MMA_MIN_PIXELS) return INCEPTION_MMA;
-    return INCEPTION_PATCHES;
-}
-
-// BasicConv2d `name` (a kh x kw convolution of stride `stride` and zero padding pad_h, pad_w, then
-// the folded BatchNorm and ReLU) from `in` into the map or slice `out`. Loading, its weights are read
-// and folded; running, it is computed as inception_conv_kind says.
-static void inception_conv(UnetInception *net, const char *name, InceptionMap in, InceptionMap out, int kh, int kw, int stride, int pad_h,
-                           int pad_w) {
-    if ((in.h + 2 * pad_h - kh) / stride + 1 != out.h || (in.w + 2 * pad_w - kw) / stride + 1 != out.w)
-        fatal("Inception: %s makes a %dx%d map, not %dx%d", name, (in.h + 2 * pad_h - kh) / stride + 1,
-              (in.w + 2 * pad_w - kw) / stride + 1, out.h, out.w);
-    InceptionConvKind kind = inception_conv_kind(in.c, out.c, kh, kw, stride, pad_h, pad_w, out.h * out.w);
-    if (net->loading) {
-        if (net->num_convs == INCEPTION_MAX_CONVS) fatal("Inception: more layers than INCEPTION_MAX_CONVS");
-        InceptionConv *l = &net->conv[net->num_convs++];
-        snprintf(l->name, sizeof l->name, "%s", name);
-        l->cin = in.c, l->cout = out.c, l->kh = kh, l->kw = kw, l->stride = stride, l->pad_h = pad_h, l->pad_w = pad_w;
-        l->k = (kh * kw * in.c + 7) / 8 * 8;
-        if (kind == INCEPTION_PATCHES && (int64_t)out.h * out.w * l->k > net->patch_numel)
-            net->patch_numel = (int64_t)out.h * out.w * l->k;
-        int64_t w_shape[4] = {out.c, in.c, kh, kw}, c_shape[1] = {out.c};
-        float *w = (float *)malloc_or_die((size_t)out.c * in.c * kh * kw * sizeof(float));
-        float *bn = (float *)malloc_or_die(4 * (size_t)out.c * sizeof(float));  // weight, bias, running_mean, running_var
-        static const char *const bn_names[4] = {"weight", "bias", "running_mean", "running_var"};
-        char tensor[96];
-        snprintf(tensor, sizeof tensor, "%s.conv.weight", name);
-        inception_tensor(net, tensor, 4, w_shape, w);
-        for (int q = 0; q < 4; q++) {
-            snprintf(tensor, sizeof tensor, "%s.bn.%s", name, bn_names[q]);
-            inception_tensor(net, tensor, 1, c_shape, bn + q * out.c);
-        }
-        for (int o = 0; !net->failed && !net->listing && o < out.c; o++)
-            if (!(bn[3 * out.c + o] >= 0))
-                net->failed = error_line(net->err, net->err_len, "%s: %s.bn.running_var has a negative variance", net->file, name);
-        if (!net->failed && !net->listing) {
-            l->host_weight = (inceptionX *)calloc((size_t)out.c * l->k, sizeof(inceptionX));
-            l->host_bias = (inceptionX *)malloc_or_die(out.c * sizeof(inceptionX));
-            if (!l->host_weight) fatal("out of host memory");
-            for (int o = 0; o < out.c; o++) {
-                double g = bn[o] / sqrt(bn[3 * out.c + o] + INCEPTION_BN_EPS);
-                l->host_bias[o] = (inceptionX)(bn[out.c + o] - bn[2 * out.c + o] * g);
-                for (int ci = 0; ci < in.c; ci++)  // PyTorch's [out][in][ky][kx] to [out][ky][kx][in]
-                    for (int t = 0; t < kh * kw; t++)
-                        l->host_weight[(size_t)o * l->k + t * in.c + ci] = (inceptionX)(w[((size_t)o * in.c + ci) * kh * kw + t] * g);
-            }
-        }
-        free(w), free(bn);
-        return;
-    }
-    InceptionConv *l = &net->conv[net->next++];
-    if (strcmp(l->name, name) != 0) fatal("Inception: the walk ran %s where it loaded %s", name, l->name);
-    int packed_in = in.c % INCEPTION_PACK == 0 && in.ld % INCEPTION_PACK == 0 && address_alignment(in.x) >= 16;
-    int packed_out = out.ld % INCEPTION_PACK == 0 && address_alignment(out.x) >= 16;
-    if ((kind == INCEPTION_FIRST && !packed_out) || (kind == INCEPTION_MMA && !(packed_in && packed_out)))
-        fatal("Inception: %s's maps are not aligned to 16 bytes", name);
-    inception_mark(net, NULL);
-    int pixels = net->n * out.h * out.w;
-    const inceptionX *a = in.x;
-    int lda = in.ld;
-    switch (kind) {
-    case INCEPTION_FIRST:
-        inception_conv_first_kernel<<<(pixels + CONV_FIRST_PIXELS - 1) / CONV_FIRST_PIXELS, CONV_FIRST_PIXELS, 0, gpu.stream>>>(
-            out.x, out.ld, in.x, in.ld, l->weight, l->k, l->bias, pixels, in.h, in.w, out.h, out.w, stride, pad_h);
-        cuda_check_launch();
-        inception_mark(net, &l->product_ms);
-        return;
-    case INCEPTION_MMA: {  // (the BF16 build's only: inception_conv_kind)
-#if !defined(PRECISION_FP32)
-        dim3 grid((pixels + CONV_MMA_PIXELS - 1) / CONV_MMA_PIXELS, (out.c + CONV_MMA_CHANNELS - 1) / CONV_MMA_CHANNELS);
-        inception_conv_mma_kernel<<<grid, 256, 0, gpu.stream>>>(out.x, out.ld, in.x, in.ld, l->weight, l->bias, pixels, in.h, in.w, in.c,
-                                                                 out.h, out.w, kw, stride, pad_h, pad_w, kh * kw * in.c, out.c);
-        cuda_check_launch();
-        inception_mark(net, &l->product_ms);
-#endif
-        return;
-    }
-    case INCEPTION_PATCHES:
-        if ((int64_t)out.h * out.w * l->k > net->patch_numel) fatal("Inception: %s's patches do not fit the workspace", name);
-        if ((int64_t)pixels * l->k > INT_MAX) fatal("Inception: %s's patches of a batch of %d take more than 2^31 values", name, net->n);
-        if (packed_in)
-            inception_patches_kernel<InceptionPack><<<blocks_for((size_t)pixels * l->k / INCEPTION_PACK, 256), 256, 0, gpu.stream>>>(
-                net->patches, l->k, in.x, in.ld, pixels, in.h, in.w, in.c, out.h, out.w, kh, kw, stride, pad_h, pad_w);
-        else
-            inception_patches_kernel<InceptionScalar><<<blocks_for((size_t)pixels * l->k, 256), 256, 0, gpu.stream>>>(
-                net->patches, l->k, in.x, in.ld, pixels, in.h, in.w, in.c, out.h, out.w, kh, kw, stride, pad_h, pad_w);
-        cuda_check_launch();
-        a = net->patches, lda = l->k;
-        inception_mark(net, &l->patches_ms);
-        break;
-    case INCEPTION_PRODUCT:
-        break;
-    }
-    matmul({.M = pixels, .N = out.c, .K = l->k, .a = a, .lda = lda, .b = l->weight, .ldb = l->k, .trans_b = 1, .d = out.x, .ldd = out.ld,
-            .bias = l->bias, .relu = 1, .fp16 = sizeof(inceptionX) == 2});
-    inception_mark(net, &l->product_ms);
-}
-
-// A 3x3 pool of `in` into the map or slice `out`.
-static void inception_pool(UnetInception *net, InceptionMap in, InceptionMap out, int stride, int pad, int is_max) {
-    if ((in.h + 2 * pad - 3) / stride + 1 != out.h || out.c != in.c) fatal("Inception: a pool's output map is misshapen");
-    if (net->loading) return;
-    inception_mark(net, NULL);
-    int64_t elements = (int64_t)net->n * out.h * out.w * out.c;
-    if (in.c % INCEPTION_PACK == 0 && in.ld % INCEPTION_PACK == 0 && out.ld % INCEPTION_PACK == 0 && address_alignment(out.x) >= 16 && address_alignment(in.x) >= 16)
-        inception_pool_kernel<InceptionPack><<<blocks_for(elements / INCEPTION_PACK, 256), 256, 0, gpu.stream>>>(out.x, out.ld, in.x, in.ld, net->n, in.h,
-                                                                                              in.w, in.c, out.h, out.w, stride, pad, is_max);
-    else
-        inception_pool_kernel<InceptionScalar><<<blocks_for(elements, 256), 256, 0, gpu.stream>>>(out.x, out.ld, in.x, in.ld, net->n, in.h, in.w,
-                                                                                         in.c, out.h, out.w, stride, pad, is_max);
-    cuda_check_launch();
-    inception_mark(net, &net->pools_ms);
-}
-
-// The stem's layers: one convolution or pool each, into a map of its own.
-static InceptionMap inception_stem_conv(UnetInception *net, const char *name, InceptionMap x, int cout, int k, int stride, int pad) {
-    InceptionMap y = inception_output(net, (x.h + 2 * pad - k) / stride + 1, (x.w + 2 * pad - k) / stride + 1, cout);
-    inception_conv(net, name, x, y, k, k, stride, pad, pad);
-    return y;
-}
-
-static InceptionMap inception_stem_pool(UnetInception *net, InceptionMap x) {
-    InceptionMap y = inception_output(net, (x.h - 3) / 2 + 1, (x.w - 3) / 2 + 1, x.c);
-    inception_pool(net, x, y, 2, 0, 1);
-    return y;
-}
-
-// The blocks, named as torchvision's and pytorch-fid's modules; each concatenates its branches in
-// the order written. BLOCK_CONV names a branch's layer "block.branch".
-#define BLOCK_CONV(branch, in, out, kh, kw, stride, pad_h, pad_w)                         \
-    do {                                                                                  \
-        char layer_[64];                                                                  \
-        snprintf(layer_, sizeof layer_, "%s.%s", block, branch);                          \
-        inception_conv(net, layer_, in, out, kh, kw, stride, pad_h, pad_w);               \
-    } while (0)
-
-// FIDInceptionA: 1x1 (64) | 1x1 (48), 5x5 (64) | 1x1 (64), 3x3 (96), 3x3 (96) | 3x3 average, 1x1 (pool_features).
-static InceptionMap inception_a(UnetInception *net, const char *block, InceptionMap x, int pool_features) {
-    int h = x.h, w = x.w;
-    InceptionMap y = inception_output(net, h, w, 64 + 64 + 96 + pool_features);
-    BLOCK_CONV("branch1x1", x, inception_slice(y, 0, 64), 1, 1, 1, 0, 0);
-    InceptionMap t = inception_temp(net, h, w, 48);
-    BLOCK_CONV("branch5x5_1", x, t, 1, 1, 1, 0, 0);
-    BLOCK_CONV("branch5x5_2", t, inception_slice(y, 64, 64), 5, 5, 1, 2, 2);
-    InceptionMap d1 = inception_temp(net, h, w, 64), d2 = inception_temp(net, h, w, 96);
-    BLOCK_CONV("branch3x3dbl_1", x, d1, 1, 1, 1, 0, 0);
-    BLOCK_CONV("branch3x3dbl_2", d1, d2, 3, 3, 1, 1, 1);
-    BLOCK_CONV("branch3x3dbl_3", d2, inception_slice(y, 128, 96), 3, 3, 1, 1, 1);
-    InceptionMap p = inception_temp(net, h, w, x.c);
-    inception_pool(net, x, p, 1, 1, 0);
-    BLOCK_CONV("branch_pool", p, inception_slice(y, 224, pool_features), 1, 1, 1, 0, 0);
-    return y;
-}
-
-// InceptionB (the grid reduction to 17x17): 3x3 stride 2 (384) | 1x1 (64), 3x3 (96), 3x3 stride 2 (96) | 3x3 max stride 2.
-static InceptionMap inception_b(UnetInception *net, const char *block, InceptionMap x) {
-    int h = (x.h - 3) / 2 + 1, w = (x.w - 3) / 2 + 1;
-    InceptionMap y = inception_output(net, h, w, 384 + 96 + x.c);
-    BLOCK_CONV("branch3x3", x, inception_slice(y, 0, 384), 3, 3, 2, 0, 0);
-    InceptionMap d1 = inception_temp(net, x.h, x.w, 64), d2 = inception_temp(net, x.h, x.w, 96);
-    BLOCK_CONV("branch3x3dbl_1", x, d1, 1, 1, 1, 0, 0);
-    BLOCK_CONV("branch3x3dbl_2", d1, d2, 3, 3, 1, 1, 1);
-    BLOCK_CONV("branch3x3dbl_3", d2, inception_slice(y, 384, 96), 3, 3, 2, 0, 0);
-    inception_pool(net, x, inception_slice(y, 480, x.c), 2, 0, 1);
-    return y;
-}
-
-// FIDInceptionC: 1x1 (192) | 1x1 (c7), 1x7 (c7), 7x1 (192) | 1x1 (c7), 7x1, 1x7, 7x1 (c7), 1x7 (192) |
-// 3x3 average, 1x1 (192).
-static InceptionMap inception_c(UnetInception *net, const char *block, InceptionMap x, int c7) {
-    int h = x.h, w = x.w;
-    InceptionMap y = inception_output(net, h, w, 768);
-    BLOCK_CONV("branch1x1", x, inception_slice(y, 0, 192), 1, 1, 1, 0, 0);
-    InceptionMap a = inception_temp(net, h, w, c7), b = inception_temp(net, h, w, c7);
-    BLOCK_CONV("branch7x7_1", x, a, 1, 1, 1, 0, 0);
-    BLOCK_CONV("branch7x7_2", a, b, 1, 7, 1, 0, 3);
-    BLOCK_CONV("branch7x7_3", b, inception_slice(y, 192, 192), 7, 1, 1, 3, 0);
-    BLOCK_CONV("branch7x7dbl_1", x, a, 1, 1, 1, 0, 0);
-    BLOCK_CONV("branch7x7dbl_2", a, b, 7, 1, 1, 3, 0);
-    BLOCK_CONV("branch7x7dbl_3", b, a, 1, 7, 1, 0, 3);
-    BLOCK_CONV("branch7x7dbl_4", a, b, 7, 1, 1, 3, 0);
-    BLOCK_CONV("branch7x7dbl_5", b, inception_slice(y, 384, 192), 1, 7, 1, 0, 3);
-    InceptionMap p = inception_temp(net, h, w, x.c);
-    inception_pool(net, x, p, 1, 1, 0);
-    BLOCK_CONV("branch_pool", p, inception_slice(y, 576, 192), 1, 1, 1, 0, 0);
-    return y;
-}
-
-// InceptionD (the grid reduction to 8x8): 1x1 (192), 3x3 stride 2 (320) | 1x1 (192), 1x7, 7x1, 3x3 stride 2 (192) |
-// 3x3 max stride 2.
-static InceptionMap inception_d(UnetInception *net, const char *block, InceptionMap x) {
-    int h = (x.h - 3) / 2 + 1, w = (x.w - 3) / 2 + 1;
-    InceptionMap y = inception_output(net, h, w, 320 + 192 + x.c);
-    InceptionMap a = inception_temp(net, x.h, x.w, 192), b = inception_temp(net, x.h, x.w, 192);
-    BLOCK_CONV("branch3x3_1", x, a, 1, 1, 1, 0, 0);
-    BLOCK_CONV("branch3x3_2", a, inception_slice(y, 0, 320), 3, 3, 2, 0, 0);
-    BLOCK_CONV("branch7x7x3_1", x, a, 1, 1, 1, 0, 0);
-    BLOCK_CONV("branch7x7x3_2", a, b, 1, 7, 1, 0, 3);
-    BLOCK_CONV("branch7x7x3_3", b, a, 7, 1, 1, 3, 0);
-    BLOCK_CONV("branch7x7x3_4", a, inception_slice(y, 320, 192), 3, 3, 2, 0, 0);
-    inception_pool(net, x, inception_slice(y, 512, x.c), 2, 0, 1);
-    return y;
-}
-
-// FIDInceptionE_1 (pool_max 0: 3x3 average) and E_2 (pool_max 1: 3x3 max, stride 1): 1x1 (320) |
-// 1x1 (384), then 1x3 and 3x1 (384 each) | 1x1 (448), 3x3 (384), then 1x3 and 3x1 (384 each) | pool, 1x1 (192).
-static InceptionMap inception_e(UnetInception *net, const char *block, InceptionMap x, int pool_max) {
-    int h = x.h, w = x.w;
-    InceptionMap y = inception_output(net, h, w, 320 + 768 + 768 + 192);
-    BLOCK_CONV("branch1x1", x, inception_slice(y, 0, 320), 1, 1, 1, 0, 0);
-    InceptionMap a = inception_temp(net, h, w, 384);
-    BLOCK_CONV("branch3x3_1", x, a, 1, 1, 1, 0, 0);
-    BLOCK_CONV("branch3x3_2a", a, inception_slice(y, 320, 384), 1, 3, 1, 0, 1);
-    BLOCK_CONV("branch3x3_2b", a, inception_slice(y, 704, 384), 3, 1, 1, 1, 0);
-    InceptionMap d1 = inception_temp(net, h, w, 448), d2 = inception_temp(net, h, w, 384);
-    BLOCK_CONV("branch3x3dbl_1", x, d1, 1, 1, 1, 0, 0);
-    BLOCK_CONV("branch3x3dbl_2", d1, d2, 3, 3, 1, 1, 1);
-    BLOCK_CONV("branch3x3dbl_3a", d2, inception_slice(y, 1088, 384), 1, 3, 1, 0, 1);
-    BLOCK_CONV("branch3x3dbl_3b", d2, inception_slice(y, 1472, 384), 3, 1, 1, 1, 0);
-    InceptionMap p = inception_temp(net, h, w, x.c);
-    inception_pool(net, x, p, 1, 1, pool_max);
-    BLOCK_CONV("branch_pool", p, inception_slice(y, 1856, 192), 1, 1, 1, 0, 0);
-    return y;
-}
-#undef BLOCK_CONV
-
-// The architecture, once: loading, it reads and checks the weights; running, it computes the
-// features of the n images in net->input.
-static void inception_walk(UnetInception *net) {
-    net->side = 0, net->next = 0, net->temp_used = 0;
-    InceptionMap x = {net->input, INCEPTION_SIZE, INCEPTION_SIZE, 3, 3};
-    x = inception_stem_conv(net, "Conv2d_1a_3x3", x, 32, 3, 2, 0);
-    x = inception_stem_conv(net, "Conv2d_2a_3x3", x, 32, 3, 1, 0);
-    x = inception_stem_conv(net, "Conv2d_2b_3x3", x, 64, 3, 1, 1);
-    x = inception_stem_pool(net, x);
-    x = inception_stem_conv(net, "Conv2d_3b_1x1", x, 80, 1, 1, 0);
-    x = inception_stem_conv(net, "Conv2d_4a_3x3", x, 192, 3, 1, 0);
-    x = inception_stem_pool(net, x);
-    x = inception_a(net, "Mixed_5b", x, 32);
-    x = inception_a(net, "Mixed_5c", x, 64);
-    x = inception_a(net, "Mixed_5d", x, 64);
-    x = inception_b(net, "Mixed_6a", x);
-    x = inception_c(net, "Mixed_6b", x, 128);
-    x = inception_c(net, "Mixed_6c", x, 160);
-    x = inception_c(net, "Mixed_6d", x, 160);
-    if (x.h != INCEPTION_SPATIAL_SIDE) fatal("Inception: Mixed_6d's map is %dx%d", x.h, x.w);
-    if (!net->loading) {  // its branch1x1 is channels 0..191
-        inception_spatial_kernel<<<blocks_for((int64_t)net->n * INCEPTION_SPATIAL, 256), 256, 0, gpu.stream>>>(net->spatial, x.x, x.ld, net->n);
-        cuda_check_launch();
-    }
-    x = inception_c(net, "Mixed_6e", x, 192);
-    x = inception_d(net, "Mixed_7a", x);
-    x = inception_e(net, "Mixed_7b", x, 0);
-    x = inception_e(net, "Mixed_7c", x, 1);
-    if (x.c != INCEPTION_FEATURES) fatal("Inception: Mixed_7c makes %d channels", x.c);
-    if (net->loading) {
-        int64_t fc_shape[2] = {INCEPTION_CLASSES, INCEPTION_FEATURES};
-        net->host_fc = (float *)malloc_or_die((size_t)INCEPTION_CLASSES * INCEPTION_FEATURES * sizeof(float));
-        inception_tensor(net, "fc.weight", 2, fc_shape, net->host_fc);
-        return;
-    }
-    inception_mean_kernel<<<blocks_for((int64_t)net->n * x.c, 256), 256, 0, gpu.stream>>>(net->pool, x.x, net->n, x.h * x.w, x.c);
-    cuda_check_launch();
-    float one = 1.0f, zero = 0.0f;  // logits[n][1008] = pool[n][2048] fc^T, in fp32
-    cublas_check(cublasSgemm(gpu.blas, CUBLAS_OP_T, CUBLAS_OP_N, INCEPTION_CLASSES, net->n, INCEPTION_FEATURES, &one, net->fc,
-                             INCEPTION_FEATURES, net->pool, INCEPTION_FEATURES, &zero, net->logits, INCEPTION_CLASSES));
-}
-
-static void inception_free_host(UnetInception *net) {
-    for (int i = 0; i < net->num_convs; i++) free(net->conv[i].host_weight), free(net->conv[i].host_bias);
-    free(net->host_fc);
-    free(net->expected);
-}
-
-#ifdef TRAIN_UNET_LIBRARY
-// The tensors the walk expects, for tests that write weights: [count] into *tensors (free it).
-static int inception_expected_tensors(InceptionTensor **tensors) {
-    UnetInception *net = (UnetInception *)calloc(1, sizeof *net);
-    if (!net) fatal("out of host memory");
-    net->loading = net->listing = 1;
-    net->expected = (InceptionTensor *)malloc_or_die(INCEPTION_MAX_TENSORS * sizeof(InceptionTensor));
-    char err[16];
-    net->err = err, net->err_len = sizeof err;
-    inception_walk(net);
-    int count = net->num_expected;
-    *tensors = net->expected;
-    net->expected = NULL;
-    inception_free_host(net);
-    free(net);
-    return count;
-}
-#endif
-
-extern "C" void unet_inception_default_path(char *path, size_t len) {
-    const char *torch_home = getenv("TORCH_HOME"), *cache = getenv("XDG_CACHE_HOME"), *home = getenv("HOME");
-    const char *file = "pt_inception-2015-12-05-6726825d.pth";
-    if (torch_home && torch_home[0]) snprintf(path, len, "%s/hub/checkpoints/%s", torch_home, file);
-    else if (cache && cache[0]) snprintf(path, len, "%s/torch/hub/checkpoints/%s", cache, file);
-    else snprintf(path, len, "%s/.cache/torch/hub/checkpoints/%s", home ? home : ".", file);
-}
-
-extern "C" UnetInception *unet_inception_open(const char *path, char *err, size_t err_len) {
-    UnetInception *net = (UnetInception *)calloc(1, sizeof *net);
-    if (!net) fatal("out of host memory");
-    snprintf(net->file, sizeof net->file, "%s", path);
-    FILE *probe = fopen(path, "rb");  // a file that is not there: the path, and where to get the weights
-    if (!probe) {
-        error_line(err, err_len, "cannot open the Inception weights %s: %s (pytorch-fid's pt_inception-2015-12-05-6726825d.pth; "
-                   "the README says where to get it)", path, strerror(errno));
-        free(net);
-        return NULL;
-    }
-    fclose(probe);
-    if (safetensors_open(path, &net->f, err, err_len) != 0) return free(net), (UnetInception *)NULL;
-    net->loading = 1, net->err = err, net->err_len = err_len;
-    inception_walk(net);
-    net->loading = 0, net->err = NULL;
-    if (net->failed) {
-        unet_inception_close(net);
-        return NULL;
-    }
-    return net;
-}
-
-// UNET_PROFILE=1: the layers' GPU time, the slowest first (each layer's patches, then its product).
-static void inception_print_profile(const UnetInception *net) {
-    double total = net->pools_ms;
-    int order[INCEPTION_MAX_CONVS];
-    for (int i = 0; i < net->num_convs; i++) total += net->conv[i].patches_ms + net->conv[i].product_ms, order[i] = i;
-    for (int i = 1; i < net->num_convs; i++)  // insertion sort by time, slowest first
-        for (int j = i; j > 0; j--) {
-            const InceptionConv *a = &net->conv[order[j - 1]], *b = &net->conv[order[j]];
-            if (a->patches_ms + a->product_ms >= b->patches_ms + b->product_ms) break;
-            int t = order[j];
-            order[j] = order[j - 1], order[j - 1] = t;
-        }
-    fprintf(stderr, "Inception profile (UNET_PROFILE=1): %.1f ms of GPU time, pools %.1f ms; the slowest layers:\n", total, net->pools_ms);
-    fprintf(stderr, "%-26s %5s %5s %4s %10s %10s\n", "layer", "C_in", "C_out", "k", "patches ms", "product ms");
-    for (int i = 0; i < net->num_convs && i < 24; i++) {
-        const InceptionConv *l = &net->conv[order[i]];
-        fprintf(stderr, "%-26s %5d %5d %dx%d %10.2f %10.2f\n", l->name, l->cin, l->cout, l->kh, l->kw, l->patches_ms, l->product_ms);
-    }
-}
-
-extern "C" void unet_inception_close(UnetInception *net) {
-    if (!net) return;
-    if (net->profile && net->batch) inception_print_profile(net);
-    if (net->marks[0]) cudaEventDestroy(net->marks[0]), cudaEventDestroy(net->marks[1]);
-    for (int i = 0; i < net->num_convs; i++) {
-        cudaFree(net->conv[i].weight);
-        cudaFree(net->conv[i].bias);
-    }
-    void *gpu_buffers[] = {net->fc, net->input, net->maps[0], net->maps[1], net->temp, net->patches, net->pixels, net->pool,
-                           net->spatial, net->logits};
-    for (size_t i = 0; i < sizeof gpu_buffers / sizeof *gpu_buffers; i++) cudaFree(gpu_buffers[i]);
-    for (int s = 0; s < 2; s++) {
-        host_staging_free(net->staged_pixels[s], net->staged_pixels_pinned[s]), cudaFreeHost(net->staged_features[s]);
-        if (net->staged_done[s]) cudaEventDestroy(net->staged_done[s]);
-    }
-    inception_free_host(net);
-    safetensors_close(&net->f);
-    free(net);
-}
-
-// The network on the GPU for batches of up to `batch` images: its weights, the buffers the loading
-// walk sized, and the pinned host slots its features are copied out to (made again only for a
-// larger batch).
-static void inception_to_gpu(UnetInception *net, int batch) {
-    if (batch <= net->batch) return;
-    void *gpu_buffers[] = {net->input, net->maps[0], net->maps[1], net->temp, net->patches, net->pool, net->spatial, net->logits};
-    for (size_t i = 0; i < sizeof gpu_buffers / sizeof *gpu_buffers; i++) cudaFree(gpu_buffers[i]);
-    if (!net->fc) {
-        for (int i = 0; i < net->num_convs; i++) {
-            InceptionConv *l = &net->conv[i];
-            l->weight = (inceptionX *)gpu_malloc((size_t)l->cout * l->k * sizeof(inceptionX));
-            l->bias = (inceptionX *)gpu_malloc(l->cout * sizeof(inceptionX));
-            cuda_check(cudaMemcpy(l->weight, l->host_weight, (size_t)l->cout * l->k * sizeof(inceptionX), cudaMemcpyHostToDevice));
-            cuda_check(cudaMemcpy(l->bias, l->host_bias, l->cout * sizeof(inceptionX), cudaMemcpyHostToDevice));
-        }
-        size_t fc_bytes = (size_t)INCEPTION_CLASSES * INCEPTION_FEATURES * sizeof(float);
-        net->fc = (float *)gpu_malloc(fc_bytes);
-        cuda_check(cudaMemcpy(net->fc, net->host_fc, fc_bytes, cudaMemcpyHostToDevice));
-    }
-    net->batch = batch;
-    net->profile = getenv("UNET_PROFILE") != NULL;
-    if (net->profile && !net->marks[0]) {
-        cuda_check(cudaEventCreate(&net->marks[0]));
-        cuda_check(cudaEventCreate(&net->marks[1]));
-    }
-    net->input = (inceptionX *)gpu_malloc((size_t)batch * INCEPTION_SIZE * INCEPTION_SIZE * 3 * sizeof(inceptionX));
-    for (int s = 0; s < 2; s++) net->maps[s] = (inceptionX *)gpu_malloc((size_t)batch * net->map_numel * sizeof(inceptionX));
-    net->temp = (inceptionX *)gpu_malloc((size_t)batch * net->temp_numel * sizeof(inceptionX));
-    net->patches = (inceptionX *)gpu_malloc((size_t)batch * net->patch_numel * sizeof(inceptionX));
-    net->pool = (float *)gpu_malloc((size_t)batch * INCEPTION_FEATURES * sizeof(float));
-    net->spatial = (float *)gpu_malloc((size_t)batch * INCEPTION_SPATIAL * sizeof(float));
-    net->logits = (float *)gpu_malloc((size_t)batch * INCEPTION_CLASSES * sizeof(float));
-    for (int s = 0; s < 2; s++) {
-        cudaFreeHost(net->staged_features[s]);
-        size_t bytes = (size_t)batch * (INCEPTION_FEATURES + INCEPTION_SPATIAL + INCEPTION_CLASSES) * sizeof(float);
-        cuda_check(cudaMallocHost((void **)&net->staged_features[s], bytes));
-        if (!net->staged_done[s]) cuda_check(cudaEventCreateWithFlags(&net->staged_done[s], cudaEventDisableTiming));
-    }
-}
-
-// (The input images' own bytes, batch x h x w x c, come on top.)
-extern "C" int64_t unet_inception_gpu_bytes(const UnetInception *net, int batch) {
-    int64_t weights = (int64_t)INCEPTION_CLASSES * INCEPTION_FEATURES * sizeof(float);
-    for (int i = 0; i < net->num_convs; i++) weights += (int64_t)net->conv[i].cout * (net->conv[i].k + 1) * sizeof(inceptionX);
-    int64_t per_image = (INCEPTION_SIZE * INCEPTION_SIZE * 3 + 2 * net->map_numel + net->temp_numel + net->patch_numel) * sizeof(inceptionX) +
-                        (INCEPTION_FEATURES + INCEPTION_SPATIAL + INCEPTION_CLASSES) * sizeof(float);
-    return weights + batch * per_image;
-}
-
-// The features of n images already on the GPU (d_pixels: [n][h][w][c] bytes, n <= net->batch), into
-// the network's pool, spatial and logits buffers.
-static void inception_run(UnetInception *net, const uint8_t *d_pixels, int n, int h, int w, int c) {
-    net->n = n;
-    int64_t elements = (int64_t)n * INCEPTION_SIZE * INCEPTION_SIZE * 3;
-    inception_input_kernel<<<blocks_for(elements, 256), 256, 0, gpu.stream>>>(net->input, d_pixels, n, h, w, c);
-    cuda_check_launch();
-    inception_walk(net);
-}
-
-// The three kinds of features a batch gives, each [n][dims]: pool, spatial and logits.
-static const int inception_dims[3] = {INCEPTION_FEATURES, INCEPTION_SPATIAL, INCEPTION_CLASSES};
-
-// Kind k's features in pinned slot `slot`: [net->batch][inception_dims[k]], after the kinds before it.
-static float *inception_staged(const UnetInception *net, int slot, int kind) {
-    float *f = net->staged_features[slot];
-    for (int k = 0; k < kind; k++) f += (size_t)net->batch * inception_dims[k];
-    return f;
-}
-
-// The images in batch i of `count` in batches of `batch`.
-static int inception_batch_images(int64_t count, int batch, int64_t i) { return count - i * batch < batch ? (int)(count - i * batch) : batch; }
-
-// Batch i's features, waited for in its slot, copied to the caller's arrays (out[kind]; NULL: not wanted).
-static void inception_unstage(UnetInception *net, int64_t count, int batch, int64_t i, float *const out[3]) {
-    int slot = (int)(i % 2), n = inception_batch_images(count, batch, i);
-    cuda_check(cudaEventSynchronize(net->staged_done[slot]));
-    for (int k = 0; k < 3; k++)
-        if (out[k])
-            memcpy(out[k] + i * batch * inception_dims[k], inception_staged(net, slot, k), (size_t)n * inception_dims[k] * sizeof(float));
-}
-
-// The batches go through two slots each way, so that while the GPU runs batch i the host copies
-// batch i + 1's pixels in and batch i - 1's features out: the GPU never waits for the host.
-extern "C" int unet_inception_features(UnetInception *net, const uint8_t *pixels, int64_t count, int height, int width, int channels,
-                                       int batch, float *pool, float *spatial, float *logits, char *err, size_t err_len) {
-    if (height < 1 || width < 1 || (channels != 1 && channels != 3 && channels != 4))
-        return error_line(err, err_len, "Inception takes images of 1 (grey), 3 (RGB) or 4 (RGBA) channels, not %d", channels);
-    if (api_gpu_ready(err, err_len) != 0) return -1;
-    if (batch < 1) batch = 1;
-    if (batch > count) batch = (int)(count > 0 ? count : 1);
-    inception_to_gpu(net, batch);
-    int64_t per_image = (int64_t)height * width * channels;
-    if (net->batch * per_image > net->pixels_numel) {
-        cudaFree(net->pixels);
-        net->pixels_numel = net->batch * per_image;
-        net->pixels = (uint8_t *)gpu_malloc(net->pixels_numel);
-        for (int s = 0; s < 2; s++) {
-            host_staging_free(net->staged_pixels[s], net->staged_pixels_pinned[s]);
-            net->staged_pixels[s] = (uint8_t *)host_staging_alloc(net->pixels_numel, &net->staged_pixels_pinned[s]);
-        }
-    }
-    float *out[3] = {pool, spatial, logits}, *features[3] = {net->pool, net->spatial, net->logits};
-    int64_t batches = (count + batch - 1) / batch;
-    for (int64_t i = 0; i < batches; i++) {
-        int n = inception_batch_images(count, batch, i), slot = (int)(i % 2);
-        if (i >= 2) inception_unstage(net, count, batch, i - 2, out);  // (which frees the slot's pixels too)
-        memcpy(net->staged_pixels[slot], pixels + i * batch * per_image, n * per_image);
-        cuda_check(cudaMemcpyAsync(net->pixels, net->staged_pixels[slot], n * per_image, cudaMemcpyHostToDevice, gpu.stream));
-        inception_run(net, net->pixels, n, height, width, channels);
-        for (int k = 0; k < 3; k++)
-            if (out[k])
-                cuda_check(cudaMemcpyAsync(inception_staged(net, slot, k), features[k], (size_t)n * inception_dims[k] * sizeof(float),
-                                           cudaMemcpyDeviceToHost, gpu.stream));
-        cuda_check(cudaEventRecord(net->staged_done[slot], gpu.stream));
-    }
-    for (int64_t i = batches > 2 ? batches - 2 : 0; i < batches; i++) inception_unstage(net, count, batch, i, out);
-    return 0;
-}
-
-extern "C" int unet_inception_max_batch(const UnetInception *net, int limit, char *err, size_t err_len) {
-    if (api_gpu_ready(err, err_len) != 0) return 0;
-    size_t free_bytes, total_bytes;
-    cuda_check(cudaMemGetInfo(&free_bytes, &total_bytes));
-    int64_t budget = (int64_t)(free_bytes * 0.5);  // half: cuBLASLt and the statistics after it need room too
-    int batch = limit;
-    while (batch > 1 && unet_inception_gpu_bytes(net, batch) > budget) batch /= 2;
-    if (unet_inception_gpu_bytes(net, batch) > budget)
-        return error_line(err, err_len, "Inception needs %.2f GiB of GPU memory for one image; %.2f GiB are free",
-                          unet_inception_gpu_bytes(net, 1) / 1073741824.0, free_bytes / 1073741824.0), 0;
-    return batch;
-}
-
-// ---- statistics, the Fréchet distance, precision and recall (double where metrics.h is) ----
-
-static cusolverDnHandle_t solver;
-
-static void cusolver_check_(cusolverStatus_t status, const char *what, const char *file, int line) {
-    if (status != CUSOLVER_STATUS_SUCCESS) fatal("cuSOLVER: status %d (%s at %s:%d)", (int)status, what, file, line);
-}
-#define cusolver_check(call) cusolver_check_((call), #call, __FILE__, __LINE__)
-
-// column_sums[d] += sum over the rows of x[rows][dim] of x[r][d], in double, rows in order.
-__global__ void column_sums_kernel(double *column_sums, const float *x, int64_t rows, int dim) {
-    int d = blockIdx.x * blockDim.x + threadIdx.x;
-    if (d >= dim) return;
-    double sum = 0;
-    for (int64_t r = 0; r < rows; r++) sum += x[r * dim + d];
-    column_sums[d] += sum;
-}
-
-// centred[r][d] = x[r][d] - mean[d], in double.
-__global__ void centre_kernel(double *centred, const float *x, const double *mean, int64_t rows, int dim) {
-    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < rows * dim; i += (int64_t)gridDim.x * blockDim.x)
-        centred[i] = x[i] - mean[i % dim];
-}
-
-// The lower triangle of a symmetric dim x dim matrix (column-major, as DSYRK leaves it) copied to
-// the upper one, every entry times `scale`.
-__global__ void symmetrise_kernel(double *a, int dim, double scale) {
-    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < (int64_t)dim * dim; i += (int64_t)gridDim.x * blockDim.x) {
-        int row = (int)(i % dim), col = (int)(i / dim);
-        if (row < col) continue;
-        double v = a[i] * scale;
-        a[i] = v, a[(int64_t)row * dim + col] = v;
-    }
-}
-
-#define STATISTICS_CHUNK_ROWS 8192
-
-// metrics.h's feature_statistics on the GPU: the mean in double, then the centred products summed
-// by DSYRK over chunks of rows, divided by n - 1.
-extern "C" int unet_feature_statistics(const float *features, int64_t n, int dim, double *mean, double *cov, char *err, size_t err_len) {
-    if (n < 2) return error_line(err, err_len, "statistics need at least 2 feature rows, not %lld", (long long)n);
-    if (api_gpu_ready(err, err_len) != 0) return -1;
-    int64_t chunk = n < STATISTICS_CHUNK_ROWS ? n : STATISTICS_CHUNK_ROWS;
-    float *rows = (float *)gpu_malloc(chunk * dim * sizeof(float));
-    double *centred = (double *)gpu_malloc(chunk * dim * sizeof(double)), *d_mean = (double *)gpu_malloc(dim * sizeof(double));
-    double *d_cov = (double *)gpu_malloc((size_t)dim * dim * sizeof(double));
-    cuda_check(cudaMemsetAsync(d_mean, 0, dim * sizeof(double), gpu.stream));
-    for (int pass = 0; pass < 2; pass++) {
-        for (int64_t first = 0; first < n; first += chunk) {
-            int64_t m = n - first < chunk ? n - first : chunk;
-            cuda_check(cudaMemcpyAsync(rows, features + first * dim, m * dim * sizeof(float), cudaMemcpyHostToDevice, gpu.stream));
-            if (pass == 0) {
-                column_sums_kernel<<<(dim + 255) / 256, 256, 0, gpu.stream>>>(d_mean, rows, m, dim);
-                cuda_check_launch();
-                continue;
-            }
-            centre_kernel<<<blocks_for(m * dim, 256), 256, 0, gpu.stream>>>(centred, rows, d_mean, m, dim);
-            cuda_check_launch();
-            double one = 1.0, beta = first == 0 ? 0.0 : 1.0;
-            cublas_check(cublasDsyrk(gpu.blas, CUBLAS_FILL_MODE_LOWER, CUBLAS_OP_N, dim, (int)m, &one, centred, dim, &beta, d_cov, dim));
-        }
-        if (pass == 0) {
-            cuda_check(cudaMemcpyAsync(mean, d_mean, dim * sizeof(double), cudaMemcpyDeviceToHost, gpu.stream));
-            cuda_check(cudaStreamSynchronize(gpu.stream));
-            for (int d = 0; d < dim; d++) mean[d] /= (double)n;
-            cuda_check(cudaMemcpyAsync(d_mean, mean, dim * sizeof(double), cudaMemcpyHostToDevice, gpu.stream));
-        }
-    }
-    symmetrise_kernel<<<blocks_for((int64_t)dim * dim, 256), 256, 0, gpu.stream>>>(d_cov, dim, 1.0 / (double)(n - 1));
-    cuda_check_launch();
-    cuda_check(cudaMemcpyAsync(cov, d_cov, (size_t)dim * dim * sizeof(double), cudaMemcpyDeviceToHost, gpu.stream));
-    cuda_check(cudaStreamSynchronize(gpu.stream));
-    cudaFree(rows), cudaFree(centred), cudaFree(d_mean), cudaFree(d_cov);
-    return 0;
-}
-
-// The columns of v (column-major, n x n) times w_k^(1/2) each, w_k taken as 0 below n eps of the
-// largest (symmetric_sqrt's cut-off): with root = scaled v^T, V diag(sqrt w) V^T.
-__global__ void scale_eigenvectors_kernel(double *scaled, const double *v, const double *w, int n) {
-    double largest = w[n - 1];  // syevd's eigenvalues ascend
-    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < (int64_t)n * n; i += (int64_t)gridDim.x * blockDim.x) {
-        double wk = w[i / n];
-        scaled[i] = wk > n * DBL_EPSILON * largest ? v[i] * sqrt(wk) : 0.0;
-    }
-}
-
-// root = sqrt(s) (n x n, symmetric positive semi-definite) as metrics.h's symmetric_sqrt: s's
-// eigenvectors by cuSOLVER's DSYEVD, then V diag(sqrt w) V^T. work: 2 n^2 doubles, plus cuSOLVER's.
-static void gpu_symmetric_sqrt(double *root, const double *s, int n, double *work, double *w, int *info) {
-    double *vectors = work, *scaled = work + (size_t)n * n;
-    cuda_check(cudaMemcpyAsync(vectors, s, (size_t)n * n * sizeof(double), cudaMemcpyDeviceToDevice, gpu.stream));
-    int lwork = 0;
-    cusolver_check(cusolverDnDsyevd_bufferSize(solver, CUSOLVER_EIG_MODE_VECTOR, CUBLAS_FILL_MODE_LOWER, n, vectors, n, w, &lwork));
-    double *solver_work = (double *)gpu_malloc((size_t)lwork * sizeof(double));
-    cusolver_check(cusolverDnDsyevd(solver, CUSOLVER_EIG_MODE_VECTOR, CUBLAS_FILL_MODE_LOWER, n, vectors, n, w, solver_work, lwork, info));
-    scale_eigenvectors_kernel<<<blocks_for((int64_t)n * n, 256), 256, 0, gpu.stream>>>(scaled, vectors, w, n);
-    cuda_check_launch();
-    double one = 1.0, zero = 0.0;
-    cublas_check(cublasDgemm(gpu.blas, CUBLAS_OP_N, CUBLAS_OP_T, n, n, n, &one, scaled, n, vectors, n, &zero, root, n));
-    cuda_check(cudaStreamSynchronize(gpu.stream));
-    cudaFree(solver_work);
-}
-
-// metrics.h's frechet_distance on the GPU: the sum of the singular values of sqrt(s1) sqrt(s2) by
-// cuSOLVER's DGESVD (values only).
-extern "C" int unet_frechet_distance(const double *mu1, const double *s1, const double *mu2, const double *s2, int dim, double *distance,
-                                     char *err, size_t err_len) {
-    if (api_gpu_ready(err, err_len) != 0) return -1;
-    if (!solver) {
-        cusolver_check(cusolverDnCreate(&solver));
-        cusolver_check(cusolverDnSetStream(solver, gpu.stream));
-    }
-    size_t nn = (size_t)dim * dim;
-    double *d_s = (double *)gpu_malloc(nn * sizeof(double)), *roots = (double *)gpu_malloc(2 * nn * sizeof(double));
-    double *work = (double *)gpu_malloc(2 * nn * sizeof(double)), *w = (double *)gpu_malloc(2 * (size_t)dim * sizeof(double));
-    int *info = (int *)gpu_malloc(3 * sizeof(int)), h_info[3];
-    for (int k = 0; k < 2; k++) {
-        cuda_check(cudaMemcpyAsync(d_s, k ? s2 : s1, nn * sizeof(double), cudaMemcpyHostToDevice, gpu.stream));
-        gpu_symmetric_sqrt(roots + k * nn, d_s, dim, work, w, info + k);
-    }
-    double one = 1.0, zero = 0.0;  // product = R1 R2
-    cublas_check(cublasDgemm(gpu.blas, CUBLAS_OP_N, CUBLAS_OP_N, dim, dim, dim, &one, roots, dim, roots + nn, dim, &zero, work, dim));
-    int lwork = 0;
-    cusolver_check(cusolverDnDgesvd_bufferSize(solver, dim, dim, &lwork));
-    double *solver_work = (double *)gpu_malloc((size_t)lwork * sizeof(double));
-    cusolver_check(cusolverDnDgesvd(solver, 'N', 'N', dim, dim, work, dim, w, NULL, dim, NULL, dim, solver_work, lwork, w + dim, info + 2));
-    double *singular = (double *)malloc_or_die(dim * sizeof(double));
-    cuda_check(cudaMemcpyAsync(singular, w, dim * sizeof(double), cudaMemcpyDeviceToHost, gpu.stream));
-    cuda_check(cudaMemcpyAsync(h_info, info, 3 * sizeof(int), cudaMemcpyDeviceToHost, gpu.stream));
-    cuda_check(cudaStreamSynchronize(gpu.stream));
-    int r = 0;
-    if (h_info[0] != 0 || h_info[1] != 0 || h_info[2] != 0) r = error_line(err, err_len, "the Fréchet distance's eigen- or singular values did not converge");
-    double d = 0;
-    for (int i = 0; i < dim; i++) d += (mu1[i] - mu2[i]) * (mu1[i] - mu2[i]) + s1[(size_t)i * dim + i] + s2[(size_t)i * dim + i] - 2 * singular[i];
-    *distance = d;
-    free(singular);
-    cudaFree(d_s), cudaFree(roots), cudaFree(work), cudaFree(w), cudaFree(info), cudaFree(solver_work);
-    return r;
-}
-
-// Precision and recall: squared distances |x|^2 + |y|^2 - 2 x.y (clamped at 0, as guided-diffusion's
-// ManifoldEstimator computes them, in fp32), a chunk of rows against all of the other set's at a time.
-#define MANIFOLD_MAX_K 7
-
-// norms[r] = |x_r|^2.
-__global__ void squared_norms_kernel(float *norms, const float *x, int64_t rows, int dim) {
-    for (int64_t r = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; r < rows; r += (int64_t)gridDim.x * blockDim.x) {
-        float sum = 0.0f;
-        for (int d = 0; d < dim; d++) sum += x[r * dim + d] * x[r * dim + d];
-        norms[r] = sum;
-    }
-}
-
-// One block a row of dots[rows][cols] (x_r . y_c, x and y one set): radii[r] = the (k+1)-th smallest
-// squared distance of row r (its own 0 first): manifold_radii's radius.
-__global__ void manifold_radii_kernel(float *radii, const float *dots, const float *x_norms, const float *y_norms, int64_t cols, int k) {
-    __shared__ float best[256][MANIFOLD_MAX_K + 1];
-    int64_t row = blockIdx.x;
-    const float *d = dots + row * cols;
-    float mine[MANIFOLD_MAX_K + 1];
-    for (int q = 0; q <= k; q++) mine[q] = INFINITY;
-    for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) {
-        float dist = fmaxf(x_norms[row] + y_norms[c] - 2.0f * d[c], 0.0f);
-        for (int q = 0; q <= k; q++)  // insert into the sorted k + 1 smallest
-            if (dist < mine[q]) {
-                float t = mine[q];
-                mine[q] = dist, dist = t;
-            }
-    }
-    for (int q = 0; q <= k; q++) best[threadIdx.x][q] = mine[q];
-    __syncthreads();
-    if (threadIdx.x != 0) return;
-    for (int t = 1; t < blockDim.x; t++)
-        for (int q = 0; q <= k; q++) {
-            float dist = best[t][q];
-            for (int p = 0; p <= k; p++)
-                if (dist < mine[p]) {
-                    float s = mine[p];
-                    mine[p] = dist, dist = s;
-                }
-        }
-    radii[row] = mine[k];
-}
-
-// One block a row of dots[rows][cols] between the references x and the samples y, both ways at once:
-// row_inside[r] = 1 when reference r lies in the samples' manifold (some distance at most that
-// sample's radius: recall), col_inside[c] = 1 when sample c lies in the references' (at most the
-// reference's radius: precision). col_inside, zeroed before, is only ever set to 1, by any block: no
-// order matters.
-__global__ void manifold_cross_kernel(unsigned char *row_inside, unsigned char *col_inside, const float *dots, const float *x_norms,
-                                      const float *y_norms, int64_t cols, const float *row_radii, const float *col_radii) {
-    int64_t row = blockIdx.x;
-    const float *d = dots + row * cols;
-    float radius = row_radii[row];
-    int found = 0;
-    for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) {
-        float dist = fmaxf(x_norms[row] + y_norms[c] - 2.0f * d[c], 0.0f);
-        found |= dist <= col_radii[c];
-        if (dist <= radius) col_inside[c] = 1;
-    }
-    found = __syncthreads_or(found);
-    if (threadIdx.x == 0) row_inside[row] = (unsigned char)found;
-}
-
-// dots[m][n_y] = rows first .. first + m - 1 of x against all of y's: x_chunk y^T (fp32).
-static void manifold_dots(float *dots, const float *x, int64_t first, int64_t m, const float *y, int64_t n_y, int dim) {
-    float one = 1.0f, zero = 0.0f;
-    cublas_check(cublasSgemm(gpu.blas, CUBLAS_OP_T, CUBLAS_OP_N, (int)n_y, (int)m, dim, &one, y, dim, x + first * dim, dim, &zero, dots,
-                             (int)n_y));
-}
-
-// Each row's radius among its own set (n rows of x on the GPU), a chunk of rows at a time.
-static void manifold_radii(float *radii, const float *x, const float *norms, int64_t n, int dim, int k, float *dots, int64_t chunk) {
-    for (int64_t first = 0; first < n; first += chunk) {
-        int64_t m = n - first < chunk ? n - first : chunk;
-        manifold_dots(dots, x, first, m, x, n, dim);
-        manifold_radii_kernel<<<(unsigned)m, 256, 0, gpu.stream>>>(radii + first, dots, norms + first, norms, n, k);
-        cuda_check_launch();
-    }
-}
-
-// The references (set 0) against the samples (set 1), a chunk of references at a time: inside[s][i]
-// set to 1 when item i of set s lies in the other set's manifold (inside zeroed before).
-static void manifold_cross(unsigned char *const inside[2], const float *const features[2], const float *const norms[2],
-                           const int64_t counts[2], const float *const radii[2], int dim, float *dots, int64_t chunk) {
-    for (int64_t first = 0; first < counts[0]; first += chunk) {
-        int64_t m = counts[0] - first < chunk ? counts[0] - first : chunk;
-        manifold_dots(dots, features[0], first, m, features[1], counts[1], dim);
-        manifold_cross_kernel<<<(unsigned)m, 256, 0, gpu.stream>>>(inside[0] + first, inside[1], dots, norms[0] + first, norms[1], counts[1],
-                                                                    radii[0] + first, radii[1]);
-        cuda_check_launch();
-    }
-}
-
-extern "C" int unet_precision_recall(const float *ref, int64_t n_ref, const float *sample, int64_t n_sample, int dim, int k,
-                                     double *precision, double *recall, char *err, size_t err_len) {
-    if (k < 1 || k > MANIFOLD_MAX_K) return error_line(err, err_len, "precision and recall take k in 1..%d, not %d", MANIFOLD_MAX_K, k);
-    if (n_ref <= k || n_sample <= k)
-        return error_line(err, err_len, "precision and recall need more than k = %d images in each set, not %lld and %lld", k,
-                          (long long)n_ref, (long long)n_sample);
-    if (api_gpu_ready(err, err_len) != 0) return -1;
-    const float *sets[2] = {ref, sample};
-    int64_t counts[2] = {n_ref, n_sample};
-    float *features[2], *norms[2], *radii[2];
-    unsigned char *inside[2];
-    for (int s = 0; s < 2; s++) {
-        features[s] = (float *)gpu_malloc(counts[s] * dim * sizeof(float));
-        norms[s] = (float *)gpu_malloc(counts[s] * sizeof(float));
-        radii[s] = (float *)gpu_malloc(counts[s] * sizeof(float));
-        inside[s] = (unsigned char *)gpu_malloc(counts[s]);
-        cuda_check(cudaMemsetAsync(inside[s], 0, counts[s], gpu.stream));
-        cuda_check(cudaMemcpyAsync(features[s], sets[s], counts[s] * dim * sizeof(float), cudaMemcpyHostToDevice, gpu.stream));
-        squared_norms_kernel<<<blocks_for(counts[s], 256), 256, 0, gpu.stream>>>(norms[s], features[s], counts[s], dim);
-        cuda_check_launch();
-    }
-    int64_t widest = n_ref > n_sample ? n_ref : n_sample, chunk = ((int64_t)64 << 20) / widest;  // 256 MB of dots
-    if (chunk < 1) chunk = 1;
-    float *dots = (float *)gpu_malloc(chunk * widest * sizeof(float));
-    for (int s = 0; s < 2; s++) manifold_radii(radii[s], features[s], norms[s], counts[s], dim, k, dots, chunk);
-    // the references against the samples, once: samples in the references' manifold (precision), references in the samples' (recall)
-    manifold_cross(inside, features, norms, counts, radii, dim, dots, chunk);
-    int64_t hits[2] = {0, 0};
-    for (int s = 0; s < 2; s++) {
-        unsigned char *h = (unsigned char *)malloc_or_die(counts[s]);
-        cuda_check(cudaMemcpyAsync(h, inside[s], counts[s], cudaMemcpyDeviceToHost, gpu.stream));
-        cuda_check(cudaStreamSynchronize(gpu.stream));
-        for (int64_t i = 0; i < counts[s]; i++) hits[s] += h[i];
-        free(h);
-        cudaFree(features[s]), cudaFree(norms[s]), cudaFree(radii[s]), cudaFree(inside[s]);
-    }
-    cudaFree(dots);
-    *precision = (double)hits[1] / (double)n_sample;
-    *recall = (double)hits[0] / (double)n_ref;
-    return 0;
-}
+#include "unet_api.cuh"  // defines: the C API of unet_api.h, for generate and evaluate
 
 // ----------------------------------------------------------------------------------------------
 // main
