@@ -81,7 +81,7 @@ CUDA_LIBS := -lcublas -lcublasLt -lcusolver $(NCCL_LIBS) $(STB_LIBS)
 BINARIES := train_unet prepare_data check_shapes generate evaluate
 # The headers train_unet.cu includes: its own rules, and those of the programs that include it, rebuild when one changes.
 TRAINER_HEADERS := gpu.cuh config.cuh team.cuh inception.cuh fid.cuh checkpoints.cuh unet_api.cuh \
-                   checkpoint.h dataset.h fileio.h loss_plot.h png.h ptfile.h random.h sampler.h unet_api.h
+                   checkpoint.h dataset.h fileio.h loss_plot.h png.h ptfile.h random.h sampler.h tensorfile.h unet_api.h
 SHAPES_COUNT := 10000
 SHAPES_SIZE := 64
 SHAPES_SEED := 1
@@ -126,7 +126,7 @@ build/generate.o: generate.c cli.h dataset.h fileio.h sampler.h random.h png.h u
 generate: build/generate.o build/train_unet.o build/version.o
 	$(NVCC) $(GPU_ARCH) -o $@ $^ $(CUDA_LIBS)
 
-build/evaluate.o: evaluate.c checkpoint.h cli.h dataset.h fileio.h metrics.h ptfile.h unet_api.h sampler.h
+build/evaluate.o: evaluate.c checkpoint.h cli.h dataset.h fileio.h metrics.h ptfile.h tensorfile.h unet_api.h sampler.h
 	@mkdir -p build
 	$(CC) $(CFLAGS) $(STB_CFLAGS) -c -o $@ $<
 
@@ -161,7 +161,7 @@ build/test/test_dataset: dev/test/test_dataset.c dataset.h fileio.h dev/test/che
 	$(CC) $(CFLAGS) $(ASAN) -o $@ $<
 
 # The checkpoint readers (checkpoint.h) on the corpus, with UBSan findings fatal.
-build/test/test_safetensors: dev/test/test_safetensors.c checkpoint.h ptfile.h fileio.h dev/test/check.h
+build/test/test_safetensors: dev/test/test_safetensors.c checkpoint.h ptfile.h tensorfile.h fileio.h dev/test/check.h
 	@mkdir -p build/test
 	$(CC) $(CFLAGS) $(ASAN) -fno-sanitize-recover=undefined -o $@ $< -lm
 
@@ -181,7 +181,7 @@ build/test/test_dataloader: dev/test/test_dataloader.cu train_unet.cu $(TRAINER_
 	$(NVCC) $(NVCC_HOST_TESTS) $(NVCC_ASAN) -o $@ $< $(CUDA_LIBS)
 
 # The sample-quality mathematics (metrics.h) against known answers and the NumPy port's fixture.
-build/test/test_metrics: dev/test/test_metrics.c metrics.h checkpoint.h fileio.h dev/test/check.h
+build/test/test_metrics: dev/test/test_metrics.c metrics.h checkpoint.h ptfile.h tensorfile.h fileio.h dev/test/check.h
 	@mkdir -p build/test
 	$(CC) $(CFLAGS) $(ASAN) -fno-sanitize-recover=undefined -o $@ $< -lm
 

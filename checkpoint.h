@@ -12,7 +12,9 @@
 #include <stddef.h>
 #include <stdlib.h>
 
-#include "fileio.h"  // error_line, map_regular_file
+#include "fileio.h"      // error_line, map_regular_file
+#include "ptfile.h"      // PyTorch's .pt files, into the same SafeTensorsFile
+#include "tensorfile.h"  // SafeTensorsFile: the tensors and metadata a file holds, found by name
 
 // ----------------------------------------------------------------------------------------------
 // safetensors: an 8-byte little-endian header length, a JSON header
@@ -24,40 +26,9 @@
 // no trailing bytes).
 
 #define SAFETENSORS_MAX_HEADER (100u << 20)
-#define SAFETENSORS_MAX_DIMS 8
 #define SAFETENSORS_MAX_TENSORS 100000
 #define SAFETENSORS_MAX_METADATA 4096
 #define SAFETENSORS_MAX_NUMEL ((int64_t)1 << 40)
-
-typedef struct {
-    char *name;
-    char dtype[8];  // F64, F32, F16, BF16, I64, I32, ... (see safetensors_dtype_bytes)
-    int ndim;
-    int64_t shape[SAFETENSORS_MAX_DIMS];
-    int64_t numel;
-    uint64_t begin, end;  // data offsets
-    const uint8_t *data;  // into the file's bytes
-} SafeTensor;
-
-typedef struct {
-    const char *key, *value;  // heap strings in a file read here; the writer takes any
-} MetaPair;
-
-typedef struct {
-    MappedFile file;  // the mapped file (safetensors_open), or none (safetensors_parse)
-    SafeTensor *tensors;  // sorted by name
-    int count;
-    MetaPair *meta;  // sorted by key
-    int meta_count;
-} SafeTensorsFile;
-
-static inline int safetensors_dtype_bytes(const char *dtype) {
-    static const char *const names[] = {"F64", "I64", "U64", "F32", "I32", "U32", "F16", "BF16", "I16", "U16", "I8", "U8", "BOOL"};
-    static const int bytes[] = {8, 8, 8, 4, 4, 4, 2, 2, 2, 2, 1, 1, 1};
-    for (int i = 0; i < 13; i++)
-        if (strcmp(dtype, names[i]) == 0) return bytes[i];
-    return 0;
-}
 
 // A cursor over the JSON header; the first error wins and stops the parse.
 typedef struct {
@@ -232,24 +203,9 @@ static inline int safetensors_metadata_object(JsonCursor *j, SafeTensorsFile *f,
     return json_expect(j, '}', "',' or '}' in __metadata__") ? 0 : -1;
 }
 
-static inline void safetensors_close(SafeTensorsFile *f) {
-    for (int i = 0; i < f->count; i++) free(f->tensors[i].name);
-    for (int i = 0; i < f->meta_count; i++) free((void *)f->meta[i].key), free((void *)f->meta[i].value);
-    free(f->tensors);
-    free(f->meta);
-    unmap_file(&f->file);
-    memset(f, 0, sizeof *f);
-}
-
-static inline int safetensors_by_name(const void *a, const void *b) {
-    return strcmp(((const SafeTensor *)a)->name, ((const SafeTensor *)b)->name);
-}
 static inline int safetensors_by_offset(const void *a, const void *b) {
     const SafeTensor *x = *(const SafeTensor *const *)a, *y = *(const SafeTensor *const *)b;
     return x->begin != y->begin ? (x->begin > y->begin) - (x->begin < y->begin) : (x->end > y->end) - (x->end < y->end);
-}
-static inline int safetensors_by_key(const void *a, const void *b) {
-    return strcmp(((const MetaPair *)a)->key, ((const MetaPair *)b)->key);
 }
 
 // Sorts the metadata by key and refuses a key given twice.
@@ -343,8 +299,6 @@ static inline int safetensors_parse(const uint8_t *bytes, uint64_t size, SafeTen
     return 0;
 }
 
-#include "ptfile.h"  // PyTorch's .pt files, into the same SafeTensorsFile
-
 // Maps and parses file `path` of folder `dir` (a handle, or AT_FDCWD): a safetensors file, or a
 // state_dict that torch.save wrote (ptfile.h); `shown` names it in messages. Returns 0, or -1 with
 // a message.
@@ -364,20 +318,6 @@ static inline int safetensors_open_at(int dir, const char *path, const char *sho
 
 static inline int safetensors_open(const char *path, SafeTensorsFile *f, char *err, size_t err_len) {
     return safetensors_open_at(AT_FDCWD, path, path, f, err, err_len);
-}
-
-static inline const SafeTensor *safetensors_find(const SafeTensorsFile *f, const char *name) {
-    SafeTensor key;
-    key.name = (char *)name;
-    return f->count ? (const SafeTensor *)bsearch(&key, f->tensors, f->count, sizeof(SafeTensor), safetensors_by_name) : NULL;
-}
-
-static inline const char *safetensors_metadata(const SafeTensorsFile *f, const char *key) {
-    MetaPair wanted;
-    wanted.key = key;
-    const MetaPair *found =
-        f->meta_count ? (const MetaPair *)bsearch(&wanted, f->meta, f->meta_count, sizeof(MetaPair), safetensors_by_key) : NULL;
-    return found ? found->value : NULL;
 }
 
 static inline float bf16_bits_to_float(uint16_t b) {

@@ -11,10 +11,17 @@
 // types (Float, Half, BFloat16, Double, Long); any other global, opcode or shape of object is refused
 // with one line. Containers nest at most PT_MAX_DEPTH deep and every count is bounded, so no input
 // costs more than time and memory linear in its size. Plain C: the fuzz target compiles it too.
-// checkpoint.h includes this after its safetensors types (SafeTensorsFile, safetensors_close...):
-// include checkpoint.h, not this.
+// The tensor file it fills is tensorfile.h's; checkpoint.h's safetensors_open takes either format,
+// so a reader of checkpoints includes checkpoint.h rather than this.
 #ifndef PTFILE_H
 #define PTFILE_H
+
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "fileio.h"      // error_line
+#include "tensorfile.h"  // SafeTensorsFile, safetensors_close, _dtype_bytes, _by_name
 
 #define PT_MAX_DEPTH 32           // containers inside containers
 #define PT_MAX_VALUES (1 << 22)   // values a pickle makes

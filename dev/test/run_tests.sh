@@ -9,7 +9,7 @@ mode=${1:-all}
 timeout_s=${TEST_TIMEOUT:-1800}
 cpu_tests=(build/test/test_dataset build/test/test_safetensors build/test/test_shapes build/test/test_dataloader
            dev/test/test_prepare_data.sh dev/test/test_train_cli.sh dev/test/test_generate.sh dev/test/test_corpus.sh
-           dev/test/test_cli.sh
+           dev/test/test_cli.sh dev/test/test_layout.sh
            build/test/test_reference build/test/test_unet_fixtures build/test/test_checkpoint build/test/test_conv_plan
            build/test/test_sampler build/test/test_sampler_fixture build/test/test_loss_plot build/test/test_metrics
            build/test/test_inception dev/test/test_evaluate.sh build/test/test_rendezvous build/test/test_update_plan
