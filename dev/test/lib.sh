@@ -43,13 +43,13 @@ expect_grep() { grep -qE -- "$1" "$2" || { case_fail "'$1' not in $(basename "$2
 expect_absent() { [ ! -e "$1" ] || case_fail "$1 exists but should not"; }
 case_summary() { case_end; echo "$CASES_PASSED passed, $CASES_FAILED failed"; [ "$CASES_FAILED" = 0 ]; }
 
-# The command-line convention's help, for PROGRAM (its README heading is "### `NAME`", NAME its
-# file name): no arguments, -h, --help, and -h or --help after the other ARGS each print exactly
-# what --help prints, on stdout, nothing on stderr, exit 0; README.md's copy of the usage (the first
-# code block under the heading) is that text too.
+# The command-line convention's help, for PROGRAM (NAME its file name): no arguments, -h, --help,
+# and -h or --help after the other ARGS each print exactly what --help prints, on stdout, nothing on
+# stderr, exit 0; and the docs' copy of the usage is that text too: the first code block under the
+# heading "### `NAME`", which README.md and docs/*.md together must hold exactly once.
 expect_usage() {
     local program=$1 name; name=$(basename "$1"); shift
-    local help=$TEST_TMP/$name.help readme=$TEST_TMP/$name.readme
+    local help=$TEST_TMP/$name.help copy=$TEST_TMP/$name.copy
     "$program" --help >"$help" 2>"$LAST_ERR" || case_fail "$name --help: exit $?"
     local args
     for args in "" -h --help "$* -h" "$* --help"; do
@@ -58,9 +58,17 @@ expect_usage() {
         [ -s "$LAST_ERR" ] && case_fail "'$args' wrote on stderr: $(head -1 "$LAST_ERR")"
         cmp -s "$LAST_OUT" "$help" || case_fail "'$args' did not print the usage"
     done
-    awk -v heading="### \`$name\`" '$0 == heading { on = 1; next } on && /^```/ { if (inside) exit; inside = 1; next } inside' \
-        README.md >"$readme"
-    [ -s "$readme" ] || case_fail "no usage block under ### \`$name\` in README.md"
-    diff "$readme" "$help" >"$TEST_TMP/$name.diff" ||
-        { case_fail "README.md's usage of $name differs from its --help:"; head -8 "$TEST_TMP/$name.diff" | sed 's/^/    /'; }
+    local heading="### \`$name\`" file found="" count=0 n
+    for file in README.md docs/*.md; do
+        [ -f "$file" ] || continue
+        n=$(grep -cxF -- "$heading" "$file")
+        if [ "$n" -gt 0 ]; then count=$((count + n)); found="$found${found:+, }$file"; fi
+    done
+    if [ "$count" = 0 ]; then case_fail "no heading $heading in README.md or docs/*.md"; return
+    elif [ "$count" != 1 ]; then case_fail "heading $heading found $count times (in $found), expected once"; return; fi
+    awk -v heading="$heading" '$0 == heading { on = 1; next } on && /^```/ { if (inside) exit; inside = 1; next } inside' \
+        "$found" >"$copy"
+    [ -s "$copy" ] || { case_fail "no usage block under $heading in $found"; return; }
+    diff "$copy" "$help" >"$TEST_TMP/$name.diff" ||
+        { case_fail "$found's usage of $name (under $heading) differs from its --help:"; head -8 "$TEST_TMP/$name.diff" | sed 's/^/    /'; }
 }

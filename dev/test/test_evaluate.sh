@@ -22,7 +22,7 @@ for spec in sys.argv[2:]:
 PY
 }
 
-case_begin "the command-line convention: the usage on stdout and exit 0 for no arguments, -h and --help; README.md's copy is the same"
+case_begin "the command-line convention: the usage on stdout and exit 0 for no arguments, -h and --help; the docs' copy is the same"
 expect_usage ./evaluate --ref x.bin
 expect_grep "^usage: evaluate --ref REF --sample SAMPLES" "$T/evaluate.help"
 

@@ -25,7 +25,7 @@ expect_fail ./generate --checkpoint "$UP_PT" --large_size 8 --small_size 4 --num
 expect_grep "an upsampler \(SuperResModel, 4x4 to 8x8\)" "$LAST_OUT"
 expect_grep "give the images to upsample with --low_res FILE.bin" "$LAST_ERR"
 
-case_begin "the command-line convention: the usage on stdout and exit 0 for no arguments, -h and --help; README.md's copy is the same"
+case_begin "the command-line convention: the usage on stdout and exit 0 for no arguments, -h and --help; the docs' copy is the same"
 expect_usage ./generate --num 3
 expect_grep "^usage: generate --checkpoint" "$TEST_TMP/generate.help"
 

@@ -267,7 +267,7 @@ for bad in --bogus --bogus=1 -x --Size:--size; do
 done
 expect_absent "$T/out1/x.bin"
 
-case_begin "no arguments, -h and --help print the usage on stdout, exit status 0; README.md's copy is the same"
+case_begin "no arguments, -h and --help print the usage on stdout, exit status 0; the docs' copy is the same"
 expect_usage "$PD" --input "$T/formats" --bogus
 expect_grep "^usage: prepare_data --input DIR" "$TEST_TMP/prepare_data.help"
 expect_exit 0 "$PD" --synthetic shapes -h --output "$T/out1/x.bin"
