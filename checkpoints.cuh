@@ -76,67 +76,67 @@ static int64_t whole_number(const char *p) {
 
 #define CHECKPOINT_FORMAT_VERSION 2
 
+// An option's value in the metadata: as the command line spells it, a float in the fewest digits
+// that read back as the same float.
+static void meta_add_option(Metadata *m, const Options *o, const OptionSpec *s) {
+    const char *value = (const char *)o + s->offset, *key = metadata_key(s);
+    char buf[32];
+    switch (s->type) {
+    case OPT_INT: meta_add(m, key, "%d", *(const int *)value); break;
+    case OPT_LONG: meta_add(m, key, "%lld", *(const long long *)value); break;
+    case OPT_FLOAT: meta_add(m, key, "%s", float_text(*(const float *)value, buf, sizeof buf)); break;
+    case OPT_BOOL:
+    case OPT_SWITCH: meta_add(m, key, "%s", *(const int *)value ? "True" : "False"); break;
+    case OPT_STRING: meta_add(m, key, "%s", *(const char *const *)value); break;
+    }
+}
+
+// The configuration a checkpoint records: every MODEL, KEPT and TUNABLE option of the option table,
+// in its order, under guided-diffusion's names, as model c resolved them (num_classes: its label
+// rows, or a classifier's logits; classifier_pool: its head, "" for the UNet; batch_size: the images
+// a step on all the GPUs); an upsampler's sizes as guided-diffusion's large_size and small_size
+// (other models have neither); and null_class (the last label row is classifier-free guidance's
+// null class).
 static Metadata checkpoint_metadata(const Options *o, const ModelConfig *c, int64_t step) {
     Metadata m;
     memset(&m, 0, sizeof m);
-    const char *truth[2] = {"False", "True"};
-    char buf[32];
     meta_add(&m, "format", "unet.cu checkpoint");
     meta_add(&m, "format_version", "%d", CHECKPOINT_FORMAT_VERSION);
     meta_add(&m, "step", "%lld", (long long)step);
-    meta_add(&m, "image_size", "%d", c->image_size);
-    meta_add(&m, "num_channels", "%d", c->model_channels);
-    meta_add(&m, "num_res_blocks", "%d", c->num_res_blocks);
-    meta_add(&m, "channel_mult", "%s", o->channel_mult);
-    meta_add(&m, "attention_resolutions", "%s", o->attention_resolutions);
-    meta_add(&m, "num_heads", "%d", c->num_heads);
-    meta_add(&m, "num_head_channels", "%d", c->num_head_channels);
-    meta_add(&m, "num_heads_upsample", "%d", c->num_heads_upsample);
-    meta_add(&m, "use_scale_shift_norm", "%s", truth[c->use_scale_shift_norm]);
-    meta_add(&m, "resblock_updown", "%s", truth[c->resblock_updown]);
-    meta_add(&m, "use_new_attention_order", "%s", truth[c->use_new_attention_order]);
-    meta_add(&m, "conv_resample", "%s", truth[c->conv_resample]);
-    meta_add(&m, "dropout", "%g", c->dropout);
-    meta_add(&m, "class_cond", "%s", truth[c->num_classes > 0]);
-    meta_add(&m, "num_classes", "%d", c->pool ? c->out_channels : c->num_classes);  // a classifier's: its logits
-    meta_add(&m, "null_class", "%s", truth[c->num_classes > 0]);  // the last label_emb row: unconditional
-    meta_add(&m, "learn_sigma", "%s", truth[!c->pool && c->out_channels == 2 * c->in_channels]);
-    meta_add(&m, "classifier_pool", "%s", pool_names[c->pool]);  // "": the diffusion UNet
-    if (c->low_res) meta_add(&m, "large_size", "%d", c->image_size), meta_add(&m, "small_size", "%d", c->low_res);
-    meta_add(&m, "diffusion_steps", "%d", o->diffusion_steps);
-    meta_add(&m, "noise_schedule", "%s", o->noise_schedule);
-    meta_add(&m, "predict", "%s", o->predict);
-    meta_add(&m, "use_kl", "%s", truth[o->use_kl]);
-    meta_add(&m, "rescale_learned_sigmas", "%s", truth[o->rescale_learned_sigmas]);
-    meta_add(&m, "schedule_sampler", "%s", o->schedule_sampler);
-    meta_add(&m, "batch_size", "%d", o->batch_size * o->gpus);  // images per step, on all GPUs
-    meta_add(&m, "seed", "%lld", o->seed);
-    meta_add(&m, "ema_rates", "%s", o->ema_rate);  // every rate; each EMA file names its own as ema_rate
-    meta_add(&m, "random_flip", "%s", truth[o->random_flip]);
-    meta_add(&m, "lr", "%s", float_text(o->lr, buf, sizeof buf));
-    meta_add(&m, "weight_decay", "%s", float_text(o->weight_decay, buf, sizeof buf));
-    meta_add(&m, "beta1", "%s", float_text(o->beta1, buf, sizeof buf));
-    meta_add(&m, "beta2", "%s", float_text(o->beta2, buf, sizeof buf));
-    meta_add(&m, "adam_eps", "%s", float_text(o->adam_eps, buf, sizeof buf));
-    meta_add(&m, "warmup_steps", "%d", o->warmup_steps);
-    meta_add(&m, "lr_decay", "%s", o->lr_decay);
-    meta_add(&m, "min_lr", "%s", float_text(o->min_lr, buf, sizeof buf));
-    meta_add(&m, "grad_clip", "%s", float_text(o->grad_clip, buf, sizeof buf));
-    meta_add(&m, "cfg_dropout", "%s", float_text(o->cfg_dropout, buf, sizeof buf));
-    meta_add(&m, "steps", "%lld", o->steps);
+    Options v = *o;
+    v.image_size = c->image_size, v.num_channels = c->model_channels, v.num_res_blocks = c->num_res_blocks;
+    v.num_heads = c->num_heads, v.num_head_channels = c->num_head_channels, v.num_heads_upsample = c->num_heads_upsample;
+    v.use_scale_shift_norm = c->use_scale_shift_norm, v.resblock_updown = c->resblock_updown;
+    v.use_new_attention_order = c->use_new_attention_order, v.conv_resample = c->conv_resample, v.dropout = c->dropout;
+    v.class_cond = c->num_classes > 0, v.num_classes = c->pool ? c->out_channels : c->num_classes, v.learn_sigma = c->learn_sigma;
+    v.classifier_pool = pool_names[c->pool], v.super_res = c->low_res, v.batch_size = o->batch_size * o->gpus;
+    for (int i = 0; i < NUM_OPTIONS; i++) {
+        const OptionSpec *s = &option_specs[i];
+        int super_res = s->offset == offsetof(Options, super_res);
+        if (!(s->group & IN_METADATA) || (super_res && !c->low_res)) continue;
+        if (super_res) meta_add(&m, "large_size", "%d", c->image_size);
+        meta_add_option(&m, &v, s);
+        if (s->offset == offsetof(Options, num_classes)) meta_add(&m, "null_class", "%s", c->num_classes > 0 ? "True" : "False");
+    }
     return m;
 }
 
+// A key's value in metadata m, or NULL.
+static const char *metadata_value(const Metadata *m, const char *key) {
+    for (int i = 0; i < m->count; i++)
+        if (strcmp(m->entries[i].key, key) == 0) return m->entries[i].value;
+    return NULL;
+}
+
 // What resume allows to differ between the checkpoint's configuration and this run's: nothing of
-// the model (its weights would not fit, or would mean another function), nothing that fixes the
-// data, noise or EMA streams (batch, seed, diffusion, EMA rates), and anything of the optimiser
-// and its schedule (said when it differs).
+// the model (MODEL: its weights would not fit, or would mean another function; an upsampler's sizes
+// and the null class with them), nothing that fixes the data, noise or EMA streams (KEPT: batch,
+// seed, diffusion, EMA rates), and anything of the optimiser and its schedule (TUNABLE, said when
+// it differs).
 static int resume_may_change(const char *key) {
-    static const char *const fixed[] = {"diffusion_steps", "noise_schedule", "predict", "batch_size", "seed", "ema_rates", "null_class"};
-    for (int i = 0; i < NUM_MODEL_FLAGS; i++)
-        if (strcmp(key, model_flags[i]) == 0) return 0;
-    for (size_t i = 0; i < sizeof fixed / sizeof fixed[0]; i++)
-        if (strcmp(key, fixed[i]) == 0) return 0;
+    if (strcmp(key, "null_class") == 0 || strcmp(key, "large_size") == 0) return 0;
+    for (int i = 0; i < NUM_OPTIONS; i++)
+        if (strcmp(key, metadata_key(&option_specs[i])) == 0) return !(option_specs[i].group & (MODEL | KEPT));
     return 1;
 }
 
@@ -161,14 +161,14 @@ static int compare_with_checkpoint(const SafeTensorsFile *f, const char *path, c
     ModelConfig default_config;
     char refused[768] = "", why[256], unrecorded[160];
     if (model_config_from_options(&default_options, 0, &default_config, why, sizeof why) != 0) fatal("the default model: %s", why);
-    Metadata defaults = checkpoint_metadata(&default_options, &default_config, 0);  // the same keys, in the same order
+    Metadata defaults = checkpoint_metadata(&default_options, &default_config, 0);
     changes[0] = '\0';
     for (int i = 0; i < now->count; i++) {
-        const char *key = now->entries[i].key, *then = safetensors_metadata(f, key);
+        const char *key = now->entries[i].key, *then = safetensors_metadata(f, key), *meant = metadata_value(&defaults, key);
         if (strcmp(key, "step") == 0 || strncmp(key, "format", 6) == 0) continue;
         if (!then) {
-            snprintf(unrecorded, sizeof unrecorded, "not recorded, which means %s", defaults.entries[i].value);
-            if (strcmp(now->entries[i].value, defaults.entries[i].value) == 0) continue;
+            snprintf(unrecorded, sizeof unrecorded, "not recorded, which means %s", meant ? meant : "none");
+            if (meant && strcmp(now->entries[i].value, meant) == 0) continue;
             then = unrecorded;
         }
         if (strcmp(then, now->entries[i].value) == 0) continue;
@@ -483,9 +483,9 @@ static int write_checkpoint(const char *run_dir, const CheckpointData *d, int ke
 }
 
 // A checkpoint of the trainer's current step.
-static int save_checkpoint(Trainer *tr, const char *run_dir, const LoaderPosition *position, char *saved, size_t saved_len,
-                           char *err, size_t err_len) {
-    const Options *o = tr->o;
+// The run's options `o` are its metadata.
+static int save_checkpoint(Trainer *tr, const Options *o, const char *run_dir, const LoaderPosition *position, char *saved,
+                           size_t saved_len, char *err, size_t err_len) {
     UNet *m = &tr->m;
     trainer_settle(tr);
     Metadata meta = checkpoint_metadata(o, &tr->config, tr->step);
@@ -499,9 +499,9 @@ static int save_checkpoint(Trainer *tr, const char *run_dir, const LoaderPositio
     snprintf(h.noise_schedule, sizeof h.noise_schedule, "%s", o->noise_schedule);
     snprintf(h.predict, sizeof h.predict, "%s", o->predict);
     if (tr->weighted_draws) h.history_steps = tr->history.steps, h.history_length = LOSS_HISTORY;
-    CheckpointData d = {tr->step, &m->params, download_tensors(m, m->master), tr->num_ema, tr->ema_rates, {0}, &meta, &h, NULL,
-                        2 * (size_t)m->storage * sizeof(float), tr->weighted_draws ? &tr->history : NULL};
-    for (int i = 0; i < tr->num_ema; i++) d.ema[i] = download_tensors(m, tr->ema[i]);
+    CheckpointData d = {tr->step, &m->params, download_tensors(m, m->master), tr->train.num_ema, tr->train.ema_rates, {0}, &meta, &h,
+                        NULL, 2 * (size_t)m->storage * sizeof(float), tr->weighted_draws ? &tr->history : NULL};
+    for (int i = 0; i < tr->train.num_ema; i++) d.ema[i] = download_tensors(m, tr->ema[i]);
     float *moments = (float *)malloc_or_die(d.moments_bytes);
     cuda_check(cudaMemcpy(moments, m->adam_m, m->storage * sizeof(float), cudaMemcpyDeviceToHost));
     cuda_check(cudaMemcpy(moments + m->storage, m->adam_v, m->storage * sizeof(float), cudaMemcpyDeviceToHost));
@@ -509,7 +509,7 @@ static int save_checkpoint(Trainer *tr, const char *run_dir, const LoaderPositio
     int r = write_checkpoint(run_dir, &d, o->keep, saved, saved_len, err, err_len);
     free(moments);
     free_tensors(m, d.model);
-    for (int i = 0; i < tr->num_ema; i++) free_tensors(m, d.ema[i]);
+    for (int i = 0; i < tr->train.num_ema; i++) free_tensors(m, d.ema[i]);
     metadata_free(&meta);
     return r;
 }
@@ -606,7 +606,8 @@ typedef struct {
 // Checks everything a resume reads: model.safetensors and each EMA file (header, names, shapes,
 // F32, finite values), the configuration they were trained with against this run's (see
 // compare_with_checkpoint), and state.bin (state_check, then against this model and step).
-static int check_resume(const Options *o, const ModelConfig *c, const ParamList *params, ResumePoint *rp, char *err, size_t err_len) {
+static int check_resume(const Options *o, const ModelConfig *c, const TrainConfig *train, const ParamList *params, ResumePoint *rp,
+                        char *err, size_t err_len) {
     char path[4400];
     SafeTensorsFile f;
     snprintf(path, sizeof path, "%s/model.safetensors", rp->dir);
@@ -622,12 +623,8 @@ static int check_resume(const Options *o, const ModelConfig *c, const ParamList 
     metadata_free(&now);
     safetensors_close(&f);
     if (r == 0) r = read_parameters(params, path, 1, NULL, err, err_len);
-    double rates[8];
-    int num_ema = parse_number_list(o->ema_rate, rates, 8);
-    float ema_rates[8];
-    for (int i = 0; i < num_ema; i++) ema_rates[i] = (float)rates[i];
-    for (int i = 0; r == 0 && i < num_ema; i++) {
-        ema_file_name(path, sizeof path, rp->dir, ema_rates, i);
+    for (int i = 0; r == 0 && i < train->num_ema; i++) {
+        ema_file_name(path, sizeof path, rp->dir, train->ema_rates, i);
         r = read_parameters(params, path, 1, NULL, err, err_len);
     }
     if (r != 0) return -1;
@@ -666,8 +663,8 @@ static int load_checkpoint(Trainer *tr, const ResumePoint *rp, char *err, size_t
     char path[4400];
     snprintf(path, sizeof path, "%s/model.safetensors", rp->dir);
     if (load_parameters(m, path, m->master, 1, err, err_len) != 0) return -1;
-    for (int i = 0; i < tr->num_ema; i++) {
-        ema_file_name(path, sizeof path, rp->dir, tr->ema_rates, i);
+    for (int i = 0; i < tr->train.num_ema; i++) {
+        ema_file_name(path, sizeof path, rp->dir, tr->train.ema_rates, i);
         if (load_parameters(m, path, tr->ema[i], 1, err, err_len) != 0) return -1;
     }
     snprintf(path, sizeof path, "%s/state.bin", rp->dir);
@@ -891,8 +888,8 @@ static int infer_model_config(const SafeTensorsFile *f, const Options *given, in
 // *described gets one line of what was inferred and what was given. Returns 0, or -1 with a
 // message naming the file.
 static int model_from_tensors_and_flags(const SafeTensorsFile *f, const char *path, const char *const *flags, int num_flags,
-                                        ModelConfig *c, int *steps, const char **schedule, const char **predict, char *described,
-                                        size_t described_len, char *err, size_t err_len) {
+                                        ModelConfig *c, DiffusionConfig *d, char *described, size_t described_len, char *err,
+                                        size_t err_len) {
     Options given = guided_diffusion_defaults();
     given.image_size = 0;  // none: inference asks for it
     int heads_given = 0, used = 0;
@@ -941,6 +938,6 @@ static int model_from_tensors_and_flags(const SafeTensorsFile *f, const char *pa
              "%s use_scale_shift_norm %s resblock_updown %s class_cond %s learn_sigma %s; given:%s", kind, o->num_channels,
              inferred.channel_mult, o->num_res_blocks, inferred.attention_resolutions, truth[o->use_scale_shift_norm],
              truth[o->resblock_updown], truth[o->class_cond], truth[o->learn_sigma], given_text[0] ? given_text : " none");
-    *c = inferred.config, *steps = given.diffusion_steps, *schedule = given.noise_schedule, *predict = given.predict;
+    *c = inferred.config, *d = diffusion_config(&given, c);
     return 0;
 }

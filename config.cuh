@@ -28,6 +28,7 @@ typedef struct {
     int num_classes;                      // rows of label_emb (dataset classes + the null class), 0: unconditional
     int pool;                             // POOL_NONE: the diffusion UNet; else the noisy classifier with this head
     int low_res;                          // SuperResModel (the upsampler): the low-resolution image's side, 0: none
+    int learn_sigma;                      // the output's second half is the learned variance (out_channels 2 in_channels)
 } ModelConfig;
 
 // The model's input channels: the image's, and for SuperResModel the low-resolution image's after
@@ -89,101 +90,119 @@ typedef struct {
 
 typedef enum { OPT_INT, OPT_LONG, OPT_FLOAT, OPT_BOOL, OPT_STRING, OPT_SWITCH } OptionType;
 
+// What an option is besides a value of the run (OptionSpec.group, a set of these). A checkpoint's
+// metadata holds every MODEL, KEPT and TUNABLE option (checkpoint_metadata walks the table):
+//   MODEL           the model's: read back to build it (model_config_from_metadata); fixed on resume
+//   DIFFUSION       the diffusion's: read back with the model (diffusion_from_metadata)
+//   KEPT            fixed on resume: the data, noise and EMA streams depend on it
+//   TUNABLE         resume may change it (and says so)
+//   DIFFUSION_ONLY  a diffusion model's flag, which --model classifier refuses
+enum { MODEL = 1, DIFFUSION = 2, KEPT = 4, TUNABLE = 8, DIFFUSION_ONLY = 16 };
+#define IN_METADATA (MODEL | KEPT | TUNABLE)
+
 typedef struct {
     const char *name;
     OptionType type;
-    size_t offset;  // of the value in Options
+    size_t offset;     // of the value in Options
+    int group;         // MODEL, DIFFUSION, KEPT, TUNABLE, DIFFUSION_ONLY or none (0)
+    const char *key;   // its key in the metadata when that is not its name (guided-diffusion's), else NULL
     const char *help;
 } OptionSpec;
 
-#define OPT(name, type, help) {#name, type, offsetof(Options, name), help}
+#define OPT(name, type, group, help) {#name, type, offsetof(Options, name), group, NULL, help}
+#define OPT_KEY(name, type, group, key, help) {#name, type, offsetof(Options, name), group, key, help}
 static const OptionSpec option_specs[] = {
-    OPT(data, OPT_STRING, "dataset .bin written by prepare_data (required to train)"),
-    OPT(preset, OPT_STRING, "seed | adm64 | adm128 | adm256 | adm256u | adm512 | adm64_256 | adm128_512: a model and training "
-                                 "configuration to start from"),
-    OPT(image_size, OPT_INT, "image side in pixels; when not given, the dataset's (without --data the preset's)"),
-    OPT(num_channels, OPT_INT, "model channels (multiple of 32)"),
-    OPT(channel_mult, OPT_STRING, "channel multiplier per level, e.g. 1,2,3,4; \"\", or not given with an image size from the "
-                                  "dataset: guided-diffusion's default for that size"),
-    OPT(num_res_blocks, OPT_INT, "residual blocks per level"),
-    OPT(attention_resolutions, OPT_STRING, "resolutions with attention, e.g. 16,8 (\"\": none besides the middle block)"),
-    OPT(num_heads, OPT_INT, "attention heads (when num_head_channels is -1)"),
-    OPT(num_head_channels, OPT_INT, "channels per attention head, -1 to use num_heads"),
-    OPT(num_heads_upsample, OPT_INT, "heads in the decoder's attention, -1: num_heads"),
-    OPT(use_new_attention_order, OPT_BOOL, "split qkv before heads (QKVAttention) instead of the legacy order"),
-    OPT(use_scale_shift_norm, OPT_BOOL, "timestep embedding as scale and shift of the norm (FiLM)"),
-    OPT(resblock_updown, OPT_BOOL, "resample with residual blocks"),
-    OPT(conv_resample, OPT_BOOL, "convolution in up/downsampling (guided-diffusion always uses it)"),
-    OPT(dropout, OPT_FLOAT, "dropout in residual blocks"),
-    OPT(class_cond, OPT_BOOL, "condition on the dataset's labels"),
-    OPT(num_classes, OPT_INT, "classes, when there is no --data to read them from"),
-    OPT(learn_sigma, OPT_BOOL, "6 output channels: the prediction and guided-diffusion's learned variance, trained with the hybrid "
-                               "loss (MSE + the variational bound's term)"),
-    OPT(super_res, OPT_INT, "the upsampler: guided-diffusion's SuperResModel, conditioned on the image downsampled to this "
-                            "side (its small_size; --image_size is its large_size), 0: none"),
-    OPT(model, OPT_STRING, "diffusion | classifier: the UNet, or guided-diffusion's noisy classifier (EncoderUNetModel) trained on "
-                           "the dataset's labels with the classifier_ flags below instead of the model flags above"),
-    OPT(classifier_width, OPT_INT, "classifier: model channels"),
-    OPT(classifier_depth, OPT_INT, "classifier: residual blocks per level"),
-    OPT(classifier_attention_resolutions, OPT_STRING, "classifier: resolutions with attention (64-channel heads)"),
-    OPT(classifier_use_scale_shift_norm, OPT_BOOL, "classifier: timestep embedding as scale and shift of the norm"),
-    OPT(classifier_resblock_updown, OPT_BOOL, "classifier: downsample with residual blocks"),
-    OPT(classifier_pool, OPT_STRING, "classifier: its head, attention | adaptive | spatial | spatial_v2"),
-    OPT(noised, OPT_BOOL, "classifier: train on images noised at t drawn uniformly (False: the clean images at t = 0)"),
-    OPT(val_data, OPT_STRING, "classifier: a dataset .bin to evaluate on (its loss and accuracy in log.csv's val_ columns)"),
-    OPT(eval_interval, OPT_INT, "steps between evaluations: a classifier's on --val_data (a batch each); a diffusion model's FID "
-                                "(--eval_num; then a multiple of --log_interval, and when not given --sample_interval's)"),
-    OPT(eval_num, OPT_INT, "diffusion models: FID every --eval_interval steps and at the end, of this many images sampled from the "
-                           "first EMA (DDIM, --sample_steps) against the first 50000 training images; more than 2048 (0: none)"),
-    OPT(inception, OPT_STRING, "FID's Inception-v3 weights, pytorch-fid's pt_inception-2015-12-05-6726825d.pth; unset: where "
-                               "pytorch-fid keeps it, $TORCH_HOME/hub/checkpoints/ or ~/.cache/torch/hub/checkpoints/"),
-    OPT(diffusion_steps, OPT_INT, "diffusion timesteps"),
-    OPT(noise_schedule, OPT_STRING, "linear | cosine"),
-    OPT(predict, OPT_STRING, "eps | v | x0: what the model is trained to predict (x0: guided-diffusion's predict_xstart)"),
-    OPT(use_kl, OPT_BOOL, "with learn_sigma: the loss is the variational bound alone (guided-diffusion's KL loss), through both halves"),
-    OPT(rescale_learned_sigmas, OPT_BOOL, "scale the bound's term by diffusion_steps/1000 in the hybrid loss, by diffusion_steps "
-                                          "with use_kl"),
-    OPT(schedule_sampler, OPT_STRING, "uniform | loss-second-moment: how the training timesteps are drawn (guided-diffusion's importance "
-                                      "sampling of t by the losses' second moment, the loss reweighted to stay unbiased)"),
-    OPT(lr, OPT_FLOAT, "AdamW learning rate"),
-    OPT(beta1, OPT_FLOAT, "AdamW beta1"),
-    OPT(beta2, OPT_FLOAT, "AdamW beta2"),
-    OPT(adam_eps, OPT_FLOAT, "AdamW epsilon"),
-    OPT(weight_decay, OPT_FLOAT, "AdamW decoupled weight decay"),
-    OPT(warmup_steps, OPT_INT, "linear learning-rate warm-up steps"),
-    OPT(lr_decay, OPT_STRING, "none | cosine: after warm-up, constant or a half cosine down to min_lr at the last step"),
-    OPT(min_lr, OPT_FLOAT, "the learning rate at the end of a cosine decay"),
-    OPT(grad_clip, OPT_FLOAT, "clip the global gradient norm to this (0: off); the norm is logged either way"),
-    OPT(cfg_dropout, OPT_FLOAT, "probability of replacing a label by the null class (classifier-free guidance)"),
-    OPT(batch_size, OPT_INT, "images per step and GPU"),
-    OPT(microbatch, OPT_INT, "run each step's batch through the model in pieces of this many images (dividing --batch_size), "
-                             "their gradients summed into one step: the same step in less memory (-1: the whole batch at once)"),
-    OPT(use_checkpoint, OPT_BOOL, "recompute each block's inner activations in its backward instead of keeping them: the same "
-                                  "gradients in less memory, for a slower step"),
-    OPT(gpus, OPT_INT, "GPUs of this machine to train on: a process each, data parallel over NCCL"),
-    OPT(rdzv, OPT_STRING, "under a launcher, host:port where rank 0 meets the others over TCP (as torchrun's MASTER_ADDR and "
-                          "MASTER_PORT, which it overrides; without either, through a file of the run folder)"),
-    OPT(rdzv_timeout, OPT_INT, "seconds the rendezvous waits for every rank"),
-    OPT(ema_rate, OPT_STRING, "EMA decay rates, comma-separated"),
-    OPT(log_interval, OPT_INT, "steps between progress lines"),
-    OPT(save_interval, OPT_INT, "steps between checkpoints"),
-    OPT(keep, OPT_INT, "checkpoints to keep, the newest (0: all)"),
-    OPT(sample_interval, OPT_INT, "steps between sample grids from the EMA weights (0: only at the end)"),
-    OPT(sample_count, OPT_INT, "images in a sample grid, e.g. 64 (0: no grids); an upsampler's: the first images of the "
-                                 "validation or training data, each as low-res | sample | original"),
-    OPT(sample_steps, OPT_INT, "DDIM steps of a sample grid"),
-    OPT(max_bad_steps, OPT_INT, "stop after this many steps in a row with a non-finite loss or gradient"),
-    OPT(run_dir, OPT_STRING, "run folder: config.txt, log.csv, checkpoints/"),
-    OPT(resume_checkpoint, OPT_STRING, "checkpoint folder to resume from, or latest (the newest in run_dir)"),
-    OPT(init_from, OPT_STRING, "start a new run from these weights (fine-tuning): a checkpoint folder (its EMA), a .safetensors or a "
-                               "PyTorch .pt file of the same model; the EMAs start from them, the optimiser and the step fresh"),
-    OPT(overwrite, OPT_SWITCH, "start a new run in a run folder that holds one, removing its checkpoints, samples, log and config"),
-    OPT(random_flip, OPT_BOOL, "random horizontal flips of the training images"),
-    OPT(steps, OPT_LONG, "training steps (the length of the learning-rate schedule)"),
-    OPT(stop_step, OPT_LONG, "save and stop after this step, to continue later with --resume_checkpoint (0: at --steps)"),
-    OPT(seed, OPT_LONG, "random seed (initialisation, data order, noise)"),
-    OPT(dry_run, OPT_SWITCH, "check the configuration, dataset, run folder and resume checkpoint, print them, the parameter count and the memory plan, exit"),
-    OPT(bench, OPT_INT, "time N training steps on random data (after warm-up) and exit; needs no --data"),
+    OPT(data, OPT_STRING, 0, "dataset .bin written by prepare_data (required to train)"),
+    OPT(preset, OPT_STRING, 0, "seed | adm64 | adm128 | adm256 | adm256u | adm512 | adm64_256 | adm128_512: a model and training "
+                               "configuration to start from"),
+    OPT(image_size, OPT_INT, MODEL, "image side in pixels; when not given, the dataset's (without --data the preset's)"),
+    OPT(num_channels, OPT_INT, MODEL, "model channels (multiple of 32)"),
+    OPT(channel_mult, OPT_STRING, MODEL, "channel multiplier per level, e.g. 1,2,3,4; \"\", or not given with an image size from the "
+                                         "dataset: guided-diffusion's default for that size"),
+    OPT(num_res_blocks, OPT_INT, MODEL, "residual blocks per level"),
+    OPT(attention_resolutions, OPT_STRING, MODEL, "resolutions with attention, e.g. 16,8 (\"\": none besides the middle block)"),
+    OPT(num_heads, OPT_INT, MODEL, "attention heads (when num_head_channels is -1)"),
+    OPT(num_head_channels, OPT_INT, MODEL, "channels per attention head, -1 to use num_heads"),
+    OPT(num_heads_upsample, OPT_INT, MODEL, "heads in the decoder's attention, -1: num_heads"),
+    OPT(use_new_attention_order, OPT_BOOL, MODEL, "split qkv before heads (QKVAttention) instead of the legacy order"),
+    OPT(use_scale_shift_norm, OPT_BOOL, MODEL, "timestep embedding as scale and shift of the norm (FiLM)"),
+    OPT(resblock_updown, OPT_BOOL, MODEL, "resample with residual blocks"),
+    OPT(conv_resample, OPT_BOOL, MODEL, "convolution in up/downsampling (guided-diffusion always uses it)"),
+    OPT(dropout, OPT_FLOAT, MODEL, "dropout in residual blocks"),
+    OPT(class_cond, OPT_BOOL, MODEL | DIFFUSION_ONLY, "condition on the dataset's labels"),
+    OPT(num_classes, OPT_INT, MODEL, "classes, when there is no --data to read them from"),
+    OPT(learn_sigma, OPT_BOOL, MODEL | DIFFUSION_ONLY, "6 output channels: the prediction and guided-diffusion's learned variance, "
+                                                       "trained with the hybrid loss (MSE + the variational bound's term)"),
+    OPT_KEY(super_res, OPT_INT, MODEL | DIFFUSION_ONLY, "small_size", "the upsampler: guided-diffusion's SuperResModel, conditioned on "
+                                                                      "the image downsampled to this side (its small_size; --image_size "
+                                                                      "is its large_size), 0: none"),
+    OPT(model, OPT_STRING, 0, "diffusion | classifier: the UNet, or guided-diffusion's noisy classifier (EncoderUNetModel) trained on "
+                              "the dataset's labels with the classifier_ flags below instead of the model flags above"),
+    OPT(classifier_width, OPT_INT, 0, "classifier: model channels"),
+    OPT(classifier_depth, OPT_INT, 0, "classifier: residual blocks per level"),
+    OPT(classifier_attention_resolutions, OPT_STRING, 0, "classifier: resolutions with attention (64-channel heads)"),
+    OPT(classifier_use_scale_shift_norm, OPT_BOOL, 0, "classifier: timestep embedding as scale and shift of the norm"),
+    OPT(classifier_resblock_updown, OPT_BOOL, 0, "classifier: downsample with residual blocks"),
+    OPT(classifier_pool, OPT_STRING, MODEL, "classifier: its head, attention | adaptive | spatial | spatial_v2"),
+    OPT(noised, OPT_BOOL, 0, "classifier: train on images noised at t drawn uniformly (False: the clean images at t = 0)"),
+    OPT(val_data, OPT_STRING, 0, "classifier: a dataset .bin to evaluate on (its loss and accuracy in log.csv's val_ columns)"),
+    OPT(eval_interval, OPT_INT, 0, "steps between evaluations: a classifier's on --val_data (a batch each); a diffusion model's FID "
+                                   "(--eval_num; then a multiple of --log_interval, and when not given --sample_interval's)"),
+    OPT(eval_num, OPT_INT, 0, "diffusion models: FID every --eval_interval steps and at the end, of this many images sampled from the "
+                              "first EMA (DDIM, --sample_steps) against the first 50000 training images; more than 2048 (0: none)"),
+    OPT(inception, OPT_STRING, 0, "FID's Inception-v3 weights, pytorch-fid's pt_inception-2015-12-05-6726825d.pth; unset: where "
+                                  "pytorch-fid keeps it, $TORCH_HOME/hub/checkpoints/ or ~/.cache/torch/hub/checkpoints/"),
+    OPT(diffusion_steps, OPT_INT, DIFFUSION | KEPT, "diffusion timesteps"),
+    OPT(noise_schedule, OPT_STRING, DIFFUSION | KEPT, "linear | cosine"),
+    OPT(predict, OPT_STRING, DIFFUSION | KEPT | DIFFUSION_ONLY, "eps | v | x0: what the model is trained to predict (x0: "
+                                                                "guided-diffusion's predict_xstart)"),
+    OPT(use_kl, OPT_BOOL, DIFFUSION | TUNABLE | DIFFUSION_ONLY, "with learn_sigma: the loss is the variational bound alone "
+                                                                "(guided-diffusion's KL loss), through both halves"),
+    OPT(rescale_learned_sigmas, OPT_BOOL, DIFFUSION | TUNABLE, "scale the bound's term by diffusion_steps/1000 in the hybrid loss, by "
+                                                               "diffusion_steps with use_kl"),
+    OPT(schedule_sampler, OPT_STRING, DIFFUSION | TUNABLE, "uniform | loss-second-moment: how the training timesteps are drawn "
+                                                           "(guided-diffusion's importance sampling of t by the losses' second moment, "
+                                                           "the loss reweighted to stay unbiased)"),
+    OPT(lr, OPT_FLOAT, TUNABLE, "AdamW learning rate"),
+    OPT(beta1, OPT_FLOAT, TUNABLE, "AdamW beta1"),
+    OPT(beta2, OPT_FLOAT, TUNABLE, "AdamW beta2"),
+    OPT(adam_eps, OPT_FLOAT, TUNABLE, "AdamW epsilon"),
+    OPT(weight_decay, OPT_FLOAT, TUNABLE, "AdamW decoupled weight decay"),
+    OPT(warmup_steps, OPT_INT, TUNABLE, "linear learning-rate warm-up steps"),
+    OPT(lr_decay, OPT_STRING, TUNABLE, "none | cosine: after warm-up, constant or a half cosine down to min_lr at the last step"),
+    OPT(min_lr, OPT_FLOAT, TUNABLE, "the learning rate at the end of a cosine decay"),
+    OPT(grad_clip, OPT_FLOAT, TUNABLE, "clip the global gradient norm to this (0: off); the norm is logged either way"),
+    OPT(cfg_dropout, OPT_FLOAT, TUNABLE | DIFFUSION_ONLY, "probability of replacing a label by the null class (classifier-free guidance)"),
+    OPT(batch_size, OPT_INT, KEPT, "images per step and GPU"),
+    OPT(microbatch, OPT_INT, 0, "run each step's batch through the model in pieces of this many images (dividing --batch_size), their "
+                                "gradients summed into one step: the same step in less memory (-1: the whole batch at once)"),
+    OPT(use_checkpoint, OPT_BOOL, 0, "recompute each block's inner activations in its backward instead of keeping them: the same "
+                                     "gradients in less memory, for a slower step"),
+    OPT(gpus, OPT_INT, 0, "GPUs of this machine to train on: a process each, data parallel over NCCL"),
+    OPT(rdzv, OPT_STRING, 0, "under a launcher, host:port where rank 0 meets the others over TCP (as torchrun's MASTER_ADDR and "
+                             "MASTER_PORT, which it overrides; without either, through a file of the run folder)"),
+    OPT(rdzv_timeout, OPT_INT, 0, "seconds the rendezvous waits for every rank"),
+    OPT_KEY(ema_rate, OPT_STRING, KEPT, "ema_rates", "EMA decay rates, comma-separated"),
+    OPT(log_interval, OPT_INT, 0, "steps between progress lines"),
+    OPT(save_interval, OPT_INT, 0, "steps between checkpoints"),
+    OPT(keep, OPT_INT, 0, "checkpoints to keep, the newest (0: all)"),
+    OPT(sample_interval, OPT_INT, 0, "steps between sample grids from the EMA weights (0: only at the end)"),
+    OPT(sample_count, OPT_INT, 0, "images in a sample grid, e.g. 64 (0: no grids); an upsampler's: the first images of the validation or "
+                                  "training data, each as low-res | sample | original"),
+    OPT(sample_steps, OPT_INT, 0, "DDIM steps of a sample grid"),
+    OPT(max_bad_steps, OPT_INT, 0, "stop after this many steps in a row with a non-finite loss or gradient"),
+    OPT(run_dir, OPT_STRING, 0, "run folder: config.txt, log.csv, checkpoints/"),
+    OPT(resume_checkpoint, OPT_STRING, 0, "checkpoint folder to resume from, or latest (the newest in run_dir)"),
+    OPT(init_from, OPT_STRING, 0, "start a new run from these weights (fine-tuning): a checkpoint folder (its EMA), a .safetensors or a "
+                                  "PyTorch .pt file of the same model; the EMAs start from them, the optimiser and the step fresh"),
+    OPT(overwrite, OPT_SWITCH, 0, "start a new run in a run folder that holds one, removing its checkpoints, samples, log and config"),
+    OPT(random_flip, OPT_BOOL, TUNABLE, "random horizontal flips of the training images"),
+    OPT(steps, OPT_LONG, TUNABLE, "training steps (the length of the learning-rate schedule)"),
+    OPT(stop_step, OPT_LONG, 0, "save and stop after this step, to continue later with --resume_checkpoint (0: at --steps)"),
+    OPT(seed, OPT_LONG, KEPT, "random seed (initialisation, data order, noise)"),
+    OPT(dry_run, OPT_SWITCH, 0, "check the configuration, dataset, run folder and resume checkpoint, print them, the parameter count and "
+                                "the memory plan, exit"),
+    OPT(bench, OPT_INT, 0, "time N training steps on random data (after warm-up) and exit; needs no --data"),
 };
 #define NUM_OPTIONS ((int)(sizeof option_specs / sizeof option_specs[0]))
 
@@ -368,6 +387,7 @@ static int model_config_from_options(Options *o, int label_rows, ModelConfig *ou
         return error_line(err, err_len, "--super_res %d must be a side from 1 below the image size %d that divides it", o->super_res,
                           o->image_size);
     c.low_res = o->super_res;
+    c.learn_sigma = o->learn_sigma;
     c.out_channels = o->learn_sigma ? 6 : 3;
     c.model_channels = o->num_channels;
     c.num_levels = levels;
@@ -434,7 +454,7 @@ static int classifier_config(ModelConfig *c, const char *pool, int classes, char
     if (c->pool == POOL_ATTENTION && (c->num_head_channels < 1 || ch % c->num_head_channels))
         return error_line(err, err_len, "the attention pool needs num_head_channels dividing its %d channels, not %d", ch,
                           c->num_head_channels);
-    c->out_channels = classes, c->num_classes = 0;
+    c->out_channels = classes, c->num_classes = 0, c->learn_sigma = 0;
     return 0;
 }
 
@@ -479,46 +499,101 @@ static Options guided_diffusion_defaults(void) {
     return o;
 }
 
-// The model configuration a checkpoint's metadata gives under guided-diffusion's flag names.
-// There num_classes is the label embedding's row count, null class included. Returns 0, or -1
-// with a message naming the file.
-static const char *const model_flags[] = {"image_size", "num_channels", "num_res_blocks", "channel_mult",
-    "attention_resolutions", "num_heads", "num_head_channels", "num_heads_upsample", "use_new_attention_order",
-    "use_scale_shift_norm", "resblock_updown", "conv_resample", "dropout", "class_cond", "num_classes", "learn_sigma", "classifier_pool"};
-#define NUM_MODEL_FLAGS ((int)(sizeof model_flags / sizeof model_flags[0]))
+// An option's key in a checkpoint's metadata: guided-diffusion's name for it.
+static const char *metadata_key(const OptionSpec *s) { return s->key ? s->key : s->name; }
 
+// Reads into o every option of `group` that a checkpoint's metadata holds. Returns 0, or -1 with
+// the first bad value.
+static int options_from_metadata(const SafeTensorsFile *f, int group, Options *o, char *err, size_t err_len) {
+    for (int i = 0; i < NUM_OPTIONS; i++) {
+        const OptionSpec *s = &option_specs[i];
+        const char *value = s->group & group ? safetensors_metadata(f, metadata_key(s)) : NULL;
+        if (value && option_from_string(o, s, value, err, err_len) != 0) return -1;
+    }
+    return 0;
+}
+
+// The model configuration a checkpoint's metadata gives under guided-diffusion's flag names (its
+// MODEL options; guided-diffusion's defaults for those it leaves out). There num_classes is the
+// label embedding's row count, null class included. Returns 0, or -1 with a message naming the file.
 static int model_config_from_metadata(const SafeTensorsFile *f, const char *path, ModelConfig *c, char *err, size_t err_len) {
     Options o = guided_diffusion_defaults();
     char why[512];
-    int r = 0;
-    for (int i = 0; r == 0 && i < NUM_MODEL_FLAGS; i++) {
-        const char *value = safetensors_metadata(f, model_flags[i]);
-        if (value) r = option_from_string(&o, find_option(model_flags[i], strlen(model_flags[i])), value, why, sizeof why);
-    }
-    const char *small_size = safetensors_metadata(f, "small_size");  // SuperResModel (guided-diffusion's sr flags)
-    if (r == 0 && small_size) r = option_from_string(&o, find_option("super_res", 9), small_size, why, sizeof why);
+    int r = options_from_metadata(f, MODEL, &o, why, sizeof why);
     if (r == 0) r = named_model_config(&o, c, why, sizeof why);
     return r == 0 ? 0 : error_line(err, err_len, "%s: its metadata gives no valid model: %s", path, why);
 }
 
-// The diffusion a checkpoint's metadata gives (guided-diffusion's defaults where it says nothing):
-// its number of steps, its noise schedule and what the model predicts, each checked. Returns 0, or
-// -1 with a message naming the file.
-static int diffusion_from_metadata(const SafeTensorsFile *f, const char *path, int *steps, const char **schedule,
-                                   const char **predict, char *err, size_t err_len) {
-    const char *value = safetensors_metadata(f, "diffusion_steps");
-    char *end = NULL;
-    long n = value ? (errno = 0, strtol(value, &end, 10)) : 1000;
-    if (value && (end == value || *end || errno || n < 1 || n > 100000))
-        return error_line(err, err_len, "%s: metadata diffusion_steps '%s' is not a whole number from 1 to 100000", path, value);
-    *steps = (int)n;
-    *schedule = safetensors_metadata(f, "noise_schedule");
-    *predict = safetensors_metadata(f, "predict");
-    if (!*schedule) *schedule = "linear";
-    if (!*predict) *predict = "eps";
-    if (strcmp(*schedule, "linear") != 0 && strcmp(*schedule, "cosine") != 0)
-        return error_line(err, err_len, "%s: metadata noise_schedule '%s' is neither linear nor cosine", path, *schedule);
-    if (prediction_from_name(*predict) < 0)
-        return error_line(err, err_len, "%s: metadata predict '%s' is none of eps, v and x0", path, *predict);
+// ----------------------------------------------------------------------------------------------
+// The diffusion and the training, resolved once from options already checked (the command line's
+// by validate_training, a checkpoint's by diffusion_from_metadata) into what the trainer, the
+// samplers and the likelihood read: no flag's text is parsed after this.
+
+// A model's diffusion (guided-diffusion's create_gaussian_diffusion): a learned variance for a model
+// with learn_sigma and its hybrid loss (or with use_kl the bound alone), else the fixed large
+// variance (guided-diffusion's default) and the MSE.
+static DiffusionConfig diffusion_config(const Options *o, const ModelConfig *c) {
+    DiffusionConfig d;
+    memset(&d, 0, sizeof d);
+    d.steps = o->diffusion_steps;
+    d.schedule = strcmp(o->noise_schedule, "cosine") == 0 ? "cosine" : "linear";
+    d.predict = (Prediction)prediction_from_name(o->predict);
+    d.variance = c->learn_sigma ? VARIANCE_LEARNED_RANGE : VARIANCE_FIXED_LARGE;
+    d.loss = !c->learn_sigma ? LOSS_MSE : o->use_kl ? LOSS_KL : LOSS_HYBRID;
+    d.bound_scale = o->rescale_learned_sigmas ? (o->use_kl ? (float)d.steps : (float)d.steps / 1000.0f) : 1.0f;
+    d.timesteps = strcmp(o->schedule_sampler, "loss-second-moment") == 0 ? TIMESTEPS_LOSS_SECOND_MOMENT : TIMESTEPS_UNIFORM;
+    return d;
+}
+
+// The diffusion a checkpoint's metadata gives for model c (its DIFFUSION options; guided-diffusion's
+// defaults where it says nothing), each value checked. Returns 0, or -1 with a message naming the file.
+static int diffusion_from_metadata(const SafeTensorsFile *f, const char *path, const ModelConfig *c, DiffusionConfig *d, char *err,
+                                   size_t err_len) {
+    Options o = guided_diffusion_defaults();
+    char why[512];
+    if (options_from_metadata(f, DIFFUSION, &o, why, sizeof why) != 0)
+        return error_line(err, err_len, "%s: its metadata gives no valid diffusion: %s", path, why);
+    if (o.diffusion_steps < 1 || o.diffusion_steps > 100000)
+        return error_line(err, err_len, "%s: metadata diffusion_steps %d is not a whole number from 1 to 100000", path, o.diffusion_steps);
+    if (strcmp(o.noise_schedule, "linear") != 0 && strcmp(o.noise_schedule, "cosine") != 0)
+        return error_line(err, err_len, "%s: metadata noise_schedule '%s' is neither linear nor cosine", path, o.noise_schedule);
+    if (prediction_from_name(o.predict) < 0)
+        return error_line(err, err_len, "%s: metadata predict '%s' is none of eps, v and x0", path, o.predict);
+    if (strcmp(o.schedule_sampler, "uniform") != 0 && strcmp(o.schedule_sampler, "loss-second-moment") != 0)
+        return error_line(err, err_len, "%s: metadata schedule_sampler '%s' is neither uniform nor loss-second-moment", path,
+                          o.schedule_sampler);
+    *d = diffusion_config(&o, c);
     return 0;
+}
+
+#define MAX_EMA_RATES 8
+typedef enum { LR_CONSTANT, LR_COSINE } LrDecay;  // after warm-up (--lr_decay none, cosine)
+
+// A run's training: what the trainer reads of it.
+typedef struct {
+    int batch_size;     // images a step on this GPU
+    int piece;          // images a pass of the model (--microbatch; batch_size: the whole batch at once)
+    int recompute;      // --use_checkpoint
+    float lr, min_lr, weight_decay, beta1, beta2, adam_eps, grad_clip, cfg_dropout;
+    int warmup_steps;
+    LrDecay lr_decay;
+    int64_t steps;      // the learning-rate schedule's length
+    int num_ema;
+    float ema_rates[MAX_EMA_RATES];
+    uint64_t seed;
+    int noised;         // a classifier learns on noised images (else on the clean ones at t = 0)
+} TrainConfig;
+
+static TrainConfig train_config(const Options *o) {
+    TrainConfig t;
+    memset(&t, 0, sizeof t);
+    t.batch_size = o->batch_size, t.piece = o->microbatch > 0 ? o->microbatch : o->batch_size, t.recompute = o->use_checkpoint;
+    t.lr = o->lr, t.min_lr = o->min_lr, t.weight_decay = o->weight_decay, t.beta1 = o->beta1, t.beta2 = o->beta2;
+    t.adam_eps = o->adam_eps, t.grad_clip = o->grad_clip, t.cfg_dropout = o->cfg_dropout;
+    t.warmup_steps = o->warmup_steps, t.lr_decay = strcmp(o->lr_decay, "cosine") == 0 ? LR_COSINE : LR_CONSTANT, t.steps = o->steps;
+    double rates[MAX_EMA_RATES];
+    int n = parse_number_list(o->ema_rate, rates, MAX_EMA_RATES);
+    for (int i = 0; i < n; i++) t.ema_rates[t.num_ema++] = (float)rates[i];
+    t.seed = (uint64_t)o->seed, t.noised = o->noised;
+    return t;
 }

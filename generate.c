@@ -286,12 +286,12 @@ static UnetCheckpoint *upsampler_open(const Options *o, const UnetInfo *base, in
     int up_classes = info->num_classes - info->null_class;
     if (up_classes && up_classes != classes)
         unet_die("--upsampler %s is conditioned on %d classes; the images sampled have %d", info->file, up_classes, classes);
-    if (noise_schedule_make(schedule, info->diffusion_steps, info->noise_schedule) != 0)
-        unet_die("%s: unknown noise_schedule '%s' in its metadata", info->file, info->noise_schedule);
+    if (noise_schedule_make(schedule, info->diffusion.steps, info->diffusion.schedule) != 0)
+        unet_die("%s: unknown noise_schedule '%s' in its metadata", info->file, info->diffusion.schedule);
     int count = o->up_steps ? o->up_steps : kind == SAMPLER_DPM_SOLVER_PP ? 20 : kind == SAMPLER_DDPM ? 0 : 50;
-    if (sample_plan_make(plan, schedule, kind, count, NULL, (float)o->eta, prediction_from_name(info->predict), 1,
-                         info->out_channels == 2 * info->in_channels) != 0)
-        unet_die("--up_steps %d: no spacing of the upsampler's %d diffusion steps gives that many", count, info->diffusion_steps);
+    if (sample_plan_make(plan, schedule, kind, count, NULL, (float)o->eta, info->diffusion.predict, 1,
+                         info->diffusion.variance == VARIANCE_LEARNED_RANGE) != 0)
+        unet_die("--up_steps %d: no spacing of the upsampler's %d diffusion steps gives that many", count, info->diffusion.steps);
     return ck;
 }
 
@@ -400,30 +400,27 @@ int main(int argc, char **argv) {
             unet_die("--class takes all or a class in 0..%d of %s, not '%s'", classes - 1, file, o.class_name);
         fixed_class = (int)k;
     }
-    int learned = info.out_channels == 2 * info.in_channels;  // learn_sigma: the variance half
-    if (!learned && info.out_channels != info.in_channels)
-        unet_die("%s has %d output channels for %d input channels: neither a prediction nor one with a learned variance", file,
-                 info.out_channels, info.in_channels);
+    int learned = info.diffusion.variance == VARIANCE_LEARNED_RANGE;  // learn_sigma: the output's variance half
 
     NoiseSchedule schedule;
     SamplePlan plan;
-    if (noise_schedule_make(&schedule, info.diffusion_steps, info.noise_schedule) != 0)
-        unet_die("%s: unknown noise_schedule '%s' in its metadata", file, info.noise_schedule);
+    if (noise_schedule_make(&schedule, info.diffusion.steps, info.diffusion.schedule) != 0)
+        unet_die("%s: unknown noise_schedule '%s' in its metadata", file, info.diffusion.schedule);
     SamplerKind kind = strcmp(o.sampler, "ddpm") == 0 ? SAMPLER_DDPM : strcmp(o.sampler, "dpm++") == 0 ? SAMPLER_DPM_SOLVER_PP : SAMPLER_DDIM;
     int count = o.steps ? o.steps : kind == SAMPLER_DPM_SOLVER_PP ? 20 : kind == SAMPLER_DDPM ? 0 : 50;
     char spaced[32];
     if (o.spacing) {  // Lin et al.'s spacings of the steps, as respacing specs (sampler.h)
-        snprintf(spaced, sizeof spaced, "%s%d", o.spacing, count ? count : info.diffusion_steps);
+        snprintf(spaced, sizeof spaced, "%s%d", o.spacing, count ? count : info.diffusion.steps);
         o.respacing = spaced;
     }
-    if (sample_plan_make(&plan, &schedule, kind, count, o.respacing, (float)o.eta, prediction_from_name(info.predict), 1, learned) != 0) {
+    if (sample_plan_make(&plan, &schedule, kind, count, o.respacing, (float)o.eta, info.diffusion.predict, 1, learned) != 0) {
         if (o.spacing)
-            unet_die("--spacing %s: %d steps do not fit the %d diffusion steps", o.spacing, count ? count : info.diffusion_steps,
-                     info.diffusion_steps);
+            unet_die("--spacing %s: %d steps do not fit the %d diffusion steps", o.spacing, count ? count : info.diffusion.steps,
+                     info.diffusion.steps);
         if (o.respacing[0])
             unet_die("--respacing '%s' keeps no steps of the %d diffusion steps (ddimN, or section counts N or N1,N2,... each at "
-                             "most the section's length)", o.respacing, info.diffusion_steps);
-        unet_die("--steps %d: no spacing of the %d diffusion steps gives that many", count, info.diffusion_steps);
+                             "most the section's length)", o.respacing, info.diffusion.steps);
+        unet_die("--steps %d: no spacing of the %d diffusion steps gives that many", count, info.diffusion.steps);
     }
     UnetCheckpoint *up_checkpoint = NULL;
     UnetInfo up_info;

@@ -226,6 +226,32 @@ static inline int prediction_from_name(const char *name) {
     return strcmp(name, "eps") == 0 ? PREDICT_EPS : strcmp(name, "v") == 0 ? PREDICT_V : strcmp(name, "x0") == 0 ? PREDICT_X0 : -1;
 }
 
+// The reverse process's variance (guided-diffusion's ModelVarType): fixed at the posterior's
+// beta_tilde_t (small) or at beta_t (large, guided-diffusion's default), or learned in the range
+// between them (the model's output's second half: learned_log_variance).
+typedef enum { VARIANCE_FIXED_SMALL, VARIANCE_FIXED_LARGE, VARIANCE_LEARNED_RANGE } VarianceType;
+
+// The training loss (guided-diffusion's LossType): the prediction's MSE; with a learned variance
+// the hybrid (RESCALED_MSE: the MSE plus the variational bound's term through the variance only) or
+// the bound alone (KL, through both halves).
+typedef enum { LOSS_MSE, LOSS_HYBRID, LOSS_KL } LossType;
+
+// How training draws t: uniformly, or by the losses' second moment (guided-diffusion's
+// LossSecondMomentResampler).
+typedef enum { TIMESTEPS_UNIFORM, TIMESTEPS_LOSS_SECOND_MOMENT } TimestepSampler;
+
+// A model's diffusion, resolved once from the flags or a checkpoint's metadata (guided-diffusion's
+// create_gaussian_diffusion): what training, the samplers and the likelihood read.
+typedef struct {
+    int steps;                // T (diffusion_steps)
+    const char *schedule;     // "linear" or "cosine" (noise_schedule_make's names; static text)
+    Prediction predict;
+    VarianceType variance;
+    LossType loss;
+    float bound_scale;        // the bound's term's scale s: T/1000 (hybrid) or T (KL) with rescale_learned_sigmas, else 1
+    TimestepSampler timesteps;
+} DiffusionConfig;
+
 HOST_DEVICE static inline float predict_x0(float x, float out, float abar, int predict, int clip) {
     float a = sqrtf(abar), b = sqrtf(1.0f - abar);
     float x0 = predict == PREDICT_V ? a * x - b * out : predict == PREDICT_X0 ? out : (x - b * out) / a;

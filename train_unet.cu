@@ -92,8 +92,8 @@ static int chunks_for_batch(int N, int blocks) {
 }
 static int64_t chunk_slots(int N, int blocks) { return CHUNKS_LEAST * (int64_t)N > blocks ? CHUNKS_LEAST * (int64_t)N : blocks; }
 
-// The channel sums: about 512 blocks below batch 32 (adm256:8's step 1.5% faster with 64 chunks a
-// sample than with 16; seed:32's 0.5% slower with 32; H200, dev/NOTES.md 2026-11-26 v).
+// The channel sums: about 512 blocks, so that small batches still fill the GPU (the chunk counts
+// measured in dev/NOTES.md, v).
 #define CHANNEL_SUM_BLOCKS 512
 static int channel_sum_max_chunks(int N) { return chunks_for_batch(N, CHANNEL_SUM_BLOCKS); }
 static int64_t channel_sum_slots(int N) { return chunk_slots(N, CHANNEL_SUM_BLOCKS); }
@@ -241,7 +241,7 @@ static int conv_out_size(int size, int k, int stride) { return (size + 2 * (k / 
 //   waves x steps per slice x step time  +  the slices' round trip through scratch (written, then added),
 // waves = ceil(tiles x slices / blocks at once). A last wave that leaves most multiprocessors idle
 // costs as much as a full one, so the block count is fitted to whole waves. The two constants are an
-// H100's, measured (dev/NOTES.md, 2026-11-24).
+// H100's, measured (dev/NOTES.md).
 #define CONV_SLICE_STEP 64             // pixels: a multiple of every tile's k step
 #define CONV_NARROW_ROW 128            // the narrow kernels' strips of pixels (input and weight gradients)
 #define CONV_NARROW_BLOCKS_PER_SM 3    // the narrow kernels' blocks on a multiprocessor at once
@@ -251,9 +251,7 @@ static int conv_out_size(int size, int k, int stride) { return (size + 2 * (k / 
 
 // 128 x 256 tiles (conv3x3_tma_kernel's; the kernels without the TMA run them as two 128 x 128 tiles,
 // with the same slices), or 64-row ones where 128-row ones would leave a quarter of their rows or
-// more empty (C_out = 64, 96, 192: 192 in 64-row tiles ran 1.05-1.15x, H100, dev/NOTES.md 2026-11-24
-// (g)). 128 x 256 against two 128 x 128 blocks a multiprocessor: adm128:16's weight gradients 14.5 ->
-// 11.7 ms (H100, dev/NOTES.md 2026-11-27 qq).
+// more empty (C_out = 64, 96, 192). Both choices measured against the others: dev/NOTES.md (g, qq).
 static void conv_weight_grad_tile(int C_in, int C_out, int *BM, int *BN, int *blocks_per_sm) {
     int padded = (C_out + 127) / 128 * 128;
     if (C_out <= 32) *BM = 32, *BN = 128;
@@ -302,7 +300,7 @@ enum { CONV_FORWARD, CONV_INPUT_GRAD, CONV_WEIGHT_GRAD };
 // slices = up to two blocks per multiprocessor, at most k steps / CONV_SPLIT_MIN_STEPS; each slice's
 // products go to scratch in fp32 and conv_split_finish_kernel adds them in order with the bias and
 // residual, or what dx held. Into 4 or more slices only: two measured slower than one (H100,
-// dev/NOTES.md 2026-11-24 (f)). BF16 sm_90a kernels only (other GPUs' kernels do not split); planned
+// dev/NOTES.md (f)). BF16 sm_90a kernels only (other GPUs' kernels do not split); planned
 // for CONV_PLAN_SMS like the weight gradient, so the bits are the same on every Hopper GPU. A call
 // whose scratch is too small (a batch other than the plan's) runs unsplit: its last bits may then
 // differ from the plan's batch. 1: not split.
@@ -342,20 +340,21 @@ static int64_t conv3x3_split_scratch_floats(int op, int N, int H, int W, int C_i
 // host function of the product (its shape, and what its operands allow) and of the GPU: conv_plan.
 // It tries the kernel families in this order and takes the first that takes the product (each
 // family's rule, what it takes, is its case in conv_family_takes):
-//   family   products       why it exists                                    measured gain (H100; dev/NOTES.md)
-//   image    forward        3 input channels: too few for 16-byte loads     input conv 0.206 -> 0.078 ms (2026-11-25 j)
-//   narrow   all three      at most 8 output channels (the output head):     output head 0.320 -> 0.088 ms (2026-11-25 j);
-//                           the input halo read once, every tap from shared  dgrad 0.640 -> 0.317 ms, wgrad 0.919 -> 0.210
-//                           memory; the gradients as short mma.sync products at adm256:8 (2026-11-27 rr)
-//   halo     fwd, dgrad     each input element read into shared memory about training 1.34x / 1.37x -> 1.47x / 1.45x of
-//            (k <= 9 x 256) once instead of once a tap                       compiled PyTorch, seed:32 / seed:128 (11-24 e);
-//                           (not where the TMA's 128 x 256 tiles fit)        adm128:16 -1.0%, adm256:8 -2.2% (2026-11-27 ww)
-//   split    fwd, dgrad     grids of at most half a wave: k in 4-8 slices    seed:32 11.128 -> 10.710 ms (2026-11-24 f)
-//   wgmma    all three      Hopper's warpgroup products; operands through    seed:32 10.136 -> 9.730 ms for the TMA
-//                           the TMA where its boxes fit                      (2026-11-24 g); wgmma: 2026-11-23 evening
-//   mma      all three      every other GPU and shape (mma.sync)             the base
-//   fp32     all three      the FP32 build: one thread per output value      the reference precision
-// Every family but mma and fp32 is a product the base runs too; each gains on the shapes it takes.
+//   family   products       why it exists                                             measured (dev/NOTES.md)
+//   image    forward        3 input channels: too few for 16-byte loads              j
+//   narrow   all three      at most 8 output channels (the output head): the input   j, rr
+//                           halo read once, every tap from shared memory; the
+//                           gradients as short mma.sync products
+//   halo     fwd, dgrad     each input element read into shared memory about once    e, ww
+//            (k <= 9 x 256) instead of once a tap (not where the TMA's 128 x 256
+//                           tiles cover the product's width)
+//   split    fwd, dgrad     grids of at most half a wave: k in 4-8 slices            f
+//   wgmma    all three      Hopper's warpgroup products; operands through the TMA    g
+//                           where its boxes fit
+//   mma      all three      every other GPU and shape (mma.sync)                     the base
+//   fp32     all three      the FP32 build: one thread per output value              the reference precision
+// Every family but mma and fp32 is a product the base runs too; each gains on the shapes it takes
+// (the letters: the entries of dev/NOTES.md that measured the gain).
 // A dev tool may force a family by name (conv_dev): the plan then takes that family or refuses.
 
 #define CONV_IMAGE_CHANNELS 3  // the model's input: RGB
@@ -459,9 +458,8 @@ static bool conv_family_takes(int f, const ConvProblem *q, const ConvTarget *t, 
                plan->k_per_slice % CONV_NARROW_ROW == 0;
     }
     case CONV_HALO:  // (a pixel's channels stored 16 bytes at a time; k of at most 9 x 256: wgmma's tiles are faster on
-                     // longer ones, 1.03-1.20x at 512-1024 channels, H200, dev/NOTES.md 2026-11-26 v; nor where the
-                     // TMA's 128 x 256 tiles cover the product's width: they read 80 bytes of shared memory a cycle
-                     // of products to the halo's 96, adm128:16 73.2 -> 72.5 ms, H100, dev/NOTES.md 2026-11-27 ww)
+                     // longer ones; nor where the TMA's 128 x 256 tiles cover the product's width: they read 80 bytes
+                     // of shared memory a cycle of products to the halo's 96; dev/NOTES.md v, ww)
         if (wgrad || !hopper || q->stride != 1 || q->W % 64 != 0 || q->C_in % 64 != 0 || q->C_out % 64 != 0 || !q->pair_store ||
             !q->vec_store || (q->bias && !q->bias_aligned) || k_channels > 256 ||
             (Ng % 256 == 0 && conv_tma_takes(q, t) && conv_wgmma_width(fwd, M, Ng, t) == 256))
@@ -945,7 +943,7 @@ __device__ __forceinline__ void conv_tile_sums_store(double *out, int columns, i
 // lane j's w[t]. An mma fragment's stores are 4 bytes a lane, a pixel's 8 channels from its quad, so
 // one instruction writes half sectors of 8 pixels; after the transpose a lane holds 8 consecutive
 // channels of its pixel, one 16-byte store (the input convolution's 4-byte stores cost ~2x:
-// dev/NOTES.md, 2026-11-25 j). Two exchanges of 2 x 2 blocks: lanes t, t ^ 1 swap the words whose
+// dev/NOTES.md j). Two exchanges of 2 x 2 blocks: lanes t, t ^ 1 swap the words whose
 // bit 0 differs from their own, then lanes t, t ^ 2 those whose bit 1 does.
 __device__ __forceinline__ void conv_quad_transpose(uint32_t (&w)[4]) {
     const int t = threadIdx.x % 4;
@@ -1966,7 +1964,7 @@ static int conv_launch_halo(const ConvGemm &p) {
 // patch is an offset worked out once. The weights stay in shared memory as [C_out][k], rows padded to
 // CONV_IMAGE_LDW (conflict-free fragment loads). A row block's 16 pixels x 64 channels go out through
 // a staging area of the warp's, as whole 128-byte pixels in 16-byte stores: the fragments' own 4-byte
-// stores, 8 pixels apart, cost ~2x (dev/NOTES.md, 2026-11-25 j). Where p.sums is set, the tile's
+// stores, 8 pixels apart, cost ~2x (dev/NOTES.md j). Where p.sums is set, the tile's
 // channel sums are gathered from the stored values as the other kernels gather them
 // (conv_warp_sums_8); a slot per 4 x 64 tile of an image.
 #define CONV_IMAGE_PATCH (6 * 66 * CONV_IMAGE_CHANNELS)                            // values
@@ -2168,7 +2166,7 @@ static void conv_launch_narrow(const ConvGemm &p) {
 // The output head's input gradient: with at most 8 output channels a value is a sum of only 9 C_out
 // products, too short a k for the other kernels' tiles (mma's 128 x 128 tiles over k = 9 C_out ran it
 // at 0.33-0.38x of cuDNN; a kernel of fp32 products on the CUDA cores, 1.5-1.6x faster, was bound by its
-// shared-memory reads: dev/NOTES.md 2026-11-26 u and 2026-11-27 rr). Here on the tensor cores, with k
+// shared-memory reads: dev/NOTES.md u and rr). Here on the tensor cores, with k
 // laid out as 8 tap + co (co padded to 8, k to 80: five k16 steps, zeros past the weights):
 //   dx[n][h][w][ci] (+)= sum_{kh, kw, co} dy[n][h + 1 - kh][w + 1 - kw][co] w[co][kh][kw][ci]
 //   A[px][8 tap + co] = dys[2 - kh][px + 2 - kw][co],   B[8 tap + co][ci] = ws[ci][8 tap + co]
@@ -2636,7 +2634,7 @@ typedef struct {
 
 // sigmoid(x) = 1 / (1 + e^-x). The BF16 build takes the fast intrinsics: their relative error (about
 // 1e-6) is far below bf16's rounding, and GroupNorm's kernels run 10-20% faster (dev/NOTES.md,
-// 2026-11-24 b). The FP32 build keeps expf and IEEE division.
+// b). The FP32 build keeps expf and IEEE division.
 #if defined(PRECISION_FP32)
 __device__ inline float sigmoidf_(float x) { return 1.0f / (1.0f + expf(-x)); }
 #else
@@ -2693,7 +2691,7 @@ __device__ inline GnThread gn_thread(int HW, int C) {
 // kernel gathers its constants. Only this thread reads its slots, so no barrier is needed. The
 // backward passes keep a ring for each tensor they read (x, dy, and dx where the input gradient is
 // added to: read through the ring, not waited for at each row, 1.3% off seed:128's step on an H200;
-// eight slots deep instead of four were no faster, dev/NOTES.md 2026-11-26 w).
+// eight slots deep instead of four were no faster, dev/NOTES.md w).
 #define GN_AHEAD 4
 typedef Pack GnRing[GN_AHEAD][GN_THREADS];
 
@@ -2908,7 +2906,7 @@ __device__ inline float group_norm_element(float u, const NormOptions &o, float 
 // no sums (s.sums[0] NULL: a backward recomputing y), from sample_mean, sample_rstd: y comes out the
 // same bit for bit.
 // Five blocks per multiprocessor (54 registers would allow four): 10-15% faster on the large shapes,
-// measured (dev/NOTES.md, 2026-11-24 b).
+// measured (dev/NOTES.md b).
 __global__ void __launch_bounds__(GN_THREADS, 5)
     group_norm_apply_kernel(floatX *__restrict__ y, float *sample_mean, float *sample_rstd, const floatX *__restrict__ x,
                             GnSums s, const float *gamma, const float *beta, NormOptions o, int HW, int C) {
@@ -2943,12 +2941,12 @@ __global__ void __launch_bounds__(GN_THREADS, 5)
 // sums, and on small images few blocks: more chunks for small images (filling the GPU with blocks
 // of one or two row passes) measured slower, the partial sums' reductions growing with them, and so
 // did 512 blocks at batch 16 and 32; at batch 8, 256 blocks instead of 128 took about 3.5% off
-// adm256:8's step (H200, dev/NOTES.md 2026-11-26 v).
+// adm256:8's step (H200, dev/NOTES.md v).
 // The forward's chunks (statistics and normalise) are never more than GN_BLOCKS blocks over the
 // batch. Once the GPU has a few blocks a multiprocessor, long chunks cost less than many short ones:
 // each block fills its ring and adds up its sums once (sampling at batch 256, against no limit: 306.0
 // -> 320.1 images/s with 512 blocks, 321.8 with 256; seed:128 26.674 -> 26.260 ms with 512;
-// dev/NOTES.md, 2026-11-24 h and i). With many samples the statistics' partial sums are then grouped
+// dev/NOTES.md h and i). With many samples the statistics' partial sums are then grouped
 // by the batch size: they round a little differently.
 #define GN_BLOCKS 256
 static int64_t gn_slots(int N) { return chunk_slots(N, GN_BLOCKS); }
@@ -3024,7 +3022,7 @@ static size_t gn_backward_smem(int rings) {
 // dz = du (1 + scale) and z = xhat gamma + beta: sum du z = gamma sum du xhat + beta sum du.
 // With y (not NULL) the pass also writes y as forward did, from the x it reads anyway.
 // (Both backward passes run two blocks a multiprocessor: __launch_bounds__ lets them keep 128
-// registers a thread; without it seed:128's step was 0.8% slower, H200, dev/NOTES.md 2026-11-26 v.)
+// registers a thread; without it seed:128's step was 0.8% slower, H200, dev/NOTES.md v.)
 __global__ void __launch_bounds__(GN_THREADS, 2)
     group_norm_backward_sums_kernel(double *partial, floatX *__restrict__ y, const floatX *__restrict__ dy, const floatX *__restrict__ x,
                                     const float *mean, const float *rstd, const float *gamma, const float *beta, NormOptions o, int HW,
@@ -3180,7 +3178,7 @@ __global__ void __launch_bounds__(GN_THREADS, 2)
 // more it runs beside pass 2, on the side stream; on a smaller one before it, on the same stream,
 // where the side stream's fork and join cost more than the kernel takes (one H100: seed:32's step
 // 1.7% faster than with all of them beside; with all on the same stream adm128:16's was 0.9 ms
-// slower; dev/NOTES.md 2026-11-27 vv).
+// slower; dev/NOTES.md vv).
 #define GN_PARAMS_BESIDE (1 << 22)
 __global__ void __launch_bounds__(32 * REDUCE_SLICES)
     group_norm_backward_params_kernel(float *dgamma, float *dbeta, float *d_scale_shift, int ld, const double *partial, int N, int chunks,
@@ -4115,6 +4113,11 @@ typedef struct {
     float bound_scale;  // s
 } LossKind;
 
+static LossKind loss_kind(const DiffusionConfig *d) {
+    int learned = d->variance == VARIANCE_LEARNED_RANGE;
+    return {learned, d->loss != LOSS_KL, d->loss == LOSS_HYBRID, d->predict, d->bound_scale};
+}
+
 // What the loss reads besides the output and the target.
 typedef struct {
     const uint8_t *pixels;        // x0 as pixels [N][H][W][C] (a learned variance's bound; NULL without)
@@ -4298,7 +4301,7 @@ __device__ inline void adamw_update(float *p, float *m, float *v, float g, float
 
 // Four parameters a thread per iteration: 16-byte loads and stores (the compute copy's 4 values in
 // one store). The update is bound by memory, 38 bytes a parameter with the EMA: one parameter a
-// thread moved 3.3 TB/s on an H200, four 4.0 (dev/NOTES.md 2026-11-26 v). The last n % 4 one at a time.
+// thread moved 3.3 TB/s on an H200, four 4.0 (dev/NOTES.md v). The last n % 4 one at a time.
 typedef struct __align__(4 * sizeof(floatX)) {
     floatX v[4];
 } FloatX4;
@@ -4508,15 +4511,19 @@ __global__ void likelihood_inputs_kernel(float *x0, float *x_t, floatX *input, i
     }
 }
 
-// Blocks (x) of an image (y): the bound's terms of its values, summed into partial[n][block].
+// Blocks (x) of an image (y): the bound's terms of its values, summed into partial[n][block]. The
+// variance (a VarianceType) is the output's second half when learned; a fixed one is an end of the
+// learned range: the large v = 1 (log beta_t; at t = 0 log beta_tilde_1, v = -1), the small v = -1.
 __global__ void likelihood_terms_kernel(float *partial, const floatX *out, const float *x0, const float *x_t, TimestepTerms tt,
-                                        int first_step, int hw, int C, int out_channels, int predict) {
+                                        int first_step, int hw, int C, int out_channels, int predict, int variance) {
     int n = blockIdx.y;
     float sum = 0.0f;
     for (int p = blockIdx.x * blockDim.x + threadIdx.x; p < hw; p += gridDim.x * blockDim.x)
         for (int c = 0; c < C; c++) {
             int64_t i = ((int64_t)n * hw + p) * C + c, o = ((int64_t)n * hw + p) * out_channels + c;
-            float v = out_channels == 2 * C ? (float)out[o + C] : first_step ? -1.0f : 1.0f;
+            float v = variance == VARIANCE_LEARNED_RANGE                 ? (float)out[o + C]
+                    : variance == VARIANCE_FIXED_LARGE && !first_step ? 1.0f
+                                                                      : -1.0f;
             sum += bound_term(x0[i], x_t[i], (float)out[o], v, &tt, first_step, predict, 1).value;
         }
     sum = block_sum_256(sum);
@@ -4642,7 +4649,7 @@ static void concat_block_backward(ConcatBlock *b, const Act *in, const Act *out,
 //        dropout(SiLU(GroupNorm2(h1) (1 + scale) + shift))                      (out_layers, emb_layers)
 //   out = conv2(h2) + skip(x), skip a 1x1 conv when the channel count changes (skip_connection)
 // Training keeps conv1's input (h0, or h0r when resampling) for its weight gradient: recomputing h0
-// in a GroupNorm pass of its own cost ~1 ms of a seed:128 step (H100, dev/NOTES.md 2026-11-24 (f)),
+// in a GroupNorm pass of its own cost ~1 ms of a seed:128 step (H100, dev/NOTES.md (f)),
 // for memory we have (the step stays below PyTorch's peak). h2 is not kept: GroupNorm 2's backward
 // recomputes it from h1 and the statistics, the same values bit for bit.
 typedef struct {
@@ -5774,25 +5781,24 @@ static void print_memory_plan(FILE *f, const UNet *m, const char *what) {
             (m->grads.used + m->inner_grads_size) / MiB, m->scratch_region.used / MiB, unet_memory_bytes(m) / MiB);
 }
 
-// The training model's batch (--microbatch's pieces) and its unet_create mode (--use_checkpoint).
-static int training_piece(const Options *o) { return o->microbatch > 0 ? o->microbatch : o->batch_size; }
-static int training_mode(const Options *o) { return o->use_checkpoint ? TRAINING_RECOMPUTE : 1; }
+// The training model's unet_create mode (--use_checkpoint).
+static int training_mode(const TrainConfig *train) { return train->recompute ? TRAINING_RECOMPUTE : 1; }
 
 // The pieces' gradient sum of --microbatch (Trainer.grad_sum): bytes.
-static int64_t gradient_sum_bytes(const Options *o, const UNet *plan) {
-    return o->batch_size > training_piece(o) ? plan->storage * (int64_t)sizeof(float) : 0;
+static int64_t gradient_sum_bytes(const TrainConfig *train, const UNet *plan) {
+    return train->batch_size > train->piece ? plan->storage * (int64_t)sizeof(float) : 0;
 }
 
 // The training model's plan for the options (a piece of the batch with --microbatch, recomputing with
 // --use_checkpoint), and its total the other way round (other_bytes; -1: not given).
-static void print_training_plan(FILE *f, const UNet *plan, const Options *o, int64_t other_bytes) {
+static void print_training_plan(FILE *f, const UNet *plan, const TrainConfig *train, int64_t other_bytes) {
     char what[128];
-    int pieces = o->batch_size / plan->batch;
+    int pieces = train->batch_size / plan->batch;
     snprintf(what, sizeof what, "training%s%s", plan->recompute ? ", recomputing (--use_checkpoint)" : "",
              pieces > 1 ? ", one piece of the batch (--microbatch)" : "");
     print_memory_plan(f, plan, what);
     if (pieces > 1)
-        fprintf(f, "memory plan (gradient sum of the %d pieces): %.1f MiB\n", pieces, gradient_sum_bytes(o, plan) / 1048576.0);
+        fprintf(f, "memory plan (gradient sum of the %d pieces): %.1f MiB\n", pieces, gradient_sum_bytes(train, plan) / 1048576.0);
     if (other_bytes >= 0)
         fprintf(f, "memory plan (%s --use_checkpoint instead): total %.1f MiB\n", plan->recompute ? "without" : "with",
                 other_bytes / 1048576.0);
@@ -6334,14 +6340,18 @@ static void loader_next_batch(DataLoader *loader) {
 // on x0 (--predict x0). A model with a learned variance (learn_sigma) adds the variational bound's
 // term (improved DDPM's hybrid loss, below).
 
-// The training schedule, and each timestep's terms (sampler.h's TimestepTerms) on the GPU.
+// The training's diffusion: its configuration, its schedule and each timestep's terms (sampler.h's
+// TimestepTerms) on the GPU.
 typedef struct {
+    DiffusionConfig config;
     NoiseSchedule schedule;
     TimestepTerms *terms;  // [steps], GPU
 } Diffusion;
 
-static void diffusion_create(Diffusion *d, int steps, const char *schedule) {
-    if (noise_schedule_make(&d->schedule, steps, schedule) != 0) fatal("unknown noise schedule '%s'", schedule);
+static void diffusion_create(Diffusion *d, const DiffusionConfig *config) {
+    int steps = config->steps;
+    d->config = *config;
+    if (noise_schedule_make(&d->schedule, steps, config->schedule) != 0) fatal("unknown noise schedule '%s'", config->schedule);
     TimestepTerms *host = (TimestepTerms *)malloc_or_die(steps * sizeof(TimestepTerms));
     for (int t = 0; t < steps; t++) host[t] = timestep_terms(&d->schedule, t);
     d->terms = (TimestepTerms *)gpu_malloc(steps * sizeof(TimestepTerms));
@@ -6413,8 +6423,8 @@ static int loss_history_distribution(const LossHistory *h, double *p) {
 #define MAX_UPDATE_CHUNKS 16  // trainer_plan_update's chunks: at most 13 (the first, 11 of a twelfth, the rest)
 
 typedef struct {
-    const Options *o;
     ModelConfig config;
+    TrainConfig train;
     UNet m;
     Diffusion diffusion;
     uint8_t *pixels;       // the pinned host batch the step copies in ([batch][H][W][3])
@@ -6426,9 +6436,7 @@ typedef struct {
     // piece's are added to it before the optimiser (gradient_accumulate)
     int pieces;
     float *grad_sum;
-    int num_ema;
-    float ema_rates[8];
-    float *ema[8];         // [storage] fp32 each, GPU layout like master
+    float *ema[MAX_EMA_RATES];  // [storage] fp32 each, GPU layout like master: one a rate of train.ema_rates
     StepState *host_state, *state;  // pinned, GPU
     // A step's parameter update runs in the next step, beside its forward (trainer_plan_update)
     StepState *update_state;  // GPU: the decision (learning rate, gradient scale, finite) of the step whose update waits
@@ -6439,7 +6447,6 @@ typedef struct {
     cudaEvent_t update_fork, update_done[MAX_UPDATE_CHUNKS];
     int update_waited;        // while the step is captured: the chunks the main stream waits for so far
     double *norm_partial;
-    int learned;           // the model learns its variance
     int classifier;        // the noisy classifier (--model classifier): its loss, on the labels
     LossKind loss_kind;
     LossOutputs loss;
@@ -6510,13 +6517,14 @@ static void trainer_plan_update(Trainer *tr) {
 // with the first EMA, then the others.
 static void trainer_update_range(Trainer *tr, int64_t from, int64_t to) {
     UNet *m = &tr->m;
-    const Options *o = tr->o;
+    const TrainConfig *train = &tr->train;
     floatX *copy = (void *)m->compute == (void *)m->master ? NULL : m->compute + from;
-    adamw_step(m->master + from, copy, m->adam_m + from, m->adam_v + from, m->grad + from, to - from, tr->update_state, o->beta1,
-               o->beta2, o->adam_eps, o->weight_decay, tr->num_ema ? tr->ema[0] + from : NULL, tr->num_ema ? tr->ema_rates[0] : 0.0f);
-    for (int i = 1; i < tr->num_ema; i++)  // (the first: in AdamW's pass)
+    adamw_step(m->master + from, copy, m->adam_m + from, m->adam_v + from, m->grad + from, to - from, tr->update_state, train->beta1,
+               train->beta2, train->adam_eps, train->weight_decay, train->num_ema ? tr->ema[0] + from : NULL,
+               train->num_ema ? train->ema_rates[0] : 0.0f);
+    for (int i = 1; i < train->num_ema; i++)  // (the first: in AdamW's pass)
         ema_kernel<<<blocks_for(to - from, 256), 256, 0, gpu.stream>>>(tr->ema[i] + from, m->master + from, to - from,
-                                                                        tr->ema_rates[i], tr->update_state);
+                                                                        train->ema_rates[i], tr->update_state);
     cuda_check_launch();
 }
 
@@ -6618,23 +6626,20 @@ static void team_reduce_rest(Trainer *tr) {
     team_join_beside();
 }
 
-static void trainer_create(Trainer *tr, const Options *o, const ModelConfig *c, uint8_t *pixels, int32_t *labels) {
+static void trainer_create(Trainer *tr, const ModelConfig *c, const DiffusionConfig *d, const TrainConfig *train, uint8_t *pixels,
+                           int32_t *labels) {
     memset(tr, 0, sizeof *tr);
-    tr->o = o;
-    tr->config = *c;
+    tr->config = *c, tr->train = *train;
     tr->pixels = pixels, tr->labels = labels;
-    tr->pieces = o->batch_size / training_piece(o);
-    unet_create(&tr->m, c, training_piece(o), training_mode(o));
+    tr->pieces = train->batch_size / train->piece;
+    unet_create(&tr->m, c, train->piece, training_mode(train));
     if (tr->pieces > 1) {
         tr->grad_sum = (float *)gpu_malloc(tr->m.storage * sizeof(float));
         cuda_check(cudaMemset(tr->grad_sum, 0, tr->m.storage * sizeof(float)));
     }
     tr->m.input_gradient = 0;  // the noisy images' gradient: a 3-channel input gradient nothing reads
-    diffusion_create(&tr->diffusion, o->diffusion_steps, o->noise_schedule);
-    double rates[8];
-    tr->num_ema = parse_number_list(o->ema_rate, rates, 8);
-    for (int i = 0; i < tr->num_ema; i++) {
-        tr->ema_rates[i] = (float)rates[i];
+    diffusion_create(&tr->diffusion, d);
+    for (int i = 0; i < train->num_ema; i++) {
         tr->ema[i] = (float *)gpu_malloc(tr->m.storage * sizeof(float));
     }
     cuda_check(cudaMallocHost((void **)&tr->host_state, sizeof(StepState)));
@@ -6646,23 +6651,21 @@ static void trainer_create(Trainer *tr, const Options *o, const ModelConfig *c, 
     for (int c = 0; c < MAX_UPDATE_CHUNKS; c++) cuda_check(cudaEventCreateWithFlags(&tr->update_done[c], cudaEventDisableTiming));
     trainer_plan_update(tr);
     tr->m.embedding.dropout_seed = &tr->state->noise_seed;  // dropout draws from the step's seed too
-    tr->m.embedding.first_sample = (int64_t)team.rank * o->batch_size;
+    tr->m.embedding.first_sample = (int64_t)team.rank * train->batch_size;
     cuda_check(cudaEventCreateWithFlags(&tr->done, cudaEventDisableTiming));
     if (team.comm) team_plan_buckets(tr);
     tr->norm_partial = (double *)gpu_malloc(NORM_BLOCKS * sizeof(double));
     tr->classifier = c->pool != POOL_NONE;
-    tr->learned = !tr->classifier && c->out_channels == 2 * c->in_channels;  // (in_channels: the image's)
-    int T = o->diffusion_steps;
-    float bound_scale = o->rescale_learned_sigmas ? (o->use_kl ? (float)T : (float)T / 1000.0f) : 1.0f;
-    tr->loss_kind = {tr->learned, !(tr->learned && o->use_kl), tr->learned && !o->use_kl, prediction_from_name(o->predict), bound_scale};
-    tr->loss = loss_outputs_create(o->batch_size, c->image_size * c->image_size);
-    tr->sample_weights = (float *)gpu_malloc(o->batch_size * sizeof(float));
-    tr->weighted_draws = strcmp(o->schedule_sampler, "loss-second-moment") == 0;
+    int T = d->steps;
+    tr->loss_kind = loss_kind(d);
+    tr->loss = loss_outputs_create(train->batch_size, c->image_size * c->image_size);
+    tr->sample_weights = (float *)gpu_malloc(train->batch_size * sizeof(float));
+    tr->weighted_draws = d->timesteps == TIMESTEPS_LOSS_SECOND_MOMENT;
     if (tr->weighted_draws) {
         loss_history_create(&tr->history, T);
         cuda_check(cudaMallocHost((void **)&tr->distribution_host, 2 * T * sizeof(double)));
         tr->distribution = (double *)gpu_malloc(2 * T * sizeof(double));
-        size_t gathered = (size_t)team.world * o->batch_size * 2 * sizeof(float);
+        size_t gathered = (size_t)team.world * train->batch_size * 2 * sizeof(float);
         tr->gathered = (float *)gpu_malloc(gathered);
         cuda_check(cudaMallocHost((void **)&tr->gathered_host, gathered));
     }
@@ -6677,13 +6680,13 @@ static void trainer_add_evaluation(Trainer *tr, const uint8_t *pixels, const int
     cuda_check(cudaMallocHost((void **)&tr->eval_state_host, sizeof(StepState)));
     memset(tr->eval_state_host, 0, sizeof(StepState));
     tr->eval_state = (StepState *)gpu_malloc(sizeof(StepState));
-    tr->eval_loss = loss_outputs_create(tr->o->batch_size, 1);
+    tr->eval_loss = loss_outputs_create(tr->train.batch_size, 1);
     cuda_check(cudaMallocHost((void **)&tr->eval_terms, LOSS_TERMS * sizeof(float)));
 }
 
 // Every EMA starts from the current weights.
 static void trainer_reset_ema(Trainer *tr) {
-    for (int i = 0; i < tr->num_ema; i++)
+    for (int i = 0; i < tr->train.num_ema; i++)
         cuda_check(cudaMemcpy(tr->ema[i], tr->m.master, tr->m.storage * sizeof(float), cudaMemcpyDeviceToDevice));
 }
 
@@ -6693,7 +6696,7 @@ static void trainer_reset_ema(Trainer *tr) {
 // each over the whole batch's count so that the pieces' gradients add up to the whole batch's.
 // The batch's images from the host (pixels: [batch_size][H][W][3]) into tr->x0, in the model's range.
 static void trainer_enqueue_images(Trainer *tr, const uint8_t *pixels) {
-    size_t bytes = (size_t)tr->o->batch_size * (image_values(&tr->m) / tr->m.batch);
+    size_t bytes = (size_t)tr->train.batch_size * (image_values(&tr->m) / tr->m.batch);
     cuda_check(cudaMemcpyAsync(tr->d_pixels, pixels, bytes, cudaMemcpyHostToDevice, gpu.stream));
     images_to_model_input(tr->x0, tr->d_pixels, bytes, gpu.stream);
 }
@@ -6703,32 +6706,32 @@ static void trainer_enqueue_images(Trainer *tr, const uint8_t *pixels) {
 // images at t = 0), and a diffusion model's regression target.
 static void trainer_enqueue_piece(Trainer *tr, int piece, const int32_t *labels, const StepState *state) {
     UNet *m = &tr->m;
-    const Options *o = tr->o;
+    const TrainConfig *train = &tr->train;
     int N = m->batch;
-    int64_t n = image_values(m), per_image = n / N, first = (int64_t)piece * N, first_sample = (int64_t)team.rank * o->batch_size + first;
+    int64_t n = image_values(m), per_image = n / N, first = (int64_t)piece * N, first_sample = (int64_t)team.rank * train->batch_size + first;
     m->embedding.first_sample = first_sample;  // dropout's numbering, in forward and backward
     if (tr->config.num_classes || tr->classifier)
         cuda_check(cudaMemcpyAsync(m->labels, labels + first, N * sizeof(int), cudaMemcpyHostToDevice, gpu.stream));
-    if (tr->classifier && !o->noised) {
+    if (tr->classifier && !train->noised) {
         cuda_check(cudaMemsetAsync(m->timesteps, 0, N * sizeof(int64_t), gpu.stream));
         cuda_check(cudaMemcpyAsync(m->input.x, tr->x0 + first * per_image, n * sizeof(floatX), cudaMemcpyDeviceToDevice, gpu.stream));
         return;
     }
     int T = tr->diffusion.schedule.steps;
     diffusion_conditions_kernel<<<(N + 127) / 128, 128, 0, gpu.stream>>>(m->timesteps, tr->sample_weights + first, m->labels, N,
-        first_sample, T, tr->distribution, o->cfg_dropout, tr->config.num_classes - 1, state);
+        first_sample, T, tr->distribution, train->cfg_dropout, tr->config.num_classes - 1, state);
     const ModelConfig *c = &tr->config;
     diffusion_inputs_kernel<<<blocks_for(n, 256), 256, 0, gpu.stream>>>(m->input.x, c->in_channels, m->input.C,
         tr->classifier ? NULL : m->target.x, tr->x0 + first * per_image, m->timesteps, tr->diffusion.terms,
-        prediction_from_name(o->predict), per_image, n, first_sample, state);
+        tr->diffusion.config.predict, per_image, n, first_sample, state);
     cuda_check_launch();
     if (c->low_res) downsample_area(m->low_res.x, tr->x0 + first * per_image, N, c->image_size, c->low_res, c->in_channels);
 }
 
 static void trainer_enqueue_step(Trainer *tr) {
     UNet *m = &tr->m;
-    const Options *o = tr->o;
-    int N = m->batch, B = o->batch_size;
+    const TrainConfig *train = &tr->train;
+    int N = m->batch, B = train->batch_size;
     int64_t per_image = image_values(m) / N;
     trainer_enqueue_update(tr);
     cuda_check(cudaMemcpyAsync(tr->state, tr->host_state, sizeof(StepState), cudaMemcpyHostToDevice, gpu.stream));
@@ -6782,7 +6785,7 @@ static void trainer_enqueue_evaluation(Trainer *tr) {
     for (int piece = 0; piece < tr->pieces; piece++) {
         trainer_enqueue_piece(tr, piece, tr->eval_labels, tr->eval_state);
         unet_forward(m, 0);
-        LossInputs inputs = {NULL, NULL, NULL, m->timesteps, tr->diffusion.schedule.steps, NULL, tr->o->batch_size, piece};
+        LossInputs inputs = {NULL, NULL, NULL, m->timesteps, tr->diffusion.schedule.steps, NULL, tr->train.batch_size, piece};
         classifier_loss(&tr->eval_loss, m->output->dx, m->output->x, m->labels, &inputs, N, tr->config.out_channels);
     }
     team_average(tr->eval_loss.terms, LOSS_TERMS, gpu.stream);
@@ -6791,11 +6794,11 @@ static void trainer_enqueue_evaluation(Trainer *tr) {
 
 // The learning rate at a step (from 1): linear warm-up over warmup_steps, then constant, or with
 // --lr_decay cosine a half cosine from lr down to min_lr at the last step.
-static float learning_rate(const Options *o, int64_t step) {
-    if (o->warmup_steps > 0 && step <= o->warmup_steps) return o->lr * (float)step / (float)o->warmup_steps;
-    if (strcmp(o->lr_decay, "cosine") != 0 || o->steps <= o->warmup_steps) return o->lr;
-    double progress = (double)(step - o->warmup_steps) / (double)(o->steps - o->warmup_steps);
-    return (float)(o->min_lr + (o->lr - o->min_lr) * 0.5 * (1.0 + cos(M_PI * fmin(progress, 1.0))));
+static float learning_rate(const TrainConfig *train, int64_t step) {
+    if (train->warmup_steps > 0 && step <= train->warmup_steps) return train->lr * (float)step / (float)train->warmup_steps;
+    if (train->lr_decay != LR_COSINE || train->steps <= train->warmup_steps) return train->lr;
+    double progress = (double)(step - train->warmup_steps) / (double)(train->steps - train->warmup_steps);
+    return (float)(train->min_lr + (train->lr - train->min_lr) * 0.5 * (1.0 + cos(M_PI * fmin(progress, 1.0))));
 }
 
 // A team's step collectives once before the graph is captured, outside it: NCCL connects the ranks
@@ -6807,7 +6810,7 @@ static void team_warm_up(Trainer *tr, int64_t step) {
     for (int j = tr->num_buckets - 1; j >= 0; j--) team_reduce_bucket(tr, j);
     team_reduce_rest(tr);
     team_average(tr->loss.terms, LOSS_TERMS, gpu.stream);
-    if (tr->weighted_draws) team_gather(tr->loss.samples, tr->gathered, 2 * tr->o->batch_size, gpu.stream);
+    if (tr->weighted_draws) team_gather(tr->loss.samples, tr->gathered, 2 * tr->train.batch_size, gpu.stream);
     cuda_check(cudaEventRecord(tr->done, gpu.stream));
     team_wait(tr->done, TEAM_START_TIMEOUT, step);
 }
@@ -6828,15 +6831,15 @@ static cudaGraphExec_t trainer_capture(Trainer *tr, void (*enqueue)(Trainer *)) 
 // tr->host_state. The first call captures the step as a graph; every call replays it. A stop asked
 // for by a signal goes in with the step, and comes out as stop when any rank was asked.
 static void trainer_step(Trainer *tr) {
-    const Options *o = tr->o;
+    const TrainConfig *train = &tr->train;
     int64_t step = tr->step + 1;
     StepState *h = tr->host_state;
     h->step = step;
-    h->lr = learning_rate(o, step);
-    h->bias1 = 1.0f - powf(o->beta1, (float)step);
-    h->bias2 = 1.0f - powf(o->beta2, (float)step);
-    h->grad_clip = o->grad_clip;
-    h->noise_seed = random_u64((uint64_t)o->seed, rng_stream(RNG_STEP_SEED, 0), (uint64_t)step);
+    h->lr = learning_rate(train, step);
+    h->bias1 = 1.0f - powf(train->beta1, (float)step);
+    h->bias2 = 1.0f - powf(train->beta2, (float)step);
+    h->grad_clip = train->grad_clip;
+    h->noise_seed = random_u64((uint64_t)train->seed, rng_stream(RNG_STEP_SEED, 0), (uint64_t)step);
     h->weighted_draw = tr->weighted_draws && loss_history_distribution(&tr->history, tr->distribution_host);
     h->stop = stop_requested;
     int ordinary = tr->graph && !tr->others_wait;
@@ -6850,7 +6853,7 @@ static void trainer_step(Trainer *tr) {
     double waited = team_wait(tr->done, timeout, step);
     if (ordinary) tr->slowest_wait = fmax(tr->slowest_wait, waited);
     if (tr->weighted_draws && h->finite)  // (a step that is not finite changes nothing)
-        for (int i = 0; i < team.world * o->batch_size; i++)
+        for (int i = 0; i < team.world * train->batch_size; i++)
             loss_history_add(&tr->history, (int)tr->gathered_host[2 * i], tr->gathered_host[2 * i + 1]);
     tr->step = step;
     tr->update_pending = 1;
@@ -6863,13 +6866,13 @@ static void trainer_step(Trainer *tr) {
 // sub-stream 1), through the model without backward (guided-diffusion's forward_backward_log with
 // prefix "val"). Returns the loss's terms, averaged over the ranks (host memory, until the next).
 static const float *trainer_evaluate(Trainer *tr, DataLoader *val, int64_t index) {
-    const Options *o = tr->o;
-    uint64_t count = val->data.header.count, seen = (uint64_t)index * team.world * o->batch_size;
+    const TrainConfig *train = &tr->train;
+    uint64_t count = val->data.header.count, seen = (uint64_t)index * team.world * train->batch_size;
     char err[512];
     trainer_settle(tr);
     if (loader_seek(val, {seen / count, seen % count}, err, sizeof err) != 0) fatal("%s", err);
     loader_next_batch(val);
-    tr->eval_state_host->noise_seed = random_u64((uint64_t)o->seed, rng_stream(RNG_STEP_SEED, 1), (uint64_t)tr->step);
+    tr->eval_state_host->noise_seed = random_u64((uint64_t)train->seed, rng_stream(RNG_STEP_SEED, 1), (uint64_t)tr->step);
     if (!tr->eval_graph) tr->eval_graph = trainer_capture(tr, trainer_enqueue_evaluation);
     cuda_check(cudaGraphLaunch(tr->eval_graph, gpu.stream));
     cuda_check(cudaEventRecord(tr->done, gpu.stream));
@@ -7069,8 +7072,8 @@ static float gpu_sampler_run(GpuSampler *s, int64_t first, int count, const int 
 // eps with fresh noise, and the variational bound's term of the model's output there (bound_term,
 // x0' clipped as clip_denoised), summed over the steps and the image's D values; plus the prior's,
 // KL(q(x_K | x0) || N(0, I)); all in bits per dimension (divided by D ln 2). A model without a
-// learned variance has guided-diffusion's fixed large one: log beta_k, and at k = 0 log beta_tilde_1
-// (v = 1 of the learned range, and v = -1 at k = 0).
+// learned variance has its diffusion's fixed one (DiffusionConfig.variance; guided-diffusion's
+// default, the large: log beta_k, and at k = 0 log beta_tilde_1).
 
 typedef struct {
     UNet m;                // forward only
@@ -7078,7 +7081,7 @@ typedef struct {
     int *timesteps;        // [steps]: the model's t of each
     TimestepTerms *terms;  // [steps]: of the respaced schedule
     double abar_last;      // the prior's: the last kept step's
-    int predict;
+    DiffusionConfig diffusion;
     float *x0, *x_t;       // GPU, [batch][H][W][C]
     float *partial;        // GPU, [batch][loss_blocks(H W)]
     double *bits;          // GPU, [batch]: each image's sum so far
@@ -7086,12 +7089,12 @@ typedef struct {
 
 // A likelihood run for batches of `batch` images of model c, on the steps `kept` keeps of a schedule
 // (its weights go into l->m.master, then unet_sync_compute).
-static void likelihood_create(Likelihood *l, const ModelConfig *c, int batch, const SampleSchedule *kept, int predict) {
+static void likelihood_create(Likelihood *l, const ModelConfig *c, const DiffusionConfig *d, int batch, const SampleSchedule *kept) {
     memset(l, 0, sizeof *l);
     unet_create(&l->m, c, batch, 0);
     NoiseSchedule respaced;
     if (noise_schedule_respaced(kept, &respaced) != 0) fatal("out of host memory");
-    l->steps = kept->count, l->predict = predict, l->abar_last = kept->abar[kept->count - 1];
+    l->steps = kept->count, l->diffusion = *d, l->abar_last = kept->abar[kept->count - 1];
     l->timesteps = (int *)malloc_or_die(kept->count * sizeof(int));
     l->terms = (TimestepTerms *)malloc_or_die(kept->count * sizeof(TimestepTerms));
     for (int k = 0; k < kept->count; k++) l->timesteps[k] = kept->timesteps[k], l->terms[k] = timestep_terms(&respaced, k);
@@ -7122,7 +7125,7 @@ static void likelihood_run(Likelihood *l, const uint8_t *pixels, int64_t first, 
                                                                               l->timesteps[k], l->terms[k], k, seed, first * (n / N));
         unet_forward(m, 0);
         likelihood_terms_kernel<<<dim3(blocks, N), 256, 0, gpu.stream>>>(l->partial, m->output->x, l->x0, l->x_t, l->terms[k], k == 0,
-                                                                         hw, C, m->output->C, l->predict);
+                                                                         hw, C, m->output->C, l->diffusion.predict, l->diffusion.variance);
         likelihood_add_kernel<<<(N + 127) / 128, 128, 0, gpu.stream>>>(l->bits, l->partial, N, blocks, 1.0 / ((double)n / N * M_LN2));
         cuda_check_launch();
     }
@@ -7538,10 +7541,9 @@ static void check_dataset(const DatasetHeader *h, Options *o, int say) {
 static ModelConfig resolve_run_model(Options *o) {
     if (strcmp(o->model, "diffusion") == 0) return resolve_model(o, o->num_classes ? o->num_classes + 1 : 0);
     if (strcmp(o->model, "classifier") != 0) usage_error("--model '%s' must be diffusion or classifier", o->model);
-    static const char *const diffusion_only[] = {"class_cond", "learn_sigma", "cfg_dropout", "use_kl", "predict", "super_res"};
-    for (int i = 0; i < 6; i++)
-        if (option_given(diffusion_only[i]))
-            usage_error("--%s is a diffusion model's flag: --model classifier does not take it", diffusion_only[i]);
+    for (int i = 0; i < NUM_OPTIONS; i++)
+        if (option_specs[i].group & DIFFUSION_ONLY && options_given[i])
+            usage_error("--%s is a diffusion model's flag: --model classifier does not take it", option_specs[i].name);
     if (option_given("sample_count") && o->sample_count) usage_error("--model classifier makes no sample grids: leave out --sample_count");
     if (!option_given("lr")) o->lr = 3e-4f;
     if (!option_given("ema_rate")) o->ema_rate = "";
@@ -7638,19 +7640,18 @@ static int grid_batch(const Options *o) { return o->sample_count < 64 ? o->sampl
 // What a run will allocate on the GPU, from the plans (--dry_run): the training model, its EMA
 // copies, the forward-only model that draws the sample grids, and FID's evaluation (fid_bytes:
 // --eval_num's sampler and Inception-v3, at most).
-static void print_run_memory(const Options *o, const ModelConfig *c, int64_t fid_bytes) {
+static void print_run_memory(const Options *o, const ModelConfig *c, const TrainConfig *train, int64_t fid_bytes) {
     UNet plan;
-    unet_plan(&plan, c, training_piece(o), o->use_checkpoint ? 1 : TRAINING_RECOMPUTE);  // the other way, for comparison
+    unet_plan(&plan, c, train->piece, train->recompute ? 1 : TRAINING_RECOMPUTE);  // the other way, for comparison
     int64_t other = unet_memory_bytes(&plan);
     unet_destroy(&plan);
-    unet_plan(&plan, c, training_piece(o), training_mode(o));
-    print_training_plan(stdout, &plan, o, other);
+    unet_plan(&plan, c, train->piece, training_mode(train));
+    print_training_plan(stdout, &plan, train, other);
     plan.input_gradient = 0;  // as the trainer's
     printf("model FLOPs: %.1f GFLOP a training step on each GPU (convolutions and matrix products, forward and backward)\n",
            unet_training_flops(&plan) * (o->batch_size / plan.batch) / 1e9);
-    double rates[8];
-    int64_t ema = (int64_t)parse_number_list(o->ema_rate, rates, 8) * plan.storage * sizeof(float);
-    int64_t total = unet_memory_bytes(&plan) + ema + gradient_sum_bytes(o, &plan);
+    int64_t ema = (int64_t)train->num_ema * plan.storage * sizeof(float);
+    int64_t total = unet_memory_bytes(&plan) + ema + gradient_sum_bytes(train, &plan);
     unet_destroy(&plan);
     printf("memory plan (EMA weights): %.1f MiB\n", ema / 1048576.0);
     if (o->sample_count) {
@@ -7671,20 +7672,18 @@ static void print_run_memory(const Options *o, const ModelConfig *c, int64_t fid
 // call: DDIM with --sample_steps, batches of `batch` images halved until its forward-only model fits
 // in the GPU memory the training left free (a big model at a large batch leaves little), its noise
 // from sub-stream `sub_stream` of RNG_GRID_SEED; then, at every call, loaded with the EMA's weights.
-static void ema_sampler_load(GpuSampler *sampler, Trainer *tr, int batch, uint64_t sub_stream) {
-    const Options *o = tr->o;
+static void ema_sampler_load(GpuSampler *sampler, Trainer *tr, int steps, int batch, uint64_t sub_stream) {
     const ModelConfig *c = &tr->config;
     trainer_settle(tr);
     if (!sampler->m.blocks) {
         SamplePlan plan;
-        if (sample_plan_make(&plan, &tr->diffusion.schedule, SAMPLER_DDIM, o->sample_steps, NULL, 0.0f, prediction_from_name(o->predict), 1,
-                             0) != 0)
+        if (sample_plan_make(&plan, &tr->diffusion.schedule, SAMPLER_DDIM, steps, NULL, 0.0f, tr->diffusion.config.predict, 1, 0) != 0)
             fatal("out of memory");
         size_t free_bytes, total_bytes;
         cuda_check(cudaMemGetInfo(&free_bytes, &total_bytes));
         const int64_t margin = 512LL << 20;  // for cuBLAS's workspace and the captured graph's own memory
         while (batch > 1 && gpu_sampler_bytes(c, batch, plan.count, 0, NULL) + margin > (int64_t)free_bytes) batch /= 2;
-        gpu_sampler_create(sampler, c, batch, &plan, 1.0f, NULL, 0.0f, random_u64((uint64_t)o->seed, rng_stream(RNG_GRID_SEED, sub_stream), 0));
+        gpu_sampler_create(sampler, c, batch, &plan, 1.0f, NULL, 0.0f, random_u64(tr->train.seed, rng_stream(RNG_GRID_SEED, sub_stream), 0));
         sample_plan_free(&plan);
     }
     cuda_check(cudaMemcpy(sampler->m.master, tr->ema[0], tr->m.storage * sizeof(float), cudaMemcpyDeviceToDevice));
@@ -7720,12 +7719,11 @@ static void enlarge_nearest_pixels(uint8_t *out, const uint8_t *low, int low_siz
 // images of `originals` (the validation set when there is one, else the training set; each with its
 // label), and its grid shows three tiles an image: the low-resolution input (enlarged), the sample
 // and the original. The sampler is made at the first grid.
-static void write_samples(Trainer *tr, GpuSampler *sampler, const Dataset *originals, const char *run_dir) {
-    const Options *o = tr->o;
+static void write_samples(Trainer *tr, const Options *o, GpuSampler *sampler, const Dataset *originals, const char *run_dir) {
     const ModelConfig *c = &tr->config;
     int count = o->sample_count, size = c->image_size, low_size = c->low_res;
     if (low_size && (uint64_t)count > originals->header.count) count = (int)originals->header.count;
-    ema_sampler_load(sampler, tr, grid_batch(o), 0);
+    ema_sampler_load(sampler, tr, o->sample_steps, grid_batch(o), 0);
     int *labels = NULL, classes = c->num_classes - 1;  // without the null class
     if (classes > 0) {
         labels = (int *)malloc_or_die(count * sizeof(int));
@@ -7845,12 +7843,11 @@ static void fid_evaluation_open(FidEvaluation *fe, const Options *o, const Datas
 }
 
 // The FID of --eval_num samples from the first EMA at this step, into fe->fid.
-static void fid_evaluate(FidEvaluation *fe, Trainer *tr) {
-    const Options *o = tr->o;
+static void fid_evaluate(FidEvaluation *fe, Trainer *tr, const Options *o) {
     const ModelConfig *c = &tr->config;
     double start = now_seconds();
     GpuSampler *sampler = &fe->sampler;
-    ema_sampler_load(sampler, tr, FID_SAMPLE_BATCH, 1);  // (--eval_num is over 2048)
+    ema_sampler_load(sampler, tr, o->sample_steps, FID_SAMPLE_BATCH, 1);  // (--eval_num is over 2048)
     int n = o->eval_num, size = c->image_size, classes = c->num_classes - 1, dim = UNET_INCEPTION_FEATURES;  // (less the null class)
     int64_t per_image = (int64_t)size * size * 3;
     uint8_t *pixels = (uint8_t *)malloc_or_die(sampler->images * per_image);
@@ -8026,7 +8023,7 @@ static int check_init_from(const Options *o, const ModelConfig *c, InitFrom *ini
     return r;
 }
 
-static void find_resume_point(const Options *o, const ModelConfig *c, const ParamList *params, ResumePoint *rp) {
+static void find_resume_point(const Options *o, const ModelConfig *c, const TrainConfig *train, const ParamList *params, ResumePoint *rp) {
     char err[2048];
     memset(rp, 0, sizeof *rp);
     if (strcmp(o->resume_checkpoint, "latest") == 0) {
@@ -8036,7 +8033,7 @@ static void find_resume_point(const Options *o, const ModelConfig *c, const Para
         snprintf(rp->dir, sizeof rp->dir, "%s", o->resume_checkpoint);
     }
     rp->elsewhere = resume_from_elsewhere(o);
-    if (check_resume(o, c, params, rp, err, sizeof err) != 0) fatal("%s", err);
+    if (check_resume(o, c, train, params, rp, err, sizeof err) != 0) fatal("%s", err);
 }
 
 // run_dir/loss.svg: the loss curve, drawn again at each log interval from every point logged so far
@@ -8093,8 +8090,9 @@ static void catch_stop_signals(void) {
 // NULL, on the dataset whose header main checked. In a team every rank trains and only rank 0
 // writes, in the run folder it holds (take_run_folder): the run folder's files, sample grids,
 // checkpoints (the same files as one GPU's) and the progress lines.
-static void run_training(const Options *o, const ModelConfig *config, const ParamList *params, const ResumePoint *resume,
-                         const InitFrom *init, const DatasetHeader *checked, const DatasetHeader *val_checked) {
+static void run_training(const Options *o, const ModelConfig *config, const DiffusionConfig *diffusion, const TrainConfig *train,
+                         const ParamList *params, const ResumePoint *resume, const InitFrom *init, const DatasetHeader *checked,
+                         const DatasetHeader *val_checked) {
     char err[1024], saved[4400] = "";
     int lead = team.rank == 0;
     if (lead && o->overwrite) clear_run_folder(o->run_dir);  // never with a resume (validate_training)
@@ -8107,7 +8105,7 @@ static void run_training(const Options *o, const ModelConfig *config, const Para
                     sizeof err) != 0)
         fatal("%s", err);
     Trainer tr;
-    trainer_create(&tr, o, config, loader.batch_pixels, loader.batch_labels);
+    trainer_create(&tr, config, diffusion, train, loader.batch_pixels, loader.batch_labels);
     if (val) trainer_add_evaluation(&tr, val->batch_pixels, val->batch_labels);
     if (resume) {
         if (load_checkpoint(&tr, resume, err, sizeof err) != 0) fatal("%s", err);
@@ -8181,7 +8179,7 @@ static void run_training(const Options *o, const ModelConfig *config, const Para
         if (val && tr.step % o->eval_interval == 0) classifier_log_add(&val_log, trainer_evaluate(&tr, val, tr.step / o->eval_interval - 1));
         if (o->eval_num && ((fid_interval(o) && tr.step % fid_interval(o) == 0) || tr.step == o->steps)) {
             double eval_start = now_seconds();
-            if (lead) fid_evaluate(&fid, &tr);
+            if (lead) fid_evaluate(&fid, &tr, o);
             interval_start += now_seconds() - eval_start;  // the log's speed is the training's
             tr.others_wait = !lead;
         }
@@ -8190,7 +8188,7 @@ static void run_training(const Options *o, const ModelConfig *config, const Para
             double img_s = global_batch * 1000.0 / ms, eta = (o->steps - tr.step) * ms / 1000.0;
             double mem = gpu_bytes_allocated / 1073741824.0;
             char terms[192] = "";
-            if (tr.learned)
+            if (tr.diffusion.config.variance == VARIANCE_LEARNED_RANGE)
                 snprintf(terms, sizeof terms, " (mse %.4f, vb %.4f)", interval_mse / interval_steps, interval_vb / interval_steps);
             if (tr.classifier) classifier_log_say(terms, sizeof terms, &train_log, &val_log, tr.config.out_channels);
             printf("step %lld/%lld  loss %.4f%s  lr %.3g  grad norm %.3f  %.0f img/s  %.1f ms/step  ETA %.0fh%02.0fm%s\n",
@@ -8217,12 +8215,12 @@ static void run_training(const Options *o, const ModelConfig *config, const Para
             for (int q = 0; q < 4; q++) interval_quarter[q] = interval_quarter_count[q] = 0;
         }
         if (o->sample_count && o->sample_interval && tr.step % o->sample_interval == 0 && tr.step < last) {
-            if (lead) write_samples(&tr, &sampler, grid_originals, o->run_dir);
+            if (lead) write_samples(&tr, o, &sampler, grid_originals, o->run_dir);
             tr.others_wait = !lead;
         }
         if (tr.step % o->save_interval == 0 && tr.step < last) {
             if (lead) {
-                if (save_checkpoint(&tr, o->run_dir, &loader.position, saved, sizeof saved, err, sizeof err) != 0) fatal("%s", err);
+                if (save_checkpoint(&tr, o, o->run_dir, &loader.position, saved, sizeof saved, err, sizeof err) != 0) fatal("%s", err);
                 printf("saved %s\n", saved);
             }
             tr.others_wait = !lead;
@@ -8233,9 +8231,9 @@ static void run_training(const Options *o, const ModelConfig *config, const Para
         fprintf(stderr, "train_unet rank %d: weights hash %016" PRIx64 " at step %lld\n", team.rank, weights_hash(&tr.m), (long long)tr.step);
     if (lead) {
         if (tr.step > first_step || !saved[0]) {
-            if (save_checkpoint(&tr, o->run_dir, &loader.position, saved, sizeof saved, err, sizeof err) != 0) fatal("%s", err);
+            if (save_checkpoint(&tr, o, o->run_dir, &loader.position, saved, sizeof saved, err, sizeof err) != 0) fatal("%s", err);
         }
-        if (o->sample_count && tr.step > first_step) write_samples(&tr, &sampler, grid_originals, o->run_dir);
+        if (o->sample_count && tr.step > first_step) write_samples(&tr, o, &sampler, grid_originals, o->run_dir);
         printf("%s at step %lld: checkpoint %s (%.0f s; %lld non-finite steps skipped)\n",
                tr.step < o->steps ? "stopped" : "done", (long long)tr.step, saved, now_seconds() - started, (long long)bad_total);
         fclose(log);
@@ -8250,7 +8248,8 @@ static void run_training(const Options *o, const ModelConfig *config, const Para
 // it; after 10 warm-up steps, N steps are timed one by one with events; prints the median. In a
 // team every rank times its own steps (they wait for each other in the all-reduce) and rank 0
 // prints; images/s counts every rank's images.
-static void run_bench(const Options *o, const ModelConfig *config, const ParamList *params) {
+static void run_bench(const Options *o, const ModelConfig *config, const DiffusionConfig *diffusion, const TrainConfig *train,
+                      const ParamList *params) {
     uint8_t *pixels;
     int32_t *labels;
     size_t n = (size_t)o->batch_size * config->image_size * config->image_size * 3;
@@ -8260,8 +8259,8 @@ static void run_bench(const Options *o, const ModelConfig *config, const ParamLi
     int classes = config->pool ? config->out_channels : config->num_classes - 1;  // (a diffusion model's: not the null class)
     for (int i = 0; i < o->batch_size; i++) labels[i] = classes > 0 ? (int32_t)(random_u64(1, rng_stream(RNG_BENCH_BATCH, 1), i) % classes) : 0;
     Trainer tr;
-    trainer_create(&tr, o, config, pixels, labels);
-    print_training_plan(stdout, &tr.m, o, -1);
+    trainer_create(&tr, config, diffusion, train, pixels, labels);
+    print_training_plan(stdout, &tr.m, train, -1);
     unet_init_parameters(&tr.m, (uint64_t)o->seed);
     trainer_reset_ema(&tr);
     for (int i = 0; i < 10; i++) trainer_step(&tr);
@@ -8331,6 +8330,8 @@ __attribute__((weak)) int main(int argc, char **argv) {
     }
     ModelConfig model = resolve_run_model(&o);
     validate_training(&o);
+    DiffusionConfig diffusion = diffusion_config(&o, &model);
+    TrainConfig train = train_config(&o);
     Dataset val_data = {};
     if (o.val_data[0]) {
         if (dataset_open(o.val_data, &val_data, err, sizeof err) != 0) fatal("%s", err);
@@ -8346,7 +8347,7 @@ __attribute__((weak)) int main(int argc, char **argv) {
     if (!o.bench && team.rank == 0) check_run_folder(&o);
     if (!o.bench && resume_from_elsewhere(&o) && realpath(o.resume_checkpoint, origin)) o.resume_checkpoint = origin;
     if (!o.bench && o.resume_checkpoint[0]) {
-        find_resume_point(&o, &model, &params, &resume);
+        find_resume_point(&o, &model, &train, &params, &resume);
         if (data.map && resume.position.next > data.header.count)
             fatal("%s stopped at image %" PRIu64 " of an epoch, past the %" PRIu64 " images of dataset %s: another dataset?",
                   resume.dir, resume.position.next, data.header.count, o.data);
@@ -8382,7 +8383,7 @@ __attribute__((weak)) int main(int argc, char **argv) {
         print_config(stdout, &o);
         printf("precision: %s\n", PRECISION_NAME);
         print_model_summary(stdout, &model, &params);
-        print_run_memory(&o, &model, fid_bytes);
+        print_run_memory(&o, &model, &train, fid_bytes);
         print_conv_plans(&o, &model);
         if (data.map)
             printf("dataset: %s, %" PRIu64 " images of %ux%u, %u classes\n", o.data, data.header.count,
@@ -8427,12 +8428,12 @@ __attribute__((weak)) int main(int argc, char **argv) {
         team_join(o.run_dir, rdzv, o.rdzv_timeout, config);
     }
     if (o.bench) {
-        run_bench(&o, &model, &params);
+        run_bench(&o, &model, &diffusion, &train, &params);
     } else {
         DatasetHeader checked = data.header, val_checked = val_data.header;
         dataset_close(&data), dataset_close(&val_data);
-        run_training(&o, &model, &params, o.resume_checkpoint[0] ? &resume : NULL, o.init_from[0] ? &init : NULL, &checked,
-                     o.val_data[0] ? &val_checked : NULL);
+        run_training(&o, &model, &diffusion, &train, &params, o.resume_checkpoint[0] ? &resume : NULL, o.init_from[0] ? &init : NULL,
+                     &checked, o.val_data[0] ? &val_checked : NULL);
     }
     free(params.specs);
     return 0;

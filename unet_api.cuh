@@ -13,8 +13,7 @@ struct UnetCheckpoint {
     SafeTensorsFile f;
     char file[4096];  // its path, for messages
     ModelConfig config;
-    int diffusion_steps;
-    char noise_schedule[16], predict[8];
+    DiffusionConfig diffusion;
 };
 
 struct UnetSampler {
@@ -70,7 +69,6 @@ static UnetCheckpoint *checkpoint_open(const char *path, const char *weights, co
     UnetCheckpoint *ck = (UnetCheckpoint *)calloc(1, sizeof *ck);
     if (!ck) fatal("out of host memory");
     if (map_checkpoint_file(path, weights, ck, err, err_len) != 0) return free(ck), (UnetCheckpoint *)NULL;
-    const char *schedule = "", *predict = "";
     memset(info, 0, sizeof *info);
     int r, described = ck->f.meta_count == 0;  // no metadata (a .pt): the model from its tensors and the flags
     const char *with_size[65];  // a classifier's: its image size is the diffusion model's
@@ -82,8 +80,8 @@ static UnetCheckpoint *checkpoint_open(const char *path, const char *weights, co
         flags = with_size, num_flags++;
     }
     if (described)
-        r = model_from_tensors_and_flags(&ck->f, ck->file, flags, num_flags, &ck->config, &info->diffusion_steps, &schedule, &predict,
-                                         info->model, sizeof info->model, err, err_len);
+        r = model_from_tensors_and_flags(&ck->f, ck->file, flags, num_flags, &ck->config, &ck->diffusion, info->model,
+                                         sizeof info->model, err, err_len);
     else if (num_flags > 0)
         r = error_line(err, err_len, "%s holds its model's configuration: --%.*s and the other model flags are for files without it (.pt)",
                        ck->file, (int)(strchr(flags[0], '=') ? strchr(flags[0], '=') - flags[0] : 0), flags[0]);
@@ -94,7 +92,7 @@ static UnetCheckpoint *checkpoint_open(const char *path, const char *weights, co
     if (r == 0 && classifier_size && ck->config.image_size != classifier_size)
         r = error_line(err, err_len, "%s classifies %dx%d images; the diffusion model makes %dx%d", ck->file, ck->config.image_size,
                        ck->config.image_size, classifier_size, classifier_size);
-    if (r == 0 && !described) r = diffusion_from_metadata(&ck->f, ck->file, &info->diffusion_steps, &schedule, &predict, err, err_len);
+    if (r == 0 && !described) r = diffusion_from_metadata(&ck->f, ck->file, &ck->config, &ck->diffusion, err, err_len);
     if (r == 0) {
         ParamList params = model_parameters(&ck->config);
         r = read_tensors(&params, &ck->f, ck->file, 0, NULL, err, err_len);  // names, shapes, finite values
@@ -112,12 +110,8 @@ static UnetCheckpoint *checkpoint_open(const char *path, const char *weights, co
     snprintf(info->classifier_pool, sizeof info->classifier_pool, "%s", c->pool ? pool_names[c->pool] : "");
     const char *null_class = safetensors_metadata(&ck->f, "null_class");
     info->null_class = c->num_classes > 0 && null_class && strcmp(null_class, "True") == 0;
-    snprintf(info->noise_schedule, sizeof info->noise_schedule, "%s", schedule);
-    snprintf(info->predict, sizeof info->predict, "%s", predict);
+    info->diffusion = ck->diffusion;
     snprintf(info->file, sizeof info->file, "%s", ck->file);
-    ck->diffusion_steps = info->diffusion_steps;
-    snprintf(ck->noise_schedule, sizeof ck->noise_schedule, "%s", schedule);
-    snprintf(ck->predict, sizeof ck->predict, "%s", predict);
     return ck;
 }
 
@@ -209,16 +203,16 @@ extern "C" int unet_nll(const UnetCheckpoint *ck, const uint8_t *pixels, const i
     if (c->num_classes && !labels) return error_line(err, err_len, "%s is class-conditional: the images need labels", ck->file);
     NoiseSchedule d;
     SampleSchedule kept = {0, NULL, NULL};
-    if (noise_schedule_make(&d, ck->diffusion_steps, ck->noise_schedule) != 0) fatal("unknown noise schedule '%s'", ck->noise_schedule);
+    if (noise_schedule_make(&d, ck->diffusion.steps, ck->diffusion.schedule) != 0) fatal("unknown noise schedule '%s'", ck->diffusion.schedule);
     int made = respacing && respacing[0] ? sample_schedule_respaced(&d, respacing, &kept) : sample_schedule_make(&d, d.steps, &kept);
     noise_schedule_free(&d);
     if (made != 0) {
         sample_schedule_free(&kept);
-        return error_line(err, err_len, "--respacing '%s' keeps no steps of the %d diffusion steps", respacing, ck->diffusion_steps);
+        return error_line(err, err_len, "--respacing '%s' keeps no steps of the %d diffusion steps", respacing, ck->diffusion.steps);
     }
     if (api_gpu_ready(err, err_len) != 0) return sample_schedule_free(&kept), -1;
     Likelihood l;
-    likelihood_create(&l, c, batch, &kept, prediction_from_name(ck->predict));
+    likelihood_create(&l, c, &ck->diffusion, batch, &kept);
     sample_schedule_free(&kept);
     if (upload_tensors(&l.m, &ck->f, ck->file, l.m.master, 0, err, err_len) != 0) return likelihood_destroy(&l), -1;
     unet_sync_compute(&l.m);
@@ -267,8 +261,8 @@ extern "C" int unet_eval(const UnetCheckpoint *ck, const char *in_path, const ch
     if (r == 0 && (safetensors_get_int64(t, steps) != 0 || (c->num_classes && safetensors_get_int64(y, labels64) != 0)))
         r = error_line(err, err_len, "%s: t and y must be integers (I64 or I32)", in_path);
     for (int n = 0; r == 0 && n < N; n++) {
-        if (steps[n] < 0 || steps[n] >= ck->diffusion_steps)
-            r = error_line(err, err_len, "%s: t[%d] = %lld is outside 0..%d", in_path, n, (long long)steps[n], ck->diffusion_steps - 1);
+        if (steps[n] < 0 || steps[n] >= ck->diffusion.steps)
+            r = error_line(err, err_len, "%s: t[%d] = %lld is outside 0..%d", in_path, n, (long long)steps[n], ck->diffusion.steps - 1);
         else if (c->num_classes && (labels64[n] < 0 || labels64[n] >= c->num_classes))
             r = error_line(err, err_len, "%s: y[%d] = %lld is outside 0..%d", in_path, n, (long long)labels64[n], c->num_classes - 1);
     }

@@ -25,8 +25,7 @@ typedef struct {
     int num_classes;      // label_emb rows, 0: unconditional; a noisy classifier's: its logits
     int null_class;       // the last row is the null class of classifier-free guidance (train_unet's
                           // checkpoints); guided-diffusion's own have none: every row is a class
-    int diffusion_steps;
-    char noise_schedule[16], predict[8];
+    DiffusionConfig diffusion;  // its steps, schedule, prediction and variance (a learned one: the output's second half)
     int64_t parameters;
     int small_size;            // an upsampler's (SuperResModel) low-resolution side, 0: none
     char classifier_pool[16];  // a noisy classifier's pool (EncoderUNetModel), "" for a diffusion model

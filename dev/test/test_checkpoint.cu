@@ -26,6 +26,12 @@ static Options small_options(int num_channels) {
 
 static ModelConfig small_config(Options *o) { return resolve_model(o, 0); }
 
+// check_resume with the run's training configuration resolved from its options, as main does.
+static int resume_check(const Options *o, const ModelConfig *c, const ParamList *params, ResumePoint *rp, char *err, size_t err_len) {
+    TrainConfig train = train_config(o);
+    return check_resume(o, c, &train, params, rp, err, err_len);
+}
+
 // Parameter j of tensor i at step s: a value that says where it came from (plus an offset that
 // tells two saves of one step apart).
 static float pattern_offset = 0.0f;
@@ -300,20 +306,20 @@ static void run_folder_cases(const char *top, const ParamList *params) {
     ResumePoint rp;
     memset(&rp, 0, sizeof rp);
     CHECK(latest_checkpoint(run, rp.dir, sizeof rp.dir) == 0);
-    CHECK(check_resume(&o, &c, params, &rp, err, sizeof err) == 0);  // the defaults: as the older format meant
+    CHECK(resume_check(&o, &c, params, &rp, err, sizeof err) == 0);  // the defaults: as the older format meant
     Options changed = o;
     changed.dropout = 0.1f, changed.num_heads = 8;
     ModelConfig changed_config = small_config(&changed);
-    CHECK(check_resume(&changed, &changed_config, params, &rp, err, sizeof err) != 0 &&
+    CHECK(resume_check(&changed, &changed_config, params, &rp, err, sizeof err) != 0 &&
           strstr(err, "--dropout 0.1 (checkpoint: not recorded, which means 0)") && strstr(err, "--num_heads 8 (checkpoint: not recorded, which means 4)"));
     printf("  %s\n", err);
     edit_metadata = newer_format;
     write_step(run, params, 3, 0);
-    CHECK(check_resume(&o, &c, params, &rp, err, sizeof err) != 0 && strstr(err, "format_version '3'") && !strchr(err, '\n'));
+    CHECK(resume_check(&o, &c, params, &rp, err, sizeof err) != 0 && strstr(err, "format_version '3'") && !strchr(err, '\n'));
     printf("  %s\n", err);
     edit_metadata = without_format_version;
     write_step(run, params, 3, 0);
-    CHECK(check_resume(&o, &c, params, &rp, err, sizeof err) != 0 && strstr(err, "records no format_version"));
+    CHECK(resume_check(&o, &c, params, &rp, err, sizeof err) != 0 && strstr(err, "records no format_version"));
     edit_metadata = NULL;
 
     check_case("generate's checkpoint: mapped once, it keeps the step it opened when a trainer replaces or prunes it");
@@ -457,19 +463,19 @@ int main(void) {
     ResumePoint rp;
     memset(&rp, 0, sizeof rp);
     CHECK(latest_checkpoint(run_dir, rp.dir, sizeof rp.dir) == 0);
-    CHECK(check_resume(&o, &c, &params, &rp, err, sizeof err) == 0 && rp.step == step && rp.changes[0] == '\0');
+    CHECK(resume_check(&o, &c, &params, &rp, err, sizeof err) == 0 && rp.step == step && rp.changes[0] == '\0');
 
     check_case("resume: a changed optimiser is allowed and said; a changed model or batch is refused, each difference named");
     Options changed = small_options(32);
     changed.lr = 2e-4f, changed.steps = 5000;
     ModelConfig changed_config = small_config(&changed);
-    CHECK(check_resume(&changed, &changed_config, &params, &rp, err, sizeof err) == 0);
+    CHECK(resume_check(&changed, &changed_config, &params, &rp, err, sizeof err) == 0);
     CHECK(strstr(rp.changes, "--lr 0.0002 (checkpoint: 0.0001)") && strstr(rp.changes, "--steps 5000 (checkpoint: 100000)"));
     printf("  %s\n", rp.changes);
     changed = small_options(32);
     changed.num_heads = 8, changed.dropout = 0.25f, changed.batch_size = 16;
     changed_config = small_config(&changed);
-    CHECK(check_resume(&changed, &changed_config, &params, &rp, err, sizeof err) != 0);
+    CHECK(resume_check(&changed, &changed_config, &params, &rp, err, sizeof err) != 0);
     CHECK(strstr(err, "--num_heads 8 (checkpoint: 4)") && strstr(err, "--dropout 0.25 (checkpoint: 0)") &&
           strstr(err, "--batch_size 16 (checkpoint: 32)") && !strchr(err, '\n'));
     printf("  %s\n", err);
@@ -485,14 +491,14 @@ int main(void) {
     safetensors_close(&ema);
     float nan_value = NAN;
     CHECK(fseek(file, first_value, SEEK_SET) == 0 && fwrite(&nan_value, 4, 1, file) == 1 && fclose(file) == 0);
-    CHECK(check_resume(&o, &c, &params, &rp, err, sizeof err) != 0 && strstr(err, "NaN or infinite") && !strchr(err, '\n'));
+    CHECK(resume_check(&o, &c, &params, &rp, err, sizeof err) != 0 && strstr(err, "NaN or infinite") && !strchr(err, '\n'));
     printf("  %s\n", err);
     snprintf(path, sizeof path, "%s/checkpoints/step_%09lld/state.bin", run_dir, (long long)(step - 1));
     memset(&rp, 0, sizeof rp);
     snprintf(rp.dir, sizeof rp.dir, "%s/checkpoints/step_%09lld", run_dir, (long long)(step - 1));
-    CHECK(check_resume(&o, &c, &params, &rp, err, sizeof err) == 0);
+    CHECK(resume_check(&o, &c, &params, &rp, err, sizeof err) == 0);
     CHECK(truncate(path, 200) == 0);
-    CHECK(check_resume(&o, &c, &params, &rp, err, sizeof err) != 0 && strstr(err, "truncated") && !strchr(err, '\n'));
+    CHECK(resume_check(&o, &c, &params, &rp, err, sizeof err) != 0 && strstr(err, "truncated") && !strchr(err, '\n'));
     printf("  %s\n", err);
 
     check_case("resume: every bad training state of the corpus, put in a checkpoint, is refused with one line");
@@ -505,7 +511,7 @@ int main(void) {
         char copy[4096 + 600];
         snprintf(copy, sizeof copy, "cp dev/test/corpus/state/%s %s", e->d_name, path);
         files++;
-        if (system(copy) == 0 && check_resume(&o, &c, &params, &rp, err, sizeof err) != 0 && strstr(err, "state.bin") && !strchr(err, '\n'))
+        if (system(copy) == 0 && resume_check(&o, &c, &params, &rp, err, sizeof err) != 0 && strstr(err, "state.bin") && !strchr(err, '\n'))
             refused++;
         else
             printf("  %s was not refused with one line naming state.bin\n", e->d_name);

@@ -206,12 +206,11 @@ int main(void) {
             {{"image_size=8", "num_head_channels=16", "num_channels=64", NULL}, 0},
             {{"image_size=8", "num_head_channels=16", "classifier_pool=adaptive", NULL}, 0}};
         for (size_t i = 0; i < sizeof uses / sizeof uses[0]; i++) {
-            int n = uses[i].flags[3] ? 4 : 3, steps;
+            int n = uses[i].flags[3] ? 4 : 3;
             ModelConfig c;
-            const char *schedule, *predict;
+            DiffusionConfig d;
             char described[1024];
-            int r = model_from_tensors_and_flags(&f, path, uses[i].flags, n, &c, &steps, &schedule, &predict, described, sizeof described,
-                                                 err, sizeof err);
+            int r = model_from_tensors_and_flags(&f, path, uses[i].flags, n, &c, &d, described, sizeof described, err, sizeof err);
             printf("  %s %s: %s\n", uses[i].flags[2], n == 4 ? uses[i].flags[3] : "", r == 0 ? described : err);
             CHECK((r == 0) == uses[i].fits && (r != 0 || c.pool == POOL_ATTENTION));
         }

@@ -129,7 +129,7 @@ static void test_plan(const char *name, const ModelConfig *c, UNet *weights, Sam
     NoiseSchedule d;
     SamplePlan plan;
     CHECK(noise_schedule_make(&d, 100, "linear") == 0);
-    int learned = c->out_channels == 2 * c->in_channels;
+    int learned = c->learn_sigma;
     CHECK(sample_plan_make(&plan, &d, kind, steps, NULL, eta, predict_v ? PREDICT_V : PREDICT_EPS, 1, learned) == 0);
     uint64_t seed = 1234;
     int S = c->image_size;
@@ -244,7 +244,9 @@ static void test_likelihood(const char *name, const ModelConfig *c, UNet *weight
     SampleSchedule kept = {0, NULL, NULL};
     CHECK(noise_schedule_make(&d, 100, "cosine") == 0 && sample_schedule_respaced(&d, spec, &kept) == 0);
     Likelihood l;
-    likelihood_create(&l, c, IMAGES, &kept, predict);
+    DiffusionConfig diffusion = {100, "cosine", (Prediction)predict, c->learn_sigma ? VARIANCE_LEARNED_RANGE : VARIANCE_FIXED_LARGE,
+                                 LOSS_MSE, 1.0f, TIMESTEPS_UNIFORM};
+    likelihood_create(&l, c, &diffusion, IMAGES, &kept);
     cuda_check(cudaMemcpy(l.m.master, weights->master, weights->storage * sizeof(float), cudaMemcpyDeviceToDevice));
     unet_sync_compute(&l.m);
     int64_t n = act_numel(&l.m.input), per_image = n / IMAGES, n_out = act_numel(weights->output);
@@ -330,7 +332,7 @@ static void test_guided_step(const SafeTensorsFile *fx, const char *name, const 
     NoiseSchedule d;
     SamplePlan plan;
     CHECK(noise_schedule_make(&d, 1000, "linear") == 0);
-    CHECK(sample_plan_make(&plan, &d, kind, steps, NULL, 0.0f, PREDICT_EPS, 1, info.out_channels == 2 * C) == 0);
+    CHECK(sample_plan_make(&plan, &d, kind, steps, NULL, 0.0f, PREDICT_EPS, 1, info.diffusion.variance == VARIANCE_LEARNED_RANGE) == 0);
     SamplePlan one = plan;
     one.count = 1, one.steps = NULL;
     for (int j = 0; j < plan.count; j++)

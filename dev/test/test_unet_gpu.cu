@@ -3,8 +3,8 @@
 //   test_unet_gpu [FIXTURE.safetensors ...]     (default: dev/fixtures/*.safetensors)
 // Tolerance, relative (|a - b| / |b| per tensor): FP32 build 1e-5. BF16 build: 2e-2 for the output
 // and loss, 8e-2 for gradients: on these small random-weight fixtures PyTorch's own bf16 autocast
-// lands 1.0-1.6e-2 from the output and up to 6.8e-2 from a gradient (scripts/bf16_error.py, H200,
-// 2026-11-21), and this build lands no further (dev/NOTES.md). A gradient that is zero in exact
+// lands 1.0-1.6e-2 from the output and up to 6.8e-2 from a gradient (scripts/bf16_error.py, H200),
+// and this build lands no further (dev/NOTES.md). A gradient that is zero in exact
 // arithmetic (the fixtures hold rounding noise there: at 32 channels the timestep embedding has no
 // effect without scale-shift) is measured against 1e-2 of the largest gradient norm of the fixture
 // instead of its own norm. A classifier's fixture (metadata classifier_pool: EncoderUNetModel) is
