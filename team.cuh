@@ -1,6 +1,7 @@
 // team.cuh: many GPUs: the team of processes (one per GPU) and its NCCL collectives, the launchers'
 // environments (torchrun, mpirun, srun), the rendezvous and `--gpus N`'s launcher. Needs only
 // gpu.cuh; train_unet.cu includes it at its top (one translation unit).
+#include <arpa/inet.h>
 #include <netdb.h>
 #include <netinet/in.h>
 #include <poll.h>
@@ -191,16 +192,50 @@ static void team_id_path(char *out, size_t len, const char *run_dir) {
 // rank 0's payload in `payload`), or -1 with the line in err.
 #define RENDEZVOUS_MAGIC "UNETRDZV"
 
-// host:port (a host may be an IPv6 address in brackets) into host; returns the port, or -1.
+// A rendezvous port (MASTER_PORT's, --rdzv's): 1 to 5 decimal digits, no sign or space, 1..65535;
+// returns it, or -1.
+static int rendezvous_port(const char *text) {
+    size_t digits = strspn(text, "0123456789");
+    if (digits < 1 || digits > 5 || text[digits]) return -1;
+    long port = strtol(text, NULL, 10);
+    return port >= 1 && port <= 65535 ? (int)port : -1;
+}
+
+// Whether a rendezvous host is well-formed: a name or IPv4 address (letters, digits, '.', '-' and
+// '_'), or, when it stood in brackets, an IPv6 address (with a %zone where it has one).
+static int rendezvous_host_valid(const char *host, int bracketed) {
+    const char *name = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.-_";
+    if (!bracketed) return host[0] && !host[strspn(host, name)];
+    char address[256];
+    struct in6_addr a;
+    const char *zone = strchr(host, '%');
+    snprintf(address, sizeof address, "%.*s", zone ? (int)(zone - host) : (int)strlen(host), host);
+    return inet_pton(AF_INET6, address, &a) == 1 && (!zone || (zone[1] && !zone[1 + strspn(zone + 1, name)]));
+}
+
+// host:port into host, the host a name or IPv4 address, or an IPv6 address in brackets ([::1]:29500):
+// one colon outside brackets, before the port (rendezvous_port). Returns the port, or -1.
 static int rendezvous_address(const char *address, char *host, size_t host_len) {
     const char *colon = strrchr(address, ':');
-    char *end;
-    long port = colon ? strtol(colon + 1, &end, 10) : -1;
-    if (!colon || colon == address || !colon[1] || *end || port < 1 || port > 65535 || (size_t)(colon - address) >= host_len) return -1;
-    const char *from = address, *to = colon;
-    if (*from == '[' && to[-1] == ']') from++, to--;
-    snprintf(host, host_len, "%.*s", (int)(to - from), from);
-    return (int)port;
+    int bracketed = address[0] == '[';
+    if (!colon || (size_t)(colon - address) >= host_len || (bracketed && (colon - address < 2 || colon[-1] != ']'))) return -1;
+    snprintf(host, host_len, "%.*s", (int)(colon - address) - 2 * bracketed, address + bracketed);
+    return rendezvous_host_valid(host, bracketed) ? rendezvous_port(colon + 1) : -1;
+}
+
+// The rendezvous of a team into rdzv: --rdzv's (`given`, checked with the options), else torchrun's
+// MASTER_ADDR and MASTER_PORT when both are set (an IPv6 MASTER_ADDR put in brackets), else "" (the
+// run folder's file). Checked as --rdzv is, before the GPU: exits with one line naming the variable.
+static void rendezvous_from_environment(const char *given, char *rdzv, size_t len) {
+    const char *master = getenv("MASTER_ADDR"), *master_port = getenv("MASTER_PORT");
+    char host[256];
+    snprintf(rdzv, len, "%s", given);
+    if (given[0] || !master || !master[0] || !master_port || !master_port[0]) return;
+    if (rendezvous_port(master_port) < 0)
+        fatal("MASTER_PORT is '%s': the rendezvous port must be a number in 1..65535, digits only", master_port);
+    if (snprintf(rdzv, len, strchr(master, ':') ? "[%s]:%s" : "%s:%s", master, master_port) >= (int)len ||
+        rendezvous_address(rdzv, host, sizeof host) < 0)
+        fatal("MASTER_ADDR is '%s': the rendezvous host must be a host name, an IPv4 address or an IPv6 address", master);
 }
 #define RENDEZVOUS_MAX_CONFIG 4096
 

@@ -7232,11 +7232,29 @@ static void check_run_folder_writable(const char *run_dir) {
         fatal("run folder %s cannot be written: %s: %s", run_dir, where, strerror(errno));
 }
 
+// Whether `path` lies in `folder` (or is it), by real paths: its name (a symlink's own name, so the
+// link an --overwrite would remove counts) or what it leads to. 0 when either does not exist.
+static int lies_in_folder(const char *path, const char *folder) {
+    char given[4096], parent[4096], real_folder[PATH_MAX], real[PATH_MAX];
+    if (!realpath(folder, real_folder)) return 0;
+    size_t n = strlen(real_folder);
+    snprintf(given, sizeof given, "%s", path);
+    for (size_t k = strlen(given); k > 1 && given[k - 1] == '/'; k--) given[k - 1] = '\0';
+    const char *name = given + parent_folder(given, parent, sizeof parent);
+    for (int i = 0; i < 2; i++) {  // the name's folder (the name not . or ..), then what the path leads to
+        if (i == 0 && (strcmp(name, ".") == 0 || strcmp(name, "..") == 0)) continue;
+        if (!realpath(i == 0 ? parent : path, real)) continue;
+        if (strncmp(real, real_folder, n) == 0 && (real[n] == '\0' || real[n] == '/' || real_folder[n - 1] == '/')) return 1;
+    }
+    return 0;
+}
+
 // Checks before anything is read or written that the run folder may take this run. It must be a
 // folder or not exist yet, itself and its checkpoints/ no symlink, locked by no other trainer. A new
 // run (no --resume_checkpoint) refuses a folder that holds one, unless --overwrite; so does a resume
 // from a checkpoint elsewhere, which starts a new run: only `latest` or a step of the run folder
-// itself continues its run.
+// itself continues its run. --overwrite refuses an --init_from inside the run folder: clearing it
+// could remove the weights before the run reads them.
 static void check_run_folder(const Options *o) {
     struct stat st;
     char what[4096];
@@ -7257,6 +7275,9 @@ static void check_run_folder(const Options *o) {
     if (held && !o->resume_checkpoint[0] && !o->overwrite)
         fatal("run folder %s already holds a run (%s): continue it with --resume_checkpoint latest, start over with "
               "--overwrite, or choose another --run_dir", o->run_dir, what);
+    if (o->overwrite && o->init_from[0] && lies_in_folder(o->init_from, o->run_dir))
+        fatal("--init_from %s lies inside run folder %s, which --overwrite clears before the weights are read: copy them out of "
+              "the run folder first, or choose another --run_dir", o->init_from, o->run_dir);
 }
 
 // The run folder, taken for this run (rank 0's, before anything in it is written): created if it
@@ -7282,8 +7303,8 @@ static int open_to_clear(int run, const char *name) {
 }
 
 // --overwrite: removes what an earlier run left in the run folder (its checkpoints and set-aside
-// branches, sample grids, log, configuration and chart) and nothing else, through handles: a
-// symlink among them is removed as a link, never followed.
+// branches, sample grids, log, configuration, loss.svg and fid.svg) and nothing else, through
+// handles: a symlink among them is removed as a link, never followed.
 static void clear_run_folder(const char *run_dir) {
     int run = open_folder(AT_FDCWD, run_dir);
     if (run < 0) return;
@@ -7300,7 +7321,7 @@ static void clear_run_folder(const char *run_dir) {
         if (strncmp(e->d_name, "step_", 5) == 0 && strstr(e->d_name, ".png")) unlinkat(samples, e->d_name, 0);
     if (d) closedir(d);
     const char *files[] = {"log.csv", "config.txt", "loss.svg", "fid.svg"};
-    for (int i = 0; i < 3; i++) unlinkat(run, files[i], 0);
+    for (size_t i = 0; i < sizeof files / sizeof files[0]; i++) unlinkat(run, files[i], 0);
     if (checkpoints >= 0) fsync(checkpoints), close(checkpoints);
     if (samples >= 0) close(samples);
     fsync(run);
@@ -7470,7 +7491,8 @@ static void validate_training(const Options *o) {
     if (o->gpus < 1 || o->gpus > 1024) usage_error("--gpus %d is out of range (1..1024)", o->gpus);
     char host[256];
     if (o->rdzv[0] && rendezvous_address(o->rdzv, host, sizeof host) < 0)
-        usage_error("--rdzv '%s' must be host:port, the port in 1..65535", o->rdzv);
+        usage_error("--rdzv '%s' must be host:port: a host name or IPv4 address, or an IPv6 address in brackets ([::1]:29500), and a "
+                    "port of 1..65535 in digits", o->rdzv);
     if (o->rdzv_timeout < 1 || o->rdzv_timeout > 86400) usage_error("--rdzv_timeout %d is out of range (1..86400 seconds)", o->rdzv_timeout);
     if ((int64_t)o->batch_size * o->gpus > 65536)
         usage_error("--batch_size %d on %d GPUs is over 65536 images a step", o->batch_size, o->gpus);
@@ -8330,6 +8352,8 @@ __attribute__((weak)) int main(int argc, char **argv) {
     }
     ModelConfig model = resolve_run_model(&o);
     validate_training(&o);
+    char rdzv[300] = "";  // a team's rendezvous: --rdzv, else torchrun's MASTER_ADDR and MASTER_PORT, else the run folder's file
+    if (launched || o.gpus > 1) rendezvous_from_environment(o.rdzv, rdzv, sizeof rdzv);
     DiffusionConfig diffusion = diffusion_config(&o, &model);
     TrainConfig train = train_config(&o);
     Dataset val_data = {};
@@ -8416,12 +8440,8 @@ __attribute__((weak)) int main(int argc, char **argv) {
     gpu_init(team.local_rank);
     if (!o.bench) catch_stop_signals();
     if (!o.bench && team.rank == 0) take_run_folder(&o, o.resume_checkpoint[0] ? &resume : NULL);
-    if (launched) {  // the rendezvous: --rdzv, else torchrun's MASTER_ADDR and MASTER_PORT, else the run folder's file
-        char rdzv[300] = "", config[512];
-        const char *master = getenv("MASTER_ADDR"), *master_port = getenv("MASTER_PORT");
-        if (o.rdzv[0]) snprintf(rdzv, sizeof rdzv, "%s", o.rdzv);
-        else if (master && master[0] && master_port && master_port[0])
-            snprintf(rdzv, sizeof rdzv, strchr(master, ':') ? "[%s]:%s" : "%s:%s", master, master_port);
+    if (launched) {  // the rendezvous (rdzv, checked above)
+        char config[512];
         snprintf(config, sizeof config, "parameters %lld; batch_size %d; microbatch %d; steps %lld; seed %lld; dataset %" PRIu64
                  " images of %ux%u; precision %s", (long long)params.numel, o.batch_size, o.microbatch, o.steps, o.seed,
                  data.map ? data.header.count : 0, data.header.width, data.header.height, PRECISION_NAME);

@@ -282,6 +282,41 @@ static void run_folder_cases(const char *top, const ParamList *params) {
     linked.run_dir = own;
     CHECK(check_in_child(check_folder, &linked, out, sizeof out) == 1 && strstr(out, "is a symbolic link"));
 
+    check_case("run folder: --overwrite removes the earlier run's log, config, loss.svg, fid.svg, grids and checkpoints, nothing else");
+    snprintf(run, sizeof run, "%s/cleared", top);
+    CHECK(mkdir(run, 0777) == 0);
+    write_step(run, params, 10, 0);
+    CHECK(shell("cd %s && mkdir samples && touch log.csv config.txt loss.svg fid.svg notes.txt samples/step_000000010.png "
+                "samples/mine.png", run) == 0);
+    clear_run_folder(run);
+    const char *gone[] = {"log.csv", "config.txt", "loss.svg", "fid.svg", "samples/step_000000010.png", "checkpoints/step_000000010"};
+    for (size_t i = 0; i < sizeof gone / sizeof gone[0]; i++) {
+        snprintf(path, sizeof path, "%s/%s", run, gone[i]);
+        if (exists(path)) printf("  %s is left\n", path), check_case_failed = 1;
+    }
+    snprintf(path, sizeof path, "%s/notes.txt", run);
+    CHECK(exists(path));
+    snprintf(path, sizeof path, "%s/samples/mine.png", run);
+    CHECK(exists(path));
+
+    check_case("run folder: what lies in it, for --overwrite with --init_from: by name or by what a link leads to");
+    snprintf(a, sizeof a, "%s/inside", top);
+    snprintf(b, sizeof b, "%s/inside_not", top);  // a name that starts with the run folder's
+    CHECK(shell("mkdir -p %s/checkpoints/step_000000010 %s && touch %s/w.pt %s/w.pt && ln -s %s/w.pt %s/out.pt && ln -s %s/w.pt %s/in.pt",
+                a, b, a, b, a, b, b, a) == 0);
+    snprintf(path, sizeof path, "%s/checkpoints/step_000000010/", a);
+    CHECK(lies_in_folder(path, a) == 1 && lies_in_folder(a, a) == 1);
+    snprintf(path, sizeof path, "%s/w.pt", b);
+    CHECK(lies_in_folder(path, a) == 0);
+    snprintf(path, sizeof path, "%s/out.pt", b);  // a link elsewhere to a file in it
+    CHECK(lies_in_folder(path, a) == 1);
+    snprintf(path, sizeof path, "%s/in.pt", a);  // a link in it to a file elsewhere: clearing could remove the link
+    CHECK(lies_in_folder(path, a) == 1);
+    snprintf(path, sizeof path, "%s/..", a);
+    CHECK(lies_in_folder(path, a) == 0);
+    snprintf(path, sizeof path, "%s/missing", top);
+    CHECK(lies_in_folder(b, path) == 0);
+
     check_case("run folder: resuming an older step sets the later ones aside; latest is then the resumed step");
     snprintf(run, sizeof run, "%s/branch", top);
     CHECK(mkdir(run, 0777) == 0);

@@ -86,6 +86,18 @@ int main(void) {
     CHECK(rendezvous_address(":29500", host, sizeof host) < 0 && rendezvous_address("node-1:0", host, sizeof host) < 0);
     CHECK(rendezvous_address("node-1:65536", host, sizeof host) < 0 && rendezvous_address("node-1:29x", host, sizeof host) < 0);
 
+    check_case("host:port: a sign or space in the port, an unclosed or empty bracket, a bare IPv6 address, junk refused");
+    const char *bad[] = {"host: 80", "host:+80", "host:-80", "host:80 ", "host:0x50", "host:000080", "host:", "[::1:80", "a:b:c:80",
+                         "[]:80", "::1:80", "[node-1]:80", "[::1]]:80", "[::1]x:80", "]:80", "host name:80", "host!:80", "[::1%]:80",
+                         "[::g]:80", ""};
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++)
+        if (rendezvous_address(bad[i], host, sizeof host) >= 0) printf("  '%s' was taken\n", bad[i]), check_case_failed = 1;
+    CHECK(rendezvous_address("[fe80::1%eth0]:29500", host, sizeof host) == 29500 && strcmp(host, "fe80::1%eth0") == 0);
+    CHECK(rendezvous_address("[::ffff:10.0.0.2]:80", host, sizeof host) == 80 && strcmp(host, "::ffff:10.0.0.2") == 0);
+    CHECK(rendezvous_address("node_1.example.com:080", host, sizeof host) == 80 && strcmp(host, "node_1.example.com") == 0);
+    CHECK(rendezvous_port("1") == 1 && rendezvous_port("65535") == 65535 && rendezvous_port("70000") < 0 && rendezvous_port("0") < 0);
+    CHECK(rendezvous_port("-1") < 0 && rendezvous_port("abc") < 0 && rendezvous_port("") < 0 && rendezvous_port(" 80") < 0);
+
     check_case("four ranks meet: every one gets rank 0's id, whichever comes first");
     {
         int port = free_port();

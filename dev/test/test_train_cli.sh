@@ -358,6 +358,49 @@ ADM_FIXTURE=(--image_size 8 --num_channels 32 --channel_mult 1,1 --num_res_block
 expect_ok "$TRAIN" --dry_run "${ADM_FIXTURE[@]}" --num_classes 4 --init_from dev/fixtures/pt/unet_adm_fp32.pt
 expect_grep "^init_from: .*unet_adm_fp32.pt has 10 label_emb rows, this model 5: label_emb starts from its initialisation" "$LAST_OUT"
 
+case_begin "run folder: --overwrite refuses an --init_from inside the run folder it would clear, by --dry_run and before the GPU"
+mkdir -p "$TEST_TMP/own/checkpoints/step_000000010" && echo "step,loss" >"$TEST_TMP/own/log.csv"
+cp dev/fixtures/unet_seed.safetensors "$TEST_TMP/own/checkpoints/step_000000010/ema.safetensors"
+expect_fail "$TRAIN" --dry_run "${SEED_FIXTURE[@]}" --overwrite --init_from "$TEST_TMP/own/checkpoints/step_000000010" --run_dir "$TEST_TMP/own"
+expect_grep "^train_unet: error: --init_from .*/own/checkpoints/step_000000010 lies inside run folder .*/own, which --overwrite clears" "$LAST_ERR"
+expect_fail "$TRAIN" "${SEED_FIXTURE[@]}" --data "$TEST_TMP/good.bin" --steps 1 --overwrite --run_dir "$TEST_TMP/own" \
+    --init_from "$TEST_TMP/own/checkpoints/step_000000010/"
+expect_grep "lies inside run folder .*/own, which --overwrite clears" "$LAST_ERR"
+[ -f "$TEST_TMP/own/checkpoints/step_000000010/ema.safetensors" ] && [ -f "$TEST_TMP/own/log.csv" ] || case_fail "the run folder was changed"
+ln -s "$PWD/dev/fixtures/unet_seed.safetensors" "$TEST_TMP/own/seed.safetensors"  # a link there, which clearing may remove
+expect_fail "$TRAIN" --dry_run "${SEED_FIXTURE[@]}" --overwrite --init_from "$TEST_TMP/own/seed.safetensors" --run_dir "$TEST_TMP/own"
+expect_grep "lies inside run folder" "$LAST_ERR"
+expect_ok "$TRAIN" --dry_run "${SEED_FIXTURE[@]}" --overwrite --init_from dev/fixtures/unet_seed.safetensors --run_dir "$TEST_TMP/own"
+expect_ok "$TRAIN" --dry_run "${SEED_FIXTURE[@]}" --init_from "$TEST_TMP/own/seed.safetensors" --run_dir "$TEST_TMP/other_own"
+
+case_begin "a launcher's MASTER_ADDR and MASTER_PORT are checked as --rdzv is: one error line naming the variable, before the GPU"
+launched() { env RANK=0 WORLD_SIZE=1 LOCAL_RANK=0 "$@"; }  # as torchrun starts a rank
+for port in 70000 0 -1 abc " 80" +80 65536 080x; do
+    expect_exit 1 launched MASTER_ADDR=localhost MASTER_PORT="$port" ./train_unet --dry_run --run_dir "$TEST_TMP/run"
+    grep -qF "train_unet: error: MASTER_PORT is '$port': the rendezvous port must be a number in 1..65535" "$LAST_ERR" ||
+        case_fail "MASTER_PORT '$port': $(cat "$LAST_ERR")"
+done
+for addr in "bad host!" a:b:c:80 "[::1" "node-1:29500"; do
+    expect_exit 1 launched MASTER_ADDR="$addr" MASTER_PORT=29500 ./train_unet --dry_run --run_dir "$TEST_TMP/run"
+    grep -qF "train_unet: error: MASTER_ADDR is '$addr': the rendezvous host must be" "$LAST_ERR" ||
+        case_fail "MASTER_ADDR '$addr': $(cat "$LAST_ERR")"
+done
+expect_exit 1 launched MASTER_ADDR=localhost MASTER_PORT=abc ./train_unet --data data/shapes.bin --steps 1 --run_dir "$TEST_TMP/run"
+expect_grep "MASTER_PORT is 'abc'" "$LAST_ERR"  # a real run too, before the GPU is looked for
+expect_exit 1 env MASTER_ADDR=localhost MASTER_PORT=70000 ./train_unet --dry_run --gpus 2 --run_dir "$TEST_TMP/run"  # what --gpus passes on
+expect_grep "MASTER_PORT is '70000'" "$LAST_ERR"
+expect_ok launched MASTER_ADDR=localhost MASTER_PORT=29500 ./train_unet --dry_run --run_dir "$TEST_TMP/run"
+expect_ok launched MASTER_ADDR=::1 MASTER_PORT=29500 ./train_unet --dry_run --run_dir "$TEST_TMP/run"
+expect_ok launched MASTER_ADDR=10.0.0.2 MASTER_PORT=1 ./train_unet --dry_run --run_dir "$TEST_TMP/run"
+expect_ok launched MASTER_ADDR=localhost MASTER_PORT=abc ./train_unet --dry_run --rdzv localhost:29500 --run_dir "$TEST_TMP/run"  # --rdzv overrides
+expect_ok env MASTER_ADDR=localhost MASTER_PORT=abc ./train_unet --dry_run --run_dir "$TEST_TMP/run"  # no launcher: not used
+# --rdzv: the same forms refused, as usage errors
+for rdzv in "host: 80" host:+80 "[::1:80" a:b:c:80 "[]:80" host:70000 host:-1 host:abc "bad host!:80"; do
+    expect_exit 2 ./train_unet --dry_run --rdzv "$rdzv" --run_dir "$TEST_TMP/run"
+    grep -qF "train_unet: error: --rdzv '$rdzv' must be host:port" "$LAST_ERR" || case_fail "--rdzv '$rdzv': $(cat "$LAST_ERR")"
+done
+expect_ok ./train_unet --dry_run --rdzv "[::1]:29500" --run_dir "$TEST_TMP/run"
+
 case_begin "--eval_num (FID during training): bad values are usage errors; the weights and the dataset's size checked by --dry_run"
 expect_exit 2 "$TRAIN" --dry_run --eval_num 2048
 expect_grep "eval_num 2048: FID needs more images than its 2048 features" "$LAST_ERR"
