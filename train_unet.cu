@@ -422,8 +422,8 @@ static bool conv_tma_takes(const ConvProblem *q, const ConvTarget *t) {
 // The width of the wgmma kernels' tiles (128 rows) for a forward or input-gradient product M x Ng:
 // 64 for a product 64 wide, else the width of 128, 192 (forward only: its B tile is K-major) or 256
 // that pads the product's width least (the wider on a tie), narrowed to 128 when the wider one leaves
-// multiprocessors idle.
-static int conv_wgmma_width(bool fwd, int64_t M, int Ng, const ConvTarget *t) {
+// multiprocessors idle. (Unused in the FP32 build, which plans no wgmma kernels.)
+__attribute__((unused)) static int conv_wgmma_width(bool fwd, int64_t M, int Ng, const ConvTarget *t) {
     if (Ng == 64) return 64;
     int BN = 128;
     for (int bn = 192; bn <= 256; bn += 64)
