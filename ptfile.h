@@ -56,7 +56,7 @@ typedef struct {
 
 // One pickle's machine: the values it made, its stack, marks and memo.
 typedef struct {
-    const uint8_t *p, *end;
+    const uint8_t *begin, *p, *end;  // the pickle's first byte, the next one read, the file's end
     PtValue *values;
     int count, capacity;
     int *stack, depth, stack_capacity;
@@ -335,6 +335,9 @@ static inline int pt_run(Pickle *k, int *result) {
             if (op != 0x94) slot = pt_le(b, op == 'q' ? 1 : 4);
             if (k->depth < 1) return pt_fail(k, "a memo write with an empty stack%s", "");
             if (slot >= PT_MAX_MEMO) return pt_fail(k, "a memo slot beyond %s", "4194304");
+            // a pickler numbers its slots 0, 1, 2...: each slot before this one took at least a byte, so
+            // a slot past the bytes read so far is none a pickler writes (and would cost memory, not bytes)
+            if (slot > (uint64_t)(k->p - k->begin)) return pt_fail(k, "a memo slot past the pickle's length%s", "");
             if ((int)slot >= k->memo_size) {
                 int *grown = (int *)realloc(k->memo, (slot + 1) * sizeof(int));
                 if (!grown) return pt_fail(k, "out of memory%s", "");
@@ -371,7 +374,7 @@ static inline void pt_free(Pickle *k) {
 // Runs the pickle at bytes[*at...] (the machine reset first); *at moves past its STOP.
 static inline int pt_run_at(Pickle *k, const uint8_t *bytes, uint64_t size, uint64_t *at, int *result) {
     pt_free(k);
-    k->p = bytes + *at, k->end = bytes + size;
+    k->begin = k->p = bytes + *at, k->end = bytes + size;
     int r = pt_run(k, result);
     *at = (uint64_t)(k->p - bytes);
     return r;

@@ -120,6 +120,7 @@ def main():
     files["bad_list_in_itself.pt"] = zip_file(b"\x80\x02]q\x00" + b"h\x00a" * 40 + b".", {})
     files["bad_unknown_opcode.pt"] = zip_file(b"\x80\x02}Z.", {})
     files["bad_memo_slot_huge.pt"] = zip_file(b"\x80\x02}r\xff\xff\xff\xff.", {})
+    files["bad_memo_slot_past_length.pt"] = zip_file(b"\x80\x02}r\xff\xff\x3f\x00.", {})  # 2^22 - 1: in bounds, but no pickler's
     files["bad_not_a_tensor.pt"] = zip_file(b"\x80\x02}" + uni("a.weight") + int_(3) + b"s.", {})
     files["bad_storage_out_of_range.pt"] = zip_file(
         state_dict([("a.weight", tensor("0", "FloatStorage", 6, 2, (2, 3), (3, 1)))]), {"0": F32})

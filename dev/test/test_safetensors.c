@@ -253,6 +253,24 @@ int main(void) {
         CHECK(parse_pt(&z, &count, &value, err, sizeof err) != 0 && strstr(err, "more than 2^40 elements"));
     }
 
+    check_case(".pt: a memo slot past the pickle's length is refused (a few bytes would cost a memo of 2^22 slots)");
+    {
+        const int64_t shape[1] = {2}, stride[1] = {1};
+        const char *memo_put[2] = {"q\x00", "r\xff\xff\x3f\x00"};  // after the dict: slot 0, as a pickler numbers it; slot 2^22 - 1
+        const size_t memo_put_bytes[2] = {2, 5};
+        Bytes pickle, memo, data = {{0}, 8}, z;
+        ZipItem items[2] = {{"archive/data.pkl", &memo}, {"archive/data/0", &data}};
+        pickle_tensor(&pickle, "w", "0", 2, 1, shape, stride);  // "\x80\x02}" (protocol 2, the dict), then its item
+        for (int i = 0; i < 2; i++) {
+            memo.n = 0, put(&memo, pickle.bytes, 3), put(&memo, memo_put[i], memo_put_bytes[i]), put(&memo, pickle.bytes + 3, pickle.n - 3);
+            zip_of(&z, items, 2);
+            int count = 0;
+            float value = -1;
+            int r = parse_pt(&z, &count, &value, err, sizeof err);
+            CHECK(i == 0 ? r == 0 && count == 1 && value == 0 : r != 0 && strstr(err, "memo slot past the pickle's length") != NULL);
+        }
+    }
+
     check_case("corpus: every good training state is read, every bad one refused with one line");
     CHECK(check_corpus("dev/test/corpus/state", 1) == 0);
 
