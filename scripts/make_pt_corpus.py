@@ -65,8 +65,8 @@ def local_header(name, data):
 
 
 def raw_zip(entries, inner=None):
-    """A stored zip of entries (name, data), a name twice if asked (zipfile warns), and a directory
-    entry for inner = (name, data, at): a record that lies `at` bytes into the last entry's data."""
+    """A stored zip of entries (name, data), a name twice where given twice, and a directory entry for
+    inner = (name, data, at): a record that lies `at` bytes into the last entry's data."""
     out, directory = b"", []
     for name, data in entries:
         directory.append((name, data, len(out)))
@@ -145,8 +145,8 @@ def main():
                                                      ("archive/data/0", F32[::-1])])
     # the directory's entry points at a local header in the file's last 30 bytes: its name would lie past the end
     version = local_header("archive/version", b"3\n") + b"3\n"
-    directory = central_record("archive/version", b"3\n", 0) + central_record("archive/data.pkl", sd, 0)
-    directory = central_record("archive/version", b"3\n", 0) + central_record("archive/data.pkl", sd, len(version) + len(directory) + 22)
+    tail_at = len(version) + 2 * 46 + len("archive/version") + len("archive/data.pkl") + 22  # after the directory and end record
+    directory = central_record("archive/version", b"3\n", 0) + central_record("archive/data.pkl", sd, tail_at)
     files["bad_zip_local_header_at_end.pt"] = (version + directory + end_record(2, len(directory), len(version)) +
                                                local_header("archive/data.pkl", sd)[:30])
     # sizes of 2^24 and 2^40, each in range, whose product (2^64) wraps to 0 elements in int64
