@@ -56,7 +56,7 @@ typedef struct {
 
 // One pickle's machine: the values it made, its stack, marks and memo.
 typedef struct {
-    const uint8_t *p, *end;
+    const uint8_t *begin, *p, *end;  // the pickle's first byte, the next one read, the file's end
     PtValue *values;
     int count, capacity;
     int *stack, depth, stack_capacity;
@@ -335,6 +335,9 @@ static inline int pt_run(Pickle *k, int *result) {
             if (op != 0x94) slot = pt_le(b, op == 'q' ? 1 : 4);
             if (k->depth < 1) return pt_fail(k, "a memo write with an empty stack%s", "");
             if (slot >= PT_MAX_MEMO) return pt_fail(k, "a memo slot beyond %s", "4194304");
+            // a pickler numbers its slots 0, 1, 2...: each slot before this one took at least a byte, so
+            // a slot past the bytes read so far is none a pickler writes (and would cost memory, not bytes)
+            if (slot > (uint64_t)(k->p - k->begin)) return pt_fail(k, "a memo slot past the pickle's length%s", "");
             if ((int)slot >= k->memo_size) {
                 int *grown = (int *)realloc(k->memo, (slot + 1) * sizeof(int));
                 if (!grown) return pt_fail(k, "out of memory%s", "");
@@ -371,7 +374,7 @@ static inline void pt_free(Pickle *k) {
 // Runs the pickle at bytes[*at...] (the machine reset first); *at moves past its STOP.
 static inline int pt_run_at(Pickle *k, const uint8_t *bytes, uint64_t size, uint64_t *at, int *result) {
     pt_free(k);
-    k->p = bytes + *at, k->end = bytes + size;
+    k->begin = k->p = bytes + *at, k->end = bytes + size;
     int r = pt_run(k, result);
     *at = (uint64_t)(k->p - bytes);
     return r;
@@ -399,8 +402,10 @@ static inline int pt_state_dict(Pickle *k, int top, SafeTensorsFile *f, char *er
         for (int j = (int)t->ndim - 1; j >= 0; j--) {  // contiguous (C order; a dimension of size 1 may have any stride)
             if (t->shape[j] != 1 && t->stride[j] != expected)
                 return error_line(err, err_len, "tensor %s is not contiguous (strides other than its shape's)", out->name);
+            // the bound before the product: two sizes of up to 2^40 each would overflow int64 (to 0, say)
+            if (t->shape[j] != 0 && expected > ((int64_t)1 << 40) / t->shape[j])
+                return error_line(err, err_len, "tensor %s has more than 2^40 elements", out->name);
             expected *= t->shape[j];
-            if (expected > ((int64_t)1 << 40)) return error_line(err, err_len, "tensor %s has more than 2^40 elements", out->name);
         }
         int64_t numel = expected;
         if (t->offset > s->numel || numel > s->numel - t->offset)
@@ -431,6 +436,10 @@ typedef struct {
 static inline int zip_entry_order(const void *a, const void *b) {
     const ZipEntry *x = (const ZipEntry *)a, *y = (const ZipEntry *)b;
     return (x->begin > y->begin) - (x->begin < y->begin);
+}
+
+static inline int zip_entry_by_name(const void *a, const void *b) {
+    return strcmp(((const ZipEntry *)a)->name, ((const ZipEntry *)b)->name);
 }
 
 static inline int zip_read(const uint8_t *bytes, uint64_t size, ZipEntry **entries, int *count, char *err, size_t err_len) {
@@ -476,7 +485,8 @@ static inline int zip_read(const uint8_t *bytes, uint64_t size, ZipEntry **entri
         memcpy(e[i].name, bytes + at + 46, name_len);
         if (memchr(e[i].name, 0, name_len)) { r = error_line(err, err_len, "a zip entry name with a NUL"); break; }
         if (method != 0 || csize != usize) { r = error_line(err, err_len, "zip entry %s is compressed: only stored entries are read (as torch.save and np.savez write them)", e[i].name); break; }
-        if (local > size || size - local < 30 || pt_le(bytes + local, 4) != 0x04034b50 || pt_le(bytes + local + 26, 2) != name_len ||
+        // the local header and the name after it, 30 + name_len bytes, inside the file before either is read
+        if (local > size || size - local < 30 + name_len || pt_le(bytes + local, 4) != 0x04034b50 || pt_le(bytes + local + 26, 2) != name_len ||
             memcmp(bytes + local + 30, e[i].name, name_len) != 0) {
             r = error_line(err, err_len, "zip entry %s: its local header is missing or names another", e[i].name);
             break;
@@ -486,13 +496,15 @@ static inline int zip_read(const uint8_t *bytes, uint64_t size, ZipEntry **entri
         e[i].begin = data, e[i].size = usize;
         at += 46 + name_len + extra_len + comment_len;
     }
-    if (r == 0) {  // no two entries share bytes (the data, or a header inside another's data)
+    if (r == 0) {  // no two entries share bytes (the data, or a header inside another's data), nor a name
         ZipEntry *sorted = (ZipEntry *)malloc((n ? n : 1) * sizeof(ZipEntry));
         if (!sorted) r = error_line(err, err_len, "out of memory");
         if (sorted) memcpy(sorted, e, n * sizeof(ZipEntry)), qsort(sorted, n, sizeof(ZipEntry), zip_entry_order);
         for (uint64_t i = 1; r == 0 && i < n; i++)
             if (sorted[i].begin < sorted[i - 1].begin + sorted[i - 1].size + 30)
                 r = error_line(err, err_len, "zip entries %s and %s overlap", sorted[i - 1].name, sorted[i].name);
+        // any name twice is refused, wherever the two lie: Python's zipfile would read the last, zip_find the first
+        if (sorted) qsort(sorted, n, sizeof(ZipEntry), zip_entry_by_name);
         for (uint64_t i = 1; r == 0 && i < n; i++)
             if (strcmp(sorted[i - 1].name, sorted[i].name) == 0) r = error_line(err, err_len, "zip entry %s appears twice", sorted[i].name);
         free(sorted);

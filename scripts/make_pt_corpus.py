@@ -21,7 +21,9 @@ def uni(s):
 
 
 def int_(n):
-    return b"K" + bytes([n]) if 0 <= n < 256 else b"J" + struct.pack("<i", n)
+    if 0 <= n < 256:
+        return b"K" + bytes([n])
+    return b"J" + struct.pack("<i", n) if -2**31 <= n < 2**31 else b"\x8a\x08" + struct.pack("<q", n)
 
 
 def tup(*items):
@@ -62,21 +64,30 @@ def local_header(name, data):
     return struct.pack("<IHHHHHIIIHH", 0x04034b50, 20, 0, 0, 0, 0, 0, len(data), len(data), len(n), 0) + n
 
 
-def raw_zip(entries, inner):
-    """A stored zip of entries (name, data), and a directory entry for inner = (name, data, at): a
-    record that lies `at` bytes into the last entry's data."""
+def raw_zip(entries, inner=None):
+    """A stored zip of entries (name, data), a name twice where given twice, and a directory entry for
+    inner = (name, data, at): a record that lies `at` bytes into the last entry's data."""
     out, directory = b"", []
     for name, data in entries:
         directory.append((name, data, len(out)))
         out += local_header(name, data) + data
-    name, data, at = inner
-    directory.append((name, data, directory[-1][2] + len(local_header(directory[-1][0], b"")) + at))
+    if inner:
+        name, data, at = inner
+        directory.append((name, data, directory[-1][2] + len(local_header(directory[-1][0], b"")) + at))
     start = len(out)
     for name, data, offset in directory:
-        n = name.encode()
-        out += struct.pack("<IHHHHHHIIIHHHHHII", 0x02014b50, 20, 20, 0, 0, 0, 0, 0, len(data), len(data), len(n), 0, 0, 0, 0, 0,
-                           offset) + n
-    return out + struct.pack("<IHHHHIIH", 0x06054b50, 0, 0, len(directory), len(directory), len(out) - start, start, 0)
+        out += central_record(name, data, offset)
+    return out + end_record(len(directory), len(out) - start, start)
+
+
+def central_record(name, data, offset):
+    n = name.encode()
+    return struct.pack("<IHHHHHHIIIHHHHHII", 0x02014b50, 20, 20, 0, 0, 0, 0, 0, len(data), len(data), len(n), 0, 0, 0, 0, 0,
+                       offset) + n
+
+
+def end_record(entries, dir_size, dir_at):
+    return struct.pack("<IHHHHIIH", 0x06054b50, 0, 0, entries, entries, dir_size, dir_at, 0)
 
 
 def legacy_file(pickle, storages):
@@ -109,6 +120,7 @@ def main():
     files["bad_list_in_itself.pt"] = zip_file(b"\x80\x02]q\x00" + b"h\x00a" * 40 + b".", {})
     files["bad_unknown_opcode.pt"] = zip_file(b"\x80\x02}Z.", {})
     files["bad_memo_slot_huge.pt"] = zip_file(b"\x80\x02}r\xff\xff\xff\xff.", {})
+    files["bad_memo_slot_past_length.pt"] = zip_file(b"\x80\x02}r\xff\xff\x3f\x00.", {})  # 2^22 - 1: in bounds, but no pickler's
     files["bad_not_a_tensor.pt"] = zip_file(b"\x80\x02}" + uni("a.weight") + int_(3) + b"s.", {})
     files["bad_storage_out_of_range.pt"] = zip_file(
         state_dict([("a.weight", tensor("0", "FloatStorage", 6, 2, (2, 3), (3, 1)))]), {"0": F32})
@@ -126,6 +138,20 @@ def main():
     # two entries sharing bytes: storage 1's whole record (local header and data) inside storage 0's data
     files["bad_zip_overlap.pt"] = raw_zip([("archive/data.pkl", sd), ("archive/data/0", F32 + local_header("archive/data/1", F16) + F16)],
                                           inner=("archive/data/1", F16, len(F32)))
+    # a name twice, another entry between the two: Python's zipfile reads the last, so the file has no one meaning
+    files["bad_zip_duplicate_pkl.pt"] = raw_zip([("archive/data.pkl", sd), ("archive/data/0", F32), ("archive/data/1", F16),
+                                                 ("archive/data.pkl", state_dict(GOOD[:1]))])
+    files["bad_zip_duplicate_storage.pt"] = raw_zip([("archive/data.pkl", sd), ("archive/data/0", F32), ("archive/data/1", F16),
+                                                     ("archive/data/0", F32[::-1])])
+    # the directory's entry points at a local header in the file's last 30 bytes: its name would lie past the end
+    version = local_header("archive/version", b"3\n") + b"3\n"
+    tail_at = len(version) + 2 * 46 + len("archive/version") + len("archive/data.pkl") + 22  # after the directory and end record
+    directory = central_record("archive/version", b"3\n", 0) + central_record("archive/data.pkl", sd, tail_at)
+    files["bad_zip_local_header_at_end.pt"] = (version + directory + end_record(2, len(directory), len(version)) +
+                                               local_header("archive/data.pkl", sd)[:30])
+    # sizes of 2^24 and 2^40, each in range, whose product (2^64) wraps to 0 elements in int64
+    files["bad_numel_overflow.pt"] = zip_file(
+        state_dict([("a.weight", tensor("0", "FloatStorage", 6, 0, (2**24, 2**40), (2**40, 1)))]), {"0": F32})
     good = files["good_zip.pt"]
     end = good.rfind(b"PK\x05\x06")
     dir_at = struct.unpack_from("<I", good, end + 16)[0]

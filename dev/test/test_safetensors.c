@@ -54,6 +54,87 @@ static int check_corpus(const char *folder, int is_state) {
     return wrong + (files == 0);
 }
 
+// Hostile .pt files built here byte by byte: a buffer, a stored zip of named entries laid out as
+// torch.save writes them, and a state_dict pickle of one float tensor.
+typedef struct {
+    uint8_t bytes[4096];
+    size_t n;
+} Bytes;
+
+static void put(Bytes *b, const void *p, size_t n) {
+    if (b->n + n > sizeof b->bytes) printf("  a test file outgrew its buffer\n"), exit(1);
+    memcpy(b->bytes + b->n, p, n), b->n += n;
+}
+static void put_le(Bytes *b, uint64_t v, int n) {
+    for (int i = 0; i < n; i++) put(b, &(uint8_t){(uint8_t)(v >> 8 * i)}, 1);
+}
+static void put_text(Bytes *b, const char *s) { put(b, s, strlen(s)); }
+
+typedef struct {
+    const char *name;
+    const Bytes *data;
+} ZipItem;
+
+// A zip local header (stored, no extra field), the central directory's record of one entry, and
+// the directory's end record; dates and CRCs zero (the reader checks neither).
+static void zip_local(Bytes *z, const char *name, uint64_t size) {
+    put_le(z, 0x04034b50, 4), put_le(z, 20, 2), put_le(z, 0, 2), put_le(z, 0, 2);  // signature, version, flags, method
+    put_le(z, 0, 4), put_le(z, 0, 4), put_le(z, size, 4), put_le(z, size, 4);      // time and date, CRC, sizes
+    put_le(z, strlen(name), 2), put_le(z, 0, 2), put_text(z, name);                // name, extra field
+}
+static void zip_central(Bytes *z, const char *name, uint64_t size, uint64_t local) {
+    put_le(z, 0x02014b50, 4), put_le(z, 20, 2), put_le(z, 20, 2), put_le(z, 0, 2), put_le(z, 0, 2);  // ..., flags, method
+    put_le(z, 0, 4), put_le(z, 0, 4), put_le(z, size, 4), put_le(z, size, 4);                      // time and date, CRC, sizes
+    put_le(z, strlen(name), 2), put_le(z, 0, 2), put_le(z, 0, 2), put_le(z, 0, 2);                 // name, extra, comment, disk
+    put_le(z, 0, 2), put_le(z, 0, 4), put_le(z, local, 4), put_text(z, name);                      // attributes, local header
+}
+static void zip_end(Bytes *z, int entries, uint64_t dir_at) {
+    uint64_t dir_size = z->n - dir_at;
+    put_le(z, 0x06054b50, 4), put_le(z, 0, 2), put_le(z, 0, 2), put_le(z, entries, 2), put_le(z, entries, 2);
+    put_le(z, dir_size, 4), put_le(z, dir_at, 4), put_le(z, 0, 2);
+}
+
+static void zip_of(Bytes *z, const ZipItem *items, int n) {
+    uint64_t at[8];
+    z->n = 0;
+    for (int i = 0; i < n; i++) at[i] = z->n, zip_local(z, items[i].name, items[i].data->n), put(z, items[i].data->bytes, items[i].data->n);
+    uint64_t dir_at = z->n;
+    for (int i = 0; i < n; i++) zip_central(z, items[i].name, items[i].data->n, at[i]);
+    zip_end(z, n, dir_at);
+}
+
+static void pickle_text(Bytes *p, const char *s) { put_le(p, 0x8c, 1), put_le(p, strlen(s), 1), put_text(p, s); }  // SHORT_BINUNICODE
+static void pickle_int(Bytes *p, int64_t v) { put_le(p, 0x8a, 1), put_le(p, 8, 1), put_le(p, (uint64_t)v, 8); }     // LONG1 of 8 bytes
+
+// {name: _rebuild_tensor_v2(FloatStorage KEY of numel, 0, shape, stride, False, None)}, protocol 2.
+static void pickle_tensor(Bytes *p, const char *name, const char *key, int64_t numel, int ndim, const int64_t *shape, const int64_t *stride) {
+    p->n = 0;
+    put_text(p, "\x80\x02}"), pickle_text(p, name), put_text(p, "ctorch._utils\n_rebuild_tensor_v2\n((");
+    pickle_text(p, "storage"), put_text(p, "ctorch\nFloatStorage\n"), pickle_text(p, key), pickle_text(p, "cpu"), pickle_int(p, numel);
+    put_text(p, "tQ"), pickle_int(p, 0), put_text(p, "(");
+    for (int d = 0; d < ndim; d++) pickle_int(p, shape[d]);
+    put_text(p, "t(");
+    for (int d = 0; d < ndim; d++) pickle_int(p, stride[d]);
+    put_text(p, "t\x89NtRs.");
+}
+
+// pt_parse on a heap copy of exactly the file's bytes (so that AddressSanitizer sees a read one
+// byte past the end); *count gets the tensors of an accepted file, *first the first one's value.
+static int parse_pt(const Bytes *b, int *count, float *first, char *err, size_t err_len) {
+    uint8_t *copy = (uint8_t *)malloc(b->n);
+    memcpy(copy, b->bytes, b->n);
+    SafeTensorsFile f;
+    int r = pt_parse(copy, b->n, &f, err, err_len);
+    if (r == 0) {
+        float values[16];
+        *count = f.count;
+        *first = f.count >= 1 && f.tensors[0].numel <= 16 && safetensors_get_float(&f.tensors[0], values) == 0 ? values[0] : NAN;
+        safetensors_close(&f);
+    }
+    free(copy);
+    return r;
+}
+
 int main(void) {
     if (!mkdtemp(tmp_dir)) return printf("mkdtemp failed\n"), 1;
     char err[512], header[4096];
@@ -122,6 +203,72 @@ int main(void) {
             safetensors_close(&f);
         }
         safetensors_close(&want);
+    }
+
+    check_case(".pt zip: a name twice anywhere in the directory is refused (Python's zipfile reads the last entry, zip_find the first)");
+    {
+        const int64_t shape[1] = {2}, stride[1] = {1};
+        Bytes first, last, ones, twos, order = {"little", 6}, z;
+        float one[2] = {1, 1}, two[2] = {2, 2}, value = 0;
+        pickle_tensor(&first, "first", "0", 2, 1, shape, stride), pickle_tensor(&last, "last", "0", 2, 1, shape, stride);
+        ones.n = twos.n = 0, put(&ones, one, sizeof one), put(&twos, two, sizeof two);
+        int count = 0;
+        ZipItem plain[3] = {{"archive/data.pkl", &first}, {"archive/data/0", &ones}, {"archive/byteorder", &order}};
+        zip_of(&z, plain, 3);  // the same file with each name once: read
+        CHECK(parse_pt(&z, &count, &value, err, sizeof err) == 0 && count == 1 && value == 1);
+        ZipItem pkl[3] = {{"archive/data.pkl", &first}, {"archive/data/0", &ones}, {"archive/data.pkl", &last}};
+        zip_of(&z, pkl, 3);  // data.pkl twice, another entry between them
+        CHECK(parse_pt(&z, &count, &value, err, sizeof err) != 0 && strstr(err, "archive/data.pkl appears twice"));
+        ZipItem storage[4] = {{"archive/data.pkl", &first}, {"archive/data/0", &ones}, {"archive/byteorder", &order}, {"archive/data/0", &twos}};
+        zip_of(&z, storage, 4);  // a storage twice, another entry between them
+        CHECK(parse_pt(&z, &count, &value, err, sizeof err) != 0 && strstr(err, "archive/data/0 appears twice"));
+    }
+
+    check_case(".pt zip: a local header in the file's last 30 bytes is refused before its name is read (past the end)");
+    {
+        Bytes z = {{0}, 0};  // the directory's one entry, its end record, then the entry's local header and nothing more
+        const char *name = "archive/data.pkl";
+        zip_central(&z, name, 0, 46 + strlen(name) + 22);
+        zip_end(&z, 1, 0);
+        zip_local(&z, name, 0);
+        z.n -= strlen(name);  // the header's 30 bytes end the file; its name would be the 16 after
+        int count = 0;
+        float value = 0;
+        CHECK(parse_pt(&z, &count, &value, err, sizeof err) != 0 && strstr(err, "local header is missing"));
+    }
+
+    check_case(".pt: sizes whose product passes 2^63 ([2^24, 2^40]) are refused, not wrapped to 0 elements");
+    {
+        const int64_t fits[2] = {2, 3}, fits_stride[2] = {3, 1};
+        const int64_t huge[2] = {(int64_t)1 << 24, (int64_t)1 << 40}, huge_stride[2] = {(int64_t)1 << 40, 1};
+        Bytes pickle, data = {{0}, 24}, z;
+        int count = 0;
+        float value = 0;
+        pickle_tensor(&pickle, "w", "0", 6, 2, fits, fits_stride);
+        ZipItem items[2] = {{"archive/data.pkl", &pickle}, {"archive/data/0", &data}};
+        zip_of(&z, items, 2);
+        CHECK(parse_pt(&z, &count, &value, err, sizeof err) == 0 && count == 1 && value == 0);
+        pickle_tensor(&pickle, "w", "0", 6, 2, huge, huge_stride);
+        zip_of(&z, items, 2);
+        CHECK(parse_pt(&z, &count, &value, err, sizeof err) != 0 && strstr(err, "more than 2^40 elements"));
+    }
+
+    check_case(".pt: a memo slot past the pickle's length is refused (a few bytes would cost a memo of 2^22 slots)");
+    {
+        const int64_t shape[1] = {2}, stride[1] = {1};
+        const char *memo_put[2] = {"q\x00", "r\xff\xff\x3f\x00"};  // after the dict: slot 0, as a pickler numbers it; slot 2^22 - 1
+        const size_t memo_put_bytes[2] = {2, 5};
+        Bytes pickle, memo, data = {{0}, 8}, z;
+        ZipItem items[2] = {{"archive/data.pkl", &memo}, {"archive/data/0", &data}};
+        pickle_tensor(&pickle, "w", "0", 2, 1, shape, stride);  // "\x80\x02}" (protocol 2, the dict), then its item
+        for (int i = 0; i < 2; i++) {
+            memo.n = 0, put(&memo, pickle.bytes, 3), put(&memo, memo_put[i], memo_put_bytes[i]), put(&memo, pickle.bytes + 3, pickle.n - 3);
+            zip_of(&z, items, 2);
+            int count = 0;
+            float value = -1;
+            int r = parse_pt(&z, &count, &value, err, sizeof err);
+            CHECK(i == 0 ? r == 0 && count == 1 && value == 0 : r != 0 && strstr(err, "memo slot past the pickle's length") != NULL);
+        }
     }
 
     check_case("corpus: every good training state is read, every bad one refused with one line");
