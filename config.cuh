@@ -68,7 +68,7 @@ typedef struct {
     // diffusion
     int diffusion_steps;
     const char *noise_schedule, *predict, *schedule_sampler;
-    int use_kl, rescale_learned_sigmas;
+    int use_kl, rescale_learned_sigmas, sigma_small;
     // training
     float lr, weight_decay, beta1, beta2, adam_eps, min_lr, grad_clip, cfg_dropout;
     const char *lr_decay;
@@ -160,6 +160,9 @@ static const OptionSpec option_specs[] = {
                                                                 "(guided-diffusion's KL loss), through both halves"),
     OPT(rescale_learned_sigmas, OPT_BOOL, DIFFUSION | TUNABLE, "scale the bound's term by diffusion_steps/1000 in the hybrid loss, by "
                                                                "diffusion_steps with use_kl"),
+    OPT(sigma_small, OPT_BOOL, DIFFUSION | TUNABLE | DIFFUSION_ONLY, "without learn_sigma: sample and measure the likelihood with the "
+                                                                     "posterior's variance beta_tilde_t instead of beta_t "
+                                                                     "(guided-diffusion's default, the large)"),
     OPT(schedule_sampler, OPT_STRING, DIFFUSION | TUNABLE, "uniform | loss-second-moment: how the training timesteps are drawn "
                                                            "(guided-diffusion's importance sampling of t by the losses' second moment, "
                                                            "the loss reweighted to stay unbiased)"),
@@ -219,6 +222,7 @@ static Options preset_seed(void) {
     o.classifier_use_scale_shift_norm = 1, o.classifier_resblock_updown = 1, o.classifier_pool = "attention", o.noised = 1;
     o.val_data = "", o.eval_interval = 5, o.eval_num = 0, o.inception = "";
     o.diffusion_steps = 1000, o.noise_schedule = "linear", o.predict = "eps", o.use_kl = 0, o.rescale_learned_sigmas = 1;
+    o.sigma_small = 0;
     o.schedule_sampler = "uniform";
     o.lr = 1e-4f, o.weight_decay = 0.0f, o.beta1 = 0.9f, o.beta2 = 0.999f, o.adam_eps = 1e-8f;
     o.warmup_steps = 0, o.lr_decay = "none", o.min_lr = 0.0f, o.grad_clip = 0.0f, o.cfg_dropout = 0.0f;
@@ -530,15 +534,15 @@ static int model_config_from_metadata(const SafeTensorsFile *f, const char *path
 // samplers and the likelihood read: no flag's text is parsed after this.
 
 // A model's diffusion (guided-diffusion's create_gaussian_diffusion): a learned variance for a model
-// with learn_sigma and its hybrid loss (or with use_kl the bound alone), else the fixed large
-// variance (guided-diffusion's default) and the MSE.
+// with learn_sigma and its hybrid loss (or with use_kl the bound alone), else a fixed one, the
+// large (guided-diffusion's default) or with sigma_small the small, and the MSE.
 static DiffusionConfig diffusion_config(const Options *o, const ModelConfig *c) {
     DiffusionConfig d;
     memset(&d, 0, sizeof d);
     d.steps = o->diffusion_steps;
     d.schedule = strcmp(o->noise_schedule, "cosine") == 0 ? "cosine" : "linear";
     d.predict = (Prediction)prediction_from_name(o->predict);
-    d.variance = c->learn_sigma ? VARIANCE_LEARNED_RANGE : VARIANCE_FIXED_LARGE;
+    d.variance = c->learn_sigma ? VARIANCE_LEARNED_RANGE : o->sigma_small ? VARIANCE_FIXED_SMALL : VARIANCE_FIXED_LARGE;
     d.loss = !c->learn_sigma ? LOSS_MSE : o->use_kl ? LOSS_KL : LOSS_HYBRID;
     d.bound_scale = o->rescale_learned_sigmas ? (o->use_kl ? (float)d.steps : (float)d.steps / 1000.0f) : 1.0f;
     d.timesteps = strcmp(o->schedule_sampler, "loss-second-moment") == 0 ? TIMESTEPS_LOSS_SECOND_MOMENT : TIMESTEPS_UNIFORM;

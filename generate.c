@@ -31,7 +31,9 @@ static const char usage[] =
     "Samples images from a checkpoint of train_unet (or any guided-diffusion UNet\n"
     "saved as safetensors with its flags in the metadata) and writes one PNG per\n"
     "image and a grid. A model with a learned variance (learn_sigma) samples ddpm\n"
-    "with its own variance; ddim and dpm++ use its mean.\n"
+    "with its own variance, one without with beta_t (guided-diffusion's default);\n"
+    "ddim and dpm++ use the mean. Pixels are ((x + 1) * 127.5) truncated to 0..255,\n"
+    "as guided-diffusion's scripts write samples.\n"
     "  --checkpoint PATH   a checkpoint folder, a .safetensors file, or a PyTorch .pt\n"
     "                      state_dict (read without running its pickle)\n"
     "  --weights ema|model the folder's EMA weights or its raw weights [ema]\n"
@@ -46,6 +48,9 @@ static const char usage[] =
     "  --spacing S         ddim and ddpm: --steps spaced leading (ddimN's), trailing\n"
     "                      (ending at the last step) or linspace (Lin et al. 2023)\n"
     "  --eta E             DDIM's noise, 0 (deterministic) to 1 [0]\n"
+    "  --sigma_small BOOL  a model without a learned variance: ddpm and --nll with\n"
+    "                      the posterior's beta_tilde_t instead of beta_t\n"
+    "                      (guided-diffusion's flag) [the checkpoint's, else False]\n"
     "  --class K|all       class-conditional models: one class, or all in turn [all]\n"
     "  --guidance W        classifier-free guidance scale (1: plain conditional\n"
     "                      sampling) [1]\n"
@@ -106,7 +111,8 @@ static const char usage[] =
 // for each released model; passed on as "name=value".
 static const char *const model_flag_names[] = {"image_size", "num_channels", "num_res_blocks", "channel_mult", "attention_resolutions",
     "num_heads", "num_head_channels", "num_heads_upsample", "use_new_attention_order", "use_scale_shift_norm", "resblock_updown",
-    "dropout", "class_cond", "learn_sigma", "diffusion_steps", "noise_schedule", "predict", "use_fp16", "large_size", "small_size"};
+    "dropout", "class_cond", "learn_sigma", "diffusion_steps", "noise_schedule", "predict", "sigma_small", "use_fp16", "large_size",
+    "small_size"};
 #define NUM_MODEL_FLAG_NAMES ((int)(sizeof model_flag_names / sizeof *model_flag_names))
 // guided-diffusion's classifier flags, for a classifier .pt.
 static const char *const classifier_flag_names[] = {"classifier_width", "classifier_depth", "classifier_attention_resolutions",
@@ -289,8 +295,7 @@ static UnetCheckpoint *upsampler_open(const Options *o, const UnetInfo *base, in
     if (noise_schedule_make(schedule, info->diffusion.steps, info->diffusion.schedule) != 0)
         unet_die("%s: unknown noise_schedule '%s' in its metadata", info->file, info->diffusion.schedule);
     int count = o->up_steps ? o->up_steps : kind == SAMPLER_DPM_SOLVER_PP ? 20 : kind == SAMPLER_DDPM ? 0 : 50;
-    if (sample_plan_make(plan, schedule, kind, count, NULL, (float)o->eta, info->diffusion.predict, 1,
-                         info->diffusion.variance == VARIANCE_LEARNED_RANGE) != 0)
+    if (sample_plan_make(plan, schedule, kind, count, NULL, (float)o->eta, info->diffusion.predict, 1, info->diffusion.variance) != 0)
         unet_die("--up_steps %d: no spacing of the upsampler's %d diffusion steps gives that many", count, info->diffusion.steps);
     return ck;
 }
@@ -400,7 +405,6 @@ int main(int argc, char **argv) {
             unet_die("--class takes all or a class in 0..%d of %s, not '%s'", classes - 1, file, o.class_name);
         fixed_class = (int)k;
     }
-    int learned = info.diffusion.variance == VARIANCE_LEARNED_RANGE;  // learn_sigma: the output's variance half
 
     NoiseSchedule schedule;
     SamplePlan plan;
@@ -413,7 +417,7 @@ int main(int argc, char **argv) {
         snprintf(spaced, sizeof spaced, "%s%d", o.spacing, count ? count : info.diffusion.steps);
         o.respacing = spaced;
     }
-    if (sample_plan_make(&plan, &schedule, kind, count, o.respacing, (float)o.eta, info.diffusion.predict, 1, learned) != 0) {
+    if (sample_plan_make(&plan, &schedule, kind, count, o.respacing, (float)o.eta, info.diffusion.predict, 1, info.diffusion.variance) != 0) {
         if (o.spacing)
             unet_die("--spacing %s: %d steps do not fit the %d diffusion steps", o.spacing, count ? count : info.diffusion.steps,
                      info.diffusion.steps);

@@ -191,8 +191,7 @@ typedef struct {
     float mean_x0, mean_xt;                // the posterior's mean: mean_x0 x0 + mean_xt x_t
     float log_var_min;                     // log beta_tilde_t (at t = 0 beta_tilde_1's: "clipped")
     float log_var_range;                   // log beta_t - log_var_min (learned_log_variance)
-    float posterior_variance;              // beta_tilde_t, not clipped (0 at t = 0): classifier guidance's
-                                           // variance for a model without a learned one
+    float posterior_variance;              // beta_tilde_t, not clipped (0 at t = 0): FIXED_SMALL's variance
 } TimestepTerms;
 
 // With abar_prev = abar_{t-1} (1 at t = 0): beta_tilde_t = beta_t (1 - abar_prev) / (1 - abar_t),
@@ -334,6 +333,7 @@ typedef struct {
     float r;                // DPM-Solver++: h_last / h
     int second_order;       // DPM-Solver++: all steps but the first and the last
     TimestepTerms terms;    // DDPM: the posterior and the learned range of the step (of the respaced schedule)
+    float variance, log_variance;  // DDPM with a fixed variance: the step's (the plan's VarianceType)
 } SampleStep;
 
 typedef struct {
@@ -345,10 +345,13 @@ typedef struct {
 
 // The plan for a sampler on a noise schedule: DDIM and DDPM on guided-diffusion's respacing (the
 // spec `respacing`, else "ddimN" for DDIM's `steps` and, for DDPM, section count `steps`, all T
-// when steps is 0 or T), DPM-Solver++ on log-SNR spacing. `learned`: the model predicts a variance,
-// which DDPM uses. Returns 0, or -1 when no spacing gives those steps (or without memory).
+// when steps is 0 or T), DPM-Solver++ on log-SNR spacing. `variance`: DDPM's, the model's own
+// (LEARNED_RANGE: its second output half) or a fixed one of the respaced schedule, guided-diffusion's
+// model_variance: FIXED_LARGE beta_k (at k = 0 beta_tilde_1, log_var_min's clipped value), FIXED_SMALL
+// the posterior's beta_tilde_k (0 at k = 0; its log clipped). Returns 0, or -1 when no spacing gives
+// those steps (or without memory).
 static inline int sample_plan_make(SamplePlan *p, const NoiseSchedule *d, SamplerKind kind, int steps, const char *respacing,
-                                   float eta, int predict, int clip, int learned) {
+                                   float eta, int predict, int clip, VarianceType variance) {
     SampleSchedule s = {0, NULL, NULL};
     if (kind == SAMPLER_DDPM) eta = 1.0f;
     if (kind == SAMPLER_DDPM && !(respacing && respacing[0]) && (steps == 0 || steps == d->steps)) steps = d->steps, respacing = NULL;
@@ -357,7 +360,7 @@ static inline int sample_plan_make(SamplePlan *p, const NoiseSchedule *d, Sample
     int made = kind == SAMPLER_DPM_SOLVER_PP     ? sample_schedule_log_snr(d, steps, &s)
                : respacing && respacing[0] ? sample_schedule_respaced(d, respacing, &s)
                                            : sample_schedule_make(d, steps, &s);
-    p->kind = kind, p->count = s.count, p->predict = predict, p->clip = clip, p->learned = learned && kind == SAMPLER_DDPM;
+    p->kind = kind, p->count = s.count, p->predict = predict, p->clip = clip, p->learned = variance == VARIANCE_LEARNED_RANGE && kind == SAMPLER_DDPM;
     NoiseSchedule respaced = {0, NULL, NULL};
     p->steps = made == 0 && s.count > 0 ? (SampleStep *)calloc((size_t)s.count, sizeof(SampleStep)) : NULL;
     if (!p->steps || noise_schedule_respaced(&s, &respaced) != 0) {
@@ -374,6 +377,9 @@ static inline int sample_plan_make(SamplePlan *p, const NoiseSchedule *d, Sample
         st->eta = kind == SAMPLER_DPM_SOLVER_PP ? 0.0f : eta;
         st->noisy = st->eta > 0.0f && k > 0;
         st->terms = timestep_terms(&respaced, k);
+        double log_large = k > 0 ? log(respaced.betas[k]) : (double)st->terms.log_var_min;
+        st->log_variance = variance == VARIANCE_FIXED_LARGE ? (float)log_large : st->terms.log_var_min;
+        st->variance = variance == VARIANCE_FIXED_LARGE ? (float)exp(log_large) : st->terms.posterior_variance;
         if (kind == SAMPLER_DPM_SOLVER_PP) {
             double h = k > 0 ? log_snr_half(s.abar[k - 1]) - log_snr_half(s.abar[k]) : 0.0;
             st->second_order = j > 0 && k > 0;
@@ -400,8 +406,8 @@ HOST_DEVICE static inline float sample_step_value(const SamplePlan *p, const Sam
     float x0 = predict_x0(x, out, st->abar, p->predict, p->clip);
     if (p->kind == SAMPLER_DDPM) {
         const TimestepTerms *tt = &st->terms;
-        float log_var = p->learned ? learned_log_variance(v, tt->log_var_min, tt->log_var_range) : tt->log_var_min;
-        float variance = p->learned ? expf(log_var) : tt->posterior_variance;
+        float log_var = p->learned ? learned_log_variance(v, tt->log_var_min, tt->log_var_range) : st->log_variance;
+        float variance = p->learned ? expf(log_var) : st->variance;
         float mean = tt->mean_x0 * x0 + tt->mean_xt * x + variance * score;
         return st->noisy ? mean + expf(0.5f * log_var) * z : mean;
     }
@@ -411,6 +417,12 @@ HOST_DEVICE static inline float sample_step_value(const SamplePlan *p, const Sam
     *x0_last = x0;
     return next;
 }
+
+// A sample's value x as an 8-bit pixel the way guided-diffusion's scripts write samples,
+// ((x + 1) * 127.5).clamp(0, 255).to(uint8): truncated, not rounded, so that FIDs of our samples
+// compare with its published ones (x in [k / 127.5 - 1, (k + 1) / 127.5 - 1) gives k; 255 only from
+// x = 1 on). NaN gives 0.
+HOST_DEVICE static inline uint8_t pixel_from_value(float x) { return (uint8_t)fminf(fmaxf((x + 1.0f) * 127.5f, 0.0f), 255.0f); }
 
 // A standard normal draw for value i of stream `stream` under `seed` (Box-Muller on two 24-bit
 // uniforms), on the host and the GPU alike (to the last bits of cos and log).

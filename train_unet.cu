@@ -4498,7 +4498,7 @@ __global__ void sample_advance_kernel(SampleCursor *c) { c->step++; }
 
 __global__ void to_pixels_kernel(uint8_t *pixels, const float *x, int64_t n) {
     for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
-        pixels[i] = (uint8_t)lrintf(fminf(fmaxf((x[i] + 1.0f) * 127.5f, 0.0f), 255.0f));
+        pixels[i] = pixel_from_value(x[i]);
 }
 
 __global__ void likelihood_inputs_kernel(float *x0, float *x_t, floatX *input, int64_t *t, const uint8_t *pixels, int64_t n,
@@ -7459,6 +7459,7 @@ static void validate_training(const Options *o) {
                     "(its eps prediction divides by zero); use more than 20 steps, or cosine", o->diffusion_steps,
                     20.0 / o->diffusion_steps);
     if (o->use_kl && !o->learn_sigma) usage_error("--use_kl needs --learn_sigma True (the bound's variance is the model's)");
+    if (o->sigma_small && o->learn_sigma) usage_error("--sigma_small chooses a fixed variance: a model with --learn_sigma True learns its own");
     if (!(o->lr > 0)) usage_error("--lr %g must be positive", o->lr);
     if (!(o->weight_decay >= 0)) usage_error("--weight_decay %g must not be negative", o->weight_decay);
     if (prediction_from_name(o->predict) < 0) usage_error("--predict '%s' must be eps, v or x0", o->predict);
@@ -7699,7 +7700,8 @@ static void ema_sampler_load(GpuSampler *sampler, Trainer *tr, int steps, int ba
     trainer_settle(tr);
     if (!sampler->m.blocks) {
         SamplePlan plan;
-        if (sample_plan_make(&plan, &tr->diffusion.schedule, SAMPLER_DDIM, steps, NULL, 0.0f, tr->diffusion.config.predict, 1, 0) != 0)
+        if (sample_plan_make(&plan, &tr->diffusion.schedule, SAMPLER_DDIM, steps, NULL, 0.0f, tr->diffusion.config.predict, 1,
+                             tr->diffusion.config.variance) != 0)
             fatal("out of memory");
         size_t free_bytes, total_bytes;
         cuda_check(cudaMemGetInfo(&free_bytes, &total_bytes));

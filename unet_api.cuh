@@ -62,6 +62,19 @@ static int map_checkpoint_file(const char *path, const char *weights, UnetCheckp
     return r;
 }
 
+// guided-diffusion's --sigma_small VALUE on a diffusion: the small fixed variance or the large. Returns
+// 0, or -1 for a bad value or a model that learns its variance (to which neither applies).
+static int sigma_small_onto(DiffusionConfig *d, const char *value, const char *path, char *err, size_t err_len) {
+    Options o = guided_diffusion_defaults();
+    char why[256];
+    if (option_from_string(&o, find_option("sigma_small", 11), value, why, sizeof why) != 0)
+        return error_line(err, err_len, "--sigma_small %s: %s", value, why);
+    if (d->variance == VARIANCE_LEARNED_RANGE)
+        return error_line(err, err_len, "--sigma_small chooses a fixed variance: %s learns its own (learn_sigma)", path);
+    d->variance = o.sigma_small ? VARIANCE_FIXED_SMALL : VARIANCE_FIXED_LARGE;
+    return 0;
+}
+
 // unet_checkpoint_open (classifier_size 0: either model), and with classifier_size > 0
 // unet_classifier_open: a noisy classifier of images of that size.
 static UnetCheckpoint *checkpoint_open(const char *path, const char *weights, const char *const *flags, int num_flags,
@@ -79,12 +92,16 @@ static UnetCheckpoint *checkpoint_open(const char *path, const char *weights, co
         for (int i = 0; i < num_flags; i++) with_size[i + 1] = flags[i];
         flags = with_size, num_flags++;
     }
+    const char *model_flag = NULL, *sigma_small = NULL;  // sigma_small, a sampling choice, is taken over any metadata's
+    for (int i = 0; i < num_flags; i++)
+        if (strncmp(flags[i], "sigma_small=", 12) == 0) sigma_small = flags[i] + 12;
+        else if (!model_flag) model_flag = flags[i];
     if (described)
         r = model_from_tensors_and_flags(&ck->f, ck->file, flags, num_flags, &ck->config, &ck->diffusion, info->model,
                                          sizeof info->model, err, err_len);
-    else if (num_flags > 0)
+    else if (model_flag)
         r = error_line(err, err_len, "%s holds its model's configuration: --%.*s and the other model flags are for files without it (.pt)",
-                       ck->file, (int)(strchr(flags[0], '=') ? strchr(flags[0], '=') - flags[0] : 0), flags[0]);
+                       ck->file, (int)(strchr(model_flag, '=') ? strchr(model_flag, '=') - model_flag : 0), model_flag);
     else r = model_config_from_metadata(&ck->f, ck->file, &ck->config, err, err_len);
     if (r == 0 && !ck->config.pool && classifier_size)
         r = error_line(err, err_len, "%s is a diffusion model, not a noisy classifier (train one with train_unet --model classifier)",
@@ -93,6 +110,7 @@ static UnetCheckpoint *checkpoint_open(const char *path, const char *weights, co
         r = error_line(err, err_len, "%s classifies %dx%d images; the diffusion model makes %dx%d", ck->file, ck->config.image_size,
                        ck->config.image_size, classifier_size, classifier_size);
     if (r == 0 && !described) r = diffusion_from_metadata(&ck->f, ck->file, &ck->config, &ck->diffusion, err, err_len);
+    if (r == 0 && sigma_small) r = sigma_small_onto(&ck->diffusion, sigma_small, ck->file, err, err_len);
     if (r == 0) {
         ParamList params = model_parameters(&ck->config);
         r = read_tensors(&params, &ck->f, ck->file, 0, NULL, err, err_len);  // names, shapes, finite values

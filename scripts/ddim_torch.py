@@ -97,7 +97,7 @@ def main():
         x0 = x0.clamp(-1, 1)
         eps = (torch.sqrt(1 / a) * x - x0) / torch.sqrt(1 / a - 1)
         x = x0 * torch.sqrt(a_prev) + torch.sqrt(1 - a_prev) * eps
-    ours = ((x + 1) * 127.5).round().clamp(0, 255).to(torch.uint8).numpy()
+    ours = ((x + 1) * 127.5).clamp(0, 255).to(torch.uint8).numpy()  # guided-diffusion's quantization, as generate's
     theirs = np.stack([read_png(os.path.join(args.compare, f"{i:06d}.png")) for i in range(args.num)])
     diff = np.abs(ours.astype(np.int32) - theirs.astype(np.int32))
     print(f"DDIM {len(steps)} steps, {args.num} images: generate against guided-diffusion's ddim_sample_loop (PyTorch "

@@ -68,6 +68,12 @@ expect_fail ./generate --checkpoint "$SIGMA" --sampler ddpm --respacing 600,600
 expect_grep "respacing '600,600' keeps no steps" "$LAST_ERR"
 expect_fail ./generate --checkpoint "$UNCOND" --spacing linspace --steps 1
 expect_grep "spacing linspace: 1 steps do not fit" "$LAST_ERR"
+expect_fail ./generate --checkpoint "$SIGMA" --sigma_small True --sampler ddpm
+expect_grep "sigma_small chooses a fixed variance: .*unet_adm.safetensors learns its own" "$LAST_ERR"
+expect_fail ./generate --checkpoint "$UNCOND" --sigma_small maybe
+expect_grep "sigma_small maybe: " "$LAST_ERR"
+expect_fail ./generate --checkpoint "$PT" --image_size 8 --num_head_channels 16 --sigma_small True
+expect_grep "sigma_small chooses a fixed variance: .*unet_adm_fp16.pt learns its own" "$LAST_ERR"
 expect_exit 2 ./generate --checkpoint "$UNCOND" --spacing trailing --respacing 10
 expect_exit 2 ./generate --checkpoint "$UNCOND" --spacing middle
 expect_exit 2 ./generate --checkpoint "$SIGMA" --sampler dpm++ --respacing 10
@@ -197,6 +203,10 @@ if nvidia-smi -L >/dev/null 2>&1; then
     done
     expect_ok ./generate --checkpoint "$UNCOND" --num 5 --batch 2 --out "$TEST_TMP/again"
     cmp -s "$TEST_TMP/ddim/000003.png" "$TEST_TMP/again/000003.png" || case_fail "the same seed gave another image"
+    expect_ok ./generate --checkpoint "$UNCOND" --sampler ddpm --sigma_small False --num 5 --batch 2 --out "$TEST_TMP/large"
+    cmp -s "$TEST_TMP/ddpm/000003.png" "$TEST_TMP/large/000003.png" || case_fail "ddpm's default is not the large variance"
+    expect_ok ./generate --checkpoint "$UNCOND" --sampler ddpm --sigma_small True --num 5 --batch 2 --out "$TEST_TMP/small"
+    cmp -s "$TEST_TMP/ddpm/000003.png" "$TEST_TMP/small/000003.png" && case_fail "--sigma_small True changed nothing"
     expect_ok ./generate --checkpoint "$UNCOND" --num 4 --batch 2 --bench 2 --out "$TEST_TMP/bench"
     expect_grep "images/s" "$LAST_OUT"
     expect_absent "$TEST_TMP/bench"

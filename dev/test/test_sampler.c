@@ -71,7 +71,7 @@ static void check_sampler(const char *name, SamplerKind kind, const char *schedu
     CHECK(noise_schedule_make(&d, 1000, schedule) == 0);
     CHECK((kind == SAMPLER_DPM_SOLVER_PP ? sample_schedule_log_snr(&d, steps, &s) : sample_schedule_make(&d, steps, &s)) == 0);
     SamplePlan plan;
-    CHECK(sample_plan_make(&plan, &d, kind, steps, NULL, eta, predict_v ? PREDICT_V : PREDICT_EPS, 0, 0) == 0 && plan.count == s.count);
+    CHECK(sample_plan_make(&plan, &d, kind, steps, NULL, eta, predict_v ? PREDICT_V : PREDICT_EPS, 0, VARIANCE_FIXED_SMALL) == 0 && plan.count == s.count);
     for (int j = 0; j < plan.count; j++) CHECK(plan.steps[j].timestep == s.timesteps[s.count - 1 - j]);
     static float x[N];
     Analytic a = {&d, predict_v, (uint64_t)time(NULL), 0};
@@ -149,22 +149,54 @@ int main(void) {
     sample_schedule_free(&s);
     noise_schedule_free(&d);
 
+    double tilde_1 = 0;  // beta_tilde_1 of the respaced schedule below
     check_case("plans: DDPM is DDIM with eta 1 on all T steps; no noise on the last step; DPM-Solver++ first order at the ends");
     SamplePlan plan;
     CHECK(noise_schedule_make(&d, 1000, "linear") == 0);
-    CHECK(sample_plan_make(&plan, &d, SAMPLER_DDPM, 0, NULL, 0.0f, PREDICT_EPS, 1, 0) == 0 && plan.count == 1000 && plan.steps[0].timestep == 999);
+    CHECK(sample_plan_make(&plan, &d, SAMPLER_DDPM, 0, NULL, 0.0f, PREDICT_EPS, 1, VARIANCE_FIXED_SMALL) == 0 && plan.count == 1000 && plan.steps[0].timestep == 999);
     CHECK(plan.steps[0].eta == 1.0f && plan.steps[0].noisy && !plan.steps[999].noisy && plan.steps[999].abar_prev == 1.0f);
     CHECK(plan.steps[0].abar == (float)d.alphas_cumprod[999] && plan.steps[0].abar_prev == (float)d.alphas_cumprod[998]);
     sample_plan_free(&plan);
-    CHECK(sample_plan_make(&plan, &d, SAMPLER_DDIM, 50, NULL, 0.0f, PREDICT_EPS, 1, 0) == 0 && !plan.steps[0].noisy && plan.steps[1].timestep == 960);
+    CHECK(sample_plan_make(&plan, &d, SAMPLER_DDIM, 50, NULL, 0.0f, PREDICT_EPS, 1, VARIANCE_FIXED_SMALL) == 0 && !plan.steps[0].noisy && plan.steps[1].timestep == 960);
     sample_plan_free(&plan);
-    CHECK(sample_plan_make(&plan, &d, SAMPLER_DDIM, 999, NULL, 0.0f, PREDICT_EPS, 1, 0) != 0 && !plan.steps);
+    CHECK(sample_plan_make(&plan, &d, SAMPLER_DDIM, 999, NULL, 0.0f, PREDICT_EPS, 1, VARIANCE_FIXED_SMALL) != 0 && !plan.steps);
     CHECK(respacing_stride(1000, 50) == 20 && respacing_stride(1000, 999) == 0);
-    CHECK(sample_plan_make(&plan, &d, SAMPLER_DPM_SOLVER_PP, 20, NULL, 0.0f, PREDICT_EPS, 1, 0) == 0 && plan.count == 20);
+    CHECK(sample_plan_make(&plan, &d, SAMPLER_DPM_SOLVER_PP, 20, NULL, 0.0f, PREDICT_EPS, 1, VARIANCE_FIXED_SMALL) == 0 && plan.count == 20);
     CHECK(!plan.steps[0].second_order && plan.steps[1].second_order && plan.steps[18].second_order && !plan.steps[19].second_order);
     CHECK(!plan.steps[0].noisy && plan.steps[1].r > 0.5f && plan.steps[1].r < 2.0f);
     sample_plan_free(&plan);
     noise_schedule_free(&d);
+
+    check_case("DDPM's fixed variances on a respaced schedule: large beta_k (beta_tilde_1 at k = 0), small beta_tilde_k; "
+               "the step draws with it and classifier guidance moves the mean by it");
+    CHECK(noise_schedule_make(&d, 1000, "cosine") == 0);
+    SamplePlan large, small;
+    CHECK(sample_plan_make(&large, &d, SAMPLER_DDPM, 25, NULL, 0.0f, PREDICT_EPS, 1, VARIANCE_FIXED_LARGE) == 0 && large.count == 25);
+    CHECK(sample_plan_make(&small, &d, SAMPLER_DDPM, 25, NULL, 0.0f, PREDICT_EPS, 1, VARIANCE_FIXED_SMALL) == 0 && !small.learned);
+    for (int j = 0; j < large.count; j++) {
+        const SampleStep *l = &large.steps[j], *m = &small.steps[j];
+        int k = large.count - 1 - j;  // the respaced index: beta_k = 1 - abar_k / abar_(k-1), in double
+        double abar = d.alphas_cumprod[l->timestep], abar_prev = k > 0 ? d.alphas_cumprod[large.steps[j + 1].timestep] : 1.0;
+        double beta = 1.0 - abar / abar_prev, tilde = beta * (1.0 - abar_prev) / (1.0 - abar);
+        if (k > 0) CHECK(fabs(l->variance / beta - 1) < 1e-6 && fabs(l->log_variance - log(beta)) < 1e-5 && fabs(m->variance / tilde - 1) < 1e-5);
+        if (k > 0) CHECK(fabs(m->log_variance - log(tilde)) < 1e-5 && l->variance > m->variance);
+        if (k == 1) tilde_1 = tilde;
+        if (k == 0) CHECK(m->variance == 0.0f && fabs(l->variance / tilde_1 - 1) < 1e-5 && l->log_variance == m->log_variance);
+        float z = 0.5f, x = 0.25f, out = -0.5f, score = 2.0f;  // the noise and the score enter through the variance alone
+        float plain = sample_step_value(&large, l, x, out, 0.0f, 0.0f, 0.0f, NULL);
+        if (k > 0) CHECK(fabsf(sample_step_value(&large, l, x, out, 0.0f, 0.0f, z, NULL) - plain - expf(0.5f * l->log_variance) * z) < 1e-6f);
+        CHECK(fabsf(sample_step_value(&large, l, x, out, 0.0f, score, 0.0f, NULL) - plain - l->variance * score) < 1e-6f);
+    }
+    sample_plan_free(&large), sample_plan_free(&small);
+    noise_schedule_free(&d);
+
+    check_case("pixels as guided-diffusion writes samples: ((x + 1) * 127.5).clamp(0, 255) truncated");
+    CHECK(pixel_from_value(-1.0f) == 0 && pixel_from_value(1.0f) == 255 && pixel_from_value(0.999f) == 254 && pixel_from_value(0.0f) == 127);
+    CHECK(pixel_from_value(-2.0f) == 0 && pixel_from_value(3.0f) == 255 && pixel_from_value(NAN) == 0 && pixel_from_value(INFINITY) == 255);
+    for (int k = 0; k < 255; k++) {  // every level's interval [k, k + 1) / 127.5 - 1 maps to k, its middle too (rounding gave k + 1)
+        float low = (float)(k / 127.5 - 1.0), middle = (float)((k + 0.6) / 127.5 - 1.0);
+        CHECK(pixel_from_value(nextafterf(low, 2.0f)) == k && pixel_from_value(middle) == k);
+    }
 
     check_case("normal_sample: 200000 draws have mean 0 and deviation 1 (within 5 standard errors)");
     double sum = 0, sum2 = 0;

@@ -96,7 +96,7 @@ static double check_learned_ddpm(const NoiseSchedule *schedules, const char *con
     for (int r = 0; r < rows; r++) {
         const double *c = cases + 5 * r, *x = values + (size_t)r * 4 * n;
         SamplePlan plan;
-        CHECK(sample_plan_make(&plan, &schedules[(int)c[0]], SAMPLER_DDPM, 0, specs[(int)c[1]], 1.0f, (int)c[3], (int)c[4], 1) == 0);
+        CHECK(sample_plan_make(&plan, &schedules[(int)c[0]], SAMPLER_DDPM, 0, specs[(int)c[1]], 1.0f, (int)c[3], (int)c[4], VARIANCE_LEARNED_RANGE) == 0);
         const SampleStep *st = &plan.steps[plan.count - 1 - (int)c[2]];  // kept step k runs at j = count - 1 - k
         for (int i = 0; i < n; i++) got[i] = sample_step_value(&plan, st, (float)x[i], (float)x[n + i], (float)x[2 * n + i], 0.0f, (float)x[3 * n + i], NULL);
         worst = fmax(worst, relative_error(got, expected + (size_t)r * n, n));
@@ -156,7 +156,8 @@ static double run_guided_cases(const char *kind, const NoiseSchedule *schedules)
         SamplePlan plan;
         SampleStep own, *st = &own;
         if (ddpm) {
-            CHECK(sample_plan_make(&plan, d, SAMPLER_DDPM, 0, NULL, 1.0f, (int)c[3] ? PREDICT_V : PREDICT_EPS, (int)c[4], (int)c[2]) == 0);
+            CHECK(sample_plan_make(&plan, d, SAMPLER_DDPM, 0, NULL, 1.0f, (int)c[3] ? PREDICT_V : PREDICT_EPS, (int)c[4],
+                                  (int)c[2] ? VARIANCE_LEARNED_RANGE : VARIANCE_FIXED_SMALL) == 0);
             st = &plan.steps[plan.count - 1 - (int)c[1]];
         } else {
             memset(&own, 0, sizeof own);

@@ -129,8 +129,8 @@ static void test_plan(const char *name, const ModelConfig *c, UNet *weights, Sam
     NoiseSchedule d;
     SamplePlan plan;
     CHECK(noise_schedule_make(&d, 100, "linear") == 0);
-    int learned = c->learn_sigma;
-    CHECK(sample_plan_make(&plan, &d, kind, steps, NULL, eta, predict_v ? PREDICT_V : PREDICT_EPS, 1, learned) == 0);
+    VarianceType variance = c->learn_sigma ? VARIANCE_LEARNED_RANGE : VARIANCE_FIXED_LARGE;
+    CHECK(sample_plan_make(&plan, &d, kind, steps, NULL, eta, predict_v ? PREDICT_V : PREDICT_EPS, 1, variance) == 0);
     uint64_t seed = 1234;
     int S = c->image_size;
     int64_t per_image = (int64_t)S * S * c->in_channels, n = IMAGES * per_image;
@@ -181,7 +181,7 @@ static void test_plan(const char *name, const ModelConfig *c, UNet *weights, Sam
     int pixel_gap = 0;
     for (int64_t i = 0; i < n; i++) {
         diff += (double)(gpu_x[i] - x[i]) * (gpu_x[i] - x[i]), norm += (double)x[i] * x[i];
-        int want = (int)lrintf(fminf(fmaxf((gpu_x[i] + 1.0f) * 127.5f, 0.0f), 255.0f));
+        int want = pixel_from_value(gpu_x[i]);
         pixel_gap = abs(want - pixels[i]) > pixel_gap ? abs(want - pixels[i]) : pixel_gap;
     }
     double err = sqrt(diff / norm);
@@ -332,7 +332,8 @@ static void test_guided_step(const SafeTensorsFile *fx, const char *name, const 
     NoiseSchedule d;
     SamplePlan plan;
     CHECK(noise_schedule_make(&d, 1000, "linear") == 0);
-    CHECK(sample_plan_make(&plan, &d, kind, steps, NULL, 0.0f, PREDICT_EPS, 1, info.diffusion.variance == VARIANCE_LEARNED_RANGE) == 0);
+    VarianceType variance = info.diffusion.variance == VARIANCE_LEARNED_RANGE ? VARIANCE_LEARNED_RANGE : VARIANCE_FIXED_SMALL;  // the fixture's
+    CHECK(sample_plan_make(&plan, &d, kind, steps, NULL, 0.0f, PREDICT_EPS, 1, variance) == 0);
     SamplePlan one = plan;
     one.count = 1, one.steps = NULL;
     for (int j = 0; j < plan.count; j++)

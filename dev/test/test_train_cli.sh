@@ -56,6 +56,8 @@ while IFS= read -r args; do
     grep -q "^train_unet: error: .* (see --help)$" "$LAST_ERR" || case_fail "no usage error line for: $args"
 done <<'LIST'
 --num_channels 48
+--learn_sigma True --sigma_small True
+--model classifier --sigma_small True
 --num_channels 0
 --image_size 60
 --image_size abc
