@@ -154,7 +154,7 @@ TESTS_CPU := build/test/test_dataset build/test/test_safetensors build/test/test
 TESTS_GPU := build/test/test_dataloader_gpu build/test/test_unet_gpu_fp32 build/test/test_unet_gpu_bf16 \
              build/test/test_unet_gpu_reference_fp32 build/test/test_unet_gpu_reference_bf16 \
              build/test/test_sampler_gpu_fp32 build/test/test_sampler_gpu_bf16 \
-             build/test/test_inception_gpu_fp32 build/test/test_inception_gpu_bf16
+             build/test/test_inception_gpu_fp32 build/test/test_inception_gpu_bf16 build/test/generate_fp32
 
 build/test/test_dataset: dev/test/test_dataset.c dataset.h fileio.h dev/test/check.h
 	@mkdir -p build/test
@@ -220,6 +220,12 @@ build/test/test_unet_gpu_fp32 build/test/test_unet_gpu_bf16: build/test/test_une
         dev/test/check.h
 	@mkdir -p build/test
 	$(NVCC) $(NVCC_COMMON) -DPRECISION_$(shell echo $* | tr a-z A-Z) -o $@ $< $(CUDA_LIBS)
+# generate of the FP32 build whatever PRECISION is (test_guidance_gpu.sh: classifier guidance against PyTorch in float32).
+build/test/train_unet_fp32.o: train_unet.cu $(TRAINER_HEADERS)
+	@mkdir -p build/test
+	$(NVCC) $(NVCC_COMMON) -DPRECISION_FP32 -c -o $@ $<
+build/test/generate_fp32: build/generate.o build/test/train_unet_fp32.o build/version.o
+	$(NVCC) $(GPU_ARCH) -o $@ $^ $(CUDA_LIBS)
 build/test/test_unet_gpu_reference_%: dev/test/test_unet_gpu_reference.cu train_unet.cu $(TRAINER_HEADERS) $(DEV_REFERENCES) dev/test/check.h
 	@mkdir -p build/test
 	$(NVCC) $(NVCC_COMMON) -DPRECISION_$(shell echo $* | tr a-z A-Z) -o $@ $< $(CUDA_LIBS)

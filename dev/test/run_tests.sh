@@ -17,7 +17,7 @@ cpu_tests=(build/test/test_dataset build/test/test_safetensors build/test/test_s
 gpu_tests=(build/test/test_dataloader_gpu build/test/test_unet_gpu_fp32 build/test/test_unet_gpu_bf16
            build/test/test_unet_gpu_reference_fp32 build/test/test_unet_gpu_reference_bf16
            build/test/test_sampler_gpu_fp32 build/test/test_sampler_gpu_bf16 dev/test/test_train_gpu.sh
-           dev/test/test_train_multi_gpu.sh dev/test/test_evaluate_gpu.sh)
+           dev/test/test_train_multi_gpu.sh dev/test/test_evaluate_gpu.sh dev/test/test_guidance_gpu.sh)
 case $mode in
     all|cpu|gpu) named=() ;;
     *) named=("$@"); mode=named ;;
