@@ -121,7 +121,8 @@ int main(int argc, char **argv) {
             manifold_set_open(&sx, x, m, dim, 3);
             manifold_set_open(&sy, y, n, dim, 3);
             CHECK(manifold_block(d, &sx, 0, m, &sy, 0, n, dim, nonfinite) == fp32);
-            cuda_check(cudaMemcpy(gpu_d, d, (size_t)m * n * sizeof(float), cudaMemcpyDeviceToHost));
+            cuda_check(cudaMemcpyAsync(gpu_d, d, (size_t)m * n * sizeof(float), cudaMemcpyDeviceToHost, gpu.stream));
+            cuda_check(cudaStreamSynchronize(gpu.stream));
             CHECK(manifold_distances(x, m, y, n, dim, cpu_d, n) == fp32);
             int64_t differ = 0;
             double worst = 0;  // relative to |x|^2 + |y|^2, the scale of the rounding
