@@ -31,7 +31,6 @@
 
 #define INCEPTION_FILE "pt_inception-2015-12-05-6726825d.pth"
 #define NEIGHBOURS 3   // precision and recall's k
-#define IS_SPLITS 10   // the Inception Score's parts
 #define STATS_KIND "inception-statistics"
 
 static const char usage[] =
@@ -332,7 +331,7 @@ static void compute_statistics(FeatureSet *s) {
     if (unet_feature_statistics(s->pool, s->count, UNET_INCEPTION_FEATURES, s->mu, s->sigma, err, sizeof err) != 0 ||
         unet_feature_statistics(s->spatial, s->count, UNET_INCEPTION_SPATIAL, s->mu_s, s->sigma_s, err, sizeof err) != 0)
         unet_die("%s", err);
-    if (s->logits) s->inception_score = inception_score(s->logits, s->count, UNET_INCEPTION_CLASSES, IS_SPLITS);
+    if (s->logits) s->inception_score = inception_score(s->logits, s->count, UNET_INCEPTION_CLASSES, INCEPTION_SCORE_SPLIT);
 }
 
 static void save_stats(const FeatureSet *s, const char *path, const char *inception) {
@@ -414,8 +413,8 @@ int main(int argc, char **argv) {
         unet_frechet_distance(ref.mu_s, ref.sigma_s, sample.mu_s, sample.sigma_s, UNET_INCEPTION_SPATIAL, &sfid, err, sizeof err) != 0)
         unet_die("%s", err);
     profile_phase("FID and sFID", metrics_start);
-    if (unet_precision_recall(ref.pool, ref.count, sample.pool, sample.count, UNET_INCEPTION_FEATURES, NEIGHBOURS, &precision, &recall, err,
-                              sizeof err) != 0)
+    if (unet_precision_recall(ref.pool, ref.count, sample.pool, sample.count, UNET_INCEPTION_FEATURES, NEIGHBOURS, MANIFOLD_BLOCK, &precision,
+                              &recall, err, sizeof err) != 0)
         unet_die("%s", err);
     fprintf(stderr, "evaluate: FID, sFID, precision and recall in %.2f s\n", now_seconds() - metrics_start);
     if (o.json)

@@ -1,9 +1,10 @@
 // fid.cuh: the statistics of features (mean, covariance), the Fréchet distance and k-NN precision and
-// recall on the GPU (cuSOLVER; in double where metrics.h, their CPU reference, is). Needs only
-// gpu.cuh; train_unet.cu includes it at its top (one translation unit).
+// recall on the GPU (cuSOLVER; in double where metrics.h, their CPU reference, is; precision and
+// recall's distances in the evaluator's fp16, fp32 where they are not finite). Needs only gpu.cuh;
+// train_unet.cu includes it at its top (one translation unit).
 #include <cusolverDn.h>
 
-// ---- statistics, the Fréchet distance, precision and recall (double where metrics.h is) ----
+// ---- statistics and the Fréchet distance (double where metrics.h is) ----
 
 static cusolverDnHandle_t solver;
 
@@ -143,137 +144,208 @@ extern "C" int unet_frechet_distance(const double *mu1, const double *s1, const 
     return r;
 }
 
-// Precision and recall: squared distances |x|^2 + |y|^2 - 2 x.y (clamped at 0, as guided-diffusion's
-// ManifoldEstimator computes them, in fp32), a chunk of rows against all of the other set's at a time.
+// ---- precision and recall: guided-diffusion's ManifoldEstimator, its distances as its DistanceBlock's ----
+// Squared distances a block of block x block at a time (the evaluator's 10,000), as metrics.h's
+// manifold_distances: in fp16 (h: rounded to fp16), the features cast to fp16,
+//   |x|^2 = h(sum_i h(x_i^2))             (the squares summed in double, rounded once)
+//   x.y   = h(x . y)                      (cuBLAS: fp16 operands, fp32 accumulation; rounded here)
+//   d     = max(h(h(|x|^2 - h(2 x.y)) + |y|^2), 0)
+// or, when any d of the block is not finite (a feature or a norm past fp16's 65504), the whole block
+// again with fp32's rounding (its product by cuBLAS in fp32, no TF32). A row's radius is its (k+1)-th
+// smallest distance to its own set (its own distance among them), merged block by block.
 #define MANIFOLD_MAX_K 7
 
-// norms[r] = |x_r|^2.
-__global__ void squared_norms_kernel(float *norms, const float *x, int64_t rows, int dim) {
-    for (int64_t r = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; r < rows; r += (int64_t)gridDim.x * blockDim.x) {
-        float sum = 0.0f;
-        for (int d = 0; d < dim; d++) sum += x[r * dim + d] * x[r * dim + d];
-        norms[r] = sum;
+// A feature set on the GPU: its rows in fp32 and in fp16, their squared norms in each, its rows'
+// k + 1 smallest distances so far (best [count][k + 1], ascending) and radii, and whether each row
+// lies in the other set's manifold.
+typedef struct {
+    float *rows, *norms32, *best, *radii;
+    __half *halves, *norms16;
+    unsigned char *inside;
+    int64_t count;
+} ManifoldSet;
+
+// A warp a row of x [rows][dim]: halves = h(x), norms16 = h(sum_i h(h(x_i)^2)), norms32 =
+// f(sum_i f(x_i^2)), the sums in double (each lane's, then a fixed shuffle tree).
+__global__ void manifold_rows_kernel(__half *halves, __half *norms16, float *norms32, const float *x, int64_t rows, int dim) {
+    int lane = threadIdx.x % 32;
+    for (int64_t row = (blockIdx.x * (int64_t)blockDim.x + threadIdx.x) / 32; row < rows; row += (int64_t)gridDim.x * blockDim.x / 32) {
+        double sum16 = 0, sum32 = 0;
+        for (int i = lane; i < dim; i += 32) {
+            float v = x[row * dim + i];
+            __half h = __float2half_rn(v);
+            halves[row * dim + i] = h;
+            sum16 += __half2float(__hmul_rn(h, h));
+            sum32 += __fmul_rn(v, v);
+        }
+        for (int offset = 16; offset > 0; offset /= 2) {
+            sum16 += __shfl_down_sync(0xffffffff, sum16, offset);
+            sum32 += __shfl_down_sync(0xffffffff, sum32, offset);
+        }
+        if (lane == 0) norms16[row] = __double2half(sum16), norms32[row] = __double2float_rn(sum32);
     }
 }
 
-// One block a row of dots[rows][cols] (x_r . y_c, x and y one set): radii[r] = the (k+1)-th smallest
-// squared distance of row r (its own 0 first): manifold_radii's radius.
-__global__ void manifold_radii_kernel(float *radii, const float *dots, const float *x_norms, const float *y_norms, int64_t cols, int k) {
-    __shared__ float best[256][MANIFOLD_MAX_K + 1];
+// d [m][n] holds a block's products x.y in fp32; each becomes its fp16 distance
+// max(h(h(|x|^2 - h(2 h(x.y))) + |y|^2), 0) as a float (a NaN stays NaN, as in tf.maximum).
+// *nonfinite = 1 where one is not finite (set by any thread, never cleared: no order matters).
+__global__ void manifold_half_distances_kernel(float *d, int64_t m, int64_t n, const __half *x_norms, const __half *y_norms, int *nonfinite) {
+    const __half two = __float2half_rn(2.0f);
+    int found = 0;
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < m * n; i += (int64_t)gridDim.x * blockDim.x) {
+        __half dot = __float2half_rn(d[i]);
+        float dist = __half2float(__hadd_rn(__hsub_rn(x_norms[i / n], __hmul_rn(two, dot)), y_norms[i % n]));
+        d[i] = dist < 0.0f ? 0.0f : dist;
+        found |= !isfinite(dist);
+    }
+    if (found) *nonfinite = 1;
+}
+
+// d [m][n] holds a block's products x.y in fp32; each becomes max(f(f(|x|^2 - 2 x.y) + |y|^2), 0).
+__global__ void manifold_float_distances_kernel(float *d, int64_t m, int64_t n, const float *x_norms, const float *y_norms) {
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < m * n; i += (int64_t)gridDim.x * blockDim.x) {
+        float dist = __fadd_rn(__fsub_rn(x_norms[i / n], __fmul_rn(2.0f, d[i])), y_norms[i % n]);
+        d[i] = dist < 0.0f ? 0.0f : dist;
+    }
+}
+
+// One CUDA block a row of a block of distances d [rows][n], a row of a set against n of its rows:
+// merges them into best (the row's k + 1 smallest so far, ascending; none when fresh); radius =
+// the (k+1)-th, the row's radius once every block of its row is in.
+__global__ void manifold_radii_kernel(float *radii, float *best, const float *d, int64_t n, int k, int fresh) {
+    __shared__ float others[256][MANIFOLD_MAX_K + 1];
     int64_t row = blockIdx.x;
-    const float *d = dots + row * cols;
+    const float *dist = d + row * n;
     float mine[MANIFOLD_MAX_K + 1];
-    for (int q = 0; q <= k; q++) mine[q] = INFINITY;
-    for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) {
-        float dist = fmaxf(x_norms[row] + y_norms[c] - 2.0f * d[c], 0.0f);
+    for (int q = 0; q <= k; q++) mine[q] = threadIdx.x == 0 && !fresh ? best[row * (k + 1) + q] : INFINITY;
+    for (int64_t c = threadIdx.x; c < n; c += blockDim.x) {
+        float x = dist[c];
         for (int q = 0; q <= k; q++)  // insert into the sorted k + 1 smallest
-            if (dist < mine[q]) {
+            if (x < mine[q]) {
                 float t = mine[q];
-                mine[q] = dist, dist = t;
+                mine[q] = x, x = t;
             }
     }
-    for (int q = 0; q <= k; q++) best[threadIdx.x][q] = mine[q];
+    for (int q = 0; q <= k; q++) others[threadIdx.x][q] = mine[q];
     __syncthreads();
     if (threadIdx.x != 0) return;
     for (int t = 1; t < blockDim.x; t++)
         for (int q = 0; q <= k; q++) {
-            float dist = best[t][q];
+            float x = others[t][q];
             for (int p = 0; p <= k; p++)
-                if (dist < mine[p]) {
+                if (x < mine[p]) {
                     float s = mine[p];
-                    mine[p] = dist, dist = s;
+                    mine[p] = x, x = s;
                 }
         }
+    for (int q = 0; q <= k; q++) best[row * (k + 1) + q] = mine[q];
     radii[row] = mine[k];
 }
 
-// One block a row of dots[rows][cols] between the references x and the samples y, both ways at once:
-// row_inside[r] = 1 when reference r lies in the samples' manifold (some distance at most that
-// sample's radius: recall), col_inside[c] = 1 when sample c lies in the references' (at most the
-// reference's radius: precision). col_inside, zeroed before, is only ever set to 1, by any block: no
-// order matters.
-__global__ void manifold_cross_kernel(unsigned char *row_inside, unsigned char *col_inside, const float *dots, const float *x_norms,
-                                      const float *y_norms, int64_t cols, const float *row_radii, const float *col_radii) {
+// One CUDA block a row of a block of distances d [rows][n] between references (rows) and samples
+// (columns), both ways at once: row_inside[r] = 1 when reference r lies within some sample's radius
+// (recall), col_inside[c] = 1 when sample c lies within the reference's radius (precision). Both only
+// ever set to 1, by any block of any column block: no order matters.
+__global__ void manifold_cross_kernel(unsigned char *row_inside, unsigned char *col_inside, const float *d, int64_t n, const float *row_radii,
+                                      const float *col_radii) {
     int64_t row = blockIdx.x;
-    const float *d = dots + row * cols;
+    const float *dist = d + row * n;
     float radius = row_radii[row];
     int found = 0;
-    for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) {
-        float dist = fmaxf(x_norms[row] + y_norms[c] - 2.0f * d[c], 0.0f);
-        found |= dist <= col_radii[c];
-        if (dist <= radius) col_inside[c] = 1;
+    for (int64_t c = threadIdx.x; c < n; c += blockDim.x) {
+        found |= dist[c] <= col_radii[c];
+        if (dist[c] <= radius) col_inside[c] = 1;
     }
     found = __syncthreads_or(found);
-    if (threadIdx.x == 0) row_inside[row] = (unsigned char)found;
+    if (threadIdx.x == 0 && found) row_inside[row] = 1;
 }
 
-// dots[m][n_y] = rows first .. first + m - 1 of x against all of y's: x_chunk y^T (fp32).
-static void manifold_dots(float *dots, const float *x, int64_t first, int64_t m, const float *y, int64_t n_y, int dim) {
-    float one = 1.0f, zero = 0.0f;
-    cublas_check(cublasSgemm(gpu.blas, CUBLAS_OP_T, CUBLAS_OP_N, (int)n_y, (int)m, dim, &one, y, dim, x + first * dim, dim, &zero, dots,
-                             (int)n_y));
+// A set of count feature rows (host memory) on the GPU, with its fp16 rows and norms; k + 1 distances kept a row.
+static void manifold_set_open(ManifoldSet *s, const float *features, int64_t count, int dim, int k) {
+    s->count = count;
+    s->rows = (float *)gpu_malloc(count * dim * sizeof(float));
+    s->halves = (__half *)gpu_malloc(count * dim * sizeof(__half));
+    s->norms32 = (float *)gpu_malloc(count * sizeof(float));
+    s->norms16 = (__half *)gpu_malloc(count * sizeof(__half));
+    s->best = (float *)gpu_malloc(count * (k + 1) * sizeof(float));
+    s->radii = (float *)gpu_malloc(count * sizeof(float));
+    s->inside = (unsigned char *)gpu_malloc(count);
+    cuda_check(cudaMemsetAsync(s->inside, 0, count, gpu.stream));
+    cuda_check(cudaMemcpyAsync(s->rows, features, count * dim * sizeof(float), cudaMemcpyHostToDevice, gpu.stream));
+    manifold_rows_kernel<<<blocks_for(count * 32, 256), 256, 0, gpu.stream>>>(s->halves, s->norms16, s->norms32, s->rows, count, dim);
+    cuda_check_launch();
 }
 
-// Each row's radius among its own set (n rows of x on the GPU), a chunk of rows at a time.
-static void manifold_radii(float *radii, const float *x, const float *norms, int64_t n, int dim, int k, float *dots, int64_t chunk) {
-    for (int64_t first = 0; first < n; first += chunk) {
-        int64_t m = n - first < chunk ? n - first : chunk;
-        manifold_dots(dots, x, first, m, x, n, dim);
-        manifold_radii_kernel<<<(unsigned)m, 256, 0, gpu.stream>>>(radii + first, dots, norms + first, norms, n, k);
-        cuda_check_launch();
-    }
+static void manifold_set_close(ManifoldSet *s) {
+    cudaFree(s->rows), cudaFree(s->halves), cudaFree(s->norms32), cudaFree(s->norms16), cudaFree(s->best), cudaFree(s->radii);
+    cudaFree(s->inside);
 }
 
-// The references (set 0) against the samples (set 1), a chunk of references at a time: inside[s][i]
-// set to 1 when item i of set s lies in the other set's manifold (inside zeroed before).
-static void manifold_cross(unsigned char *const inside[2], const float *const features[2], const float *const norms[2],
-                           const int64_t counts[2], const float *const radii[2], int dim, float *dots, int64_t chunk) {
-    for (int64_t first = 0; first < counts[0]; first += chunk) {
-        int64_t m = counts[0] - first < chunk ? counts[0] - first : chunk;
-        manifold_dots(dots, features[0], first, m, features[1], counts[1], dim);
-        manifold_cross_kernel<<<(unsigned)m, 256, 0, gpu.stream>>>(inside[0] + first, inside[1], dots, norms[0] + first, norms[1], counts[1],
-                                                                    radii[0] + first, radii[1]);
-        cuda_check_launch();
-    }
+// The distances of x's rows x0 .. x0 + m - 1 against y's rows y0 .. y0 + n - 1 into d [m][n]: fp16's,
+// or fp32's when one of fp16's is not finite (nonfinite: an int on the GPU; read back once a block).
+// Returns 1 when the block is fp32's, else 0.
+static int manifold_block(float *d, const ManifoldSet *x, int64_t x0, int64_t m, const ManifoldSet *y, int64_t y0, int64_t n, int dim,
+                          int *nonfinite) {
+    float one = 1.0f, zero = 0.0f;  // d^T = y_block x_block^T, column-major: d row-major
+    cublas_check(cublasGemmEx(gpu.blas, CUBLAS_OP_T, CUBLAS_OP_N, (int)n, (int)m, dim, &one, y->halves + y0 * dim, CUDA_R_16F, dim,
+                              x->halves + x0 * dim, CUDA_R_16F, dim, &zero, d, CUDA_R_32F, (int)n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+    cuda_check(cudaMemsetAsync(nonfinite, 0, sizeof(int), gpu.stream));
+    manifold_half_distances_kernel<<<blocks_for(m * n, 256), 256, 0, gpu.stream>>>(d, m, n, x->norms16 + x0, y->norms16 + y0, nonfinite);
+    cuda_check_launch();
+    int fp32 = 0;
+    cuda_check(cudaMemcpyAsync(&fp32, nonfinite, sizeof(int), cudaMemcpyDeviceToHost, gpu.stream));
+    cuda_check(cudaStreamSynchronize(gpu.stream));
+    if (!fp32) return 0;
+    cublas_check(cublasSgemm(gpu.blas, CUBLAS_OP_T, CUBLAS_OP_N, (int)n, (int)m, dim, &one, y->rows + y0 * dim, dim, x->rows + x0 * dim, dim,
+                             &zero, d, (int)n));
+    manifold_float_distances_kernel<<<blocks_for(m * n, 256), 256, 0, gpu.stream>>>(d, m, n, x->norms32 + x0, y->norms32 + y0);
+    cuda_check_launch();
+    return 1;
 }
 
-extern "C" int unet_precision_recall(const float *ref, int64_t n_ref, const float *sample, int64_t n_sample, int dim, int k,
+extern "C" int unet_precision_recall(const float *ref, int64_t n_ref, const float *sample, int64_t n_sample, int dim, int k, int block,
                                      double *precision, double *recall, char *err, size_t err_len) {
     if (k < 1 || k > MANIFOLD_MAX_K) return error_line(err, err_len, "precision and recall take k in 1..%d, not %d", MANIFOLD_MAX_K, k);
+    if (block < 1) return error_line(err, err_len, "precision and recall's blocks need at least 1 row, not %d", block);
     if (n_ref <= k || n_sample <= k)
         return error_line(err, err_len, "precision and recall need more than k = %d images in each set, not %lld and %lld", k,
                           (long long)n_ref, (long long)n_sample);
     if (api_gpu_ready(err, err_len) != 0) return -1;
-    const float *sets[2] = {ref, sample};
-    int64_t counts[2] = {n_ref, n_sample};
-    float *features[2], *norms[2], *radii[2];
-    unsigned char *inside[2];
-    for (int s = 0; s < 2; s++) {
-        features[s] = (float *)gpu_malloc(counts[s] * dim * sizeof(float));
-        norms[s] = (float *)gpu_malloc(counts[s] * sizeof(float));
-        radii[s] = (float *)gpu_malloc(counts[s] * sizeof(float));
-        inside[s] = (unsigned char *)gpu_malloc(counts[s]);
-        cuda_check(cudaMemsetAsync(inside[s], 0, counts[s], gpu.stream));
-        cuda_check(cudaMemcpyAsync(features[s], sets[s], counts[s] * dim * sizeof(float), cudaMemcpyHostToDevice, gpu.stream));
-        squared_norms_kernel<<<blocks_for(counts[s], 256), 256, 0, gpu.stream>>>(norms[s], features[s], counts[s], dim);
-        cuda_check_launch();
+    ManifoldSet sets[2];
+    manifold_set_open(&sets[0], ref, n_ref, dim, k);
+    manifold_set_open(&sets[1], sample, n_sample, dim, k);
+    int64_t widest = n_ref > n_sample ? n_ref : n_sample, side = widest < block ? widest : block;
+    float *d = (float *)gpu_malloc(side * side * sizeof(float));
+    int *nonfinite = (int *)gpu_malloc(sizeof(int));
+    for (int s = 0; s < 2; s++) {  // each set's radii: a block of rows against all of the set, block by block
+        const ManifoldSet *x = &sets[s];
+        for (int64_t x0 = 0; x0 < x->count; x0 += block)
+            for (int64_t y0 = 0; y0 < x->count; y0 += block) {
+                int64_t m = x->count - x0 < block ? x->count - x0 : block, n = x->count - y0 < block ? x->count - y0 : block;
+                manifold_block(d, x, x0, m, x, y0, n, dim, nonfinite);
+                manifold_radii_kernel<<<(unsigned)m, 256, 0, gpu.stream>>>(x->radii + x0, x->best + x0 * (k + 1), d, n, k, y0 == 0);
+                cuda_check_launch();
+            }
     }
-    int64_t widest = n_ref > n_sample ? n_ref : n_sample, chunk = ((int64_t)64 << 20) / widest;  // 256 MB of dots
-    if (chunk < 1) chunk = 1;
-    float *dots = (float *)gpu_malloc(chunk * widest * sizeof(float));
-    for (int s = 0; s < 2; s++) manifold_radii(radii[s], features[s], norms[s], counts[s], dim, k, dots, chunk);
     // the references against the samples, once: samples in the references' manifold (precision), references in the samples' (recall)
-    manifold_cross(inside, features, norms, counts, radii, dim, dots, chunk);
+    for (int64_t x0 = 0; x0 < n_ref; x0 += block)
+        for (int64_t y0 = 0; y0 < n_sample; y0 += block) {
+            int64_t m = n_ref - x0 < block ? n_ref - x0 : block, n = n_sample - y0 < block ? n_sample - y0 : block;
+            manifold_block(d, &sets[0], x0, m, &sets[1], y0, n, dim, nonfinite);
+            manifold_cross_kernel<<<(unsigned)m, 256, 0, gpu.stream>>>(sets[0].inside + x0, sets[1].inside + y0, d, n, sets[0].radii + x0,
+                                                                        sets[1].radii + y0);
+            cuda_check_launch();
+        }
     int64_t hits[2] = {0, 0};
     for (int s = 0; s < 2; s++) {
-        unsigned char *h = (unsigned char *)malloc_or_die(counts[s]);
-        cuda_check(cudaMemcpyAsync(h, inside[s], counts[s], cudaMemcpyDeviceToHost, gpu.stream));
+        unsigned char *h = (unsigned char *)malloc_or_die(sets[s].count);
+        cuda_check(cudaMemcpyAsync(h, sets[s].inside, sets[s].count, cudaMemcpyDeviceToHost, gpu.stream));
         cuda_check(cudaStreamSynchronize(gpu.stream));
-        for (int64_t i = 0; i < counts[s]; i++) hits[s] += h[i];
+        for (int64_t i = 0; i < sets[s].count; i++) hits[s] += h[i];
         free(h);
-        cudaFree(features[s]), cudaFree(norms[s]), cudaFree(radii[s]), cudaFree(inside[s]);
+        manifold_set_close(&sets[s]);
     }
-    cudaFree(dots);
+    cudaFree(d), cudaFree(nonfinite);
     *precision = (double)hits[1] / (double)n_sample;
     *recall = (double)hits[0] / (double)n_ref;
     return 0;

@@ -156,13 +156,14 @@ int unet_inception_features(UnetInception *net, const uint8_t *pixels, int64_t c
                             float *pool, float *spatial, float *logits, char *err, size_t err_len);
 
 // metrics.h's feature_statistics, frechet_distance and precision_recall on the GPU (the same
-// mathematics; the distances of precision and recall in fp32 as guided-diffusion's). Each returns
-// 0, or -1 with a message.
+// mathematics; precision and recall's distances as guided-diffusion's evaluator computes them, in
+// blocks of block x block rows (its MANIFOLD_BLOCK), each in fp16, or in fp32 where fp16's are not
+// finite). Each returns 0, or -1 with a message.
 int unet_feature_statistics(const float *features, int64_t n, int dim, double *mean, double *cov, char *err, size_t err_len);
 int unet_frechet_distance(const double *mu1, const double *s1, const double *mu2, const double *s2, int dim, double *distance, char *err,
                           size_t err_len);
-int unet_precision_recall(const float *ref, int64_t n_ref, const float *sample, int64_t n_sample, int dim, int k, double *precision,
-                          double *recall, char *err, size_t err_len);
+int unet_precision_recall(const float *ref, int64_t n_ref, const float *sample, int64_t n_sample, int dim, int k, int block,
+                          double *precision, double *recall, char *err, size_t err_len);
 
 #ifdef __cplusplus
 }

@@ -2,6 +2,9 @@
 // their references, in the precision it is built with (test_inception_gpu_fp32, _bf16):
 //   - the statistics, the Fréchet distance and precision/recall on the GPU against metrics.h's CPU
 //     reference on random features (a singular covariance among them), and their known answers;
+//     precision and recall's distances (the evaluator's fp16, fp32 for a block that is not finite
+//     in fp16) block by block against metrics.h's, and precision and recall in small blocks, some
+//     of them fp32's;
 //   - Inception-v3's features of 100 images against PyTorch's (scripts/fid_inception.py, fp32) with
 //     the same random weights, and FID, sFID, IS, precision and recall of two sets of 2500 images
 //     against guided-diffusion's evaluator formulas on PyTorch's features: DIR is what
@@ -102,18 +105,64 @@ int main(int argc, char **argv) {
         free(a), free(b), free(few);
     }
 
-    check_case("GPU precision and recall equal metrics.h's; identical sets give 1 and 1");
+    check_case("GPU distances of a block equal metrics.h's: fp16's (but for fp32 accumulation's rare ties), and fp32's for a block "
+               "with a row past fp16's range");
+    {
+        const int dim = 64, m = 300, n = 200;
+        CHECK(api_gpu_ready(err, sizeof err) == 0);
+        float *x = random_features(m, dim, 10.0), *y = random_features(n, dim, 10.3);  // far from 0: fp16's steps show
+        float *gpu_d = (float *)malloc_or_die((size_t)m * n * sizeof(float)), *cpu_d = (float *)malloc_or_die((size_t)m * n * sizeof(float));
+        float *d = (float *)gpu_malloc((size_t)m * n * sizeof(float));
+        int *nonfinite = (int *)gpu_malloc(sizeof(int));
+        for (int fp32 = 0; fp32 < 2; fp32++) {
+            if (fp32)
+                for (int i = 0; i < dim; i++) y[57 * dim + i] *= 30;  // its norm past 65504
+            ManifoldSet sx, sy;
+            manifold_set_open(&sx, x, m, dim, 3);
+            manifold_set_open(&sy, y, n, dim, 3);
+            CHECK(manifold_block(d, &sx, 0, m, &sy, 0, n, dim, nonfinite) == fp32);
+            cuda_check(cudaMemcpyAsync(gpu_d, d, (size_t)m * n * sizeof(float), cudaMemcpyDeviceToHost, gpu.stream));
+            cuda_check(cudaStreamSynchronize(gpu.stream));
+            CHECK(manifold_distances(x, m, y, n, dim, cpu_d, n) == fp32);
+            int64_t differ = 0;
+            double worst = 0;  // relative to |x|^2 + |y|^2, the scale of the rounding
+            for (int i = 0; i < m; i++)
+                for (int j = 0; j < n; j++) {
+                    double scale = 0;
+                    for (int k = 0; k < dim; k++) scale += (double)x[i * dim + k] * x[i * dim + k] + (double)y[j * dim + k] * y[j * dim + k];
+                    differ += gpu_d[i * n + j] != cpu_d[i * n + j];
+                    worst = fmax(worst, fabs((double)gpu_d[i * n + j] - cpu_d[i * n + j]) / scale);
+                }
+            printf("  %s: %lld of %d differ, by at most %.2g of |x|^2 + |y|^2\n", fp32 ? "fp32" : "fp16", (long long)differ, m * n, worst);
+            CHECK(fp32 ? worst <= 1e-5 : differ * 100 <= (int64_t)m * n && worst <= 1.0 / 256);
+            manifold_set_close(&sx), manifold_set_close(&sy);
+        }
+        cudaFree(d), cudaFree(nonfinite);
+        free(x), free(y), free(gpu_d), free(cpu_d);
+    }
+
+    check_case("GPU precision and recall equal metrics.h's (in one block, and in blocks of 64 with rows past fp16's range); identical "
+               "sets give 1 and 1");
     {
         const int dim = 16;
         float *ref = random_features(500, dim, 0.0), *sample = random_features(400, dim, 0.4);
         double p_gpu = 0, r_gpu = 0, p_cpu = 0, r_cpu = 0;
-        CHECK(unet_precision_recall(ref, 500, sample, 400, dim, 3, &p_gpu, &r_gpu, err, sizeof err) == 0);
-        CHECK(precision_recall(ref, 500, sample, 400, dim, 3, &p_cpu, &r_cpu) == 0);
+        CHECK(unet_precision_recall(ref, 500, sample, 400, dim, 3, MANIFOLD_BLOCK, &p_gpu, &r_gpu, err, sizeof err) == 0);
+        CHECK(precision_recall(ref, 500, sample, 400, dim, 3, MANIFOLD_BLOCK, &p_cpu, &r_cpu) == 0);
         printf("  precision GPU %.4f CPU %.4f, recall GPU %.4f CPU %.4f\n", p_gpu, p_cpu, r_gpu, r_cpu);
         CHECK(fabs(p_gpu - p_cpu) <= 0.01 * p_cpu && fabs(r_gpu - r_cpu) <= 0.01 * r_cpu);
         CHECK(p_cpu > 0.05 && p_cpu < 0.95);  // the sets differ: neither share is trivially 0 or 1
-        CHECK(unet_precision_recall(ref, 500, ref, 500, dim, 3, &p_gpu, &r_gpu, err, sizeof err) == 0);
+        CHECK(unet_precision_recall(ref, 500, ref, 500, dim, 3, MANIFOLD_BLOCK, &p_gpu, &r_gpu, err, sizeof err) == 0);
         CHECK(p_gpu == 1.0 && r_gpu == 1.0);
+        free(ref), free(sample);
+        const int wide = 32;
+        ref = random_features(300, wide, 8.0), sample = random_features(200, wide, 8.3);
+        for (int i = 0; i < wide; i++) ref[100 * wide + i] *= 40, sample[150 * wide + i] *= 40;  // their blocks fp32's
+        CHECK(unet_precision_recall(ref, 300, sample, 200, wide, 3, 64, &p_gpu, &r_gpu, err, sizeof err) == 0);
+        CHECK(precision_recall(ref, 300, sample, 200, wide, 3, 64, &p_cpu, &r_cpu) == 0);
+        printf("  in blocks of 64: precision GPU %.4f CPU %.4f, recall GPU %.4f CPU %.4f\n", p_gpu, p_cpu, r_gpu, r_cpu);
+        CHECK(fabs(p_gpu - p_cpu) <= 0.01 * p_cpu && fabs(r_gpu - r_cpu) <= 0.01 * r_cpu);
+        CHECK(unet_precision_recall(ref, 300, sample, 200, wide, 3, 0, &p_gpu, &r_gpu, err, sizeof err) == -1);
         free(ref), free(sample);
     }
 
@@ -181,8 +230,8 @@ int main(int argc, char **argv) {
         double got[5];
         CHECK(unet_frechet_distance(mu[0], sigma[0], mu[1], sigma[1], INCEPTION_FEATURES, &got[0], err, sizeof err) == 0);
         CHECK(unet_frechet_distance(mu_s[0], sigma_s[0], mu_s[1], sigma_s[1], INCEPTION_SPATIAL, &got[1], err, sizeof err) == 0);
-        got[2] = inception_score(logits, n[1], INCEPTION_CLASSES, 10);
-        CHECK(unet_precision_recall(pool[0], n[0], pool[1], n[1], INCEPTION_FEATURES, 3, &got[3], &got[4], err, sizeof err) == 0);
+        got[2] = inception_score(logits, n[1], INCEPTION_CLASSES, INCEPTION_SCORE_SPLIT);
+        CHECK(unet_precision_recall(pool[0], n[0], pool[1], n[1], INCEPTION_FEATURES, 3, MANIFOLD_BLOCK, &got[3], &got[4], err, sizeof err) == 0);
         const char *keys[5] = {"fid", "sfid", "inception_score", "precision", "recall"};
         for (int k = 0; k < 5; k++) {
             double w = metadata_number(&want, keys[k]), tolerance = k == 0 ? 1e-3 : 1e-2;
