@@ -195,8 +195,8 @@ __global__ void manifold_half_distances_kernel(float *d, int64_t m, int64_t n, c
     for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < m * n; i += (int64_t)gridDim.x * blockDim.x) {
         __half dot = __float2half_rn(d[i]);
         float dist = __half2float(__hadd_rn(__hsub_rn(x_norms[i / n], __hmul_rn(two, dot)), y_norms[i % n]));
-        d[i] = dist < 0.0f ? 0.0f : dist;
-        found |= !isfinite(dist);
+        d[i] = dist < 0.0f ? 0.0f : dist;  // -inf too (2 x.y past fp16's range, the norms not): 0, finite
+        found |= !isfinite(d[i]);
     }
     if (found) *nonfinite = 1;
 }

@@ -254,7 +254,8 @@ static inline double float_round(double x) { return (float)x; }
 // u.v = r(sum_i u_i v_i) (the products exact, the sums in double, rounded once: a matrix product
 // accumulating in fp32); d[i][j] (row stride ld) = max(r(r(|u|^2 - r(2 u.v)) + |v|^2), 0), a NaN
 // staying NaN as in tf.maximum. ur, vr, nu, nv: room for the cast rows and their norms. Returns
-// whether every d is finite.
+// whether every d is finite after the max, as the evaluator checks it: where 2 u.v alone overflows
+// fp16 the sum is -inf, which the max makes a finite 0 (the evaluator's distance there).
 static inline int rounded_distances(const float *u, int64_t m, const float *v, int64_t n, int dim, double (*r)(double), float *d,
                                     int64_t ld, double *ur, double *vr, double *nu, double *nv) {
     for (int set = 0; set < 2; set++) {
@@ -275,7 +276,8 @@ static inline int rounded_distances(const float *u, int64_t m, const float *v, i
             double dot = 0;
             for (int k = 0; k < dim; k++) dot += ur[i * dim + k] * vr[j * dim + k];
             double dist = r(r(nu[i] - r(2 * r(dot))) + nv[j]);
-            d[i * ld + j] = (float)(dist < 0 ? 0 : dist);
+            dist = dist < 0 ? 0 : dist;  // -inf too (2 u.v past fp16's range, the norms not): 0, finite
+            d[i * ld + j] = (float)dist;
             finite &= isfinite(dist) != 0;
         }
     return finite;

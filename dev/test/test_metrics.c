@@ -310,6 +310,16 @@ int main(void) {
         free(a), free(b), free(got);
     }
 
+    check_case("where 2 x.y alone passes fp16's range (the norms do not), the distance is the evaluator's 0 and the block stays fp16");
+    {
+        // |200|^2 = 40000 and |199|^2 = 39601 fit fp16; 2 (200 199) = 79600 does not: 40000 - inf + 39601 = -inf, and
+        // tf.maximum(-inf, 0) = 0, a finite value: the block is not recomputed in fp32 (where it is 1)
+        const float u[2] = {200, 1}, v[2] = {199, 2};
+        float d[4];
+        CHECK(manifold_distances(u, 2, v, 2, 1, d, 2) == 0);
+        CHECK(d[0] == 0 && d[1] == 39200 && d[2] == 39232 && d[3] == 1);  // fp16 steps of 32 there
+    }
+
     check_case("precision and recall: identical sets give 1 and 1, sets far apart 0 and 0");
     {
         float *a = random_features(60, 8), *far = malloc(sizeof(float) * 60 * 8);
