@@ -360,7 +360,8 @@ static inline int sample_plan_make(SamplePlan *p, const NoiseSchedule *d, Sample
     int made = kind == SAMPLER_DPM_SOLVER_PP     ? sample_schedule_log_snr(d, steps, &s)
                : respacing && respacing[0] ? sample_schedule_respaced(d, respacing, &s)
                                            : sample_schedule_make(d, steps, &s);
-    p->kind = kind, p->count = s.count, p->predict = predict, p->clip = clip, p->learned = variance == VARIANCE_LEARNED_RANGE && kind == SAMPLER_DDPM;
+    p->kind = kind, p->count = s.count, p->predict = predict, p->clip = clip;
+    p->learned = variance == VARIANCE_LEARNED_RANGE && kind == SAMPLER_DDPM;
     NoiseSchedule respaced = {0, NULL, NULL};
     p->steps = made == 0 && s.count > 0 ? (SampleStep *)calloc((size_t)s.count, sizeof(SampleStep)) : NULL;
     if (!p->steps || noise_schedule_respaced(&s, &respaced) != 0) {
