@@ -2,11 +2,12 @@
 losses.py), written from its formulas, in float64: the beta schedules, space_timesteps, the
 arrays of GaussianDiffusion and SpacedDiffusion's respaced ones, p_mean_variance with the learned
 range, the variational bound's terms (normal_kl, discretized_gaussian_log_likelihood) and the
-likelihood's prior; guided-diffusion's LossSecondMomentResampler (resample.py); and the project's
-counter-based normal draws (random.h, sampler.h's
-normal_sample), so that a likelihood computed here sees the noise train_unet.cu's does.
+likelihood's prior; classifier guidance's cond_fn (classifier_sample.py); guided-diffusion's
+LossSecondMomentResampler (resample.py); and the project's counter-based normal draws (random.h,
+sampler.h's normal_sample), so that a likelihood computed here sees the noise train_unet.cu's does.
 
-Used by make_diffusion_fixture.py (fixtures for dev/test/test_sampler_fixture.cu) and
+Used by make_diffusion_fixture.py (fixtures for dev/test/test_sampler_fixture.cu),
+make_guidance_fixture.py, guided_torch.py (classifier-guided sampling against generate's) and
 nll_torch.py (bits per dimension against generate --nll).
 """
 
@@ -79,6 +80,15 @@ class Diffusion:
             return mean, self.fixed_large_log_variance[t].expand_as(mean)
         frac = (v + 1) / 2
         return mean, frac * torch.log(self.betas[t]) + (1 - frac) * self.posterior_log_variance_clipped[t]
+
+
+def cond_fn(classifier, x, t, y, scale):
+    """guided-diffusion's classifier_sample.py cond_fn: scale times the gradient of log p(y | x) at x."""
+    with torch.enable_grad():
+        x_in = x.detach().requires_grad_(True)
+        log_probs = torch.log_softmax(classifier(x_in, t), dim=-1)
+        selected = log_probs[range(len(log_probs)), y.view(-1)]
+        return torch.autograd.grad(selected.sum(), x_in)[0] * scale
 
 
 def respaced(d, steps):

@@ -33,7 +33,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from ddim_torch import read_png  # noqa: E402
-from diffusion_ref import Diffusion, betas_for, normal_sample, respaced, space_timesteps  # noqa: E402
+from diffusion_ref import Diffusion, betas_for, cond_fn, normal_sample, respaced, space_timesteps  # noqa: E402
 from unet_ref import create_classifier, create_model  # noqa: E402
 
 RNG_SAMPLE_START, RNG_SAMPLE_NOISE = 10, 11  # RandomPurpose in gpu.cuh
@@ -80,15 +80,6 @@ def make(args):
     line = " ".join(f"--{k} {v}" for k, v in {**MODEL_FLAGS, **CLASSIFIER_FLAGS}.items())
     with open(os.path.join(args.dir, "flags"), "w") as f:
         f.write(f"--checkpoint {args.dir}/model.pt --classifier {args.dir}/classifier.pt {line}\n")
-
-
-def cond_fn(classifier, x, t, y, scale):
-    """guided-diffusion's classifier_sample.py cond_fn."""
-    with torch.enable_grad():
-        x_in = x.detach().requires_grad_(True)
-        log_probs = torch.log_softmax(classifier(x_in, t), dim=-1)
-        selected = log_probs[range(len(log_probs)), y.view(-1)]
-        return torch.autograd.grad(selected.sum(), x_in)[0] * scale
 
 
 def sample(model, classifier, d, steps, x, y, scale, sampler, seed, dtype, device, bf16=False):

@@ -36,7 +36,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from diffusion_ref import Diffusion, betas_for, space_timesteps  # noqa: E402
+from diffusion_ref import Diffusion, betas_for, cond_fn, space_timesteps  # noqa: E402
 from unet_ref import create_model  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -54,15 +54,6 @@ def load_model(name):
         names = set(model.state_dict())
         model.load_state_dict({k: f.get_tensor(k).double() for k in names}, strict=True)
     return model.eval(), cfg
-
-
-def cond_fn(classifier, x, t, y, scale):
-    """guided-diffusion's classifier_sample.py cond_fn."""
-    with torch.enable_grad():
-        x_in = x.detach().requires_grad_(True)
-        log_probs = torch.log_softmax(classifier(x_in, t), dim=-1)
-        selected = log_probs[range(len(log_probs)), y.view(-1)]
-        return torch.autograd.grad(selected.sum(), x_in)[0] * scale
 
 
 def x0_of(d, x, eps, t):
