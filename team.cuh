@@ -226,16 +226,20 @@ static int rendezvous_address(const char *address, char *host, size_t host_len) 
 // The rendezvous of a team into rdzv: --rdzv's (`given`, checked with the options), else torchrun's
 // MASTER_ADDR and MASTER_PORT when both are set (an IPv6 MASTER_ADDR put in brackets), else "" (the
 // run folder's file). Checked as --rdzv is, before the GPU: exits with one line naming the variable.
-static void rendezvous_from_environment(const char *given, char *rdzv, size_t len) {
-    const char *master = getenv("MASTER_ADDR"), *master_port = getenv("MASTER_PORT");
+// *agent_store: whether rdzv is torchrun's agent store (MASTER_* with TORCHELASTIC_USE_AGENT_STORE
+// True), which the ranks reach as its clients (rendezvous_store), not a port rank 0 listens on.
+static void rendezvous_from_environment(const char *given, char *rdzv, size_t len, int *agent_store) {
+    const char *master = getenv("MASTER_ADDR"), *master_port = getenv("MASTER_PORT"), *use_store = getenv("TORCHELASTIC_USE_AGENT_STORE");
     char host[256];
     snprintf(rdzv, len, "%s", given);
+    *agent_store = 0;
     if (given[0] || !master || !master[0] || !master_port || !master_port[0]) return;
     if (rendezvous_port(master_port) < 0)
         fatal("MASTER_PORT is '%s': the rendezvous port must be a number in 1..65535, digits only", master_port);
     if (snprintf(rdzv, len, strchr(master, ':') ? "[%s]:%s" : "%s:%s", master, master_port) >= (int)len ||
         rendezvous_address(rdzv, host, sizeof host) < 0)
         fatal("MASTER_ADDR is '%s': the rendezvous host must be a host name, an IPv4 address or an IPv6 address", master);
+    *agent_store = use_store && strcmp(use_store, "True") == 0;
 }
 #define RENDEZVOUS_MAX_CONFIG 4096
 
@@ -262,6 +266,26 @@ static int rendezvous_io(int fd, void *buf, size_t n, double deadline, int writi
         if (k > 0) done += (size_t)k;
     }
     return 0;
+}
+
+// A connection to one of the addresses ai, tried again every 0.2 s until one answers, `deadline`
+// (now_seconds()) passes or a stop is asked for. Returns the socket (non-blocking), or -1.
+static int rendezvous_connect(const struct addrinfo *ai, double deadline) {
+    int fd = -1;
+    while (fd < 0 && now_seconds() < deadline && !stop_requested) {
+        for (const struct addrinfo *a = ai; a && fd < 0; a = a->ai_next) {
+            fd = socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+            if (fd < 0) continue;
+            int ok = connect(fd, a->ai_addr, a->ai_addrlen) == 0 ||
+                     (errno == EINPROGRESS && rendezvous_wait(fd, POLLOUT, fmin(deadline, now_seconds() + 1)));
+            int so_error = 0;
+            socklen_t so_len = sizeof so_error;
+            if (ok && (getsockopt(fd, SOL_SOCKET, SO_ERROR, &so_error, &so_len) != 0 || so_error != 0)) ok = 0;
+            if (!ok) close(fd), fd = -1;
+        }
+        if (fd < 0) usleep(200000);
+    }
+    return fd;
 }
 
 // A reply: its status (0: the payload follows; 1: an error line) and its bytes.
@@ -357,23 +381,12 @@ static int rendezvous_tcp(const char *host, int port, int rank, int world, const
         free(fds);
         r = line[0] ? error_line(err, err_len, "%s", line) : 0;
     } else {
-        int fd = -1;
-        while (fd < 0 && now_seconds() < deadline && !stop_requested) {  // rank 0 may not be listening yet
-            for (struct addrinfo *a = ai; a && fd < 0; a = a->ai_next) {
-                fd = socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
-                if (fd < 0) continue;
-                int ok = connect(fd, a->ai_addr, a->ai_addrlen) == 0 ||
-                         (errno == EINPROGRESS && rendezvous_wait(fd, POLLOUT, fmin(deadline, now_seconds() + 1)));
-                int so_error = 0;
-                socklen_t so_len = sizeof so_error;
-                if (ok && (getsockopt(fd, SOL_SOCKET, SO_ERROR, &so_error, &so_len) != 0 || so_error != 0)) ok = 0;
-                if (!ok) close(fd), fd = -1;
-            }
-            if (fd < 0) usleep(200000);
-        }
+        int fd = rendezvous_connect(ai, deadline);  // rank 0 may not be listening yet
         freeaddrinfo(ai);
         if (fd < 0)
-            return error_line(err, err_len, "rendezvous: rank %d cannot reach rank 0 at %s:%d within %.0f s", rank, host, port, timeout_s);
+            return error_line(err, err_len, stop_requested ? "rendezvous: rank %d stopped while reaching rank 0 at %s:%d"
+                                                           : "rendezvous: rank %d cannot reach rank 0 at %s:%d within %.0f s", rank, host,
+                              port, timeout_s);
         int32_t who[2] = {rank, world};
         uint32_t len = (uint32_t)strlen(config);
         uint8_t status = 1;
@@ -398,16 +411,175 @@ static int rendezvous_tcp(const char *host, int port, int rank, int world, const
     return r;
 }
 
+// ---- torchrun's agent store ----
+// Under torchrun (TORCHELASTIC_USE_AGENT_STORE=True) MASTER_ADDR:MASTER_PORT is its agent's c10d
+// TCPStore, which the ranks use as clients rather than listen there. The store's wire protocol
+// (PyTorch's TCPStore, host byte order): a connection first sends VALIDATE and the magic number;
+// a query is its type byte and its arguments, a key or a value as a uint64 length and its bytes:
+//   SET key value             no answer
+//   GET key                   answers the value (uint64 length, bytes); the key must exist
+//   ADD key int64             answers the new int64 (the key starts at 0)
+//   CHECK uint64 n, n keys    answers a byte, 0 when every key exists
+// The rendezvous in it: keys under train_unet/RUN_ID/RESTART/ (torchrun's run id and restart count,
+// so that a restart meets afresh). Rank r > 0 sets cfg/r (its world size, int32, then its
+// configuration), adds 1 to `arrived` and polls `answer`; rank 0 polls `arrived` until the world - 1
+// others are there, compares each cfg/r with its own, and sets `answer`: status 0 and the payload,
+// or 1 and the line naming the first difference, as rendezvous_tcp answers.
+enum { STORE_VALIDATE = 0, STORE_SET = 1, STORE_GET = 3, STORE_ADD = 4, STORE_CHECK = 5 };
+#define STORE_MAGIC 0x3C85F7CEu
+
+#define STORE_REPLY_SECONDS 30  // the longest a query and its answer may take (the store answers at once)
+
+typedef struct {
+    int fd;
+    double deadline;   // of the query under way: STORE_REPLY_SECONDS from its start
+    char prefix[192];  // of this run's keys
+} StoreClient;
+
+// Writes (or reads) n bytes at once. Returns 0, or -1 on a broken connection or at the deadline.
+static int store_write(StoreClient *s, const void *bytes, uint64_t n) { return rendezvous_io(s->fd, (void *)bytes, n, s->deadline, 1); }
+static int store_read(StoreClient *s, void *bytes, uint64_t n) { return rendezvous_io(s->fd, bytes, n, s->deadline, 0); }
+
+// A key: the run's prefix, then key, as a uint64 length and the bytes.
+static int store_key(StoreClient *s, const char *key) {
+    char full[320];
+    uint64_t n = (uint64_t)snprintf(full, sizeof full, "%s%s", s->prefix, key);
+    return store_write(s, &n, 8) || store_write(s, full, n) ? -1 : 0;
+}
+
+// A query's type byte and its key, its time starting.
+static int store_query(StoreClient *s, uint8_t type, const char *key) {
+    s->deadline = now_seconds() + STORE_REPLY_SECONDS;
+    return store_write(s, &type, 1) || store_key(s, key) ? -1 : 0;
+}
+
+static int store_set(StoreClient *s, const char *key, const void *value, uint64_t len) {
+    return store_query(s, STORE_SET, key) || store_write(s, &len, 8) || store_write(s, value, len) ? -1 : 0;
+}
+
+// The value of key (which exists) into value (at most cap bytes): its length, or -1.
+static int64_t store_get(StoreClient *s, const char *key, void *value, uint64_t cap) {
+    uint64_t n;
+    if (store_query(s, STORE_GET, key) || store_read(s, &n, 8) || n > cap || store_read(s, value, n)) return -1;
+    return (int64_t)n;
+}
+
+// key += amount: the new value, or -1 (a counter here never is).
+static int64_t store_add(StoreClient *s, const char *key, int64_t amount) {
+    int64_t total;
+    return store_query(s, STORE_ADD, key) || store_write(s, &amount, 8) || store_read(s, &total, 8) ? -1 : total;
+}
+
+// Whether key exists: 1 or 0, or -1 on a broken connection.
+static int store_exists(StoreClient *s, const char *key) {
+    uint8_t type = STORE_CHECK, ready;
+    uint64_t one = 1;
+    s->deadline = now_seconds() + STORE_REPLY_SECONDS;
+    if (store_write(s, &type, 1) || store_write(s, &one, 8) || store_key(s, key) || store_read(s, &ready, 1)) return -1;
+    return ready == 0;
+}
+
+// The rendezvous through the store at host:port (see above; arguments and result as rendezvous_tcp's).
+static int rendezvous_store(const char *host, int port, int rank, int world, const char *config, double timeout_s, void *payload,
+                            uint32_t payload_len, char *err, size_t err_len) {
+    StoreClient s;
+    double until = now_seconds() + timeout_s;  // of the waits for the others
+    const char *run = getenv("TORCHELASTIC_RUN_ID"), *restart = getenv("TORCHELASTIC_RESTART_COUNT");
+    snprintf(s.prefix, sizeof s.prefix, "train_unet/%s/%s/", run && run[0] ? run : "none", restart && restart[0] ? restart : "0");
+    char port_text[16];
+    snprintf(port_text, sizeof port_text, "%d", port);
+    struct addrinfo hints, *ai = NULL;
+    memset(&hints, 0, sizeof hints);
+    hints.ai_family = AF_UNSPEC, hints.ai_socktype = SOCK_STREAM;
+    int gai = getaddrinfo(host, port_text, &hints, &ai);
+    if (gai != 0) return error_line(err, err_len, "rendezvous: cannot resolve MASTER_ADDR %s: %s", host, gai_strerror(gai));
+    s.fd = rendezvous_connect(ai, until);
+    freeaddrinfo(ai);
+    if (s.fd < 0)
+        return error_line(err, err_len, stop_requested ? "rendezvous: rank %d stopped while reaching torchrun's store at %s:%d"
+                                                       : "rendezvous: rank %d cannot reach torchrun's store at %s:%d within %.0f s", rank,
+                          host, port, timeout_s);
+    uint8_t validate = STORE_VALIDATE;
+    uint32_t magic = STORE_MAGIC;
+    s.deadline = now_seconds() + STORE_REPLY_SECONDS;
+    int broken = store_write(&s, &validate, 1) || store_write(&s, &magic, 4);
+    char line[600] = "", key[32];
+    uint8_t *answer = (uint8_t *)malloc_or_die(RENDEZVOUS_MAX_CONFIG + 8 + payload_len);
+    if (!broken && rank > 0) {  // say who we are, then wait for rank 0's answer
+        int32_t size = world;
+        size_t n = strlen(config);
+        if (n > RENDEZVOUS_MAX_CONFIG) fatal("rendezvous: a configuration of %zu bytes (at most %d)", n, RENDEZVOUS_MAX_CONFIG);
+        memcpy(answer, &size, 4), memcpy(answer + 4, config, n);
+        snprintf(key, sizeof key, "cfg/%d", rank);
+        broken = store_set(&s, key, answer, 4 + n) || store_add(&s, "arrived", 1) < 0;
+        until = now_seconds() + timeout_s + 10;  // rank 0 answers within timeout_s of its start, whatever the answer
+        int ready = 0;
+        while (!broken && !(ready = store_exists(&s, "answer")) && now_seconds() < until && !stop_requested) usleep(100000);
+        int64_t got = ready > 0 ? store_get(&s, "answer", answer, RENDEZVOUS_MAX_CONFIG + 1 + payload_len) : -1;
+        if (got >= 1 && answer[0] == 0 && got == 1 + (int64_t)payload_len) memcpy(payload, answer + 1, payload_len);
+        else if (got >= 1 && answer[0] == 1) snprintf(line, sizeof line, "%.*s", (int)(got - 1), (const char *)answer + 1);
+        else if (stop_requested) snprintf(line, sizeof line, "rendezvous: rank %d stopped while waiting for rank 0", rank);
+        else if (!broken && ready == 0) snprintf(line, sizeof line, "rendezvous: rank 0 did not answer rank %d in torchrun's store within %.0f s", rank, timeout_s);
+        else broken = 1;
+    } else if (!broken) {  // wait for the others, check them, answer
+        int64_t arrived = 0;
+        while ((arrived = store_add(&s, "arrived", 0)) >= 0 && arrived < world - 1 && now_seconds() < until && !stop_requested)
+            usleep(100000);
+        broken = arrived < 0;
+        if (!broken && arrived < world - 1) {
+            char missing[256] = "";
+            for (int i = 1; i < world && strlen(missing) < 200; i++) {
+                snprintf(key, sizeof key, "cfg/%d", i);
+                if (store_exists(&s, key) == 0) snprintf(missing + strlen(missing), sizeof missing - strlen(missing), "%s%d", missing[0] ? ", " : "", i);
+            }
+            snprintf(line, sizeof line, stop_requested ? "rendezvous: stopped while waiting for rank %s in torchrun's store"
+                                                       : "rendezvous: rank %s never arrived in torchrun's store within %.0f s", missing, timeout_s);
+        }
+        for (int i = 1; i < world && !broken && !line[0]; i++) {
+            snprintf(key, sizeof key, "cfg/%d", i);
+            int exists = store_exists(&s, key);
+            if (exists == 0) {  // the others' count is full without it: another rank came twice
+                snprintf(line, sizeof line, "rendezvous: rank %d never arrived in torchrun's store, but %d others did: a rank came twice", i,
+                         world - 1);
+                break;
+            }
+            int64_t got = exists > 0 ? store_get(&s, key, answer, RENDEZVOUS_MAX_CONFIG + 4) : -1;
+            int32_t size;
+            if (got < 4) {
+                broken = 1;
+                break;
+            }
+            memcpy(&size, answer, 4), answer[got] = '\0';
+            if (size != world) snprintf(line, sizeof line, "rendezvous: rank %d has WORLD_SIZE %d, rank 0 %d", i, size, world);
+            else if (strcmp((const char *)answer + 4, config) != 0) {
+                char difference[500];
+                rendezvous_difference(difference, sizeof difference, config, (const char *)answer + 4);
+                snprintf(line, sizeof line, "rendezvous: rank %d's configuration differs from rank 0's: %s", i, difference);
+            }
+        }
+        size_t n = line[0] ? strlen(line) : payload_len;
+        answer[0] = line[0] ? 1 : 0, memcpy(answer + 1, line[0] ? (const void *)line : payload, n);
+        if (!broken) broken = store_set(&s, "answer", answer, 1 + n);
+    }
+    free(answer);
+    close(s.fd);
+    if (!line[0] && stop_requested) snprintf(line, sizeof line, "rendezvous: rank %d stopped while meeting in torchrun's store", rank);
+    else if (broken && !line[0])
+        snprintf(line, sizeof line, "rendezvous: torchrun's store at %s:%d closed the connection of rank %d (the agent stopped?)", host, port, rank);
+    return line[0] ? error_line(err, err_len, "%s", line) : 0;
+}
+
 // Joins this rank to the others (team.comm): rank 0 writes NCCL's id into the run folder (under a
 // temporary name, then renamed, so no rank reads half of it), the others wait for it (up to 10
 // minutes: the run folder must be on a file system every machine of the run sees), every rank
 // opens the communicator, and rank 0 removes the file. A file older than this process by more than
 // a minute (the clocks of other machines may differ by some seconds) is a dead run's: not read.
-// With a rendezvous address (rdzv, host:port), the id goes over TCP instead (rendezvous_tcp), with a
-// check that every rank has the same configuration (`config`), each wait at most timeout_s.
-static void team_join(const char *run_dir, const char *rdzv, int timeout_s, const char *config) {
+// With a rendezvous address (rdzv, host:port), the id goes over TCP instead (rendezvous_tcp, or with
+// agent_store through torchrun's store there: rendezvous_store), with a check that every rank has
+// the same configuration (`config`), each wait at most timeout_s.
+static void team_join(const char *run_dir, const char *rdzv, int agent_store, int timeout_s, const char *config) {
 #ifdef UNET_NO_NCCL
-    (void)run_dir, (void)rdzv, (void)timeout_s, (void)config;
+    (void)run_dir, (void)rdzv, (void)agent_store, (void)timeout_s, (void)config;
     fatal("this train_unet was built without NCCL (the Makefile found no nccl.h), so it trains on one GPU only");
 #else
     char path[4400], tmp[4500];
@@ -418,8 +590,12 @@ static void team_join(const char *run_dir, const char *rdzv, int timeout_s, cons
         int port = rendezvous_address(rdzv, host, sizeof host);
         if (port < 0) fatal("rendezvous address '%s' must be host:port", rdzv);
         if (team.rank == 0) nccl_check(ncclGetUniqueId(&id));
-        if (rendezvous_tcp(host, port, team.rank, team.world, config, timeout_s, &id, sizeof id, err, sizeof err) != 0) fatal("%s", err);
-        if (team.rank == 0) printf("rendezvous: %d rank%s met at %s over TCP\n", team.world, team.world == 1 ? "" : "s", rdzv);
+        int r = agent_store ? rendezvous_store(host, port, team.rank, team.world, config, timeout_s, &id, sizeof id, err, sizeof err)
+                            : rendezvous_tcp(host, port, team.rank, team.world, config, timeout_s, &id, sizeof id, err, sizeof err);
+        if (r != 0) fatal("%s", err);
+        if (team.rank == 0)
+            printf("rendezvous: %d rank%s met %s %s\n", team.world, team.world == 1 ? "" : "s", agent_store ? "in torchrun's store at" : "at",
+                   rdzv);
     } else if (team.rank == 0) {
         if (make_dir_synced(run_dir) != 0) fatal("cannot create run folder %s: %s", run_dir, strerror(errno));
         nccl_check(ncclGetUniqueId(&id));

@@ -8355,7 +8355,8 @@ __attribute__((weak)) int main(int argc, char **argv) {
     ModelConfig model = resolve_run_model(&o);
     validate_training(&o);
     char rdzv[300] = "";  // a team's rendezvous: --rdzv, else torchrun's MASTER_ADDR and MASTER_PORT, else the run folder's file
-    if (launched || o.gpus > 1) rendezvous_from_environment(o.rdzv, rdzv, sizeof rdzv);
+    int agent_store = 0;  // rdzv is torchrun's agent store
+    if (launched || o.gpus > 1) rendezvous_from_environment(o.rdzv, rdzv, sizeof rdzv, &agent_store);
     DiffusionConfig diffusion = diffusion_config(&o, &model);
     TrainConfig train = train_config(&o);
     Dataset val_data = {};
@@ -8447,7 +8448,7 @@ __attribute__((weak)) int main(int argc, char **argv) {
         snprintf(config, sizeof config, "parameters %lld; batch_size %d; microbatch %d; steps %lld; seed %lld; dataset %" PRIu64
                  " images of %ux%u; precision %s", (long long)params.numel, o.batch_size, o.microbatch, o.steps, o.seed,
                  data.map ? data.header.count : 0, data.header.width, data.header.height, PRECISION_NAME);
-        team_join(o.run_dir, rdzv, o.rdzv_timeout, config);
+        team_join(o.run_dir, rdzv, agent_store, o.rdzv_timeout, config);
     }
     if (o.bench) {
         run_bench(&o, &model, &diffusion, &train, &params);

@@ -1,8 +1,10 @@
-// test_rendezvous.cu: the TCP rendezvous of many-GPU runs (train_unet.cu's rendezvous_tcp, which
+// test_rendezvous.cu: the TCP rendezvous of many-GPU runs (team.cuh's rendezvous_tcp, which
 // torchrun-style launches use through MASTER_ADDR and MASTER_PORT, or --rdzv), without a GPU: ranks
 // as processes on this machine. Every rank gets rank 0's id; a rank with another WORLD_SIZE or
 // configuration, a rank that never arrives, a port in use and a rank 0 that is not there each stop
-// with one line naming the problem, in bounded time. And the host:port parser.
+// with one line naming the problem, in bounded time. And the host:port parser. Where PyTorch is
+// installed, the same through torchrun's agent store (rendezvous_store) against PyTorch's own
+// TCPStore server; without it those cases are skipped with one line.
 #define TRAIN_UNET_LIBRARY
 #include "../../train_unet.cu"
 #include "check.h"
@@ -21,6 +23,8 @@ static int free_port(void) {
 
 typedef struct {
     int rank, world;
+    int store;  // through a TCPStore (rendezvous_store), not rank 0's port
+    int stopped;  // asked to stop before it starts
     char config[128];
     pid_t pid;
     int pipe;  // the child's result: its return value, its payload, its error line
@@ -44,7 +48,9 @@ static void start(Rank *r, int port, double timeout_s) {
         memset(&o, 0, sizeof o);
         if (r->rank == 0)
             for (int i = 0; i < 16; i++) o.payload[i] = (uint8_t)(i * 7 + 1);
-        o.result = rendezvous_tcp("127.0.0.1", port, r->rank, r->world, r->config, timeout_s, o.payload, sizeof o.payload, o.err, sizeof o.err);
+        stop_requested = r->stopped;
+        o.result = (r->store ? rendezvous_store : rendezvous_tcp)("127.0.0.1", port, r->rank, r->world, r->config, timeout_s, o.payload,
+                                                                 sizeof o.payload, o.err, sizeof o.err);
         ssize_t written = write(fds[1], &o, sizeof o);
         _exit(written == (ssize_t)sizeof o ? 0 : 3);
     }
@@ -72,8 +78,35 @@ static int payload_is_rank_0s(const Outcome *o) {
 
 static const char *config = "parameters 1000; batch_size 8; dataset 300 images of 32x32";
 
-static void make_ranks(Rank *ranks, int count, int world) {
-    for (int i = 0; i < count; i++) ranks[i].rank = i, ranks[i].world = world, snprintf(ranks[i].config, sizeof ranks[i].config, "%s", config);
+static void make_ranks(Rank *ranks, int count, int world, int store = 0) {
+    for (int i = 0; i < count; i++) {
+        ranks[i].rank = i, ranks[i].world = world, ranks[i].store = store, ranks[i].stopped = 0;
+        snprintf(ranks[i].config, sizeof ranks[i].config, "%s", config);
+    }
+}
+
+// PyTorch's TCPStore server on port (as torchrun's agent holds one), in a child process until it is
+// killed; returns its pid once it listens, or -1 without PyTorch (or when it does not start).
+static pid_t store_server(int port) {
+    char command[512];
+    snprintf(command, sizeof command, "exec python3 -c 'import sys, time\nfrom torch.distributed import TCPStore\n"
+             "s = TCPStore(\"127.0.0.1\", %d, is_master=True, wait_for_workers=False)\nprint(\"ready\", flush=True)\ntime.sleep(600)' 2>/dev/null", port);
+    int fds[2];
+    if (pipe(fds) != 0) return -1;
+    fflush(NULL);
+    pid_t pid = fork();
+    if (pid == 0) {
+        dup2(fds[1], 1), close(fds[0]), close(fds[1]);
+        execl("/bin/sh", "sh", "-c", command, (char *)NULL);
+        _exit(127);
+    }
+    close(fds[1]);
+    char line[16] = "";
+    ssize_t n = read(fds[0], line, sizeof line - 1);  // "ready", or nothing when it ended
+    close(fds[0]);
+    if (n >= 5 && strncmp(line, "ready", 5) == 0) return pid;
+    kill(pid, SIGKILL), waitpid(pid, NULL, 0);
+    return -1;
 }
 
 int main(void) {
@@ -167,6 +200,58 @@ int main(void) {
         Outcome one = finish(&ranks[1]);
         CHECK(one.result == -1 && strstr(one.err, "rendezvous: rank 1 cannot reach rank 0 at 127.0.0.1:") && strstr(one.err, "within 1 s"));
         CHECK(now_seconds() - t0 < 20);
+    }
+
+    int port = free_port();
+    pid_t server = store_server(port);
+    if (server < 0) printf("skipped: torchrun's agent store (PyTorch's TCPStore) cases: no python3 with torch here\n");
+    else {
+        check_case("torchrun's agent store (PyTorch's TCPStore): four ranks meet through it, whichever comes first; a restart afresh");
+        setenv("TORCHELASTIC_RUN_ID", "test", 1);
+        for (int restart = 0; restart < 2; restart++) {
+            setenv("TORCHELASTIC_RESTART_COUNT", restart ? "1" : "0", 1);
+            Rank ranks[4];
+            make_ranks(ranks, 4, 4, 1);
+            for (int i = 3; i >= 0; i--) start(&ranks[i], port, 30);
+            for (int i = 0; i < 4; i++) {
+                Outcome o = finish(&ranks[i]);
+                if (o.result != 0) printf("  restart %d, rank %d: %s\n", restart, i, o.err);
+                CHECK(o.result == 0 && payload_is_rank_0s(&o));
+            }
+        }
+
+        check_case("torchrun's agent store: another configuration or WORLD_SIZE stops the team naming it; a missing rank is named");
+        setenv("TORCHELASTIC_RESTART_COUNT", "2", 1);
+        Rank ranks[3];
+        make_ranks(ranks, 3, 3, 1);
+        snprintf(ranks[1].config, sizeof ranks[1].config, "parameters 1000; batch_size 16; dataset 300 images of 32x32");
+        ranks[2].world = 4;
+        for (int i = 0; i < 3; i++) start(&ranks[i], port, 10);
+        Outcome outcomes[3];
+        for (int i = 0; i < 3; i++) outcomes[i] = finish(&ranks[i]);
+        CHECK(outcomes[0].result == -1 && strstr(outcomes[0].err, "rank 1's configuration differs from rank 0's: batch_size 16 against batch_size 8"));
+        CHECK(outcomes[1].result == -1 && outcomes[2].result == -1 && strcmp(outcomes[1].err, outcomes[0].err) == 0);
+        setenv("TORCHELASTIC_RESTART_COUNT", "3", 1);
+        make_ranks(ranks, 2, 3, 1);
+        double t0 = now_seconds();
+        start(&ranks[0], port, 2), start(&ranks[1], port, 2);
+        Outcome zero = finish(&ranks[0]), one = finish(&ranks[1]);
+        CHECK(zero.result == -1 && strstr(zero.err, "rank 2 never arrived in torchrun's store within 2 s"));
+        CHECK(one.result == -1 && strcmp(one.err, zero.err) == 0 && now_seconds() - t0 < 20);
+
+        check_case("torchrun's agent store: a rank that is stopped says so; a store that is not there is named, in bounded time");
+        setenv("TORCHELASTIC_RESTART_COUNT", "4", 1);
+        make_ranks(ranks, 2, 2, 1);
+        ranks[1].stopped = 1;
+        start(&ranks[1], port, 30);
+        one = finish(&ranks[1]);
+        CHECK(one.result == -1 && strstr(one.err, "rendezvous: rank 1 stopped while"));
+        kill(server, SIGKILL), waitpid(server, NULL, 0);
+        t0 = now_seconds();
+        ranks[1].stopped = 0;
+        start(&ranks[1], port, 1);
+        one = finish(&ranks[1]);
+        CHECK(one.result == -1 && strstr(one.err, "cannot reach torchrun's store at 127.0.0.1:") && now_seconds() - t0 < 20);
     }
 
     check_case_end();
