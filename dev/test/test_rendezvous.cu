@@ -86,26 +86,30 @@ static void make_ranks(Rank *ranks, int count, int world, int store = 0) {
 }
 
 // PyTorch's TCPStore server on port (as torchrun's agent holds one), in a child process until it is
-// killed; returns its pid once it listens, or -1 without PyTorch (or when it does not start).
+// killed; returns its pid once it accepts connections, or -1 without PyTorch (the child ends) or
+// when it does not start within 60 s.
 static pid_t store_server(int port) {
     char command[512];
-    snprintf(command, sizeof command, "exec python3 -c 'import sys, time\nfrom torch.distributed import TCPStore\n"
-             "s = TCPStore(\"127.0.0.1\", %d, is_master=True, wait_for_workers=False)\nprint(\"ready\", flush=True)\ntime.sleep(600)' 2>/dev/null", port);
-    int fds[2];
-    if (pipe(fds) != 0) return -1;
+    snprintf(command, sizeof command, "exec python3 -c 'import time\nfrom torch.distributed import TCPStore\n"
+             "s = TCPStore(\"127.0.0.1\", %d, is_master=True, wait_for_workers=False)\ntime.sleep(600)' >/dev/null 2>&1", port);
     fflush(NULL);
     pid_t pid = fork();
     if (pid == 0) {
-        dup2(fds[1], 1), close(fds[0]), close(fds[1]);
         execl("/bin/sh", "sh", "-c", command, (char *)NULL);
         _exit(127);
     }
-    close(fds[1]);
-    char line[16] = "";
-    ssize_t n = read(fds[0], line, sizeof line - 1);  // "ready", or nothing when it ended
-    close(fds[0]);
-    if (n >= 5 && strncmp(line, "ready", 5) == 0) return pid;
-    kill(pid, SIGKILL), waitpid(pid, NULL, 0);
+    struct sockaddr_in a;
+    memset(&a, 0, sizeof a);
+    a.sin_family = AF_INET, a.sin_addr.s_addr = htonl(INADDR_LOOPBACK), a.sin_port = htons((uint16_t)port);
+    int ended = pid < 0;
+    for (double t0 = now_seconds(); !ended && now_seconds() - t0 < 60; usleep(100000)) {
+        int fd = socket(AF_INET, SOCK_STREAM, 0);
+        int up = fd >= 0 && connect(fd, (struct sockaddr *)&a, sizeof a) == 0;
+        if (fd >= 0) close(fd);
+        if (up) return pid;
+        ended = waitpid(pid, NULL, WNOHANG) != 0;
+    }
+    if (!ended) kill(pid, SIGKILL), waitpid(pid, NULL, 0);
     return -1;
 }
 
