@@ -397,8 +397,12 @@ static int rendezvous_tcp(const char *host, int port, int rank, int world, const
         if (rendezvous_io(fd, (void *)RENDEZVOUS_MAGIC, 8, deadline, 1) != 0 || rendezvous_io(fd, who, 8, deadline, 1) != 0 ||
             rendezvous_io(fd, &len, 4, deadline, 1) != 0 || rendezvous_io(fd, (void *)config, len, deadline, 1) != 0 ||
             rendezvous_io(fd, &status, 1, deadline, 0) != 0 || rendezvous_io(fd, &reply_len, 4, deadline, 0) != 0)
-            r = error_line(err, err_len, "rendezvous: rank 0 at %s:%d did not answer rank %d within %.0f s (it stopped?)", host, port,
-                           rank, timeout_s);
+            r = stop_requested ? error_line(err, err_len, "rendezvous: rank %d stopped while waiting for rank 0 at %s:%d", rank, host, port)
+                : now_seconds() < deadline
+                    ? error_line(err, err_len, "rendezvous: rank 0 at %s:%d closed the connection before answering rank %d (it stopped)",
+                                 host, port, rank)
+                    : error_line(err, err_len, "rendezvous: rank 0 at %s:%d did not answer rank %d within %.0f s", host, port, rank,
+                                 timeout_s + 10);
         else if (status == 0 && reply_len == payload_len && rendezvous_io(fd, payload, payload_len, deadline, 0) == 0)
             r = 0;
         else {

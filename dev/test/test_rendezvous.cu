@@ -206,6 +206,29 @@ int main(void) {
         CHECK(now_seconds() - t0 < 20);
     }
 
+    check_case("a rank 0 that stops before answering, and a rank that is stopped: each says so at once, not after the timeout");
+    {
+        int port = free_port(), listener = socket(AF_INET, SOCK_STREAM, 0);
+        struct sockaddr_in a;
+        memset(&a, 0, sizeof a);
+        a.sin_family = AF_INET, a.sin_addr.s_addr = htonl(INADDR_LOOPBACK), a.sin_port = htons((uint16_t)port);
+        CHECK(bind(listener, (struct sockaddr *)&a, sizeof a) == 0 && listen(listener, 1) == 0);
+        Rank ranks[2];
+        make_ranks(ranks, 2, 2);
+        double t0 = now_seconds();
+        start(&ranks[1], port, 30);
+        int fd = accept(listener, NULL, NULL);  // a rank 0 that takes the hello and ends
+        char hello[8];
+        CHECK(fd >= 0 && read(fd, hello, sizeof hello) == (ssize_t)sizeof hello);
+        close(fd), close(listener);
+        Outcome one = finish(&ranks[1]);
+        CHECK(one.result == -1 && strstr(one.err, "closed the connection before answering rank 1 (it stopped)") && now_seconds() - t0 < 10);
+        ranks[1].stopped = 1;
+        start(&ranks[1], free_port(), 30);
+        one = finish(&ranks[1]);
+        CHECK(one.result == -1 && strstr(one.err, "rendezvous: rank 1 stopped while reaching rank 0") && now_seconds() - t0 < 10);
+    }
+
     int port = free_port();
     pid_t server = store_server(port);
     if (server < 0) printf("skipped: torchrun's agent store (PyTorch's TCPStore) cases: no python3 with torch here\n");
