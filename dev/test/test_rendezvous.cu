@@ -4,7 +4,8 @@
 // configuration, a rank that never arrives, a port in use and a rank 0 that is not there each stop
 // with one line naming the problem, in bounded time. And the host:port parser. Where PyTorch is
 // installed, the same through torchrun's agent store (rendezvous_store) against PyTorch's own
-// TCPStore server; without it those cases are skipped with one line.
+// TCPStore server, and this program's ranks started by torchrun itself in its common forms (the
+// rendezvous only: no GPU); without it those cases are skipped with one line.
 #define TRAIN_UNET_LIBRARY
 #include "../../train_unet.cu"
 #include "check.h"
@@ -113,7 +114,52 @@ static pid_t store_server(int port) {
     return -1;
 }
 
-int main(void) {
+// As one rank under a real launcher (build/test/test_rendezvous --as-rank, started by torchrun): the
+// rendezvous its environment gives (team_from_environment, rendezvous_from_environment), rank 0
+// offering 16 bytes of its own; prints "rank R/W restart N: met X Y" (the bytes' first two) or the
+// error line. With FAIL_FIRST set, rank 1 ends with status 3 after its first meeting (restart
+// count 0), so that torchrun restarts every worker.
+static int as_launched_rank(void) {
+    Team t = {0, 1, 0, NULL, NULL, NULL, NULL};
+    if (!team_from_environment(&t)) return printf("no launcher's variables\n"), 1;
+    char rdzv[300], host[256], err[1024];
+    int agent_store;
+    rendezvous_from_environment("", rdzv, sizeof rdzv, &agent_store);
+    int port = rendezvous_address(rdzv, host, sizeof host);
+    const char *restart = getenv("TORCHELASTIC_RESTART_COUNT");
+    uint8_t id[16] = {0};
+    for (int i = 0; i < 16 && t.rank == 0; i++) id[i] = (uint8_t)(getpid() + i);
+    int r = port < 0 ? error_line(err, sizeof err, "no rendezvous address") : (agent_store ? rendezvous_store : rendezvous_tcp)(
+                host, port, t.rank, t.world, config, 60, id, sizeof id, err, sizeof err);
+    if (r == 0) printf("rank %d/%d restart %s: met %d %d\n", t.rank, t.world, restart ? restart : "-", id[0], id[1]);
+    else printf("rank %d/%d restart %s: %s\n", t.rank, t.world, restart ? restart : "-", err);
+    if (getenv("FAIL_FIRST") && restart && strcmp(restart, "0") == 0 && t.rank == 1) return 3;
+    return r == 0 ? 0 : 1;
+}
+
+// Runs a torchrun command line (its own output dropped) whose workers are this program as ranks, and
+// checks what they print: `world` lines "met" with one pair of bytes, at restart `restart`.
+static void check_torchrun(const char *command, int world, const char *restart) {
+    FILE *p = popen(command, "r");
+    char line[1200], met[64] = "", want[32];
+    int count = 0, same = 1;
+    snprintf(want, sizeof want, "restart %s: met ", restart);
+    while (p && fgets(line, sizeof line, p)) {
+        const char *at = strstr(line, want);
+        if (!at) {
+            if (strstr(line, "restart ") && !strstr(line, ": met ")) printf("  %s", line);  // a rank's error line
+            continue;
+        }
+        if (count++ == 0) snprintf(met, sizeof met, "%s", at);
+        else same &= strcmp(met, at) == 0;
+    }
+    int status = p ? pclose(p) : -1;
+    if (count != world || !same || status != 0) printf("  %s: %d of %d ranks met at restart %s, exit status %d\n", command, count, world, restart, status);
+    CHECK(count == world && same && status == 0);
+}
+
+int main(int argc, char **argv) {
+    if (argc == 2 && strcmp(argv[1], "--as-rank") == 0) return as_launched_rank();
     char host[256];
     check_case("host:port: a name, an address, an IPv6 address in brackets; no port, port 0 or past 65535 refused");
     CHECK(rendezvous_address("node-1:29500", host, sizeof host) == 29500 && strcmp(host, "node-1") == 0);
@@ -279,6 +325,33 @@ int main(void) {
         start(&ranks[1], port, 1);
         one = finish(&ranks[1]);
         CHECK(one.result == -1 && strstr(one.err, "cannot reach torchrun's store at 127.0.0.1:") && now_seconds() - t0 < 20);
+    }
+
+    if (system("torchrun --help >/dev/null 2>&1") != 0) printf("skipped: torchrun's cases: no torchrun here\n");
+    else {
+        char self[4096], command[2 * sizeof self + 1024];
+        ssize_t n = readlink("/proc/self/exe", self, sizeof self - 1);
+        self[n > 0 ? n : 0] = '\0';
+        unsetenv("TORCHELASTIC_RUN_ID"), unsetenv("TORCHELASTIC_RESTART_COUNT");
+        check_case("torchrun: --standalone, and --master_addr/--master_port: the workers meet through its agent store");
+        snprintf(command, sizeof command, "torchrun --standalone --nproc_per_node 3 --no-python %s --as-rank 2>/dev/null", self);
+        check_torchrun(command, 3, "0");
+        snprintf(command, sizeof command, "torchrun --nnodes 1 --master_addr 127.0.0.1 --master_port %d --nproc_per_node 2 --no-python %s "
+                 "--as-rank 2>/dev/null", free_port(), self);
+        check_torchrun(command, 2, "0");
+
+        check_case("torchrun: two nodes of two workers on this machine (its c10d rendezvous backend) meet as one team of four");
+        int endpoint = free_port();
+        snprintf(command, sizeof command, "(torchrun --nnodes 2 --node_rank 1 --nproc_per_node 2 --rdzv-backend c10d --rdzv-endpoint "
+                 "127.0.0.1:%d --rdzv-id nodes --no-python %s --as-rank 2>/dev/null &); torchrun --nnodes 2 --node_rank 0 --nproc_per_node 2 "
+                 "--rdzv-backend c10d --rdzv-endpoint 127.0.0.1:%d --rdzv-id nodes --no-python %s --as-rank 2>/dev/null",
+                 endpoint, self, endpoint, self);
+        check_torchrun(command, 4, "0");
+
+        check_case("torchrun --max-restarts 1: a worker that fails is restarted with the others, and they meet afresh");
+        snprintf(command, sizeof command, "FAIL_FIRST=1 torchrun --standalone --nproc_per_node 3 --max-restarts 1 --no-python %s --as-rank "
+                 "2>/dev/null", self);
+        check_torchrun(command, 3, "1");
     }
 
     check_case_end();
