@@ -434,52 +434,76 @@ enum { STORE_VALIDATE = 0, STORE_SET = 1, STORE_GET = 3, STORE_ADD = 4, STORE_CH
 
 #define STORE_REPLY_SECONDS 30  // the longest a query and its answer may take (the store answers at once)
 
+// A query is put together whole in `out` and sent in one write, as PyTorch's own client sends it:
+// its server, given a query in pieces, at times closed the connection (seen with PyTorch 2.15 on a
+// loaded machine).
 typedef struct {
     int fd;
-    double deadline;   // of the query under way: STORE_REPLY_SECONDS from its start
+    double deadline;   // of the query under way: STORE_REPLY_SECONDS from its sending
     char prefix[192];  // of this run's keys
+    uint8_t out[RENDEZVOUS_MAX_CONFIG + 512];
+    size_t len;        // of the query in out (more than out holds: too long, not sent)
 } StoreClient;
 
-// Writes (or reads) n bytes at once. Returns 0, or -1 on a broken connection or at the deadline.
-static int store_write(StoreClient *s, const void *bytes, uint64_t n) { return rendezvous_io(s->fd, (void *)bytes, n, s->deadline, 1); }
-static int store_read(StoreClient *s, void *bytes, uint64_t n) { return rendezvous_io(s->fd, bytes, n, s->deadline, 0); }
-
-// A key: the run's prefix, then key, as a uint64 length and the bytes.
-static int store_key(StoreClient *s, const char *key) {
-    char full[320];
-    uint64_t n = (uint64_t)snprintf(full, sizeof full, "%s%s", s->prefix, key);
-    return store_write(s, &n, 8) || store_write(s, full, n) ? -1 : 0;
+static void store_put(StoreClient *s, const void *bytes, uint64_t n) {
+    if (s->len + n <= sizeof s->out) memcpy(s->out + s->len, bytes, n);
+    s->len += n;
 }
 
-// A query's type byte and its key, its time starting.
-static int store_query(StoreClient *s, uint8_t type, const char *key) {
+// A key: the run's prefix, then key, as a uint64 length and the bytes.
+static void store_put_key(StoreClient *s, const char *key) {
+    char full[320];
+    uint64_t n = (uint64_t)snprintf(full, sizeof full, "%s%s", s->prefix, key);
+    store_put(s, &n, 8), store_put(s, full, n);
+}
+
+// Sends the query put together, starting its time. Returns 0, or -1.
+static int store_send(StoreClient *s) {
     s->deadline = now_seconds() + STORE_REPLY_SECONDS;
-    return store_write(s, &type, 1) || store_key(s, key) ? -1 : 0;
+    int r = s->len <= sizeof s->out ? rendezvous_io(s->fd, s->out, s->len, s->deadline, 1) : -1;
+    s->len = 0;
+    return r;
+}
+
+// Reads n bytes of the answer. Returns 0, or -1 on a broken connection or at the deadline.
+static int store_read(StoreClient *s, void *bytes, uint64_t n) { return rendezvous_io(s->fd, bytes, n, s->deadline, 0); }
+
+static int store_validate(StoreClient *s) {
+    uint8_t type = STORE_VALIDATE;
+    uint32_t magic = STORE_MAGIC;
+    store_put(s, &type, 1), store_put(s, &magic, 4);
+    return store_send(s);
 }
 
 static int store_set(StoreClient *s, const char *key, const void *value, uint64_t len) {
-    return store_query(s, STORE_SET, key) || store_write(s, &len, 8) || store_write(s, value, len) ? -1 : 0;
+    uint8_t type = STORE_SET;
+    store_put(s, &type, 1), store_put_key(s, key), store_put(s, &len, 8), store_put(s, value, len);
+    return store_send(s);
 }
 
 // The value of key (which exists) into value (at most cap bytes): its length, or -1.
 static int64_t store_get(StoreClient *s, const char *key, void *value, uint64_t cap) {
+    uint8_t type = STORE_GET;
     uint64_t n;
-    if (store_query(s, STORE_GET, key) || store_read(s, &n, 8) || n > cap || store_read(s, value, n)) return -1;
+    store_put(s, &type, 1), store_put_key(s, key);
+    if (store_send(s) || store_read(s, &n, 8) || n > cap || store_read(s, value, n)) return -1;
     return (int64_t)n;
 }
 
 // key += amount: the new value, or -1 (a counter here never is).
 static int64_t store_add(StoreClient *s, const char *key, int64_t amount) {
+    uint8_t type = STORE_ADD;
     int64_t total;
-    return store_query(s, STORE_ADD, key) || store_write(s, &amount, 8) || store_read(s, &total, 8) ? -1 : total;
+    store_put(s, &type, 1), store_put_key(s, key), store_put(s, &amount, 8);
+    return store_send(s) || store_read(s, &total, 8) ? -1 : total;
 }
 
 // Whether key exists: 1 or 0, or -1 on a broken connection.
 static int store_exists(StoreClient *s, const char *key) {
     uint8_t type = STORE_CHECK, ready;
     uint64_t one = 1;
-    s->deadline = now_seconds() + STORE_REPLY_SECONDS;
-    if (store_write(s, &type, 1) || store_write(s, &one, 8) || store_key(s, key) || store_read(s, &ready, 1)) return -1;
+    store_put(s, &type, 1), store_put(s, &one, 8), store_put_key(s, key);
+    if (store_send(s) || store_read(s, &ready, 1)) return -1;
     return ready == 0;
 }
 
@@ -487,6 +511,7 @@ static int store_exists(StoreClient *s, const char *key) {
 static int rendezvous_store(const char *host, int port, int rank, int world, const char *config, double timeout_s, void *payload,
                             uint32_t payload_len, char *err, size_t err_len) {
     StoreClient s;
+    s.len = 0;
     double until = now_seconds() + timeout_s;  // of the waits for the others
     const char *run = getenv("TORCHELASTIC_RUN_ID"), *restart = getenv("TORCHELASTIC_RESTART_COUNT");
     snprintf(s.prefix, sizeof s.prefix, "train_unet/%s/%s/", run && run[0] ? run : "none", restart && restart[0] ? restart : "0");
@@ -503,10 +528,7 @@ static int rendezvous_store(const char *host, int port, int rank, int world, con
         return error_line(err, err_len, stop_requested ? "rendezvous: rank %d stopped while reaching torchrun's store at %s:%d"
                                                        : "rendezvous: rank %d cannot reach torchrun's store at %s:%d within %.0f s", rank,
                           host, port, timeout_s);
-    uint8_t validate = STORE_VALIDATE;
-    uint32_t magic = STORE_MAGIC;
-    s.deadline = now_seconds() + STORE_REPLY_SECONDS;
-    int broken = store_write(&s, &validate, 1) || store_write(&s, &magic, 4);
+    int broken = store_validate(&s);
     char line[600] = "", key[32];
     uint8_t *answer = (uint8_t *)malloc_or_die(RENDEZVOUS_MAX_CONFIG + 8 + payload_len);
     if (!broken && rank > 0) {  // say who we are, then wait for rank 0's answer

@@ -114,7 +114,8 @@ static pid_t store_server(int port) {
     return -1;
 }
 
-// As one rank under a real launcher (build/test/test_rendezvous --as-rank, started by torchrun): the
+// As one rank under a real launcher (build/test/test_rendezvous --as-rank, started by torchrun, mpirun
+// or a Slurm-like environment): the
 // rendezvous its environment gives (team_from_environment, rendezvous_from_environment), rank 0
 // offering 16 bytes of its own; prints "rank R/W restart N: met X Y" (the bytes' first two) or the
 // error line. With FAIL_FIRST set, rank 1 ends with status 3 after its first meeting (restart
@@ -137,9 +138,10 @@ static int as_launched_rank(void) {
     return r == 0 ? 0 : 1;
 }
 
-// Runs a torchrun command line (its own output dropped) whose workers are this program as ranks, and
-// checks what they print: `world` lines "met" with one pair of bytes, at restart `restart`.
-static void check_torchrun(const char *command, int world, const char *restart) {
+// Runs a launcher's command line (its own output dropped) whose workers are this program as ranks,
+// and checks what they print: `world` lines "met" with one pair of bytes, at restart `restart` ("-"
+// without torchrun's count).
+static void check_launched(const char *command, int world, const char *restart) {
     FILE *p = popen(command, "r");
     char line[1200], met[64] = "", want[32];
     int count = 0, same = 1;
@@ -226,7 +228,7 @@ int main(int argc, char **argv) {
         double t0 = now_seconds();
         start(&ranks[0], port, 2), start(&ranks[1], port, 2);
         Outcome zero = finish(&ranks[0]), one = finish(&ranks[1]);
-        CHECK(zero.result == -1 && strstr(zero.err, "rank 2 never arrived at port") && strstr(zero.err, "within 2 s"));
+        CHECK(zero.result == -1 && strstr(zero.err, "2 never arrived at port") && strstr(zero.err, "within 2 s"));
         CHECK(one.result == -1 && strcmp(one.err, zero.err) == 0);
         CHECK(now_seconds() - t0 < 20);
     }
@@ -299,7 +301,7 @@ int main(int argc, char **argv) {
         make_ranks(ranks, 3, 3, 1);
         snprintf(ranks[1].config, sizeof ranks[1].config, "parameters 1000; batch_size 16; dataset 300 images of 32x32");
         ranks[2].world = 4;
-        for (int i = 0; i < 3; i++) start(&ranks[i], port, 10);
+        for (int i = 0; i < 3; i++) start(&ranks[i], port, 30);
         Outcome outcomes[3];
         for (int i = 0; i < 3; i++) outcomes[i] = finish(&ranks[i]);
         CHECK(outcomes[0].result == -1 && strstr(outcomes[0].err, "rank 1's configuration differs from rank 0's: batch_size 16 against batch_size 8"));
@@ -309,7 +311,8 @@ int main(int argc, char **argv) {
         double t0 = now_seconds();
         start(&ranks[0], port, 2), start(&ranks[1], port, 2);
         Outcome zero = finish(&ranks[0]), one = finish(&ranks[1]);
-        CHECK(zero.result == -1 && strstr(zero.err, "rank 2 never arrived in torchrun's store within 2 s"));
+        // (rank 1 is named too when it came after the 2 s: "rank 1, 2 never arrived")
+        CHECK(zero.result == -1 && strstr(zero.err, "2 never arrived in torchrun's store within 2 s"));
         CHECK(one.result == -1 && strcmp(one.err, zero.err) == 0 && now_seconds() - t0 < 20);
 
         check_case("torchrun's agent store: a rank that is stopped says so; a store that is not there is named, in bounded time");
@@ -327,18 +330,18 @@ int main(int argc, char **argv) {
         CHECK(one.result == -1 && strstr(one.err, "cannot reach torchrun's store at 127.0.0.1:") && now_seconds() - t0 < 20);
     }
 
+    char self[4096], command[2 * sizeof self + 1024];  // this program, whose ranks the launchers start
+    ssize_t self_len = readlink("/proc/self/exe", self, sizeof self - 1);
+    self[self_len > 0 ? self_len : 0] = '\0';
     if (system("torchrun --help >/dev/null 2>&1") != 0) printf("skipped: torchrun's cases: no torchrun here\n");
     else {
-        char self[4096], command[2 * sizeof self + 1024];
-        ssize_t n = readlink("/proc/self/exe", self, sizeof self - 1);
-        self[n > 0 ? n : 0] = '\0';
         unsetenv("TORCHELASTIC_RUN_ID"), unsetenv("TORCHELASTIC_RESTART_COUNT");
         check_case("torchrun: --standalone, and --master_addr/--master_port: the workers meet through its agent store");
         snprintf(command, sizeof command, "torchrun --standalone --nproc_per_node 3 --no-python %s --as-rank 2>/dev/null", self);
-        check_torchrun(command, 3, "0");
+        check_launched(command, 3, "0");
         snprintf(command, sizeof command, "torchrun --nnodes 1 --master_addr 127.0.0.1 --master_port %d --nproc_per_node 2 --no-python %s "
                  "--as-rank 2>/dev/null", free_port(), self);
-        check_torchrun(command, 2, "0");
+        check_launched(command, 2, "0");
 
         check_case("torchrun: two nodes of two workers on this machine (its c10d rendezvous backend) meet as one team of four");
         int endpoint = free_port();
@@ -346,13 +349,26 @@ int main(int argc, char **argv) {
                  "127.0.0.1:%d --rdzv-id nodes --no-python %s --as-rank 2>/dev/null &); torchrun --nnodes 2 --node_rank 0 --nproc_per_node 2 "
                  "--rdzv-backend c10d --rdzv-endpoint 127.0.0.1:%d --rdzv-id nodes --no-python %s --as-rank 2>/dev/null",
                  endpoint, self, endpoint, self);
-        check_torchrun(command, 4, "0");
+        check_launched(command, 4, "0");
 
         check_case("torchrun --max-restarts 1: a worker that fails is restarted with the others, and they meet afresh");
         snprintf(command, sizeof command, "FAIL_FIRST=1 torchrun --standalone --nproc_per_node 3 --max-restarts 1 --no-python %s --as-rank "
                  "2>/dev/null", self);
-        check_torchrun(command, 3, "1");
+        check_launched(command, 3, "1");
     }
+
+    if (system("mpirun --version >/dev/null 2>&1") != 0) printf("skipped: mpirun's case: no mpirun (Open MPI) here\n");
+    else {
+        check_case("mpirun (Open MPI): three ranks, MASTER_ADDR and MASTER_PORT exported with -x, meet over TCP");
+        snprintf(command, sizeof command, "MASTER_ADDR=127.0.0.1 MASTER_PORT=%d mpirun --allow-run-as-root --oversubscribe -np 3 -x MASTER_ADDR "
+                 "-x MASTER_PORT %s --as-rank 2>/dev/null", free_port(), self);
+        check_launched(command, 3, "-");
+    }
+
+    check_case("srun's variables (SLURM_PROCID, SLURM_STEP_NUM_TASKS, SLURM_LOCALID) as srun sets them: three ranks meet over TCP");
+    snprintf(command, sizeof command, "for r in 0 1 2; do env SLURM_PROCID=$r SLURM_STEP_NUM_TASKS=3 SLURM_LOCALID=$r SLURM_JOB_ID=7 "
+             "SLURM_STEP_ID=0 MASTER_ADDR=127.0.0.1 MASTER_PORT=%d %s --as-rank & done; wait", free_port(), self);
+    check_launched(command, 3, "-");
 
     check_case_end();
     printf("%d passed, %d failed\n", check_cases_passed, check_cases_failed);
