@@ -294,14 +294,19 @@ static void rendezvous_reply(int fd, uint8_t status, const void *bytes, uint32_t
         rendezvous_io(fd, (void *)bytes, len, deadline, 1);
 }
 
-// The first "name value" item in which a rank's configuration differs from rank 0's:
-// "NAME THEIRS against NAME MINE" (an item only one has: against "nothing").
-static void rendezvous_difference(char *out, size_t len, const char *mine, const char *theirs) {
+// Rank 0's judgement of rank `rank`'s world size and configuration against its own: "" when they
+// agree, else the line naming the difference: for the configuration its first "name value" item
+// that differs, "NAME THEIRS against NAME MINE" (an item only one has: against "nothing").
+static void rendezvous_judge(char *out, size_t len, int rank, int their_world, int world, const char *theirs, const char *mine) {
+    out[0] = '\0';
+    if (their_world != world) snprintf(out, len, "rendezvous: rank %d has WORLD_SIZE %d, rank 0 %d", rank, their_world, world);
+    if (their_world != world || strcmp(theirs, mine) == 0) return;
     char a[RENDEZVOUS_MAX_CONFIG + 1], b[RENDEZVOUS_MAX_CONFIG + 1];
     snprintf(a, sizeof a, "%s", theirs), snprintf(b, sizeof b, "%s", mine);
     char *sa, *sb, *x = strtok_r(a, ";", &sa), *y = strtok_r(b, ";", &sb);
     while (x && y && strcmp(x, y) == 0) x = strtok_r(NULL, ";", &sa), y = strtok_r(NULL, ";", &sb);
-    snprintf(out, len, "%s against %s", x ? x + strspn(x, " ") : "nothing", y ? y + strspn(y, " ") : "nothing");
+    snprintf(out, len, "rendezvous: rank %d's configuration differs from rank 0's: %s against %s", rank, x ? x + strspn(x, " ") : "nothing",
+             y ? y + strspn(y, " ") : "nothing");
 }
 
 static int rendezvous_tcp(const char *host, int port, int rank, int world, const char *config, double timeout_s, void *payload,
@@ -358,15 +363,9 @@ static int rendezvous_tcp(const char *host, int port, int rank, int world, const
                 continue;
             }
             theirs[len] = '\0';
-            if (who[1] != world)
-                snprintf(line, sizeof line, "rendezvous: rank %d has WORLD_SIZE %d, rank 0 %d", who[0], who[1], world);
-            else if (who[0] < 1 || who[0] >= world || fds[who[0]] >= 0)
+            if (who[1] == world && (who[0] < 1 || who[0] >= world || fds[who[0]] >= 0))
                 snprintf(line, sizeof line, "rendezvous: rank %d %s", who[0], who[0] < 1 || who[0] >= world ? "is out of range" : "arrived twice");
-            else if (strcmp(theirs, config) != 0) {
-                char difference[500];
-                rendezvous_difference(difference, sizeof difference, config, theirs);
-                snprintf(line, sizeof line, "rendezvous: rank %d's configuration differs from rank 0's: %s", who[0], difference);
-            }
+            else rendezvous_judge(line, sizeof line, who[0], who[1], world, theirs, config);
             if (line[0]) rendezvous_reply(fd, 1, line, (uint32_t)strlen(line), fmin(deadline, now_seconds() + 5)), close(fd);
             else fds[who[0]] = fd, arrived++;
         }
@@ -576,12 +575,7 @@ static int rendezvous_store(const char *host, int port, int rank, int world, con
                 break;
             }
             memcpy(&size, answer, 4), answer[got] = '\0';
-            if (size != world) snprintf(line, sizeof line, "rendezvous: rank %d has WORLD_SIZE %d, rank 0 %d", i, size, world);
-            else if (strcmp((const char *)answer + 4, config) != 0) {
-                char difference[500];
-                rendezvous_difference(difference, sizeof difference, config, (const char *)answer + 4);
-                snprintf(line, sizeof line, "rendezvous: rank %d's configuration differs from rank 0's: %s", i, difference);
-            }
+            rendezvous_judge(line, sizeof line, i, size, world, (const char *)answer + 4, config);
         }
         size_t n = line[0] ? strlen(line) : payload_len;
         answer[0] = line[0] ? 1 : 0, memcpy(answer + 1, line[0] ? (const void *)line : payload, n);

@@ -22,6 +22,16 @@ static int free_port(void) {
     return ntohs(a.sin_port);
 }
 
+// A socket listening on port of address (INADDR_ANY, INADDR_LOOPBACK), or -1.
+static int listening_socket(int port, uint32_t address) {
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in a;
+    memset(&a, 0, sizeof a);
+    a.sin_family = AF_INET, a.sin_addr.s_addr = htonl(address), a.sin_port = htons((uint16_t)port);
+    if (fd >= 0 && (bind(fd, (struct sockaddr *)&a, sizeof a) != 0 || listen(fd, 1) != 0)) close(fd), fd = -1;
+    return fd;
+}
+
 typedef struct {
     int rank, world;
     int store;  // through a TCPStore (rendezvous_store), not rank 0's port
@@ -235,11 +245,8 @@ int main(int argc, char **argv) {
 
     check_case("a port in use, and a rank 0 that is not there: one line each, in bounded time");
     {
-        int port = free_port(), busy = socket(AF_INET, SOCK_STREAM, 0);
-        struct sockaddr_in a;
-        memset(&a, 0, sizeof a);
-        a.sin_family = AF_INET, a.sin_addr.s_addr = htonl(INADDR_ANY), a.sin_port = htons((uint16_t)port);
-        CHECK(bind(busy, (struct sockaddr *)&a, sizeof a) == 0 && listen(busy, 1) == 0);
+        int port = free_port(), busy = listening_socket(port, INADDR_ANY);
+        CHECK(busy >= 0);
         Rank ranks[2];
         make_ranks(ranks, 2, 2);
         start(&ranks[0], port, 2);
@@ -256,11 +263,8 @@ int main(int argc, char **argv) {
 
     check_case("a rank 0 that stops before answering, and a rank that is stopped: each says so at once, not after the timeout");
     {
-        int port = free_port(), listener = socket(AF_INET, SOCK_STREAM, 0);
-        struct sockaddr_in a;
-        memset(&a, 0, sizeof a);
-        a.sin_family = AF_INET, a.sin_addr.s_addr = htonl(INADDR_LOOPBACK), a.sin_port = htons((uint16_t)port);
-        CHECK(bind(listener, (struct sockaddr *)&a, sizeof a) == 0 && listen(listener, 1) == 0);
+        int port = free_port(), listener = listening_socket(port, INADDR_LOOPBACK);
+        CHECK(listener >= 0);
         Rank ranks[2];
         make_ranks(ranks, 2, 2);
         double t0 = now_seconds();
