@@ -370,7 +370,7 @@ int main(int argc, char **argv) {
     }
 
     check_case("srun's variables (SLURM_PROCID, SLURM_STEP_NUM_TASKS, SLURM_LOCALID) as srun sets them: three ranks meet over TCP");
-    snprintf(command, sizeof command, "for r in 0 1 2; do env SLURM_PROCID=$r SLURM_STEP_NUM_TASKS=3 SLURM_LOCALID=$r SLURM_JOB_ID=7 "
+    snprintf(command, sizeof command, "for r in 0 1 2; do SLURM_PROCID=$r SLURM_STEP_NUM_TASKS=3 SLURM_LOCALID=$r SLURM_JOB_ID=7 "
              "SLURM_STEP_ID=0 MASTER_ADDR=127.0.0.1 MASTER_PORT=%d %s --as-rank & done; wait", free_port(), self);
     check_launched(command, 3, "-");
 
