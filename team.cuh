@@ -85,6 +85,13 @@ static void team_gather(const float *x, float *all, size_t n, cudaStream_t strea
     cuda_check(cudaMemcpyAsync(all, x, n * sizeof(float), cudaMemcpyDeviceToDevice, stream));
 }
 
+// x = rank 0's x (n bytes, in place), on the stream; nothing alone.
+static void team_broadcast(void *x, size_t n, cudaStream_t stream) {
+#ifndef UNET_NO_NCCL
+    if (team.comm) nccl_check(ncclBroadcast(x, x, n, ncclUint8, 0, team.comm, stream));
+#endif
+}
+
 // x = the largest over the ranks of x (n ints, in place), on the stream; nothing alone.
 static void team_max(int *x, size_t n, cudaStream_t stream) {
 #ifndef UNET_NO_NCCL

@@ -7280,6 +7280,9 @@ static void check_run_folder(const Options *o) {
               "the run folder first, or choose another --run_dir", o->init_from, o->run_dir);
 }
 
+// The file by which a torchrun restart knows its run folder (continue_after_restart).
+#define TORCHRUN_MARK "torchrun_run_id"
+
 // The run folder, taken for this run (rank 0's, before anything in it is written): created if it
 // is missing, locked (lock_run_folder), and checked again (check_run_folder) now that no other
 // trainer can change it; a `latest` checked before the lock must still be the latest.
@@ -7320,12 +7323,39 @@ static void clear_run_folder(const char *run_dir) {
     while (d && (e = readdir(d)))
         if (strncmp(e->d_name, "step_", 5) == 0 && strstr(e->d_name, ".png")) unlinkat(samples, e->d_name, 0);
     if (d) closedir(d);
-    const char *files[] = {"log.csv", "config.txt", "loss.svg", "fid.svg"};
+    const char *files[] = {"log.csv", "config.txt", "loss.svg", "fid.svg", TORCHRUN_MARK};
     for (size_t i = 0; i < sizeof files / sizeof files[0]; i++) unlinkat(run, files[i], 0);
     if (checkpoints >= 0) fsync(checkpoints), close(checkpoints);
     if (samples >= 0) close(samples);
     fsync(run);
     close(run);
+}
+
+// A torchrun restart (--max-restarts: TORCHELASTIC_RESTART_COUNT > 0) runs the failed attempt's
+// command again. Where the run folder is that attempt's (its TORCHRUN_MARK file, written when a run
+// starts under torchrun, holds this torchrun run's TORCHELASTIC_RUN_ID), rank 0 continues the run:
+// from its latest checkpoint, as --resume_checkpoint latest, whatever the command said about where
+// to start (--overwrite, --init_from, a checkpoint); with none yet, from the command's start again,
+// over the attempt's files (cleared under the run folder's lock). Any other folder meets the usual
+// checks, as on the first attempt.
+static void continue_after_restart(Options *o) {
+    const char *run_id = getenv("TORCHELASTIC_RUN_ID"), *restart = getenv("TORCHELASTIC_RESTART_COUNT");
+    if (!run_id || !restart || atoi(restart) <= 0) return;
+    char path[4400], mark[256] = "";
+    snprintf(path, sizeof path, "%s/" TORCHRUN_MARK, o->run_dir);
+    int fd = open(path, O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
+    ssize_t n = fd < 0 ? -1 : read(fd, mark, sizeof mark - 1);
+    if (fd >= 0) close(fd);
+    if (n <= 0 || strcmp(mark, run_id) != 0) return;
+    lock_run_folder(o->run_dir, 1);
+    char latest[4096];
+    if (latest_checkpoint(o->run_dir, latest, sizeof latest) == 0) {
+        o->resume_checkpoint = "latest", o->overwrite = 0, o->init_from = "";
+        printf("torchrun restart %s: continuing the run from %s\n", restart, latest);
+    } else {
+        clear_run_folder(o->run_dir);
+        printf("torchrun restart %s: the failed attempt left no checkpoint; the run starts again\n", restart);
+    }
 }
 
 // ----------------------------------------------------------------------------------------------
@@ -8005,6 +8035,7 @@ static FILE *open_log(const char *run_dir, int64_t resumed_step, int classifier,
 }
 
 static void fill_config(FILE *f, const void *o) { print_config(f, (const Options *)o); }
+static void fill_text(FILE *f, const void *text) { fputs((const char *)text, f); }
 
 static void write_config(const char *run_dir, const Options *o) {
     char path[4096];
@@ -8110,8 +8141,60 @@ static void catch_stop_signals(void) {
     catch_signal(SIGUSR1, on_stop_signal);
 }
 
+// A team starts from rank 0's state: rank 0 alone reads a resume's checkpoint or --init_from's
+// weights (the others need neither on their machines) and sends what it read to the others: the
+// weights, the EMAs, AdamW's moments, the step, the data position and the schedule sampler's loss
+// history. A fresh start sends only the header: every rank initialised the same weights from the
+// seed. Each rank checks the header against its own model first, and stops with one line where it
+// differs (a rank started with other options).
+typedef struct {
+    int64_t storage, step;
+    int32_t num_ema, history_steps, from_files;
+    LoaderPosition position;
+} StartState;
+
+static void team_share_start(Trainer *tr, LoaderPosition *position, int from_files) {
+    if (!team.comm) return;
+    UNet *m = &tr->m;
+    int history_steps = tr->weighted_draws ? tr->history.steps : 0;
+    StartState mine = {m->storage, tr->step, tr->train.num_ema, history_steps, from_files, *position}, got;
+    size_t history_bytes = (size_t)history_steps * (sizeof(int32_t) + LOSS_HISTORY * sizeof(float));
+    uint8_t *staged;  // the header, then the history
+    cuda_check(cudaMalloc(&staged, sizeof got + history_bytes));
+    cuda_check(cudaMemcpy(staged, &mine, sizeof mine, cudaMemcpyHostToDevice));
+    team_broadcast(staged, sizeof got, gpu.stream);
+    cuda_check(cudaMemcpyAsync(&got, staged, sizeof got, cudaMemcpyDeviceToHost, gpu.stream));
+    cuda_check(cudaStreamSynchronize(gpu.stream));
+    if (got.storage != mine.storage || got.num_ema != mine.num_ema || got.history_steps != mine.history_steps)
+        fatal("rank 0's model has %lld values, %d EMAs and a loss history of %d timesteps; this rank's %lld, %d and %d: start "
+              "every rank with the same options", (long long)got.storage, got.num_ema, got.history_steps, (long long)mine.storage,
+              mine.num_ema, mine.history_steps);
+    if (got.from_files) {
+        size_t bytes = m->storage * sizeof(float);
+        team_broadcast(m->master, bytes, gpu.stream);
+        for (int i = 0; i < tr->train.num_ema; i++) team_broadcast(tr->ema[i], bytes, gpu.stream);
+        team_broadcast(m->adam_m, bytes, gpu.stream);
+        team_broadcast(m->adam_v, bytes, gpu.stream);
+        if (history_steps) {
+            uint8_t *history = staged + sizeof got;
+            size_t counts = history_steps * sizeof(int32_t);
+            cuda_check(cudaMemcpy(history, tr->history.counts, counts, cudaMemcpyHostToDevice));
+            cuda_check(cudaMemcpy(history + counts, tr->history.losses, history_bytes - counts, cudaMemcpyHostToDevice));
+            team_broadcast(history, history_bytes, gpu.stream);
+            cuda_check(cudaMemcpyAsync(tr->history.counts, history, counts, cudaMemcpyDeviceToHost, gpu.stream));
+            cuda_check(cudaMemcpyAsync(tr->history.losses, history + counts, history_bytes - counts, cudaMemcpyDeviceToHost, gpu.stream));
+        }
+        cuda_check(cudaStreamSynchronize(gpu.stream));
+        unet_sync_compute(m);
+        tr->step = got.step;
+        *position = got.position;
+    }
+    cuda_check(cudaFree(staged));
+}
+
 // The training run, from a checked resume point, or from a fresh initialisation when resume is
-// NULL, on the dataset whose header main checked. In a team every rank trains and only rank 0
+// NULL, on the dataset whose header main checked. In a team resume and init are rank 0's alone
+// (NULL on the others, which take its state: team_share_start); every rank trains and only rank 0
 // writes, in the run folder it holds (take_run_folder): the run folder's files, sample grids,
 // checkpoints (the same files as one GPU's) and the progress lines.
 static void run_training(const Options *o, const ModelConfig *config, const DiffusionConfig *diffusion, const TrainConfig *train,
@@ -8131,9 +8214,10 @@ static void run_training(const Options *o, const ModelConfig *config, const Diff
     Trainer tr;
     trainer_create(&tr, config, diffusion, train, loader.batch_pixels, loader.batch_labels);
     if (val) trainer_add_evaluation(&tr, val->batch_pixels, val->batch_labels);
+    LoaderPosition position = {0, 0};
     if (resume) {
         if (load_checkpoint(&tr, resume, err, sizeof err) != 0) fatal("%s", err);
-        if (loader_seek(&loader, resume->position, err, sizeof err) != 0) fatal("%s", err);
+        position = resume->position;
         printf("%s %s at step %lld\n", resume->elsewhere ? "new run started from" : "resumed from", resume->dir, (long long)tr.step);
     } else {
         unet_init_parameters(&tr.m, (uint64_t)o->seed);
@@ -8148,11 +8232,18 @@ static void run_training(const Options *o, const ModelConfig *config, const Diff
         }
         trainer_reset_ema(&tr);
     }
+    team_share_start(&tr, &position, resume || init);
+    if (loader_seek(&loader, position, err, sizeof err) != 0) fatal("%s", err);
     FILE *log = NULL;
     LossChart chart;
     if (lead) {
         prune_checkpoints(o->run_dir, 0);  // what a crashed save or removal left
         write_config(o->run_dir, o);
+        if (getenv("TORCHELASTIC_RUN_ID")) {  // (continue_after_restart)
+            char path[4400];
+            snprintf(path, sizeof path, "%s/" TORCHRUN_MARK, o->run_dir);
+            write_file_atomically(path, fill_text, getenv("TORCHELASTIC_RUN_ID"));
+        }
         log = open_log(o->run_dir, tr.step, tr.classifier, o->eval_num > 0);
         loss_chart_open(&chart, o->run_dir);
     }
@@ -8371,9 +8462,11 @@ __attribute__((weak)) int main(int argc, char **argv) {
     // Everything a run will read or write is checked here, before the GPU, and by --dry_run too.
     ResumePoint resume;
     static char origin[PATH_MAX];  // a checkpoint from elsewhere by its real path: config.txt records it
+    if (launched && !o.bench && !o.dry_run && team.rank == 0) continue_after_restart(&o);
     if (!o.bench && team.rank == 0) check_run_folder(&o);
     if (!o.bench && resume_from_elsewhere(&o) && realpath(o.resume_checkpoint, origin)) o.resume_checkpoint = origin;
-    if (!o.bench && o.resume_checkpoint[0]) {
+    int reads_start = !o.bench && team.rank == 0;  // the checkpoint or weights a run starts from: rank 0's (team_share_start)
+    if (reads_start && o.resume_checkpoint[0]) {
         find_resume_point(&o, &model, &train, &params, &resume);
         if (data.map && resume.position.next > data.header.count)
             fatal("%s stopped at image %" PRIu64 " of an epoch, past the %" PRIu64 " images of dataset %s: another dataset?",
@@ -8382,7 +8475,7 @@ __attribute__((weak)) int main(int argc, char **argv) {
     }
     InitFrom init;
     int64_t fid_bytes = 0;  // --eval_num's GPU memory, for --dry_run's plan
-    if (!o.bench && o.init_from[0]) {
+    if (reads_start && o.init_from[0]) {
         if (check_init_from(&o, &model, &init, err, sizeof err) != 0) fatal("--init_from: %s", err);
         if (init.label_rows && (launched || o.gpus == 1 || o.dry_run))
             printf("init_from: %s has %d label_emb rows, this model %d: label_emb starts from its initialisation, the rest from the file\n",
@@ -8455,7 +8548,8 @@ __attribute__((weak)) int main(int argc, char **argv) {
     } else {
         DatasetHeader checked = data.header, val_checked = val_data.header;
         dataset_close(&data), dataset_close(&val_data);
-        run_training(&o, &model, &diffusion, &train, &params, o.resume_checkpoint[0] ? &resume : NULL, o.init_from[0] ? &init : NULL,
+        run_training(&o, &model, &diffusion, &train, &params, reads_start && o.resume_checkpoint[0] ? &resume : NULL,
+                     reads_start && o.init_from[0] ? &init : NULL,
                      &checked, o.val_data[0] ? &val_checked : NULL);
     }
     free(params.specs);

@@ -218,10 +218,14 @@ def features(model, pixels, device, batch=50):
 
 
 def fixture(args):
+    import make_metrics_fixture
     from make_metrics_fixture import frechet_distance, inception_score, precision_recall, statistics
     torch.backends.cudnn.allow_tf32 = False
     torch.backends.cuda.matmul.allow_tf32 = False
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda":  # the distances' float64 products on the GPU: minutes less at 50,000 images
+        make_metrics_fixture.float64_products = lambda u, v: (
+            torch.from_numpy(u).to(device, torch.float64) @ torch.from_numpy(v).to(device, torch.float64).T).cpu().numpy()
     ref, _, _ = open_dataset(args.ref)
     sample, _, _ = open_dataset(args.sample)
     model = random_model(args.seed, images_tensor(ref[:50], "cpu")).to(device)

@@ -403,6 +403,29 @@ for rdzv in "host: 80" host:+80 "[::1:80" a:b:c:80 "[]:80" host:70000 host:-1 ho
 done
 expect_ok ./train_unet --dry_run --rdzv "[::1]:29500" --run_dir "$TEST_TMP/run"
 
+case_begin "a torchrun restart continues its own run folder (its torchrun_run_id): from the latest checkpoint, or over again; another folder as usual"
+restarted() { env RANK=0 WORLD_SIZE=1 LOCAL_RANK=0 TORCHELASTIC_RUN_ID=job7 TORCHELASTIC_RESTART_COUNT=1 "$@"; }
+mkdir -p "$TEST_TMP/attempt/checkpoints/step_000000010" && echo "step,loss" >"$TEST_TMP/attempt/log.csv"
+printf job7 >"$TEST_TMP/attempt/torchrun_run_id"
+# (the checkpoint is an empty folder: its check fails, with one line, after the restart has taken it)
+expect_exit 1 restarted ./train_unet --data data/shapes.bin --overwrite --run_dir "$TEST_TMP/attempt"
+expect_grep "^torchrun restart 1: continuing the run from .*/attempt/checkpoints/step_000000010$" "$LAST_OUT"
+expect_grep "^train_unet: error: .*attempt/checkpoints/step_000000010/model.safetensors" "$LAST_ERR"
+[ -f "$TEST_TMP/attempt/log.csv" ] || case_fail "--overwrite cleared the run folder on a restart that continues it"
+rmdir "$TEST_TMP/attempt/checkpoints/step_000000010"
+expect_exit 1 restarted ./train_unet --data data/shapes.bin --init_from "$TEST_TMP/missing.safetensors" --run_dir "$TEST_TMP/attempt"
+expect_grep "^torchrun restart 1: the failed attempt left no checkpoint; the run starts again$" "$LAST_OUT"
+expect_grep "^train_unet: error: --init_from: .*missing.safetensors" "$LAST_ERR"
+[ -e "$TEST_TMP/attempt/log.csv" ] || [ -e "$TEST_TMP/attempt/torchrun_run_id" ] && case_fail "the failed attempt's files were not cleared"
+mkdir -p "$TEST_TMP/other_job/checkpoints/step_000000010" && echo "step,loss" >"$TEST_TMP/other_job/log.csv"
+printf job6 >"$TEST_TMP/other_job/torchrun_run_id"
+expect_exit 1 restarted ./train_unet --data data/shapes.bin --run_dir "$TEST_TMP/other_job"
+expect_grep "already holds a run" "$LAST_ERR"
+grep -q "torchrun restart" "$LAST_OUT" && case_fail "a restart took another torchrun run's folder"
+expect_exit 1 env RANK=0 WORLD_SIZE=1 LOCAL_RANK=0 TORCHELASTIC_RUN_ID=job6 TORCHELASTIC_RESTART_COUNT=0 ./train_unet --data data/shapes.bin \
+    --run_dir "$TEST_TMP/other_job"
+expect_grep "already holds a run" "$LAST_ERR"  # the first attempt: the usual checks
+
 case_begin "--eval_num (FID during training): bad values are usage errors; the weights and the dataset's size checked by --dry_run"
 expect_exit 2 "$TRAIN" --dry_run --eval_num 2048
 expect_grep "eval_num 2048: FID needs more images than its 2048 features" "$LAST_ERR"

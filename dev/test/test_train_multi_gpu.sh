@@ -71,6 +71,48 @@ for f in model.safetensors state.bin; do
     cmp -s "$TEST_TMP/pieces_alone/checkpoints/step_000000012/$f" "$TEST_TMP/pieces_team1/checkpoints/step_000000012/$f" || case_fail "$f differs"
 done
 
+# The launchers, for real where installed: a team of one rank started by each trains exactly as a
+# process alone; a torchrun restart continues its run. (Each skipped with one line where absent.)
+free_port() { python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+# torchrun's first attempt stops after step $STOP (saving a checkpoint) and fails; its restart runs the command as given.
+cat >"$TEST_TMP/attempt.sh" <<'SH'
+#!/bin/sh
+if [ "$TORCHELASTIC_RESTART_COUNT" = 0 ]; then ./train_unet "$@" --stop_step "$STOP"; exit 1; fi
+exec ./train_unet "$@"
+SH
+if command -v torchrun >/dev/null 2>&1; then
+    case_begin "torchrun --standalone --nproc_per_node 1: a team of one met in torchrun's agent store trains exactly as alone"
+    expect_ok torchrun --standalone --nproc_per_node 1 --no-python ./train_unet "${ARGS[@]}" --batch_size 8 --steps 12 --run_dir "$TEST_TMP/torchrun1"
+    expect_grep "^rendezvous: 1 rank met in torchrun's store at " "$LAST_OUT"
+    cmp -s <(rows "$TEST_TMP/alone") <(rows "$TEST_TMP/torchrun1") || case_fail "the logged losses differ"
+    cmp -s "$TEST_TMP/alone/checkpoints/step_000000012/model.safetensors" "$TEST_TMP/torchrun1/checkpoints/step_000000012/model.safetensors" ||
+        case_fail "the weights differ"
+
+    case_begin "torchrun --max-restarts 1: the restart continues the failed attempt's run from its last checkpoint, as a run that never failed"
+    expect_ok env STOP=7 torchrun --standalone --nproc_per_node 1 --max-restarts 1 --no-python sh "$TEST_TMP/attempt.sh" "${ARGS[@]}" \
+        --batch_size 8 --steps 12 --save_interval 5 --run_dir "$TEST_TMP/restarted"
+    expect_grep "^torchrun restart 1: continuing the run from .*/restarted/checkpoints/step_000000007$" "$LAST_OUT"
+    expect_grep "^resumed from .*step_000000007 at step 7$" "$LAST_OUT"
+    cmp -s <(rows "$TEST_TMP/alone") <(rows "$TEST_TMP/restarted") || case_fail "the logged losses differ from the run that never failed"
+    cmp -s "$TEST_TMP/alone/checkpoints/step_000000012/model.safetensors" "$TEST_TMP/restarted/checkpoints/step_000000012/model.safetensors" ||
+        case_fail "the weights differ from the run that never failed"
+else
+    echo "torchrun is not installed: its cases are not run"
+fi
+if command -v mpirun >/dev/null 2>&1; then
+    case_begin "mpirun -np 1 -x MASTER_ADDR -x MASTER_PORT: a team of one met over TCP trains exactly as alone"
+    port=$(free_port)
+    expect_ok mpirun --allow-run-as-root --oversubscribe -np 1 -x MASTER_ADDR=127.0.0.1 -x MASTER_PORT="$port" ./train_unet "${ARGS[@]}" \
+        --batch_size 8 --steps 12 --run_dir "$TEST_TMP/mpirun1"
+    cmp -s <(rows "$TEST_TMP/alone") <(rows "$TEST_TMP/mpirun1") || case_fail "the logged losses differ"
+else
+    echo "mpirun is not installed: its case is not run"
+fi
+case_begin "srun's variables (SLURM_PROCID, SLURM_STEP_NUM_TASKS, SLURM_LOCALID, its job and step) for one task: trains exactly as alone"
+expect_ok env SLURM_PROCID=0 SLURM_STEP_NUM_TASKS=1 SLURM_LOCALID=0 SLURM_JOB_ID=41 SLURM_STEP_ID=0 SLURM_NTASKS=1 \
+    MASTER_ADDR=127.0.0.1 MASTER_PORT="$(free_port)" ./train_unet "${ARGS[@]}" --batch_size 8 --steps 12 --run_dir "$TEST_TMP/srun1"
+cmp -s <(rows "$TEST_TMP/alone") <(rows "$TEST_TMP/srun1") || case_fail "the logged losses differ"
+
 case_begin "--gpus beyond this machine's GPUs: one error line"
 expect_fail train --batch_size 8 --steps 2 --gpus $((gpus + 1)) --run_dir "$TEST_TMP/too_many"
 expect_grep "^train_unet: error: --gpus $((gpus + 1)), but this machine shows $gpus GPU" "$LAST_ERR"
@@ -188,7 +230,6 @@ expect_grep "^train_unet rank 0: error: step [0-9]+ has not finished after [0-9]
 # rank 0 (CUDA_VISIBLE_DEVICES), in a run folder of its own (no shared file system), met over TCP.
 # (A script runs without job control, so its background child leads no process group and setsid
 # makes it one without forking: $! is the rank itself.)
-free_port() { python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
 start_nodes() {  # start_nodes NAME PORT OPTIONS...: node r's rank r in $TEST_TMP/NAME$r/run, its pid in nodes[r]
     local name=$1 port=$2 r
     shift 2
@@ -210,6 +251,49 @@ cmp -s <(rows "$TEST_TMP/two") <(rows "$TEST_TMP/node0/run") || case_fail "the l
 [ "$(cat "$TEST_TMP"/node[01]/err | grep -c "weights hash")" = 2 ] || case_fail "expected a weights hash from each of the 2 ranks"
 [ "$(cat "$TEST_TMP"/node[01]/err | grep "weights hash" | awk '{print $6}' | sort -u | wc -l)" = 1 ] || case_fail "the ranks' weights differ"
 [ -e "$TEST_TMP/node1/run" ] && case_fail "node 1's rank wrote a run folder"
+
+case_begin "no shared disk: a resume on two nodes where only rank 0's folder holds the checkpoint continues as --gpus 2's run"
+start_nodes shareless "$(free_port)" --batch_size 8 --steps 50 --stop_step 30
+wait "${nodes[0]}" || case_fail "node 0's rank exited $?"
+wait "${nodes[1]}" || case_fail "node 1's rank exited $?"
+start_nodes shareless "$(free_port)" --batch_size 8 --steps 50 --resume_checkpoint latest
+wait "${nodes[0]}" || case_fail "node 0's rank exited $? on resume"
+wait "${nodes[1]}" || { case_fail "node 1's rank exited $? on resume"; head -3 "$TEST_TMP/shareless1/err"; }
+expect_grep "^resumed from .*step_000000030 at step 30$" "$TEST_TMP/shareless0/out"
+cmp -s <(rows "$TEST_TMP/two") <(rows "$TEST_TMP/shareless0/run") || case_fail "the logged losses differ from --gpus 2's"
+[ "$(cat "$TEST_TMP"/shareless[01]/err | grep "weights hash" | awk '{print $6}' | sort -u | wc -l)" = 1 ] || case_fail "the ranks' weights differ"
+[ -e "$TEST_TMP/shareless1/run" ] && case_fail "node 1's rank wrote a run folder"
+
+if command -v torchrun >/dev/null 2>&1; then
+    case_begin "torchrun --nproc_per_node 2 (its agent's store) trains as --gpus 2 does"
+    expect_ok torchrun --standalone --nproc_per_node 2 --no-python ./train_unet "${ARGS[@]}" --batch_size 8 --steps 50 --run_dir "$TEST_TMP/torchrun2"
+    cmp -s <(rows "$TEST_TMP/two") <(rows "$TEST_TMP/torchrun2") || case_fail "the logged losses differ from --gpus 2's"
+
+    case_begin "torchrun as two nodes (--nnodes 2 --rdzv-backend c10d, one GPU each, own run folders) trains as --gpus 2 does"
+    port=$(free_port)
+    for k in 0 1; do
+        mkdir -p "$TEST_TMP/tnode$k"
+        CUDA_VISIBLE_DEVICES=$k torchrun --nnodes 2 --node_rank $k --nproc_per_node 1 --rdzv-backend c10d --rdzv-endpoint "127.0.0.1:$port" \
+            --no-python ./train_unet "${ARGS[@]}" --batch_size 8 --steps 50 --run_dir "$TEST_TMP/tnode$k/run" \
+            >"$TEST_TMP/tnode$k/out" 2>"$TEST_TMP/tnode$k/err" &
+        nodes[$k]=$!
+    done
+    wait "${nodes[0]}" || case_fail "node 0's torchrun exited $?"
+    wait "${nodes[1]}" || case_fail "node 1's torchrun exited $?"
+    written=$(ls -d "$TEST_TMP"/tnode[01]/run 2>/dev/null)  # (c10d chooses which node's worker is rank 0)
+    [ "$(echo "$written" | wc -w)" = 1 ] || case_fail "run folders written: $written (rank 0's alone expected)"
+    cmp -s <(rows "$TEST_TMP/two") <(rows $written) || case_fail "the logged losses differ from --gpus 2's"
+else
+    echo "torchrun is not installed: its cases on two GPUs are not run"
+fi
+if command -v mpirun >/dev/null 2>&1; then
+    case_begin "mpirun -np 2 -x MASTER_ADDR -x MASTER_PORT trains as --gpus 2 does"
+    expect_ok mpirun --allow-run-as-root --oversubscribe -np 2 -x MASTER_ADDR=127.0.0.1 -x MASTER_PORT="$(free_port)" ./train_unet "${ARGS[@]}" \
+        --batch_size 8 --steps 50 --run_dir "$TEST_TMP/mpirun2"
+    cmp -s <(rows "$TEST_TMP/two") <(rows "$TEST_TMP/mpirun2") || case_fail "the logged losses differ from --gpus 2's"
+else
+    echo "mpirun is not installed: its case on two GPUs is not run"
+fi
 
 # A rank that dies stops the others within the step's wait (30 s here): deterministic where no rank
 # waits for rank 0's checkpoint (the step after one: 30 minutes, for a large model's files). So rank
