@@ -43,8 +43,8 @@ static const char usage[] =
     "SAMPLES are each a dataset .bin, a folder of images (PNG, JPEG, BMP, TGA, PNM;\n"
     "in name order; generate's grid.png and base_grid.png left out; all of one\n"
     "size), guided-diffusion's .npz batch (its samples, its reference batches: the\n"
-    "images of arr_0) or a statistics file written by --save_stats. FID needs more\n"
-    "images in each set than its 2048 features, or the covariances are singular.\n"
+    "images of arr_0) or a statistics file written by --save_stats. Each set needs 4\n"
+    "images at least; below 2049 FID's covariances are singular, taken as they are.\n"
     "  --ref PATH          the reference set\n"
     "  --sample PATH       the set to judge\n"
     "  --save_stats FILE   write REF's statistics to FILE (.stats) and stop\n"
@@ -359,11 +359,13 @@ static void save_stats(const FeatureSet *s, const char *path, const char *incept
     }
 }
 
-// FID needs full-rank covariances: more images than features.
+// Any number of images the metrics are defined for, as guided-diffusion's evaluator takes: a
+// covariance (FID's, of fewer images than features a singular one, which frechet_distance takes as
+// it is) and precision and recall's NEIGHBOURS nearest neighbours besides an image itself.
 static void check_count(const FeatureSet *s, const char *option) {
-    if (s->count <= UNET_INCEPTION_FEATURES)
-        unet_die("%s %s holds %lld images: FID needs more than %d (the features' dimension), or the covariance is singular", option,
-                 s->path, (long long)s->count, UNET_INCEPTION_FEATURES);
+    if (s->count <= NEIGHBOURS)
+        unet_die("%s %s holds %lld images: precision and recall need more than %d (their nearest neighbours)", option, s->path,
+                 (long long)s->count, NEIGHBOURS);
 }
 
 int main(int argc, char **argv) {

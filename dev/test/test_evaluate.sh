@@ -39,13 +39,14 @@ expect_grep "batch takes a whole number in 1..1024, not '0'" "$LAST_ERR"
 expect_exit 2 ./evaluate --ref x.bin --sampel y.bin
 expect_grep "unknown option --sampel; did you mean --sample\?" "$LAST_ERR"
 
-case_begin "a set FID cannot use: too few images for the covariance, missing, neither a dataset nor statistics"
+case_begin "a set the metrics cannot use: too few images for precision and recall, missing, neither a dataset nor statistics"
 ./prepare_data --synthetic shapes --count 100 --size 16 --output "$T/small.bin" --quiet >/dev/null
-expect_exit 1 ./evaluate --ref "$T/small.bin" --sample "$T/small.bin"
-expect_grep "ref .*small.bin holds 100 images: FID needs more than 2048 \(the features' dimension\), or the covariance is singular" "$LAST_ERR"
+./prepare_data --synthetic shapes --count 3 --size 16 --output "$T/three.bin" --quiet >/dev/null
+expect_exit 1 ./evaluate --ref "$T/three.bin" --sample "$T/small.bin"
+expect_grep "ref .*three.bin holds 3 images: precision and recall need more than 3 \(their nearest neighbours\)" "$LAST_ERR"
 ./prepare_data --synthetic shapes --count 2049 --size 8 --output "$T/enough.bin" --quiet >/dev/null
-expect_exit 1 ./evaluate --ref "$T/enough.bin" --sample "$T/small.bin"
-expect_grep "sample .*small.bin holds 100 images" "$LAST_ERR"
+expect_exit 1 ./evaluate --ref "$T/enough.bin" --sample "$T/three.bin"
+expect_grep "sample .*three.bin holds 3 images" "$LAST_ERR"
 expect_exit 1 ./evaluate --ref "$T/missing.bin" --sample "$T/small.bin"
 expect_grep "cannot open .*missing.bin: No such file or directory" "$LAST_ERR"
 echo "not a dataset" >"$T/text.bin"
@@ -54,8 +55,8 @@ expect_grep "a set is a dataset .bin, a folder of images, a batch .npz or a .sta
 cp "$T/enough.bin" "$T/fake.stats"
 expect_exit 1 ./evaluate --ref "$T/enough.bin" --sample "$T/fake.stats"
 [ "$(grep -c '' "$LAST_ERR")" = 1 ] || case_fail "a .stats that is not safetensors: $(cat "$LAST_ERR")"
-expect_exit 1 ./evaluate --ref "$T/enough.bin" --save_stats "$T/out.stats" --num 2048
-expect_grep "holds 2048 images: FID needs more than 2048" "$LAST_ERR"
+expect_exit 1 ./evaluate --ref "$T/enough.bin" --save_stats "$T/out.stats" --num 3
+expect_grep "holds 3 images: precision and recall need more than 3" "$LAST_ERR"
 expect_absent "$T/out.stats"
 
 case_begin "a folder: images of mixed sizes and a folder without images are refused, generate's grids left out"
@@ -67,7 +68,7 @@ expect_exit 1 ./evaluate --ref "$T/empty" --sample "$T/small.bin"
 expect_grep "folder .*empty holds no images" "$LAST_ERR"
 write_pngs "$T/grids" 000000.png:16x16 grid.png:64x64 base_grid.png:32x32
 expect_exit 1 ./evaluate --ref "$T/grids" --sample "$T/small.bin"
-expect_grep "ref .*grids holds 1 images: FID needs more than 2048" "$LAST_ERR"
+expect_grep "ref .*grids holds 1 images: precision and recall need more than 3" "$LAST_ERR"
 
 case_begin "guided-diffusion's .npz batches: arr_0's images read in place; compressed, misshapen or short ones refused"
 # write_npz FILE N H W C [DESCR] [MODE]: np.savez's layout (a stored zip of arr_0.npy) from python3's standard library;
@@ -86,9 +87,9 @@ with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED if mode == "deflated" else 
     z.writestr("other.npy" if mode == "other" else "arr_0.npy", npy)
 PY
 }
-write_npz "$T/small.npz" 100 8 8 3
+write_npz "$T/small.npz" 3 8 8 3
 expect_exit 1 ./evaluate --ref "$T/small.npz" --sample "$T/small.bin"
-expect_grep "ref .*small.npz holds 100 images: FID needs more than 2048" "$LAST_ERR"
+expect_grep "ref .*small.npz holds 3 images: precision and recall need more than 3" "$LAST_ERR"
 write_npz "$T/deflated.npz" 100 8 8 3 "|u1" deflated
 expect_exit 1 ./evaluate --ref "$T/deflated.npz" --sample "$T/small.bin"
 expect_grep "deflated.npz: zip entry arr_0.npy is compressed: only stored entries are read" "$LAST_ERR"
