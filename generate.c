@@ -32,22 +32,27 @@ static const char usage[] =
     "saved as safetensors with its flags in the metadata) and writes one PNG per\n"
     "image and a grid. A model with a learned variance (learn_sigma) samples ddpm\n"
     "with its own variance, one without with beta_t (guided-diffusion's default);\n"
-    "ddim and dpm++ use the mean. Pixels are ((x + 1) * 127.5) truncated to 0..255,\n"
+    "ddim, dpm++ and euler_a use the mean. Pixels are ((x + 1) * 127.5) truncated to 0..255,\n"
     "as guided-diffusion's scripts write samples.\n"
     "  --checkpoint PATH   a checkpoint folder, a .safetensors file, or a PyTorch .pt\n"
     "                      state_dict (read without running its pickle)\n"
     "  --weights ema|model the folder's EMA weights or its raw weights [ema]\n"
-    "  --sampler S         ddim, ddpm (ancestral, every step) or dpm++ (DPM-Solver++\n"
-    "                      2M) [ddim]\n"
-    "  --steps N           sampling steps: ddim 50, dpm++ 20 by default; ddpm all\n"
-    "                      diffusion steps, or N respaced as --respacing N\n"
+    "  --sampler S         ddim, ddpm (ancestral, every step), dpm++ (DPM-Solver++\n"
+    "                      2M) or euler_a (Euler ancestral, on Karras levels) [ddim]\n"
+    "  --steps N           sampling steps: ddim 50, dpm++ 20, euler_a 30 by default;\n"
+    "                      ddpm all diffusion steps, or N respaced as --respacing N\n"
+    "  --schedule karras   ddim, dpm++: the steps on Karras et al.'s noise levels, as\n"
+    "                      k-diffusion samples (x0 not clipped); else guided-\n"
+    "                      diffusion's spacing (ddim, ddpm) or log-SNR's (dpm++)\n"
+    "  --sigma_min S, --sigma_max S, --rho R  Karras levels: sigma from sigma_max\n"
+    "                      to sigma_min [the model's own range], rho [7]\n"
     "  --respacing SPEC    ddim and ddpm: guided-diffusion's timestep_respacing:\n"
     "                      ddimN (every s-th step, N of them) or section counts N or\n"
     "                      N1,N2,... (N_i evenly spaced steps in each of equal\n"
     "                      sections)\n"
     "  --spacing S         ddim and ddpm: --steps spaced leading (ddimN's), trailing\n"
     "                      (ending at the last step) or linspace (Lin et al. 2023)\n"
-    "  --eta E             DDIM's noise, 0 (deterministic) to 1 [0]\n"
+    "  --eta E             the noise of ddim (0: deterministic) [0] and euler_a [1]\n"
     "  --sigma_small BOOL  a model without a learned variance: ddpm and --nll with\n"
     "                      the posterior's beta_tilde_t instead of beta_t\n"
     "                      (guided-diffusion's flag) [the checkpoint's, else False]\n"
@@ -58,7 +63,7 @@ static const char usage[] =
     "                      --model classifier: a checkpoint folder or its\n"
     "                      .safetensors; or guided-diffusion's classifier .pt): each\n"
     "                      step adds s grad log p(y|x_t) for the image's class y, to\n"
-    "                      ddpm's mean times its variance, to ddim's and dpm++'s eps\n"
+    "                      ddpm's mean times its variance, to the others' eps\n"
     "                      times -sqrt(1 - abar); with --guidance too, both\n"
     "  --classifier_scale S  the scale s of classifier guidance [1]\n"
     "  --low_res FILE.bin  an upsampler (train_unet --super_res): the images to\n"
@@ -121,8 +126,10 @@ static const char *const classifier_flag_names[] = {"classifier_width", "classif
 
 typedef struct {
     const char *checkpoint, *weights, *sampler, *class_name, *out, *eval, *output, *respacing, *nll, *spacing, *classifier, *low_res, *upsampler;
+    const char *schedule;  // "karras", or NULL: the sampler's own spacing
     int steps, up_steps, num, batch, bench;
-    double eta, guidance, classifier_scale;
+    double eta, guidance, classifier_scale;  // eta < 0: the sampler's default
+    double sigma_min, sigma_max, rho;        // Karras levels (0: the model's own sigma_min, sigma_max)
     int classifier_scale_given;
     long long seed;
     char *model_flags[NUM_MODEL_FLAG_NAMES], *classifier_flags[NUM_CLASSIFIER_FLAG_NAMES];  // "name=value"
@@ -142,12 +149,12 @@ static double real_option(const char *name, const char *s, double lo, double hi)
 // underscore); no arguments, -h or --help print the usage, --version the version.
 static Options parse_options(int argc, char **argv) {
     static const char *const names[] = {"checkpoint", "weights", "sampler", "class", "out", "eval", "output", "respacing", "nll",
-                                        "spacing", "classifier", "low_res", "upsampler", "steps", "up_steps", "num", "batch", "bench", "seed", "eta", "classifier_scale",
+                                        "schedule", "sigma_min", "sigma_max", "rho", "spacing", "classifier", "low_res", "upsampler", "steps", "up_steps", "num", "batch", "bench", "seed", "eta", "classifier_scale",
                                         "guidance"};
     Options o;
     memset(&o, 0, sizeof o);  // batch 0: the largest that fits
     o.weights = "ema", o.sampler = "ddim", o.class_name = "all", o.out = "samples", o.respacing = "", o.num = 64;
-    o.guidance = 1.0, o.classifier_scale = 1.0;
+    o.guidance = 1.0, o.classifier_scale = 1.0, o.eta = -1, o.rho = 7;
     if (argc < 2) fputs(usage, stdout), exit(0);
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
@@ -192,6 +199,10 @@ static Options parse_options(int argc, char **argv) {
         else if (strcmp(name, "respacing") == 0) o.respacing = v;
         else if (strcmp(name, "nll") == 0) o.nll = v;
         else if (strcmp(name, "spacing") == 0) o.spacing = v;
+        else if (strcmp(name, "schedule") == 0) o.schedule = v;
+        else if (strcmp(name, "sigma_min") == 0) o.sigma_min = real_option(flag, v, 1e-6, 1e6);
+        else if (strcmp(name, "sigma_max") == 0) o.sigma_max = real_option(flag, v, 1e-6, 1e6);
+        else if (strcmp(name, "rho") == 0) o.rho = real_option(flag, v, 0.1, 100);
         else if (strcmp(name, "classifier") == 0) o.classifier = v;
         else if (strcmp(name, "low_res") == 0) o.low_res = v;
         else if (strcmp(name, "upsampler") == 0) o.upsampler = v;
@@ -208,15 +219,27 @@ static Options parse_options(int argc, char **argv) {
     if (!o.checkpoint) unet_usage_error("--checkpoint is required");
     if (strcmp(o.weights, "ema") != 0 && strcmp(o.weights, "model") != 0)
         unet_usage_error("--weights must be ema or model, not '%s'", o.weights);
-    if (strcmp(o.sampler, "ddim") != 0 && strcmp(o.sampler, "ddpm") != 0 && strcmp(o.sampler, "dpm++") != 0)
-        unet_usage_error("--sampler must be ddim, ddpm or dpm++, not '%s'", o.sampler);
+    if (strcmp(o.sampler, "ddim") != 0 && strcmp(o.sampler, "ddpm") != 0 && strcmp(o.sampler, "dpm++") != 0 &&
+        strcmp(o.sampler, "euler_a") != 0)
+        unet_usage_error("--sampler must be ddim, ddpm, dpm++ or euler_a, not '%s'", o.sampler);
+    if (o.schedule && strcmp(o.schedule, "karras") != 0) unet_usage_error("--schedule must be karras, not '%s'", o.schedule);
+    if (strcmp(o.sampler, "euler_a") == 0) o.schedule = "karras";  // (its only levels)
+    if (o.schedule && strcmp(o.sampler, "ddpm") == 0)
+        unet_usage_error("--schedule karras goes with --sampler ddim, dpm++ or euler_a: ddpm steps through the model's own variances");
+    if (o.schedule && (o.respacing[0] || o.spacing))
+        unet_usage_error("--schedule karras places the steps itself: it goes with neither --respacing nor --spacing");
+    if (!o.schedule && (o.sigma_min || o.sigma_max || o.rho != 7))
+        unet_usage_error("--sigma_min, --sigma_max and --rho set Karras levels: they need --schedule karras or --sampler euler_a");
+    if (o.sigma_min && o.sigma_max && o.sigma_min >= o.sigma_max)
+        unet_usage_error("--sigma_min %g is not below --sigma_max %g", o.sigma_min, o.sigma_max);
     if (o.spacing && strcmp(o.spacing, "leading") != 0 && strcmp(o.spacing, "trailing") != 0 && strcmp(o.spacing, "linspace") != 0)
         unet_usage_error("--spacing must be leading, trailing or linspace, not '%s'", o.spacing);
     if (o.spacing && (o.respacing[0] || strcmp(o.sampler, "dpm++") == 0))
         unet_usage_error("--spacing spaces ddim's and ddpm's --steps: it goes with neither --respacing nor --sampler dpm++");
     if (o.respacing[0] && (strcmp(o.sampler, "dpm++") == 0 || o.steps))
         unet_usage_error("--respacing gives ddim's and ddpm's steps: it goes with neither --sampler dpm++ nor --steps");
-    if (o.nll && (o.eval || o.bench || o.steps || strcmp(o.sampler, "ddim") != 0 || o.guidance != 1.0 || o.classifier || o.low_res))
+    if (o.nll && (o.eval || o.bench || o.steps || strcmp(o.sampler, "ddim") != 0 || o.schedule || o.guidance != 1.0 || o.classifier ||
+                  o.low_res))
         unet_usage_error("--nll measures a likelihood: it goes with --num, --batch, --respacing and --seed only");
     if ((o.eval != NULL) != (o.output != NULL))
         unet_usage_error("--eval IN.safetensors and --output OUT.safetensors go together");
@@ -276,6 +299,41 @@ static double sample_batches(UnetSampler *sampler, int num, int batch, const int
     return ms;
 }
 
+// --sampler's kind, its default steps and eta.
+static SamplerKind sampler_kind(const Options *o) {
+    return strcmp(o->sampler, "ddpm") == 0      ? SAMPLER_DDPM
+           : strcmp(o->sampler, "dpm++") == 0   ? SAMPLER_DPM_SOLVER_PP
+           : strcmp(o->sampler, "euler_a") == 0 ? SAMPLER_EULER_ANCESTRAL
+                                                : SAMPLER_DDIM;
+}
+static int default_steps(SamplerKind kind) {
+    return kind == SAMPLER_DPM_SOLVER_PP ? 20 : kind == SAMPLER_EULER_ANCESTRAL ? 30 : kind == SAMPLER_DDPM ? 0 : 50;
+}
+
+// The plan of `count` steps of the sampler on a model's schedule: on Karras levels (--schedule
+// karras; euler_a's only), as k-diffusion samples, x0 not clipped; else on guided-diffusion's
+// spacings (respacing: a spec, or NULL), x0 clipped to [-1, 1] as its samplers do. Returns 0, or -1
+// when the steps or levels do not fit the schedule.
+static int make_plan(const Options *o, SamplePlan *plan, const NoiseSchedule *schedule, SamplerKind kind, int count, const char *respacing,
+                     const UnetInfo *info) {
+    float eta = (float)(o->eta >= 0 ? o->eta : kind == SAMPLER_EULER_ANCESTRAL ? 1.0 : 0.0);
+    if (o->schedule) {
+        KarrasLevels levels = {o->sigma_min, o->sigma_max, o->rho};
+        return sample_plan_karras(plan, schedule, kind, count, levels, eta, info->diffusion.predict, 0);
+    }
+    return sample_plan_make(plan, schedule, kind, count, respacing, eta, info->diffusion.predict, 1, info->diffusion.variance);
+}
+
+// Exits with one line for Karras levels that do not fit a model's schedule: --sigma_min or
+// --sigma_max beyond the other end of the model's own range.
+static void check_levels(const Options *o, const NoiseSchedule *schedule, const char *file) {
+    double lo = o->sigma_min ? o->sigma_min : schedule_sigma(schedule, 0);
+    double hi = o->sigma_max ? o->sigma_max : schedule_sigma(schedule, schedule->steps - 1);
+    if (lo >= hi)
+        unet_die("%s: Karras levels from sigma_min %g to sigma_max %g are empty (its own range: %g to %g)", file, lo, hi,
+                 schedule_sigma(schedule, 0), schedule_sigma(schedule, schedule->steps - 1));
+}
+
 // The cascade's second stage, before the GPU is used: the upsampler --upsampler, checked against
 // the base model (its small size is the base's size; a class-conditional one needs the base's
 // classes), and its plan (the sampler's kind and eta, --up_steps or the sampler's default).
@@ -294,8 +352,9 @@ static UnetCheckpoint *upsampler_open(const Options *o, const UnetInfo *base, in
         unet_die("--upsampler %s is conditioned on %d classes; the images sampled have %d", info->file, up_classes, classes);
     if (noise_schedule_make(schedule, info->diffusion.steps, info->diffusion.schedule) != 0)
         unet_die("%s: unknown noise_schedule '%s' in its metadata", info->file, info->diffusion.schedule);
-    int count = o->up_steps ? o->up_steps : kind == SAMPLER_DPM_SOLVER_PP ? 20 : kind == SAMPLER_DDPM ? 0 : 50;
-    if (sample_plan_make(plan, schedule, kind, count, NULL, (float)o->eta, info->diffusion.predict, 1, info->diffusion.variance) != 0)
+    int count = o->up_steps ? o->up_steps : default_steps(kind);
+    if (o->schedule) check_levels(o, schedule, info->file);
+    if (make_plan(o, plan, schedule, kind, count, NULL, info) != 0)
         unet_die("--up_steps %d: no spacing of the upsampler's %d diffusion steps gives that many", count, info->diffusion.steps);
     return ck;
 }
@@ -410,14 +469,15 @@ int main(int argc, char **argv) {
     SamplePlan plan;
     if (noise_schedule_make(&schedule, info.diffusion.steps, info.diffusion.schedule) != 0)
         unet_die("%s: unknown noise_schedule '%s' in its metadata", file, info.diffusion.schedule);
-    SamplerKind kind = strcmp(o.sampler, "ddpm") == 0 ? SAMPLER_DDPM : strcmp(o.sampler, "dpm++") == 0 ? SAMPLER_DPM_SOLVER_PP : SAMPLER_DDIM;
-    int count = o.steps ? o.steps : kind == SAMPLER_DPM_SOLVER_PP ? 20 : kind == SAMPLER_DDPM ? 0 : 50;
+    SamplerKind kind = sampler_kind(&o);
+    int count = o.steps ? o.steps : default_steps(kind);
     char spaced[32];
     if (o.spacing) {  // Lin et al.'s spacings of the steps, as respacing specs (sampler.h)
         snprintf(spaced, sizeof spaced, "%s%d", o.spacing, count ? count : info.diffusion.steps);
         o.respacing = spaced;
     }
-    if (sample_plan_make(&plan, &schedule, kind, count, o.respacing, (float)o.eta, info.diffusion.predict, 1, info.diffusion.variance) != 0) {
+    if (o.schedule) check_levels(&o, &schedule, file);
+    if (make_plan(&o, &plan, &schedule, kind, count, o.respacing, &info) != 0) {
         if (o.spacing)
             unet_die("--spacing %s: %d steps do not fit the %d diffusion steps", o.spacing, count ? count : info.diffusion.steps,
                      info.diffusion.steps);

@@ -164,6 +164,41 @@ static inline int sample_schedule_log_snr(const NoiseSchedule *d, int steps, Sam
     return 0;
 }
 
+// Karras et al.'s noise levels (EDM, 2022) for a discrete-time model, as k-diffusion samples one. In
+// the variance-exploding view x_ve = x / sqrt(abar), sigma = sqrt((1 - abar) / abar), `steps` levels
+//   sigma_i = (sigma_max^(1/rho) + i / (steps - 1) (sigma_min^(1/rho) - sigma_max^(1/rho)))^rho
+// then 0 (get_sigmas_karras); sigma_min and sigma_max default (0) to the schedule's own, sigma(0) and
+// sigma(T-1). A level's abar is 1 / (1 + sigma^2), and the model sees the t whose sigma is nearest
+// in log sigma, the lower on a tie (DiscreteSchedule.sigma_to_t, quantized). Returns 0, or -1 for
+// no steps, a rho that is not positive, sigma_min not below sigma_max, or without memory. Either way
+// *s can be freed.
+typedef struct {
+    double sigma_min, sigma_max, rho;
+} KarrasLevels;
+
+static inline double schedule_sigma(const NoiseSchedule *d, int t) { return sqrt((1 - d->alphas_cumprod[t]) / d->alphas_cumprod[t]); }
+
+static inline int sample_schedule_karras(const NoiseSchedule *d, int steps, KarrasLevels k, SampleSchedule *s) {
+    memset(s, 0, sizeof *s);
+    double lo = k.sigma_min > 0 ? k.sigma_min : schedule_sigma(d, 0), hi = k.sigma_max > 0 ? k.sigma_max : schedule_sigma(d, d->steps - 1);
+    if (steps < 1 || !(k.rho > 0) || !(lo < hi)) return -1;
+    s->timesteps = (int *)malloc(steps * sizeof(int));
+    s->abar = (double *)malloc(steps * sizeof(double));
+    if (!s->timesteps || !s->abar) return -1;
+    s->count = steps;
+    for (int i = 0; i < steps; i++) {  // from the noisiest: schedule index steps - 1 - i
+        double ramp = steps == 1 ? 0.0 : (double)i / (steps - 1);
+        double sigma = pow(pow(hi, 1 / k.rho) + ramp * (pow(lo, 1 / k.rho) - pow(hi, 1 / k.rho)), k.rho), best = INFINITY;
+        int t_best = 0;
+        for (int t = 0; t < d->steps; t++) {
+            double gap = fabs(log(schedule_sigma(d, t)) - log(sigma));
+            if (gap < best) best = gap, t_best = t;
+        }
+        s->timesteps[steps - 1 - i] = t_best, s->abar[steps - 1 - i] = 1 / (1 + sigma * sigma);
+    }
+    return 0;
+}
+
 static inline void sample_schedule_free(SampleSchedule *s) {
     free(s->timesteps);
     free(s->abar);
@@ -297,6 +332,16 @@ HOST_DEVICE static inline float dpm_solver_pp_update(float x, float x0, float x0
     return (sigma_prev / sigma) * x - alpha_prev * expm1f(-h) * D;
 }
 
+// Euler ancestral (k-diffusion's sample_euler_ancestral): in x_ve = x / sqrt(abar), an Euler step of
+// the probability-flow ODE from sigma down to sigma_down, then fresh noise of sigma_up, where
+// sigma_up = min(sigma_next, eta sqrt(sigma_next^2 (sigma^2 - sigma_next^2) / sigma^2)) and
+// sigma_down^2 + sigma_up^2 = sigma_next^2:
+//   x_ve' = x0 + sigma_down (x_ve - x0) / sigma + sigma_up z,   x' = sqrt(abar_prev) x_ve'
+// down = sigma_down / sigma and up = sigma_up are the step's; the last step (sigma_next = 0) gives x0.
+HOST_DEVICE static inline float euler_ancestral_update(float x, float x0, float abar, float abar_prev, float down, float up, float z) {
+    return sqrtf(abar_prev) * (x0 + down * (x / sqrtf(abar) - x0) + up * z);
+}
+
 // lambda = log(alpha / sigma) of a step (abar < 1).
 static inline double log_snr_half(double abar) { return 0.5 * log(abar / (1.0 - abar)); }
 
@@ -323,13 +368,14 @@ HOST_DEVICE static inline float guided_output(float cond, float uncond, float w)
 // from the predicted x0, plus noise of the posterior's variance (DDIM with eta = 1 is the same step)
 // or, with a learned variance, the model's.
 
-typedef enum { SAMPLER_DDPM, SAMPLER_DDIM, SAMPLER_DPM_SOLVER_PP } SamplerKind;
+typedef enum { SAMPLER_DDPM, SAMPLER_DDIM, SAMPLER_DPM_SOLVER_PP, SAMPLER_EULER_ANCESTRAL } SamplerKind;
 
 typedef struct {
     int timestep;           // the model's t (the original, unrespaced)
     float abar, abar_prev;  // from abar to abar_prev (1 after the last step)
-    float eta;              // DDIM's noise scale
-    int noisy;              // draws z: DDIM with eta > 0, but not the last step (sigma is 0 there)
+    float eta;              // DDIM's and Euler ancestral's noise scale
+    int noisy;              // draws z: DDIM and Euler ancestral with eta > 0, but not the last step (sigma is 0 there)
+    float down, up;         // Euler ancestral: sigma_down / sigma and sigma_up (euler_ancestral_update)
     float r;                // DPM-Solver++: h_last / h
     int second_order;       // DPM-Solver++: all steps but the first and the last
     TimestepTerms terms;    // DDPM: the posterior and the learned range of the step (of the respaced schedule)
@@ -340,8 +386,52 @@ typedef struct {
     SamplerKind kind;
     int count, predict, clip;
     int learned;        // DDPM draws with the model's variance (its second output half)
+    float start_scale;  // the starting noise's: 1 (x_T ~ N(0, I), as guided-diffusion's samplers), or on
+                        // Karras levels sqrt(1 - abar) of the first (k-diffusion's sigma_max x_ve)
     SampleStep *steps;  // [count]
 } SamplePlan;
+
+// The plan for a sampler on the steps kept in s (sample_schedule_*): see sample_plan_make. Returns
+// 0, or -1 without memory; frees s either way.
+static inline int sample_plan_from_schedule(SamplePlan *p, SampleSchedule *s, SamplerKind kind, float eta, int predict, int clip,
+                                            VarianceType variance) {
+    p->kind = kind, p->count = s->count, p->predict = predict, p->clip = clip, p->start_scale = 1.0f;
+    p->learned = variance == VARIANCE_LEARNED_RANGE && kind == SAMPLER_DDPM;
+    NoiseSchedule respaced = {0, NULL, NULL};
+    p->steps = s->count > 0 ? (SampleStep *)calloc((size_t)s->count, sizeof(SampleStep)) : NULL;
+    if (!p->steps || noise_schedule_respaced(s, &respaced) != 0) {
+        free(p->steps), p->steps = NULL;
+        noise_schedule_free(&respaced);
+        return sample_schedule_free(s), -1;
+    }
+    double h_last = 0;
+    for (int j = 0; j < s->count; j++) {
+        int k = s->count - 1 - j;  // the schedule's index, from the last
+        SampleStep *st = &p->steps[j];
+        st->timestep = s->timesteps[k];
+        st->abar = (float)s->abar[k], st->abar_prev = k > 0 ? (float)s->abar[k - 1] : 1.0f;
+        st->eta = kind == SAMPLER_DPM_SOLVER_PP ? 0.0f : eta;
+        st->noisy = st->eta > 0.0f && k > 0;
+        st->terms = timestep_terms(&respaced, k);
+        double log_large = k > 0 ? log(respaced.betas[k]) : (double)st->terms.log_var_min;
+        st->log_variance = variance == VARIANCE_FIXED_LARGE ? (float)log_large : st->terms.log_var_min;
+        st->variance = variance == VARIANCE_FIXED_LARGE ? (float)exp(log_large) : st->terms.posterior_variance;
+        if (kind == SAMPLER_DPM_SOLVER_PP) {
+            double h = k > 0 ? log_snr_half(s->abar[k - 1]) - log_snr_half(s->abar[k]) : 0.0;
+            st->second_order = j > 0 && k > 0;
+            st->r = st->second_order ? (float)(h_last / h) : 1.0f;
+            h_last = h;
+        }
+        if (kind == SAMPLER_EULER_ANCESTRAL) {  // sigma^2 = (1 - abar) / abar, the next 0 after the last step
+            double from2 = (1 - s->abar[k]) / s->abar[k], to2 = k > 0 ? (1 - s->abar[k - 1]) / s->abar[k - 1] : 0.0;
+            double up = fmin(sqrt(to2), eta * sqrt(to2 * (from2 - to2) / from2));
+            st->up = (float)up, st->down = (float)(sqrt(fmax(to2 - up * up, 0.0)) / sqrt(from2));
+        }
+    }
+    noise_schedule_free(&respaced);
+    sample_schedule_free(s);
+    return 0;
+}
 
 // The plan for a sampler on a noise schedule: DDIM and DDPM on guided-diffusion's respacing (the
 // spec `respacing`, else "ddimN" for DDIM's `steps` and, for DDPM, section count `steps`, all T
@@ -360,36 +450,23 @@ static inline int sample_plan_make(SamplePlan *p, const NoiseSchedule *d, Sample
     int made = kind == SAMPLER_DPM_SOLVER_PP     ? sample_schedule_log_snr(d, steps, &s)
                : respacing && respacing[0] ? sample_schedule_respaced(d, respacing, &s)
                                            : sample_schedule_make(d, steps, &s);
-    p->kind = kind, p->count = s.count, p->predict = predict, p->clip = clip;
-    p->learned = variance == VARIANCE_LEARNED_RANGE && kind == SAMPLER_DDPM;
-    NoiseSchedule respaced = {0, NULL, NULL};
-    p->steps = made == 0 && s.count > 0 ? (SampleStep *)calloc((size_t)s.count, sizeof(SampleStep)) : NULL;
-    if (!p->steps || noise_schedule_respaced(&s, &respaced) != 0) {
-        free(p->steps), p->steps = NULL;
-        noise_schedule_free(&respaced);
-        return sample_schedule_free(&s), -1;
-    }
-    double h_last = 0;
-    for (int j = 0; j < s.count; j++) {
-        int k = s.count - 1 - j;  // the schedule's index, from the last
-        SampleStep *st = &p->steps[j];
-        st->timestep = s.timesteps[k];
-        st->abar = (float)s.abar[k], st->abar_prev = k > 0 ? (float)s.abar[k - 1] : 1.0f;
-        st->eta = kind == SAMPLER_DPM_SOLVER_PP ? 0.0f : eta;
-        st->noisy = st->eta > 0.0f && k > 0;
-        st->terms = timestep_terms(&respaced, k);
-        double log_large = k > 0 ? log(respaced.betas[k]) : (double)st->terms.log_var_min;
-        st->log_variance = variance == VARIANCE_FIXED_LARGE ? (float)log_large : st->terms.log_var_min;
-        st->variance = variance == VARIANCE_FIXED_LARGE ? (float)exp(log_large) : st->terms.posterior_variance;
-        if (kind == SAMPLER_DPM_SOLVER_PP) {
-            double h = k > 0 ? log_snr_half(s.abar[k - 1]) - log_snr_half(s.abar[k]) : 0.0;
-            st->second_order = j > 0 && k > 0;
-            st->r = st->second_order ? (float)(h_last / h) : 1.0f;
-            h_last = h;
-        }
-    }
-    noise_schedule_free(&respaced);
-    sample_schedule_free(&s);
+    memset(p, 0, sizeof *p);
+    if (made != 0) return sample_schedule_free(&s), -1;
+    return sample_plan_from_schedule(p, &s, kind, eta, predict, clip, variance);
+}
+
+// The plan of DDIM (eta 0: k-diffusion's sample_euler), DPM-Solver++(2M) (sample_dpmpp_2m) or Euler
+// ancestral (sample_euler_ancestral, eta 1 by default) on `steps` Karras levels
+// (sample_schedule_karras), from noise of sigma_max. A learned variance's second half is not used.
+// Returns 0, or -1 for levels sample_schedule_karras refuses (or without memory).
+static inline int sample_plan_karras(SamplePlan *p, const NoiseSchedule *d, SamplerKind kind, int steps, KarrasLevels levels, float eta,
+                                     int predict, int clip) {
+    SampleSchedule s = {0, NULL, NULL};
+    memset(p, 0, sizeof *p);
+    if (kind == SAMPLER_DDPM || sample_schedule_karras(d, steps, levels, &s) != 0) return sample_schedule_free(&s), -1;
+    double first = s.abar[s.count - 1];
+    if (sample_plan_from_schedule(p, &s, kind, eta, predict, clip, VARIANCE_FIXED_SMALL) != 0) return -1;
+    p->start_scale = (float)sqrt(1 - first);
     return 0;
 }
 
@@ -413,6 +490,7 @@ HOST_DEVICE static inline float sample_step_value(const SamplePlan *p, const Sam
         return st->noisy ? mean + expf(0.5f * log_var) * z : mean;
     }
     x0 = score_guided_x0(x0, st->abar, score);
+    if (p->kind == SAMPLER_EULER_ANCESTRAL) return euler_ancestral_update(x, x0, st->abar, st->abar_prev, st->down, st->up, z);
     if (p->kind != SAMPLER_DPM_SOLVER_PP) return ddim_from_x0(x, x0, st->abar, st->abar_prev, st->eta, z);
     float next = dpm_solver_pp_update(x, x0, *x0_last, st->abar, st->abar_prev, st->r, st->second_order);
     *x0_last = x0;
@@ -437,8 +515,8 @@ HOST_DEVICE static inline float normal_sample(uint64_t seed, uint64_t stream, ui
 #endif
 }
 
-// The plan on the host, for any model: x holds n values of starting noise and is replaced by the
-// samples. model(ctx, x, t, out) writes the model's output for x at timestep t (classifier-free
+// The plan on the host, for any model: x holds n values of unit starting noise (scaled here by the
+// plan's start_scale) and is replaced by the samples. model(ctx, x, t, out) writes the model's output for x at timestep t (classifier-free
 // guidance, if any, inside it): n values, and with a learned variance n more, the variance half
 // (value i's at n + i); `scored`: then n more, classifier guidance's score g of each value (see
 // score_guided_x0). noise(ctx, j, i) draws z for value i at step j of the plan.
@@ -452,6 +530,7 @@ static inline int sample_loop(const SamplePlan *p, SamplerModel model, int score
     if (!out || !x0_last) return free(out), free(x0_last), -1;
     if (p->learned) v = out + n;
     if (scored) score = out + (p->learned ? 2 : 1) * n;
+    for (size_t i = 0; i < n; i++) x[i] *= p->start_scale;
     for (int j = 0; j < p->count; j++) {
         const SampleStep *st = &p->steps[j];
         model(ctx, x, st->timestep, out);

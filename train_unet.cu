@@ -4452,9 +4452,10 @@ typedef struct {
     int64_t offset;  // the batch's first value: first image * values per image
 } SampleCursor;
 
-__global__ void sample_start_kernel(float *x, int64_t n, uint64_t seed, const SampleCursor *c) {
+// The starting noise: scale (the plan's start_scale) times unit normal draws.
+__global__ void sample_start_kernel(float *x, int64_t n, uint64_t seed, float scale, const SampleCursor *c) {
     for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
-        x[i] = normal_sample(seed, rng_stream(RNG_SAMPLE_START, 0), c->offset + i);
+        x[i] = scale * normal_sample(seed, rng_stream(RNG_SAMPLE_START, 0), c->offset + i);
 }
 
 // A step's inputs: x (n values of C channels) as the model's input (both halves when guided; its
@@ -7054,7 +7055,7 @@ static float gpu_sampler_run(GpuSampler *s, int64_t first, int count, const int 
     gpu_sampler_begin(s, first, count, labels, low_res);
     int64_t per_image = image_values(&s->m) / s->m.batch, n = s->images * per_image;
     cuda_check(cudaEventRecord(s->start, gpu.stream));
-    sample_start_kernel<<<blocks_for(n, 256), 256, 0, gpu.stream>>>(s->x, n, s->seed, s->cursor);
+    sample_start_kernel<<<blocks_for(n, 256), 256, 0, gpu.stream>>>(s->x, n, s->seed, s->plan.start_scale, s->cursor);
     cuda_check_launch();
     gpu_sampler_steps(s, progress, ctx);
     to_pixels_kernel<<<blocks_for(n, 256), 256, 0, gpu.stream>>>(s->pixels, s->x, n);

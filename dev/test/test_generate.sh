@@ -78,6 +78,21 @@ expect_exit 2 ./generate --checkpoint "$UNCOND" --spacing trailing --respacing 1
 expect_exit 2 ./generate --checkpoint "$UNCOND" --spacing middle
 expect_exit 2 ./generate --checkpoint "$SIGMA" --sampler dpm++ --respacing 10
 expect_grep "goes with neither --sampler dpm\+\+ nor --steps" "$LAST_ERR"
+# Karras levels: with ddim, dpm++ and euler_a (its own); their values checked before the GPU
+expect_exit 2 ./generate --checkpoint "$UNCOND" --schedule exponential
+expect_grep "schedule must be karras, not 'exponential'" "$LAST_ERR"
+expect_exit 2 ./generate --checkpoint "$UNCOND" --schedule karras --sampler ddpm
+expect_grep "schedule karras goes with --sampler ddim, dpm\+\+ or euler_a" "$LAST_ERR"
+expect_exit 2 ./generate --checkpoint "$UNCOND" --sampler euler_a --respacing 10
+expect_grep "places the steps itself" "$LAST_ERR"
+expect_exit 2 ./generate --checkpoint "$UNCOND" --sigma_max 80
+expect_grep "need --schedule karras or --sampler euler_a" "$LAST_ERR"
+expect_exit 2 ./generate --checkpoint "$UNCOND" --schedule karras --sigma_min 5 --sigma_max 1
+expect_grep "sigma_min 5 is not below --sigma_max 1" "$LAST_ERR"
+expect_exit 2 ./generate --checkpoint "$UNCOND" --schedule karras --rho 0
+expect_grep "rho takes a number in 0.1..100, not '0'" "$LAST_ERR"
+expect_fail ./generate --checkpoint "$UNCOND" --sampler euler_a --sigma_min 1000
+expect_grep "Karras levels from sigma_min 1000 to sigma_max [0-9.]+ are empty \(its own range: " "$LAST_ERR"
 expect_fail ./generate --checkpoint "$UNCOND" --steps 999
 grep -q 'see --help' "$LAST_ERR" && case_fail "a checkpoint's error reads as a usage error: $(cat "$LAST_ERR")"
 head -c 5000 "$UNCOND" >"$TEST_TMP/cut.safetensors"

@@ -4,7 +4,8 @@
 // (train_unet.cu's bound_term, sampler.h's respacing and learned DDPM step) against
 // scripts/make_diffusion_fixture.py's (PyTorch, float64, gradients by autograd), and the schedule
 // sampler's distribution of t (train_unet.cu's LossHistory) against its LossSecondMomentResampler,
-// on the fixtures' random cases. Each step is computed in float, so the tolerance is 1e-5 relative per case.
+// on the fixtures' random cases; and the samplers on Karras levels run whole against k-diffusion's
+// (scripts/make_karras_fixture.py). Each step is computed in float, so the tolerance is 1e-5 relative per case.
 #define TRAIN_UNET_LIBRARY
 #include "../../train_unet.cu"
 #include "check.h"
@@ -17,6 +18,7 @@ static double *tensor_of(const SafeTensorsFile *file, const char *name, int64_t 
     double *out = (double *)malloc_or_die(t->numel * sizeof(double));
     if (strcmp(t->dtype, "F64") == 0) memcpy(out, t->data, t->numel * sizeof(double));
     else if (strcmp(t->dtype, "I64") == 0) for (int64_t i = 0; i < t->numel; i++) out[i] = (double)((const int64_t *)t->data)[i];
+    else if (strcmp(t->dtype, "F32") == 0) for (int64_t i = 0; i < t->numel; i++) out[i] = ((const float *)t->data)[i];
     else fatal("sampler fixture: %s is %s", name, t->dtype);
     if (numel) *numel = t->numel;
     return out;
@@ -112,6 +114,61 @@ static double *kind_tensor(const char *kind, const char *part, int64_t *numel) {
     char name[64];
     snprintf(name, sizeof name, "%s_%s", kind, part);
     return tensor(name, numel);
+}
+
+// The Karras fixture's toy model: out = tanh(w[t] x + b[t]) per value; and its draws per step.
+typedef struct {
+    const double *w, *b, *noise;  // noise: [steps][n] of the case
+    int n;
+} ToyModel;
+
+static void toy_model(void *ctx, const float *x, int t, float *out) {
+    const ToyModel *m = (const ToyModel *)ctx;
+    for (int i = 0; i < m->n; i++) out[i] = tanhf((float)m->w[t] * x[i] + (float)m->b[t]);
+}
+
+static float toy_noise(void *ctx, int j, size_t i) {
+    const ToyModel *m = (const ToyModel *)ctx;
+    return (float)m->noise[(size_t)j * m->n + i];
+}
+
+// sample_plan_karras's plans run whole (sample_loop) on the toy model, against k-diffusion's
+// sample_euler, sample_euler_ancestral and sample_dpmpp_2m on the same model, starting noise and
+// draws (scripts/make_karras_fixture.py): every step's t must be theirs; returns the worst relative
+// error of the final x.
+static double check_karras(const NoiseSchedule *schedules) {
+    SafeTensorsFile karras;
+    char err[512];
+    if (safetensors_open("dev/fixtures/samplers/karras.safetensors", &karras, err, sizeof err) != 0) fatal("%s", err);
+    int64_t rows_numel = 0, start_numel = 0, steps_numel = 0;
+    double *cases = tensor_of(&karras, "cases", &rows_numel), *start = tensor_of(&karras, "start", &start_numel);
+    double *noise = tensor_of(&karras, "noise", NULL), *expected = tensor_of(&karras, "expected", NULL);
+    double *timesteps = tensor_of(&karras, "timesteps", &steps_numel);
+    ToyModel toy = {tensor_of(&karras, "model_w", NULL), tensor_of(&karras, "model_b", NULL), NULL, 0};
+    int rows = (int)(rows_numel / 7), n = (int)(start_numel / rows), max_steps = (int)(steps_numel / rows);
+    const SamplerKind kinds[3] = {SAMPLER_DDIM, SAMPLER_EULER_ANCESTRAL, SAMPLER_DPM_SOLVER_PP};
+    const char *names[3] = {"euler (ddim)", "euler_ancestral", "dpmpp_2m"};
+    double worst[3] = {0, 0, 0};
+    float *x = (float *)malloc_or_die(n * sizeof(float));
+    toy.n = n;
+    for (int r = 0; r < rows; r++) {
+        const double *c = cases + 7 * r;
+        int kind = (int)c[2], steps = (int)c[3];
+        KarrasLevels levels = {c[4], c[5], c[6]};
+        SamplePlan plan;
+        CHECK(sample_plan_karras(&plan, &schedules[(int)c[0]], kinds[kind], steps, levels, kind == 1 ? 1.0f : 0.0f,
+                                 (int)c[1] ? PREDICT_V : PREDICT_EPS, 0) == 0 && plan.count == steps);
+        for (int j = 0; j < plan.count; j++) CHECK(plan.steps[j].timestep == (int)timesteps[(size_t)r * max_steps + j]);
+        for (int i = 0; i < n; i++) x[i] = (float)start[(size_t)r * n + i];
+        toy.noise = noise + (size_t)r * max_steps * n;
+        CHECK(sample_loop(&plan, toy_model, 0, toy_noise, &toy, x, n) == 0);
+        worst[kind] = fmax(worst[kind], relative_error(x, expected + (size_t)r * n, n));
+        sample_plan_free(&plan);
+    }
+    for (int k = 0; k < 3; k++) printf("  %s: worst relative error of the final x %.2e\n", names[k], worst[k]);
+    free(cases), free(start), free(noise), free(expected), free(timesteps), free((void *)toy.w), free((void *)toy.b), free(x);
+    safetensors_close(&karras);
+    return fmax(worst[0], fmax(worst[1], worst[2]));
 }
 
 // Runs every case of one kind (ddpm, ddim, dpm) and returns the worst relative error.
@@ -232,6 +289,16 @@ int main(void) {
     CHECK(run_cases("ddim", schedules) <= 1e-5);
     check_case("DPM-Solver++(2M) step equals the official multistep update (first and second order)");
     CHECK(run_cases("dpm", schedules) <= 1e-5);
+    check_case("Karras levels: euler (ddim), euler_ancestral and dpmpp_2m run whole equal k-diffusion's on the same model and noise");
+    CHECK(check_karras(schedules) <= 1e-5);
+    {  // levels it refuses: no steps, rho not positive, sigma_min not below sigma_max; DDPM
+        SamplePlan none;
+        KarrasLevels own = {0, 0, 7}, crossed = {2.0, 1.0, 7}, flat = {0, 0, 0};
+        CHECK(sample_plan_karras(&none, &schedules[0], SAMPLER_DPM_SOLVER_PP, 0, own, 0.0f, PREDICT_EPS, 0) != 0 && !none.steps);
+        CHECK(sample_plan_karras(&none, &schedules[0], SAMPLER_DPM_SOLVER_PP, 10, crossed, 0.0f, PREDICT_EPS, 0) != 0);
+        CHECK(sample_plan_karras(&none, &schedules[0], SAMPLER_DPM_SOLVER_PP, 10, flat, 0.0f, PREDICT_EPS, 0) != 0);
+        CHECK(sample_plan_karras(&none, &schedules[0], SAMPLER_DDPM, 10, own, 0.0f, PREDICT_EPS, 0) != 0);
+    }
     check_case("classifier guidance in DDPM (fixed and learned variance, t = 0 too) equals p_sample with condition_mean");
     CHECK(run_guided_cases("guided_ddpm", schedules) <= 1e-5);
     check_case("classifier guidance in DDIM (eta 0, 0.5, 1; respaced; down to clean) equals ddim_sample with condition_score");

@@ -123,14 +123,17 @@ static void log_progress(void *ctx, int step, int steps) {
 
 // The GPU loop against the host loop on one plan. classifier (NULL: none): classifier guidance with
 // scale classifier_scale by that classifier's training model (its weights are copied to the sampler's).
+// karras: the steps on the schedule's own Karras levels (sample_plan_karras), from scaled noise.
 static void test_plan(const char *name, const ModelConfig *c, UNet *weights, SamplerKind kind, int steps, float eta,
-                      int predict_v, float guidance, UNet *classifier = NULL, float classifier_scale = 0.0f) {
+                      int predict_v, float guidance, UNet *classifier = NULL, float classifier_scale = 0.0f, int karras = 0) {
     check_case(name);
     NoiseSchedule d;
     SamplePlan plan;
     CHECK(noise_schedule_make(&d, 100, "linear") == 0);
     VarianceType variance = c->learn_sigma ? VARIANCE_LEARNED_RANGE : VARIANCE_FIXED_LARGE;
-    CHECK(sample_plan_make(&plan, &d, kind, steps, NULL, eta, predict_v ? PREDICT_V : PREDICT_EPS, 1, variance) == 0);
+    KarrasLevels levels = {0, 0, 7};
+    CHECK(karras ? sample_plan_karras(&plan, &d, kind, steps, levels, eta, predict_v ? PREDICT_V : PREDICT_EPS, 1) == 0
+                 : sample_plan_make(&plan, &d, kind, steps, NULL, eta, predict_v ? PREDICT_V : PREDICT_EPS, 1, variance) == 0);
     uint64_t seed = 1234;
     int S = c->image_size;
     int64_t per_image = (int64_t)S * S * c->in_channels, n = IMAGES * per_image;
@@ -389,6 +392,10 @@ int main(void) {
     test_plan("DPM-Solver++(2M), 8 steps, v prediction", &c, &m, SAMPLER_DPM_SOLVER_PP, 8, 0.0f, 1, 1.0f);
     test_plan("DDIM, 10 steps, classifier-free guidance 3", &c, &m, SAMPLER_DDIM, 10, 0.0f, 0, 3.0f);
     test_plan("DPM-Solver++(2M), 8 steps, guidance 2, eta ignored", &c, &m, SAMPLER_DPM_SOLVER_PP, 8, 0.5f, 0, 2.0f);
+    test_plan("Euler ancestral on 10 Karras levels (noise every step but the last)", &c, &m, SAMPLER_EULER_ANCESTRAL, 10, 1.0f, 0, 1.0f,
+              NULL, 0.0f, 1);
+    test_plan("DPM-Solver++(2M) on 8 Karras levels, v prediction, guidance 2", &c, &m, SAMPLER_DPM_SOLVER_PP, 8, 0.0f, 1, 2.0f, NULL,
+              0.0f, 1);
 
     // The noisy classifier of the same images: 3 classes, the attention pool over the 8x8 tokens.
     Options co = o;
@@ -403,6 +410,8 @@ int main(void) {
     test_plan("DDPM, all 100 steps, classifier guidance 20", &c, &m, SAMPLER_DDPM, 0, 0.0f, 0, 1.0f, &classifier, 20.0f);
     test_plan("DDIM, 10 steps, classifier-free guidance 3 and classifier guidance 6", &c, &m, SAMPLER_DDIM, 10, 0.0f, 0, 3.0f,
               &classifier, 6.0f);
+    test_plan("Euler ancestral on 10 Karras levels, classifier guidance 6", &c, &m, SAMPLER_EULER_ANCESTRAL, 10, 1.0f, 0, 1.0f,
+              &classifier, 6.0f, 1);
     unet_destroy(&m);
     co = o, co.class_cond = 0;
     ModelConfig unconditional = resolve_model(&co, 0);
