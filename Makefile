@@ -134,7 +134,7 @@ evaluate: build/evaluate.o build/train_unet.o build/version.o
 	$(NVCC) $(GPU_ARCH) -o $@ $^ $(CUDA_LIBS)
 
 prepare_data: prepare_data.c data/shapes.c build/version.o cli.h dataset.h fileio.h random.h data/shapes.h
-	$(CC) $(CFLAGS) $(STB_CFLAGS) -o $@ prepare_data.c data/shapes.c build/version.o $(STB_LIBS)
+	$(CC) $(CFLAGS) $(STB_CFLAGS) -pthread -o $@ prepare_data.c data/shapes.c build/version.o $(STB_LIBS)
 
 check_shapes: data/check_shapes.c data/shapes.c build/version.o cli.h dataset.h fileio.h random.h data/shapes.h
 	$(CC) $(CFLAGS) $(STB_CFLAGS) -o $@ data/check_shapes.c data/shapes.c build/version.o $(STB_LIBS)

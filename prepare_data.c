@@ -7,9 +7,11 @@
 // Folder mode decodes every regular file under DIR with stb_image (JPEG, PNG, BMP, GIF's first
 // frame, TGA, PSD, HDR, PNM); a file it cannot read, or an image of more than MAX_PIXELS pixels, is
 // skipped with one warning. A file or folder (by device and inode) reached again through a link or
-// a hard link is used once and counted as a duplicate, unless --keep_duplicates. Each image is
-// centre-cropped to a square, composited over white where it has alpha, and resized to
-// size x size RGB in linear light. With --labels, an image's class is its first-level folder.
+// a hard link is used once and counted as a duplicate, unless --keep_duplicates. Each image becomes
+// size x size RGB as guided-diffusion's loader makes it (center_crop_arr: PIL's BOX halvings and
+// bicubic resize, written out here, then the centre), or with --resize srgb centre-cropped to a
+// square, composited over white where it has alpha and resized in linear light. With --labels, an
+// image's class is its first-level folder.
 //
 // Exit status (the convention of the project's three programs): 0 when done, and for the usage
 // (no arguments, -h, --help) on stdout; 2 for a usage error (an unknown option, a bad or missing
@@ -22,7 +24,9 @@
 #include <dirent.h>
 #include <limits.h>
 #include <math.h>
+#include <pthread.h>
 #include <signal.h>
+#include <stdatomic.h>
 #include <stdbool.h>
 #include <stdlib.h>
 #include <time.h>
@@ -37,10 +41,12 @@
 #define MIN_SIDE 8
 #define MAX_COUNT 1000000000ull  // --count limit for synthetic datasets
 #define MAX_PIXELS (1ull << 26)  // larger input images (more than 8192x8192) are skipped undecoded
+#define MAX_JOBS 1024
+#define BATCH_PER_JOB 16         // images a decoding thread has room for in a batch (see decode_batch)
 
 static const char usage[] =
-    "usage: prepare_data --input DIR --output FILE.bin [--size N] [--labels]\n"
-    "                    [--keep_duplicates] [--quiet]\n"
+    "usage: prepare_data --input DIR --output FILE.bin [--size N] [--resize gd|srgb]\n"
+    "                    [--jobs N] [--labels] [--keep_duplicates] [--quiet]\n"
     "       prepare_data --synthetic shapes --output FILE.bin [--count N] [--size N]\n"
     "                    [--seed K]\n"
     "\n"
@@ -62,8 +68,14 @@ static const char usage[] =
     "                     labelled)\n"
     "  --count N          synthetic images to write [10000]\n"
     "  --seed K           synthetic dataset seed [1]\n"
-    "  --size N           side of the square output images, 8..8192 [64]: images are\n"
-    "                     centre-cropped to a square and resized\n"
+    "  --size N           side of the square output images, 8..8192 [64]\n"
+    "  --jobs N           images decoded and resized at once, on N threads; the\n"
+    "                     output is the same for any N [every core]\n"
+    "  --resize gd|srgb   gd: guided-diffusion's center_crop_arr, PIL's pixels (the\n"
+    "                     short side halved with BOX while at least 2N, then bicubic\n"
+    "                     to N, then the centre N x N; alpha dropped, as PIL's\n"
+    "                     convert(\"RGB\")); srgb: the centre square, alpha over\n"
+    "                     white, resized in linear light by stb_image_resize [gd]\n"
     "  --output FILE.bin  the dataset file, replaced atomically (a regular file, not\n"
     "                     an input)\n"
     "  --quiet            no progress line\n"
@@ -152,26 +164,33 @@ static double seconds(void) {
     return t.tv_sec + 1e-9 * t.tv_nsec;
 }
 
-// Shows "done/total" on the terminal, at most twice a second.
+// Shows "done/total", images/s and the time left on the terminal, at most twice a second.
 static void progress(uint64_t done, uint64_t total) {
-    static double last;
+    static double start, last;
     if (!show_progress) return;
     double now = seconds();
+    if (start == 0) start = now;
     if (done < total && now - last < 0.5) return;
     last = now;
-    fprintf(stderr, "\rprepare_data: %llu/%llu images (%.0f%%)", (unsigned long long)done,
-            (unsigned long long)total, 100.0 * done / total);
+    double rate = now > start ? done / (now - start) : 0, left = rate > 0 ? (total - done) / rate : 0;
+    fprintf(stderr, "\rprepare_data: %llu/%llu images (%.0f%%), %.0f images/s, %dh%02dm%02ds left  ", (unsigned long long)done,
+            (unsigned long long)total, 100.0 * done / total, rate, (int)(left / 3600), (int)(left / 60) % 60, (int)left % 60);
     progress_shown = true;
 }
 
 // ----------------------------------------------------------------------------
 // command line
 
+// How an image becomes size x size: guided-diffusion's center_crop_arr (PIL's filters), or a
+// centre square resized in linear light by stb_image_resize.
+typedef enum { RESIZE_GD, RESIZE_SRGB } Resize;
+
 typedef struct {
     const char *input, *output, *synthetic;
     uint64_t count, seed;
-    int size;
-    bool labels, quiet, keep_duplicates, count_given, seed_given;
+    int size, jobs;
+    Resize resize;
+    bool labels, quiet, keep_duplicates, count_given, seed_given, resize_given, jobs_given;
 } Options;
 
 // Parses a decimal integer in lo..hi given to option `name`, or exits with a usage error.
@@ -186,7 +205,7 @@ static uint64_t parse_uint(const char *name, const char *s, uint64_t lo, uint64_
 }
 
 // The options, for the hint that follows an unknown one.
-static const char *const option_names[] = {"input", "output", "size", "labels", "keep_duplicates", "quiet",
+static const char *const option_names[] = {"input", "output", "size", "resize", "jobs", "labels", "keep_duplicates", "quiet",
                                            "synthetic", "count", "seed"};
 
 // The length of the name in option argument arg ("--name" or "--name=value": up to the '=').
@@ -243,6 +262,13 @@ static Options parse_options(int argc, char **argv) {
             o.synthetic = v;
         } else if ((v = option_value(argc, argv, &i, "--size"))) {
             o.size = (int)parse_uint("--size", v, MIN_SIDE, DATASET_MAX_SIDE);
+        } else if ((v = option_value(argc, argv, &i, "--jobs"))) {
+            o.jobs = (int)parse_uint("--jobs", v, 1, MAX_JOBS);
+            o.jobs_given = true;
+        } else if ((v = option_value(argc, argv, &i, "--resize"))) {
+            if (strcmp(v, "gd") != 0 && strcmp(v, "srgb") != 0) usage_error("--resize must be gd or srgb, not '%s'", v);
+            o.resize = strcmp(v, "gd") == 0 ? RESIZE_GD : RESIZE_SRGB;
+            o.resize_given = true;
         } else if ((v = option_value(argc, argv, &i, "--count"))) {
             o.count = parse_uint("--count", v, 1, MAX_COUNT);
             o.count_given = true;
@@ -269,6 +295,11 @@ static Options parse_options(int argc, char **argv) {
         usage_error("--labels applies to --input (the synthetic dataset is always labelled)");
     if (o.synthetic && o.keep_duplicates) usage_error("--keep_duplicates applies only to --input");
     if (o.input && (o.count_given || o.seed_given)) usage_error("--count and --seed apply only to --synthetic");
+    if (o.synthetic && (o.resize_given || o.jobs_given)) usage_error("--resize and --jobs apply only to --input");
+    if (!o.jobs_given) {  // every core
+        long cores = sysconf(_SC_NPROCESSORS_ONLN);
+        o.jobs = cores < 1 ? 1 : cores > MAX_JOBS ? MAX_JOBS : (int)cores;
+    }
     if (!o.output || !o.output[0]) usage_error("--output FILE.bin is required");
     return o;
 }
@@ -506,17 +537,139 @@ static int check_before_decoding(FILE *f, char *why, size_t why_len) {
     return 0;
 }
 
-// Decodes an image file into size x size RGB: centre crop to a square (the longer side is cut
-// equally at both ends), alpha composited over white, then resized with stb_image_resize in
+// PIL's resampling (Pillow's Resample.c, as Image.resize runs it on an RGB image), written out so
+// that guided-diffusion's preprocessing gives its pixels here: separable, the rows first (only
+// those the columns' pass reads) into an 8-bit image, then the columns. Each output pixel's
+// weights, for a filter of support s stretched by f = max(in / out, 1), centre c = (i + 0.5) in/out:
+// the inputs j from (int)(c - s f + 0.5) (at least 0) to (int)(c + s f + 0.5) (at most in), each
+// filter((j - c + 0.5) / f), normalised to sum 1, then to fixed point with 22 fraction bits
+// (rounded half away from 0); a pixel is (2^21 + sum of weight * input) >> 22, clamped to 0..255.
+typedef enum { PIL_BOX, PIL_BICUBIC } PilFilter;
+
+static double pil_filter(PilFilter f, double x) {
+    if (f == PIL_BOX) return x > -0.5 && x <= 0.5 ? 1.0 : 0.0;
+    const double a = -0.5;  // Pillow's bicubic
+    if (x < 0.0) x = -x;
+    if (x < 1.0) return ((a + 2.0) * x - (a + 3.0)) * x * x + 1;
+    if (x < 2.0) return (((x - 5) * x + 8) * x - 4) * a;
+    return 0.0;
+}
+
+#define PIL_PRECISION_BITS 22
+
+// One axis's weights: for output i, taps[i] inputs from first[i], their weights at k + i * ksize.
+// Returns ksize.
+static int pil_coefficients(int in, int out, PilFilter f, int **first, int **taps, int32_t **weights) {
+    double scale = (double)in / out, filterscale = scale < 1.0 ? 1.0 : scale;
+    double support = (f == PIL_BOX ? 0.5 : 2.0) * filterscale;
+    int ksize = (int)ceil(support) * 2 + 1;
+    double *k = xmalloc((size_t)ksize * sizeof(double));
+    *first = xmalloc((size_t)out * sizeof(int)), *taps = xmalloc((size_t)out * sizeof(int));
+    *weights = xmalloc((size_t)out * ksize * sizeof(int32_t));
+    for (int i = 0; i < out; i++) {
+        double center = (i + 0.5) * scale, sum = 0.0;
+        int lo = (int)(center - support + 0.5), hi = (int)(center + support + 0.5);
+        if (lo < 0) lo = 0;
+        if (hi > in) hi = in;
+        for (int j = 0; j < hi - lo; j++) sum += k[j] = pil_filter(f, (j + lo - center + 0.5) / filterscale);
+        for (int j = 0; j < ksize; j++) {
+            double w = j < hi - lo ? (sum != 0.0 ? k[j] / sum : k[j]) : 0.0;
+            (*weights)[(size_t)i * ksize + j] = (int32_t)(w < 0 ? -0.5 + w * (1 << PIL_PRECISION_BITS) : 0.5 + w * (1 << PIL_PRECISION_BITS));
+        }
+        (*first)[i] = lo, (*taps)[i] = hi - lo;
+    }
+    free(k);
+    return ksize;
+}
+
+static uint8_t pil_clip8(int32_t v) {
+    v >>= PIL_PRECISION_BITS;  // (an arithmetic shift: negative sums give 0)
+    return v < 0 ? 0 : v > 255 ? 255 : (uint8_t)v;
+}
+
+// Resizes w x h RGB at in to ow x oh RGB at out (not the same memory) as PIL's Image.resize.
+static void pil_resize(const uint8_t *in, int w, int h, uint8_t *out, int ow, int oh, PilFilter f) {
+    if (w == ow && h == oh) {  // Image.resize returns a copy
+        memcpy(out, in, (size_t)w * h * 3);
+        return;
+    }
+    int *x_first, *x_taps, *y_first, *y_taps;
+    int32_t *xk, *yk;
+    int xks = pil_coefficients(w, ow, f, &x_first, &x_taps, &xk), yks = pil_coefficients(h, oh, f, &y_first, &y_taps, &yk);
+    int row0 = oh ? y_first[0] : 0, rows = oh ? y_first[oh - 1] + y_taps[oh - 1] - row0 : 0;
+    const uint8_t *src = in + (size_t)row0 * w * 3;
+    uint8_t *wide = NULL;  // the rows pass: rows x ow
+    if (ow != w) {
+        wide = xmalloc((size_t)rows * ow * 3);
+        for (int y = 0; y < rows; y++)
+            for (int x = 0; x < ow; x++)
+                for (int c = 0; c < 3; c++) {
+                    int32_t sum = 1 << (PIL_PRECISION_BITS - 1);
+                    const int32_t *k = xk + (size_t)x * xks;
+                    for (int j = 0; j < x_taps[x]; j++) sum += src[((size_t)y * w + x_first[x] + j) * 3 + c] * k[j];
+                    wide[((size_t)y * ow + x) * 3 + c] = pil_clip8(sum);
+                }
+        src = wide;
+    }
+    if (oh != h) {
+        for (int y = 0; y < oh; y++)
+            for (int x = 0; x < ow; x++)
+                for (int c = 0; c < 3; c++) {
+                    int32_t sum = 1 << (PIL_PRECISION_BITS - 1);
+                    const int32_t *k = yk + (size_t)y * yks;
+                    for (int j = 0; j < y_taps[y]; j++) sum += src[((size_t)(y_first[y] - row0 + j) * ow + x) * 3 + c] * k[j];
+                    out[((size_t)y * ow + x) * 3 + c] = pil_clip8(sum);
+                }
+    } else {
+        memcpy(out, src, (size_t)oh * ow * 3);
+    }
+    free(wide), free(x_first), free(x_taps), free(y_first), free(y_taps), free(xk), free(yk);
+}
+
+// guided-diffusion's center_crop_arr (image_datasets.py) on w x h RGB: while the short
+// side is at least twice size, both sides halved (w // 2, h // 2) with Image.BOX; then both scaled
+// by size / short side (Python's round, half to even) with Image.BICUBIC; then the centre
+// size x size, from ((h' - size) // 2, (w' - size) // 2). Writes out.
+static void gd_center_crop(const uint8_t *rgb, int w, int h, int size, uint8_t *out) {
+    uint8_t *owned = NULL;  // rgb once halved
+    while ((w < h ? w : h) >= 2 * size) {
+        uint8_t *half = xmalloc((size_t)(w / 2) * (h / 2) * 3);
+        pil_resize(rgb, w, h, half, w / 2, h / 2, PIL_BOX);
+        free(owned);
+        rgb = owned = half, w /= 2, h /= 2;
+    }
+    double scale = (double)size / (w < h ? w : h);
+    int sw = (int)nearbyint(w * scale), sh = (int)nearbyint(h * scale);
+    if (sw < size) sw = size;  // (a rounding below size, which center_crop_arr would not survive)
+    if (sh < size) sh = size;
+    uint8_t *scaled = xmalloc((size_t)sw * sh * 3);
+    pil_resize(rgb, w, h, scaled, sw, sh, PIL_BICUBIC);
+    free(owned);
+    int y0 = (sh - size) / 2, x0 = (sw - size) / 2;
+    for (int y = 0; y < size; y++) memcpy(out + (size_t)y * size * 3, scaled + ((size_t)(y0 + y) * sw + x0) * 3, (size_t)size * 3);
+    free(scaled);
+}
+
+// Decodes an image file into size x size RGB. RESIZE_GD: gd_center_crop of its RGB (alpha dropped,
+// as guided-diffusion's PIL convert("RGB")). RESIZE_SRGB: centre crop to a square (the longer side
+// is cut equally at both ends), alpha composited over white, then resized with stb_image_resize in
 // linear light (Mitchell filter when shrinking, Catmull-Rom when enlarging; a crop that has the
 // requested size already is copied unfiltered). stb_image gives 8 bits per channel: 16-bit images
 // keep their high byte, grey is expanded to RGB, HDR is clamped to [0,1] and encoded with gamma
 // 2.2, CMYK JPEGs are converted without a colour profile. Returns 0, or -1 with the reason in why.
-static int load_square(const char *path, int size, uint8_t *out, char *why, size_t why_len) {
+static int load_square(const char *path, int size, Resize resize, uint8_t *out, char *why, size_t why_len) {
     FILE *f = fopen(path, "rb");
     if (!f) return snprintf(why, why_len, "%s", strerror(errno)), -1;
     if (check_before_decoding(f, why, why_len) != 0) return fclose(f), -1;
     int w, h, channels;
+    if (resize == RESIZE_GD) {  // PIL's convert("RGB"): alpha dropped, grey repeated
+        uint8_t *rgb = stbi_load_from_file(f, &w, &h, &channels, 3);
+        fclose(f);
+        if (!rgb) return snprintf(why, why_len, "stb_image cannot decode it (%s)", stbi_failure_reason()), -1;
+        gd_center_crop(rgb, w, h, size, out);
+        stbi_image_free(rgb);
+        return 0;
+    }
     uint8_t *rgba = stbi_load_from_file(f, &w, &h, &channels, 4);
     fclose(f);
     if (!rgba) return snprintf(why, why_len, "stb_image cannot decode it (%s)", stbi_failure_reason()), -1;
@@ -761,9 +914,45 @@ static uint32_t keep_used_classes(const FileList *list, int32_t *labels, uint64_
     return num_classes;
 }
 
-// Folder mode. The file list is collected first; the images are then decoded one at a time and
-// written straight to the temporary file, so memory holds one image, the paths and the labels.
-// output_st: the existing output file, or NULL.
+// A batch of files decoded by --jobs threads: each takes the next file not taken (an atomic
+// counter) and decodes it into the file's slot. The main thread writes the batch in file order
+// afterwards, so the dataset is the same bytes for any --jobs, and memory holds one batch.
+typedef struct {
+    const Options *o;
+    const FileList *list;
+    uint64_t begin, end;      // the batch: files begin .. end-1
+    atomic_uint_least64_t next;
+    size_t image_bytes;
+    uint8_t *images;          // [BATCH_PER_JOB * jobs][image_bytes]
+    bool *ok;                 // per slot: decoded
+    char (*why)[512];         // per slot: why not
+} Batch;
+
+static void *decode_files(void *arg) {
+    Batch *b = (Batch *)arg;
+    for (uint64_t i; (i = atomic_fetch_add(&b->next, 1)) < b->end;) {
+        uint64_t k = i - b->begin;
+        b->ok[k] = load_square(b->list->paths[i], b->o->size, b->o->resize, b->images + k * b->image_bytes, b->why[k], sizeof b->why[k]) == 0;
+    }
+    return NULL;
+}
+
+// Decodes files begin .. end-1 on o->jobs threads (this one among them).
+static void decode_batch(Batch *b, uint64_t begin, uint64_t end) {
+    pthread_t threads[MAX_JOBS];
+    b->begin = begin, b->end = end;
+    atomic_store(&b->next, begin);
+    int helpers = b->o->jobs - 1, started = 0;
+    if ((uint64_t)helpers > end - begin) helpers = (int)(end - begin);
+    for (; started < helpers; started++)
+        if (pthread_create(&threads[started], NULL, decode_files, b) != 0) break;  // (fewer threads: the same bytes)
+    decode_files(b);
+    for (int t = 0; t < started; t++) pthread_join(threads[t], NULL);
+}
+
+// Folder mode. The file list is collected first; the images are then decoded a batch at a time
+// (decode_batch) and written to the temporary file in order, so memory holds one batch, the paths
+// and the labels. output_st: the existing output file, or NULL.
 static void prepare_folder(const Options *o, const struct stat *output_st) {
     struct stat st;
     if (stat(o->input, &st) != 0) die("cannot read input folder %s: %s", o->input, strerror(errno));
@@ -781,21 +970,28 @@ static void prepare_folder(const Options *o, const struct stat *output_st) {
     Output out;
     output_open(&out, o->output, largest.pixels_offset, largest.image_bytes);
 
-    uint8_t *image = xmalloc(largest.image_bytes);
+    size_t slots = (size_t)BATCH_PER_JOB * o->jobs;
+    Batch batch = {.o = o, .list = &list, .image_bytes = largest.image_bytes, .images = xmalloc(slots * largest.image_bytes),
+                   .ok = xmalloc(slots * sizeof(bool)), .why = xmalloc(slots * sizeof *batch.why)};
     int32_t *labels = xmalloc(list.count * sizeof(int32_t));
     uint64_t written = 0;
     Duplicates dup = {list.duplicate_files, list.duplicate_folders, 0};
-    for (uint64_t i = 0; i < list.count; i++) {
-        char why[512];
-        if (load_square(list.paths[i], o->size, image, why, sizeof why) == 0) {
-            output_image(&out, written, image);
-            labels[written++] = list.classes[i];
-            dup.files_kept += list.repeats[i];  // a repeat that cannot be decoded is counted as skipped
-        } else {
-            warn("skipping %s: %s", list.paths[i], why);
-            list.skipped++;
+    progress(0, list.count);  // (the rate's start)
+    for (uint64_t begin = 0; begin < list.count; begin += slots) {
+        uint64_t end = begin + slots < list.count ? begin + slots : list.count;
+        decode_batch(&batch, begin, end);
+        for (uint64_t i = begin; i < end; i++) {
+            uint64_t k = i - begin;
+            if (batch.ok[k]) {
+                output_image(&out, written, batch.images + k * batch.image_bytes);
+                labels[written++] = list.classes[i];
+                dup.files_kept += list.repeats[i];  // a repeat that cannot be decoded is counted as skipped
+            } else {
+                warn("skipping %s: %s", list.paths[i], batch.why[k]);
+                list.skipped++;
+            }
         }
-        progress(i + 1, list.count);
+        progress(end, list.count);
     }
     end_progress_line();
     if (written == 0)
@@ -808,7 +1004,7 @@ static void prepare_folder(const Options *o, const struct stat *output_st) {
     uint64_t bytes = output_finish(&out, &h, names, labels);
     print_summary(&h, o->output, bytes, list.skipped, dup);
 
-    free(names), free(kept), free(labels), free(image);
+    free(names), free(kept), free(labels), free(batch.images), free(batch.ok), free(batch.why);
     for (uint64_t i = 0; i < list.count; i++) free(list.paths[i]);
     for (uint32_t c = 0; c < list.num_classes; c++) free(list.class_names[c]);
     free(list.paths), free(list.classes), free(list.repeats), free(list.class_names), free(list.seen.slots);

@@ -108,8 +108,8 @@ hdr(d + 'n.hdr', 8, 8, [v for i in range(64) for v in ((128, 128, 128, 128) if i
 png(d + 'o_checker.png', 16, 16, 0, [255 * ((x + y) % 2) for y in range(16) for x in range(16)])
 "
 
-case_begin "every format decodes to the right pixels"
-expect_ok "$PD" --input "$T/formats" --output "$T/formats.bin" --size 8
+case_begin "every format decodes to the right pixels (--resize srgb: alpha over white, resized in linear light)"
+expect_ok "$PD" --input "$T/formats" --output "$T/formats.bin" --size 8 --resize srgb
 expect_grep "wrote 15 images \(8x8 RGB, unlabelled\)" "$LAST_OUT"
 check_py "
 d = read('$T/formats.bin'); im = d['images']
@@ -135,6 +135,71 @@ assert im[13] == bytes(v for i in range(64) for v in ((186,) * 3 if i % 2 else (
 assert all(170 <= v <= 205 for v in im[14]), list(im[14][:12])
 "
 
+case_begin "--resize gd (the default): guided-diffusion's center_crop_arr: alpha dropped, BOX halvings, bicubic, centre crop"
+expect_ok "$PD" --input "$T/formats" --output "$T/formats_gd.bin" --size 8
+check_py "
+d = read('$T/formats_gd.bin'); im = d['images']
+assert d['count'] == 15 and d['h'] == 8 and d['w'] == 8
+assert im[0] == bytes(samples(1, 192)), 'same-size RGB must be copied unchanged'
+assert im[4] == bytes([90] * 192), 'grey+alpha: the alpha dropped (PIL convert(\"RGB\"))'
+assert im[6] == bytes(192), 'RGBA: the alpha dropped'
+# the 16x16 checkerboard halved with BOX: every 2x2 block's mean in sRGB, (0 + 255 + 1) >> 1, twice
+assert im[14] == bytes([128] * 192), list(im[14][:12])
+"
+if python3 -c "import PIL, numpy" 2>/dev/null; then
+    mkdir -p "$T/gd"
+    python3 - "$T/gd" <<'PY'
+import sys
+import numpy as np
+from PIL import Image
+rng = np.random.default_rng(7)
+# sizes that halve zero to three times, odd sides, wide and tall, smaller than the output
+for i, (w, h) in enumerate([(64, 64), (97, 131), (250, 67), (301, 299), (40, 25), (513, 1000), (33, 33), (129, 64)]):
+    smooth = np.stack(np.meshgrid(np.linspace(0, 255, w), np.linspace(0, 255, h)), -1)
+    noise = rng.integers(0, 256, (h, w, 3))
+    arr = np.concatenate([smooth, noise[..., :1]], -1) if i % 2 else noise
+    Image.fromarray(arr.astype(np.uint8), "RGB").save(f"{sys.argv[1]}/{i:02d}.png")
+PY
+    for size in 32 17; do
+        case_begin "--resize gd at size $size equals guided-diffusion's center_crop_arr through PIL, byte for byte"
+        expect_ok "$PD" --input "$T/gd" --output "$T/gd$size.bin" --size $size --quiet
+        check_py "
+import glob
+import numpy as np
+from PIL import Image
+def center_crop_arr(pil_image, image_size):  # guided-diffusion's image_datasets.py
+    while min(*pil_image.size) >= 2 * image_size:
+        pil_image = pil_image.resize(tuple(x // 2 for x in pil_image.size), resample=Image.BOX)
+    scale = image_size / min(*pil_image.size)
+    pil_image = pil_image.resize(tuple(round(x * scale) for x in pil_image.size), resample=Image.BICUBIC)
+    arr = np.array(pil_image)
+    crop_y, crop_x = (arr.shape[0] - image_size) // 2, (arr.shape[1] - image_size) // 2
+    return arr[crop_y:crop_y + image_size, crop_x:crop_x + image_size]
+d = read('$T/gd$size.bin')
+for path, got in zip(sorted(glob.glob('$T/gd/*.png')), d['images']):
+    want = center_crop_arr(Image.open(path).convert('RGB'), $size)
+    got = np.frombuffer(got, np.uint8).reshape(want.shape)
+    assert (got == want).all(), (path, int((got != want).sum()), int(np.abs(got.astype(int) - want).max()))
+"
+    done
+else
+    echo "PIL or NumPy is not installed (Debian's python3-pil, python3-numpy): the comparisons with PIL are not run"
+fi
+
+case_begin "--jobs: 1, 3 and 16 threads write the same bytes (skipped files and warnings in file order too)"
+mkdir -p "$T/jobs_in" && cp "$T"/formats/* "$CORPUS"/* "$T/jobs_in/"
+for j in 1 3 16; do
+    expect_ok "$PD" --input "$T/jobs_in" --output "$T/jobs$j.bin" --size 8 --jobs $j --quiet
+    cp "$LAST_ERR" "$T/jobs$j.err"
+done
+cmp -s "$T/jobs1.bin" "$T/jobs3.bin" && cmp -s "$T/jobs1.bin" "$T/jobs16.bin" || case_fail "the datasets differ"
+cmp -s "$T/jobs1.err" "$T/jobs3.err" && cmp -s "$T/jobs1.err" "$T/jobs16.err" || case_fail "the warnings differ"
+grep -q "skipping" "$T/jobs1.err" || case_fail "no file was skipped: the case does not see the order of the warnings"
+expect_exit 2 "$PD" --input "$T/formats" --output "$T/x.bin" --jobs 0
+expect_grep "jobs must be an integer in 1..1024, not '0'" "$LAST_ERR"
+expect_exit 2 "$PD" --synthetic shapes --output "$T/x.bin" --jobs 2
+expect_grep "resize and --jobs apply only to --input" "$LAST_ERR"
+
 case_begin "shrinking and enlarging give the requested size"
 expect_ok "$PD" --input "$T/formats" --output "$T/formats32.bin" --size 32 --quiet
 check_py "
@@ -145,7 +210,9 @@ assert d['images'][7] == bytes([200, 100, 50] * 32 * 32)
 
 case_begin "runs are deterministic"
 expect_ok "$PD" --input "$T/formats" --output "$T/again.bin" --size 8
-cmp -s "$T/formats.bin" "$T/again.bin" || case_fail "two runs wrote different files"
+cmp -s "$T/formats_gd.bin" "$T/again.bin" || case_fail "two runs wrote different files"
+expect_ok "$PD" --input "$T/formats" --output "$T/again.bin" --size 8 --resize srgb
+cmp -s "$T/formats.bin" "$T/again.bin" || case_fail "two runs wrote different files (--resize srgb)"
 
 case_begin "corrupt and non-image files are skipped with one warning each"
 mkdir -p "$T/mixed/sub"
