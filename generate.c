@@ -38,14 +38,20 @@ static const char usage[] =
     "                      state_dict (read without running its pickle)\n"
     "  --weights ema|model the folder's EMA weights or its raw weights [ema]\n"
     "  --sampler S         ddim, ddpm (ancestral, every step), dpm++ (DPM-Solver++\n"
-    "                      2M) or euler_a (Euler ancestral, on Karras levels) [ddim]\n"
-    "  --steps N           sampling steps: ddim 50, dpm++ 20, euler_a 30 by default;\n"
-    "                      ddpm all diffusion steps, or N respaced as --respacing N\n"
+    "                      2M), euler_a (Euler ancestral) or heun (EDM's sampler,\n"
+    "                      2N - 1 model calls); euler_a and heun on Karras levels\n"
+    "                      [ddim]\n"
+    "  --steps N           sampling steps: ddim 50, dpm++ 20, euler_a 30, heun 18 by\n"
+    "                      default; ddpm all diffusion steps, or N respaced as\n"
+    "                      --respacing N\n"
     "  --schedule karras   ddim, dpm++: the steps on Karras et al.'s noise levels, as\n"
     "                      k-diffusion samples (x0 not clipped); else guided-\n"
     "                      diffusion's spacing (ddim, ddpm) or log-SNR's (dpm++)\n"
     "  --sigma_min S, --sigma_max S, --rho R  Karras levels: sigma from sigma_max\n"
     "                      to sigma_min [the model's own range], rho [7]\n"
+    "  --s_churn C, --s_tmin S, --s_tmax S, --s_noise K  heun's churn (EDM's): noise\n"
+    "                      raising sigma by min(C / N, sqrt 2 - 1) of itself on\n"
+    "                      levels in [s_tmin, s_tmax], times K [0, 0, inf, 1]\n"
     "  --respacing SPEC    ddim and ddpm: guided-diffusion's timestep_respacing:\n"
     "                      ddimN (every s-th step, N of them) or section counts N or\n"
     "                      N1,N2,... (N_i evenly spaced steps in each of equal\n"
@@ -130,6 +136,7 @@ typedef struct {
     int steps, up_steps, num, batch, bench;
     double eta, guidance, classifier_scale;  // eta < 0: the sampler's default
     double sigma_min, sigma_max, rho;        // Karras levels (0: the model's own sigma_min, sigma_max)
+    double s_churn, s_tmin, s_tmax, s_noise; // heun's churn
     int classifier_scale_given;
     long long seed;
     char *model_flags[NUM_MODEL_FLAG_NAMES], *classifier_flags[NUM_CLASSIFIER_FLAG_NAMES];  // "name=value"
@@ -149,12 +156,13 @@ static double real_option(const char *name, const char *s, double lo, double hi)
 // underscore); no arguments, -h or --help print the usage, --version the version.
 static Options parse_options(int argc, char **argv) {
     static const char *const names[] = {"checkpoint", "weights", "sampler", "class", "out", "eval", "output", "respacing", "nll",
-                                        "schedule", "sigma_min", "sigma_max", "rho", "spacing", "classifier", "low_res", "upsampler", "steps", "up_steps", "num", "batch", "bench", "seed", "eta", "classifier_scale",
+                                        "schedule", "sigma_min", "sigma_max", "rho", "s_churn", "s_tmin", "s_tmax", "s_noise", "spacing",
+                                        "classifier", "low_res", "upsampler", "steps", "up_steps", "num", "batch", "bench", "seed", "eta", "classifier_scale",
                                         "guidance"};
     Options o;
     memset(&o, 0, sizeof o);  // batch 0: the largest that fits
     o.weights = "ema", o.sampler = "ddim", o.class_name = "all", o.out = "samples", o.respacing = "", o.num = 64;
-    o.guidance = 1.0, o.classifier_scale = 1.0, o.eta = -1, o.rho = 7;
+    o.guidance = 1.0, o.classifier_scale = 1.0, o.eta = -1, o.rho = 7, o.s_tmax = INFINITY, o.s_noise = 1;
     if (argc < 2) fputs(usage, stdout), exit(0);
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
@@ -203,6 +211,10 @@ static Options parse_options(int argc, char **argv) {
         else if (strcmp(name, "sigma_min") == 0) o.sigma_min = real_option(flag, v, 1e-6, 1e6);
         else if (strcmp(name, "sigma_max") == 0) o.sigma_max = real_option(flag, v, 1e-6, 1e6);
         else if (strcmp(name, "rho") == 0) o.rho = real_option(flag, v, 0.1, 100);
+        else if (strcmp(name, "s_churn") == 0) o.s_churn = real_option(flag, v, 0, 1000);
+        else if (strcmp(name, "s_tmin") == 0) o.s_tmin = real_option(flag, v, 0, 1e6);
+        else if (strcmp(name, "s_tmax") == 0) o.s_tmax = real_option(flag, v, 0, 1e6);
+        else if (strcmp(name, "s_noise") == 0) o.s_noise = real_option(flag, v, 0, 10);
         else if (strcmp(name, "classifier") == 0) o.classifier = v;
         else if (strcmp(name, "low_res") == 0) o.low_res = v;
         else if (strcmp(name, "upsampler") == 0) o.upsampler = v;
@@ -220,16 +232,18 @@ static Options parse_options(int argc, char **argv) {
     if (strcmp(o.weights, "ema") != 0 && strcmp(o.weights, "model") != 0)
         unet_usage_error("--weights must be ema or model, not '%s'", o.weights);
     if (strcmp(o.sampler, "ddim") != 0 && strcmp(o.sampler, "ddpm") != 0 && strcmp(o.sampler, "dpm++") != 0 &&
-        strcmp(o.sampler, "euler_a") != 0)
-        unet_usage_error("--sampler must be ddim, ddpm, dpm++ or euler_a, not '%s'", o.sampler);
+        strcmp(o.sampler, "euler_a") != 0 && strcmp(o.sampler, "heun") != 0)
+        unet_usage_error("--sampler must be ddim, ddpm, dpm++, euler_a or heun, not '%s'", o.sampler);
+    if (strcmp(o.sampler, "heun") != 0 && (o.s_churn || o.s_tmin || o.s_tmax != INFINITY || o.s_noise != 1))
+        unet_usage_error("--s_churn, --s_tmin, --s_tmax and --s_noise are heun's churn: they need --sampler heun");
     if (o.schedule && strcmp(o.schedule, "karras") != 0) unet_usage_error("--schedule must be karras, not '%s'", o.schedule);
-    if (strcmp(o.sampler, "euler_a") == 0) o.schedule = "karras";  // (its only levels)
+    if (strcmp(o.sampler, "euler_a") == 0 || strcmp(o.sampler, "heun") == 0) o.schedule = "karras";  // (their only levels)
     if (o.schedule && strcmp(o.sampler, "ddpm") == 0)
-        unet_usage_error("--schedule karras goes with --sampler ddim, dpm++ or euler_a: ddpm steps through the model's own variances");
+        unet_usage_error("--schedule karras goes with --sampler ddim, dpm++, euler_a or heun: ddpm steps through the model's own variances");
     if (o.schedule && (o.respacing[0] || o.spacing))
         unet_usage_error("--schedule karras places the steps itself: it goes with neither --respacing nor --spacing");
     if (!o.schedule && (o.sigma_min || o.sigma_max || o.rho != 7))
-        unet_usage_error("--sigma_min, --sigma_max and --rho set Karras levels: they need --schedule karras or --sampler euler_a");
+        unet_usage_error("--sigma_min, --sigma_max and --rho set Karras levels: they need --schedule karras, or --sampler euler_a or heun");
     if (o.sigma_min && o.sigma_max && o.sigma_min >= o.sigma_max)
         unet_usage_error("--sigma_min %g is not below --sigma_max %g", o.sigma_min, o.sigma_max);
     if (o.spacing && strcmp(o.spacing, "leading") != 0 && strcmp(o.spacing, "trailing") != 0 && strcmp(o.spacing, "linspace") != 0)
@@ -304,10 +318,11 @@ static SamplerKind sampler_kind(const Options *o) {
     return strcmp(o->sampler, "ddpm") == 0      ? SAMPLER_DDPM
            : strcmp(o->sampler, "dpm++") == 0   ? SAMPLER_DPM_SOLVER_PP
            : strcmp(o->sampler, "euler_a") == 0 ? SAMPLER_EULER_ANCESTRAL
+           : strcmp(o->sampler, "heun") == 0    ? SAMPLER_HEUN
                                                 : SAMPLER_DDIM;
 }
 static int default_steps(SamplerKind kind) {
-    return kind == SAMPLER_DPM_SOLVER_PP ? 20 : kind == SAMPLER_EULER_ANCESTRAL ? 30 : kind == SAMPLER_DDPM ? 0 : 50;
+    return kind == SAMPLER_DPM_SOLVER_PP ? 20 : kind == SAMPLER_EULER_ANCESTRAL ? 30 : kind == SAMPLER_HEUN ? 18 : kind == SAMPLER_DDPM ? 0 : 50;
 }
 
 // The plan of `count` steps of the sampler on a model's schedule: on Karras levels (--schedule
@@ -318,7 +333,7 @@ static int make_plan(const Options *o, SamplePlan *plan, const NoiseSchedule *sc
                      const UnetInfo *info) {
     float eta = (float)(o->eta >= 0 ? o->eta : kind == SAMPLER_EULER_ANCESTRAL ? 1.0 : 0.0);
     if (o->schedule) {
-        KarrasLevels levels = {o->sigma_min, o->sigma_max, o->rho};
+        KarrasLevels levels = {o->sigma_min, o->sigma_max, o->rho, o->s_churn, o->s_tmin, o->s_tmax, o->s_noise};
         return sample_plan_karras(plan, schedule, kind, count, levels, eta, info->diffusion.predict, 0);
     }
     return sample_plan_make(plan, schedule, kind, count, respacing, eta, info->diffusion.predict, 1, info->diffusion.variance);

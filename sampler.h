@@ -172,11 +172,25 @@ static inline int sample_schedule_log_snr(const NoiseSchedule *d, int steps, Sam
 // in log sigma, the lower on a tie (DiscreteSchedule.sigma_to_t, quantized). Returns 0, or -1 for
 // no steps, a rho that is not positive, sigma_min not below sigma_max, or without memory. Either way
 // *s can be freed.
+// s_churn, s_min, s_max, s_noise: Heun's churn (EDM's S_churn, S_tmin, S_tmax, S_noise; see
+// sample_plan_karras), none with s_churn 0.
 typedef struct {
     double sigma_min, sigma_max, rho;
+    double s_churn, s_min, s_max, s_noise;
 } KarrasLevels;
 
 static inline double schedule_sigma(const NoiseSchedule *d, int t) { return sqrt((1 - d->alphas_cumprod[t]) / d->alphas_cumprod[t]); }
+
+// The t whose sigma is nearest to sigma in log sigma, the lower on a tie.
+static inline int nearest_timestep(const NoiseSchedule *d, double sigma) {
+    double best = INFINITY;
+    int t_best = 0;
+    for (int t = 0; t < d->steps; t++) {
+        double gap = fabs(log(schedule_sigma(d, t)) - log(sigma));
+        if (gap < best) best = gap, t_best = t;
+    }
+    return t_best;
+}
 
 static inline int sample_schedule_karras(const NoiseSchedule *d, int steps, KarrasLevels k, SampleSchedule *s) {
     memset(s, 0, sizeof *s);
@@ -188,13 +202,8 @@ static inline int sample_schedule_karras(const NoiseSchedule *d, int steps, Karr
     s->count = steps;
     for (int i = 0; i < steps; i++) {  // from the noisiest: schedule index steps - 1 - i
         double ramp = steps == 1 ? 0.0 : (double)i / (steps - 1);
-        double sigma = pow(pow(hi, 1 / k.rho) + ramp * (pow(lo, 1 / k.rho) - pow(hi, 1 / k.rho)), k.rho), best = INFINITY;
-        int t_best = 0;
-        for (int t = 0; t < d->steps; t++) {
-            double gap = fabs(log(schedule_sigma(d, t)) - log(sigma));
-            if (gap < best) best = gap, t_best = t;
-        }
-        s->timesteps[steps - 1 - i] = t_best, s->abar[steps - 1 - i] = 1 / (1 + sigma * sigma);
+        double sigma = pow(pow(hi, 1 / k.rho) + ramp * (pow(lo, 1 / k.rho) - pow(hi, 1 / k.rho)), k.rho);
+        s->timesteps[steps - 1 - i] = nearest_timestep(d, sigma), s->abar[steps - 1 - i] = 1 / (1 + sigma * sigma);
     }
     return 0;
 }
@@ -286,10 +295,17 @@ typedef struct {
     TimestepSampler timesteps;
 } DiffusionConfig;
 
-HOST_DEVICE static inline float predict_x0(float x, float out, float abar, int predict, int clip) {
-    float a = sqrtf(abar), b = sqrtf(1.0f - abar);
+// x0 from the model's output at a step of sqrt(abar) = a, sqrt(1 - abar) = b: eps, v or x0 itself,
+// clipped to [-1, 1] when asked.
+HOST_DEVICE static inline float predict_x0_ab(float x, float out, float a, float b, int predict, int clip) {
     float x0 = predict == PREDICT_V ? a * x - b * out : predict == PREDICT_X0 ? out : (x - b * out) / a;
     return clip ? fminf(fmaxf(x0, -1.0f), 1.0f) : x0;
+}
+
+// The same from abar (in float: near abar = 1, 1 - abar keeps few digits; a plan's steps carry a
+// and b computed in double, sample_step_value's).
+HOST_DEVICE static inline float predict_x0(float x, float out, float abar, int predict, int clip) {
+    return predict_x0_ab(x, out, sqrtf(abar), sqrtf(1.0f - abar), predict, clip);
 }
 
 // DDIM (Song et al.): eps recomputed from x0, then
@@ -342,6 +358,27 @@ HOST_DEVICE static inline float euler_ancestral_update(float x, float x0, float 
     return sqrtf(abar_prev) * (x0 + down * (x / sqrtf(abar) - x0) + up * z);
 }
 
+// Heun's method (EDM's Algorithm 2, k-diffusion's sample_heun) on the probability-flow ODE
+// dx_ve/dsigma = (x_ve - x0) / sigma, one model call a plan step. Step i from sigma_hat to the next
+// level t' is two calls: the predictor at sigma_hat (slope d = (x_ve - x0) / sigma_hat; Euler's
+// x_e = x_hat + (t' - sigma_hat) d; the last step's only call) and the corrector at t' on x_e
+// (slope d' there), x_ve' = x_hat + (t' - sigma_hat) (d + d') / 2, then, before the next step, its
+// churn: noise of `up` = (sigma_hat_next^2 - t'^2)^(1/2) S_noise. Written so that no two terms of
+// sigma_hat's size cancel in float (a first sigma of 10^4 has them):
+//   predictor:  x_e = x0 + ratio (x_hat - x0),             ratio = t' / sigma_hat
+//   corrector:  x_ve' = x_e + (t' - sigma_hat) (d' - d) / 2
+// The predictor keeps d in memory for the corrector. x enters and leaves in the variance-preserving
+// x of the call's abar and of abar_prev (the next call's): x_ve = x / sqrt(abar).
+HOST_DEVICE static inline float heun_update(float x, float x0, float abar, float abar_prev, float sigma, float step, float ratio,
+                                            int corrector, float up, float z, float *slope) {
+    float x_ve = x / sqrtf(abar), d = (x_ve - x0) / sigma;
+    if (!corrector) {
+        *slope = d;
+        return sqrtf(abar_prev) * (x0 + ratio * (x_ve - x0));
+    }
+    return sqrtf(abar_prev) * (x_ve + 0.5f * step * (d - *slope) + up * z);
+}
+
 // lambda = log(alpha / sigma) of a step (abar < 1).
 static inline double log_snr_half(double abar) { return 0.5 * log(abar / (1.0 - abar)); }
 
@@ -368,14 +405,17 @@ HOST_DEVICE static inline float guided_output(float cond, float uncond, float w)
 // from the predicted x0, plus noise of the posterior's variance (DDIM with eta = 1 is the same step)
 // or, with a learned variance, the model's.
 
-typedef enum { SAMPLER_DDPM, SAMPLER_DDIM, SAMPLER_DPM_SOLVER_PP, SAMPLER_EULER_ANCESTRAL } SamplerKind;
+typedef enum { SAMPLER_DDPM, SAMPLER_DDIM, SAMPLER_DPM_SOLVER_PP, SAMPLER_EULER_ANCESTRAL, SAMPLER_HEUN } SamplerKind;
 
 typedef struct {
     int timestep;           // the model's t (the original, unrespaced)
     float abar, abar_prev;  // from abar to abar_prev (1 after the last step)
     float eta;              // DDIM's and Euler ancestral's noise scale
     int noisy;              // draws z: DDIM and Euler ancestral with eta > 0, but not the last step (sigma is 0 there)
-    float down, up;         // Euler ancestral: sigma_down / sigma and sigma_up (euler_ancestral_update)
+    float down, up;         // Euler ancestral: sigma_down / sigma and sigma_up (euler_ancestral_update);
+                            // Heun: down the predictor's ratio t' / sigma_hat, up the corrector's churn
+    float sigma, step;      // Heun: the call's sigma and its step's length, t' - sigma_hat (heun_update)
+    int corrector;          // Heun: the step's second call
     float r;                // DPM-Solver++: h_last / h
     int second_order;       // DPM-Solver++: all steps but the first and the last
     TimestepTerms terms;    // DDPM: the posterior and the learned range of the step (of the respaced schedule)
@@ -387,7 +427,8 @@ typedef struct {
     int count, predict, clip;
     int learned;        // DDPM draws with the model's variance (its second output half)
     float start_scale;  // the starting noise's: 1 (x_T ~ N(0, I), as guided-diffusion's samplers), or on
-                        // Karras levels sqrt(1 - abar) of the first (k-diffusion's sigma_max x_ve)
+                        // Karras levels sqrt(1 - abar) of the first (k-diffusion's sigma_max x_ve;
+                        // Heun's: with its first churn, see sample_plan_karras)
     SampleStep *steps;  // [count]
 } SamplePlan;
 
@@ -455,18 +496,58 @@ static inline int sample_plan_make(SamplePlan *p, const NoiseSchedule *d, Sample
     return sample_plan_from_schedule(p, &s, kind, eta, predict, clip, variance);
 }
 
-// The plan of DDIM (eta 0: k-diffusion's sample_euler), DPM-Solver++(2M) (sample_dpmpp_2m) or Euler
-// ancestral (sample_euler_ancestral, eta 1 by default) on `steps` Karras levels
-// (sample_schedule_karras), from noise of sigma_max. A learned variance's second half is not used.
-// Returns 0, or -1 for levels sample_schedule_karras refuses (or without memory).
+static inline int heun_plan(SamplePlan *p, const NoiseSchedule *d, SampleSchedule *s, KarrasLevels k, int predict, int clip);
+
+// The plan of DDIM (eta 0: k-diffusion's sample_euler), DPM-Solver++(2M) (sample_dpmpp_2m), Euler
+// ancestral (sample_euler_ancestral, eta 1 by default) or Heun (sample_heun, EDM's sampler:
+// heun_plan) on `steps` Karras levels (sample_schedule_karras), from noise of sigma_max. A learned
+// variance's second half is not used. Returns 0, or -1 for levels sample_schedule_karras refuses
+// (or without memory).
+
 static inline int sample_plan_karras(SamplePlan *p, const NoiseSchedule *d, SamplerKind kind, int steps, KarrasLevels levels, float eta,
                                      int predict, int clip) {
     SampleSchedule s = {0, NULL, NULL};
     memset(p, 0, sizeof *p);
     if (kind == SAMPLER_DDPM || sample_schedule_karras(d, steps, levels, &s) != 0) return sample_schedule_free(&s), -1;
+    if (kind == SAMPLER_HEUN) return heun_plan(p, d, &s, levels, predict, clip);
     double first = s.abar[s.count - 1];
     if (sample_plan_from_schedule(p, &s, kind, eta, predict, clip, VARIANCE_FIXED_SMALL) != 0) return -1;
     p->start_scale = (float)sqrt(1 - first);
+    return 0;
+}
+
+// Heun's plan (heun_update) on the Karras levels in s, t_0 > ... > t_(N-1), then 0: step i at
+// sigma_hat_i = t_i (1 + gamma_i), gamma_i = min(s_churn / N, sqrt(2) - 1) where s_min <= t_i <= s_max
+// (else 0), its predictor and corrector calls (the last step its predictor only: 2N - 1 calls).
+// The first step's churn joins the starting noise, x_hat_0 ~ N(0, t_0^2 + S_noise^2 (sigma_hat_0^2 -
+// t_0^2)) in x_ve: the distribution of EDM's two draws. Returns 0, or -1 without memory; frees s.
+static inline int heun_plan(SamplePlan *p, const NoiseSchedule *d, SampleSchedule *s, KarrasLevels k, int predict, int clip) {
+    int N = s->count;
+    double *t = (double *)malloc((N + 1) * sizeof(double)), *hat = (double *)malloc(N * sizeof(double));
+    p->steps = (SampleStep *)calloc((size_t)2 * N - 1, sizeof(SampleStep));
+    if (!t || !hat || !p->steps) return free(t), free(hat), free(p->steps), p->steps = NULL, sample_schedule_free(s), -1;
+    for (int i = 0; i < N; i++) t[i] = sqrt((1 - s->abar[N - 1 - i]) / s->abar[N - 1 - i]);
+    t[N] = 0;
+    for (int i = 0; i < N; i++) hat[i] = t[i] * (1 + (k.s_min <= t[i] && t[i] <= k.s_max ? fmin(k.s_churn / N, sqrt(2.0) - 1) : 0.0));
+    p->kind = SAMPLER_HEUN, p->count = 2 * N - 1, p->predict = predict, p->clip = clip, p->learned = 0;
+    p->start_scale = (float)(sqrt(t[0] * t[0] + k.s_noise * k.s_noise * (hat[0] * hat[0] - t[0] * t[0])) / sqrt(1 + hat[0] * hat[0]));
+    SampleStep *st = p->steps;
+    for (int i = 0; i < N; i++) {
+        st->timestep = nearest_timestep(d, hat[i]), st->sigma = (float)hat[i], st->step = (float)(t[i + 1] - hat[i]);
+        st->abar = (float)(1 / (1 + hat[i] * hat[i])), st->abar_prev = (float)(1 / (1 + t[i + 1] * t[i + 1]));
+        st->terms.sqrt_abar = (float)(1 / sqrt(1 + hat[i] * hat[i])), st->terms.sqrt_one_minus_abar = (float)(hat[i] / sqrt(1 + hat[i] * hat[i]));
+        st->down = (float)(t[i + 1] / hat[i]);
+        st++;
+        if (i == N - 1) break;
+        st->timestep = nearest_timestep(d, t[i + 1]), st->sigma = (float)t[i + 1], st->step = (float)(t[i + 1] - hat[i]);
+        st->abar = (float)(1 / (1 + t[i + 1] * t[i + 1])), st->abar_prev = (float)(1 / (1 + hat[i + 1] * hat[i + 1]));
+        st->terms.sqrt_abar = (float)(1 / sqrt(1 + t[i + 1] * t[i + 1]));
+        st->terms.sqrt_one_minus_abar = (float)(t[i + 1] / sqrt(1 + t[i + 1] * t[i + 1]));
+        st->corrector = 1, st->up = (float)(sqrt(hat[i + 1] * hat[i + 1] - t[i + 1] * t[i + 1]) * k.s_noise), st->noisy = st->up > 0;
+        st++;
+    }
+    free(t), free(hat);
+    sample_schedule_free(s);
     return 0;
 }
 
@@ -475,13 +556,19 @@ static inline void sample_plan_free(SamplePlan *p) {
     memset(p, 0, sizeof *p);
 }
 
+// What a value's update keeps for the next step: DPM-Solver++'s previous x0; Heun's predictor's
+// slope (heun_update).
+typedef struct {
+    float x0_last, slope;
+} SampleMemory;
+
 // One value's update at one step of a plan: x from the model's output (after classifier-free
 // guidance) and, with a learned variance, the output's variance half v; score: classifier guidance's
-// g (0: none; see score_guided_x0); z the value's normal draw (when st->noisy); x0_last:
-// DPM-Solver++'s previous x0 of this value, updated.
+// g (0: none; see score_guided_x0); z the value's normal draw (when st->noisy); memory: the value's,
+// updated.
 HOST_DEVICE static inline float sample_step_value(const SamplePlan *p, const SampleStep *st, float x, float out, float v, float score,
-                                                  float z, float *x0_last) {
-    float x0 = predict_x0(x, out, st->abar, p->predict, p->clip);
+                                                  float z, SampleMemory *memory) {
+    float x0 = predict_x0_ab(x, out, st->terms.sqrt_abar, st->terms.sqrt_one_minus_abar, p->predict, p->clip);
     if (p->kind == SAMPLER_DDPM) {
         const TimestepTerms *tt = &st->terms;
         float log_var = p->learned ? learned_log_variance(v, tt->log_var_min, tt->log_var_range) : st->log_variance;
@@ -491,9 +578,11 @@ HOST_DEVICE static inline float sample_step_value(const SamplePlan *p, const Sam
     }
     x0 = score_guided_x0(x0, st->abar, score);
     if (p->kind == SAMPLER_EULER_ANCESTRAL) return euler_ancestral_update(x, x0, st->abar, st->abar_prev, st->down, st->up, z);
+    if (p->kind == SAMPLER_HEUN)
+        return heun_update(x, x0, st->abar, st->abar_prev, st->sigma, st->step, st->down, st->corrector, st->up, z, &memory->slope);
     if (p->kind != SAMPLER_DPM_SOLVER_PP) return ddim_from_x0(x, x0, st->abar, st->abar_prev, st->eta, z);
-    float next = dpm_solver_pp_update(x, x0, *x0_last, st->abar, st->abar_prev, st->r, st->second_order);
-    *x0_last = x0;
+    float next = dpm_solver_pp_update(x, x0, memory->x0_last, st->abar, st->abar_prev, st->r, st->second_order);
+    memory->x0_last = x0;
     return next;
 }
 
@@ -526,8 +615,9 @@ typedef float (*SamplerNoise)(void *ctx, int j, size_t i);
 // Returns 0, or -1 without memory.
 static inline int sample_loop(const SamplePlan *p, SamplerModel model, int scored, SamplerNoise noise, void *ctx, float *x, size_t n) {
     const float *v = NULL, *score = NULL;
-    float *out = (float *)malloc((1 + (p->learned != 0) + (scored != 0)) * n * sizeof(float)), *x0_last = (float *)calloc(n, sizeof(float));
-    if (!out || !x0_last) return free(out), free(x0_last), -1;
+    float *out = (float *)malloc((1 + (p->learned != 0) + (scored != 0)) * n * sizeof(float));
+    SampleMemory *memory = (SampleMemory *)calloc(n, sizeof(SampleMemory));
+    if (!out || !memory) return free(out), free(memory), -1;
     if (p->learned) v = out + n;
     if (scored) score = out + (p->learned ? 2 : 1) * n;
     for (size_t i = 0; i < n; i++) x[i] *= p->start_scale;
@@ -536,10 +626,10 @@ static inline int sample_loop(const SamplePlan *p, SamplerModel model, int score
         model(ctx, x, st->timestep, out);
         for (size_t i = 0; i < n; i++)
             x[i] = sample_step_value(p, st, x[i], out[i], v ? v[i] : 0.0f, score ? score[i] : 0.0f, st->noisy ? noise(ctx, j, i) : 0.0f,
-                                     &x0_last[i]);
+                                     &memory[i]);
     }
     free(out);
-    free(x0_last);
+    free(memory);
     return 0;
 }
 

@@ -4481,7 +4481,7 @@ __global__ void sample_inputs_kernel(floatX *input, int C, int ld, int64_t *t, i
 // uncond), the second half being the unconditional) and classifier guidance's score (NULL: none);
 // x is written. x has C channels; the output has C (the prediction) or, with a learned variance,
 // 2C: then a value's variance is the conditional output's (as GLIDE's guided sampling keeps it).
-__global__ void sample_step_kernel(float *x, float *x0_last, const floatX *out, const floatX *score, int64_t n, int C, int out_channels,
+__global__ void sample_step_kernel(float *x, SampleMemory *memory, const floatX *out, const floatX *score, int64_t n, int C, int out_channels,
                                    int guided, float guidance, SamplePlan plan, const SampleStep *steps, const SampleCursor *c,
                                    uint64_t seed) {
     const SampleStep st = steps[c->step];
@@ -4491,7 +4491,7 @@ __global__ void sample_step_kernel(float *x, float *x0_last, const floatX *out, 
         float o = guided ? guided_output((float)out[j], (float)out[n_out + j], guidance) : (float)out[j];
         float v = plan.learned ? (float)out[j + C] : 0.0f, g = score ? (float)score[i] : 0.0f;
         float z = st.noisy ? normal_sample(seed, rng_stream(RNG_SAMPLE_NOISE, (uint64_t)c->step), c->offset + i) : 0.0f;
-        x[i] = sample_step_value(&plan, &st, x[i], o, v, g, z, &x0_last[i]);
+        x[i] = sample_step_value(&plan, &st, x[i], o, v, g, z, &memory[i]);
     }
 }
 
@@ -6906,7 +6906,8 @@ typedef struct {
     SamplePlan plan;        // its steps also on the GPU:
     SampleStep *steps;
     SampleCursor *cursor;   // GPU
-    float *x, *x0_last;     // GPU, [images][H][W][C]
+    float *x;               // GPU, [images][H][W][C]
+    SampleMemory *memory;   // GPU, a value's (sample_step_value)
     uint8_t *pixels;        // GPU
     uint8_t *low_pixels;    // GPU: an upsampler's low-resolution images of the batch, [images][s][s][C]
     cudaEvent_t start, stop;
@@ -6934,7 +6935,7 @@ static int64_t gpu_sampler_bytes(const ModelConfig *c, int images, int steps, in
     unet_plan(&m, c, guided ? 2 * images : images, 0);
     int64_t n = (int64_t)images * c->image_size * c->image_size * c->in_channels;
     int64_t low = (int64_t)images * c->low_res * c->low_res * c->in_channels;  // an upsampler's low-resolution images
-    int64_t bytes = unet_memory_bytes(&m) + 2 * n * (int64_t)sizeof(float) + n + low + steps * (int64_t)sizeof(SampleStep);
+    int64_t bytes = unet_memory_bytes(&m) + n * (int64_t)(sizeof(float) + sizeof(SampleMemory)) + n + low + steps * (int64_t)sizeof(SampleStep);
     unet_destroy(&m);
     if (classifier) {
         unet_plan(&m, classifier, images, TRAINING_INPUT_GRADIENT);
@@ -6964,9 +6965,10 @@ static void gpu_sampler_create(GpuSampler *s, const ModelConfig *c, int images, 
     cuda_check(cudaMemcpy(s->steps, plan->steps, plan->count * sizeof(SampleStep), cudaMemcpyHostToDevice));
     int64_t n = (int64_t)images * c->image_size * c->image_size * c->in_channels;
     s->cursor = (SampleCursor *)gpu_malloc(sizeof(SampleCursor));
-    s->x = (float *)gpu_malloc(2 * n * sizeof(float));
-    s->x0_last = s->x + n;
-    cuda_check(cudaMemset(s->x, 0, 2 * n * sizeof(float)));
+    s->x = (float *)gpu_malloc(n * sizeof(float));
+    s->memory = (SampleMemory *)gpu_malloc(n * sizeof(SampleMemory));
+    cuda_check(cudaMemset(s->x, 0, n * sizeof(float)));
+    cuda_check(cudaMemset(s->memory, 0, n * sizeof(SampleMemory)));
     s->pixels = (uint8_t *)gpu_malloc(n);
     if (c->low_res) s->low_pixels = (uint8_t *)gpu_malloc((size_t)images * c->low_res * c->low_res * c->in_channels);
     cuda_check(cudaEventCreate(&s->start));
@@ -6978,7 +6980,7 @@ static void gpu_sampler_destroy(GpuSampler *s) {
     for (int j = 0; s->step_done && j < s->plan.count; j++) cudaEventDestroy(s->step_done[j]);
     free(s->step_done);
     cudaEventDestroy(s->start), cudaEventDestroy(s->stop);
-    cudaFree(s->steps), cudaFree(s->cursor), cudaFree(s->x), cudaFree(s->pixels), cudaFree(s->classifier_partial), cudaFree(s->low_pixels);
+    cudaFree(s->steps), cudaFree(s->cursor), cudaFree(s->x), cudaFree(s->memory), cudaFree(s->pixels), cudaFree(s->classifier_partial), cudaFree(s->low_pixels);
     unet_destroy(&s->m);
     if (s->classifier_guided) unet_destroy(&s->classifier);
     memset(s, 0, sizeof *s);
@@ -7018,7 +7020,7 @@ static void gpu_sampler_begin(GpuSampler *s, int64_t first, int count, const int
                                                                       s->cursor);
     unet_forward(m, 0);
     if (c) classifier_score(s);
-    sample_step_kernel<<<blocks_for(n, 256), 256, 0, gpu.stream>>>(s->x, s->x0_last, m->output->x, c ? c->input.dx : NULL, n, mc->in_channels,
+    sample_step_kernel<<<blocks_for(n, 256), 256, 0, gpu.stream>>>(s->x, s->memory, m->output->x, c ? c->input.dx : NULL, n, mc->in_channels,
                                                                     m->output->C, s->guided, s->guidance, s->plan, s->steps, s->cursor,
                                                                     s->seed);
     sample_advance_kernel<<<1, 1, 0, gpu.stream>>>(s->cursor);

@@ -9,14 +9,16 @@ starting noise and draws.
 What is ported: get_sigmas_karras (then 0); DiscreteEpsDDPMDenoiser and DiscreteVDDPMDenoiser on
 guided-diffusion's linear and cosine schedules (sigma = sqrt((1 - abar) / abar), the model called
 with x c_in at the quantized t, the t of the nearest log sigma: sigma_to_t with quantize); and
-sample_euler (no churn), sample_euler_ancestral and sample_dpmpp_2m, started from x = z sigma_max.
+sample_euler (no churn), sample_euler_ancestral, sample_dpmpp_2m and sample_heun (EDM's sampler,
+with its churn), started from x = z sigma_max.
 The toy model's output is tanh(w[t] x + b[t]) per value, its w and b random per t.
 
-Tensors (F32, the inputs rounded to float32 before the reference runs on them): cases [C, 7]
-(schedule 0 linear / 1 cosine, predict_v, sampler 0 euler / 1 euler_ancestral / 2 dpmpp_2m, steps,
-sigma_min, sigma_max, rho; 0 for the schedule's own sigma_min and sigma_max), start [C, n] (unit
-normal z), noise [C, 25, n] (euler_ancestral's draws per step), expected [C, n] (the final x),
-timesteps [C, 25] (the model's t per step, -1 past the last), model_w, model_b [1000].
+Tensors (F32, the inputs rounded to float32 before the reference runs on them): cases [C, 11]
+(schedule 0 linear / 1 cosine, predict_v, sampler 0 euler / 1 euler_ancestral / 2 dpmpp_2m / 3
+heun, steps, sigma_min, sigma_max, rho, 0 for the schedule's own sigma_min and sigma_max; heun's
+s_churn, s_tmin, s_tmax, s_noise), start [C, n] (unit normal z), noise [C, 25, n] (the draws per
+step of euler_ancestral and heun), expected [C, n] (the final x), timesteps [C, 50] (the model's t
+per call, -1 past the last), model_w, model_b [1000].
 """
 
 import math
@@ -116,29 +118,54 @@ def sample_dpmpp_2m(model, x, sigmas, noise):
     return x
 
 
+def sample_heun(model, x, sigmas, noise, s_churn=0.0, s_tmin=0.0, s_tmax=float("inf"), s_noise=1.0):
+    for i in range(len(sigmas) - 1):
+        gamma = min(s_churn / (len(sigmas) - 1), 2 ** 0.5 - 1) if s_tmin <= sigmas[i] <= s_tmax else 0.0
+        eps = noise[i] * s_noise
+        sigma_hat = sigmas[i] * (gamma + 1)
+        if gamma > 0:
+            x = x + eps * (sigma_hat ** 2 - sigmas[i] ** 2) ** 0.5
+        denoised = model(x, sigma_hat)
+        d = (x - denoised) / sigma_hat
+        dt = sigmas[i + 1] - sigma_hat
+        if sigmas[i + 1] == 0:  # Euler method
+            x = x + d * dt
+        else:
+            x_2 = x + d * dt
+            denoised_2 = model(x_2, sigmas[i + 1])
+            d_2 = (x_2 - denoised_2) / sigmas[i + 1]
+            x = x + (d + d_2) / 2 * dt
+    return x
+
+
 def main():
     rng = np.random.default_rng(20261129)
     n = 64
     f32 = lambda a: np.asarray(a, dtype=np.float32).astype(np.float64)
     w, b = f32(rng.uniform(0.5, 1.5, 1000)), f32(rng.normal(0, 0.3, 1000))
     schedules = [alphas_cumprod("linear"), alphas_cumprod("cosine")]
-    samplers = [sample_euler, sample_euler_ancestral, sample_dpmpp_2m]
-    rows = [(s, v, k, steps, 0.0, 0.0, 7.0) for s in (0, 1) for v in (0, 1) for k in (0, 1, 2) for steps in (10, 25)]
-    rows += [(0, 0, 2, 20, 0.05, 20.0, 3.0), (1, 1, 1, 12, 0.1, 40.0, 5.0)]
+    samplers = [sample_euler, sample_euler_ancestral, sample_dpmpp_2m, sample_heun]
+    no_churn = (0.0, 0.0, float("inf"), 1.0)
+    rows = [(s, v, k, steps, 0.0, 0.0, 7.0) + no_churn for s in (0, 1) for v in (0, 1) for k in (0, 1, 2, 3) for steps in (10, 25)]
+    rows += [(0, 0, 2, 20, 0.05, 20.0, 3.0) + no_churn, (1, 1, 1, 12, 0.1, 40.0, 5.0) + no_churn]
+    # Heun with churn: EDM's ImageNet settings but S_tmax below the first level (the first step
+    # without churn: see sample_plan_karras on merging its churn into the starting noise)
+    rows += [(0, 0, 3, 18, 0.002, 80.0, 7.0, 40.0, 0.05, 50.0, 1.003), (1, 1, 3, 12, 0.0, 0.0, 7.0, 30.0, 0.0, 20.0, 1.0)]
     cases, start, noise, expected, timesteps = [], [], [], [], []
-    for s, v, k, steps, sigma_min, sigma_max, rho in rows:
+    for s, v, k, steps, sigma_min, sigma_max, rho, s_churn, s_tmin, s_tmax, s_noise in rows:
         abar = schedules[s]
         model = DiscreteDenoiser(abar, v, w, b)
         lo = sigma_min or model.sigmas[0]
         hi = sigma_max or model.sigmas[-1]
         sigmas = get_sigmas_karras(steps, lo, hi, rho)
         z = f32(rng.standard_normal(n))
-        draws = f32(np.concatenate([rng.standard_normal((steps, n)), np.zeros((MAX_STEPS - steps, n))]) if k == 1 else
+        draws = f32(np.concatenate([rng.standard_normal((steps, n)), np.zeros((MAX_STEPS - steps, n))]) if k in (1, 3) else
                     np.zeros((MAX_STEPS, n)))
-        x = samplers[k](model, z * sigmas[0], sigmas, draws)
-        cases.append([s, v, k, steps, sigma_min, sigma_max, rho])
+        churn = dict(s_churn=s_churn, s_tmin=s_tmin, s_tmax=s_tmax, s_noise=s_noise) if k == 3 else {}
+        x = samplers[k](model, z * sigmas[0], sigmas, draws, **churn)
+        cases.append([s, v, k, steps, sigma_min, sigma_max, rho, s_churn, s_tmin, min(s_tmax, 1e30), s_noise])
         start.append(z), noise.append(draws), expected.append(x)
-        timesteps.append(model.called + [-1] * (MAX_STEPS - steps))
+        timesteps.append(model.called + [-1] * (2 * MAX_STEPS - len(model.called)))
     tensors = {"cases": np.array(cases), "start": np.array(start), "noise": np.array(noise), "expected": np.array(expected),
                "timesteps": np.array(timesteps, dtype=np.float64), "model_w": w, "model_b": b}
     write_safetensors(OUT, [(name, a.shape, np.ascontiguousarray(a, dtype="<f4").tobytes()) for name, a in tensors.items()], {})

@@ -82,15 +82,19 @@ expect_grep "goes with neither --sampler dpm\+\+ nor --steps" "$LAST_ERR"
 expect_exit 2 ./generate --checkpoint "$UNCOND" --schedule exponential
 expect_grep "schedule must be karras, not 'exponential'" "$LAST_ERR"
 expect_exit 2 ./generate --checkpoint "$UNCOND" --schedule karras --sampler ddpm
-expect_grep "schedule karras goes with --sampler ddim, dpm\+\+ or euler_a" "$LAST_ERR"
+expect_grep "schedule karras goes with --sampler ddim, dpm\+\+, euler_a or heun" "$LAST_ERR"
 expect_exit 2 ./generate --checkpoint "$UNCOND" --sampler euler_a --respacing 10
 expect_grep "places the steps itself" "$LAST_ERR"
 expect_exit 2 ./generate --checkpoint "$UNCOND" --sigma_max 80
-expect_grep "need --schedule karras or --sampler euler_a" "$LAST_ERR"
+expect_grep "need --schedule karras, or --sampler euler_a or heun" "$LAST_ERR"
 expect_exit 2 ./generate --checkpoint "$UNCOND" --schedule karras --sigma_min 5 --sigma_max 1
 expect_grep "sigma_min 5 is not below --sigma_max 1" "$LAST_ERR"
 expect_exit 2 ./generate --checkpoint "$UNCOND" --schedule karras --rho 0
 expect_grep "rho takes a number in 0.1..100, not '0'" "$LAST_ERR"
+expect_exit 2 ./generate --checkpoint "$UNCOND" --sampler dpm++ --s_churn 40
+expect_grep "heun's churn: they need --sampler heun" "$LAST_ERR"
+expect_exit 2 ./generate --checkpoint "$UNCOND" --sampler heun --s_noise -1
+expect_grep "s_noise takes a number in 0..10" "$LAST_ERR"
 expect_fail ./generate --checkpoint "$UNCOND" --sampler euler_a --sigma_min 1000
 expect_grep "Karras levels from sigma_min 1000 to sigma_max [0-9.]+ are empty \(its own range: " "$LAST_ERR"
 expect_fail ./generate --checkpoint "$UNCOND" --steps 999

@@ -183,9 +183,10 @@ int main(void) {
         if (k == 1) tilde_1 = tilde;
         if (k == 0) CHECK(m->variance == 0.0f && fabs(l->variance / tilde_1 - 1) < 1e-5 && l->log_variance == m->log_variance);
         float z = 0.5f, x = 0.25f, out = -0.5f, score = 2.0f;  // the noise and the score enter through the variance alone
-        float plain = sample_step_value(&large, l, x, out, 0.0f, 0.0f, 0.0f, NULL);
-        if (k > 0) CHECK(fabsf(sample_step_value(&large, l, x, out, 0.0f, 0.0f, z, NULL) - plain - expf(0.5f * l->log_variance) * z) < 1e-6f);
-        CHECK(fabsf(sample_step_value(&large, l, x, out, 0.0f, score, 0.0f, NULL) - plain - l->variance * score) < 1e-6f);
+        SampleMemory unused = {0, 0};  // (DDPM keeps none)
+        float plain = sample_step_value(&large, l, x, out, 0.0f, 0.0f, 0.0f, &unused);
+        if (k > 0) CHECK(fabsf(sample_step_value(&large, l, x, out, 0.0f, 0.0f, z, &unused) - plain - expf(0.5f * l->log_variance) * z) < 1e-6f);
+        CHECK(fabsf(sample_step_value(&large, l, x, out, 0.0f, score, 0.0f, &unused) - plain - l->variance * score) < 1e-6f);
     }
     sample_plan_free(&large), sample_plan_free(&small);
     noise_schedule_free(&d);

@@ -95,12 +95,13 @@ static double check_learned_ddpm(const NoiseSchedule *schedules, const char *con
     int rows = (int)(rows_numel / 5), n = (int)(values_numel / rows / 4);
     float *got = (float *)malloc_or_die(n * sizeof(float));
     double worst = 0;
+    SampleMemory unused = {0, 0};  // (DDPM keeps none)
     for (int r = 0; r < rows; r++) {
         const double *c = cases + 5 * r, *x = values + (size_t)r * 4 * n;
         SamplePlan plan;
         CHECK(sample_plan_make(&plan, &schedules[(int)c[0]], SAMPLER_DDPM, 0, specs[(int)c[1]], 1.0f, (int)c[3], (int)c[4], VARIANCE_LEARNED_RANGE) == 0);
         const SampleStep *st = &plan.steps[plan.count - 1 - (int)c[2]];  // kept step k runs at j = count - 1 - k
-        for (int i = 0; i < n; i++) got[i] = sample_step_value(&plan, st, (float)x[i], (float)x[n + i], (float)x[2 * n + i], 0.0f, (float)x[3 * n + i], NULL);
+        for (int i = 0; i < n; i++) got[i] = sample_step_value(&plan, st, (float)x[i], (float)x[n + i], (float)x[2 * n + i], 0.0f, (float)x[3 * n + i], &unused);
         worst = fmax(worst, relative_error(got, expected + (size_t)r * n, n));
         sample_plan_free(&plan);
     }
@@ -119,7 +120,7 @@ static double *kind_tensor(const char *kind, const char *part, int64_t *numel) {
 // The Karras fixture's toy model: out = tanh(w[t] x + b[t]) per value; and its draws per step.
 typedef struct {
     const double *w, *b, *noise;  // noise: [steps][n] of the case
-    int n;
+    int n, heun;                  // heun: call j's draw is step (j + 1) / 2's (its corrector churns the next step)
 } ToyModel;
 
 static void toy_model(void *ctx, const float *x, int t, float *out) {
@@ -129,13 +130,13 @@ static void toy_model(void *ctx, const float *x, int t, float *out) {
 
 static float toy_noise(void *ctx, int j, size_t i) {
     const ToyModel *m = (const ToyModel *)ctx;
-    return (float)m->noise[(size_t)j * m->n + i];
+    return (float)m->noise[(size_t)(m->heun ? (j + 1) / 2 : j) * m->n + i];
 }
 
 // sample_plan_karras's plans run whole (sample_loop) on the toy model, against k-diffusion's
-// sample_euler, sample_euler_ancestral and sample_dpmpp_2m on the same model, starting noise and
-// draws (scripts/make_karras_fixture.py): every step's t must be theirs; returns the worst relative
-// error of the final x.
+// sample_euler, sample_euler_ancestral, sample_dpmpp_2m and sample_heun (with churn) on the same
+// model, starting noise and draws (scripts/make_karras_fixture.py): every call's t must be theirs;
+// returns the worst relative error of the final x.
 static double check_karras(const NoiseSchedule *schedules) {
     SafeTensorsFile karras;
     char err[512];
@@ -145,30 +146,30 @@ static double check_karras(const NoiseSchedule *schedules) {
     double *noise = tensor_of(&karras, "noise", NULL), *expected = tensor_of(&karras, "expected", NULL);
     double *timesteps = tensor_of(&karras, "timesteps", &steps_numel);
     ToyModel toy = {tensor_of(&karras, "model_w", NULL), tensor_of(&karras, "model_b", NULL), NULL, 0};
-    int rows = (int)(rows_numel / 7), n = (int)(start_numel / rows), max_steps = (int)(steps_numel / rows);
-    const SamplerKind kinds[3] = {SAMPLER_DDIM, SAMPLER_EULER_ANCESTRAL, SAMPLER_DPM_SOLVER_PP};
-    const char *names[3] = {"euler (ddim)", "euler_ancestral", "dpmpp_2m"};
-    double worst[3] = {0, 0, 0};
+    int rows = (int)(rows_numel / 11), n = (int)(start_numel / rows), max_calls = (int)(steps_numel / rows), max_steps = max_calls / 2;
+    const SamplerKind kinds[4] = {SAMPLER_DDIM, SAMPLER_EULER_ANCESTRAL, SAMPLER_DPM_SOLVER_PP, SAMPLER_HEUN};
+    const char *names[4] = {"euler (ddim)", "euler_ancestral", "dpmpp_2m", "heun"};
+    double worst[4] = {0, 0, 0, 0};
     float *x = (float *)malloc_or_die(n * sizeof(float));
     toy.n = n;
     for (int r = 0; r < rows; r++) {
-        const double *c = cases + 7 * r;
-        int kind = (int)c[2], steps = (int)c[3];
-        KarrasLevels levels = {c[4], c[5], c[6]};
+        const double *c = cases + 11 * r;
+        int kind = (int)c[2], steps = (int)c[3], calls = kind == 3 ? 2 * steps - 1 : steps;
+        KarrasLevels levels = {c[4], c[5], c[6], c[7], c[8], c[9], c[10]};
         SamplePlan plan;
         CHECK(sample_plan_karras(&plan, &schedules[(int)c[0]], kinds[kind], steps, levels, kind == 1 ? 1.0f : 0.0f,
-                                 (int)c[1] ? PREDICT_V : PREDICT_EPS, 0) == 0 && plan.count == steps);
-        for (int j = 0; j < plan.count; j++) CHECK(plan.steps[j].timestep == (int)timesteps[(size_t)r * max_steps + j]);
+                                 (int)c[1] ? PREDICT_V : PREDICT_EPS, 0) == 0 && plan.count == calls);
+        for (int j = 0; j < plan.count; j++) CHECK(plan.steps[j].timestep == (int)timesteps[(size_t)r * max_calls + j]);
         for (int i = 0; i < n; i++) x[i] = (float)start[(size_t)r * n + i];
-        toy.noise = noise + (size_t)r * max_steps * n;
+        toy.noise = noise + (size_t)r * max_steps * n, toy.heun = kind == 3;
         CHECK(sample_loop(&plan, toy_model, 0, toy_noise, &toy, x, n) == 0);
         worst[kind] = fmax(worst[kind], relative_error(x, expected + (size_t)r * n, n));
         sample_plan_free(&plan);
     }
-    for (int k = 0; k < 3; k++) printf("  %s: worst relative error of the final x %.2e\n", names[k], worst[k]);
+    for (int k = 0; k < 4; k++) printf("  %s: worst relative error of the final x %.2e\n", names[k], worst[k]);
     free(cases), free(start), free(noise), free(expected), free(timesteps), free((void *)toy.w), free((void *)toy.b), free(x);
     safetensors_close(&karras);
-    return fmax(worst[0], fmax(worst[1], worst[2]));
+    return fmax(fmax(worst[0], worst[1]), fmax(worst[2], worst[3]));
 }
 
 // Runs every case of one kind (ddpm, ddim, dpm) and returns the worst relative error.
@@ -207,6 +208,7 @@ static double run_guided_cases(const char *kind, const NoiseSchedule *schedules)
     int rows = (int)(rows_numel / 6), n = (int)(values_numel / rows / 5), ddpm = strcmp(kind, "guided_ddpm") == 0;
     float *got = (float *)malloc_or_die(n * sizeof(float));
     double worst = 0, moved = INFINITY;  // moved: the smallest share of a case's result that g accounts for (t > 0)
+    SampleMemory unused = {0, 0};  // (DDPM and DDIM keep none)
     for (int r = 0; r < rows; r++) {
         const double *c = cases + 6 * r, *x = values + (size_t)r * 5 * n, *out = x + n, *v = x + 2 * n, *z = x + 3 * n, *g = x + 4 * n;
         const NoiseSchedule *d = &schedules[(int)c[0]];
@@ -219,14 +221,15 @@ static double run_guided_cases(const char *kind, const NoiseSchedule *schedules)
         } else {
             memset(&own, 0, sizeof own);
             own.abar = (float)d->alphas_cumprod[(int)c[1]], own.abar_prev = c[2] < 0 ? 1.0f : (float)d->alphas_cumprod[(int)c[2]];
+            own.terms = timestep_terms(d, (int)c[1]);  // (its a and b: x0's)
             own.eta = (float)c[3], own.noisy = c[3] > 0 && c[2] >= 0;
             plan.kind = SAMPLER_DDIM, plan.count = 1, plan.predict = (int)c[4] ? PREDICT_V : PREDICT_EPS, plan.clip = (int)c[5];
             plan.learned = 0, plan.steps = NULL;
         }
         double diff = 0, norm = 0, shift = 0;
         for (int i = 0; i < n; i++) {
-            got[i] = sample_step_value(&plan, st, (float)x[i], (float)out[i], (float)v[i], (float)g[i], st->noisy ? (float)z[i] : 0.0f, NULL);
-            float unguided = sample_step_value(&plan, st, (float)x[i], (float)out[i], (float)v[i], 0.0f, st->noisy ? (float)z[i] : 0.0f, NULL);
+            got[i] = sample_step_value(&plan, st, (float)x[i], (float)out[i], (float)v[i], (float)g[i], st->noisy ? (float)z[i] : 0.0f, &unused);
+            float unguided = sample_step_value(&plan, st, (float)x[i], (float)out[i], (float)v[i], 0.0f, st->noisy ? (float)z[i] : 0.0f, &unused);
             double want = expected[(size_t)r * n + i];
             diff += (got[i] - want) * (got[i] - want), norm += want * want, shift += (got[i] - unguided) * (got[i] - unguided);
         }
@@ -289,11 +292,11 @@ int main(void) {
     CHECK(run_cases("ddim", schedules) <= 1e-5);
     check_case("DPM-Solver++(2M) step equals the official multistep update (first and second order)");
     CHECK(run_cases("dpm", schedules) <= 1e-5);
-    check_case("Karras levels: euler (ddim), euler_ancestral and dpmpp_2m run whole equal k-diffusion's on the same model and noise");
+    check_case("Karras levels: euler (ddim), euler_ancestral, dpmpp_2m and heun (churn too) run whole equal k-diffusion's on the same model and noise");
     CHECK(check_karras(schedules) <= 1e-5);
     {  // levels it refuses: no steps, rho not positive, sigma_min not below sigma_max; DDPM
         SamplePlan none;
-        KarrasLevels own = {0, 0, 7}, crossed = {2.0, 1.0, 7}, flat = {0, 0, 0};
+        KarrasLevels own = {0, 0, 7, 0, 0, 0, 1}, crossed = {2.0, 1.0, 7, 0, 0, 0, 1}, flat = {0, 0, 0, 0, 0, 0, 1};
         CHECK(sample_plan_karras(&none, &schedules[0], SAMPLER_DPM_SOLVER_PP, 0, own, 0.0f, PREDICT_EPS, 0) != 0 && !none.steps);
         CHECK(sample_plan_karras(&none, &schedules[0], SAMPLER_DPM_SOLVER_PP, 10, crossed, 0.0f, PREDICT_EPS, 0) != 0);
         CHECK(sample_plan_karras(&none, &schedules[0], SAMPLER_DPM_SOLVER_PP, 10, flat, 0.0f, PREDICT_EPS, 0) != 0);

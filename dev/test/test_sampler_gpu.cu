@@ -123,7 +123,8 @@ static void log_progress(void *ctx, int step, int steps) {
 
 // The GPU loop against the host loop on one plan. classifier (NULL: none): classifier guidance with
 // scale classifier_scale by that classifier's training model (its weights are copied to the sampler's).
-// karras: the steps on the schedule's own Karras levels (sample_plan_karras), from scaled noise.
+// karras: the steps on the schedule's own Karras levels (sample_plan_karras), from scaled noise;
+// 2: with Heun's churn (EDM's ImageNet S_churn 40 on every level).
 static void test_plan(const char *name, const ModelConfig *c, UNet *weights, SamplerKind kind, int steps, float eta,
                       int predict_v, float guidance, UNet *classifier = NULL, float classifier_scale = 0.0f, int karras = 0) {
     check_case(name);
@@ -131,7 +132,7 @@ static void test_plan(const char *name, const ModelConfig *c, UNet *weights, Sam
     SamplePlan plan;
     CHECK(noise_schedule_make(&d, 100, "linear") == 0);
     VarianceType variance = c->learn_sigma ? VARIANCE_LEARNED_RANGE : VARIANCE_FIXED_LARGE;
-    KarrasLevels levels = {0, 0, 7};
+    KarrasLevels levels = {0, 0, 7, karras == 2 ? 40.0 : 0.0, 0, INFINITY, 1.003};
     CHECK(karras ? sample_plan_karras(&plan, &d, kind, steps, levels, eta, predict_v ? PREDICT_V : PREDICT_EPS, 1) == 0
                  : sample_plan_make(&plan, &d, kind, steps, NULL, eta, predict_v ? PREDICT_V : PREDICT_EPS, 1, variance) == 0);
     uint64_t seed = 1234;
@@ -396,6 +397,8 @@ int main(void) {
               NULL, 0.0f, 1);
     test_plan("DPM-Solver++(2M) on 8 Karras levels, v prediction, guidance 2", &c, &m, SAMPLER_DPM_SOLVER_PP, 8, 0.0f, 1, 2.0f, NULL,
               0.0f, 1);
+    test_plan("Heun on 6 Karras levels (11 calls)", &c, &m, SAMPLER_HEUN, 6, 0.0f, 0, 1.0f, NULL, 0.0f, 1);
+    test_plan("Heun on 6 Karras levels with churn 40, v prediction, guidance 2", &c, &m, SAMPLER_HEUN, 6, 0.0f, 1, 2.0f, NULL, 0.0f, 2);
 
     // The noisy classifier of the same images: 3 classes, the attention pool over the 8x8 tokens.
     Options co = o;
@@ -412,6 +415,7 @@ int main(void) {
               &classifier, 6.0f);
     test_plan("Euler ancestral on 10 Karras levels, classifier guidance 6", &c, &m, SAMPLER_EULER_ANCESTRAL, 10, 1.0f, 0, 1.0f,
               &classifier, 6.0f, 1);
+    test_plan("Heun on 6 Karras levels, classifier guidance 6", &c, &m, SAMPLER_HEUN, 6, 0.0f, 0, 1.0f, &classifier, 6.0f, 1);
     unet_destroy(&m);
     co = o, co.class_cond = 0;
     ModelConfig unconditional = resolve_model(&co, 0);
