@@ -46,7 +46,8 @@
 
 static const char usage[] =
     "usage: prepare_data --input DIR --output FILE.bin [--size N] [--resize gd|srgb]\n"
-    "                    [--jobs N] [--labels] [--keep_duplicates] [--quiet]\n"
+    "                    [--jobs N] [--labels [folders|gd]] [--keep_duplicates]\n"
+    "                    [--quiet]\n"
     "       prepare_data --synthetic shapes --output FILE.bin [--count N] [--size N]\n"
     "                    [--seed K]\n"
     "\n"
@@ -62,8 +63,11 @@ static const char usage[] =
     "  --keep_duplicates  use a file once for every path to it, walking linked\n"
     "                     folders again (a link back to a folder that contains it is\n"
     "                     still skipped)\n"
-    "  --labels           the class of an image is the name of its first-level folder\n"
-    "                     under DIR\n"
+    "  --labels [folders|gd]  an image's class: the name of its first-level folder\n"
+    "                     under DIR (folders); or, as guided-diffusion's loader, its\n"
+    "                     file name's part before the first _ (gd: ImageNet's\n"
+    "                     n01440764_10026.JPEG is class n01440764), the classes\n"
+    "                     numbered in sorted order\n"
     "  --synthetic shapes the bundled synthetic dataset (circles, squares, triangles;\n"
     "                     labelled)\n"
     "  --count N          synthetic images to write [10000]\n"
@@ -190,7 +194,7 @@ typedef struct {
     uint64_t count, seed;
     int size, jobs;
     Resize resize;
-    bool labels, quiet, keep_duplicates, count_given, seed_given, resize_given, jobs_given;
+    bool labels, name_labels, quiet, keep_duplicates, count_given, seed_given, resize_given, jobs_given;  // name_labels: --labels gd
 } Options;
 
 // Parses a decimal integer in lo..hi given to option `name`, or exits with a usage error.
@@ -248,8 +252,11 @@ static Options parse_options(int argc, char **argv) {
         if (!strcmp(argv[i], "--version")) cli_print_version("prepare_data", NULL), exit(0);
     for (int i = 1; i < argc; i++) {
         const char *v;
-        if (is_switch(argv[i], "--labels")) {
-            o.labels = true;
+        if (is_option(argv[i], "--labels")) {  // --labels [folders], or --labels gd
+            const char *eq = strchr(argv[i], '=');
+            v = eq ? eq + 1 : i + 1 < argc && (!strcmp(argv[i + 1], "gd") || !strcmp(argv[i + 1], "folders")) ? argv[++i] : "folders";
+            if (strcmp(v, "gd") != 0 && strcmp(v, "folders") != 0) usage_error("--labels takes folders or gd, not '%s'", v);
+            o.labels = true, o.name_labels = strcmp(v, "gd") == 0;
         } else if (is_switch(argv[i], "--quiet")) {
             o.quiet = true;
         } else if (is_switch(argv[i], "--keep_duplicates")) {
@@ -903,7 +910,7 @@ static uint32_t keep_used_classes(const FileList *list, int32_t *labels, uint64_
     uint32_t num_classes = 0;
     for (uint32_t c = 0; c < list->num_classes; c++) {
         if (images[c] == 0) {
-            warn("leaving out class %s: its folder holds no readable image", list->class_names[c]);
+            warn("leaving out class %s: no readable image has it", list->class_names[c]);
             continue;
         }
         renumber[c] = (int32_t)num_classes;
@@ -950,6 +957,31 @@ static void decode_batch(Batch *b, uint64_t begin, uint64_t end) {
     for (int t = 0; t < started; t++) pthread_join(threads[t], NULL);
 }
 
+// --labels gd: guided-diffusion's classes (image_datasets.py's load_data with class_cond): a file's
+// class is its name's part before the first '_' (the whole name without one), the classes numbered
+// in the sorted order of those names (Python's sorted: byte order, as strcmp).
+static int compare_names(const void *a, const void *b) { return strcmp(*(char *const *)a, *(char *const *)b); }
+
+static void label_by_names(FileList *list) {
+    char **prefix = xmalloc(list->count * sizeof(char *)), **sorted = xmalloc(list->count * sizeof(char *));
+    for (uint64_t i = 0; i < list->count; i++) {
+        const char *slash = strrchr(list->paths[i], '/'), *name = slash ? slash + 1 : list->paths[i];
+        size_t n = strcspn(name, "_");
+        prefix[i] = memcpy(xmalloc(n + 1), name, n), prefix[i][n] = '\0';
+        sorted[i] = prefix[i];
+    }
+    qsort(sorted, list->count, sizeof *sorted, compare_names);
+    list->class_names = xmalloc(list->count * sizeof(char *));
+    for (uint64_t i = 0; i < list->count; i++)
+        if (i == 0 || strcmp(sorted[i], sorted[i - 1]) != 0) list->class_names[list->num_classes++] = strcpy(xmalloc(strlen(sorted[i]) + 1), sorted[i]);
+    for (uint64_t i = 0; i < list->count; i++) {
+        char **found = bsearch(&prefix[i], list->class_names, list->num_classes, sizeof(char *), compare_names);
+        list->classes[i] = (int32_t)(found - list->class_names);
+        free(prefix[i]);
+    }
+    free(prefix), free(sorted);
+}
+
 // Folder mode. The file list is collected first; the images are then decoded a batch at a time
 // (decode_batch) and written to the temporary file in order, so memory holds one batch, the paths
 // and the labels. output_st: the existing output file, or NULL.
@@ -960,8 +992,9 @@ static void prepare_folder(const Options *o, const struct stat *output_st) {
     FileList list = {.output = o->output, .output_st = output_st, .keep_duplicates = o->keep_duplicates};
     inode_set_add(&list.seen, &st);
     Ancestor root = {st.st_dev, st.st_ino, NULL};
-    scan_folder(&list, o->input, &root, 0, -1, o->labels);
-    if (list.count == 0) die("no files found in %s%s", o->input, o->labels ? "'s class folders" : "");
+    scan_folder(&list, o->input, &root, 0, -1, o->labels && !o->name_labels);
+    if (list.count == 0) die("no files found in %s%s", o->input, o->labels && !o->name_labels ? "'s class folders" : "");
+    if (o->name_labels) label_by_names(&list);
 
     // The largest header the dataset can need: every file read and every class kept.
     const char *const *class_names = (const char *const *)list.class_names;

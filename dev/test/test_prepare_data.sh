@@ -271,6 +271,29 @@ expect_ok "$PD" --input "$T/noisy" --output "$T/noisy.bin" --size 8 --labels
 expect_grep "31 files skipped" "$LAST_OUT"
 cmp -s "$T/clean.bin" "$T/noisy.bin" || case_fail "skipped files changed the dataset"
 
+case_begin "--labels gd: guided-diffusion's classes, the file name before the first _, numbered in sorted order"
+mkdir -p "$T/named/more"
+python3 -c "
+from imgs import *
+d = '$T/named/'
+for name, seed in [('n02_0001.png', 1), ('n01_0002.png', 2), ('cat.png', 3), ('more/n01_7_x.png', 4), ('n02_.png', 5)]:
+    png(d + name, 8, 8, 2, samples(seed, 192))
+"
+expect_ok "$PD" --input "$T/named" --output "$T/named.bin" --size 8 --labels gd
+expect_grep "wrote 5 images \(8x8 RGB, 3 classes\)" "$LAST_OUT"
+# files in name order: cat.png, more/n01_7_x.png, n01_0002.png, n02_.png, n02_0001.png
+check_py "
+d = read('$T/named.bin')
+assert d['names'] == ['cat.png', 'n01', 'n02'] and d['labels'] == [0, 1, 1, 2, 2], (d['names'], d['labels'])
+assert d['images'][0] == bytes(samples(3, 192)) and d['images'][1] == bytes(samples(4, 192))
+"
+expect_ok "$PD" --input "$T/named" --output "$T/named2.bin" --size 8 --labels=gd
+cmp -s "$T/named.bin" "$T/named2.bin" || case_fail "--labels=gd differs from --labels gd"
+expect_ok "$PD" --input "$T/classes" --output "$T/folders.bin" --size 8 --labels folders
+cmp -s "$T/classes.bin" "$T/folders.bin" || case_fail "--labels folders differs from --labels"
+expect_exit 2 "$PD" --input "$T/named" --output "$T/x.bin" --labels=names
+expect_grep "labels takes folders or gd, not 'names'" "$LAST_ERR"
+
 case_begin "without --labels, class folders are just searched"
 expect_ok "$PD" --input "$T/classes" --output "$T/unlabelled.bin" --size 8
 check_py "d = read('$T/unlabelled.bin'); assert d['count'] == 3 and d['names'] == [] and d['labels'] == []"
