@@ -217,15 +217,37 @@ def features(model, pixels, device, batch=50):
     return [np.concatenate(o) for o in outs]
 
 
+def rounded_once(x, dtype):
+    """float64 x rounded once to dtype. PyTorch takes float64 to float16 through float32, two
+    roundings that can land a value next to an float16 halfway point on the wrong side: so round to
+    float32 toward zero, mark an inexact result in its last bit (round to odd), then to float16."""
+    if dtype == torch.float32:
+        return x.float()
+    f = x.float()
+    f = torch.where(f.double().abs() > x.abs(), torch.nextafter(f, torch.zeros_like(f)), f)
+    f = (f.view(torch.int32) | (f.double() != x).int()).view(torch.float32)
+    return f.half()
+
+
+def gpu_rounded_distances(u, v, device="cuda"):
+    """make_metrics_fixture.rounded_distances in PyTorch: the squares rounded to u's dtype, their
+    sums and the products' in float64, each rounded once, then the same float16 (or float32)
+    operations in the same order (PyTorch rounds each operation's result, as NumPy does)."""
+    dtype = torch.float16 if u.dtype == np.float16 else torch.float32
+    x, y = (torch.from_numpy(np.ascontiguousarray(a)).to(device) for a in (u, v))
+    norm_u, norm_v = (rounded_once((a * a).double().sum(1), dtype) for a in (x, y))
+    dots = rounded_once(x.double() @ y.double().T, dtype)
+    return torch.clamp(norm_u[:, None] - 2 * dots + norm_v[None, :], min=0).cpu().numpy()
+
+
 def fixture(args):
     import make_metrics_fixture
     from make_metrics_fixture import frechet_distance, inception_score, precision_recall, statistics
     torch.backends.cudnn.allow_tf32 = False
     torch.backends.cuda.matmul.allow_tf32 = False
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cuda":  # the distances' float64 products on the GPU: minutes less at 50,000 images
-        make_metrics_fixture.float64_products = lambda u, v: (
-            torch.from_numpy(u).to(device, torch.float64) @ torch.from_numpy(v).to(device, torch.float64).T).cpu().numpy()
+    if device == "cuda":  # the distances on the GPU: minutes less at 50,000 images
+        make_metrics_fixture.rounded_distances = gpu_rounded_distances
     ref, _, _ = open_dataset(args.ref)
     sample, _, _ = open_dataset(args.sample)
     model = random_model(args.seed, images_tensor(ref[:50], "cpu")).to(device)

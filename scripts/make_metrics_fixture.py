@@ -88,21 +88,16 @@ def inception_score(logits, split_size=5000):
     return float(np.mean(scores))
 
 
-def float64_products(u, v):
-    """u v^T in float64. scripts/fid_inception.py puts a GPU's product in its place (the same
-    numbers: float16 products are exact in float64) for sets of 10,000 images and more."""
-    return u.astype(np.float64) @ v.astype(np.float64).T
-
-
 def rounded_distances(u, v):
     """_batch_pairwise_distances with every result rounded to u's and v's dtype (float16 or float32):
     the squares rounded, the norms' sums and the matrix product's (its products exact) in float64,
     each rounded once, as metrics.h does. TensorFlow's half matmul accumulates in float32, whose own
     rounding can move a product lying within it of a float16 tie to the other side: this fixture
-    takes the exact product's rounding, the same with any BLAS."""
+    takes the exact product's rounding, the same with any BLAS. (scripts/fid_inception.py puts
+    gpu_rounded_distances in its place on a GPU.)"""
     dtype = u.dtype
     norm_u, norm_v = ((x * x).astype(np.float64).sum(1).astype(dtype) for x in (u, v))
-    dots = float64_products(u, v).astype(dtype)
+    dots = (u.astype(np.float64) @ v.astype(np.float64).T).astype(dtype)
     return np.maximum(norm_u[:, None] - dtype.type(2) * dots + norm_v[None, :], dtype.type(0))
 
 
