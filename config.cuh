@@ -85,7 +85,7 @@ typedef struct {
     int random_flip;
     long long steps, stop_step;
     long long seed;
-    int dry_run, bench, overwrite;
+    int dry_run, bench, bench_loader, overwrite;
 } Options;
 
 typedef enum { OPT_INT, OPT_LONG, OPT_FLOAT, OPT_BOOL, OPT_STRING, OPT_SWITCH } OptionType;
@@ -206,6 +206,8 @@ static const OptionSpec option_specs[] = {
     OPT(dry_run, OPT_SWITCH, 0, "check the configuration, dataset, run folder and resume checkpoint, print them, the parameter count and "
                                 "the memory plan, exit"),
     OPT(bench, OPT_INT, 0, "time N training steps on random data (after warm-up) and exit; needs no --data"),
+    OPT(bench_loader, OPT_INT, 0, "time N batches of --data's loader alone, from a cold page cache, with and without its read-ahead, "
+                                  "and exit (no GPU): the disk speed a run needs"),
 };
 #define NUM_OPTIONS ((int)(sizeof option_specs / sizeof option_specs[0]))
 

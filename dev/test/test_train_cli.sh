@@ -426,6 +426,16 @@ expect_exit 1 env RANK=0 WORLD_SIZE=1 LOCAL_RANK=0 TORCHELASTIC_RUN_ID=job6 TORC
     --run_dir "$TEST_TMP/other_job"
 expect_grep "already holds a run" "$LAST_ERR"  # the first attempt: the usual checks
 
+case_begin "--bench_loader: the loader alone on the host, cold, with and without its read-ahead; needs --data"
+expect_ok ./train_unet --data data/shapes.bin --bench_loader 5 --batch_size 16
+expect_grep "^bench_loader: 5 batches of 16 from data/shapes.bin" "$LAST_OUT"
+expect_grep "^  read-ahead on : [0-9]+ images/s, [0-9.]+ MB/s, [0-9.]+ ms a batch" "$LAST_OUT"
+expect_grep "^  read-ahead off: [0-9]+ images/s" "$LAST_OUT"
+expect_exit 2 ./train_unet --bench_loader 5
+expect_grep "bench_loader times --data's loader: give --data FILE.bin" "$LAST_ERR"
+expect_exit 2 ./train_unet --data data/shapes.bin --bench_loader -1
+expect_grep "bench_loader -1 must be positive" "$LAST_ERR"
+
 case_begin "--eval_num (FID during training): bad values are usage errors; the weights and the dataset's size checked by --dry_run"
 expect_exit 2 "$TRAIN" --dry_run --eval_num 2048
 expect_grep "eval_num 2048: FID needs more images than its 2048 features" "$LAST_ERR"
