@@ -342,8 +342,9 @@ static int make_plan(const Options *o, SamplePlan *plan, const NoiseSchedule *sc
 // Exits with one line for Karras levels that do not fit a model's schedule: --sigma_min or
 // --sigma_max beyond the other end of the model's own range.
 static void check_levels(const Options *o, const NoiseSchedule *schedule, const char *file) {
-    double lo = o->sigma_min ? o->sigma_min : schedule_sigma(schedule, 0);
-    double hi = o->sigma_max ? o->sigma_max : schedule_sigma(schedule, schedule->steps - 1);
+    KarrasLevels levels = {o->sigma_min, o->sigma_max, o->rho, 0, 0, 0, 1};
+    double lo, hi;
+    karras_range(schedule, levels, &lo, &hi);
     if (lo >= hi)
         unet_die("%s: Karras levels from sigma_min %g to sigma_max %g are empty (its own range: %g to %g)", file, lo, hi,
                  schedule_sigma(schedule, 0), schedule_sigma(schedule, schedule->steps - 1));

@@ -164,22 +164,22 @@ static inline int sample_schedule_log_snr(const NoiseSchedule *d, int steps, Sam
     return 0;
 }
 
-// Karras et al.'s noise levels (EDM, 2022) for a discrete-time model, as k-diffusion samples one. In
-// the variance-exploding view x_ve = x / sqrt(abar), sigma = sqrt((1 - abar) / abar), `steps` levels
-//   sigma_i = (sigma_max^(1/rho) + i / (steps - 1) (sigma_min^(1/rho) - sigma_max^(1/rho)))^rho
-// then 0 (get_sigmas_karras); sigma_min and sigma_max default (0) to the schedule's own, sigma(0) and
-// sigma(T-1). A level's abar is 1 / (1 + sigma^2), and the model sees the t whose sigma is nearest
-// in log sigma, the lower on a tie (DiscreteSchedule.sigma_to_t, quantized). Returns 0, or -1 for
-// no steps, a rho that is not positive, sigma_min not below sigma_max, or without memory. Either way
-// *s can be freed.
-// s_churn, s_min, s_max, s_noise: Heun's churn (EDM's S_churn, S_tmin, S_tmax, S_noise; see
-// sample_plan_karras), none with s_churn 0.
+// Karras et al.'s noise levels (EDM, 2022): sigma_min, sigma_max (0: the schedule's own) and rho;
+// and s_churn, s_min, s_max, s_noise, Heun's churn (EDM's S_churn, S_tmin, S_tmax, S_noise; see
+// heun_plan), none with s_churn 0.
 typedef struct {
     double sigma_min, sigma_max, rho;
     double s_churn, s_min, s_max, s_noise;
 } KarrasLevels;
 
+// sigma = sqrt((1 - abar) / abar) of timestep t: the noise level of x_ve = x / sqrt(abar).
 static inline double schedule_sigma(const NoiseSchedule *d, int t) { return sqrt((1 - d->alphas_cumprod[t]) / d->alphas_cumprod[t]); }
+
+// The levels' range: sigma_min and sigma_max, or the schedule's own sigma(0) and sigma(T-1).
+static inline void karras_range(const NoiseSchedule *d, KarrasLevels k, double *lo, double *hi) {
+    *lo = k.sigma_min > 0 ? k.sigma_min : schedule_sigma(d, 0);
+    *hi = k.sigma_max > 0 ? k.sigma_max : schedule_sigma(d, d->steps - 1);
+}
 
 // The t whose sigma is nearest to sigma in log sigma, the lower on a tie.
 static inline int nearest_timestep(const NoiseSchedule *d, double sigma) {
@@ -192,9 +192,16 @@ static inline int nearest_timestep(const NoiseSchedule *d, double sigma) {
     return t_best;
 }
 
+// Karras levels for a discrete-time model, as k-diffusion samples one: `steps` levels
+//   sigma_i = (sigma_max^(1/rho) + i / (steps - 1) (sigma_min^(1/rho) - sigma_max^(1/rho)))^rho
+// then 0 (get_sigmas_karras). A level's abar is 1 / (1 + sigma^2), and the model sees the t whose
+// sigma is nearest in log sigma, the lower on a tie (DiscreteSchedule.sigma_to_t, quantized).
+// Returns 0, or -1 for no steps, a rho that is not positive, sigma_min not below sigma_max, or
+// without memory. Either way *s can be freed.
 static inline int sample_schedule_karras(const NoiseSchedule *d, int steps, KarrasLevels k, SampleSchedule *s) {
     memset(s, 0, sizeof *s);
-    double lo = k.sigma_min > 0 ? k.sigma_min : schedule_sigma(d, 0), hi = k.sigma_max > 0 ? k.sigma_max : schedule_sigma(d, d->steps - 1);
+    double lo, hi;
+    karras_range(d, k, &lo, &hi);
     if (steps < 1 || !(k.rho > 0) || !(lo < hi)) return -1;
     s->timesteps = (int *)malloc(steps * sizeof(int));
     s->abar = (double *)malloc(steps * sizeof(double));
@@ -496,24 +503,13 @@ static inline int sample_plan_make(SamplePlan *p, const NoiseSchedule *d, Sample
     return sample_plan_from_schedule(p, &s, kind, eta, predict, clip, variance);
 }
 
-static inline int heun_plan(SamplePlan *p, const NoiseSchedule *d, SampleSchedule *s, KarrasLevels k, int predict, int clip);
-
-// The plan of DDIM (eta 0: k-diffusion's sample_euler), DPM-Solver++(2M) (sample_dpmpp_2m), Euler
-// ancestral (sample_euler_ancestral, eta 1 by default) or Heun (sample_heun, EDM's sampler:
-// heun_plan) on `steps` Karras levels (sample_schedule_karras), from noise of sigma_max. A learned
-// variance's second half is not used. Returns 0, or -1 for levels sample_schedule_karras refuses
-// (or without memory).
-
-static inline int sample_plan_karras(SamplePlan *p, const NoiseSchedule *d, SamplerKind kind, int steps, KarrasLevels levels, float eta,
-                                     int predict, int clip) {
-    SampleSchedule s = {0, NULL, NULL};
-    memset(p, 0, sizeof *p);
-    if (kind == SAMPLER_DDPM || sample_schedule_karras(d, steps, levels, &s) != 0) return sample_schedule_free(&s), -1;
-    if (kind == SAMPLER_HEUN) return heun_plan(p, d, &s, levels, predict, clip);
-    double first = s.abar[s.count - 1];
-    if (sample_plan_from_schedule(p, &s, kind, eta, predict, clip, VARIANCE_FIXED_SMALL) != 0) return -1;
-    p->start_scale = (float)sqrt(1 - first);
-    return 0;
+// One of Heun's calls: at sigma (the model's t its nearest, x0 from sqrt(abar) = 1 / sqrt(1 + sigma^2)
+// and sqrt(1 - abar) = sigma / sqrt(1 + sigma^2) in double), its x left at sigma_next's abar, the
+// step's length `step`.
+static inline void heun_call(SampleStep *st, const NoiseSchedule *d, double sigma, double sigma_next, double step) {
+    st->timestep = nearest_timestep(d, sigma), st->sigma = (float)sigma, st->step = (float)step;
+    st->abar = (float)(1 / (1 + sigma * sigma)), st->abar_prev = (float)(1 / (1 + sigma_next * sigma_next));
+    st->terms.sqrt_abar = (float)(1 / sqrt(1 + sigma * sigma)), st->terms.sqrt_one_minus_abar = (float)(sigma / sqrt(1 + sigma * sigma));
 }
 
 // Heun's plan (heun_update) on the Karras levels in s, t_0 > ... > t_(N-1), then 0: step i at
@@ -533,21 +529,33 @@ static inline int heun_plan(SamplePlan *p, const NoiseSchedule *d, SampleSchedul
     p->start_scale = (float)(sqrt(t[0] * t[0] + k.s_noise * k.s_noise * (hat[0] * hat[0] - t[0] * t[0])) / sqrt(1 + hat[0] * hat[0]));
     SampleStep *st = p->steps;
     for (int i = 0; i < N; i++) {
-        st->timestep = nearest_timestep(d, hat[i]), st->sigma = (float)hat[i], st->step = (float)(t[i + 1] - hat[i]);
-        st->abar = (float)(1 / (1 + hat[i] * hat[i])), st->abar_prev = (float)(1 / (1 + t[i + 1] * t[i + 1]));
-        st->terms.sqrt_abar = (float)(1 / sqrt(1 + hat[i] * hat[i])), st->terms.sqrt_one_minus_abar = (float)(hat[i] / sqrt(1 + hat[i] * hat[i]));
+        heun_call(st, d, hat[i], t[i + 1], t[i + 1] - hat[i]);  // the predictor
         st->down = (float)(t[i + 1] / hat[i]);
         st++;
         if (i == N - 1) break;
-        st->timestep = nearest_timestep(d, t[i + 1]), st->sigma = (float)t[i + 1], st->step = (float)(t[i + 1] - hat[i]);
-        st->abar = (float)(1 / (1 + t[i + 1] * t[i + 1])), st->abar_prev = (float)(1 / (1 + hat[i + 1] * hat[i + 1]));
-        st->terms.sqrt_abar = (float)(1 / sqrt(1 + t[i + 1] * t[i + 1]));
-        st->terms.sqrt_one_minus_abar = (float)(t[i + 1] / sqrt(1 + t[i + 1] * t[i + 1]));
+        heun_call(st, d, t[i + 1], hat[i + 1], t[i + 1] - hat[i]);  // the corrector
         st->corrector = 1, st->up = (float)(sqrt(hat[i + 1] * hat[i + 1] - t[i + 1] * t[i + 1]) * k.s_noise), st->noisy = st->up > 0;
         st++;
     }
     free(t), free(hat);
     sample_schedule_free(s);
+    return 0;
+}
+
+// The plan of DDIM (eta 0: k-diffusion's sample_euler), DPM-Solver++(2M) (sample_dpmpp_2m), Euler
+// ancestral (sample_euler_ancestral, eta 1 by default) or Heun (sample_heun, EDM's sampler:
+// heun_plan) on `steps` Karras levels (sample_schedule_karras), from noise of sigma_max. A learned
+// variance's second half is not used. Returns 0, or -1 for levels sample_schedule_karras refuses
+// (or without memory).
+static inline int sample_plan_karras(SamplePlan *p, const NoiseSchedule *d, SamplerKind kind, int steps, KarrasLevels levels, float eta,
+                                     int predict, int clip) {
+    SampleSchedule s = {0, NULL, NULL};
+    memset(p, 0, sizeof *p);
+    if (kind == SAMPLER_DDPM || sample_schedule_karras(d, steps, levels, &s) != 0) return sample_schedule_free(&s), -1;
+    if (kind == SAMPLER_HEUN) return heun_plan(p, d, &s, levels, predict, clip);
+    double first = s.abar[s.count - 1];
+    if (sample_plan_from_schedule(p, &s, kind, eta, predict, clip, VARIANCE_FIXED_SMALL) != 0) return -1;
+    p->start_scale = (float)sqrt(1 - first);
     return 0;
 }
 
@@ -605,8 +613,8 @@ HOST_DEVICE static inline float normal_sample(uint64_t seed, uint64_t stream, ui
 }
 
 // The plan on the host, for any model: x holds n values of unit starting noise (scaled here by the
-// plan's start_scale) and is replaced by the samples. model(ctx, x, t, out) writes the model's output for x at timestep t (classifier-free
-// guidance, if any, inside it): n values, and with a learned variance n more, the variance half
+// plan's start_scale) and is replaced by the samples. model(ctx, x, t, out) writes the model's
+// output for x at timestep t (classifier-free guidance, if any, inside it): n values, and with a learned variance n more, the variance half
 // (value i's at n + i); `scored`: then n more, classifier guidance's score g of each value (see
 // score_guided_x0). noise(ctx, j, i) draws z for value i at step j of the plan.
 typedef void (*SamplerModel)(void *ctx, const float *x, int t, float *out);
