@@ -111,10 +111,54 @@ static void team_give_up(const char *fmt, ...) {
     _exit(1);
 }
 
+// The rendezvous's connections, kept open for the run where the ranks met over TCP (rendezvous_tcp):
+// rank 0's to each other rank r at team_links[r], another rank's to rank 0 at team_links[0] (-1:
+// none). A process that ends, however it ends, has its connections closed by the kernel, so the
+// team learns which rank is gone, not only that a step does not finish. What goes over a link: 'D',
+// a rank's clean end (team_leave; the connection closes after it), and from rank 0 to the others
+// 'X' and the int32 rank it saw go.
+static int *team_links;
+static int rendezvous_io(int fd, void *buf, size_t n, double deadline, int writing);  // (with the rendezvous, below)
+
+// The rank that is gone, by the links, or -1 while none is: on rank 0, a link closed without 'D'
+// (and rank 0 tells the others, 'X'); on another, rank 0's 'X' names one, and rank 0's link closed
+// without 'D' names rank 0.
+static int team_lost_rank(void) {
+    for (int i = 0; team_links && i < team.world; i++) {
+        struct pollfd p = {team_links[i], POLLIN, 0};
+        if (p.fd < 0 || poll(&p, 1, 0) <= 0) continue;
+        uint8_t what = 0;
+        ssize_t k = recv(p.fd, &what, 1, MSG_DONTWAIT);
+        if (k < 0 && (errno == EAGAIN || errno == EINTR)) continue;
+        if (k == 1 && what == 'D') {
+            close(p.fd), team_links[i] = -1;
+            continue;
+        }
+        int32_t lost = i;
+        if (k == 1 && what == 'X' && (rendezvous_io(p.fd, &lost, 4, now_seconds() + 1, 0) != 0 || lost < 0 || lost >= team.world))
+            lost = 0;  // rank 0 went while it spoke
+        if (team.rank == 0) {
+            uint8_t word[5] = {'X'};
+            memcpy(word + 1, &lost, 4);
+            for (int j = 1; j < team.world; j++)
+                if (team_links[j] >= 0 && j != i) send(team_links[j], word, sizeof word, MSG_NOSIGNAL | MSG_DONTWAIT);
+        }
+        return lost;
+    }
+    return -1;
+}
+
+// This rank's clean end: 'D' over its links, which it closes.
+static void team_leave(void) {
+    for (int i = 0; team_links && i < team.world; i++)
+        if (team_links[i] >= 0) send(team_links[i], "D", 1, MSG_NOSIGNAL | MSG_DONTWAIT), close(team_links[i]), team_links[i] = -1;
+}
+
 // Waits until `done` (recorded after the step) has happened. Alone: a plain synchronisation. A
 // rank that died leaves the others inside the all-reduce for good, so a team polls (sleeping
-// 100 us between polls after the first 2 ms), and gives up after `timeout` seconds, or at once
-// when --gpus says that a rank failed. Returns the seconds waited (a team's).
+// 100 us between polls after the first 2 ms), and gives up at once when the links (every 10 ms)
+// or --gpus say that a rank failed, else after `timeout` seconds. Returns the seconds waited (a
+// team's).
 static double team_wait(cudaEvent_t done, double timeout, int64_t step) {
     if (!team.comm) {
         cuda_check(cudaEventSynchronize(done));
@@ -122,6 +166,7 @@ static double team_wait(cudaEvent_t done, double timeout, int64_t step) {
     }
     struct timespec t0, t;
     clock_gettime(CLOCK_MONOTONIC, &t0);
+    double links_checked = 0.0;
     for (;;) {
         cudaError_t r = cudaEventQuery(done);
         clock_gettime(CLOCK_MONOTONIC, &t);
@@ -129,6 +174,11 @@ static double team_wait(cudaEvent_t done, double timeout, int64_t step) {
         if (r == cudaSuccess) return waited;
         if (r != cudaErrorNotReady) cuda_check(r);
         if (peer_lost) team_give_up("another rank of this run failed; stopping in step %lld", (long long)step);
+        if (waited - links_checked > 0.01) {
+            int lost = team_lost_rank();
+            if (lost >= 0) team_give_up("rank %d of this run has stopped; stopping in step %lld", lost, (long long)step);
+            links_checked = waited;
+        }
         if (waited > timeout)
             team_give_up("step %lld has not finished after %.0f s: another rank of this run has stopped or hangs; stopping",
                          (long long)step, waited);
@@ -381,10 +431,11 @@ static int rendezvous_tcp(const char *host, int port, int rank, int world, const
             double reply_deadline = now_seconds() + 5;
             if (line[0]) rendezvous_reply(fds[i], 1, line, (uint32_t)strlen(line), reply_deadline);
             else rendezvous_reply(fds[i], 0, payload, payload_len, reply_deadline);
-            close(fds[i]);
+            if (line[0]) close(fds[i]), fds[i] = -1;
         }
         close(listener);
-        free(fds);
+        if (line[0]) free(fds);
+        else free(team_links), team_links = fds;  // kept for the run (fds[0] is -1)
         r = line[0] ? error_line(err, err_len, "%s", line) : 0;
     } else {
         int fd = rendezvous_connect(ai, deadline);  // rank 0 may not be listening yet
@@ -416,7 +467,13 @@ static int rendezvous_tcp(const char *host, int port, int rank, int world, const
             if (status == 1 && reply_len < sizeof line && rendezvous_io(fd, line, reply_len, deadline, 0) == 0) line[reply_len] = '\0';
             r = error_line(err, err_len, "%s", line);
         }
-        close(fd);
+        if (r == 0) {  // the link to rank 0, kept for the run
+            free(team_links);
+            team_links = (int *)malloc_or_die(world * sizeof(int));
+            for (int i = 0; i < world; i++) team_links[i] = i == 0 ? fd : -1;
+        } else {
+            close(fd);
+        }
     }
     return r;
 }

@@ -8605,6 +8605,7 @@ __attribute__((weak)) int main(int argc, char **argv) {
                      reads_start && o.init_from[0] ? &init : NULL,
                      &checked, o.val_data[0] ? &val_checked : NULL);
     }
+    team_leave();
     free(params.specs);
     return 0;
 }

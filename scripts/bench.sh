@@ -5,7 +5,8 @@
 # (PyTorch time / ours: above 1 means we are faster), and the peak GPU memory of ours and of
 # PyTorch's last mode (torch.cuda.max_memory_allocated; ours counts every allocation). Both steps
 # are guided-diffusion's: forward, loss, backward, the gradient norm, AdamW, the EMA of the weights.
-# Default: seed:32 seed:128. BENCH_MODES="eager compile reduce-overhead" picks the PyTorch modes;
+# Default: seed:32 seed:128. BENCH_MODES="eager compile reduce-overhead" picks the PyTorch modes
+# (BENCH_MODES= empty: ours alone, as for a scaling table);
 # BENCH_STEPS the steps timed; BENCH_TORCH_FLAGS more flags for bench_torch.py (--bare: PyTorch's
 # step without the gradient norm and the EMA, less work than ours).
 # Then sampling: DDIM with 50 steps, 256 images of the seed preset in one batch, `generate --bench`
@@ -21,7 +22,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 configs=("$@")
 [ ${#configs[@]} -gt 0 ] || configs=(seed:32 seed:128)
-modes=${BENCH_MODES:-eager compile reduce-overhead}
+modes=${BENCH_MODES-eager compile reduce-overhead}
 steps=${BENCH_STEPS:-50}
 # ratio_cells EXPR OURS MODE=THEIRS...: one table cell per mode, "theirs (ratio)", the ratio being
 # EXPR of a = theirs and b = ours (times: a / b; rates: b / a; above 1: we are faster).

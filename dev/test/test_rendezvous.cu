@@ -2,7 +2,8 @@
 // torchrun-style launches use through MASTER_ADDR and MASTER_PORT, or --rdzv), without a GPU: ranks
 // as processes on this machine. Every rank gets rank 0's id; a rank with another WORLD_SIZE or
 // configuration, a rank that never arrives, a port in use and a rank 0 that is not there each stop
-// with one line naming the problem, in bounded time. And the host:port parser. Where PyTorch is
+// with one line naming the problem, in bounded time; after meeting, a rank that ends without its
+// clean end is named by the others (the links kept from the rendezvous). And the host:port parser. Where PyTorch is
 // installed, the same through torchrun's agent store (rendezvous_store) against PyTorch's own
 // TCPStore server, and this program's ranks started by torchrun itself in its common forms (the
 // rendezvous only: no GPU); without it those cases are skipped with one line.
@@ -37,12 +38,17 @@ typedef struct {
     int store;  // through a TCPStore (rendezvous_store), not rank 0's port
     int stopped;  // asked to stop before it starts
     char config[128];
+    int then;  // after meeting: 0 end at once (the links closed without a clean end), THEN_LEAVE team_leave
+               // first, THEN_WATCH team_lost_rank for up to 10 s (then team_leave, when none was lost)
     pid_t pid;
     int pipe;  // the child's result: its return value, its payload, its error line
 } Rank;
 
+enum { THEN_LEAVE = 1, THEN_WATCH = 2 };
+
 typedef struct {
     int result;
+    int lost;  // THEN_WATCH: the rank team_lost_rank named (-1: none)
     uint8_t payload[16];
     char err[600];
 } Outcome;
@@ -60,8 +66,13 @@ static void start(Rank *r, int port, double timeout_s) {
         if (r->rank == 0)
             for (int i = 0; i < 16; i++) o.payload[i] = (uint8_t)(i * 7 + 1);
         stop_requested = r->stopped;
+        team.rank = r->rank, team.world = r->world;
         o.result = (r->store ? rendezvous_store : rendezvous_tcp)("127.0.0.1", port, r->rank, r->world, r->config, timeout_s, o.payload,
                                                                  sizeof o.payload, o.err, sizeof o.err);
+        o.lost = -1;
+        for (double t0 = now_seconds(); o.result == 0 && r->then == THEN_WATCH && o.lost < 0 && now_seconds() - t0 < 10; usleep(1000))
+            o.lost = team_lost_rank();
+        if (o.result == 0 && r->then != 0 && o.lost < 0) team_leave();
         ssize_t written = write(fds[1], &o, sizeof o);
         _exit(written == (ssize_t)sizeof o ? 0 : 3);
     }
@@ -91,7 +102,7 @@ static const char *config = "parameters 1000; batch_size 8; dataset 300 images o
 
 static void make_ranks(Rank *ranks, int count, int world, int store = 0) {
     for (int i = 0; i < count; i++) {
-        ranks[i].rank = i, ranks[i].world = world, ranks[i].store = store, ranks[i].stopped = 0;
+        ranks[i].rank = i, ranks[i].world = world, ranks[i].store = store, ranks[i].stopped = 0, ranks[i].then = 0;
         snprintf(ranks[i].config, sizeof ranks[i].config, "%s", config);
     }
 }
@@ -204,6 +215,30 @@ int main(int argc, char **argv) {
             if (o.result != 0) printf("  rank %d: %s\n", i, o.err);
             CHECK(o.result == 0 && payload_is_rank_0s(&o));
         }
+    }
+
+    check_case("after meeting, a rank that ends without its clean end is named by the others (rank 0 by its link, the rest by rank 0)");
+    {
+        int port = free_port();
+        Rank ranks[3];
+        make_ranks(ranks, 3, 3);
+        ranks[0].then = ranks[1].then = THEN_WATCH;
+        for (int i = 0; i < 3; i++) start(&ranks[i], port, 30);
+        Outcome zero = finish(&ranks[0]), one = finish(&ranks[1]), two = finish(&ranks[2]);
+        CHECK(zero.result == 0 && one.result == 0 && two.result == 0);
+        CHECK(zero.lost == 2 && one.lost == 2);
+    }
+
+    check_case("after meeting, a rank's clean end (team_leave) is no loss: the others watch 10 s and name none");
+    {
+        int port = free_port();
+        Rank ranks[3];
+        make_ranks(ranks, 3, 3);
+        ranks[0].then = ranks[1].then = THEN_WATCH, ranks[2].then = THEN_LEAVE;
+        for (int i = 0; i < 3; i++) start(&ranks[i], port, 30);
+        Outcome zero = finish(&ranks[0]), one = finish(&ranks[1]), two = finish(&ranks[2]);
+        CHECK(zero.result == 0 && one.result == 0 && two.result == 0);
+        CHECK(zero.lost == -1 && one.lost == -1);
     }
 
     check_case("a rank with another WORLD_SIZE stops the team with one line naming it");

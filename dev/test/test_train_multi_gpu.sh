@@ -5,7 +5,8 @@
 # more: 2 GPUs at batch B against 1 GPU at batch 2B (losses, weights equal on both ranks), resume
 # of a 2-GPU checkpoint on 1 GPU, two ranks started by hand (RANK, WORLD_SIZE, LOCAL_RANK), a killed
 # rank stopping the other within 60 s, two machines rehearsed as two process groups met over TCP
-# (training as --gpus 2; either rank killed: the other stops, the last checkpoint resumes), and
+# (training as --gpus 2; either rank killed: the other stops naming it, the last checkpoint
+# resumes; on four GPUs, four nodes where rank 2 is killed: the three others name it), and
 # Ctrl-C on --gpus saving one checkpoint; the schedule
 # sampler loss-second-moment fed every rank's losses (a team of one exactly as alone; two ranks
 # holding the same history); --microbatch with the all-reduce (a team of one exactly as alone; two
@@ -235,12 +236,14 @@ expect_grep "^train_unet rank 0: error: step [0-9]+ has not finished after [0-9]
 # rank 0 (CUDA_VISIBLE_DEVICES), in a run folder of its own (no shared file system), met over TCP.
 # (A script runs without job control, so its background child leads no process group and setsid
 # makes it one without forking: $! is the rank itself.)
-start_nodes() {  # start_nodes NAME PORT OPTIONS...: node r's rank r in $TEST_TMP/NAME$r/run, its pid in nodes[r]
+# start_nodes NAME PORT OPTIONS...: node r's rank r in $TEST_TMP/NAME$r/run, its pid in nodes[r];
+# NODES nodes (2 when not set), a GPU each.
+start_nodes() {
     local name=$1 port=$2 r
     shift 2
-    for r in 0 1; do
+    for r in $(seq 0 $((${NODES:-2} - 1))); do
         mkdir -p "$TEST_TMP/$name$r"
-        CUDA_VISIBLE_DEVICES=$r RANK=$r WORLD_SIZE=2 LOCAL_RANK=0 MASTER_ADDR=127.0.0.1 MASTER_PORT=$port setsid ./train_unet "${ARGS[@]}" \
+        CUDA_VISIBLE_DEVICES=$r RANK=$r WORLD_SIZE=${NODES:-2} LOCAL_RANK=0 MASTER_ADDR=127.0.0.1 MASTER_PORT=$port setsid ./train_unet "${ARGS[@]}" \
             "$@" --run_dir "$TEST_TMP/$name$r/run" >"$TEST_TMP/$name$r/out" 2>"$TEST_TMP/$name$r/err" &
         nodes[$r]=$!
     done
@@ -300,13 +303,12 @@ else
     echo "mpirun is not installed: its case on two GPUs is not run"
 fi
 
-# A rank that dies stops the others within the step's wait (30 s here): deterministic where no rank
-# waits for rank 0's checkpoint (the step after one: 30 minutes, for a large model's files). So rank
-# 0, which saves, survives rank 1 and resumes from its last checkpoint; rank 1 survives rank 0 in a
-# run that saves only at its end.
+# A rank that dies stops the others, which name it: its connection from the rendezvous closes.
+# Rank 0, which saves, survives rank 1 and resumes from its last checkpoint; rank 1 survives rank 0
+# in a run that saves only at its end.
 for victim in 1 0; do
     survivor=$((1 - victim))
-    case_begin "two nodes over TCP: rank $victim killed mid-run, rank $survivor stops within 60 s with one line$([ $victim = 1 ] && echo ", the last checkpoint resumes")"
+    case_begin "two nodes over TCP: rank $victim killed mid-run, rank $survivor stops within 60 s with one line naming it$([ $victim = 1 ] && echo ", the last checkpoint resumes")"
     start_nodes "killed$victim" "$(free_port)" --batch_size 8 --steps 1000000 --save_interval $([ $victim = 1 ] && echo 10 || echo 1000000)
     wait_for "$TEST_TMP/killed${victim}0/out" "^step 20/" || case_fail "no step 20 in 300 s"
     kill -9 "${nodes[$victim]}"
@@ -316,13 +318,30 @@ for victim in 1 0; do
     wait "${nodes[$victim]}"
     [ $rc = 1 ] || case_fail "rank $survivor exited $rc, not 1"
     [ $took -le 60 ] || case_fail "it took $took s to stop"
-    expect_grep "^train_unet rank $survivor: error: step [0-9]+ has not finished after [0-9]+ s: another rank" "$TEST_TMP/killed$victim$survivor/err"
+    expect_grep "^train_unet rank $survivor: error: rank $victim of this run has stopped; stopping in step [0-9]+$" "$TEST_TMP/killed$victim$survivor/err"
     [ "$(grep -c error "$TEST_TMP/killed$victim$survivor/err")" = 1 ] || case_fail "rank $survivor printed more than one error line"
     if [ $victim = 1 ]; then
         expect_ok train --batch_size 16 --steps 40 --run_dir "$TEST_TMP/killed10/run" --resume_checkpoint latest
         expect_grep "^resumed from .*step_0000000[0-9]0 at step [0-9]+0$" "$LAST_OUT"
     fi
 done
+
+if [ "$gpus" -ge 4 ]; then
+    case_begin "four nodes over TCP: rank 2 killed mid-run, ranks 0, 1 and 3 stop within 60 s, each with one line naming rank 2"
+    NODES=4 start_nodes killed4 "$(free_port)" --batch_size 4 --steps 1000000 --save_interval 1000000
+    wait_for "$TEST_TMP/killed40/out" "^step 20/" || case_fail "no step 20 in 300 s"
+    kill -9 "${nodes[2]}"
+    start=$(date +%s)
+    for r in 0 1 3; do
+        wait "${nodes[$r]}"; rc=$?
+        [ $rc = 1 ] || case_fail "rank $r exited $rc, not 1"
+        expect_grep "^train_unet rank $r: error: rank 2 of this run has stopped; stopping in step [0-9]+$" "$TEST_TMP/killed4$r/err"
+        [ "$(grep -c error "$TEST_TMP/killed4$r/err")" = 1 ] || case_fail "rank $r printed more than one error line"
+    done
+    took=$(( $(date +%s) - start ))
+    [ $took -le 60 ] || case_fail "it took $took s to stop"
+    wait "${nodes[2]}"
+fi
 
 case_begin "--gpus 2: Ctrl-C (SIGINT to the launcher) stops both ranks after one step, saves a checkpoint, exits 0"
 ./train_unet "${ARGS[@]}" --batch_size 8 --gpus 2 --steps 1000000 --run_dir "$TEST_TMP/int" >"$TEST_TMP/int.out" \
