@@ -28,7 +28,7 @@ static int write_parameters(const char *path, const ParamList *params, float *co
 
 // The configuration under guided-diffusion's flag names, spelled as on its command line, each
 // value a heap string of any length (metadata_free releases them).
-#define MAX_METADATA 48
+#define MAX_METADATA 64
 
 typedef struct {
     MetaPair entries[MAX_METADATA];

@@ -69,6 +69,8 @@ typedef struct {
     int diffusion_steps;
     const char *noise_schedule, *predict, *schedule_sampler;
     int use_kl, rescale_learned_sigmas, sigma_small;
+    const char *precond;                  // "ddpm" (guided-diffusion's discrete time) or "edm"
+    float sigma_data, p_mean, p_std;      // EDM's
     // training
     float lr, weight_decay, beta1, beta2, adam_eps, min_lr, grad_clip, cfg_dropout;
     const char *lr_decay;
@@ -156,6 +158,12 @@ static const OptionSpec option_specs[] = {
     OPT(noise_schedule, OPT_STRING, DIFFUSION | KEPT, "linear | cosine"),
     OPT(predict, OPT_STRING, DIFFUSION | KEPT | DIFFUSION_ONLY, "eps | v | x0: what the model is trained to predict (x0: "
                                                                 "guided-diffusion's predict_xstart)"),
+    OPT(precond, OPT_STRING, DIFFUSION | KEPT | DIFFUSION_ONLY, "ddpm | edm: guided-diffusion's discrete timesteps, or EDM's "
+                                                                 "preconditioning (Karras et al. 2022) of the model at continuous "
+                                                                 "noise levels, sampled on Karras levels"),
+    OPT(sigma_data, OPT_FLOAT, DIFFUSION | KEPT | DIFFUSION_ONLY, "edm: the images' standard deviation in the preconditioning"),
+    OPT(p_mean, OPT_FLOAT, DIFFUSION | KEPT | DIFFUSION_ONLY, "edm: the mean of ln(sigma) drawn in training"),
+    OPT(p_std, OPT_FLOAT, DIFFUSION | KEPT | DIFFUSION_ONLY, "edm: the standard deviation of ln(sigma) drawn in training"),
     OPT(use_kl, OPT_BOOL, DIFFUSION | TUNABLE | DIFFUSION_ONLY, "with learn_sigma: the loss is the variational bound alone "
                                                                 "(guided-diffusion's KL loss), through both halves"),
     OPT(rescale_learned_sigmas, OPT_BOOL, DIFFUSION | TUNABLE, "scale the bound's term by diffusion_steps/1000 in the hybrid loss, by "
@@ -226,6 +234,7 @@ static Options preset_seed(void) {
     o.diffusion_steps = 1000, o.noise_schedule = "linear", o.predict = "eps", o.use_kl = 0, o.rescale_learned_sigmas = 1;
     o.sigma_small = 0;
     o.schedule_sampler = "uniform";
+    o.precond = "ddpm", o.sigma_data = 0.5f, o.p_mean = -1.2f, o.p_std = 1.2f;
     o.lr = 1e-4f, o.weight_decay = 0.0f, o.beta1 = 0.9f, o.beta2 = 0.999f, o.adam_eps = 1e-8f;
     o.warmup_steps = 0, o.lr_decay = "none", o.min_lr = 0.0f, o.grad_clip = 0.0f, o.cfg_dropout = 0.0f;
     o.batch_size = 32, o.microbatch = -1, o.use_checkpoint = 0, o.gpus = 1, o.rdzv = "", o.rdzv_timeout = 600, o.ema_rate = "0.9999";
@@ -537,13 +546,15 @@ static int model_config_from_metadata(const SafeTensorsFile *f, const char *path
 
 // A model's diffusion (guided-diffusion's create_gaussian_diffusion): a learned variance for a model
 // with learn_sigma and its hybrid loss (or with use_kl the bound alone), else a fixed one, the
-// large (guided-diffusion's default) or with sigma_small the small, and the MSE.
+// large (guided-diffusion's default) or with sigma_small the small, and the MSE; with precond edm,
+// EDM's (predict PREDICT_EDM: the MSE of its F, see sampler.h).
 static DiffusionConfig diffusion_config(const Options *o, const ModelConfig *c) {
     DiffusionConfig d;
     memset(&d, 0, sizeof d);
     d.steps = o->diffusion_steps;
     d.schedule = strcmp(o->noise_schedule, "cosine") == 0 ? "cosine" : "linear";
-    d.predict = (Prediction)prediction_from_name(o->predict);
+    d.predict = strcmp(o->precond, "edm") == 0 ? PREDICT_EDM : (Prediction)prediction_from_name(o->predict);
+    d.sigma_data = o->sigma_data, d.p_mean = o->p_mean, d.p_std = o->p_std;
     d.variance = c->learn_sigma ? VARIANCE_LEARNED_RANGE : o->sigma_small ? VARIANCE_FIXED_SMALL : VARIANCE_FIXED_LARGE;
     d.loss = !c->learn_sigma ? LOSS_MSE : o->use_kl ? LOSS_KL : LOSS_HYBRID;
     d.bound_scale = o->rescale_learned_sigmas ? (o->use_kl ? (float)d.steps : (float)d.steps / 1000.0f) : 1.0f;
@@ -565,6 +576,11 @@ static int diffusion_from_metadata(const SafeTensorsFile *f, const char *path, c
         return error_line(err, err_len, "%s: metadata noise_schedule '%s' is neither linear nor cosine", path, o.noise_schedule);
     if (prediction_from_name(o.predict) < 0)
         return error_line(err, err_len, "%s: metadata predict '%s' is none of eps, v and x0", path, o.predict);
+    if (strcmp(o.precond, "ddpm") != 0 && strcmp(o.precond, "edm") != 0)
+        return error_line(err, err_len, "%s: metadata precond '%s' is neither ddpm nor edm", path, o.precond);
+    if (!(o.sigma_data > 0 && o.sigma_data < 1e3) || !(o.p_std > 0 && o.p_std < 1e3) || !(fabsf(o.p_mean) < 1e3))
+        return error_line(err, err_len, "%s: metadata sigma_data %g, p_mean %g, p_std %g are not EDM's kind of values", path,
+                          o.sigma_data, o.p_mean, o.p_std);
     if (strcmp(o.schedule_sampler, "uniform") != 0 && strcmp(o.schedule_sampler, "loss-second-moment") != 0)
         return error_line(err, err_len, "%s: metadata schedule_sampler '%s' is neither uniform nor loss-second-moment", path,
                           o.schedule_sampler);

@@ -40,15 +40,17 @@ static const char usage[] =
     "  --sampler S         ddim, ddpm (ancestral, every step), dpm++ (DPM-Solver++\n"
     "                      2M), euler_a (Euler ancestral) or heun (EDM's sampler,\n"
     "                      2N - 1 model calls); euler_a and heun on Karras levels\n"
-    "                      [ddim]\n"
+    "                      [ddim; an EDM model's: heun]\n"
     "  --steps N           sampling steps: ddim 50, dpm++ 20, euler_a 30, heun 18 by\n"
     "                      default; ddpm all diffusion steps, or N respaced as\n"
     "                      --respacing N\n"
     "  --schedule karras   ddim, dpm++: the steps on Karras et al.'s noise levels, as\n"
     "                      k-diffusion samples (x0 not clipped); else guided-\n"
-    "                      diffusion's spacing (ddim, ddpm) or log-SNR's (dpm++)\n"
+    "                      diffusion's spacing (ddim, ddpm) or log-SNR's (dpm++);\n"
+    "                      an EDM model's (precond edm) only levels\n"
     "  --sigma_min S, --sigma_max S, --rho R  Karras levels: sigma from sigma_max\n"
-    "                      to sigma_min [the model's own range], rho [7]\n"
+    "                      to sigma_min [the model's own range; EDM's 0.002 to\n"
+    "                      80], rho [7]\n"
     "  --s_churn C, --s_tmin S, --s_tmax S, --s_noise K  heun's churn (EDM's): noise\n"
     "                      raising sigma by min(C / N, sqrt 2 - 1) of itself on\n"
     "                      levels in [s_tmin, s_tmax], times K [0, 0, inf, 1]\n"
@@ -59,6 +61,8 @@ static const char usage[] =
     "  --spacing S         ddim and ddpm: --steps spaced leading (ddimN's), trailing\n"
     "                      (ending at the last step) or linspace (Lin et al. 2023)\n"
     "  --eta E             the noise of ddim (0: deterministic) [0] and euler_a [1]\n"
+    "  --clip_denoised BOOL  each step's x0 clipped to [-1, 1] (guided-diffusion's\n"
+    "                      flag) [True on its spacings, False on Karras levels]\n"
     "  --sigma_small BOOL  a model without a learned variance: ddpm and --nll with\n"
     "                      the posterior's beta_tilde_t instead of beta_t\n"
     "                      (guided-diffusion's flag) [the checkpoint's, else False]\n"
@@ -138,6 +142,7 @@ typedef struct {
     double sigma_min, sigma_max, rho;        // Karras levels (0: the model's own sigma_min, sigma_max)
     double s_churn, s_tmin, s_tmax, s_noise; // heun's churn
     int classifier_scale_given;
+    int clip_denoised;  // x0 clipped to [-1, 1] at every step: 1, 0, or -1 the sampler's default
     long long seed;
     char *model_flags[NUM_MODEL_FLAG_NAMES], *classifier_flags[NUM_CLASSIFIER_FLAG_NAMES];  // "name=value"
     int num_model_flags, num_classifier_flags;
@@ -152,17 +157,55 @@ static double real_option(const char *name, const char *s, double lo, double hi)
     return v;
 }
 
+// The sampler's options, checked once the model is known: --sampler's default is ddim, or heun for
+// an EDM model (precond edm), which samples on Karras levels only and has neither a DDPM sampler, a
+// classifier's guidance nor a likelihood (its noise levels are continuous).
+static void check_sampler_options(Options *o, int edm) {
+    if (!o->sampler) o->sampler = edm ? "heun" : "ddim";
+    if (edm && strcmp(o->sampler, "ddpm") == 0)
+        unet_usage_error("an EDM model (precond edm) samples on Karras levels: --sampler heun (its default), dpm++, euler_a or ddim, "
+                         "not ddpm");
+    if (edm && (o->respacing[0] || o->spacing || o->classifier || o->nll))
+        unet_usage_error("an EDM model (precond edm) has continuous noise levels: it takes neither --respacing, --spacing, "
+                         "--classifier nor --nll");
+    if (edm) o->schedule = "karras";
+    if (strcmp(o->sampler, "ddim") != 0 && strcmp(o->sampler, "ddpm") != 0 && strcmp(o->sampler, "dpm++") != 0 &&
+        strcmp(o->sampler, "euler_a") != 0 && strcmp(o->sampler, "heun") != 0)
+        unet_usage_error("--sampler must be ddim, ddpm, dpm++, euler_a or heun, not '%s'", o->sampler);
+    if (strcmp(o->sampler, "heun") != 0 && (o->s_churn || o->s_tmin || o->s_tmax != INFINITY || o->s_noise != 1))
+        unet_usage_error("--s_churn, --s_tmin, --s_tmax and --s_noise are heun's churn: they need --sampler heun");
+    if (o->schedule && strcmp(o->schedule, "karras") != 0) unet_usage_error("--schedule must be karras, not '%s'", o->schedule);
+    if (strcmp(o->sampler, "euler_a") == 0 || strcmp(o->sampler, "heun") == 0) o->schedule = "karras";  // (their only levels)
+    if (o->schedule && strcmp(o->sampler, "ddpm") == 0)
+        unet_usage_error("--schedule karras goes with --sampler ddim, dpm++, euler_a or heun: ddpm steps through the model's own variances");
+    if (o->schedule && (o->respacing[0] || o->spacing))
+        unet_usage_error("--schedule karras places the steps itself: it goes with neither --respacing nor --spacing");
+    if (!o->schedule && (o->sigma_min || o->sigma_max || o->rho != 7))
+        unet_usage_error("--sigma_min, --sigma_max and --rho set Karras levels: they need --schedule karras, or --sampler euler_a or heun");
+    if (o->sigma_min && o->sigma_max && o->sigma_min >= o->sigma_max)
+        unet_usage_error("--sigma_min %g is not below --sigma_max %g", o->sigma_min, o->sigma_max);
+    if (o->spacing && strcmp(o->spacing, "leading") != 0 && strcmp(o->spacing, "trailing") != 0 && strcmp(o->spacing, "linspace") != 0)
+        unet_usage_error("--spacing must be leading, trailing or linspace, not '%s'", o->spacing);
+    if (o->spacing && (o->respacing[0] || strcmp(o->sampler, "dpm++") == 0))
+        unet_usage_error("--spacing spaces ddim's and ddpm's --steps: it goes with neither --respacing nor --sampler dpm++");
+    if (o->respacing[0] && (strcmp(o->sampler, "dpm++") == 0 || o->steps))
+        unet_usage_error("--respacing gives ddim's and ddpm's steps: it goes with neither --sampler dpm++ nor --steps");
+    if (o->nll && (o->eval || o->bench || o->steps || strcmp(o->sampler, "ddim") != 0 || o->schedule || o->guidance != 1.0 || o->classifier ||
+                  o->low_res || o->clip_denoised != -1))
+        unet_usage_error("--nll measures a likelihood: it goes with --num, --batch, --respacing and --seed only");
+}
+
 // Parses the command line (--name VALUE or --name=VALUE, a hyphen in a name standing for an
 // underscore); no arguments, -h or --help print the usage, --version the version.
 static Options parse_options(int argc, char **argv) {
     static const char *const names[] = {"checkpoint", "weights", "sampler", "class", "out", "eval", "output", "respacing", "nll",
                                         "schedule", "sigma_min", "sigma_max", "rho", "s_churn", "s_tmin", "s_tmax", "s_noise", "spacing",
-                                        "classifier", "low_res", "upsampler", "steps", "up_steps", "num", "batch", "bench", "seed", "eta", "classifier_scale",
-                                        "guidance"};
+                                        "classifier", "low_res", "upsampler", "steps", "up_steps", "num", "batch", "bench", "seed", "eta",
+                                        "clip_denoised", "classifier_scale", "guidance"};
     Options o;
     memset(&o, 0, sizeof o);  // batch 0: the largest that fits
-    o.weights = "ema", o.sampler = "ddim", o.class_name = "all", o.out = "samples", o.respacing = "", o.num = 64;
-    o.guidance = 1.0, o.classifier_scale = 1.0, o.eta = -1, o.rho = 7, o.s_tmax = INFINITY, o.s_noise = 1;
+    o.weights = "ema", o.sampler = NULL, o.class_name = "all", o.out = "samples", o.respacing = "", o.num = 64;
+    o.guidance = 1.0, o.classifier_scale = 1.0, o.eta = -1, o.rho = 7, o.s_tmax = INFINITY, o.s_noise = 1, o.clip_denoised = -1;
     if (argc < 2) fputs(usage, stdout), exit(0);
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
@@ -225,36 +268,16 @@ static Options parse_options(int argc, char **argv) {
         else if (strcmp(name, "bench") == 0) o.bench = (int)unet_int_option(flag, v, 1, 1000);
         else if (strcmp(name, "seed") == 0) o.seed = unet_int_option(flag, v, 0, (1ll << 62));
         else if (strcmp(name, "eta") == 0) o.eta = real_option(flag, v, 0, 1);
+        else if (strcmp(name, "clip_denoised") == 0) {
+            if (strcmp(v, "True") != 0 && strcmp(v, "False") != 0) unet_usage_error("--clip_denoised takes True or False, not '%s'", v);
+            o.clip_denoised = strcmp(v, "True") == 0;
+        }
         else if (strcmp(name, "classifier_scale") == 0) o.classifier_scale = real_option(flag, v, -1000, 1000), o.classifier_scale_given = 1;
         else o.guidance = real_option(flag, v, 0, 100);  // the last of names
     }
     if (!o.checkpoint) unet_usage_error("--checkpoint is required");
     if (strcmp(o.weights, "ema") != 0 && strcmp(o.weights, "model") != 0)
         unet_usage_error("--weights must be ema or model, not '%s'", o.weights);
-    if (strcmp(o.sampler, "ddim") != 0 && strcmp(o.sampler, "ddpm") != 0 && strcmp(o.sampler, "dpm++") != 0 &&
-        strcmp(o.sampler, "euler_a") != 0 && strcmp(o.sampler, "heun") != 0)
-        unet_usage_error("--sampler must be ddim, ddpm, dpm++, euler_a or heun, not '%s'", o.sampler);
-    if (strcmp(o.sampler, "heun") != 0 && (o.s_churn || o.s_tmin || o.s_tmax != INFINITY || o.s_noise != 1))
-        unet_usage_error("--s_churn, --s_tmin, --s_tmax and --s_noise are heun's churn: they need --sampler heun");
-    if (o.schedule && strcmp(o.schedule, "karras") != 0) unet_usage_error("--schedule must be karras, not '%s'", o.schedule);
-    if (strcmp(o.sampler, "euler_a") == 0 || strcmp(o.sampler, "heun") == 0) o.schedule = "karras";  // (their only levels)
-    if (o.schedule && strcmp(o.sampler, "ddpm") == 0)
-        unet_usage_error("--schedule karras goes with --sampler ddim, dpm++, euler_a or heun: ddpm steps through the model's own variances");
-    if (o.schedule && (o.respacing[0] || o.spacing))
-        unet_usage_error("--schedule karras places the steps itself: it goes with neither --respacing nor --spacing");
-    if (!o.schedule && (o.sigma_min || o.sigma_max || o.rho != 7))
-        unet_usage_error("--sigma_min, --sigma_max and --rho set Karras levels: they need --schedule karras, or --sampler euler_a or heun");
-    if (o.sigma_min && o.sigma_max && o.sigma_min >= o.sigma_max)
-        unet_usage_error("--sigma_min %g is not below --sigma_max %g", o.sigma_min, o.sigma_max);
-    if (o.spacing && strcmp(o.spacing, "leading") != 0 && strcmp(o.spacing, "trailing") != 0 && strcmp(o.spacing, "linspace") != 0)
-        unet_usage_error("--spacing must be leading, trailing or linspace, not '%s'", o.spacing);
-    if (o.spacing && (o.respacing[0] || strcmp(o.sampler, "dpm++") == 0))
-        unet_usage_error("--spacing spaces ddim's and ddpm's --steps: it goes with neither --respacing nor --sampler dpm++");
-    if (o.respacing[0] && (strcmp(o.sampler, "dpm++") == 0 || o.steps))
-        unet_usage_error("--respacing gives ddim's and ddpm's steps: it goes with neither --sampler dpm++ nor --steps");
-    if (o.nll && (o.eval || o.bench || o.steps || strcmp(o.sampler, "ddim") != 0 || o.schedule || o.guidance != 1.0 || o.classifier ||
-                  o.low_res))
-        unet_usage_error("--nll measures a likelihood: it goes with --num, --batch, --respacing and --seed only");
     if ((o.eval != NULL) != (o.output != NULL))
         unet_usage_error("--eval IN.safetensors and --output OUT.safetensors go together");
     if (o.eval && (o.classifier || o.low_res))
@@ -325,29 +348,39 @@ static int default_steps(SamplerKind kind) {
     return kind == SAMPLER_DPM_SOLVER_PP ? 20 : kind == SAMPLER_EULER_ANCESTRAL ? 30 : kind == SAMPLER_HEUN ? 18 : kind == SAMPLER_DDPM ? 0 : 50;
 }
 
+// An EDM model's sigma_data (the Karras levels' KarrasLevels.sigma_data), or 0 for a discrete-time model.
+static double edm_sigma_data(const UnetInfo *info) {
+    return info->diffusion.predict == PREDICT_EDM ? info->diffusion.sigma_data : 0.0;
+}
+
 // The plan of `count` steps of the sampler on a model's schedule: on Karras levels (--schedule
 // karras; euler_a's only), as k-diffusion samples, x0 not clipped; else on guided-diffusion's
-// spacings (respacing: a spec, or NULL), x0 clipped to [-1, 1] as its samplers do. Returns 0, or -1
+// spacings (respacing: a spec, or NULL), x0 clipped to [-1, 1] as its samplers do (--clip_denoised
+// sets either). Returns 0, or -1
 // when the steps or levels do not fit the schedule.
 static int make_plan(const Options *o, SamplePlan *plan, const NoiseSchedule *schedule, SamplerKind kind, int count, const char *respacing,
                      const UnetInfo *info) {
     float eta = (float)(o->eta >= 0 ? o->eta : kind == SAMPLER_EULER_ANCESTRAL ? 1.0 : 0.0);
     if (o->schedule) {
-        KarrasLevels levels = {o->sigma_min, o->sigma_max, o->rho, o->s_churn, o->s_tmin, o->s_tmax, o->s_noise};
-        return sample_plan_karras(plan, schedule, kind, count, levels, eta, info->diffusion.predict, 0);
+        KarrasLevels levels = {o->sigma_min, o->sigma_max, o->rho, o->s_churn, o->s_tmin, o->s_tmax, o->s_noise, edm_sigma_data(info)};
+        return sample_plan_karras(plan, schedule, kind, count, levels, eta, info->diffusion.predict, o->clip_denoised == 1);
     }
-    return sample_plan_make(plan, schedule, kind, count, respacing, eta, info->diffusion.predict, 1, info->diffusion.variance);
+    return sample_plan_make(plan, schedule, kind, count, respacing, eta, info->diffusion.predict, o->clip_denoised != 0,
+                            info->diffusion.variance);
 }
 
 // Exits with one line for Karras levels that do not fit a model's schedule: --sigma_min or
 // --sigma_max beyond the other end of the model's own range.
-static void check_levels(const Options *o, const NoiseSchedule *schedule, const char *file) {
-    KarrasLevels levels = {o->sigma_min, o->sigma_max, o->rho, 0, 0, 0, 1};
-    double lo, hi;
+static void check_levels(const Options *o, const NoiseSchedule *schedule, const UnetInfo *info) {
+    const char *file = info->file;
+    KarrasLevels levels = {o->sigma_min, o->sigma_max, o->rho, 0, 0, 0, 1, edm_sigma_data(info)};
+    KarrasLevels own = levels;
+    own.sigma_min = own.sigma_max = 0;
+    double lo, hi, own_lo, own_hi;
     karras_range(schedule, levels, &lo, &hi);
+    karras_range(schedule, own, &own_lo, &own_hi);
     if (lo >= hi)
-        unet_die("%s: Karras levels from sigma_min %g to sigma_max %g are empty (its own range: %g to %g)", file, lo, hi,
-                 schedule_sigma(schedule, 0), schedule_sigma(schedule, schedule->steps - 1));
+        unet_die("%s: Karras levels from sigma_min %g to sigma_max %g are empty (its own range: %g to %g)", file, lo, hi, own_lo, own_hi);
 }
 
 // The cascade's second stage, before the GPU is used: the upsampler --upsampler, checked against
@@ -369,7 +402,7 @@ static UnetCheckpoint *upsampler_open(const Options *o, const UnetInfo *base, in
     if (noise_schedule_make(schedule, info->diffusion.steps, info->diffusion.schedule) != 0)
         unet_die("%s: unknown noise_schedule '%s' in its metadata", info->file, info->diffusion.schedule);
     int count = o->up_steps ? o->up_steps : default_steps(kind);
-    if (o->schedule) check_levels(o, schedule, info->file);
+    if (o->schedule) check_levels(o, schedule, info);
     if (make_plan(o, plan, schedule, kind, count, NULL, info) != 0)
         unet_die("--up_steps %d: no spacing of the upsampler's %d diffusion steps gives that many", count, info->diffusion.steps);
     return ck;
@@ -439,6 +472,7 @@ int main(int argc, char **argv) {
     if (info.classifier_pool[0])
         unet_die("%s is a noisy classifier (classifier_pool %s), not a diffusion model: give it with --classifier", file,
                  info.classifier_pool);
+    check_sampler_options(&o, info.diffusion.predict == PREDICT_EDM);
     if (info.small_size && o.nll) unet_die("%s is an upsampler: --nll of one is not built yet", file);
     if (info.small_size && !o.low_res)
         unet_die("%s is an upsampler (SuperResModel, %dx%d to %dx%d): give the images to upsample with --low_res FILE.bin", file,
@@ -492,7 +526,7 @@ int main(int argc, char **argv) {
         snprintf(spaced, sizeof spaced, "%s%d", o.spacing, count ? count : info.diffusion.steps);
         o.respacing = spaced;
     }
-    if (o.schedule) check_levels(&o, &schedule, file);
+    if (o.schedule) check_levels(&o, &schedule, &info);
     if (make_plan(&o, &plan, &schedule, kind, count, o.respacing, &info) != 0) {
         if (o.spacing)
             unet_die("--spacing %s: %d steps do not fit the %d diffusion steps", o.spacing, count ? count : info.diffusion.steps,

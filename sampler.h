@@ -164,12 +164,14 @@ static inline int sample_schedule_log_snr(const NoiseSchedule *d, int steps, Sam
     return 0;
 }
 
-// Karras et al.'s noise levels (EDM, 2022): sigma_min, sigma_max (0: the schedule's own) and rho;
-// and s_churn, s_min, s_max, s_noise, Heun's churn (EDM's S_churn, S_tmin, S_tmax, S_noise; see
-// heun_plan), none with s_churn 0.
+// Karras et al.'s noise levels (EDM, 2022): sigma_min, sigma_max (0: the schedule's own; an EDM
+// model's, EDM's 0.002 and 80) and rho; s_churn, s_min, s_max, s_noise, Heun's churn (EDM's S_churn,
+// S_tmin, S_tmax, S_noise; see heun_plan), none with s_churn 0; and sigma_data: an EDM model's (its
+// F is called as edm_call says), or 0 for a discrete-time model, called at its nearest timestep.
 typedef struct {
     double sigma_min, sigma_max, rho;
     double s_churn, s_min, s_max, s_noise;
+    double sigma_data;
 } KarrasLevels;
 
 // sigma = sqrt((1 - abar) / abar) of timestep t: the noise level of x_ve = x / sqrt(abar).
@@ -177,8 +179,8 @@ static inline double schedule_sigma(const NoiseSchedule *d, int t) { return sqrt
 
 // The levels' range: sigma_min and sigma_max, or the schedule's own sigma(0) and sigma(T-1).
 static inline void karras_range(const NoiseSchedule *d, KarrasLevels k, double *lo, double *hi) {
-    *lo = k.sigma_min > 0 ? k.sigma_min : schedule_sigma(d, 0);
-    *hi = k.sigma_max > 0 ? k.sigma_max : schedule_sigma(d, d->steps - 1);
+    *lo = k.sigma_min > 0 ? k.sigma_min : k.sigma_data > 0 ? 0.002 : schedule_sigma(d, 0);
+    *hi = k.sigma_max > 0 ? k.sigma_max : k.sigma_data > 0 ? 80.0 : schedule_sigma(d, d->steps - 1);
 }
 
 // The t whose sigma is nearest to sigma in log sigma, the lower on a tie.
@@ -195,7 +197,8 @@ static inline int nearest_timestep(const NoiseSchedule *d, double sigma) {
 // Karras levels for a discrete-time model, as k-diffusion samples one: `steps` levels
 //   sigma_i = (sigma_max^(1/rho) + i / (steps - 1) (sigma_min^(1/rho) - sigma_max^(1/rho)))^rho
 // then 0 (get_sigmas_karras). A level's abar is 1 / (1 + sigma^2), and the model sees the t whose
-// sigma is nearest in log sigma, the lower on a tie (DiscreteSchedule.sigma_to_t, quantized).
+// sigma is nearest in log sigma, the lower on a tie (DiscreteSchedule.sigma_to_t, quantized); an
+// EDM model (k.sigma_data > 0) sees sigma itself (edm_call; t is 0).
 // Returns 0, or -1 for no steps, a rho that is not positive, sigma_min not below sigma_max, or
 // without memory. Either way *s can be freed.
 static inline int sample_schedule_karras(const NoiseSchedule *d, int steps, KarrasLevels k, SampleSchedule *s) {
@@ -210,7 +213,7 @@ static inline int sample_schedule_karras(const NoiseSchedule *d, int steps, Karr
     for (int i = 0; i < steps; i++) {  // from the noisiest: schedule index steps - 1 - i
         double ramp = steps == 1 ? 0.0 : (double)i / (steps - 1);
         double sigma = pow(pow(hi, 1 / k.rho) + ramp * (pow(lo, 1 / k.rho) - pow(hi, 1 / k.rho)), k.rho);
-        s->timesteps[steps - 1 - i] = nearest_timestep(d, sigma), s->abar[steps - 1 - i] = 1 / (1 + sigma * sigma);
+        s->timesteps[steps - 1 - i] = k.sigma_data > 0 ? 0 : nearest_timestep(d, sigma), s->abar[steps - 1 - i] = 1 / (1 + sigma * sigma);
     }
     return 0;
 }
@@ -269,7 +272,7 @@ static inline TimestepTerms timestep_terms(const NoiseSchedule *d, int t) {
 //   x0 = (x - sqrt(1 - abar) eps) / sqrt(abar)  =  sqrt(abar) x - sqrt(1 - abar) v
 // clipped to [-1, 1] when clip is set (guided-diffusion's clip_denoised).
 
-typedef enum { PREDICT_EPS, PREDICT_V, PREDICT_X0 } Prediction;
+typedef enum { PREDICT_EPS, PREDICT_V, PREDICT_X0, PREDICT_EDM } Prediction;  // PREDICT_EDM: EDM's F (below)
 
 // The prediction a name gives ("eps", "v", "x0"), or -1.
 static inline int prediction_from_name(const char *name) {
@@ -291,7 +294,8 @@ typedef enum { LOSS_MSE, LOSS_HYBRID, LOSS_KL } LossType;
 typedef enum { TIMESTEPS_UNIFORM, TIMESTEPS_LOSS_SECOND_MOMENT } TimestepSampler;
 
 // A model's diffusion, resolved once from the flags or a checkpoint's metadata (guided-diffusion's
-// create_gaussian_diffusion): what training, the samplers and the likelihood read.
+// create_gaussian_diffusion): what training, the samplers and the likelihood read. An EDM model
+// (predict PREDICT_EDM, --precond edm) has continuous noise levels: steps and schedule are unused.
 typedef struct {
     int steps;                // T (diffusion_steps)
     const char *schedule;     // "linear" or "cosine" (noise_schedule_make's names; static text)
@@ -300,12 +304,14 @@ typedef struct {
     LossType loss;
     float bound_scale;        // the bound's term's scale s: T/1000 (hybrid) or T (KL) with rescale_learned_sigmas, else 1
     TimestepSampler timesteps;
+    float sigma_data, p_mean, p_std;  // EDM's sigma_data and training draws ln sigma ~ N(p_mean, p_std^2)
 } DiffusionConfig;
 
 // x0 from the model's output at a step of sqrt(abar) = a, sqrt(1 - abar) = b: eps, v or x0 itself,
 // clipped to [-1, 1] when asked.
+// (EDM's F: x0 = a x + b out, with the step's a and b, edm_call.)
 HOST_DEVICE static inline float predict_x0_ab(float x, float out, float a, float b, int predict, int clip) {
-    float x0 = predict == PREDICT_V ? a * x - b * out : predict == PREDICT_X0 ? out : (x - b * out) / a;
+    float x0 = predict == PREDICT_V ? a * x - b * out : predict == PREDICT_X0 ? out : predict == PREDICT_EDM ? a * x + b * out : (x - b * out) / a;
     return clip ? fminf(fmaxf(x0, -1.0f), 1.0f) : x0;
 }
 
@@ -405,6 +411,23 @@ HOST_DEVICE static inline float learned_log_variance(float v, float log_var_min,
 HOST_DEVICE static inline float guided_output(float cond, float uncond, float w) { return uncond + w * (cond - uncond); }
 
 // ----------------------------------------------------------------------------------------------
+// EDM (Karras et al. 2022, NVlabs/edm's EDMPrecond and EDMLoss): the UNet is a network F inside the
+// denoiser D of noise level sigma, sigma_data = s (the images' standard deviation):
+//   D(x; sigma) = c_skip x + c_out F(c_in x; c_noise),   x = y + sigma n  (y the image, n ~ N(0, I))
+//   c_skip = s^2 / (sigma^2 + s^2), c_out = sigma s / sqrt(sigma^2 + s^2), c_in = 1 / sqrt(sigma^2 + s^2)
+//   c_noise = ln(sigma) / 4, F's timestep input
+// Training draws ln sigma ~ N(P_mean, P_std^2) and weighs (D - y)^2 by lambda = (sigma^2 + s^2) /
+// (sigma s)^2 = 1 / c_out^2, so lambda (D - y)^2 = (F - target)^2 with the target
+//   (y - c_skip x) / c_out = (sigma y / s - s n) / sqrt(sigma^2 + s^2)
+// and the loss is the MSE of F against it (its mean over the values, as guided-diffusion's losses;
+// EDM sums them). edm_training_pair: F's input c_in x and that target for one value.
+HOST_DEVICE static inline void edm_training_pair(float y, float n, float sigma, float s, float *input, float *target) {
+    float r = 1.0f / sqrtf(sigma * sigma + s * s);
+    *input = (y + sigma * n) * r;
+    *target = (sigma / s * y - s * n) * r;
+}
+
+// ----------------------------------------------------------------------------------------------
 // A sampling plan: the steps in the order they run (from the noisiest), each with everything its
 // update needs, so that one function updates any value at any step. The GPU loop of train_unet.cu
 // (sample grids, generate) replays it; sample_loop below runs it on the host (the tests).
@@ -416,6 +439,9 @@ typedef enum { SAMPLER_DDPM, SAMPLER_DDIM, SAMPLER_DPM_SOLVER_PP, SAMPLER_EULER_
 
 typedef struct {
     int timestep;           // the model's t (the original, unrespaced)
+    float time;             // the model's timestep input: timestep, or an EDM model's c_noise (edm_call)
+    float input_scale;      // the model sees input_scale x: 1, or an EDM model's c_in sqrt(1 + sigma^2)
+    float x0_x, x0_out;     // an EDM model's x0 = x0_x x + x0_out out (edm_call)
     float abar, abar_prev;  // from abar to abar_prev (1 after the last step)
     float eta;              // DDIM's and Euler ancestral's noise scale
     int noisy;              // draws z: DDIM and Euler ancestral with eta > 0, but not the last step (sigma is 0 there)
@@ -439,10 +465,20 @@ typedef struct {
     SampleStep *steps;  // [count]
 } SamplePlan;
 
-// The plan for a sampler on the steps kept in s (sample_schedule_*): see sample_plan_make. Returns
-// 0, or -1 without memory; frees s either way.
+// An EDM model's call at sigma (its sigma_data s) on the sampler's x = x_ve / sqrt(1 + sigma^2), x_ve
+// = y + sigma n (the Karras levels' abar = 1 / (1 + sigma^2)): F sees c_in x_ve = input_scale x at
+// c_noise, and x0 = D = c_skip x_ve + c_out F = x0_x x + x0_out F (in double, then float).
+static inline void edm_call(SampleStep *st, double sigma, double s) {
+    double r = sqrt(1 + sigma * sigma), q = sqrt(sigma * sigma + s * s);
+    st->timestep = 0, st->time = (float)(log(sigma) / 4);
+    st->input_scale = (float)(r / q), st->x0_x = (float)(s * s / (q * q) * r), st->x0_out = (float)(sigma * s / q);
+}
+
+// The plan for a sampler on the steps kept in s (sample_schedule_*): see sample_plan_make; an EDM
+// model's (predict PREDICT_EDM) of sigma_data on Karras levels. Returns 0, or -1 without memory;
+// frees s either way.
 static inline int sample_plan_from_schedule(SamplePlan *p, SampleSchedule *s, SamplerKind kind, float eta, int predict, int clip,
-                                            VarianceType variance) {
+                                            VarianceType variance, double sigma_data) {
     p->kind = kind, p->count = s->count, p->predict = predict, p->clip = clip, p->start_scale = 1.0f;
     p->learned = variance == VARIANCE_LEARNED_RANGE && kind == SAMPLER_DDPM;
     NoiseSchedule respaced = {0, NULL, NULL};
@@ -456,7 +492,8 @@ static inline int sample_plan_from_schedule(SamplePlan *p, SampleSchedule *s, Sa
     for (int j = 0; j < s->count; j++) {
         int k = s->count - 1 - j;  // the schedule's index, from the last
         SampleStep *st = &p->steps[j];
-        st->timestep = s->timesteps[k];
+        st->timestep = s->timesteps[k], st->time = (float)st->timestep, st->input_scale = 1.0f;
+        if (predict == PREDICT_EDM) edm_call(st, sqrt((1 - s->abar[k]) / s->abar[k]), sigma_data);
         st->abar = (float)s->abar[k], st->abar_prev = k > 0 ? (float)s->abar[k - 1] : 1.0f;
         st->eta = kind == SAMPLER_DPM_SOLVER_PP ? 0.0f : eta;
         st->noisy = st->eta > 0.0f && k > 0;
@@ -500,14 +537,17 @@ static inline int sample_plan_make(SamplePlan *p, const NoiseSchedule *d, Sample
                                            : sample_schedule_make(d, steps, &s);
     memset(p, 0, sizeof *p);
     if (made != 0) return sample_schedule_free(&s), -1;
-    return sample_plan_from_schedule(p, &s, kind, eta, predict, clip, variance);
+    return sample_plan_from_schedule(p, &s, kind, eta, predict, clip, variance, 0.0);
 }
 
 // One of Heun's calls: at sigma (the model's t its nearest, x0 from sqrt(abar) = 1 / sqrt(1 + sigma^2)
-// and sqrt(1 - abar) = sigma / sqrt(1 + sigma^2) in double), its x left at sigma_next's abar, the
-// step's length `step`.
-static inline void heun_call(SampleStep *st, const NoiseSchedule *d, double sigma, double sigma_next, double step) {
-    st->timestep = nearest_timestep(d, sigma), st->sigma = (float)sigma, st->step = (float)step;
+// and sqrt(1 - abar) = sigma / sqrt(1 + sigma^2) in double; an EDM model's: edm_call), its x left at
+// sigma_next's abar, the step's length `step`.
+static inline void heun_call(SampleStep *st, const NoiseSchedule *d, double sigma, double sigma_next, double step, int predict,
+                             double sigma_data) {
+    st->timestep = nearest_timestep(d, sigma), st->time = (float)st->timestep, st->input_scale = 1.0f;
+    if (predict == PREDICT_EDM) edm_call(st, sigma, sigma_data);
+    st->sigma = (float)sigma, st->step = (float)step;
     st->abar = (float)(1 / (1 + sigma * sigma)), st->abar_prev = (float)(1 / (1 + sigma_next * sigma_next));
     st->terms.sqrt_abar = (float)(1 / sqrt(1 + sigma * sigma)), st->terms.sqrt_one_minus_abar = (float)(sigma / sqrt(1 + sigma * sigma));
 }
@@ -529,11 +569,11 @@ static inline int heun_plan(SamplePlan *p, const NoiseSchedule *d, SampleSchedul
     p->start_scale = (float)(sqrt(t[0] * t[0] + k.s_noise * k.s_noise * (hat[0] * hat[0] - t[0] * t[0])) / sqrt(1 + hat[0] * hat[0]));
     SampleStep *st = p->steps;
     for (int i = 0; i < N; i++) {
-        heun_call(st, d, hat[i], t[i + 1], t[i + 1] - hat[i]);  // the predictor
+        heun_call(st, d, hat[i], t[i + 1], t[i + 1] - hat[i], predict, k.sigma_data);  // the predictor
         st->down = (float)(t[i + 1] / hat[i]);
         st++;
         if (i == N - 1) break;
-        heun_call(st, d, t[i + 1], hat[i + 1], t[i + 1] - hat[i]);  // the corrector
+        heun_call(st, d, t[i + 1], hat[i + 1], t[i + 1] - hat[i], predict, k.sigma_data);  // the corrector
         st->corrector = 1, st->up = (float)(sqrt(hat[i + 1] * hat[i + 1] - t[i + 1] * t[i + 1]) * k.s_noise), st->noisy = st->up > 0;
         st++;
     }
@@ -545,16 +585,17 @@ static inline int heun_plan(SamplePlan *p, const NoiseSchedule *d, SampleSchedul
 // The plan of DDIM (eta 0: k-diffusion's sample_euler), DPM-Solver++(2M) (sample_dpmpp_2m), Euler
 // ancestral (sample_euler_ancestral, eta 1 by default) or Heun (sample_heun, EDM's sampler:
 // heun_plan) on `steps` Karras levels (sample_schedule_karras), from noise of sigma_max. A learned
-// variance's second half is not used. Returns 0, or -1 for levels sample_schedule_karras refuses
-// (or without memory).
+// variance's second half is not used; an EDM model's plan (predict PREDICT_EDM) needs levels.sigma_data.
+// Returns 0, or -1 for levels sample_schedule_karras refuses (or without memory).
 static inline int sample_plan_karras(SamplePlan *p, const NoiseSchedule *d, SamplerKind kind, int steps, KarrasLevels levels, float eta,
                                      int predict, int clip) {
     SampleSchedule s = {0, NULL, NULL};
     memset(p, 0, sizeof *p);
-    if (kind == SAMPLER_DDPM || sample_schedule_karras(d, steps, levels, &s) != 0) return sample_schedule_free(&s), -1;
+    if (kind == SAMPLER_DDPM || (predict == PREDICT_EDM) != (levels.sigma_data > 0) || sample_schedule_karras(d, steps, levels, &s) != 0)
+        return sample_schedule_free(&s), -1;
     if (kind == SAMPLER_HEUN) return heun_plan(p, d, &s, levels, predict, clip);
     double first = s.abar[s.count - 1];
-    if (sample_plan_from_schedule(p, &s, kind, eta, predict, clip, VARIANCE_FIXED_SMALL) != 0) return -1;
+    if (sample_plan_from_schedule(p, &s, kind, eta, predict, clip, VARIANCE_FIXED_SMALL, levels.sigma_data) != 0) return -1;
     p->start_scale = (float)sqrt(1 - first);
     return 0;
 }
@@ -576,7 +617,9 @@ typedef struct {
 // updated.
 HOST_DEVICE static inline float sample_step_value(const SamplePlan *p, const SampleStep *st, float x, float out, float v, float score,
                                                   float z, SampleMemory *memory) {
-    float x0 = predict_x0_ab(x, out, st->terms.sqrt_abar, st->terms.sqrt_one_minus_abar, p->predict, p->clip);
+    int edm = p->predict == PREDICT_EDM;
+    float x0 = predict_x0_ab(x, out, edm ? st->x0_x : st->terms.sqrt_abar, edm ? st->x0_out : st->terms.sqrt_one_minus_abar, p->predict,
+                             p->clip);
     if (p->kind == SAMPLER_DDPM) {
         const TimestepTerms *tt = &st->terms;
         float log_var = p->learned ? learned_log_variance(v, tt->log_var_min, tt->log_var_range) : st->log_variance;
@@ -613,11 +656,12 @@ HOST_DEVICE static inline float normal_sample(uint64_t seed, uint64_t stream, ui
 }
 
 // The plan on the host, for any model: x holds n values of unit starting noise (scaled here by the
-// plan's start_scale) and is replaced by the samples. model(ctx, x, t, out) writes the model's
-// output for x at timestep t (classifier-free guidance, if any, inside it): n values, and with a learned variance n more, the variance half
+// plan's start_scale) and is replaced by the samples. model(ctx, x, st, out) writes the model's
+// output for x at step st (its input st->input_scale x, its timestep input st->time; classifier-free
+// guidance, if any, inside it): n values, and with a learned variance n more, the variance half
 // (value i's at n + i); `scored`: then n more, classifier guidance's score g of each value (see
 // score_guided_x0). noise(ctx, j, i) draws z for value i at step j of the plan.
-typedef void (*SamplerModel)(void *ctx, const float *x, int t, float *out);
+typedef void (*SamplerModel)(void *ctx, const float *x, const SampleStep *st, float *out);
 typedef float (*SamplerNoise)(void *ctx, int j, size_t i);
 
 // Returns 0, or -1 without memory.
@@ -631,7 +675,7 @@ static inline int sample_loop(const SamplePlan *p, SamplerModel model, int score
     for (size_t i = 0; i < n; i++) x[i] *= p->start_scale;
     for (int j = 0; j < p->count; j++) {
         const SampleStep *st = &p->steps[j];
-        model(ctx, x, st->timestep, out);
+        model(ctx, x, st, out);
         for (size_t i = 0; i < n; i++)
             x[i] = sample_step_value(p, st, x[i], out[i], v ? v[i] : 0.0f, score ? score[i] : 0.0f, st->noisy ? noise(ctx, j, i) : 0.0f,
                                      &memory[i]);

@@ -3964,15 +3964,17 @@ __global__ void float_to_floatx_kernel(floatX *out, const float *in, int64_t n) 
 // ----------------------------------------------------------------------------------------------
 // The timestep and class embeddings. guided-diffusion's sinusoid of dim D, half = D/2:
 //   e[n][i] = cos(t_n f_i), e[n][half + i] = sin(t_n f_i), f_i = exp(-ln(10000) i / half)
-// (computed in double: the fp32 argument would be off by ~1e-4 at t ~ 1000), then the label row:
+// (computed in double: the fp32 argument would be off by ~1e-4 at t ~ 1000), t_n the integer
+// timestep, or an EDM model's continuous c_noise (time not NULL; EDM's PositionalEmbedding is this
+// sinusoid), then the label row:
 //   emb[n] += label_emb[y_n];  backward: d_label_emb[k] = sum over n with y_n = k of d_emb[n].
 
-__global__ void timestep_embedding_kernel(floatX *e, const int64_t *t, int N, int D) {
+__global__ void timestep_embedding_kernel(floatX *e, const int64_t *t, const float *time, int N, int D) {
     int i = blockIdx.x * blockDim.x + threadIdx.x, half = D / 2;
     if (i >= N * D) return;
     int n = i / D, j = i % D;
     if (j >= 2 * half) { e[i] = (floatX)0.0f; return; }
-    double f = exp(-log(10000.0) * (j % half) / half), arg = (double)t[n] * f;
+    double f = exp(-log(10000.0) * (j % half) / half), arg = (time ? (double)time[n] : (double)t[n]) * f;
     e[i] = (floatX)(j < half ? cos(arg) : sin(arg));
 }
 
@@ -4406,6 +4408,13 @@ static void images_to_model_input(floatX *out, const uint8_t *pixels, size_t n, 
 // The draws are numbered by sample in the step's batch on all GPUs (first_sample: this GPU's first),
 // so that N GPUs at batch B draw what one GPU at batch N B draws.
 
+// Classifier-free guidance's label dropout: sample n's label (its draw `draw`) replaced by the null
+// class with probability cfg_dropout.
+__device__ inline void drop_label(int *labels, int n, uint64_t draw, float cfg_dropout, int null_label, const StepState *s) {
+    if (cfg_dropout > 0.0f && (random_u64(s->noise_seed, rng_stream(RNG_LABEL_DROP, 0), draw) >> 40) * (1.0f / 16777216.0f) < cfg_dropout)
+        labels[n] = null_label;
+}
+
 // Timesteps t ~ U[0, T), each sample's loss weight 1, or with the schedule sampler's distribution
 // (s->weighted_draw) t ~ p (the first t whose cumulative probability exceeds a uniform draw) and the
 // weight 1 / (T p_t); for classifier-free guidance, labels replaced by the null class with
@@ -4428,8 +4437,22 @@ __global__ void diffusion_conditions_kernel(int64_t *t, float *weights, int *lab
     } else {
         t[n] = (int64_t)(r % (uint64_t)T), weights[n] = 1.0f;
     }
-    if (cfg_dropout > 0.0f && (random_u64(s->noise_seed, rng_stream(RNG_LABEL_DROP, 0), draw) >> 40) * (1.0f / 16777216.0f) < cfg_dropout)
-        labels[n] = null_label;
+    drop_label(labels, n, draw, cfg_dropout, null_label, s);
+}
+
+// EDM's draws (sampler.h's EDM block): ln sigma = p_mean + p_std z, z ~ N(0, 1) from the timesteps'
+// stream, the model's timestep input c_noise = ln(sigma) / 4 (time), each sample's weight 1, t the
+// quarter of z's distribution it fell in (0: the least noisy, z < -0.674; the log's loss quarters,
+// LossInputs.T = 4), and the labels dropped as above.
+__global__ void edm_conditions_kernel(int64_t *t, float *time, float *sigma, float *weights, int *labels, int N, int64_t first_sample,
+                                      float p_mean, float p_std, float cfg_dropout, int null_label, const StepState *s) {
+    int n = blockIdx.x * blockDim.x + threadIdx.x;
+    if (n >= N) return;
+    uint64_t draw = (uint64_t)(first_sample + n);
+    float z = normal_sample(s->noise_seed, rng_stream(RNG_TIMESTEP, 0), draw), log_sigma = p_mean + p_std * z;
+    sigma[n] = expf(log_sigma), time[n] = 0.25f * log_sigma, weights[n] = 1.0f;
+    t[n] = (z >= -0.6744898f) + (z >= 0.0f) + (z >= 0.6744898f);
+    drop_label(labels, n, draw, cfg_dropout, null_label, s);
 }
 
 // x_t and the regression target from x0 (all [N][per_sample] of C channels; target NULL: x_t only, for a
@@ -4447,6 +4470,17 @@ __global__ void diffusion_inputs_kernel(floatX *x_t, int C, int ld, floatX *targ
     }
 }
 
+// EDM's training input and target (edm_training_pair) from x0 at each sample's sigma, the noise drawn
+// as diffusion_inputs_kernel draws it (the same layouts).
+__global__ void edm_inputs_kernel(floatX *x_t, int C, int ld, floatX *target, const floatX *x0, const float *sigma, float sigma_data,
+                                  int64_t per_sample, int64_t n, int64_t first_sample, const StepState *s) {
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
+        float eps = normal_sample(s->noise_seed, rng_stream(RNG_NOISE, 0), first_sample * per_sample + i), input, goal;
+        edm_training_pair((float)x0[i], eps, sigma[i / per_sample], sigma_data, &input, &goal);
+        x_t[i / C * ld + i % C] = (floatX)input, target[i] = (floatX)goal;
+    }
+}
+
 typedef struct {
     int step;        // the plan's next step
     int64_t offset;  // the batch's first value: first image * values per image
@@ -4458,21 +4492,23 @@ __global__ void sample_start_kernel(float *x, int64_t n, uint64_t seed, float sc
         x[i] = scale * normal_sample(seed, rng_stream(RNG_SAMPLE_START, 0), c->offset + i);
 }
 
-// A step's inputs: x (n values of C channels) as the model's input (both halves when guided; its
-// pixels ld values apart: an upsampler's hold the low-resolution image's channels after x's) and
-// the classifier's (when given), and the step's timestep for every image of either batch (n is
-// more than both).
-__global__ void sample_inputs_kernel(floatX *input, int C, int ld, int64_t *t, int batch, floatX *classifier_input, int64_t *classifier_t,
-                                     int classifier_batch, const float *x, int64_t n, int guided, const SampleStep *steps,
-                                     const SampleCursor *c) {
+// A step's inputs: x (n values of C channels) as the model's input, times the step's input_scale
+// (both halves when guided; its pixels ld values apart: an upsampler's hold the low-resolution
+// image's channels after x's) and the classifier's (when given), and the step's timestep for every
+// image of either batch (n is more than both), and its continuous time (time not NULL: an EDM model).
+__global__ void sample_inputs_kernel(floatX *input, int C, int ld, int64_t *t, float *time, int batch, floatX *classifier_input,
+                                     int64_t *classifier_t, int classifier_batch, const float *x, int64_t n, int guided,
+                                     const SampleStep *steps, const SampleCursor *c) {
     int timestep = steps[c->step].timestep;
+    float step_time = steps[c->step].time, scale = steps[c->step].input_scale;
     for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
-        floatX v = (floatX)x[i];
+        floatX v = (floatX)(x[i] * scale);
         int64_t at = i / C * ld + i % C;
         input[at] = v;
         if (guided) input[n / C * ld + at] = v;
-        if (classifier_input) classifier_input[i] = v;
+        if (classifier_input) classifier_input[i] = (floatX)x[i];
         if (i < batch) t[i] = timestep;
+        if (i < batch && time) time[i] = step_time;
         if (i < classifier_batch) classifier_t[i] = timestep;
     }
 }
@@ -5048,6 +5084,8 @@ typedef struct {
     Act input, *output;
     Act low_res;                // SuperResModel: the low-resolution images, upsampled into input's last channels
     int64_t *timesteps;         // [N]
+    float *time;                // [N]: an EDM model's timestep input, c_noise (continuous_time), else unused
+    int continuous_time;        // an EDM model: the timestep embedding reads time, not timesteps
     int *labels;                // [N]
     Conv time_embed0, time_embed2, emb_all;
     float *label_table, *d_label_table;
@@ -5718,6 +5756,7 @@ static void unet_lay_out(UNet *m) {
         note_scratch(&m->channel_sums_numel, channel_sum_slots(batch) * (E > emb_dim ? E : emb_dim));
     }
     m->timesteps = (int64_t *)arena_take(&m->acts, batch * sizeof(int64_t));
+    m->time = (float *)arena_take(&m->acts, batch * sizeof(float));
     m->labels = (int *)arena_take(&m->acts, batch * sizeof(int));
     m->zero_seed = (uint64_t *)arena_take(&m->acts, sizeof(uint64_t));
 
@@ -5891,7 +5930,9 @@ static void unet_forward_watched(UNet *m, int training, void (*before_block)(voi
     const ModelConfig *c = &m->config;
     int N = m->batch, D = 4 * c->model_channels;
     if (c->low_res) upsample_bilinear(m->input.x, m->input.C, c->in_channels, m->low_res.x, N, c->low_res, c->image_size, c->in_channels);
-    timestep_embedding_kernel<<<(N * c->model_channels + 255) / 256, 256, 0, gpu.stream>>>(m->t_sinusoid.x, m->timesteps, N, c->model_channels);
+    timestep_embedding_kernel<<<(N * c->model_channels + 255) / 256, 256, 0, gpu.stream>>>(m->t_sinusoid.x, m->timesteps,
+                                                                                          m->continuous_time ? m->time : NULL, N,
+                                                                                          c->model_channels);
     cuda_check_launch();
     conv_forward(&m->time_embed0, m->t_hidden.x, m->t_sinusoid.x, N, 1, 1, NULL);
     silu_forward_kernel<<<blocks_for(N * D, 256), 256, 0, gpu.stream>>>(m->t_hidden_silu.x, m->t_hidden.x, N * D);
@@ -6472,6 +6513,7 @@ typedef struct {
     LossKind loss_kind;
     LossOutputs loss;
     float *sample_weights;  // GPU [batch_size]: each sample's weight in the loss
+    float *sigma;           // GPU [a piece's images]: an EDM model's noise levels (edm_conditions_kernel)
     // --schedule_sampler loss-second-moment: the history, the distribution of the step's draws
     // (p then its cumulative sums, [2][T], pinned and GPU) and every rank's (t, loss) of the step
     // ([world][batch][2], GPU and pinned)
@@ -6681,6 +6723,7 @@ static void trainer_create(Trainer *tr, const ModelConfig *c, const DiffusionCon
     tr->loss_kind = loss_kind(d);
     tr->loss = loss_outputs_create(train->batch_size, c->image_size * c->image_size);
     tr->sample_weights = (float *)gpu_malloc(train->batch_size * sizeof(float));
+    if (d->predict == PREDICT_EDM) tr->sigma = (float *)gpu_malloc(tr->m.batch * sizeof(float)), tr->m.continuous_time = 1;
     tr->weighted_draws = d->timesteps == TIMESTEPS_LOSS_SECOND_MOMENT;
     if (tr->weighted_draws) {
         loss_history_create(&tr->history, T);
@@ -6738,10 +6781,19 @@ static void trainer_enqueue_piece(Trainer *tr, int piece, const int32_t *labels,
         cuda_check(cudaMemcpyAsync(m->input.x, tr->x0 + first * per_image, n * sizeof(floatX), cudaMemcpyDeviceToDevice, gpu.stream));
         return;
     }
+    const ModelConfig *c = &tr->config;
+    const DiffusionConfig *d = &tr->diffusion.config;
+    if (d->predict == PREDICT_EDM) {
+        edm_conditions_kernel<<<(N + 127) / 128, 128, 0, gpu.stream>>>(m->timesteps, m->time, tr->sigma, tr->sample_weights + first,
+            m->labels, N, first_sample, d->p_mean, d->p_std, train->cfg_dropout, c->num_classes - 1, state);
+        edm_inputs_kernel<<<blocks_for(n, 256), 256, 0, gpu.stream>>>(m->input.x, c->in_channels, m->input.C, m->target.x,
+            tr->x0 + first * per_image, tr->sigma, d->sigma_data, per_image, n, first_sample, state);
+        cuda_check_launch();
+        return;
+    }
     int T = tr->diffusion.schedule.steps;
     diffusion_conditions_kernel<<<(N + 127) / 128, 128, 0, gpu.stream>>>(m->timesteps, tr->sample_weights + first, m->labels, N,
-        first_sample, T, tr->distribution, train->cfg_dropout, tr->config.num_classes - 1, state);
-    const ModelConfig *c = &tr->config;
+        first_sample, T, tr->distribution, train->cfg_dropout, c->num_classes - 1, state);
     diffusion_inputs_kernel<<<blocks_for(n, 256), 256, 0, gpu.stream>>>(m->input.x, c->in_channels, m->input.C,
         tr->classifier ? NULL : m->target.x, tr->x0 + first * per_image, m->timesteps, tr->diffusion.terms,
         tr->diffusion.config.predict, per_image, n, first_sample, state);
@@ -6770,8 +6822,8 @@ static void trainer_enqueue_step(Trainer *tr) {
             unet_forward_watched(m, 1, trainer_wait_update, tr);
             trainer_wait_update(tr, INT_MAX);
         } else unet_forward(m, 1);
-        LossInputs inputs = {tr->d_pixels + first * per_image, m->input.x, tr->diffusion.terms, m->timesteps, T, weights, B, piece,
-                             m->input.C};
+        LossInputs inputs = {tr->d_pixels + first * per_image, m->input.x, tr->diffusion.terms, m->timesteps,
+                             tr->diffusion.config.predict == PREDICT_EDM ? 4 : T, weights, B, piece, m->input.C};
         LossOutputs outputs = tr->loss;
         outputs.samples += 2 * first;
         if (tr->classifier) classifier_loss(&outputs, m->output->dx, m->output->x, m->labels, &inputs, N, tr->config.out_channels);
@@ -6979,6 +7031,7 @@ static void gpu_sampler_create(GpuSampler *s, const ModelConfig *c, int images, 
         unet_create(&s->classifier, classifier, images, TRAINING_INPUT_GRADIENT);
         s->classifier_partial = (float *)gpu_malloc(3 * images * sizeof(float));
     }
+    s->m.continuous_time = plan->predict == PREDICT_EDM;
     s->plan = *plan;
     s->plan.steps = NULL;  // the host's copy stays with the caller
     s->steps = (SampleStep *)gpu_malloc(plan->count * sizeof(SampleStep));
@@ -7034,7 +7087,8 @@ static void gpu_sampler_begin(GpuSampler *s, int64_t first, int count, const int
     UNet *c = s->classifier_guided ? &s->classifier : NULL;
     cudaGraph_t graph;
     cuda_check(cudaStreamBeginCapture(gpu.stream, cudaStreamCaptureModeGlobal));
-    sample_inputs_kernel<<<blocks_for(n, 256), 256, 0, gpu.stream>>>(m->input.x, mc->in_channels, m->input.C, m->timesteps, m->batch,
+    sample_inputs_kernel<<<blocks_for(n, 256), 256, 0, gpu.stream>>>(m->input.x, mc->in_channels, m->input.C, m->timesteps,
+                                                                      m->continuous_time ? m->time : NULL, m->batch,
                                                                       c ? c->input.x : NULL,
                                                                       c ? c->timesteps : NULL, c ? B : 0, s->x, n, s->guided, s->steps,
                                                                       s->cursor);
@@ -7516,6 +7570,16 @@ static void validate_training(const Options *o) {
     if (!(o->lr > 0)) usage_error("--lr %g must be positive", o->lr);
     if (!(o->weight_decay >= 0)) usage_error("--weight_decay %g must not be negative", o->weight_decay);
     if (prediction_from_name(o->predict) < 0) usage_error("--predict '%s' must be eps, v or x0", o->predict);
+    if (strcmp(o->precond, "ddpm") != 0 && strcmp(o->precond, "edm") != 0) usage_error("--precond '%s' must be ddpm or edm", o->precond);
+    if (strcmp(o->precond, "edm") == 0) {
+        const char *why = strcmp(o->predict, "eps") != 0 ? "--predict (its network F has its own target)"
+                          : o->learn_sigma ? "--learn_sigma True (its sampler needs no variance)"
+                          : strcmp(o->schedule_sampler, "uniform") != 0 ? "--schedule_sampler (its noise levels are drawn from p_mean, p_std)"
+                          : o->super_res ? "--super_res (an upsampler)" : NULL;
+        if (why) usage_error("--precond edm does not go with %s", why);
+        if (!(o->sigma_data > 0 && o->sigma_data < 1e3) || !(o->p_std > 0 && o->p_std < 1e3) || !(fabsf(o->p_mean) < 1e3))
+            usage_error("--sigma_data and --p_std must be positive and --p_mean finite (below 1000 each)");
+    }
     if (strcmp(o->schedule_sampler, "uniform") != 0 && strcmp(o->schedule_sampler, "loss-second-moment") != 0)
         usage_error("--schedule_sampler '%s' must be uniform or loss-second-moment", o->schedule_sampler);
     if (!(o->beta1 >= 0 && o->beta1 < 1) || !(o->beta2 >= 0 && o->beta2 < 1)) usage_error("--beta1 and --beta2 must be in [0, 1)");
@@ -7745,7 +7809,8 @@ static void print_run_memory(const Options *o, const ModelConfig *c, const Train
 }
 
 // A sampler of the first EMA's weights during training (the sample grids', FID's), made at the first
-// call: DDIM with --sample_steps, batches of `batch` images halved until its forward-only model fits
+// call: DDIM with --sample_steps (an EDM model: Heun on (--sample_steps + 1) / 2 of EDM's Karras
+// levels, as many model calls less one), batches of `batch` images halved until its forward-only model fits
 // in the GPU memory the training left free (a big model at a large batch leaves little), its noise
 // from sub-stream `sub_stream` of RNG_GRID_SEED; then, at every call, loaded with the EMA's weights.
 static void ema_sampler_load(GpuSampler *sampler, Trainer *tr, int steps, int batch, uint64_t sub_stream) {
@@ -7753,8 +7818,12 @@ static void ema_sampler_load(GpuSampler *sampler, Trainer *tr, int steps, int ba
     trainer_settle(tr);
     if (!sampler->m.blocks) {
         SamplePlan plan;
-        if (sample_plan_make(&plan, &tr->diffusion.schedule, SAMPLER_DDIM, steps, NULL, 0.0f, tr->diffusion.config.predict, 1,
-                             tr->diffusion.config.variance) != 0)
+        const DiffusionConfig *d = &tr->diffusion.config;
+        KarrasLevels edm = {0.0, 0.0, 7.0, 0.0, 0.0, INFINITY, 1.0, d->sigma_data};
+        if ((d->predict == PREDICT_EDM ? sample_plan_karras(&plan, &tr->diffusion.schedule, SAMPLER_HEUN, (steps + 1) / 2, edm, 0.0f,
+                                                            PREDICT_EDM, 0)
+                                       : sample_plan_make(&plan, &tr->diffusion.schedule, SAMPLER_DDIM, steps, NULL, 0.0f, d->predict, 1,
+                                                          d->variance)) != 0)
             fatal("out of memory");
         size_t free_bytes, total_bytes;
         cuda_check(cudaMemGetInfo(&free_bytes, &total_bytes));

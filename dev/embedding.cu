@@ -5,18 +5,26 @@
 
 // guided-diffusion's timestep_embedding(t, dim), max_period 10000: with half = dim/2 and
 // f_i = exp(-ln(10000) i / half), out[n] = [cos(t_n f_0 .. t_n f_{half-1}) | sin(t_n f_0 ..)],
-// plus one zero when dim is odd. No gradient (t is an integer).
-static void ref_timestep_embedding(double *out, const int64_t *t, int N, int dim) {
+// plus one zero when dim is odd, at any real t_n (EDM's c_noise is one). No gradient (t is an input).
+static void ref_sinusoid_embedding(double *out, const double *t, int N, int dim) {
     int half = dim / 2;
     for (int n = 0; n < N; n++) {
         double *o = out + (size_t)n * dim;
         for (int i = 0; i < half; i++) {
-            double arg = (double)t[n] * exp(-log(10000.0) * i / half);
+            double arg = t[n] * exp(-log(10000.0) * i / half);
             o[i] = cos(arg);
             o[half + i] = sin(arg);
         }
         if (dim % 2) o[dim - 1] = 0;
     }
+}
+
+// The same at integer timesteps.
+static void ref_timestep_embedding(double *out, const int64_t *t, int N, int dim) {
+    double *values = (double *)malloc_or_die(N * sizeof(double));
+    for (int n = 0; n < N; n++) values[n] = (double)t[n];
+    ref_sinusoid_embedding(out, values, N, dim);
+    free(values);
 }
 
 // out[i] = SiLU(in[i]) = in[i] sigmoid(in[i])
@@ -49,12 +57,13 @@ static void ref_embedding_backward(double *d_table, const double *d_out, const i
 typedef struct {
     floatX *e;
     int64_t *t;
+    float *time;  // EDM's continuous timestep input (NULL: t)
     int N, D;
 } TimestepRun;
 
 static void timestep_run(void *p) {
     TimestepRun *r = (TimestepRun *)p;
-    timestep_embedding_kernel<<<(r->N * r->D + 255) / 256, 256, 0, gpu.stream>>>(r->e, r->t, r->N, r->D);
+    timestep_embedding_kernel<<<(r->N * r->D + 255) / 256, 256, 0, gpu.stream>>>(r->e, r->t, r->time, r->N, r->D);
     cuda_check_launch();
 }
 
@@ -94,21 +103,30 @@ static void label_run_backward(void *p) {
     cuda_check_launch();
 }
 
-// Timesteps: 0 and 999 first, the rest random in [0, 1000).
-static void check_timestep(int N, int D) {
+// Timesteps: 0 and 999 first, the rest random in [0, 1000); or (continuous) EDM's c_noise = ln(sigma)
+// / 4 for sigma from 0.002 to 80 and beyond, as floats.
+static void check_timestep(int N, int D, int continuous) {
     int64_t *t = (int64_t *)malloc_or_die(N * sizeof(int64_t));
-    for (int n = 0; n < N; n++) t[n] = n == 0 ? 0 : n == 1 ? 999 : dev_random_int(1000);
+    float *time = (float *)malloc_or_die(N * sizeof(float));
+    double *values = dev_alloc(N);
+    for (int n = 0; n < N; n++) {
+        t[n] = n == 0 ? 0 : n == 1 ? 999 : dev_random_int(1000);
+        time[n] = (float)(log(n == 0 ? 0.002 : n == 1 ? 80.0 : exp(-7.0 + 12.0 * dev_random_int(1 << 20) / (double)(1 << 20))) / 4);
+        values[n] = continuous ? (double)time[n] : (double)t[n];
+    }
     double *e = dev_alloc((size_t)N * D);
-    ref_timestep_embedding(e, t, N, D);
-    TimestepRun r = {(floatX *)dev_gpu_poisoned((size_t)N * D * sizeof(floatX)), (int64_t *)gpu_malloc(N * sizeof(int64_t)), N, D};
+    ref_sinusoid_embedding(e, values, N, D);
+    TimestepRun r = {(floatX *)dev_gpu_poisoned((size_t)N * D * sizeof(floatX)), (int64_t *)gpu_malloc(N * sizeof(int64_t)),
+                     continuous ? (float *)gpu_malloc(N * sizeof(float)) : NULL, N, D};
     cuda_check(cudaMemcpy(r.t, t, N * sizeof(int64_t), cudaMemcpyHostToDevice));
+    if (continuous) cuda_check(cudaMemcpy(r.time, time, N * sizeof(float), cudaMemcpyHostToDevice));
     timestep_run(&r);
     double tol = DEV_TOLERANCE, fwd = dev_check_x(r.e, NULL, e, (size_t)N * D);
     char shape[96];
-    snprintf(shape, sizeof shape, "N%d dim %d", N, D);
+    snprintf(shape, sizeof shape, "N%d dim %d%s", N, D, continuous ? " c_noise" : "");
     dev_row("timestep", shape, fwd, tol, NULL, -1, -1);
-    dev_gpu_free(r.e, r.t, NULL);
-    free(t), free(e);
+    dev_gpu_free(r.e, r.t, r.time, NULL);
+    free(t), free(time), free(values), free(e);
 }
 
 static void check_silu(size_t n) {
@@ -165,7 +183,7 @@ static void time_embeddings(int N, int model_channels, int rows) {
     int *labels = (int *)malloc_or_die(N * sizeof(int));
     for (int n = 0; n < N; n++) t[n] = dev_random_int(1000), labels[n] = (int)dev_random_int(rows);
     TimestepRun tr = {(floatX *)gpu_malloc((size_t)N * model_channels * sizeof(floatX)), (int64_t *)gpu_malloc(N * sizeof(int64_t)),
-                      N, model_channels};
+                      NULL, N, model_channels};
     cuda_check(cudaMemcpy(tr.t, t, N * sizeof(int64_t), cudaMemcpyHostToDevice));
     double ms = dev_time_ms(timestep_run, &tr);
     char shape[96];
@@ -192,9 +210,11 @@ static void time_embeddings(int N, int model_channels, int rows) {
 
 int main(void) {
     dev_begin("embedding");
-    check_timestep(1, 64);
-    check_timestep(3, 33);     // odd: ends in a zero
-    check_timestep(32, 160);
+    check_timestep(1, 64, 0);
+    check_timestep(3, 33, 0);     // odd: ends in a zero
+    check_timestep(32, 160, 0);
+    check_timestep(32, 160, 1);   // EDM's c_noise
+    check_timestep(3, 33, 1);
     check_silu(1);
     check_silu(3 * 256);
     check_silu(100003);

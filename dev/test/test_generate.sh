@@ -51,9 +51,35 @@ done <<LIST
 --checkpoint $UNCOND --bench 0
 --checkpoint $UNCOND --eval x.safetensors
 --checkpoint $UNCOND stray
+--checkpoint $UNCOND --clip_denoised maybe
+--checkpoint $UNCOND --nll x.bin --clip_denoised True
 LIST
 expect_exit 2 ./generate --checkpoint "$UNCOND" --num
 expect_grep "needs a value" "$LAST_ERR"
+
+case_begin "an EDM checkpoint (precond edm): ddpm, --respacing, --spacing, a classifier and --nll refused before the GPU; a bad precond"
+with_metadata() {  # with_metadata IN OUT KEY VALUE: IN's tensors with KEY set to VALUE in the metadata
+    python3 - "$@" <<'PY'
+import json, struct, sys
+src, dst, key, value = sys.argv[1:]
+b = open(src, "rb").read()
+n = struct.unpack("<Q", b[:8])[0]
+h = json.loads(b[8:8 + n])
+h["__metadata__"][key] = value
+j = json.dumps(h).encode()
+j += b" " * (-len(j) % 8)
+open(dst, "wb").write(struct.pack("<Q", len(j)) + j + b[8 + n:])
+PY
+}
+with_metadata "$UNCOND" "$TEST_TMP/edm.safetensors" precond edm
+for args in "--sampler ddpm" "--respacing 10" "--spacing trailing" "--nll x.bin" "--classifier $UNCOND"; do
+    # shellcheck disable=SC2086
+    expect_exit 2 ./generate --checkpoint "$TEST_TMP/edm.safetensors" $args
+    expect_grep "^generate: error: an EDM model \(precond edm\)" "$LAST_ERR"
+done
+with_metadata "$UNCOND" "$TEST_TMP/precond.safetensors" precond ve
+expect_fail ./generate --checkpoint "$TEST_TMP/precond.safetensors"
+expect_grep "metadata precond 've' is neither ddpm nor edm" "$LAST_ERR"
 
 case_begin "runtime errors (files, the checkpoint, the GPU): one error line each, exit 1"
 expect_exit 1 ./generate --checkpoint "$TEST_TMP/none"

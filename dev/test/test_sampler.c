@@ -34,8 +34,9 @@ static double gaussian(uint64_t seed, uint64_t stream, uint64_t i) {
 }
 
 // The optimal model at timestep t: eps, or v = sqrt(abar) eps - sqrt(1 - abar) x0.
-static void analytic_model(void *ctx, const float *x, int t, float *out) {
+static void analytic_model(void *ctx, const float *x, const SampleStep *st, float *out) {
     Analytic *a = (Analytic *)ctx;
+    int t = st->timestep;
     double abar = a->d->alphas_cumprod[t];
     a->calls++;
     for (size_t i = 0; i < 40000; i++) {

@@ -117,15 +117,22 @@ static double *kind_tensor(const char *kind, const char *part, int64_t *numel) {
     return tensor(name, numel);
 }
 
-// The Karras fixture's toy model: out = tanh(w[t] x + b[t]) per value; and its draws per step.
+// The Karras fixture's toy model: out = tanh(w[t] x + b[t]) per value, or as an EDM model's F
+// (edm) tanh(EDM_W x_in + EDM_B c_noise) of its input x_in = input_scale x at its time c_noise;
+// and its draws per step.
+#define EDM_W 0.9f
+#define EDM_B 0.3f
 typedef struct {
     const double *w, *b, *noise;  // noise: [steps][n] of the case
     int n, heun;                  // heun: call j's draw is step (j + 1) / 2's (its corrector churns the next step)
+    int edm;
 } ToyModel;
 
-static void toy_model(void *ctx, const float *x, int t, float *out) {
+static void toy_model(void *ctx, const float *x, const SampleStep *st, float *out) {
     const ToyModel *m = (const ToyModel *)ctx;
-    for (int i = 0; i < m->n; i++) out[i] = tanhf((float)m->w[t] * x[i] + (float)m->b[t]);
+    int t = st->timestep;
+    for (int i = 0; i < m->n; i++)
+        out[i] = m->edm ? tanhf(EDM_W * (st->input_scale * x[i]) + EDM_B * st->time) : tanhf((float)m->w[t] * x[i] + (float)m->b[t]);
 }
 
 static float toy_noise(void *ctx, int j, size_t i) {
@@ -135,8 +142,10 @@ static float toy_noise(void *ctx, int j, size_t i) {
 
 // sample_plan_karras's plans run whole (sample_loop) on the toy model, against k-diffusion's
 // sample_euler, sample_euler_ancestral, sample_dpmpp_2m and sample_heun (with churn) on the same
-// model, starting noise and draws (scripts/make_karras_fixture.py): every call's t must be theirs;
-// returns the worst relative error of the final x.
+// model, starting noise and draws (scripts/make_karras_fixture.py), the discrete models' and the
+// EDM model's (NVlabs/edm's EDMPrecond): every call's t must be theirs; returns the worst relative
+// error of the final x. Then EDM's training pair (edm_training_pair) against EDMLoss: F's input,
+// and the MSE of F against the target equal to EDM's weighted loss.
 static double check_karras(const NoiseSchedule *schedules) {
     SafeTensorsFile karras;
     char err[512];
@@ -145,31 +154,48 @@ static double check_karras(const NoiseSchedule *schedules) {
     double *cases = tensor_of(&karras, "cases", &rows_numel), *start = tensor_of(&karras, "start", &start_numel);
     double *noise = tensor_of(&karras, "noise", NULL), *expected = tensor_of(&karras, "expected", NULL);
     double *timesteps = tensor_of(&karras, "timesteps", &steps_numel);
-    ToyModel toy = {tensor_of(&karras, "model_w", NULL), tensor_of(&karras, "model_b", NULL), NULL, 0};
-    int rows = (int)(rows_numel / 11), n = (int)(start_numel / rows), max_calls = (int)(steps_numel / rows), max_steps = max_calls / 2;
+    ToyModel toy = {tensor_of(&karras, "model_w", NULL), tensor_of(&karras, "model_b", NULL), NULL, 0, 0, 0};
+    int rows = (int)(rows_numel / 12), n = (int)(start_numel / rows), max_calls = (int)(steps_numel / rows), max_steps = max_calls / 2;
     const SamplerKind kinds[4] = {SAMPLER_DDIM, SAMPLER_EULER_ANCESTRAL, SAMPLER_DPM_SOLVER_PP, SAMPLER_HEUN};
     const char *names[4] = {"euler (ddim)", "euler_ancestral", "dpmpp_2m", "heun"};
-    double worst[4] = {0, 0, 0, 0};
+    double worst[4] = {0, 0, 0, 0}, worst_edm = 0;
     float *x = (float *)malloc_or_die(n * sizeof(float));
     toy.n = n;
     for (int r = 0; r < rows; r++) {
-        const double *c = cases + 11 * r;
-        int kind = (int)c[2], steps = (int)c[3], calls = kind == 3 ? 2 * steps - 1 : steps;
-        KarrasLevels levels = {c[4], c[5], c[6], c[7], c[8], c[9], c[10]};
+        const double *c = cases + 12 * r;
+        int kind = (int)c[2], steps = (int)c[3], calls = kind == 3 ? 2 * steps - 1 : steps, edm = (int)c[0] == 2;
+        KarrasLevels levels = {c[4], c[5], c[6], c[7], c[8], c[9], c[10], c[11]};
         SamplePlan plan;
-        CHECK(sample_plan_karras(&plan, &schedules[(int)c[0]], kinds[kind], steps, levels, kind == 1 ? 1.0f : 0.0f,
-                                 (int)c[1] ? PREDICT_V : PREDICT_EPS, 0) == 0 && plan.count == calls);
+        CHECK(sample_plan_karras(&plan, &schedules[edm ? 0 : (int)c[0]], kinds[kind], steps, levels, kind == 1 ? 1.0f : 0.0f,
+                                 edm ? PREDICT_EDM : (int)c[1] ? PREDICT_V : PREDICT_EPS, 0) == 0 && plan.count == calls);
         for (int j = 0; j < plan.count; j++) CHECK(plan.steps[j].timestep == (int)timesteps[(size_t)r * max_calls + j]);
         for (int i = 0; i < n; i++) x[i] = (float)start[(size_t)r * n + i];
-        toy.noise = noise + (size_t)r * max_steps * n, toy.heun = kind == 3;
+        toy.noise = noise + (size_t)r * max_steps * n, toy.heun = kind == 3, toy.edm = edm;
         CHECK(sample_loop(&plan, toy_model, 0, toy_noise, &toy, x, n) == 0);
-        worst[kind] = fmax(worst[kind], relative_error(x, expected + (size_t)r * n, n));
+        double e = relative_error(x, expected + (size_t)r * n, n);
+        if (edm) worst_edm = fmax(worst_edm, e);
+        else worst[kind] = fmax(worst[kind], e);
         sample_plan_free(&plan);
     }
     for (int k = 0; k < 4; k++) printf("  %s: worst relative error of the final x %.2e\n", names[k], worst[k]);
-    free(cases), free(start), free(noise), free(expected), free(timesteps), free((void *)toy.w), free((void *)toy.b), free(x);
+    printf("  the EDM model, every sampler: worst relative error of the final x %.2e\n", worst_edm);
+    // EDM's training pair: rows (y, n, sigma, sigma_data, f, EDM's c_in (y + sigma n), weight (D - y)^2)
+    int64_t loss_numel = 0;
+    double *losses = tensor_of(&karras, "edm_loss", &loss_numel), worst_input = 0, worst_loss = 0;
+    for (int64_t i = 0; i < loss_numel / 7; i++) {
+        const double *l = losses + 7 * i;
+        float input, target;
+        edm_training_pair((float)l[0], (float)l[1], (float)l[2], (float)l[3], &input, &target);
+        double loss = ((float)l[4] - (double)target) * ((float)l[4] - (double)target);
+        worst_input = fmax(worst_input, fabs(input - l[5]) / fmax(fabs(l[5]), 1e-3));
+        worst_loss = fmax(worst_loss, fabs(loss - l[6]) / fmax(l[6], 1e-3));
+    }
+    printf("  EDM's training pair, %lld values: F's input within %.2e, the loss within %.2e of EDMLoss's\n", (long long)(loss_numel / 7),
+           worst_input, worst_loss);
+    CHECK(loss_numel == 64 * 7 && worst_input < 1e-5 && worst_loss < 1e-5);
+    free(cases), free(start), free(noise), free(expected), free(timesteps), free((void *)toy.w), free((void *)toy.b), free(x), free(losses);
     safetensors_close(&karras);
-    return fmax(fmax(worst[0], worst[1]), fmax(worst[2], worst[3]));
+    return fmax(fmax(fmax(worst[0], worst[1]), fmax(worst[2], worst[3])), worst_edm);
 }
 
 // Runs every case of one kind (ddpm, ddim, dpm) and returns the worst relative error.
@@ -292,7 +318,8 @@ int main(void) {
     CHECK(run_cases("ddim", schedules) <= 1e-5);
     check_case("DPM-Solver++(2M) step equals the official multistep update (first and second order)");
     CHECK(run_cases("dpm", schedules) <= 1e-5);
-    check_case("Karras levels: euler (ddim), euler_ancestral, dpmpp_2m and heun (churn too) run whole equal k-diffusion's on the same model and noise");
+    check_case("Karras levels: euler (ddim), euler_ancestral, dpmpp_2m and heun (churn too) run whole equal k-diffusion's on the same model "
+               "and noise, discrete-time and EDM's (EDMPrecond); EDM's training pair equals EDMLoss");
     CHECK(check_karras(schedules) <= 1e-5);
     {  // levels it refuses: no steps, rho not positive, sigma_min not below sigma_max; DDPM
         SamplePlan none;

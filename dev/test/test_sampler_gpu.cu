@@ -8,7 +8,8 @@
 // input gradient by its backward pass without parameter gradients, inside the step's graph) against
 // the host loop's score from the classifier's training model (parameter gradients and all) and a
 // host softmax, on a class-conditional and an unconditional model, with DDPM, DDIM and
-// DPM-Solver++, with and without classifier-free guidance; an upsampler's plans (its low-resolution
+// DPM-Solver++, with and without classifier-free guidance; an EDM model's (its input scaled, its
+// continuous time) with Heun and DPM-Solver++; an upsampler's plans (its low-resolution
 // images in every step's input); and one classifier-guided step against
 // guided-diffusion's cond_fn with p_sample and with ddim_sample in float64 PyTorch
 // (scripts/make_guidance_fixture.py, on the committed fixtures' models: FP32 1e-5). The likelihood's GPU loop (generate --nll)
@@ -39,6 +40,7 @@ typedef struct {
     float *raw;  // the model's output, [IMAGES][H][W][out channels]
     float *wide; // an upsampler's input [IMAGES][H][W][2C]: x, then room for the low-resolution image (its forward pass's)
     int learned; // the plan samples with the learned variance: out holds it too
+    float *scaled; // an EDM model's input, x times the step's input_scale (NULL: not an EDM model)
 } Host;
 
 // Classifier guidance's score g = s d log p(y | x) / dx of the classifier c (a training model: it
@@ -64,12 +66,21 @@ static void host_score(UNet *c, const float *x, const int64_t *t, const int *y, 
 }
 
 // sample_loop's model: the prediction (guided), and with a learned variance the conditional
-// output's variance half after it, and with a classifier its score after them.
-static void host_model(void *ctx, const float *x, int t, float *out) {
+// output's variance half after it, and with a classifier its score after them. An EDM model sees
+// x times the step's input_scale at the step's continuous time.
+static void host_model(void *ctx, const float *x, const SampleStep *st, float *out) {
     Host *h = (Host *)ctx;
+    int t = st->timestep;
     int64_t n = image_values(h->m);
     int C = h->m->config.in_channels, Co = h->m->output->C;
     for (int b = 0; b < IMAGES; b++) h->t[b] = t;
+    if (h->scaled) {
+        float time[IMAGES];
+        for (int b = 0; b < IMAGES; b++) time[b] = st->time;
+        cuda_check(cudaMemcpy(h->m->time, time, sizeof time, cudaMemcpyHostToDevice));
+        for (int64_t i = 0; i < n; i++) h->scaled[i] = x[i] * st->input_scale;
+        x = h->scaled;
+    }
     if (h->wide) {
         for (int64_t i = 0; i < n; i++) h->wide[i / C * 2 * C + i % C] = x[i];
         x = h->wide;
@@ -124,7 +135,8 @@ static void log_progress(void *ctx, int step, int steps) {
 // The GPU loop against the host loop on one plan. classifier (NULL: none): classifier guidance with
 // scale classifier_scale by that classifier's training model (its weights are copied to the sampler's).
 // karras: the steps on the schedule's own Karras levels (sample_plan_karras), from scaled noise;
-// 2: with Heun's churn (EDM's ImageNet S_churn 40 on every level).
+// 2: with Heun's churn (EDM's ImageNet S_churn 40 on every level); 3: the model as an EDM model
+// (precond edm, sigma_data 0.5) on EDM's levels.
 static void test_plan(const char *name, const ModelConfig *c, UNet *weights, SamplerKind kind, int steps, float eta,
                       int predict_v, float guidance, UNet *classifier = NULL, float classifier_scale = 0.0f, int karras = 0) {
     check_case(name);
@@ -132,8 +144,9 @@ static void test_plan(const char *name, const ModelConfig *c, UNet *weights, Sam
     SamplePlan plan;
     CHECK(noise_schedule_make(&d, 100, "linear") == 0);
     VarianceType variance = c->learn_sigma ? VARIANCE_LEARNED_RANGE : VARIANCE_FIXED_LARGE;
-    KarrasLevels levels = {0, 0, 7, karras == 2 ? 40.0 : 0.0, 0, INFINITY, 1.003};
-    CHECK(karras ? sample_plan_karras(&plan, &d, kind, steps, levels, eta, predict_v ? PREDICT_V : PREDICT_EPS, 1) == 0
+    KarrasLevels levels = {0, 0, 7, karras == 2 ? 40.0 : 0.0, 0, INFINITY, 1.003, karras == 3 ? 0.5 : 0.0};
+    CHECK(karras ? sample_plan_karras(&plan, &d, kind, steps, levels, eta, karras == 3 ? PREDICT_EDM : predict_v ? PREDICT_V : PREDICT_EPS,
+                                      1) == 0
                  : sample_plan_make(&plan, &d, kind, steps, NULL, eta, predict_v ? PREDICT_V : PREDICT_EPS, 1, variance) == 0);
     uint64_t seed = 1234;
     int S = c->image_size;
@@ -177,6 +190,8 @@ static void test_plan(const char *name, const ModelConfig *c, UNet *weights, Sam
     h.raw = (float *)malloc_or_die(act_numel(weights->output) * sizeof(float));
     h.learned = plan.learned;
     h.wide = s_low ? (float *)calloc((size_t)2 * n, sizeof(float)) : NULL;
+    h.scaled = karras == 3 ? (float *)malloc_or_die(n * sizeof(float)) : NULL;
+    weights->continuous_time = karras == 3;
     float *x = (float *)malloc_or_die(n * sizeof(float));
     for (int64_t i = 0; i < n; i++) x[i] = normal_sample(seed, rng_stream(RNG_SAMPLE_START, 0), h.offset + i);
     CHECK(sample_loop(&plan, host_model, classifier != NULL, host_noise, &h, x, n) == 0);
@@ -206,7 +221,8 @@ static void test_plan(const char *name, const ModelConfig *c, UNet *weights, Sam
     CHECK(pixel_gap <= 1);  // the pixels are the samples, rounded (the host's lrintf may round a tie otherwise)
     CHECK(sqrt(norm / n) > 0.05);  // the samples are not all zero
     gpu_sampler_destroy(&s);
-    free(pixels), free(again), free(gpu_x), free(x), free(h.raw), free(h.wide), free(low);
+    weights->continuous_time = 0;
+    free(pixels), free(again), free(gpu_x), free(x), free(h.raw), free(h.wide), free(h.scaled), free(low);
     sample_plan_free(&plan);
     noise_schedule_free(&d);
 }
@@ -399,6 +415,9 @@ int main(void) {
               0.0f, 1);
     test_plan("Heun on 6 Karras levels (11 calls)", &c, &m, SAMPLER_HEUN, 6, 0.0f, 0, 1.0f, NULL, 0.0f, 1);
     test_plan("Heun on 6 Karras levels with churn 40, v prediction, guidance 2", &c, &m, SAMPLER_HEUN, 6, 0.0f, 1, 2.0f, NULL, 0.0f, 2);
+    test_plan("an EDM model (precond edm): Heun on 6 of EDM's Karras levels", &c, &m, SAMPLER_HEUN, 6, 0.0f, 0, 1.0f, NULL, 0.0f, 3);
+    test_plan("an EDM model: DPM-Solver++(2M) on 8 of EDM's levels, guidance 2", &c, &m, SAMPLER_DPM_SOLVER_PP, 8, 0.0f, 0, 2.0f, NULL,
+              0.0f, 3);
 
     // The noisy classifier of the same images: 3 classes, the attention pool over the 8x8 tokens.
     Options co = o;

@@ -5,7 +5,8 @@
 # a clear message; sample grids are written (an upsampler's: low-res | sample | original); bad
 # checkpoints are refused with one line; a run folder takes one trainer at a time, SIGHUP saves, a save past the file-size limit keeps the
 # previous checkpoint, an older resume sets the later steps aside, a resume from elsewhere starts a
-# new run; a learned variance trains, resumes and samples; the schedule sampler loss-second-moment
+# new run; a learned variance trains, resumes and samples; EDM's preconditioning (--precond edm)
+# trains, resumes exactly and samples with Heun from its checkpoint alone; the schedule sampler loss-second-moment
 # resumes exactly (its history in state.bin) and logs the loss per quarter of t; --microbatch trains as
 # the whole batch does (to rounding), --use_checkpoint as without it (to the byte); the noisy
 # classifier trains, evaluates on --val_data, resumes and recomputes to the byte; FID during
@@ -66,6 +67,32 @@ expect_grep 'ddpm with 20 steps' "$LAST_OUT"
 [ -s "$TEST_TMP/sigma_samples/grid.png" ] || case_fail "no grid from the learned-variance checkpoint"
 expect_ok ./generate --checkpoint "$TEST_TMP/sigma/checkpoints/step_000000020" --respacing 10,5 --sampler ddpm --num 2 --out "$TEST_TMP/sigma_10_5"
 expect_grep 'ddpm with 15 steps' "$LAST_OUT"
+
+case_begin "EDM (--precond edm): trains, resumes exactly, keeps its preconditioning in the checkpoint, samples with Heun by default"
+expect_ok train --precond edm --steps 40 --stop_step 17 --run_dir "$TEST_TMP/edm"
+expect_ok train --precond edm --steps 40 --run_dir "$TEST_TMP/edm" --resume_checkpoint latest
+expect_ok train --precond edm --steps 40 --run_dir "$TEST_TMP/edm_straight"
+for f in model.safetensors ema.safetensors state.bin; do
+    cmp -s "$TEST_TMP/edm/checkpoints/step_000000040/$f" "$TEST_TMP/edm_straight/checkpoints/step_000000040/$f" ||
+        case_fail "the resumed EDM run's $f differs from the straight run's"
+done
+# The loss starts near 1 (F's output layer is zero, its target of unit variance) and falls.
+awk -F, 'NR > 1 && NR <= 11 { a += $2 } NR > 31 { b += $2 } END { exit !(a / 10 > 0.8 && b < a) }' "$TEST_TMP/edm_straight/log.csv" ||
+    case_fail "the EDM loss did not start near 1 and fall: $(cut -d, -f2 "$TEST_TMP/edm_straight/log.csv" | tr '\n' ' ' | head -c 300)"
+python3 - "$TEST_TMP/edm/checkpoints/step_000000040/ema.safetensors" <<'PY' || case_fail "the checkpoint's metadata does not say precond edm"
+import json, struct, sys
+with open(sys.argv[1], "rb") as f:
+    meta = json.loads(f.read(struct.unpack("<Q", f.read(8))[0]))["__metadata__"]
+sys.exit(0 if meta.get("precond") == "edm" and float(meta["sigma_data"]) == 0.5 else 1)
+PY
+[ -s "$TEST_TMP/edm/samples/step_000000040.png" ] || case_fail "no sample grid from the EDM run"
+expect_ok ./generate --checkpoint "$TEST_TMP/edm/checkpoints/step_000000040" --num 4 --out "$TEST_TMP/edm_samples"
+expect_grep 'heun with 35 steps' "$LAST_OUT"
+[ -s "$TEST_TMP/edm_samples/grid.png" ] || case_fail "no grid from the EDM checkpoint"
+expect_ok ./generate --checkpoint "$TEST_TMP/edm/checkpoints/step_000000040" --sampler dpm++ --steps 10 --num 2 --out "$TEST_TMP/edm_dpm"
+expect_grep 'dpm\+\+ with 10 steps' "$LAST_OUT"
+expect_fail ./generate --checkpoint "$TEST_TMP/edm/checkpoints/step_000000040" --sampler ddpm --num 2 --out "$TEST_TMP/edm_ddpm"
+expect_grep 'EDM model .*not ddpm' "$LAST_ERR"
 
 case_begin "the schedule sampler loss-second-moment: its history resumes exactly, draws by it once full, and the quarters are logged"
 # 50 timesteps at 16 images a step: every t has its 10 losses after a few dozen steps
