@@ -114,7 +114,8 @@ typedef struct {
 #define OPT(name, type, group, help) {#name, type, offsetof(Options, name), group, NULL, help}
 #define OPT_KEY(name, type, group, key, help) {#name, type, offsetof(Options, name), group, key, help}
 static const OptionSpec option_specs[] = {
-    OPT(data, OPT_STRING, 0, "dataset .bin written by prepare_data (required to train)"),
+    OPT(data, OPT_STRING, 0, "dataset .bin written by prepare_data (required to train), or its parts trained as one: a.bin,b.bin or "
+                             "@LIST, a file of one path a line"),
     OPT(preset, OPT_STRING, 0, "seed | adm64 | adm128 | adm256 | adm256u | adm512 | adm64_256 | adm128_512: a model and training "
                                "configuration to start from"),
     OPT(image_size, OPT_INT, MODEL, "image side in pixels; when not given, the dataset's (without --data the preset's)"),

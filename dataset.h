@@ -45,14 +45,20 @@ typedef struct {
     uint64_t file_bytes;   // the exact size the file must have
 } DatasetLayout;
 
-// A dataset file mapped read-only into memory.
-typedef struct {
+// A dataset file mapped read-only into memory; or a dataset in parts (dataset_open_parts of several
+// files), whose header.count is every part's images, numbered part after part, and whose other
+// fields are its first part's: read its images and labels with dataset_image and dataset_label.
+typedef struct Dataset {
     DatasetHeader header;
     DatasetLayout layout;
     const uint8_t *map;       // the whole file
     const char *class_names;  // num_classes consecutive NUL-terminated strings, or NULL
     const int32_t *labels;    // count labels, or NULL when unlabelled
     const uint8_t *pixels;    // count * image_bytes
+    int num_parts;            // 0: one file
+    struct Dataset *parts;    // [num_parts], each a file
+    uint64_t *part_first;     // [num_parts + 1]: each part's first image; the last, the total
+    char **part_paths;        // [num_parts]
 } Dataset;
 
 static inline uint64_t dataset_align(uint64_t x, uint64_t a) { return (x + a - 1) / a * a; }
@@ -202,8 +208,132 @@ static inline int dataset_open(const char *path, Dataset *ds, char *err, size_t 
 }
 
 static inline void dataset_close(Dataset *ds) {
-    if (ds->map) munmap((void *)ds->map, ds->layout.file_bytes);
+    if (ds->num_parts) {
+        for (int k = 0; k < ds->num_parts; k++) dataset_close(&ds->parts[k]), free(ds->part_paths[k]);
+        free(ds->parts), free(ds->part_first), free(ds->part_paths);
+    } else if (ds->map) {
+        munmap((void *)ds->map, ds->layout.file_bytes);
+    }
     memset(ds, 0, sizeof *ds);
+}
+
+// ----------------------------------------------------------------------------------------------
+// A dataset in parts, for a training set written in pieces (folders too large to prepare at once,
+// or prepared on several machines): `spec` is one file, files separated by commas
+// (a.bin,b.bin), or @LIST, a text file of one path a line (blank lines and lines from '#' skipped;
+// a relative path is relative to the list's folder). The parts must agree on everything but their
+// image counts: size, channels and the class-name table byte for byte (prepare_data --part K/N
+// writes such parts of one folder). Their images are numbered part after part.
+
+#define DATASET_MAX_PARTS 4096
+
+// The part of image i and its index there.
+static inline const Dataset *dataset_part_of(const Dataset *ds, uint64_t i, uint64_t *at) {
+    if (!ds->num_parts) return *at = i, ds;
+    int lo = 0, hi = ds->num_parts - 1;
+    while (lo < hi) {
+        int mid = (lo + hi + 1) / 2;
+        if (ds->part_first[mid] <= i) lo = mid;
+        else hi = mid - 1;
+    }
+    *at = i - ds->part_first[lo];
+    return &ds->parts[lo];
+}
+
+// Image i's pixels, and its label (-1 when unlabelled).
+static inline const uint8_t *dataset_image(const Dataset *ds, uint64_t i) {
+    uint64_t at;
+    const Dataset *p = dataset_part_of(ds, i, &at);
+    return p->pixels + at * p->layout.image_bytes;
+}
+
+static inline int32_t dataset_label(const Dataset *ds, uint64_t i) {
+    uint64_t at;
+    const Dataset *p = dataset_part_of(ds, i, &at);
+    return p->labels ? p->labels[at] : -1;
+}
+
+// The paths a spec names, malloc'd (*count of them). Returns 0, or -1 with a message.
+static inline int dataset_spec_paths(const char *spec, char ***paths, int *count, char *err, size_t err_len) {
+    char *text = NULL, *folder = NULL;
+    *paths = NULL, *count = 0;
+    if (spec[0] == '@') {
+        MappedFile m;
+        if (map_regular_file(spec + 1, "dataset list", &m, err, err_len) != 0) return -1;
+        text = (char *)malloc(m.size + 1);
+        if (text) memcpy(text, m.bytes, m.size), text[m.size] = '\0';
+        unmap_file(&m);
+        const char *slash = strrchr(spec + 1, '/');
+        folder = strndup(spec + 1, slash ? (size_t)(slash - (spec + 1)) : 0);
+    } else {
+        size_t n = strlen(spec);
+        if (!n || spec[0] == ',' || spec[n - 1] == ',' || strstr(spec, ",,"))
+            return error_line(err, err_len, "dataset list '%s' has an empty name", spec);
+        text = strdup(spec);
+    }
+    char **out = (char **)calloc(DATASET_MAX_PARTS, sizeof *out);
+    if (!text || !out || (spec[0] == '@' && !folder))
+        return free(text), free(folder), free(out), error_line(err, err_len, "out of memory");
+    int n = 0, r = 0;
+    for (char *save = NULL, *item = strtok_r(text, spec[0] == '@' ? "\n" : ",", &save); item && r == 0;
+         item = strtok_r(NULL, spec[0] == '@' ? "\n" : ",", &save)) {
+        item[strcspn(item, spec[0] == '@' ? "#\r" : "")] = '\0';
+        while (*item == ' ' || *item == '\t') item++;
+        for (char *end = item + strlen(item); end > item && (end[-1] == ' ' || end[-1] == '\t');) *--end = '\0';
+        if (!item[0]) continue;  // a blank line of a list file (a comma list has none: checked above)
+        if (n == DATASET_MAX_PARTS) r = error_line(err, err_len, "dataset list %s names more than %d parts", spec, DATASET_MAX_PARTS);
+        else if (folder && folder[0] && item[0] != '/' && asprintf(&out[n], "%s/%s", folder, item) < 0)
+            r = error_line(err, err_len, "out of memory");
+        else if (!out[n] && !(out[n] = strdup(item)))
+            r = error_line(err, err_len, "out of memory");
+        else n++;
+    }
+    if (r == 0 && n == 0) r = error_line(err, err_len, "dataset list %s names no file", spec);
+    free(text), free(folder);
+    if (r != 0) {
+        for (int k = 0; k < n; k++) free(out[k]);
+        return free(out), -1;
+    }
+    *paths = out, *count = n;
+    return 0;
+}
+
+// Opens a dataset from a spec (above): one file as dataset_open, several as its parts. Returns 0,
+// or -1 with a message naming the file.
+static inline int dataset_open_parts(const char *spec, Dataset *ds, char *err, size_t err_len) {
+    memset(ds, 0, sizeof *ds);
+    if (spec[0] != '@' && !strchr(spec, ',')) return dataset_open(spec, ds, err, err_len);
+    char **paths;
+    int n;
+    if (dataset_spec_paths(spec, &paths, &n, err, err_len) != 0) return -1;
+    Dataset *parts = (Dataset *)calloc(n, sizeof *parts);
+    uint64_t *first = (uint64_t *)calloc(n + 1, sizeof *first);
+    int r = parts && first ? 0 : error_line(err, err_len, "out of memory");
+    for (int k = 0; k < n && r == 0; k++) {
+        if ((r = dataset_open(paths[k], &parts[k], err, err_len)) != 0) break;
+        const DatasetHeader *a = &parts[0].header, *b = &parts[k].header;
+        if (a->height != b->height || a->width != b->width || a->channels != b->channels)
+            r = error_line(err, err_len, "dataset part %s holds %ux%u images of %u channels; part %s %ux%u of %u", paths[k], b->width,
+                           b->height, b->channels, paths[0], a->width, a->height, a->channels);
+        else if (a->num_classes != b->num_classes || a->names_bytes != b->names_bytes ||
+                 memcmp(parts[0].class_names, parts[k].class_names, a->names_bytes) != 0)
+            r = error_line(err, err_len, "dataset part %s has other classes than part %s (%u and %u, or other names): prepare the "
+                           "parts of one folder with prepare_data --part", paths[k], paths[0], b->num_classes, a->num_classes);
+        else if (first[k] + b->count > DATASET_MAX_COUNT)
+            r = error_line(err, err_len, "dataset %s holds more than %u images", spec, (unsigned)DATASET_MAX_COUNT);
+        first[k + 1] = first[k] + b->count;
+    }
+    if (r != 0) {
+        for (int k = 0; k < n; k++) {
+            if (parts) dataset_close(&parts[k]);
+            free(paths[k]);
+        }
+        return free(parts), free(first), free(paths), -1;
+    }
+    *ds = parts[0];
+    ds->header.count = first[n];
+    ds->num_parts = n, ds->parts = parts, ds->part_first = first, ds->part_paths = paths;
+    return 0;
 }
 
 // The class names of a labelled dataset, in label order: a malloc'd array of num_classes pointers

@@ -47,7 +47,7 @@
 static const char usage[] =
     "usage: prepare_data --input DIR --output FILE.bin [--size N] [--resize gd|srgb]\n"
     "                    [--jobs N] [--labels [folders|gd]] [--keep_duplicates]\n"
-    "                    [--quiet]\n"
+    "                    [--part K/N] [--quiet]\n"
     "       prepare_data --synthetic shapes --output FILE.bin [--count N] [--size N]\n"
     "                    [--seed K]\n"
     "\n"
@@ -82,6 +82,9 @@ static const char usage[] =
     "                     white, resized in linear light by stb_image_resize [gd]\n"
     "  --output FILE.bin  the dataset file, replaced atomically (a regular file, not\n"
     "                     an input)\n"
+    "  --part K/N         only part K of N (0..N-1) of the sorted files, the K-th\n"
+    "                     of N equal runs, and every class of the folder: the N\n"
+    "                     parts train as one (train_unet --data p0.bin,p1.bin,...)\n"
     "  --quiet            no progress line\n"
     "  --help, -h         this help\n"
     "  --version          the version\n"
@@ -193,6 +196,7 @@ typedef struct {
     const char *input, *output, *synthetic;
     uint64_t count, seed;
     int size, jobs;
+    int part, parts;  // --part K/N (parts 0: the whole folder)
     Resize resize;
     bool labels, name_labels, quiet, keep_duplicates, count_given, seed_given, resize_given, jobs_given;  // name_labels: --labels gd
 } Options;
@@ -210,7 +214,7 @@ static uint64_t parse_uint(const char *name, const char *s, uint64_t lo, uint64_
 
 // The options, for the hint that follows an unknown one.
 static const char *const option_names[] = {"input", "output", "size", "resize", "jobs", "labels", "keep_duplicates", "quiet",
-                                           "synthetic", "count", "seed"};
+                                           "synthetic", "count", "seed", "part"};
 
 // The length of the name in option argument arg ("--name" or "--name=value": up to the '=').
 static size_t name_length(const char *arg) { return strcspn(arg + 2, "="); }
@@ -276,6 +280,13 @@ static Options parse_options(int argc, char **argv) {
             if (strcmp(v, "gd") != 0 && strcmp(v, "srgb") != 0) usage_error("--resize must be gd or srgb, not '%s'", v);
             o.resize = strcmp(v, "gd") == 0 ? RESIZE_GD : RESIZE_SRGB;
             o.resize_given = true;
+        } else if ((v = option_value(argc, argv, &i, "--part"))) {
+            const char *slash = strchr(v, '/');
+            char k[32];
+            if (!slash || (size_t)(slash - v) >= sizeof k) usage_error("--part takes K/N (part K of N, from 0), not '%s'", v);
+            snprintf(k, sizeof k, "%.*s", (int)(slash - v), v);
+            o.parts = (int)parse_uint("--part's N", slash + 1, 1, DATASET_MAX_PARTS);
+            o.part = (int)parse_uint("--part's K", k, 0, (uint64_t)o.parts - 1);
         } else if ((v = option_value(argc, argv, &i, "--count"))) {
             o.count = parse_uint("--count", v, 1, MAX_COUNT);
             o.count_given = true;
@@ -302,7 +313,7 @@ static Options parse_options(int argc, char **argv) {
         usage_error("--labels applies to --input (the synthetic dataset is always labelled)");
     if (o.synthetic && o.keep_duplicates) usage_error("--keep_duplicates applies only to --input");
     if (o.input && (o.count_given || o.seed_given)) usage_error("--count and --seed apply only to --synthetic");
-    if (o.synthetic && (o.resize_given || o.jobs_given)) usage_error("--resize and --jobs apply only to --input");
+    if (o.synthetic && (o.resize_given || o.jobs_given || o.parts)) usage_error("--resize, --jobs and --part apply only to --input");
     if (!o.jobs_given) {  // every core
         long cores = sysconf(_SC_NPROCESSORS_ONLN);
         o.jobs = cores < 1 ? 1 : cores > MAX_JOBS ? MAX_JOBS : (int)cores;
@@ -995,10 +1006,18 @@ static void prepare_folder(const Options *o, const struct stat *output_st) {
     scan_folder(&list, o->input, &root, 0, -1, o->labels && !o->name_labels);
     if (list.count == 0) die("no files found in %s%s", o->input, o->labels && !o->name_labels ? "'s class folders" : "");
     if (o->name_labels) label_by_names(&list);
+    // --part K/N: the files [K count / N, (K + 1) count / N) of the sorted list; the classes are the
+    // whole folder's, kept even where this part has no image of them, so that every part has the
+    // same class table.
+    uint64_t first_file = o->parts ? list.count * o->part / o->parts : 0;
+    uint64_t last_file = o->parts ? list.count * (o->part + 1) / o->parts : list.count;
+    if (first_file == last_file)
+        die("--part %d/%d of the %llu files of %s holds none: choose fewer parts", o->part, o->parts, (unsigned long long)list.count,
+            o->input);
 
     // The largest header the dataset can need: every file read and every class kept.
     const char *const *class_names = (const char *const *)list.class_names;
-    DatasetHeader h = make_header(list.count, o->size, list.num_classes, names_size(class_names, list.num_classes));
+    DatasetHeader h = make_header(last_file - first_file, o->size, list.num_classes, names_size(class_names, list.num_classes));
     DatasetLayout largest = checked_layout(&h);
     Output out;
     output_open(&out, o->output, largest.pixels_offset, largest.image_bytes);
@@ -1009,9 +1028,9 @@ static void prepare_folder(const Options *o, const struct stat *output_st) {
     int32_t *labels = xmalloc(list.count * sizeof(int32_t));
     uint64_t written = 0;
     Duplicates dup = {list.duplicate_files, list.duplicate_folders, 0};
-    progress(0, list.count);  // (the rate's start)
-    for (uint64_t begin = 0; begin < list.count; begin += slots) {
-        uint64_t end = begin + slots < list.count ? begin + slots : list.count;
+    progress(0, last_file - first_file);  // (the rate's start)
+    for (uint64_t begin = first_file; begin < last_file; begin += slots) {
+        uint64_t end = begin + slots < last_file ? begin + slots : last_file;
         decode_batch(&batch, begin, end);
         for (uint64_t i = begin; i < end; i++) {
             uint64_t k = i - begin;
@@ -1024,14 +1043,16 @@ static void prepare_folder(const Options *o, const struct stat *output_st) {
                 list.skipped++;
             }
         }
-        progress(end, list.count);
+        progress(end - first_file, last_file - first_file);
     }
     end_progress_line();
     if (written == 0)
-        die("none of the %llu files in %s is an image stb_image can read", (unsigned long long)list.count, o->input);
+        die("none of the %llu files in %s%s is an image stb_image can read", (unsigned long long)(last_file - first_file), o->input,
+            o->parts ? " (of this part)" : "");
 
     const char **kept = xmalloc(list.num_classes * sizeof(char *));
-    uint32_t num_classes = o->labels ? keep_used_classes(&list, labels, written, kept) : 0;
+    uint32_t num_classes = !o->labels ? 0 : o->parts ? list.num_classes : keep_used_classes(&list, labels, written, kept);
+    for (uint32_t c = 0; o->labels && o->parts && c < num_classes; c++) kept[c] = list.class_names[c];
     char *names = names_table(kept, num_classes);
     h = make_header(written, o->size, num_classes, names_size(kept, num_classes));
     uint64_t bytes = output_finish(&out, &h, names, labels);

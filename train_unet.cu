@@ -6262,25 +6262,29 @@ static int loader_seek(DataLoader *loader, LoaderPosition position, char *err, s
 // A dataset file truncated while it is mapped raises SIGBUS at the first read of a lost page. The
 // handler ends the process with one line instead of a crash; the last checkpoint stays intact (every
 // checkpoint is written whole, then renamed). A fault anywhere else gets the default action. It
-// watches the dataset the last loader_open mapped.
+// watches the dataset the last loader_open mapped (each file of one in parts).
 static struct {
-    const uint8_t *begin, *end;
+    const Dataset *data;
     char message[600];
     size_t length;
 } watched_dataset;
 
 static void on_dataset_fault(int sig, siginfo_t *info, void *) {
     const uint8_t *at = (const uint8_t *)info->si_addr;
-    if (at >= watched_dataset.begin && at < watched_dataset.end) {
-        ssize_t written = write(STDERR_FILENO, watched_dataset.message, watched_dataset.length);
-        (void)written;  // nothing more can be done about a failed write here
-        _exit(1);
+    const Dataset *d = watched_dataset.data;
+    for (int k = 0; d && k < (d->num_parts ? d->num_parts : 1); k++) {
+        const Dataset *file = d->num_parts ? &d->parts[k] : d;
+        if (at >= file->map && at < file->map + file->layout.file_bytes) {
+            ssize_t written = write(STDERR_FILENO, watched_dataset.message, watched_dataset.length);
+            (void)written;  // nothing more can be done about a failed write here
+            _exit(1);
+        }
     }
     signal(sig, SIG_DFL);  // the fault comes again on return, with the default action
 }
 
 static void watch_dataset(const Dataset *data, const char *path) {
-    watched_dataset.begin = data->map, watched_dataset.end = data->map + data->layout.file_bytes;
+    watched_dataset.data = data;
     int n = snprintf(watched_dataset.message, sizeof watched_dataset.message, "%s: error: dataset %.400s changed while training "
                      "(it was cut short); the last checkpoint is intact\n", program_name, path);
     watched_dataset.length = n < (int)sizeof watched_dataset.message ? n : sizeof watched_dataset.message - 1;
@@ -6291,14 +6295,15 @@ static void watch_dataset(const Dataset *data, const char *path) {
     sigaction(SIGBUS, &sa, NULL);
 }
 
-// Opens and checks a dataset, watches its mapping (watch_dataset) and allocates the batch buffers.
+// Opens and checks a dataset (`path`: one file or its parts, dataset_open_parts's spec), watches its
+// mapping (watch_dataset) and allocates the batch buffers.
 // `checked` is the header the caller checked the file against the run's options with (NULL: none):
 // the file opened here must have the same, or it was replaced in between. Returns 0, or -1 with a
 // message.
 static int loader_open(DataLoader *loader, const char *path, const DatasetHeader *checked, int batch_size, int rank, int world,
                        int random_flip, uint64_t seed, int pinned, char *err, size_t err_len) {
     memset(loader, 0, sizeof *loader);
-    if (dataset_open(path, &loader->data, err, err_len) != 0) return -1;
+    if (dataset_open_parts(path, &loader->data, err, err_len) != 0) return -1;
     const DatasetHeader *h = &loader->data.header;  // count <= DATASET_MAX_COUNT: the order's 32-bit indices hold it
     if (checked && memcmp(checked, h, sizeof *h) != 0) {
         error_line(err, err_len, "dataset %s changed since it was checked (%" PRIu64 " images of %ux%u, %u classes, now %" PRIu64
@@ -6338,7 +6343,7 @@ static void loader_close(DataLoader *loader) {
         free(loader->batch_labels);
     }
     free(loader->order);
-    if (watched_dataset.begin == loader->data.map) watched_dataset.begin = watched_dataset.end = NULL;
+    if (watched_dataset.data == &loader->data) watched_dataset.data = NULL;
     dataset_close(&loader->data);
     memset(loader, 0, sizeof *loader);
 }
@@ -6355,7 +6360,7 @@ static void loader_read_ahead(const DataLoader *loader) {
     for (int b = 0; b < loader->batch_size; b++) {
         uint64_t at = loader->position.next + (uint64_t)loader->rank * loader->batch_size + b;
         if (at >= h->count) break;
-        uintptr_t begin = (uintptr_t)(loader->data.pixels + loader->order[at] * image_bytes), first = begin & ~(page - 1);
+        uintptr_t begin = (uintptr_t)dataset_image(&loader->data, loader->order[at]), first = begin & ~(page - 1);
         madvise((void *)first, begin + image_bytes - first, MADV_WILLNEED);  // (advice: a failure changes nothing)
     }
 }
@@ -6375,7 +6380,7 @@ static void loader_next_batch(DataLoader *loader) {
         uint32_t image = loader->order[loader->position.next++];
         int64_t b = i - (int64_t)loader->rank * loader->batch_size;  // this rank's image b
         if (b < 0 || b >= loader->batch_size) continue;
-        const uint8_t *src = loader->data.pixels + image * image_bytes;
+        const uint8_t *src = dataset_image(&loader->data, image);
         uint8_t *dst = loader->batch_pixels + b * image_bytes;
         int flip = loader->random_flip && (random_u64(loader->seed, rng_stream(RNG_FLIP, 0), slot) & 1);
         if (!flip) {
@@ -6386,8 +6391,8 @@ static void loader_next_batch(DataLoader *loader) {
                     memcpy(dst + y * row_bytes + x * h->channels, src + y * row_bytes + (h->width - 1 - x) * h->channels,
                            h->channels);
         }
-        int32_t label = loader->data.labels ? loader->data.labels[image] : -1;
-        if (loader->data.labels && (label < 0 || (uint32_t)label >= h->num_classes))  // checked at open: rewritten since
+        int32_t label = h->num_classes ? dataset_label(&loader->data, image) : -1;
+        if (h->num_classes && (label < 0 || (uint32_t)label >= h->num_classes))  // checked at open: rewritten since
             fatal("dataset %s changed while training: image %u has label %d, outside 0..%u", loader->path, image, label,
                   h->num_classes - 1);
         loader->batch_labels[b] = label;
@@ -7873,12 +7878,12 @@ static void write_samples(Trainer *tr, const Options *o, GpuSampler *sampler, co
     int *labels = NULL, classes = c->num_classes - 1;  // without the null class
     if (classes > 0) {
         labels = (int *)malloc_or_die(count * sizeof(int));
-        for (int i = 0; i < count; i++) labels[i] = low_size ? originals->labels[i] : i % classes;
+        for (int i = 0; i < count; i++) labels[i] = low_size ? dataset_label(originals, i) : i % classes;
     }
     int64_t per_image = (int64_t)size * size * 3, per_low = (int64_t)low_size * low_size * 3;
     uint8_t *low = low_size ? (uint8_t *)malloc_or_die(count * per_low) : NULL;
     for (int i = 0; i < count && low; i++)
-        downsample_area_pixels(low + i * per_low, originals->pixels + i * originals->layout.image_bytes, size, low_size, 3);
+        downsample_area_pixels(low + i * per_low, dataset_image(originals, i), size, low_size, 3);
     uint8_t *pixels = (uint8_t *)malloc_or_die(count * per_image);
     for (int first = 0; first < count; first += sampler->images) {
         int n = count - first < sampler->images ? count - first : sampler->images;
@@ -7894,7 +7899,7 @@ static void write_samples(Trainer *tr, const Options *o, GpuSampler *sampler, co
             uint8_t *tile = grid_images + 3 * i * per_image;
             enlarge_nearest_pixels(tile, low + i * per_low, low_size, size, 3);
             memcpy(tile + per_image, pixels + i * per_image, per_image);
-            memcpy(tile + 2 * per_image, originals->pixels + i * originals->layout.image_bytes, per_image);
+            memcpy(tile + 2 * per_image, dataset_image(originals, i), per_image);
         }
     }
     char path[4096];
@@ -7979,10 +7984,15 @@ static void fid_evaluation_open(FidEvaluation *fe, const Options *o, const Datas
     float *pool = (float *)malloc_or_die(fe->reference_count * dim * sizeof(float));
     fe->mu = (double *)malloc_or_die(dim * sizeof(double));
     fe->sigma = (double *)malloc_or_die((size_t)dim * dim * sizeof(double));
-    if (unet_inception_features(fe->net, data->pixels, fe->reference_count, data->header.height, data->header.width, data->header.channels,
-                                fe->batch, pool, NULL, NULL, err, sizeof err) != 0 ||
-        unet_feature_statistics(pool, fe->reference_count, dim, fe->mu, fe->sigma, err, sizeof err) != 0)
-        fatal("%s", err);
+    for (int k = 0, done = 0; done < fe->reference_count; k++) {  // the first images, part by part of a dataset in parts
+        const Dataset *part = data->num_parts ? &data->parts[k] : data;
+        int64_t n = (int64_t)part->header.count < fe->reference_count - done ? (int64_t)part->header.count : fe->reference_count - done;
+        if (unet_inception_features(fe->net, part->pixels, n, data->header.height, data->header.width, data->header.channels, fe->batch,
+                                    pool + (int64_t)done * dim, NULL, NULL, err, sizeof err) != 0)
+            fatal("%s", err);
+        done += (int)n;
+    }
+    if (unet_feature_statistics(pool, fe->reference_count, dim, fe->mu, fe->sigma, err, sizeof err) != 0) fatal("%s", err);
     free(pool);
     printf("FID: the reference statistics of %lld training images in %.1f s (Inception-v3 of %s)\n", (long long)fe->reference_count,
            now_seconds() - start, path);
@@ -8523,13 +8533,17 @@ static int run_bench_loader(const Options *o, int batches) {
     char err[512];
     printf("bench_loader: %d batches of %d from %s, each pass from a cold page cache\n", batches, o->batch_size, o->data);
     for (int pass = 0; pass < 2; pass++) {
-        int fd = open(o->data, O_RDONLY | O_CLOEXEC);
-        if (fd < 0) fatal("cannot open %s: %s", o->data, strerror(errno));
-        int dropped = posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED) == 0;
-        close(fd);
         DataLoader loader;
         if (loader_open(&loader, o->data, NULL, o->batch_size, 0, 1, o->random_flip, (uint64_t)o->seed, 0, err, sizeof err) != 0)
             fatal("%s", err);
+        int dropped = 1;
+        for (int k = 0; k < (loader.data.num_parts ? loader.data.num_parts : 1); k++) {  // every file of the dataset
+            const char *path = loader.data.num_parts ? loader.data.part_paths[k] : o->data;
+            int fd = open(path, O_RDONLY | O_CLOEXEC);
+            if (fd < 0) fatal("cannot open %s: %s", path, strerror(errno));
+            dropped &= posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED) == 0;
+            close(fd);
+        }
         loader.read_ahead = pass == 0;
         double start = now_seconds();
         for (int i = 0; i < batches; i++) loader_next_batch(&loader);
@@ -8559,7 +8573,7 @@ __attribute__((weak)) int main(int argc, char **argv) {
     Dataset data = {};
     char err[512];
     if (o.data[0]) {  // the dataset decides the image size and the classes
-        if (dataset_open(o.data, &data, err, sizeof err) != 0) fatal("%s", err);
+        if (dataset_open_parts(o.data, &data, err, sizeof err) != 0) fatal("%s", err);
         check_dataset(&data.header, &o, launched || o.gpus == 1 || o.dry_run);
     }
     ModelConfig model = resolve_run_model(&o);
@@ -8571,7 +8585,7 @@ __attribute__((weak)) int main(int argc, char **argv) {
     TrainConfig train = train_config(&o);
     Dataset val_data = {};
     if (o.val_data[0]) {
-        if (dataset_open(o.val_data, &val_data, err, sizeof err) != 0) fatal("%s", err);
+        if (dataset_open_parts(o.val_data, &val_data, err, sizeof err) != 0) fatal("%s", err);
         check_val_dataset(&val_data.header, &o);
     }
     if (o.bench < 0) usage_error("--bench %d must be positive", o.bench);

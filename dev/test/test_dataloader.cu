@@ -1,14 +1,15 @@
 // test_dataloader.cu: the trainer's data loader on the CPU (train_unet.cu in library mode):
-// shuffling, flips, labels, exact save/restore of the position, damaged files, and files changed
-// after they were checked or while they are read.
+// shuffling, flips, labels, exact save/restore of the position, damaged files, files changed
+// after they were checked or while they are read, and datasets in parts.
 
 #define TRAIN_UNET_LIBRARY
 #include "../../train_unet.cu"
 #include "check.h"
 
 // Writes a dataset file whose image i is filled with a pattern that identifies it: pixel (y, x, c)
-// = (i * 7 + y * 3 + x * 5 + c) mod 251. Labels are i mod num_classes.
-static void write_dataset(const char *path, uint64_t count, uint32_t side, uint32_t num_classes) {
+// = (i * 7 + y * 3 + x * 5 + c) mod 251. Labels are i mod num_classes. With `first`, its images are
+// images first .. first + count - 1 of such a file (a part of one).
+static void write_dataset(const char *path, uint64_t count, uint32_t side, uint32_t num_classes, uint64_t first = 0) {
     DatasetHeader h;
     memset(&h, 0, sizeof h);
     memcpy(h.magic, DATASET_MAGIC, 8);
@@ -24,10 +25,11 @@ static void write_dataset(const char *path, uint64_t count, uint32_t side, uint3
     memcpy(file, &h, sizeof h);
     memcpy(file + layout.names_offset, names, names_bytes);
     for (uint64_t i = 0; i < count; i++) {
-        if (num_classes) ((int32_t *)(file + layout.labels_offset))[i] = (int32_t)(i % num_classes);
+        uint64_t n = first + i;
+        if (num_classes) ((int32_t *)(file + layout.labels_offset))[i] = (int32_t)(n % num_classes);
         for (uint64_t j = 0; j < layout.image_bytes; j++) {
             uint64_t c = j % 3, x = (j / 3) % side, y = j / 3 / side;
-            file[layout.pixels_offset + i * layout.image_bytes + j] = (uint8_t)((i * 7 + y * 3 + x * 5 + c) % 251);
+            file[layout.pixels_offset + i * layout.image_bytes + j] = (uint8_t)((n * 7 + y * 3 + x * 5 + c) % 251);
         }
     }
     FILE *f = fopen(path, "wb");
@@ -276,6 +278,55 @@ static void test_changed(const char *path) {
 // the stream's top bits whatever the sub-stream (an epoch, a parameter, a layer, a step), so two
 // purposes never share a stream. (The data order's stream 1 + 16 * epoch once met the
 // initialisation's 1000 + parameter at epoch 63.)
+// A dataset in parts serves what the whole file serves: the same batches, flips and labels, epoch
+// after epoch, given as a comma list or a list file; parts that disagree are refused in one line.
+static void test_parts(const char *dir) {
+    check_case("parts: a dataset in 3 parts (a.bin,b.bin,c.bin or @list) serves the whole file's batches and labels, 3 epochs");
+    char whole[512], a[512], b[512], c[512], spec[2048], list[512], err[512], mismatched[512];
+    snprintf(whole, sizeof whole, "%s/whole.bin", dir), snprintf(a, sizeof a, "%s/a.bin", dir);
+    snprintf(b, sizeof b, "%s/b.bin", dir), snprintf(c, sizeof c, "%s/c.bin", dir), snprintf(list, sizeof list, "%s/parts.txt", dir);
+    write_dataset(whole, 23, 4, 3), write_dataset(a, 7, 4, 3, 0), write_dataset(b, 1, 4, 3, 7), write_dataset(c, 15, 4, 3, 8);
+    FILE *f = fopen(list, "w");
+    fprintf(f, "# the parts, relative to this list's folder\na.bin\n\nb.bin  \nc.bin\n");
+    fclose(f);
+    snprintf(spec, sizeof spec, "%s,%s,%s", a, b, c);
+    char at_list[520];
+    snprintf(at_list, sizeof at_list, "@%s", list);
+    for (int form = 0; form < 2; form++) {
+        DataLoader one, parts;
+        CHECK(loader_open(&one, whole, NULL, 5, 0, 1, 1, 9, 0, err, sizeof err) == 0);
+        CHECK(loader_open(&parts, form ? at_list : spec, &one.data.header, 5, 0, 1, 1, 9, 0, err, sizeof err) == 0);
+        CHECK(parts.data.num_parts == 3 && parts.data.header.count == 23);
+        int same = 1;
+        for (int batch = 0; batch < 3 * 23 / 5 + 1; batch++) {
+            loader_next_batch(&one), loader_next_batch(&parts);
+            same &= memcmp(one.batch_pixels, parts.batch_pixels, 5 * one.data.layout.image_bytes) == 0;
+            same &= memcmp(one.batch_labels, parts.batch_labels, 5 * sizeof(int32_t)) == 0;
+        }
+        CHECK(same && parts.position.epoch == one.position.epoch && parts.position.next == one.position.next);
+        loader_close(&one), loader_close(&parts);
+    }
+
+    check_case("parts: parts of other sizes or classes, a missing part, an empty name or list: one line each");
+    snprintf(mismatched, sizeof mismatched, "%s/other.bin", dir);
+    write_dataset(mismatched, 4, 4, 2);  // two classes
+    DataLoader l;
+    snprintf(spec, sizeof spec, "%s,%s", a, mismatched);
+    CHECK(loader_open(&l, spec, NULL, 2, 0, 1, 1, 9, 0, err, sizeof err) != 0 && strstr(err, "has other classes than part"));
+    write_dataset(mismatched, 4, 5, 3);  // 5x5
+    CHECK(loader_open(&l, spec, NULL, 2, 0, 1, 1, 9, 0, err, sizeof err) != 0 && strstr(err, "holds 5x5 images"));
+    snprintf(spec, sizeof spec, "%s,%s/none.bin", a, dir);
+    CHECK(loader_open(&l, spec, NULL, 2, 0, 1, 1, 9, 0, err, sizeof err) != 0 && strstr(err, "none.bin"));
+    snprintf(spec, sizeof spec, "%s,,%s", a, b);
+    CHECK(loader_open(&l, spec, NULL, 2, 0, 1, 1, 9, 0, err, sizeof err) != 0 && strstr(err, "empty name"));
+    f = fopen(list, "w");
+    fprintf(f, "# nothing\n\n");
+    fclose(f);
+    CHECK(loader_open(&l, at_list, NULL, 2, 0, 1, 1, 9, 0, err, sizeof err) != 0 && strstr(err, "names no file"));
+    CHECK(!strchr(err, '\n'));
+    unlink(whole), unlink(a), unlink(b), unlink(c), unlink(list), unlink(mismatched);
+}
+
 static void test_random_streams(void) {
     check_case("random streams: no two purposes share a stream, at any epoch, parameter, layer or step");
     const uint64_t subs[] = {0, 1, 9, 63, 1000, 123456789, ((uint64_t)1 << 48) - 1};
@@ -298,5 +349,9 @@ int main(void) {
     test_damaged(path);
     test_changed(path);
     unlink(path);
+    char dir[] = "/tmp/test_dataloader_parts_XXXXXX";
+    if (!mkdtemp(dir)) fatal("cannot make a temporary folder");
+    test_parts(dir);
+    rmdir(dir);
     return check_summary();
 }

@@ -198,7 +198,7 @@ grep -q "skipping" "$T/jobs1.err" || case_fail "no file was skipped: the case do
 expect_exit 2 "$PD" --input "$T/formats" --output "$T/x.bin" --jobs 0
 expect_grep "jobs must be an integer in 1..1024, not '0'" "$LAST_ERR"
 expect_exit 2 "$PD" --synthetic shapes --output "$T/x.bin" --jobs 2
-expect_grep "resize and --jobs apply only to --input" "$LAST_ERR"
+expect_grep "resize, --jobs and --part apply only to --input" "$LAST_ERR"
 
 case_begin "shrinking and enlarging give the requested size"
 expect_ok "$PD" --input "$T/formats" --output "$T/formats32.bin" --size 32 --quiet
@@ -271,6 +271,18 @@ expect_ok "$PD" --input "$T/noisy" --output "$T/noisy.bin" --size 8 --labels
 expect_grep "31 files skipped" "$LAST_OUT"
 cmp -s "$T/clean.bin" "$T/noisy.bin" || case_fail "skipped files changed the dataset"
 
+case_begin "--part K/N: the parts of a folder, in order, are its dataset: the same images and labels, every class in each"
+for k in 0 1 2; do expect_ok "$PD" --input "$T/clean" --output "$T/part$k.bin" --size 8 --labels --part $k/3; done
+check_py "
+whole, parts = read('$T/clean.bin'), [read('$T/part%d.bin' % k) for k in range(3)]
+assert [len(p['images']) for p in parts] == [1, 1, 1], [len(p['images']) for p in parts]
+assert sum((p['images'] for p in parts), []) == whole['images']
+assert sum((p['labels'] for p in parts), []) == whole['labels'] and all(p['names'] == whole['names'] for p in parts)
+"
+expect_fail "$PD" --input "$T/clean" --output "$T/part9.bin" --size 8 --part 0/4
+expect_grep "holds none: choose fewer parts" "$LAST_ERR"
+expect_absent "$T/part9.bin"
+
 case_begin "--labels gd: guided-diffusion's classes, the file name before the first _, numbered in sorted order"
 mkdir -p "$T/named/more"
 python3 -c "
@@ -335,7 +347,7 @@ case_begin "a usage error is one error line pointing to --help, exit status 2"
 for bad in "--size 0" "--size 7" "--size 8193" "--size abc" "--size -8" "--size" "--count 5" "--seed 1" \
            "--synthetic circles" "--synthetic shapes --labels" "--synthetic shapes --count 0" \
            "--synthetic shapes --keep_duplicates" "--labels=1" "--quiet=yes" "--keep_duplicates=1" "stray" \
-           "--output"; do
+           "--output" "--part 3/3" "--part 1" "--part 0/0" "--part a/2" "--synthetic shapes --part 0/2"; do
     # shellcheck disable=SC2086
     expect_exit 2 "$PD" --input "$T/formats" --output "$T/out1/x.bin" $bad
     expect_grep "^prepare_data: error: .* \(see --help\)$" "$LAST_ERR"
