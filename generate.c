@@ -461,6 +461,7 @@ int main(int argc, char **argv) {
     UnetCheckpoint *checkpoint = unet_checkpoint_open(o.checkpoint, o.weights, (const char *const *)o.model_flags, o.num_model_flags,
                                                       &info, err, sizeof err);
     if (!checkpoint) unet_die("%s", err);
+    check_sampler_options(&o, info.diffusion.predict == PREDICT_EDM);
     if (info.model[0]) printf("%s: %s\n", info.file, info.model);
     const char *file = info.file;
     if (o.eval) {
@@ -472,7 +473,6 @@ int main(int argc, char **argv) {
     if (info.classifier_pool[0])
         unet_die("%s is a noisy classifier (classifier_pool %s), not a diffusion model: give it with --classifier", file,
                  info.classifier_pool);
-    check_sampler_options(&o, info.diffusion.predict == PREDICT_EDM);
     if (info.small_size && o.nll) unet_die("%s is an upsampler: --nll of one is not built yet", file);
     if (info.small_size && !o.low_res)
         unet_die("%s is an upsampler (SuperResModel, %dx%d to %dx%d): give the images to upsample with --low_res FILE.bin", file,
