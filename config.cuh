@@ -563,6 +563,12 @@ static DiffusionConfig diffusion_config(const Options *o, const ModelConfig *c) 
     return d;
 }
 
+// EDM's values a run or a checkpoint may hold: sigma_data and p_std positive, p_mean finite, each
+// below 1000 in size.
+static int edm_values_valid(float sigma_data, float p_mean, float p_std) {
+    return sigma_data > 0 && sigma_data < 1e3f && p_std > 0 && p_std < 1e3f && fabsf(p_mean) < 1e3f;
+}
+
 // The diffusion a checkpoint's metadata gives for model c (its DIFFUSION options; guided-diffusion's
 // defaults where it says nothing), each value checked. Returns 0, or -1 with a message naming the file.
 static int diffusion_from_metadata(const SafeTensorsFile *f, const char *path, const ModelConfig *c, DiffusionConfig *d, char *err,
@@ -579,7 +585,7 @@ static int diffusion_from_metadata(const SafeTensorsFile *f, const char *path, c
         return error_line(err, err_len, "%s: metadata predict '%s' is none of eps, v and x0", path, o.predict);
     if (strcmp(o.precond, "ddpm") != 0 && strcmp(o.precond, "edm") != 0)
         return error_line(err, err_len, "%s: metadata precond '%s' is neither ddpm nor edm", path, o.precond);
-    if (!(o.sigma_data > 0 && o.sigma_data < 1e3) || !(o.p_std > 0 && o.p_std < 1e3) || !(fabsf(o.p_mean) < 1e3))
+    if (!edm_values_valid(o.sigma_data, o.p_mean, o.p_std))
         return error_line(err, err_len, "%s: metadata sigma_data %g, p_mean %g, p_std %g are not EDM's kind of values", path,
                           o.sigma_data, o.p_mean, o.p_std);
     if (strcmp(o.schedule_sampler, "uniform") != 0 && strcmp(o.schedule_sampler, "loss-second-moment") != 0)

@@ -227,6 +227,10 @@ static inline void dataset_close(Dataset *ds) {
 
 #define DATASET_MAX_PARTS 4096
 
+// The files of a dataset: one, or its parts; file k.
+static inline int dataset_files(const Dataset *ds) { return ds->num_parts ? ds->num_parts : 1; }
+static inline const Dataset *dataset_file(const Dataset *ds, int k) { return ds->num_parts ? &ds->parts[k] : ds; }
+
 // The part of image i and its index there.
 static inline const Dataset *dataset_part_of(const Dataset *ds, uint64_t i, uint64_t *at) {
     if (!ds->num_parts) return *at = i, ds;

@@ -474,6 +474,13 @@ static inline void edm_call(SampleStep *st, double sigma, double s) {
     st->input_scale = (float)(r / q), st->x0_x = (float)(s * s / (q * q) * r), st->x0_out = (float)(sigma * s / q);
 }
 
+// A step's model call: a discrete-time model's at its timestep (its time the timestep, its input x
+// itself), or an EDM model's (predict PREDICT_EDM) at sigma (edm_call).
+static inline void step_model_call(SampleStep *st, int timestep, double sigma, int predict, double sigma_data) {
+    if (predict == PREDICT_EDM) edm_call(st, sigma, sigma_data);
+    else st->timestep = timestep, st->time = (float)timestep, st->input_scale = 1.0f;
+}
+
 // The plan for a sampler on the steps kept in s (sample_schedule_*): see sample_plan_make; an EDM
 // model's (predict PREDICT_EDM) of sigma_data on Karras levels. Returns 0, or -1 without memory;
 // frees s either way.
@@ -492,8 +499,7 @@ static inline int sample_plan_from_schedule(SamplePlan *p, SampleSchedule *s, Sa
     for (int j = 0; j < s->count; j++) {
         int k = s->count - 1 - j;  // the schedule's index, from the last
         SampleStep *st = &p->steps[j];
-        st->timestep = s->timesteps[k], st->time = (float)st->timestep, st->input_scale = 1.0f;
-        if (predict == PREDICT_EDM) edm_call(st, sqrt((1 - s->abar[k]) / s->abar[k]), sigma_data);
+        step_model_call(st, s->timesteps[k], sqrt((1 - s->abar[k]) / s->abar[k]), predict, sigma_data);
         st->abar = (float)s->abar[k], st->abar_prev = k > 0 ? (float)s->abar[k - 1] : 1.0f;
         st->eta = kind == SAMPLER_DPM_SOLVER_PP ? 0.0f : eta;
         st->noisy = st->eta > 0.0f && k > 0;
@@ -545,8 +551,7 @@ static inline int sample_plan_make(SamplePlan *p, const NoiseSchedule *d, Sample
 // sigma_next's abar, the step's length `step`.
 static inline void heun_call(SampleStep *st, const NoiseSchedule *d, double sigma, double sigma_next, double step, int predict,
                              double sigma_data) {
-    st->timestep = nearest_timestep(d, sigma), st->time = (float)st->timestep, st->input_scale = 1.0f;
-    if (predict == PREDICT_EDM) edm_call(st, sigma, sigma_data);
+    step_model_call(st, predict == PREDICT_EDM ? 0 : nearest_timestep(d, sigma), sigma, predict, sigma_data);
     st->sigma = (float)sigma, st->step = (float)step;
     st->abar = (float)(1 / (1 + sigma * sigma)), st->abar_prev = (float)(1 / (1 + sigma_next * sigma_next));
     st->terms.sqrt_abar = (float)(1 / sqrt(1 + sigma * sigma)), st->terms.sqrt_one_minus_abar = (float)(sigma / sqrt(1 + sigma * sigma));

@@ -6272,8 +6272,8 @@ static struct {
 static void on_dataset_fault(int sig, siginfo_t *info, void *) {
     const uint8_t *at = (const uint8_t *)info->si_addr;
     const Dataset *d = watched_dataset.data;
-    for (int k = 0; d && k < (d->num_parts ? d->num_parts : 1); k++) {
-        const Dataset *file = d->num_parts ? &d->parts[k] : d;
+    for (int k = 0; d && k < dataset_files(d); k++) {
+        const Dataset *file = dataset_file(d, k);
         if (at >= file->map && at < file->map + file->layout.file_bytes) {
             ssize_t written = write(STDERR_FILENO, watched_dataset.message, watched_dataset.length);
             (void)written;  // nothing more can be done about a failed write here
@@ -7582,7 +7582,7 @@ static void validate_training(const Options *o) {
                           : strcmp(o->schedule_sampler, "uniform") != 0 ? "--schedule_sampler (its noise levels are drawn from p_mean, p_std)"
                           : o->super_res ? "--super_res (an upsampler)" : NULL;
         if (why) usage_error("--precond edm does not go with %s", why);
-        if (!(o->sigma_data > 0 && o->sigma_data < 1e3) || !(o->p_std > 0 && o->p_std < 1e3) || !(fabsf(o->p_mean) < 1e3))
+        if (!edm_values_valid(o->sigma_data, o->p_mean, o->p_std))
             usage_error("--sigma_data and --p_std must be positive and --p_mean finite (below 1000 each)");
     }
     if (strcmp(o->schedule_sampler, "uniform") != 0 && strcmp(o->schedule_sampler, "loss-second-moment") != 0)
@@ -7985,7 +7985,7 @@ static void fid_evaluation_open(FidEvaluation *fe, const Options *o, const Datas
     fe->mu = (double *)malloc_or_die(dim * sizeof(double));
     fe->sigma = (double *)malloc_or_die((size_t)dim * dim * sizeof(double));
     for (int k = 0, done = 0; done < fe->reference_count; k++) {  // the first images, part by part of a dataset in parts
-        const Dataset *part = data->num_parts ? &data->parts[k] : data;
+        const Dataset *part = dataset_file(data, k);
         int64_t n = (int64_t)part->header.count < fe->reference_count - done ? (int64_t)part->header.count : fe->reference_count - done;
         if (unet_inception_features(fe->net, part->pixels, n, data->header.height, data->header.width, data->header.channels, fe->batch,
                                     pool + (int64_t)done * dim, NULL, NULL, err, sizeof err) != 0)
@@ -8537,7 +8537,7 @@ static int run_bench_loader(const Options *o, int batches) {
         if (loader_open(&loader, o->data, NULL, o->batch_size, 0, 1, o->random_flip, (uint64_t)o->seed, 0, err, sizeof err) != 0)
             fatal("%s", err);
         int dropped = 1;
-        for (int k = 0; k < (loader.data.num_parts ? loader.data.num_parts : 1); k++) {  // every file of the dataset
+        for (int k = 0; k < dataset_files(&loader.data); k++) {
             const char *path = loader.data.num_parts ? loader.data.part_paths[k] : o->data;
             int fd = open(path, O_RDONLY | O_CLOEXEC);
             if (fd < 0) fatal("cannot open %s: %s", path, strerror(errno));
