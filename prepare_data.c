@@ -42,7 +42,7 @@
 #define MAX_COUNT 1000000000ull  // --count limit for synthetic datasets
 #define MAX_PIXELS (1ull << 26)  // larger input images (more than 8192x8192) are skipped undecoded
 #define MAX_JOBS 1024
-#define BATCH_PER_JOB 16         // images a decoding thread has room for in a batch (see decode_batch)
+#define SLOTS_PER_JOB 16         // images a decoding thread has room for in the ring (see Ring)
 
 static const char usage[] =
     "usage: prepare_data --input DIR --output FILE.bin [--size N] [--resize gd|srgb]\n"
@@ -932,40 +932,57 @@ static uint32_t keep_used_classes(const FileList *list, int32_t *labels, uint64_
     return num_classes;
 }
 
-// A batch of files decoded by --jobs threads: each takes the next file not taken (an atomic
-// counter) and decodes it into the file's slot. The main thread writes the batch in file order
-// afterwards, so the dataset is the same bytes for any --jobs, and memory holds one batch.
+// The files decoded by --jobs threads into a ring of slots while this thread writes them in file
+// order, so the dataset is the same bytes for any --jobs and memory holds the ring. A decoder takes
+// the next file not taken (an atomic counter), waits until its slot's previous file has been written,
+// decodes into the slot and marks it; the writer waits for each file's mark in turn. No thread waits
+// for a batch's slowest image: a decoder is held back only when it runs a whole ring ahead.
 typedef struct {
     const Options *o;
     const FileList *list;
-    uint64_t begin, end;      // the batch: files begin .. end-1
+    uint64_t first, last;     // the files first .. last-1
     atomic_uint_least64_t next;
-    size_t image_bytes;
-    uint8_t *images;          // [BATCH_PER_JOB * jobs][image_bytes]
+    size_t slots, image_bytes;
+    uint8_t *images;          // [slots][image_bytes]: file i in slot (i - first) % slots
+    uint64_t *decoded;        // per slot: 1 + the file it holds once decoded, else 0
+    uint64_t written;         // the files first .. written-1 are written: their slots are free again
     bool *ok;                 // per slot: decoded
     char (*why)[512];         // per slot: why not
-} Batch;
+    pthread_mutex_t lock;
+    pthread_cond_t slot_free, slot_decoded;
+} Ring;
 
 static void *decode_files(void *arg) {
-    Batch *b = (Batch *)arg;
-    for (uint64_t i; (i = atomic_fetch_add(&b->next, 1)) < b->end;) {
-        uint64_t k = i - b->begin;
-        b->ok[k] = load_square(b->list->paths[i], b->o->size, b->o->resize, b->images + k * b->image_bytes, b->why[k], sizeof b->why[k]) == 0;
+    Ring *r = (Ring *)arg;
+    for (uint64_t i; (i = atomic_fetch_add(&r->next, 1)) < r->last;) {
+        size_t k = (i - r->first) % r->slots;
+        pthread_mutex_lock(&r->lock);
+        while (i >= r->written + r->slots) pthread_cond_wait(&r->slot_free, &r->lock);
+        pthread_mutex_unlock(&r->lock);
+        bool ok = load_square(r->list->paths[i], r->o->size, r->o->resize, r->images + k * r->image_bytes, r->why[k], sizeof r->why[k]) == 0;
+        pthread_mutex_lock(&r->lock);
+        r->ok[k] = ok, r->decoded[k] = i + 1;
+        pthread_cond_broadcast(&r->slot_decoded);
+        pthread_mutex_unlock(&r->lock);
     }
     return NULL;
 }
 
-// Decodes files begin .. end-1 on o->jobs threads (this one among them).
-static void decode_batch(Batch *b, uint64_t begin, uint64_t end) {
-    pthread_t threads[MAX_JOBS];
-    b->begin = begin, b->end = end;
-    atomic_store(&b->next, begin);
-    int helpers = b->o->jobs - 1, started = 0;
-    if ((uint64_t)helpers > end - begin) helpers = (int)(end - begin);
-    for (; started < helpers; started++)
-        if (pthread_create(&threads[started], NULL, decode_files, b) != 0) break;  // (fewer threads: the same bytes)
-    decode_files(b);
-    for (int t = 0; t < started; t++) pthread_join(threads[t], NULL);
+// Waits for file i's slot to be decoded; returns the slot.
+static size_t wait_decoded(Ring *r, uint64_t i) {
+    size_t k = (i - r->first) % r->slots;
+    pthread_mutex_lock(&r->lock);
+    while (r->decoded[k] != i + 1) pthread_cond_wait(&r->slot_decoded, &r->lock);
+    pthread_mutex_unlock(&r->lock);
+    return k;
+}
+
+// Frees file i's slot for the file a ring later.
+static void release_slot(Ring *r, uint64_t i) {
+    pthread_mutex_lock(&r->lock);
+    r->written = i + 1;
+    pthread_cond_broadcast(&r->slot_free);
+    pthread_mutex_unlock(&r->lock);
 }
 
 // --labels gd: guided-diffusion's classes (image_datasets.py's load_data with class_cond): a file's
@@ -993,9 +1010,9 @@ static void label_by_names(FileList *list) {
     free(prefix), free(sorted);
 }
 
-// Folder mode. The file list is collected first; the images are then decoded a batch at a time
-// (decode_batch) and written to the temporary file in order, so memory holds one batch, the paths
-// and the labels. output_st: the existing output file, or NULL.
+// Folder mode. The file list is collected first; the images are then decoded on --jobs threads into
+// a ring (Ring) and written to the temporary file in order, so memory holds the ring, the paths and
+// the labels. output_st: the existing output file, or NULL.
 static void prepare_folder(const Options *o, const struct stat *output_st) {
     struct stat st;
     if (stat(o->input, &st) != 0) die("cannot read input folder %s: %s", o->input, strerror(errno));
@@ -1022,29 +1039,37 @@ static void prepare_folder(const Options *o, const struct stat *output_st) {
     Output out;
     output_open(&out, o->output, largest.pixels_offset, largest.image_bytes);
 
-    size_t slots = (size_t)BATCH_PER_JOB * o->jobs;
-    Batch batch = {.o = o, .list = &list, .image_bytes = largest.image_bytes, .images = xmalloc(slots * largest.image_bytes),
-                   .ok = xmalloc(slots * sizeof(bool)), .why = xmalloc(slots * sizeof *batch.why)};
+    Ring ring = {.o = o, .list = &list, .first = first_file, .last = last_file, .slots = (size_t)SLOTS_PER_JOB * o->jobs,
+                 .image_bytes = largest.image_bytes, .written = first_file};
+    atomic_store(&ring.next, first_file);
+    ring.images = xmalloc(ring.slots * ring.image_bytes);
+    ring.decoded = calloc(ring.slots, sizeof(uint64_t)), ring.ok = xmalloc(ring.slots * sizeof(bool));
+    ring.why = xmalloc(ring.slots * sizeof *ring.why);
+    if (!ring.decoded) die("out of memory");
+    pthread_mutex_init(&ring.lock, NULL), pthread_cond_init(&ring.slot_free, NULL), pthread_cond_init(&ring.slot_decoded, NULL);
+    pthread_t threads[MAX_JOBS];
+    int started = 0, error = 0;
+    for (; started < o->jobs && (uint64_t)started < last_file - first_file; started++)
+        if ((error = pthread_create(&threads[started], NULL, decode_files, &ring)) != 0) break;  // (fewer threads: the same bytes)
+    if (started == 0) die("cannot start a decoding thread: %s", strerror(error));
     int32_t *labels = xmalloc(list.count * sizeof(int32_t));
     uint64_t written = 0;
     Duplicates dup = {list.duplicate_files, list.duplicate_folders, 0};
     progress(0, last_file - first_file);  // (the rate's start)
-    for (uint64_t begin = first_file; begin < last_file; begin += slots) {
-        uint64_t end = begin + slots < last_file ? begin + slots : last_file;
-        decode_batch(&batch, begin, end);
-        for (uint64_t i = begin; i < end; i++) {
-            uint64_t k = i - begin;
-            if (batch.ok[k]) {
-                output_image(&out, written, batch.images + k * batch.image_bytes);
-                labels[written++] = list.classes[i];
-                dup.files_kept += list.repeats[i];  // a repeat that cannot be decoded is counted as skipped
-            } else {
-                warn("skipping %s: %s", list.paths[i], batch.why[k]);
-                list.skipped++;
-            }
+    for (uint64_t i = first_file; i < last_file; i++) {
+        size_t k = wait_decoded(&ring, i);
+        if (ring.ok[k]) {
+            output_image(&out, written, ring.images + k * ring.image_bytes);
+            labels[written++] = list.classes[i];
+            dup.files_kept += list.repeats[i];  // a repeat that cannot be decoded is counted as skipped
+        } else {
+            warn("skipping %s: %s", list.paths[i], ring.why[k]);
+            list.skipped++;
         }
-        progress(end - first_file, last_file - first_file);
+        release_slot(&ring, i);
+        progress(i + 1 - first_file, last_file - first_file);
     }
+    for (int t = 0; t < started; t++) pthread_join(threads[t], NULL);
     end_progress_line();
     if (written == 0)
         die("none of the %llu files in %s%s is an image stb_image can read", (unsigned long long)(last_file - first_file), o->input,
@@ -1058,7 +1083,7 @@ static void prepare_folder(const Options *o, const struct stat *output_st) {
     uint64_t bytes = output_finish(&out, &h, names, labels);
     print_summary(&h, o->output, bytes, list.skipped, dup);
 
-    free(names), free(kept), free(labels), free(batch.images), free(batch.ok), free(batch.why);
+    free(names), free(kept), free(labels), free(ring.images), free(ring.decoded), free(ring.ok), free(ring.why);
     for (uint64_t i = 0; i < list.count; i++) free(list.paths[i]);
     for (uint32_t c = 0; c < list.num_classes; c++) free(list.class_names[c]);
     free(list.paths), free(list.classes), free(list.repeats), free(list.class_names), free(list.seen.slots);
