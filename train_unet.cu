@@ -135,13 +135,14 @@ __global__ void channel_sums_partial_kernel(float *partial, const floatX *x, int
     }
 }
 
-// The partial sums added up: a block per 32 channels, its threads (channel, slice of samples); each
-// thread sums its samples' chunks in order, then the slices are added in order. Deterministic. (The
-// samples of a slice are summed one after the other: 32 slices keep that chain short.)
+// The partial sums [N][chunks][ld] added up over the first C channels of each row (ld >= C): a block
+// per 32 channels, its threads (channel, slice of samples); each thread sums its samples' chunks in
+// order, then the slices are added in order. Deterministic. (The samples of a slice are summed one
+// after the other: 32 slices keep that chain short.)
 #define REDUCE_SLICES 32
 
 __global__ void __launch_bounds__(32 * REDUCE_SLICES)
-    channel_sums_final_kernel(float *per_sample, int per_sample_ld, float *total, const float *partial, int N, int chunks, int C) {
+    channel_sums_final_kernel(float *per_sample, int per_sample_ld, float *total, const float *partial, int N, int chunks, int ld, int C) {
     __shared__ float totals[REDUCE_SLICES][32];
     int c = blockIdx.x * 32 + threadIdx.x, slice = threadIdx.y;
     float all = 0.0f;
@@ -151,7 +152,7 @@ __global__ void __launch_bounds__(32 * REDUCE_SLICES)
             for (int k0 = 0; k0 < chunks; k0 += CHUNKS_LEAST)
 #pragma unroll
                 for (int k = k0; k < k0 + CHUNKS_LEAST; k++)  // CHUNKS_LEAST chunks' loads in flight at once
-                    if (k < chunks) s += partial[((int64_t)n * chunks + k) * C + c];
+                    if (k < chunks) s += partial[((int64_t)n * chunks + k) * ld + c];
             if (per_sample) per_sample[(int64_t)n * per_sample_ld + c] += s;
             all += s;
         }
@@ -163,16 +164,17 @@ __global__ void __launch_bounds__(32 * REDUCE_SLICES)
     }
 }
 
-// Partial channel sums [N][chunks][C] that a kernel left beside the tensor it wrote (GroupNorm's
-// backward, of its dx), and the second pass alone over them.
+// Partial channel sums [N][chunks][ld] that a kernel left beside the tensor it wrote (GroupNorm's
+// backward, of its dx: ld its channels, of which a tensor read as a concatenation's first part has the
+// first C), and the second pass alone over them.
 typedef struct {
     const float *partial;
-    int chunks;
+    int chunks, ld;
 } ChannelSumsGiven;
 
-static void channel_sums_total(float *per_sample, int per_sample_ld, float *total, const float *partial, int N, int chunks, int C) {
-    channel_sums_final_kernel<<<(C + 31) / 32, dim3(32, REDUCE_SLICES), 0, gpu.stream>>>(per_sample, per_sample_ld, total, partial,
-                                                                                         N, chunks, C);
+static void channel_sums_total(float *per_sample, int per_sample_ld, float *total, ChannelSumsGiven sums, int N, int C) {
+    channel_sums_final_kernel<<<(C + 31) / 32, dim3(32, REDUCE_SLICES), 0, gpu.stream>>>(per_sample, per_sample_ld, total, sums.partial,
+                                                                                         N, sums.chunks, sums.ld, C);
     cuda_check_launch();
 }
 
@@ -183,7 +185,7 @@ static void channel_sums(const Scratch *s, float *per_sample, int per_sample_ld,
     else
         channel_sums_partial_kernel<Scalar><<<dim3(chunks, N), 256, 0, gpu.stream>>>(s->channel_sums, x, rows_per_sample, C);
     cuda_check_launch();
-    channel_sums_total(per_sample, per_sample_ld, total, s->channel_sums, N, chunks, C);
+    channel_sums_total(per_sample, per_sample_ld, total, {s->channel_sums, chunks, C}, N, C);
 }
 
 // ----------------------------------------------------------------------------------------------
@@ -2559,7 +2561,7 @@ static void conv_backward_params_side(const Conv *cv, const floatX *dy, const fl
     side_begin();
     if (cv->k == 3)
         conv3x3_backward_weight(cv->dw, cv->scratch->weight_grad, dy, cv->out, x, cv->in, N, H, W, cv->in, cv->out, cv->stride);
-    if (dy_sums) channel_sums_total(d_bias_per_sample, per_sample_ld, cv->db, dy_sums->partial, N, dy_sums->chunks, cv->out);
+    if (dy_sums) channel_sums_total(d_bias_per_sample, per_sample_ld, cv->db, *dy_sums, N, cv->out);
     else channel_sums(cv->scratch, d_bias_per_sample, per_sample_ld, cv->db, dy, N, Ho * Wo, cv->out);
     side_end();
 }
@@ -2577,10 +2579,11 @@ static void conv_backward_input(const Conv *cv, floatX *dx, GradMode mode, const
 // dW, db and dx (+)= (when dx is given; the mode says which) from dy. d_bias_per_sample (nullable,
 // [N][ld]) receives the per-sample sums of dy too: the gradient of a per-sample channel offset added to y.
 // The bias gradient and a 3x3 convolution's weight gradient run on the side stream, beside the input
-// gradient (a 1x1 convolution's weight gradient is cuBLAS's: on the main stream).
+// gradient (a 1x1 convolution's weight gradient is cuBLAS's: on the main stream). dy_sums (not NULL):
+// dy's partial channel sums, left by the kernel that wrote dy.
 static void conv_backward(const Conv *cv, floatX *dx, GradMode mode, const floatX *dy, const floatX *x, int N, int H, int W,
-                          float *d_bias_per_sample, int per_sample_ld) {
-    conv_backward_params_side(cv, dy, x, N, H, W, d_bias_per_sample, per_sample_ld, NULL);
+                          float *d_bias_per_sample, int per_sample_ld, const ChannelSumsGiven *dy_sums) {
+    conv_backward_params_side(cv, dy, x, N, H, W, d_bias_per_sample, per_sample_ld, dy_sums);
     if (cv->k == 1) weight_gradient(cv->scratch, cv->dw, cv->in, dy, x, N * H * W, cv->out, cv->in);  // cuBLAS: the main stream
     if (dx) conv_backward_input(cv, dx, mode, dy, N, H, W);
     side_join();
@@ -3210,15 +3213,15 @@ __global__ void __launch_bounds__(32 * REDUCE_SLICES)
 // dx (+)= (the input gradient; the mode says which) + skip (not NULL: a gradient that reached the input
 // around the layer, [N][HW][C] like dy, instead of a pass of its own adding it to dx), d_scale_shift +=
 // (when scale-shift is on, [N][ld] like the input); y (not NULL): y again, as group_norm_forward wrote it
-// (group_norm_recompute's work, done by the first pass, which reads x anyway). dx_sums (not NULL): the
-// partial channel sums of dx as written, left in the scratch's gn_dx_sums (until the next such call).
-static void group_norm_backward(const Norm *norm, floatX *dx, GradMode mode, const floatX *skip, ChannelSumsGiven *dx_sums,
-                                float *d_scale_shift, const floatX *dy, const floatX *x, floatX *y, const float *mean, const float *rstd,
-                                int N, int HW, NormOptions o) {
+// (group_norm_recompute's work, done by the first pass, which reads x anyway). dx_sums (not NULL,
+// [N][gn_chunks][C]): receives the partial channel sums of dx as written (gn_dx_sums_given says how
+// to read them).
+static void group_norm_backward(const Norm *norm, floatX *dx, GradMode mode, const floatX *skip, float *dx_sums, float *d_scale_shift,
+                                const floatX *dy, const floatX *x, floatX *y, const float *mean, const float *rstd, int N, int HW,
+                                NormOptions o) {
     int C = norm->channels, chunks = gn_chunks(HW, C, N);
     double *partials = norm->scratch->gn_partials;
-    if ((skip || dx_sums) && o.x2) fatal("internal error: GroupNorm's backward adds a skip or sums dx only for an input of one part");
-    if (dx_sums) *dx_sums = {norm->scratch->gn_dx_sums, chunks};
+    if (skip && o.x2) fatal("internal error: GroupNorm's backward adds a skip only to an input of one part");
     static bool input_configured;  // four rings are 64 KB in the BF16 build: beyond the default limit with the static part
     allow_dynamic_smem(group_norm_backward_input_kernel, &input_configured, gn_backward_smem(4));
     group_norm_backward_sums_kernel<<<dim3(chunks, N), GN_THREADS, gn_backward_smem(2), gpu.stream>>>(
@@ -3233,11 +3236,14 @@ static void group_norm_backward(const Norm *norm, floatX *dx, GradMode mode, con
         if (beside) side_end();
     }
     group_norm_backward_input_kernel<<<dim3(chunks, N), GN_THREADS, gn_backward_smem(2 + (mode == GRAD_ADD) + (skip != NULL)),
-                                       gpu.stream>>>(dx, mode, skip, dx_sums ? norm->scratch->gn_dx_sums : NULL, dy, x, partials, mean, rstd,
+                                       gpu.stream>>>(dx, mode, skip, dx_sums, dy, x, partials, mean, rstd,
                                                      norm->gamma, norm->beta, o, HW, C);
     cuda_check_launch();
     side_join();
 }
+
+// The partial channel sums group_norm_backward left in dx_sums for an input of N x HW x C.
+static ChannelSumsGiven gn_dx_sums_given(const float *dx_sums, int N, int HW, int C) { return {dx_sums, gn_chunks(HW, C, N), C}; }
 
 // ----------------------------------------------------------------------------------------------
 // Attention core (guided-diffusion's QKVAttention and QKVAttentionLegacy) over T = H*W tokens:
@@ -4586,7 +4592,10 @@ __global__ void likelihood_add_kernel(double *bits, const float *partial, int ba
 
 // An activation and its gradient, NHWC. Where a GroupNorm reads x (plan_gathered_sums), x's producer
 // gathers x's channel sums for it as it stores x, into `sums`, and says in sum_slots, at every
-// forward, how many slots a sample they have (0: none; conv_forward_act).
+// forward, how many slots a sample they have (0: none; conv_forward_act). In backward the same
+// GroupNorm, the last to write dx, leaves dx's partial channel sums in dx_sums for the bias gradient
+// of x's producer (plan_gradient_sums; act_dx_sums reads them): for the GroupNorm's whole input,
+// which x is the first dx_sums_ld - C channels short of when it is a concatenation's first part.
 typedef struct Act {
     floatX *x, *dx;
     int N, H, W, C;
@@ -4594,6 +4603,8 @@ typedef struct Act {
     int64_t sums_numel;
     int sum_slots;
     struct Act *upsampled_from;  // x is this one's nearest 2x upsampling: its sums stand for x's
+    float *dx_sums;              // [N][dx_sum_chunks][dx_sums_ld]; NULL: the bias gradient takes a pass of its own
+    int dx_sum_chunks, dx_sums_ld;
 } Act;
 
 static int64_t act_numel(const Act *a) { return (int64_t)a->N * a->H * a->W * a->C; }
@@ -4611,6 +4622,13 @@ static GatheredSums act_sums(const Act *a) {
 }
 
 static const GatheredSums NO_SUMS = {NULL, 0, 1};
+
+// The channel sums of a->dx that its last writer left (in `given`), or NULL.
+static const ChannelSumsGiven *act_dx_sums(const Act *a, ChannelSumsGiven *given) {
+    if (!a->dx_sums) return NULL;
+    *given = {a->dx_sums, a->dx_sum_chunks, a->dx_sums_ld};
+    return given;
+}
 
 // What the ResBlocks read besides their input: every block's timestep projection side by side
 // (one matrix product computes them all, one their gradients), and dropout's seed for the step.
@@ -4634,7 +4652,8 @@ static void conv_block_forward(ConvBlock *b, const Act *in, Act *out) {
 
 // input_gradient 0: no in->dx (the model's input, whose gradient training never reads).
 static void conv_block_backward(ConvBlock *b, const Act *in, const Act *out, GradMode in_grad, int input_gradient) {
-    conv_backward(&b->conv, input_gradient ? in->dx : NULL, in_grad, out->dx, in->x, in->N, in->H, in->W, NULL, 0);
+    ChannelSumsGiven given;
+    conv_backward(&b->conv, input_gradient ? in->dx : NULL, in_grad, out->dx, in->x, in->N, in->H, in->W, NULL, 0, act_dx_sums(out, &given));
 }
 
 // A 1x1 convolution of a concatenation [a | b] read in place (a.C + b.C = cv->in): with Wa, Wb the
@@ -4781,10 +4800,11 @@ static void res_block_backward(ResBlock *r, const BlockEmbedding *e, const Act *
     // backward.
     float *d_emb = e->d_out ? e->d_out + r->emb_offset : NULL;  // (none without parameter gradients)
     // It also leaves the channel sums of h1.dx for conv1's bias gradient.
-    ChannelSumsGiven h1_sums;
-    group_norm_backward(&r->norm2, r->h1.dx, GRAD_WRITE, NULL, r->conv1.dw ? &h1_sums : NULL, d_emb, r->h2.dx, r->h1.x, r->h2.x,
-                        r->mean2, r->rstd2, N, Ho * Wo, res_block_norm2(r, e, training));
-    conv_backward_params_side(&r->conv2, out->dx, r->h2.x, N, Ho, Wo, NULL, 0, NULL);
+    float *h1_sums = r->conv1.dw ? r->norm2.scratch->gn_dx_sums : NULL;
+    group_norm_backward(&r->norm2, r->h1.dx, GRAD_WRITE, NULL, h1_sums, d_emb, r->h2.dx, r->h1.x, r->h2.x, r->mean2, r->rstd2, N, Ho * Wo,
+                        res_block_norm2(r, e, training));
+    ChannelSumsGiven out_given, h1_given = gn_dx_sums_given(h1_sums, N, Ho * Wo, r->conv1.out);
+    conv_backward_params_side(&r->conv2, out->dx, r->h2.x, N, Ho, Wo, NULL, 0, act_dx_sums(out, &out_given));
     if (r->has_skip_conv && r->conv3.db) {
         side_begin();
         cuda_check(cudaMemcpyAsync(r->conv3.db, r->conv2.db, r->conv2.out * sizeof(float), cudaMemcpyDeviceToDevice, gpu.stream));
@@ -4796,15 +4816,15 @@ static void res_block_backward(ResBlock *r, const BlockEmbedding *e, const Act *
     NormOptions o1 = res_block_norm1(r);
     // conv1's parameter gradients (side stream) run beside its input gradient and on beside GroupNorm
     // 1's backward, whose end joins them: nothing until then writes what they read (h1.dx, h).
-    conv_backward_params_side(&r->conv1, r->h1.dx, h, N, Ho, Wo, d_add, e->total, &h1_sums);
+    conv_backward_params_side(&r->conv1, r->h1.dx, h, N, Ho, Wo, d_add, e->total, &h1_given);
     conv_backward_input(&r->conv1, dh, GRAD_WRITE, r->h1.dx, N, Ho, Wo);
     if (r->resample) {
         resample_backward(r->resample > 0, r->h0.dx, GRAD_WRITE, r->h0r.dx, N, H, W, in->C);
         resample_backward(r->resample > 0, in->dx, in_grad, identity ? out->dx : r->xr.dx, N, H, W, in->C);
     }
     const bool skip_here = identity && !r->resample;  // (else dx already holds the skip's gradient)
-    group_norm_backward(&r->norm1, dx, skip_here ? in_grad : GRAD_ADD, skip_here ? out->dx : NULL, NULL, NULL, r->h0.dx, x, NULL,
-                        r->mean1, r->rstd1, N, H * W, o1);
+    group_norm_backward(&r->norm1, dx, skip_here ? in_grad : GRAD_ADD, skip_here ? out->dx : NULL, r->cat_a ? r->cat_a->dx_sums : in->dx_sums,
+                        NULL, r->h0.dx, x, NULL, r->mean1, r->rstd1, N, H * W, o1);
 }
 
 // guided-diffusion's AttentionBlock: h0 = GroupNorm(x), h1 = qkv(h0) (1x1 conv1d to 3C),
@@ -4835,11 +4855,12 @@ static void attention_block_recompute(AttentionBlock *a, const Act *in) {
 
 static void attention_block_backward(AttentionBlock *a, const Act *in, const Act *out, GradMode in_grad) {
     int N = in->N, H = in->H, W = in->W;
-    conv_backward(&a->proj, a->h2.dx, GRAD_WRITE, out->dx, a->h2.x, N, H, W, NULL, 0);
+    ChannelSumsGiven given;
+    conv_backward(&a->proj, a->h2.dx, GRAD_WRITE, out->dx, a->h2.x, N, H, W, NULL, 0, act_dx_sums(out, &given));
     attention_backward(&a->attention);
     group_norm_recompute(&a->norm, a->h0.x, a->mean, a->rstd, in->x, N, H * W, NORM_PLAIN);
-    conv_backward(&a->qkv, a->h0.dx, GRAD_WRITE, a->h1.dx, a->h0.x, N, H, W, NULL, 0);
-    group_norm_backward(&a->norm, in->dx, in_grad, out->dx, NULL, NULL, a->h0.dx, in->x, NULL, a->mean, a->rstd, N, H * W,
+    conv_backward(&a->qkv, a->h0.dx, GRAD_WRITE, a->h1.dx, a->h0.x, N, H, W, NULL, 0, NULL);
+    group_norm_backward(&a->norm, in->dx, in_grad, out->dx, in->dx_sums, NULL, a->h0.dx, in->x, NULL, a->mean, a->rstd, N, H * W,
                         NORM_PLAIN);
 }
 
@@ -4855,7 +4876,8 @@ static void downsample_forward(Downsample *d, const Act *in, Act *out) {
 }
 
 static void downsample_backward(Downsample *d, const Act *in, const Act *out, GradMode in_grad) {
-    if (d->has_conv) conv_backward(&d->conv, in->dx, in_grad, out->dx, in->x, in->N, in->H, in->W, NULL, 0);
+    ChannelSumsGiven given;
+    if (d->has_conv) conv_backward(&d->conv, in->dx, in_grad, out->dx, in->x, in->N, in->H, in->W, NULL, 0, act_dx_sums(out, &given));
     else resample_backward(0, in->dx, in_grad, out->dx, in->N, in->H, in->W, in->C);
 }
 
@@ -4875,7 +4897,8 @@ static void upsample_forward(Upsample *u, const Act *in, Act *out) {
 static void upsample_backward(Upsample *u, const Act *in, const Act *out, GradMode in_grad) {
     if (u->has_conv) {
         resample_forward(1, u->up.x, in->x, in->N, in->H, in->W, in->C);
-        conv_backward(&u->conv, u->up.dx, GRAD_WRITE, out->dx, u->up.x, in->N, 2 * in->H, 2 * in->W, NULL, 0);
+        ChannelSumsGiven given;
+        conv_backward(&u->conv, u->up.dx, GRAD_WRITE, out->dx, u->up.x, in->N, 2 * in->H, 2 * in->W, NULL, 0, act_dx_sums(out, &given));
     }
     resample_backward(1, in->dx, in_grad, u->has_conv ? u->up.dx : out->dx, in->N, in->H, in->W, in->C);
 }
@@ -4898,8 +4921,8 @@ static void output_head_forward(OutputHead *o, const Act *in, Act *out) {
 static void output_head_backward(OutputHead *o, const Act *in, const Act *out, GradMode in_grad) {
     int N = in->N, H = in->H, W = in->W;
     group_norm_recompute(&o->norm, o->h0.x, o->mean, o->rstd, in->x, N, H * W, NORM_SILU);
-    conv_backward(&o->conv, o->h0.dx, GRAD_WRITE, out->dx, o->h0.x, N, H, W, NULL, 0);
-    group_norm_backward(&o->norm, in->dx, in_grad, NULL, NULL, NULL, o->h0.dx, in->x, NULL, o->mean, o->rstd, N, H * W, NORM_SILU);
+    conv_backward(&o->conv, o->h0.dx, GRAD_WRITE, out->dx, o->h0.x, N, H, W, NULL, 0, NULL);
+    group_norm_backward(&o->norm, in->dx, in_grad, NULL, in->dx_sums, NULL, o->h0.dx, in->x, NULL, o->mean, o->rstd, N, H * W, NORM_SILU);
 }
 
 // The classifier's head (walk_pool_head): h0 = SiLU(GroupNorm(x)), then
@@ -4959,7 +4982,7 @@ static void pool_head_forward(PoolHead *h, const Act *in, Act *out) {
 static void pool_head_backward(PoolHead *h, const Act *in, const Act *out, GradMode in_grad) {
     int N = in->N, HW = in->H * in->W, C = in->C, T = h->tokens.W;
     if (h->pool == POOL_SPATIAL || h->pool == POOL_SPATIAL_V2) {
-        conv_backward(&h->proj, h->hidden_act.dx, GRAD_WRITE, out->dx, h->hidden_act.x, N, 1, 1, NULL, 0);
+        conv_backward(&h->proj, h->hidden_act.dx, GRAD_WRITE, out->dx, h->hidden_act.x, N, 1, 1, NULL, 0, NULL);
         if (h->pool == POOL_SPATIAL_V2)
             group_norm_backward(&h->norm, h->hidden.dx, GRAD_WRITE, NULL, NULL, NULL, h->hidden_act.dx, h->hidden.x, NULL, h->mean,
                                 h->rstd, N, 1, NORM_SILU);
@@ -4968,18 +4991,18 @@ static void pool_head_backward(PoolHead *h, const Act *in, const Act *out, GradM
                                                                                                   act_numel(&h->hidden));
             cuda_check_launch();
         }
-        conv_backward(&h->linear, h->features.dx, GRAD_WRITE, h->hidden.dx, h->features.x, N, 1, 1, NULL, 0);
+        conv_backward(&h->linear, h->features.dx, GRAD_WRITE, h->hidden.dx, h->features.x, N, 1, 1, NULL, 0, NULL);
         pool_tokens_backward(in->dx, in_grad, NULL, h->features.dx + h->features.C - C, h->features.C, N, HW, C, 1);
         return;
     }
-    if (h->pool == POOL_ADAPTIVE) conv_backward(&h->proj, h->tokens.dx, GRAD_WRITE, out->dx, h->tokens.x, N, 1, 1, NULL, 0);
+    if (h->pool == POOL_ADAPTIVE) conv_backward(&h->proj, h->tokens.dx, GRAD_WRITE, out->dx, h->tokens.x, N, 1, 1, NULL, 0, NULL);
     else {
-        conv_backward(&h->proj, h->token0.dx, GRAD_WRITE, out->dx, h->token0.x, N, 1, 1, NULL, 0);
+        conv_backward(&h->proj, h->token0.dx, GRAD_WRITE, out->dx, h->token0.x, N, 1, 1, NULL, 0, NULL);
         size_t row = C * sizeof(floatX);  // only token 0 has a gradient
         cuda_check(cudaMemsetAsync(h->attended.dx, 0, (size_t)N * T * row, gpu.stream));
         cuda_check(cudaMemcpy2DAsync(h->attended.dx, T * row, h->token0.dx, row, row, N, cudaMemcpyDeviceToDevice, gpu.stream));
         attention_backward(&h->attention);
-        conv_backward(&h->qkv, h->tokens.dx, GRAD_WRITE, h->qkv_out.dx, h->tokens.x, N, 1, T, NULL, 0);
+        conv_backward(&h->qkv, h->tokens.dx, GRAD_WRITE, h->qkv_out.dx, h->tokens.x, N, 1, T, NULL, 0, NULL);
     }
     pool_tokens_backward(h->h0.dx, GRAD_WRITE, h->d_positions, h->tokens.dx, C, N, HW, C, T);
     group_norm_backward(&h->norm, in->dx, in_grad, NULL, NULL, NULL, h->h0.dx, in->x, NULL, h->mean, h->rstd, N, HW, NORM_SILU);
@@ -5628,6 +5651,43 @@ static void plan_gathered_sums(UNet *m) {
     }
 }
 
+// Which blocks' output gradients come with their channel sums, for the bias gradient of the layer
+// that wrote the output (Act.dx_sums): where the next block begins with a GroupNorm of that output (a
+// ResBlock, an AttentionBlock, the output head; or a ResBlock reading it in place as a concatenation's
+// first part), that GroupNorm's backward writes the gradient last (every other reader comes later in
+// the model, so earlier in backward) and sums it as it writes, in place of a pass over it. The
+// producer: a ResBlock's conv2 (its skip convolution's bias gradient is conv2's), an AttentionBlock's
+// proj_out, the first convolution, a resampling convolution. Not a spatial pool's source (the pool
+// adds its gradient after the next block's, pool_head_source_backward). Each output's sums have a
+// buffer of their own among the activations: the producer's bias gradient reads them on the side
+// stream while the GroupNorm of the block before may already write its own.
+static bool spatial_pool_source(const UNet *m, int block) {
+    const Block *last = &m->blocks[m->num_blocks - 1];
+    for (int s = 0; last->kind == BLOCK_POOL && s + 1 < last->pool.num_sources; s++)
+        if (last->pool.source_blocks[s] == block) return true;
+    return false;
+}
+
+static void plan_gradient_sums(UNet *m) {
+    if (!m->parameter_gradients) return;
+    for (int i = 0; i + 1 < m->num_blocks; i++) {
+        Block *b = &m->blocks[i];
+        if (spatial_pool_source(m, i)) continue;
+        const Block *next = &m->blocks[i + 1], *after = i + 2 < m->num_blocks ? &m->blocks[i + 2] : NULL;
+        const bool biased = b->kind == BLOCK_RES || b->kind == BLOCK_ATTENTION || b->kind == BLOCK_CONV ||
+                            (b->kind == BLOCK_DOWN && b->down.has_conv) || (b->kind == BLOCK_UP && b->up.has_conv);
+        int channels = 0;  // the GroupNorm's input's
+        if (next->in == &b->out && (next->kind == BLOCK_ATTENTION || next->kind == BLOCK_OUT || (next->kind == BLOCK_RES && !next->res.cat_a)))
+            channels = b->out.C;
+        if (next->kind == BLOCK_CONCAT && next->concat.in_place && after && after->kind == BLOCK_RES && after->res.cat_a == &b->out)
+            channels = next->out.C;
+        Act *a = &b->out;
+        if (!biased || !channels) continue;
+        a->dx_sum_chunks = gn_chunks(a->H * a->W, channels, a->N), a->dx_sums_ld = channels;
+        a->dx_sums = (float *)arena_take(&m->acts, (int64_t)a->N * a->dx_sum_chunks * channels * sizeof(float));
+    }
+}
+
 // Whether a block after block i (in the model's order; before it in backward's) delivers a's gradient.
 static int gradient_delivered_after(const UNet *m, int i, const Act *a) {
     for (int j = i + 1; j < m->num_blocks; j++) {
@@ -5772,6 +5832,7 @@ static void unet_lay_out(UNet *m) {
     s->scores = (float *)arena_take(&m->scratch_region, m->scores_numel * sizeof(float));
     if (training) s->d_scores = (floatX *)arena_take(&m->scratch_region, m->scores_numel * sizeof(floatX));
     plan_gathered_sums(m);
+    plan_gradient_sums(m);
 }
 
 // unet_plan's and unet_create's `training`: 0 forward only, 1 training, TRAINING_RECOMPUTE training
@@ -5981,17 +6042,17 @@ static void unet_backward(UNet *m, int training, void (*after_block)(void *ctx, 
     // The timestep projections of all ResBlocks at once, then the embedding MLP.
     float_to_floatx_kernel<<<blocks_for((int64_t)N * E, 256), 256, 0, gpu.stream>>>(m->d_emb_out_x, m->embedding.d_out, (int64_t)N * E);
     cuda_check_launch();
-    conv_backward(&m->emb_all, m->emb_silu.dx, GRAD_WRITE, m->d_emb_out_x, m->emb_silu.x, N, 1, 1, NULL, 0);
+    conv_backward(&m->emb_all, m->emb_silu.dx, GRAD_WRITE, m->d_emb_out_x, m->emb_silu.x, N, 1, 1, NULL, 0, NULL);
     silu_backward_kernel<<<blocks_for(N * D, 256), 256, 0, gpu.stream>>>(m->emb.dx, m->emb_silu.dx, m->emb.x, N * D);
     cuda_check_launch();
     if (c->num_classes) {
         label_embedding_backward_kernel<<<(D + 127) / 128, 128, 0, gpu.stream>>>(m->d_label_table, m->emb.dx, m->labels, N, c->num_classes, D);
         cuda_check_launch();
     }
-    conv_backward(&m->time_embed2, m->t_hidden_silu.dx, GRAD_WRITE, m->emb.dx, m->t_hidden_silu.x, N, 1, 1, NULL, 0);
+    conv_backward(&m->time_embed2, m->t_hidden_silu.dx, GRAD_WRITE, m->emb.dx, m->t_hidden_silu.x, N, 1, 1, NULL, 0, NULL);
     silu_backward_kernel<<<blocks_for(N * D, 256), 256, 0, gpu.stream>>>(m->t_hidden.dx, m->t_hidden_silu.dx, m->t_hidden.x, N * D);
     cuda_check_launch();
-    conv_backward(&m->time_embed0, NULL, GRAD_ADD, m->t_hidden.dx, m->t_sinusoid.x, N, 1, 1, NULL, 0);
+    conv_backward(&m->time_embed0, NULL, GRAD_ADD, m->t_hidden.dx, m->t_sinusoid.x, N, 1, 1, NULL, 0, NULL);
 }
 
 // Copies parameters given in PyTorch layout (host, fp32, checkpoint order) to the GPU.
@@ -6172,7 +6233,7 @@ static void print_profile(UNet *m) {
         cuda_check(cudaEventRecord(a, gpu.stream));
         switch (part) {
         case 0: conv_forward(&l->conv2, out->x, l->h2.x, N, H, W, NULL); break;
-        case 1: conv_backward(&l->conv2, l->h2.dx, GRAD_WRITE, out->dx, l->h2.x, N, H, W, NULL, 0); break;
+        case 1: conv_backward(&l->conv2, l->h2.dx, GRAD_WRITE, out->dx, l->h2.x, N, H, W, NULL, 0, NULL); break;
         case 2: conv3x3_backward_weight(l->conv2.dw, s->weight_grad, out->dx, C, l->h2.x, C, N, H, W, C, C, 1); break;
         case 3: channel_sums(s, NULL, 0, l->conv2.db, out->dx, N, H * W, l->conv2.out); break;
         case 4:
@@ -6180,12 +6241,10 @@ static void print_profile(UNet *m) {
                                    s->conv_split_numel);
             break;
         case 5: group_norm_forward(&l->norm2, l->h2.x, l->mean2, l->rstd2, l->h1.x, N, H * W, o, NO_SUMS, NO_SUMS); break;
-        case 6: {  // as res_block_backward runs it: recomputing h2 and leaving h1.dx's sums too
-            ChannelSumsGiven h1_sums;
-            group_norm_backward(&l->norm2, l->h1.dx, GRAD_WRITE, NULL, l->conv1.dw ? &h1_sums : NULL, m->embedding.d_out + l->emb_offset,
+        case 6:  // as res_block_backward runs it: recomputing h2 and leaving h1.dx's sums too
+            group_norm_backward(&l->norm2, l->h1.dx, GRAD_WRITE, NULL, l->conv1.dw ? s->gn_dx_sums : NULL, m->embedding.d_out + l->emb_offset,
                                 l->h2.dx, l->h1.x, l->h2.x, l->mean2, l->rstd2, N, H * W, o);
             break;
-        }
         }
         cuda_check(cudaEventRecord(b, gpu.stream));
         cuda_check(cudaEventSynchronize(b));

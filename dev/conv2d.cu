@@ -105,7 +105,7 @@ static void conv_run_forward(void *p) {
 
 static void conv_run_backward(void *p) {
     ConvRun *r = (ConvRun *)p;
-    conv_backward(&r->cv, r->dx, r->dx_mode, r->dy, r->x, r->N, r->H, r->W, r->d_per_sample, r->ld);
+    conv_backward(&r->cv, r->dx, r->dx_mode, r->dy, r->x, r->N, r->H, r->W, r->d_per_sample, r->ld, NULL);
 }
 
 // The scratch a model's plan gives this convolution: the weight gradient's slices, the bias

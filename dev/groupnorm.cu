@@ -114,7 +114,7 @@ typedef struct {
     NormOptions o;
     floatX *y, *x, *dx, *dy;
     floatX *skip;     // a gradient added to dx beside the input gradient, or NULL
-    ChannelSumsGiven dx_sums, *want_dx_sums;  // where group_norm_backward leaves dx's channel sums (or NULL)
+    float *dx_sums;   // where group_norm_backward leaves dx's partial channel sums, or NULL
     floatX *y_again;  // backward's recomputation of y, or NULL
     float *mean, *rstd, *d_scale_shift;
     GradMode dx_mode;
@@ -150,7 +150,7 @@ static GatheredSums given_sums(const double *x, int N, int H, int W, int C, int 
 
 static void norm_run_backward(void *p) {
     NormRun *r = (NormRun *)p;
-    group_norm_backward(&r->norm, r->dx, r->dx_mode, r->skip, r->want_dx_sums, r->d_scale_shift, r->dy, r->x, r->y_again, r->mean,
+    group_norm_backward(&r->norm, r->dx, r->dx_mode, r->skip, r->dx_sums, r->d_scale_shift, r->dy, r->x, r->y_again, r->mean,
                         r->rstd, r->N, r->HW, r->o);
 }
 
@@ -222,7 +222,7 @@ static void check_norm(int N, int H, int W, int C, int silu, int mode, float dro
     r.dx = mode & GN_WRITE ? (floatX *)dev_gpu_poisoned(n * sizeof(floatX)) : dev_upload_x(dx_before, n);
     r.dx_mode = mode & GN_WRITE ? GRAD_WRITE : GRAD_ADD;
     r.skip = mode & GN_SKIP ? dev_upload_x(skip, n) : NULL;
-    r.want_dx_sums = mode & GN_DX_SUMS ? &r.dx_sums : NULL;
+    r.dx_sums = mode & GN_DX_SUMS ? (float *)dev_gpu_poisoned((size_t)gn_slots(N) * C * sizeof(float)) : NULL;
     r.y = (floatX *)dev_gpu_poisoned(n * sizeof(floatX));
     r.mean = (float *)dev_gpu_poisoned((size_t)N * GN_GROUPS * sizeof(float));
     r.rstd = (float *)dev_gpu_poisoned((size_t)N * GN_GROUPS * sizeof(float));
@@ -266,7 +266,8 @@ static void check_norm(int N, int H, int W, int C, int silu, int mode, float dro
         double *written = dev_download_x(r.dx, n), *sums = dev_alloc(C);
         for (size_t i = 0; i < n; i++) sums[i % C] += written[i];
         float *total = (float *)dev_gpu_poisoned(C * sizeof(float));
-        channel_sums_total(NULL, 0, total, r.dx_sums.partial, N, r.dx_sums.chunks, C);
+        ChannelSumsGiven given = gn_dx_sums_given(r.dx_sums, N, HW, C);
+        channel_sums_total(NULL, 0, total, given, N, C);
         dx_sums_err = dev_check_f(total, NULL, sums, C);
         dev_gpu_free(total, NULL);
         free(written), free(sums);
@@ -302,6 +303,7 @@ static void check_norm(int N, int H, int W, int C, int silu, int mode, float dro
     dev_gpu_free(r.norm.gamma, r.norm.beta, r.norm.dgamma, r.norm.dbeta, ss_gpu, add_gpu, dadd_gpu, r.x, r.dy, r.dx, r.y,
                  r.mean, r.rstd, r.d_scale_shift, seed_gpu, NULL);
     if (r.skip) dev_gpu_free(r.skip, NULL);
+    if (r.dx_sums) dev_gpu_free(r.dx_sums, NULL);
     cuda_check(cudaFree((void *)r.part_a.sums)), cuda_check(cudaFree((void *)r.part_b.sums));  // (NULL: nothing)
     free(x), free(gamma), free(beta), free(dy), free(ss), free(add), free(xin), free(ss2), free(keep), free(dy_keep);
     free(y), free(dx), free(dgamma), free(dbeta), free(dss2), free(dss), free(dadd), free(dx_before), free(dss_before);
@@ -377,6 +379,11 @@ int main(void) {
     check_norm(3, 16, 16, 96, 1, GN_SCALE_SHIFT | GN_WRITE | GN_DX_SUMS, 0.1f);
     check_norm(2, 1, 1, 768, 1, GN_SCALE_SHIFT | GN_WRITE | GN_DX_SUMS, 0);  // idle threads
     check_norm(40, 64, 64, 64, 1, GN_WRITE | GN_DX_SUMS, 0);
+    // a block's input gradient as the last to write it, with its sums (the bias gradient of the block
+    // before): the residual's gradient added, written or added to; a decoder's concatenation added to
+    check_norm(3, 13, 13, 160, 1, GN_SKIP | GN_WRITE | GN_DX_SUMS, 0);
+    check_norm(2, 9, 9, 96, 0, GN_SKIP | GN_DX_SUMS, 0);
+    check_norm(3, 8, 8, 192, 1, GN_CONCAT | GN_DX_SUMS, 0);
     time_norm("in_layers", 32, 64, 64, 64, 1, 0);
     time_norm("out_layers scale-shift", 32, 64, 64, 64, 1, 1);
     time_norm("out_layers scale-shift", 32, 8, 8, 512, 1, 1);

@@ -51,7 +51,7 @@ static void linear_run_forward(void *p) {
 
 static void linear_run_backward(void *p) {
     LinearRun *r = (LinearRun *)p;
-    conv_backward(&r->cv, r->dx, GRAD_ADD, r->dy, r->x, r->N, 1, 1, NULL, 0);
+    conv_backward(&r->cv, r->dx, GRAD_ADD, r->dy, r->x, r->N, 1, 1, NULL, 0, NULL);
 }
 
 // out [N][E] fp32 = x [N][D] W^T ([E][D]) + b, as unet_forward computes the emb_layers outputs.

@@ -19,10 +19,14 @@ idx files (Debian's dataset-fashion-mnist: /usr/share/datasets/fashion-mnist). S
    table: the eps model by DDPM (1000 steps), DDIM-50, DPM-Solver++(2M) on 10, 20 and 50 Karras
    levels and Heun on 18 levels (35 calls), and three of them with x0's clipping the other way
    (guided-diffusion's samplers clip x0 to [-1, 1] at every step, k-diffusion's do not:
-   --clip_denoised); the EDM model by Heun on 18 levels and DPM-Solver++(2M)
-   on 10, 20 and 50; and --num real training images as the floor (the distance of real images).
+   --clip_denoised), DDPM respaced to 50 and 25 steps and Euler ancestral on 50 Karras levels
+   (x0 clipped); the EDM model by Heun on 18 levels, DPM-Solver++(2M) on 10, 20 and 50, Euler
+   ancestral on 50 and on 1000 levels; and --num real training images as the floor (the distance
+   of real images).
 
-Prints one row per sampler: model calls, the distance, and its ratio to the eps model's DDPM-1000.
+Prints one row per sampler: model calls, the distance, and its ratio to the eps model's DDPM-1000
+(the EDM model's 1000-step ancestral sampler, Euler ancestral on 1000 Karras levels, is its own
+DDPM-1000).
 """
 
 import argparse
@@ -176,6 +180,14 @@ def main():
             samplers.append((model, "DPM-Solver++(2M) Karras 20, x0 clipped", ["--sampler", "dpm++", "--schedule", "karras", "--steps",
                                                                                   "20", "--clip_denoised", "True"], 20))
             samplers.append((model, "Heun Karras 18, x0 clipped", ["--sampler", "heun", "--steps", "18", "--clip_denoised", "True"], 35))
+        # ancestral (stochastic) samplers at few steps, and for the EDM model at 1000 steps, its DDPM-1000
+        if model == "eps":
+            samplers.append((model, "DDPM respaced 50", ["--sampler", "ddpm", "--steps", "50"], 50))
+            samplers.append((model, "DDPM respaced 25", ["--sampler", "ddpm", "--steps", "25"], 25))
+        samplers.append((model, "Euler ancestral Karras 50" + (", x0 clipped" if model == "eps" else ""),
+                         ["--sampler", "euler_a", "--steps", "50"] + (["--clip_denoised", "True"] if model == "eps" else []), 50))
+        if model == "edm":
+            samplers.append((model, "Euler ancestral Karras 1000", ["--sampler", "euler_a", "--steps", "1000"], 1000))
     for model, name, flags, calls in samplers:
         folder = os.path.join(a.out, f"samples_{model}_{len(table)}")
         start = time.time()

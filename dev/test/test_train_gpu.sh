@@ -10,7 +10,8 @@
 # resumes exactly (its history in state.bin) and logs the loss per quarter of t; --microbatch trains as
 # the whole batch does (to rounding), --use_checkpoint as without it (to the byte); the noisy
 # classifier trains, evaluates on --val_data, resumes and recomputes to the byte; FID during
-# training (--eval_num) lands in log.csv; a run saving every step equals one that does not.
+# training (--eval_num) lands in log.csv; a run saving every step equals one that does not; a dataset
+# in parts trains as the whole file.
 cd "$(dirname "$0")/../.." || exit 1
 . dev/test/lib.sh
 ./prepare_data --synthetic shapes --count 300 --size 32 --seed 5 --output "$TEST_TMP/s.bin" --quiet >/dev/null
@@ -421,5 +422,41 @@ fid_points() { grep -o '<polyline id="loss"[^>]*points="[^"]*"' "$1"; }
 [ "$(fid_points "$TEST_TMP/fid_resumed/fid.svg" | grep -o ',' | wc -l)" = 2 ] &&
     [ "$(fid_points "$TEST_TMP/fid_resumed/fid.svg")" = "$(fid_points "$TEST_TMP/fid/fid.svg")" ] ||
     case_fail "the resumed run's fid.svg does not hold both evaluations as the straight run's does"
+
+case_begin "a dataset in parts (--data a.bin,b.bin,c.bin and @list) trains as the whole file: losses, weights, FID's reference"
+# The parts are the whole file's images cut in three runs, each with the whole file's class table
+# (as prepare_data --part writes them); the loader numbers them part after part.
+python3 - "$TEST_TMP/s2100.bin" "$TEST_TMP/part" <<'PY'
+import struct, sys
+b = open(sys.argv[1], 'rb').read()
+count, h, w, ncls, nbytes = struct.unpack_from('<Q', b, 16)[0], *struct.unpack_from('<IIII', b, 24)
+align = lambda x, a: (x + a - 1) // a * a
+labels_at = align(64 + nbytes, 8)
+pixels_at, n = align(labels_at + 4 * count, 64), h * w * 3
+cuts = [0, 700, 1500, count]
+for k in range(3):
+    first, last = cuts[k], cuts[k + 1]
+    header = bytearray(b[:labels_at])
+    struct.pack_into('<Q', header, 16, last - first)
+    labels = b[labels_at + 4 * first:labels_at + 4 * last]
+    pad = align(labels_at + len(labels), 64) - labels_at - len(labels)
+    with open('%s%d.bin' % (sys.argv[2], k), 'wb') as f:
+        f.write(bytes(header) + labels + bytes(pad) + b[pixels_at + first * n:pixels_at + last * n])
+PY
+PART_ARGS=(--image_size 32 --num_channels 32 --channel_mult 1,2 --num_res_blocks 1 --attention_resolutions 16 --num_head_channels 32
+           --class_cond --batch_size 8 --steps 12 --log_interval 1 --eval_interval 12 --eval_num 2200 --sample_steps 5 --sample_count 0
+           --inception "$TEST_TMP/inception.safetensors" --seed 4)
+printf '%s\n' "$TEST_TMP/part0.bin" "$TEST_TMP/part1.bin" "$TEST_TMP/part2.bin" >"$TEST_TMP/parts.txt"
+expect_ok ./train_unet "${PART_ARGS[@]}" --data "$TEST_TMP/s2100.bin" --run_dir "$TEST_TMP/whole"
+expect_ok ./train_unet "${PART_ARGS[@]}" --data "$TEST_TMP/part0.bin,$TEST_TMP/part1.bin,$TEST_TMP/part2.bin" --run_dir "$TEST_TMP/parts"
+expect_grep "^FID: the reference statistics of 2100 training images" "$LAST_OUT"
+expect_ok ./train_unet "${PART_ARGS[@]}" --data "@$TEST_TMP/parts.txt" --run_dir "$TEST_TMP/list"
+for run in parts list; do
+    cmp -s <(cut -d, -f1-4,8- "$TEST_TMP/whole/log.csv") <(cut -d, -f1-4,8- "$TEST_TMP/$run/log.csv") ||
+        case_fail "$run: log.csv's losses or FID differ from the whole file's"
+    for f in model.safetensors ema.safetensors state.bin; do
+        cmp -s "$TEST_TMP/whole/checkpoints/step_000000012/$f" "$TEST_TMP/$run/checkpoints/step_000000012/$f" || case_fail "$run: $f differs"
+    done
+done
 
 case_summary
