@@ -5651,6 +5651,14 @@ static void plan_gathered_sums(UNet *m) {
     }
 }
 
+// Whether block i's output is one of a spatial pool head's sources (the classifier's last block).
+static bool spatial_pool_source(const UNet *m, int i) {
+    const Block *last = &m->blocks[m->num_blocks - 1];
+    for (int s = 0; last->kind == BLOCK_POOL && s + 1 < last->pool.num_sources; s++)
+        if (last->pool.source_blocks[s] == i) return true;
+    return false;
+}
+
 // Which blocks' output gradients come with their channel sums, for the bias gradient of the layer
 // that wrote the output (Act.dx_sums): where the next block begins with a GroupNorm of that output (a
 // ResBlock, an AttentionBlock, the output head; or a ResBlock reading it in place as a concatenation's
@@ -5661,13 +5669,6 @@ static void plan_gathered_sums(UNet *m) {
 // adds its gradient after the next block's, pool_head_source_backward). Each output's sums have a
 // buffer of their own among the activations: the producer's bias gradient reads them on the side
 // stream while the GroupNorm of the block before may already write its own.
-static bool spatial_pool_source(const UNet *m, int block) {
-    const Block *last = &m->blocks[m->num_blocks - 1];
-    for (int s = 0; last->kind == BLOCK_POOL && s + 1 < last->pool.num_sources; s++)
-        if (last->pool.source_blocks[s] == block) return true;
-    return false;
-}
-
 static void plan_gradient_sums(UNet *m) {
     if (!m->parameter_gradients) return;
     for (int i = 0; i + 1 < m->num_blocks; i++) {
