@@ -257,6 +257,14 @@ static inline int32_t dataset_label(const Dataset *ds, uint64_t i) {
     return p->labels ? p->labels[at] : -1;
 }
 
+// folder/item in memory of its own (NULL: out of memory).
+static inline char *dataset_join_path(const char *folder, const char *item) {
+    size_t size = strlen(folder) + strlen(item) + 2;
+    char *path = (char *)malloc(size);
+    if (path) snprintf(path, size, "%s/%s", folder, item);
+    return path;
+}
+
 // The paths a spec names, malloc'd (*count of them). Returns 0, or -1 with a message.
 static inline int dataset_spec_paths(const char *spec, char ***paths, int *count, char *err, size_t err_len) {
     char *text = NULL, *folder = NULL;
@@ -286,7 +294,7 @@ static inline int dataset_spec_paths(const char *spec, char ***paths, int *count
         for (char *end = item + strlen(item); end > item && (end[-1] == ' ' || end[-1] == '\t');) *--end = '\0';
         if (!item[0]) continue;  // a blank line of a list file (a comma list has none: checked above)
         if (n == DATASET_MAX_PARTS) r = error_line(err, err_len, "dataset list %s names more than %d parts", spec, DATASET_MAX_PARTS);
-        else if (folder && folder[0] && item[0] != '/' && asprintf(&out[n], "%s/%s", folder, item) < 0)
+        else if (folder && folder[0] && item[0] != '/' && !(out[n] = dataset_join_path(folder, item)))
             r = error_line(err, err_len, "out of memory");
         else if (!out[n] && !(out[n] = strdup(item)))
             r = error_line(err, err_len, "out of memory");
