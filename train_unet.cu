@@ -4594,8 +4594,9 @@ __global__ void likelihood_add_kernel(double *bits, const float *partial, int ba
 // gathers x's channel sums for it as it stores x, into `sums`, and says in sum_slots, at every
 // forward, how many slots a sample they have (0: none; conv_forward_act). In backward the same
 // GroupNorm, the last to write dx, leaves dx's partial channel sums in dx_sums for the bias gradient
-// of x's producer (plan_gradient_sums; act_dx_sums reads them): for the GroupNorm's whole input,
-// which x is the first dx_sums_ld - C channels short of when it is a concatenation's first part.
+// of x's producer (plan_gradient_sums; act_dx_sums reads them): sums over the GroupNorm's whole
+// input, dx_sums_ld channels a row, of which x's C come first (more than C when x is the first part
+// of a concatenation).
 typedef struct Act {
     floatX *x, *dx;
     int N, H, W, C;
